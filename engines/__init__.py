@@ -1,0 +1,24 @@
+"""Engines of the RL loop: generation, scoring, training and rewards.
+
+Engines know nothing of TransferQueue; see :mod:`engines.protocols` for the roles.
+"""
+
+from engines.protocols import (
+    Generation,
+    GenerationEngine,
+    RewardFn,
+    SamplingParams,
+    ScoringEngine,
+    TrainBatch,
+    TrainingEngine,
+)
+
+__all__ = [
+    "Generation",
+    "GenerationEngine",
+    "RewardFn",
+    "SamplingParams",
+    "ScoringEngine",
+    "TrainBatch",
+    "TrainingEngine",
+]

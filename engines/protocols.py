@@ -1,0 +1,219 @@
+"""The engine roles of an RL loop, as small Protocols.
+
+Engines know nothing of TransferQueue, adapters or the workflow: they take plain Python and
+torch values and return plain values, so they can be used on their own. The adapters in
+``adapters/`` turn columns read from TransferQueue into these calls and the results back into
+columns.
+
+Token sequences are 1-D integer tensors (``int32`` or ``int64``), one per sample, never padded
+batches: engines pad internally however suits them.
+
+Roles and who calls them:
+
+| role                | methods                                   | called by                  |
+|---------------------|-------------------------------------------|----------------------------|
+| GenerationEngine    | generate, update_weights, version         | rollout adapter; weight sync |
+| ScoringEngine       | logprobs                                  | reference adapter          |
+| TrainingEngine      | forward_backward, optimizer_step,         | train adapter; weight sync |
+|                     | state_dict, version                       |                            |
+| RewardFn            | __call__                                  | reward adapter             |
+
+Generation is ``async`` because it is where requests from several micro-batches overlap (vLLM's
+continuous batching, the simulated engine's batch-size-dependent latency). Scoring and training
+are plain blocking calls; the adapters run them in a worker thread so the event loop stays free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+__all__ = [
+    "GenerationEngine",
+    "Generation",
+    "RewardFn",
+    "SamplingParams",
+    "ScoringEngine",
+    "TrainBatch",
+    "TrainingEngine",
+]
+
+
+@dataclass(kw_only=True)
+class SamplingParams:
+    """How to sample one batch of prompts."""
+
+    max_new_tokens: int = 32
+    """Upper bound on generated tokens per sample (the stop token included)."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass; 1.0 disables it."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 disables it."""
+    seed: int | None = None
+    """Seed for this call; None draws from the engine's generator."""
+    stop_token_ids: Sequence[int] = ()
+    """Token ids that end a sample (kept in the output), besides the tokenizer's EOS."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+
+@dataclass
+class Generation:
+    """One sampled response."""
+
+    token_ids: torch.Tensor  # [T] int64: the response only, prompt excluded
+    logprobs: torch.Tensor  # [T] float32: log p(token_t | prefix) under the sampling policy
+    finish_reason: str  # "stop" (EOS or a stop token) or "length" (max_new_tokens reached)
+    version: int = -1  # weights version that produced every token of this sample
+
+    def __post_init__(self) -> None:
+        if self.token_ids.shape != self.logprobs.shape:
+            raise ValueError(
+                f"token_ids {tuple(self.token_ids.shape)} and logprobs "
+                f"{tuple(self.logprobs.shape)} must have the same shape"
+            )
+
+
+@runtime_checkable
+class GenerationEngine(Protocol):
+    """Samples responses and records the behaviour log-probabilities of what it sampled."""
+
+    @property
+    def version(self) -> int:
+        """Version of the weights currently loaded (-1 before the first update)."""
+        ...
+
+    async def generate(
+        self, prompts: Sequence[torch.Tensor], params: SamplingParams
+    ) -> list[Generation]:
+        """Sample one response per prompt.
+
+        Called by the rollout adapter once per micro-batch; several calls may be in flight at
+        once. Every returned ``Generation.version`` is the version of the weights that produced
+        all of its tokens: an engine must not swap weights in the middle of a call.
+        """
+        ...
+
+    async def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """Load new weights in place (no restart) and adopt ``version``.
+
+        Called by the weight-sync path when the trainer publishes. It waits for the calls in
+        flight to finish (a micro-batch boundary) or pauses them, loads, then resumes.
+        """
+        ...
+
+
+@runtime_checkable
+class ScoringEngine(Protocol):
+    """Computes log-probabilities of given responses (reference policy, or recomputation)."""
+
+    def logprobs(
+        self, prompts: Sequence[torch.Tensor], responses: Sequence[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """Per-token ``log p(response_t | prompt, response_<t)``, one [T_i] float32 per sample.
+
+        Called by the reference adapter in a worker thread, one micro-batch at a time.
+        """
+        ...
+
+
+@dataclass
+class TrainBatch:
+    """What the train adapter hands a training engine: whole groups, advantages computed."""
+
+    prompt_ids: list[torch.Tensor]  # B x [P_i] int
+    response_ids: list[torch.Tensor]  # B x [T_i] int
+    behaviour_logprobs: list[torch.Tensor]  # B x [T_i] float32, recorded at generation
+    advantages: torch.Tensor  # [B] float32, one per sample (GRPO: group-normalized reward)
+    versions: torch.Tensor  # [B] int64, weights version that generated each sample
+    ref_logprobs: list[torch.Tensor] | None = None  # B x [T_i] float32, for the KL term
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.prompt_ids)
+        sizes = {
+            "response_ids": len(self.response_ids),
+            "behaviour_logprobs": len(self.behaviour_logprobs),
+            "advantages": int(self.advantages.shape[0]),
+            "versions": int(self.versions.shape[0]),
+        }
+        if self.ref_logprobs is not None:
+            sizes["ref_logprobs"] = len(self.ref_logprobs)
+        for name, size in sizes.items():
+            if size != n:
+                raise ValueError(f"TrainBatch.{name} has {size} rows, prompt_ids has {n}")
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Response tokens in the batch (what training time scales with)."""
+        return int(sum(int(r.numel()) for r in self.response_ids))
+
+
+@runtime_checkable
+class TrainingEngine(Protocol):
+    """Owns the trainable policy and its optimizer.
+
+    A step is split in two so that training can start on the first micro-batches of a step
+    while later ones are still being generated (streaming): the train adapter calls
+    ``forward_backward`` once per micro-batch as it arrives, then ``optimizer_step`` once the
+    step's samples are all in.
+    """
+
+    @property
+    def version(self) -> int:
+        """Optimizer steps taken so far: the policy version the next samples will carry."""
+        ...
+
+    def forward_backward(self, batch: TrainBatch, loss_scale: float) -> dict[str, float]:
+        """Accumulate gradients of ``loss_scale * sum of per-sample losses`` over ``batch``.
+
+        Called by the train adapter in a worker thread. ``loss_scale`` is ``1 / samples in the
+        step`` so that the accumulated gradient is the step's mean whatever the micro-batch
+        split. Returns scalar metrics of this micro-batch (``loss`` at least).
+        """
+        ...
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Clip, step the optimizer, zero the gradients, bump ``version`` by one.
+
+        Called by the train adapter after the last ``forward_backward`` of a step. Returns
+        scalar metrics (``grad_norm`` at least).
+        """
+        ...
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Current policy weights, detached, for publishing to generators.
+
+        Called by the weight-sync path after ``optimizer_step``; the returned tensors must not
+        change under later steps (return copies).
+        """
+        ...
+
+
+class RewardFn(Protocol):
+    """A plain callable: one reward (or None: "no verdict", excluded from training) per sample.
+
+    Called by the reward adapter in a worker thread with the decoded prompts and completions
+    and, as keyword arguments, the other object columns of the rows (e.g. ``answer``). A reward
+    function must accept ``**kwargs`` it does not use.
+    """
+
+    def __call__(
+        self, prompts: Sequence[str], completions: Sequence[str], **columns: Sequence[Any]
+    ) -> list[float | None]: ...
