@@ -1,0 +1,60 @@
+"""TransferQueue: a distributed columnar store for streaming data between engines.
+
+Producers ``put`` columns of rows; consumer tasks lease batches of rows whose fields are ready
+(``get_meta``), read the columns they need (``get_data``) and acknowledge them (``ack``, or a
+``put`` of their results). Each row reaches each task exactly once, even when consumers crash.
+
+    import transferqueue
+    tq = transferqueue.start(num_units=2)
+    client = tq.client()
+    client.put({"prompt": [torch.tensor([1, 2, 3])], "answer": ["7"]}, group=0)
+    meta = client.get_meta(task="rollout", fields=["prompt"], batch_size=1)
+    cols = client.get_data(meta)
+"""
+
+from transferqueue.client import AsyncClient
+from transferqueue.embedded import start
+from transferqueue.errors import (
+    CapacityError,
+    ClosedError,
+    LeaseExpiredError,
+    PeerGoneError,
+    ProtocolError,
+    SchemaError,
+    TQError,
+    TQTimeoutError,
+    UnknownFieldError,
+    UnknownLeaseError,
+    UnknownRowError,
+    UnknownTaskError,
+)
+from transferqueue.handle import TransferQueue
+from transferqueue.meta import BatchMeta
+from transferqueue.ragged import Ragged
+from transferqueue.samplers import Sampler, register_sampler
+from transferqueue.schema import FieldSpec
+from transferqueue.sync_client import Client
+
+__all__ = [
+    "AsyncClient",
+    "BatchMeta",
+    "CapacityError",
+    "Client",
+    "ClosedError",
+    "FieldSpec",
+    "LeaseExpiredError",
+    "PeerGoneError",
+    "ProtocolError",
+    "Ragged",
+    "Sampler",
+    "SchemaError",
+    "TQError",
+    "TQTimeoutError",
+    "TransferQueue",
+    "UnknownFieldError",
+    "UnknownLeaseError",
+    "UnknownRowError",
+    "UnknownTaskError",
+    "register_sampler",
+    "start",
+]

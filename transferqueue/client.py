@@ -1,0 +1,413 @@
+"""``AsyncClient``: the one implementation of the TransferQueue client API.
+
+It routes writes to storage units, reports readiness to the controller, gathers reads from
+the units in parallel and assembles columns. It works unchanged over every deployment because
+it talks only to a :class:`ControllerLink` and :class:`UnitLink` objects. All of its work runs
+on the handle's I/O loop (``LoopThread``); calls from other loops or threads hop onto it.
+
+A ``put`` of new rows::
+
+    client -> controller  register_fields (first time a field is seen) , allocate(n)
+    client -> units       write(rows of that unit)              (in parallel)
+    client -> controller  commit(fields ready)                  (consumers can now see them)
+
+A ``put`` that adds fields to leased rows renews the lease first (so an expired or unknown
+lease fails before anything is written) and acknowledges it in the commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from transferqueue.errors import SchemaError, UnknownFieldError
+from transferqueue.links import ControllerLink, UnitLink
+from transferqueue.loop import LoopThread
+from transferqueue.meta import BatchMeta
+from transferqueue.ragged import Ragged
+from transferqueue.schema import Column, FieldSpec, normalize_columns
+from transferqueue.slots import runs
+
+__all__ = ["AsyncClient", "take_rows"]
+
+_MAX_RUNS_FOR_DIRECT_READ = 8
+
+
+def take_rows(col: Column, pos: np.ndarray) -> Column:
+    """Rows ``pos`` of a column: a view when they are one ascending run, else a copy."""
+    n = pos.size
+    contiguous = n > 0 and int(pos[-1]) - int(pos[0]) + 1 == n and bool((np.diff(pos) == 1).all())
+    if isinstance(col, torch.Tensor):
+        if contiguous:
+            return col[int(pos[0]) : int(pos[-1]) + 1]
+        return col[torch.from_numpy(pos)]
+    if isinstance(col, Ragged):
+        if contiguous:
+            return col.slice(int(pos[0]), int(pos[-1]) + 1)
+        return col.take(pos)
+    return [col[i] for i in pos.tolist()]
+
+
+def _by_unit(units: np.ndarray) -> dict[int, np.ndarray]:
+    """Positions of the rows of each unit, ascending."""
+    if units.size and bool((units == units[0]).all()):
+        return {int(units[0]): np.arange(units.size, dtype=np.int64)}
+    return {int(u): np.flatnonzero(units == u) for u in np.unique(units).tolist()}
+
+
+class AsyncClient:
+    """Async TransferQueue client. Get one from ``tq.async_client()``."""
+
+    def __init__(self, io: LoopThread, controller: ControllerLink, units: Sequence[UnitLink]):
+        self._io = io
+        self._ctl = controller
+        self._units = {u.unit_id: u for u in units}
+        self._schema: dict[str, FieldSpec] = {}
+
+    # -- writes ------------------------------------------------------------------------------
+    async def put(
+        self,
+        data: Mapping[str, Any],
+        *,
+        meta: BatchMeta | None = None,
+        partition: str = "default",
+        group: np.ndarray | Sequence[int] | int | None = None,
+        version: np.ndarray | Sequence[int] | int | None = None,
+        length: np.ndarray | Sequence[int] | int | None = None,
+        specs: Mapping[str, FieldSpec] | None = None,
+        ack: bool = True,
+        lease_s: float = 60.0,
+        timeout_s: float | None = None,
+    ) -> BatchMeta:
+        """Write columns: new rows, or (with ``meta``) new fields of existing rows.
+
+        ``data`` maps field names to columns: a tensor ``[rows, ...]`` (dense), a
+        :class:`Ragged` or a list of 1-D tensors (ragged), or a list of msgpack-able values
+        (object). ``group``/``version``/``length`` set row headers (one value, or one per row;
+        a row without ``group`` is a group of its own).
+        With ``meta`` from ``get_meta``, the lease is acknowledged when the write lands
+        (``ack=False`` keeps it open). ``timeout_s`` bounds the wait for capacity.
+        Returns the rows written.
+        """
+        return await self._io.run_async(
+            self._put(data, meta, partition, group, version, length, specs, ack, lease_s, timeout_s)
+        )
+
+    async def _put(
+        self,
+        data: Mapping[str, Any],
+        meta: BatchMeta | None,
+        partition: str,
+        group: Any,
+        version: Any,
+        length: Any,
+        specs: Mapping[str, FieldSpec] | None,
+        ack: bool,
+        lease_s: float,
+        timeout_s: float | None,
+    ) -> BatchMeta:
+        known = dict(self._schema)
+        if specs:
+            known.update(specs)
+        cols, col_specs, n = normalize_columns(data, known)
+        await self._register(col_specs)
+        versions = _header(version, n, "version")
+        lengths = _header(length, n, "length")
+        if meta is None:
+            new = await self._ctl.allocate(
+                n,
+                partition,
+                groups=_header(group, n, "group"),
+                versions=versions,
+                lengths=lengths,
+                timeout_s=timeout_s,
+            )
+            try:
+                await self._write_units(new, cols, col_specs, create=True)
+                await self._ctl.commit(new.indexes, list(cols))
+            except BaseException:
+                # Nothing of the put may stay half-written: free what units hold, undo rows.
+                await asyncio.gather(
+                    *(u.free(new.indexes) for u in self._units.values()), return_exceptions=True
+                )
+                await self._ctl.discard(new.indexes)
+                raise
+            new.fields = tuple(cols)
+            return new
+        if len(meta) != n:
+            raise SchemaError(f"put with meta: the columns have {n} rows, meta has {len(meta)}")
+        lease = meta.lease_id if meta.lease_id is not None and not meta.acked else None
+        if lease is not None:
+            await self._ctl.renew(lease, lease_s, meta.indexes)
+        await self._write_units(meta, cols, col_specs, create=False)
+        await self._ctl.commit(
+            meta.indexes,
+            list(cols),
+            versions=versions,
+            lengths=lengths,
+            lease_id=lease if ack else None,
+        )
+        if lease is not None and ack:
+            meta.acked = True
+        if versions is not None:
+            meta.versions = np.broadcast_to(np.asarray(versions, dtype=np.int64), (n,)).copy()
+        if lengths is not None:
+            meta.lengths = np.broadcast_to(np.asarray(lengths, dtype=np.int64), (n,)).copy()
+        return meta
+
+    async def _register(self, specs: Mapping[str, FieldSpec]) -> None:
+        new = {k: v for k, v in specs.items() if self._schema.get(k) != v}
+        if new:
+            self._schema.update(await self._ctl.register_fields(new))
+
+    async def _write_units(
+        self,
+        meta: BatchMeta,
+        cols: Mapping[str, Column],
+        specs: Mapping[str, FieldSpec],
+        *,
+        create: bool,
+    ) -> None:
+        jobs = []
+        for u, pos in _by_unit(meta.units).items():
+            part = {name: take_rows(col, pos) for name, col in cols.items()}
+            jobs.append(self._unit(u).write(meta.indexes[pos], part, specs, create=create))
+        await asyncio.gather(*jobs)
+
+    def _unit(self, unit_id: int) -> UnitLink:
+        try:
+            return self._units[unit_id]
+        except KeyError:
+            raise SchemaError(
+                f"meta names storage unit {unit_id}, which this client does not know"
+            ) from None
+
+    # -- reads -------------------------------------------------------------------------------
+    async def get_meta(
+        self,
+        task: str,
+        fields: Sequence[str] | None = None,
+        batch_size: int = 1,
+        *,
+        partition: str = "default",
+        timeout_s: float | None = None,
+        lease_s: float = 60.0,
+        sampler: str = "fifo",
+        min_version: int | None = None,
+        **sampler_options: Any,
+    ) -> BatchMeta:
+        """Lease up to ``batch_size`` rows whose ``fields`` are all ready for ``task``.
+
+        Blocks until the batch is full, the partition is finished and drained for this task
+        (``reason == "end"``), or ``timeout_s`` passes (``reason == "timeout"``, short or
+        empty). ``None`` waits without bound. Rows below ``min_version`` are dropped for this
+        task (counted in stats). Sampler options (``group_size=``, ``dp_size=``) go as keywords.
+        """
+        return await self._io.run_async(
+            self._ctl.get_meta(
+                task=task,
+                partition=partition,
+                fields=None if fields is None else list(fields),
+                batch_size=batch_size,
+                timeout_s=timeout_s,
+                lease_s=lease_s,
+                sampler=sampler,
+                sampler_options=sampler_options,
+                min_version=min_version,
+            )
+        )
+
+    async def get_data(
+        self, meta: BatchMeta, fields: Sequence[str] | None = None
+    ) -> dict[str, Column]:
+        """Columns of the batch's rows, in the batch's order: dense fields as one tensor,
+        ragged as one :class:`Ragged`, object fields as a list."""
+        return await self._io.run_async(self._get_data(meta, fields))
+
+    async def _get_data(self, meta: BatchMeta, fields: Sequence[str] | None) -> dict[str, Column]:
+        names = list(meta.fields if fields is None else fields)
+        if not names:
+            raise ValueError("get_data needs fields: the meta names none; pass fields=[...]")
+        missing = [f for f in names if f not in self._schema]
+        if missing:
+            self._schema.update(await self._ctl.get_specs())
+            missing = [f for f in names if f not in self._schema]
+            if missing:
+                raise UnknownFieldError(
+                    f"fields {missing} have never been written; known: {sorted(self._schema)}"
+                )
+        specs = {f: self._schema[f] for f in names}
+        n = len(meta)
+        if n == 0:
+            return {f: _empty(specs[f]) for f in names}
+        groups = _by_unit(meta.units)
+        if len(groups) == 1 and not next(iter(self._units.values())).supports_out:
+            ((u, _),) = groups.items()
+            return await self._unit(u).read(meta.indexes, names)
+        out: dict[str, torch.Tensor] = {
+            f: torch.empty((n, *s.shape), dtype=s.torch_dtype)
+            for f, s in specs.items()
+            if s.kind == "dense"
+        }
+        pieces: list[tuple[np.ndarray, dict[str, Column]]] = []
+
+        async def read_unit(u: int, pos: np.ndarray) -> None:
+            link = self._unit(u)
+            pos_runs = runs(pos)
+            if link.supports_out and len(pos_runs) <= _MAX_RUNS_FOR_DIRECT_READ:
+                for a, b in pos_runs:
+                    views = {f: t[a:b] for f, t in out.items()}
+                    got = await link.read(meta.indexes[a:b], names, views)
+                    pieces.append((np.arange(a, b), got))
+            else:
+                pieces.append((pos, await link.read(meta.indexes[pos], names)))
+
+        await asyncio.gather(*(read_unit(u, pos) for u, pos in groups.items()))
+        pieces.sort(key=lambda p: int(p[0][0]))
+        result: dict[str, Column] = {}
+        for f in names:
+            kind = specs[f].kind
+            if kind == "dense":
+                dst = out[f]
+                for pos, got in pieces:
+                    src = got[f]
+                    assert isinstance(src, torch.Tensor)
+                    if src.data_ptr() != dst[int(pos[0]) :].data_ptr() or src.shape[0] != pos.size:
+                        dst[torch.from_numpy(pos)] = src
+                result[f] = dst
+            elif kind == "ragged":
+                result[f] = _merge_ragged([(p, g[f]) for p, g in pieces], n, specs[f])
+            else:
+                values: list[Any] = [None] * n
+                for pos, got in pieces:
+                    col = got[f]
+                    assert isinstance(col, list)
+                    for i, v in zip(pos.tolist(), col, strict=True):
+                        values[i] = v
+                result[f] = values
+        return result
+
+    # -- consumption -------------------------------------------------------------------------
+    async def ack(self, meta: BatchMeta) -> None:
+        """Consume the batch's rows for its task (idempotent)."""
+        if meta.lease_id is None:
+            raise ValueError("this BatchMeta holds no lease (it came from put, or was empty)")
+        if meta.acked:
+            return
+        await self._io.run_async(self._ctl.ack(meta.lease_id, meta.indexes))
+        meta.acked = True
+
+    async def release(self, meta: BatchMeta) -> None:
+        """Give the batch's rows back to its task unconsumed (e.g. a consumer shutting down)."""
+        if meta.lease_id is None or meta.acked:
+            return
+        await self._io.run_async(self._ctl.release(meta.lease_id, meta.indexes))
+        meta.acked = True
+
+    async def stream(
+        self,
+        task: str,
+        fields: Sequence[str],
+        batch_size: int,
+        *,
+        partition: str = "default",
+        timeout_s: float | None = None,
+        lease_s: float = 60.0,
+        sampler: str = "fifo",
+        **sampler_options: Any,
+    ) -> AsyncIterator[tuple[BatchMeta, dict[str, Column]]]:
+        """Yield (meta, columns) until the task's stream ends; each batch is acknowledged when
+        the loop body finishes it (unless the body acked it itself, e.g. by ``put(meta=)``).
+        A body that raises leaves its lease open: the rows are redelivered after ``lease_s``.
+        ``timeout_s`` bounds each wait; an empty timeout ends nothing, the loop keeps waiting.
+        """
+        while True:
+            meta = await self.get_meta(
+                task,
+                fields,
+                batch_size,
+                partition=partition,
+                timeout_s=timeout_s,
+                lease_s=lease_s,
+                sampler=sampler,
+                **sampler_options,
+            )
+            if len(meta):
+                cols = await self.get_data(meta)
+                yield meta, cols
+                if not meta.acked:
+                    await self.ack(meta)
+            if meta.is_end:
+                return
+
+    # -- administration ----------------------------------------------------------------------
+    async def declare_tasks(self, tasks: Sequence[str], *, partition: str = "default") -> None:
+        """Name every consumer task of the partition; rows are freed once all have acked."""
+        await self._io.run_async(self._ctl.declare_tasks(partition, list(tasks)))
+
+    async def finish(self, partition: str = "default") -> None:
+        """No more rows will be put into the partition; consumers end once drained."""
+        await self._io.run_async(self._ctl.finish(partition))
+
+    async def clear(self, partition: str | None = None) -> None:
+        """Drop every row of the partition (all partitions if None)."""
+        await self._io.run_async(self._ctl.clear(partition))
+
+    async def stats(self) -> dict[str, Any]:
+        """Controller state (rows, tasks, leases) and every unit's storage."""
+        return await self._io.run_async(self._stats())
+
+    async def _stats(self) -> dict[str, Any]:
+        ctl = await self._ctl.stats()
+        units = await asyncio.gather(*(u.stats() for u in self._units.values()))
+        return {"controller": ctl, "units": list(units)}
+
+
+def _header(value: Any, n: int, name: str) -> np.ndarray | int | None:
+    if value is None or isinstance(value, int | np.integer):
+        return None if value is None else int(value)
+    arr = value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+    if arr.shape != (n,):
+        raise SchemaError(f"{name}= has shape {arr.shape}; give one int, or one per row ({n},)")
+    if arr.dtype.kind not in "iu":
+        raise SchemaError(f"{name}= must be integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64)
+
+
+def _empty(spec: FieldSpec) -> Column:
+    if spec.kind == "dense":
+        return torch.empty((0, *spec.shape), dtype=spec.torch_dtype)
+    if spec.kind == "ragged":
+        return Ragged(
+            torch.empty((0, *spec.shape), dtype=spec.torch_dtype), torch.zeros(1, dtype=torch.int64)
+        )
+    return []
+
+
+def _merge_ragged(parts: list[tuple[np.ndarray, Column]], n: int, spec: FieldSpec) -> Ragged:
+    """Assemble per-unit Ragged pieces (positions, rows) into one in batch order."""
+    if len(parts) == 1:
+        col = parts[0][1]
+        assert isinstance(col, Ragged)
+        return col
+    lengths = np.zeros(n, dtype=np.int64)
+    for pos, col in parts:
+        assert isinstance(col, Ragged)
+        lengths[pos] = col.lengths.numpy()
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    values = torch.empty((int(offsets[-1]), *spec.shape), dtype=spec.torch_dtype)
+    for pos, col in parts:
+        assert isinstance(col, Ragged)
+        src_off = col.offsets.numpy()
+        for a, b in runs(pos):
+            k0 = int(np.searchsorted(pos, a))
+            k1 = k0 + (b - a)
+            values[int(offsets[a]) : int(offsets[b])] = col.values[
+                int(src_off[k0]) : int(src_off[k1])
+            ]
+    return Ragged(values, torch.from_numpy(offsets))

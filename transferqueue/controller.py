@@ -1,0 +1,685 @@
+"""``Controller``: the metadata of TransferQueue (never payload).
+
+It allocates row indexes and places rows on storage units; records which fields of which
+rows are ready; keeps, per consumer task, which rows are queued, leased and done; hands out
+batches through the task's sampler; frees rows once every task declared for their partition
+has acknowledged them. State is columnar, indexed by slot (see :mod:`transferqueue.slots`)::
+
+    header   index int64 | partition int16 | unit int32 | group int64 | version int64 |
+             length int64 | done int16 (declared tasks done) | live bool
+    ready    {field: bool[cap]}
+    per task state uint8[cap] (0 waiting, 1 queued, 2 leased, 3 done) | lease int64[cap]
+
+When a field lands, only the tasks that consume it look at only the rows written, so per-task
+ready queues are maintained incrementally and a batch costs O(batch) to hand out.
+
+This is a plain synchronous class: no I/O, no waiting. :class:`ControllerService` adds
+blocking ``get_meta``, lease timers and freeing of payload on storage units.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from transferqueue.errors import (
+    CapacityError,
+    SchemaError,
+    UnknownFieldError,
+    UnknownLeaseError,
+    UnknownRowError,
+    UnknownTaskError,
+)
+from transferqueue.leases import Lease, LeaseTable, TaskKey
+from transferqueue.meta import BatchMeta
+from transferqueue.samplers import Sampler, get_sampler
+from transferqueue.schema import FieldSpec
+from transferqueue.slots import ExtentAllocator, SlotMap
+
+__all__ = ["Changes", "Controller"]
+
+WAITING, QUEUED, LEASED, DONE = 0, 1, 2, 3
+
+
+@dataclass
+class Changes:
+    """What an operation changed that the service layer must act on."""
+
+    woken: set[TaskKey] = field(default_factory=set)  # tasks whose waiters should re-check
+    freed: list[np.ndarray] = field(default_factory=list)  # freed row indexes
+    freed_units: list[np.ndarray] = field(default_factory=list)  # their units
+    space: bool = False  # rows were freed: allocations waiting for capacity may proceed
+
+    def merge(self, other: Changes) -> Changes:
+        self.woken |= other.woken
+        self.freed += other.freed
+        self.freed_units += other.freed_units
+        self.space |= other.space
+        return self
+
+
+class _Task:
+    def __init__(
+        self,
+        key: TaskKey,
+        fields: tuple[str, ...],
+        sampler: Sampler,
+        sampler_name: str,
+        options: dict[str, Any],
+        capacity: int,
+    ) -> None:
+        self.key = key
+        self.fields = fields
+        self.sampler = sampler
+        self.sampler_name = sampler_name
+        self.options = options
+        self.state = np.zeros(capacity, dtype=np.uint8)
+        self.lease = np.full(capacity, -1, dtype=np.int64)
+        self.leased = 0
+        self.done = 0
+        self.dropped = 0
+
+    def grow(self, capacity: int) -> None:
+        extra = capacity - self.state.size
+        self.state = np.concatenate([self.state, np.zeros(extra, dtype=np.uint8)])
+        self.lease = np.concatenate([self.lease, np.full(extra, -1, dtype=np.int64)])
+
+
+class _Partition:
+    def __init__(self, pid: int, name: str) -> None:
+        self.id = pid
+        self.name = name
+        self.declared: list[str] | None = None
+        self.tasks: dict[str, _Task] = {}
+        self.rows_put = 0
+        self.rows_live = 0
+        self.rows_freed = 0
+        self.finished = False
+
+
+_HEADER: dict[str, tuple[type, int]] = {
+    "index": (np.int64, -1),
+    "partition": (np.int16, -1),
+    "unit": (np.int32, -1),
+    "group": (np.int64, -1),
+    "version": (np.int64, -1),
+    "length": (np.int64, -1),
+    "done": (np.int16, 0),
+    "live": (np.bool_, False),
+}
+
+
+class Controller:
+    """Row metadata, readiness, per-task queues and leases. Not thread-safe by design."""
+
+    def __init__(
+        self,
+        num_units: int = 1,
+        *,
+        capacity_rows: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if num_units < 1:
+            raise ValueError(f"num_units must be >= 1, got {num_units}")
+        self.num_units = num_units
+        self.capacity_rows = capacity_rows
+        self.clock = clock
+        self.leases = LeaseTable(clock)
+        self._map = SlotMap()
+        self._alloc = ExtentAllocator(0)
+        self._h: dict[str, np.ndarray] = {
+            k: np.full(0, fill, dtype=dt) for k, (dt, fill) in _HEADER.items()
+        }
+        self._ready: dict[str, np.ndarray] = {}
+        self._specs: dict[str, FieldSpec] = {}
+        self._partitions: dict[str, _Partition] = {}
+        self._by_id: dict[int, _Partition] = {}
+        self._next_index = 0
+        self._next_unit = 0
+        self._rows_live = 0
+
+    # -- schema ------------------------------------------------------------------------------
+    @property
+    def specs(self) -> dict[str, FieldSpec]:
+        return dict(self._specs)
+
+    def register_fields(self, specs: Mapping[str, FieldSpec]) -> dict[str, FieldSpec]:
+        """Register new fields; a spec that disagrees with a registered one is an error."""
+        for name, spec in specs.items():
+            known = self._specs.get(name)
+            if known is not None and known != spec:
+                raise SchemaError(
+                    f"field {name!r}: expected {known.describe()}, received {spec.describe()}; "
+                    "convert the column or write it under a new field name"
+                )
+        for name, spec in specs.items():
+            self._specs.setdefault(name, spec)
+            self._ready_of(name)
+        return {n: self._specs[n] for n in specs}
+
+    def _ready_of(self, name: str) -> np.ndarray:
+        arr = self._ready.get(name)
+        if arr is None:
+            arr = self._ready[name] = np.zeros(self._alloc.capacity, dtype=bool)
+        return arr
+
+    # -- header view for samplers ------------------------------------------------------------
+    def _slots(self, indexes: np.ndarray) -> np.ndarray:
+        slots = self._map.lookup(indexes)
+        if (slots < 0).any():
+            rows = indexes[slots < 0][:5].tolist()
+            raise UnknownRowError(
+                f"rows {rows} are not in TransferQueue (never allocated, freed after every "
+                "declared task acknowledged them, or cleared)"
+            )
+        return slots
+
+    def groups(self, indexes: np.ndarray) -> np.ndarray:
+        return self._h["group"][self._slots(indexes)]
+
+    def versions(self, indexes: np.ndarray) -> np.ndarray:
+        return self._h["version"][self._slots(indexes)]
+
+    def lengths(self, indexes: np.ndarray) -> np.ndarray:
+        return self._h["length"][self._slots(indexes)]
+
+    # -- rows --------------------------------------------------------------------------------
+    def partition(self, name: str) -> _Partition:
+        part = self._partitions.get(name)
+        if part is None:
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"partition must be a non-empty string, got {name!r}")
+            if len(self._partitions) >= np.iinfo(np.int16).max:
+                raise ValueError("too many partitions; clear unused ones")
+            part = _Partition(len(self._by_id), name)
+            self._partitions[name] = part
+            self._by_id[part.id] = part
+        return part
+
+    def can_allocate(self, n: int) -> bool:
+        return self.capacity_rows is None or self._rows_live + n <= self.capacity_rows
+
+    def allocate(
+        self,
+        n: int,
+        partition: str,
+        *,
+        groups: np.ndarray | int | None = None,
+        versions: np.ndarray | int | None = None,
+        lengths: np.ndarray | int | None = None,
+    ) -> BatchMeta:
+        """New rows in ``partition``: indexes, units (balanced chunks) and headers."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} rows")
+        if self.capacity_rows is not None and n > self.capacity_rows:
+            raise CapacityError(
+                f"a put of {n} rows exceeds capacity_rows={self.capacity_rows}; "
+                "split the put or raise capacity_rows"
+            )
+        if not self.can_allocate(n):
+            raise CapacityError(
+                f"TransferQueue holds {self._rows_live} rows; {n} more exceed "
+                f"capacity_rows={self.capacity_rows}. Consumers must acknowledge rows "
+                "(declared tasks) or the partition must be cleared"
+            )
+        g_given = None if groups is None else _column("group", groups, n, default=-1)
+        v = _column("version", versions, n, default=-1)
+        ln = _column("length", lengths, n, default=-1)
+        part = self.partition(partition)
+        slots = self._alloc.allocate(n)
+        if slots is None:
+            cap = self._alloc.capacity
+            self._grow(cap + max(n - self._alloc.free_count, cap // 2, 1024))
+            slots = self._alloc.allocate(n)
+            assert slots is not None
+        indexes = np.arange(self._next_index, self._next_index + n, dtype=np.int64)
+        self._next_index += n
+        g = indexes.copy() if g_given is None else g_given
+        self._map.insert(indexes, slots)
+        units = self._place(n)
+        h = self._h
+        h["index"][slots] = indexes
+        h["partition"][slots] = part.id
+        h["unit"][slots] = units
+        h["group"][slots] = g
+        h["version"][slots] = v
+        h["length"][slots] = ln
+        h["done"][slots] = 0
+        h["live"][slots] = True
+        part.rows_put += n
+        part.rows_live += n
+        self._rows_live += n
+        return BatchMeta(indexes, units, g, v, ln, partition=part.name)
+
+    def _place(self, n: int) -> np.ndarray:
+        """Balanced contiguous chunks, the first unit rotating so small puts spread too."""
+        u = self.num_units
+        sizes = np.full(u, n // u, dtype=np.int64)
+        sizes[: n % u] += 1
+        order = (np.arange(u) + self._next_unit) % u
+        self._next_unit = (self._next_unit + max(n % u, 1 if n < u else 0)) % u
+        return np.repeat(order.astype(np.int32), sizes)
+
+    def _grow(self, capacity: int) -> None:
+        old = self._alloc.capacity
+        self._alloc.grow(capacity)
+        extra = capacity - old
+        for k, (dt, fill) in _HEADER.items():
+            self._h[k] = np.concatenate([self._h[k], np.full(extra, fill, dtype=dt)])
+        for name, arr in self._ready.items():
+            self._ready[name] = np.concatenate([arr, np.zeros(extra, dtype=bool)])
+        for part in self._partitions.values():
+            for task in part.tasks.values():
+                task.grow(capacity)
+
+    def commit(
+        self,
+        indexes: np.ndarray,
+        fields: Sequence[str],
+        *,
+        versions: np.ndarray | int | None = None,
+        lengths: np.ndarray | int | None = None,
+        lease_id: int | None = None,
+    ) -> Changes:
+        """Fields of these rows are stored: update headers, mark ready, enqueue, ack a lease.
+
+        Validates everything (rows live, fields registered, the lease) before changing state.
+        """
+        indexes = np.asarray(indexes, dtype=np.int64)
+        slots = self._slots(indexes)
+        for name in fields:
+            if name not in self._specs:
+                raise UnknownFieldError(
+                    f"field {name!r} has no registered spec; register_fields before commit"
+                )
+        n = indexes.size
+        v = None if versions is None else _column("version", versions, n, default=-1)
+        ln = None if lengths is None else _column("length", lengths, n, default=-1)
+        lease = self._held(lease_id, indexes, slots) if lease_id is not None else None
+        if v is not None:
+            self._h["version"][slots] = v
+        if ln is not None:
+            self._h["length"][slots] = ln
+        changes = Changes()
+        for name in fields:
+            self._ready_of(name)[slots] = True
+        fset = set(fields)
+        pids = self._h["partition"][slots]
+        upids = np.unique(pids)
+        for pid in upids.tolist():
+            part = self._by_id[pid]
+            in_part = slots if upids.size == 1 else slots[pids == pid]
+            for task in part.tasks.values():
+                if fset.intersection(task.fields) and self._enqueue_ready(task, in_part):
+                    changes.woken.add(task.key)
+        if lease is not None:
+            changes.merge(self._finish_rows(lease, slots, acked=True))
+        return changes
+
+    def _enqueue_ready(self, task: _Task, slots: np.ndarray) -> bool:
+        cand = slots[task.state[slots] == WAITING]
+        if cand.size == 0:
+            return False
+        ok = np.ones(cand.size, dtype=bool)
+        for name in task.fields:
+            ok &= self._ready_of(name)[cand]
+        cand = cand[ok]
+        if cand.size == 0:
+            return False
+        task.state[cand] = QUEUED
+        task.sampler.add(self._h["index"][cand])
+        return True
+
+    # -- tasks -------------------------------------------------------------------------------
+    def declare_tasks(self, partition: str, tasks: Sequence[str]) -> None:
+        """Name every consumer task of ``partition``: rows are freed once all acknowledged.
+
+        Call it before consumers acknowledge anything; until a partition has declared tasks
+        its rows are kept until ``clear`` (a task that starts late must find its rows).
+        """
+        part = self.partition(partition)
+        names = list(dict.fromkeys(tasks))
+        if not names or not all(isinstance(t, str) and t for t in names):
+            raise ValueError(f"declare_tasks needs non-empty task names, got {tasks!r}")
+        if part.declared is not None and set(names) == set(part.declared):
+            return
+        if part.rows_freed:
+            raise ValueError(
+                f"partition {partition!r} already freed {part.rows_freed} rows acknowledged by "
+                f"tasks {part.declared}; declare every task before consumption starts, or "
+                "clear the partition first"
+            )
+        part.declared = names
+        live = self._live_slots(part)
+        done = np.zeros(live.size, dtype=np.int64)
+        for t in names:
+            task = part.tasks.get(t)
+            if task is not None:
+                done += task.state[live] == DONE
+        self._h["done"][live] = done
+
+    def _task(
+        self,
+        part: _Partition,
+        name: str,
+        fields: Sequence[str] | None,
+        sampler: str,
+        options: Mapping[str, Any],
+    ) -> _Task:
+        if part.declared is not None and name not in part.declared:
+            raise UnknownTaskError(
+                f"task {name!r} is not declared for partition {part.name!r} (declared: "
+                f"{part.declared}); add it to declare_tasks so its rows are not freed under it"
+            )
+        task = part.tasks.get(name)
+        if task is not None:
+            if fields is not None and tuple(fields) != task.fields:
+                raise ValueError(
+                    f"task {name!r} consumes fields {list(task.fields)}, asked for "
+                    f"{list(fields)}; one task has one field list (use another task name)"
+                )
+            if sampler != task.sampler_name or dict(options) != task.options:
+                raise ValueError(
+                    f"task {name!r} uses sampler {task.sampler_name!r} {task.options}, asked "
+                    f"for {sampler!r} {dict(options)}; a task keeps its sampler"
+                )
+            return task
+        if not fields:
+            raise ValueError(f"task {name!r} is new: give the fields it consumes")
+        for f in fields:
+            self._ready_of(f)
+        inst = get_sampler(sampler)(self, **options)
+        task = _Task(
+            (part.id, name), tuple(fields), inst, sampler, dict(options), self._alloc.capacity
+        )
+        part.tasks[name] = task
+        self._enqueue_ready(task, self._live_slots(part))
+        return task
+
+    def _live_slots(self, part: _Partition) -> np.ndarray:
+        h = self._h
+        slots = np.flatnonzero(h["live"] & (h["partition"] == part.id))
+        return slots[np.argsort(h["index"][slots], kind="stable")]
+
+    def poll(
+        self,
+        *,
+        task: str,
+        partition: str,
+        fields: Sequence[str] | None,
+        batch_size: int,
+        lease_s: float,
+        sampler: str = "fifo",
+        sampler_options: Mapping[str, Any] | None = None,
+        min_version: int | None = None,
+        short_ok: bool = False,
+    ) -> tuple[BatchMeta | None, Changes]:
+        """Hand out a batch if one is due: full, end of stream, or (``short_ok``) whatever is
+        queued. Returns (None, changes) when the caller should wait."""
+        part = self.partition(partition)
+        t = self._task(part, task, fields, sampler, sampler_options or {})
+        t.sampler.check_batch_size(batch_size)
+        changes = Changes()
+        if min_version is not None:
+            dropped = t.sampler.drop_below(min_version)
+            if dropped.size:
+                changes.merge(self._mark_done(part, t, self._slots(dropped), dropped=True))
+        avail = t.sampler.available()
+        full = avail >= t.sampler.batch_rows(batch_size)
+        # Finished and nothing still waiting for upstream fields: no wait can fill the batch.
+        drained = part.finished and t.done + t.leased + avail == part.rows_put
+        if not (full or short_ok or (drained and (avail > 0 or t.leased == 0))):
+            return None, changes
+        sel = t.sampler.sample(batch_size)
+        slots = self._slots(sel.indexes)
+        if drained and t.leased == 0 and sel.indexes.size == avail:
+            reason = "end"
+        elif full:
+            reason = "full"
+        else:
+            reason = "drain" if drained else "timeout"
+        lease_id = None
+        if sel.indexes.size:
+            lease = self.leases.open(t.key, sel.indexes, lease_s)
+            lease_id = lease.lease_id
+            t.state[slots] = LEASED
+            t.lease[slots] = lease_id
+            t.leased += int(slots.size)
+        h = self._h
+        meta = BatchMeta(
+            sel.indexes,
+            h["unit"][slots],
+            h["group"][slots],
+            h["version"][slots],
+            h["length"][slots],
+            partition=part.name,
+            fields=t.fields,
+            task=task,
+            lease_id=lease_id,
+            lease_s=lease_s if lease_id is not None else None,
+            reason=reason,
+            splits=sel.splits,
+        )
+        return meta, changes
+
+    # -- leases ------------------------------------------------------------------------------
+    def _held(self, lease_id: int, indexes: np.ndarray | None, slots: np.ndarray | None) -> Lease:
+        lease = self.leases.get(lease_id)
+        if indexes is not None and slots is not None:
+            task = self._task_of(lease)
+            held = (task.lease[slots] == lease_id) & (task.state[slots] == LEASED)
+            if not held.all():
+                rows = indexes[~held][:5].tolist()
+                raise UnknownLeaseError(
+                    f"rows {rows} are not held by lease {lease_id} (acknowledged already or "
+                    "never part of it)"
+                )
+        return lease
+
+    def _task_of(self, lease: Lease) -> _Task:
+        part = self._by_id[lease.task[0]]
+        return part.tasks[lease.task[1]]
+
+    def _lease_slots(self, lease: Lease, indexes: np.ndarray | None) -> np.ndarray:
+        if indexes is None:
+            task = self._task_of(lease)
+            slots = self._map.lookup(lease.indexes)
+            slots = slots[slots >= 0]
+            return slots[(task.lease[slots] == lease.lease_id) & (task.state[slots] == LEASED)]
+        indexes = np.asarray(indexes, dtype=np.int64)
+        slots = self._slots(indexes)
+        self._held(lease.lease_id, indexes, slots)
+        return slots
+
+    def ack(self, lease_id: int, indexes: np.ndarray | None = None) -> Changes:
+        """Consume the lease's rows (all, or ``indexes`` of them). Acking a lease that was
+        fully acknowledged already is a no-op."""
+        if indexes is None and self.leases.closed_reason(lease_id) == "acked":
+            return Changes()
+        lease = self.leases.get(lease_id)
+        return self._finish_rows(lease, self._lease_slots(lease, indexes), acked=True)
+
+    def release(self, lease_id: int, indexes: np.ndarray | None = None) -> Changes:
+        """Give rows back unconsumed (a consumer that cannot process them); no-op if acked."""
+        if indexes is None and self.leases.closed_reason(lease_id) in ("acked", "released"):
+            return Changes()
+        lease = self.leases.get(lease_id)
+        return self._finish_rows(lease, self._lease_slots(lease, indexes), acked=False)
+
+    def renew(self, lease_id: int, lease_s: float, indexes: np.ndarray | None = None) -> None:
+        """Extend the deadline (a producer about to write results for the lease's rows)."""
+        lease = self.leases.get(lease_id)
+        if indexes is not None:
+            self._lease_slots(lease, indexes)
+        self.leases.renew(lease, lease_s)
+
+    def _finish_rows(self, lease: Lease, slots: np.ndarray, *, acked: bool) -> Changes:
+        task = self._task_of(lease)
+        part = self._by_id[lease.task[0]]
+        n = int(slots.size)
+        task.leased -= n
+        task.lease[slots] = -1
+        lease.remaining -= n
+        if lease.remaining <= 0:
+            self.leases.close(lease, "acked" if acked else "released")
+        if acked:
+            changes = self._mark_done(part, task, slots, dropped=False)
+        else:
+            task.state[slots] = QUEUED
+            task.sampler.add(self._h["index"][slots], returned=True)
+            changes = Changes()
+        changes.woken.add(task.key)
+        return changes
+
+    def expire(self) -> Changes:
+        """Return the rows of leases past their deadline to their tasks' queues."""
+        changes = Changes()
+        for lease in self.leases.due():
+            task = self._task_of(lease)
+            slots = self._map.lookup(lease.indexes)
+            slots = slots[slots >= 0]
+            slots = slots[(task.lease[slots] == lease.lease_id) & (task.state[slots] == LEASED)]
+            task.leased -= int(slots.size)
+            task.lease[slots] = -1
+            task.state[slots] = QUEUED
+            task.sampler.add(self._h["index"][slots], returned=True)
+            changes.woken.add(task.key)
+        return changes
+
+    def next_deadline(self) -> float | None:
+        return self.leases.next_deadline()
+
+    # -- consumption done, freeing -----------------------------------------------------------
+    def _mark_done(
+        self, part: _Partition, task: _Task, slots: np.ndarray, *, dropped: bool
+    ) -> Changes:
+        task.state[slots] = DONE
+        task.done += int(slots.size)
+        if dropped:
+            task.dropped += int(slots.size)
+        changes = Changes()
+        if part.declared is not None and task.key[1] in part.declared:
+            done = self._h["done"]
+            done[slots] += 1
+            full = slots[done[slots] >= len(part.declared)]
+            if full.size:
+                self._free(part, full, changes)
+        return changes
+
+    def _free(self, part: _Partition, slots: np.ndarray, changes: Changes) -> None:
+        h = self._h
+        indexes = h["index"][slots].copy()
+        changes.freed.append(indexes)
+        changes.freed_units.append(h["unit"][slots].copy())
+        changes.space = True
+        for arr in self._ready.values():
+            arr[slots] = False
+        for task in part.tasks.values():
+            task.state[slots] = WAITING
+            task.lease[slots] = -1
+        for k, (_, fill) in _HEADER.items():
+            h[k][slots] = fill
+        self._map.remove(indexes)
+        self._alloc.free(slots)
+        n = int(slots.size)
+        part.rows_live -= n
+        part.rows_freed += n
+        self._rows_live -= n
+
+    def discard(self, indexes: np.ndarray) -> Changes:
+        """Undo an ``allocate`` whose payload never arrived (a put that failed half way)."""
+        indexes = np.asarray(indexes, dtype=np.int64)
+        slots = self._map.lookup(indexes)
+        slots = slots[slots >= 0]
+        changes = Changes()
+        for pid in np.unique(self._h["partition"][slots]).tolist():
+            part = self._by_id[pid]
+            mine = slots[self._h["partition"][slots] == pid]
+            for task in part.tasks.values():
+                if (task.state[mine] != WAITING).any():
+                    raise ValueError("discard is only for rows no task has seen yet")
+            self._free(part, mine, changes)
+            part.rows_put -= int(mine.size)
+            part.rows_freed -= int(mine.size)
+            changes.woken |= {t.key for t in part.tasks.values()}
+        return changes
+
+    def finish(self, partition: str) -> Changes:
+        """No more rows will be put into ``partition``: consumers get ``end`` once drained."""
+        part = self.partition(partition)
+        part.finished = True
+        return Changes(woken={t.key for t in part.tasks.values()})
+
+    def clear(self, partition: str | None = None) -> Changes:
+        """Drop every row of ``partition`` (all partitions if None), acked or not.
+
+        Leases on them end; tasks stay registered with empty queues and zero counters, the
+        partition is open again (not finished) and may declare its tasks anew.
+        """
+        changes = Changes()
+        parts = (
+            list(self._partitions.values()) if partition is None else [self.partition(partition)]
+        )
+        for part in parts:
+            for lease in self.leases.of_partition(part.id):
+                self.leases.close(lease, "cleared")
+            live = self._live_slots(part)
+            if live.size:
+                self._free(part, live, changes)
+            for task in part.tasks.values():
+                task.sampler.clear()
+                task.leased = task.done = task.dropped = 0
+                changes.woken.add(task.key)
+            part.rows_put = part.rows_freed = 0
+            part.finished = False
+        return changes
+
+    # -- introspection -----------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        parts = {}
+        for part in self._partitions.values():
+            tasks = {}
+            for name, t in part.tasks.items():
+                queued = t.sampler.available()
+                tasks[name] = {
+                    "fields": list(t.fields),
+                    "sampler": t.sampler_name,
+                    "queued": queued,
+                    "leased": t.leased,
+                    "done": t.done,
+                    "dropped": t.dropped,
+                    "waiting": part.rows_put - t.done - t.leased - queued,
+                }
+            parts[part.name] = {
+                "rows_put": part.rows_put,
+                "rows_live": part.rows_live,
+                "rows_freed": part.rows_freed,
+                "finished": part.finished,
+                "declared_tasks": part.declared,
+                "tasks": tasks,
+            }
+        return {
+            "rows_live": self._rows_live,
+            "capacity_rows": self.capacity_rows,
+            "next_index": self._next_index,
+            "active_leases": len(self.leases),
+            "fields": {n: s.describe() for n, s in self._specs.items()},
+            "partitions": parts,
+        }
+
+
+def _column(name: str, value: np.ndarray | int | None, n: int, *, default: int) -> np.ndarray:
+    if value is None:
+        return np.full(n, default, dtype=np.int64)
+    arr = np.asarray(value)
+    if arr.ndim == 0:
+        return np.full(n, int(arr), dtype=np.int64)
+    if arr.shape != (n,):
+        raise SchemaError(f"header {name!r} has shape {arr.shape}, expected ({n},): one per row")
+    if arr.dtype.kind not in "iub":
+        raise SchemaError(f"header {name!r} must be integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64, copy=False)

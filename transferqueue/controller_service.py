@@ -1,0 +1,232 @@
+"""``ControllerService``: the asyncio shell around :class:`Controller`.
+
+The controller core answers instantly and never waits. This shell, running on one event loop,
+adds what needs time:
+
+- ``get_meta`` blocks (as a coroutine: other requests keep being served) until a full batch
+  is ready, the stream ends, or ``timeout_s`` passes;
+- ``allocate`` waits for capacity (back-pressure) up to ``timeout_s``;
+- a timer returns the rows of expired leases to their tasks;
+- rows freed by the controller are dropped from the storage units through ``free_rows``.
+
+Its async methods are the controller's whole RPC surface: the embedded client awaits them
+directly, the ZeroMQ server dispatches messages to them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from transferqueue.controller import Changes, Controller
+from transferqueue.errors import CapacityError
+from transferqueue.leases import TaskKey
+from transferqueue.meta import BatchMeta
+from transferqueue.schema import FieldSpec
+
+__all__ = ["ControllerService", "FreeRows"]
+
+FreeRows = Callable[[int, np.ndarray], Coroutine[Any, Any, None]]
+"""Drops freed rows (indexes) from one storage unit (unit id)."""
+
+_MAX_TIMER_SLEEP_S = 0.5
+
+
+class ControllerService:
+    """Blocking get_meta, lease expiry and capacity waits on top of a Controller."""
+
+    def __init__(self, controller: Controller, free_rows: FreeRows) -> None:
+        self.controller = controller
+        self._free_rows = free_rows
+        self._waiters: dict[TaskKey, set[asyncio.Future[None]]] = {}
+        self._space_waiters: set[asyncio.Future[None]] = set()
+        self._timer: asyncio.Task[None] | None = None
+        self._poke = asyncio.Event()
+        self._pending_frees: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        """Start the lease timer on the running loop."""
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().create_task(self._expire_loop())
+
+    async def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._timer
+            self._timer = None
+        for fut in [f for ws in self._waiters.values() for f in ws] + list(self._space_waiters):
+            if not fut.done():
+                fut.cancel()
+        if self._pending_frees:
+            await asyncio.gather(*self._pending_frees, return_exceptions=True)
+
+    # -- plumbing ----------------------------------------------------------------------------
+    def _apply(self, changes: Changes) -> list[asyncio.Task[None]]:
+        for key in changes.woken:
+            for fut in self._waiters.pop(key, ()):
+                if not fut.done():
+                    fut.set_result(None)
+        if changes.space:
+            for fut in self._space_waiters:
+                if not fut.done():
+                    fut.set_result(None)
+            self._space_waiters.clear()
+        tasks = []
+        if changes.freed:
+            indexes = np.concatenate(changes.freed)
+            units = np.concatenate(changes.freed_units)
+            loop = asyncio.get_running_loop()
+            for u in np.unique(units).tolist():
+                task = loop.create_task(self._free_rows(int(u), indexes[units == u]))
+                self._pending_frees.add(task)
+                task.add_done_callback(self._pending_frees.discard)
+                tasks.append(task)
+        return tasks
+
+    async def _expire_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._apply(self.controller.expire())
+            deadline = self.controller.next_deadline()
+            wait = _MAX_TIMER_SLEEP_S if deadline is None else deadline - loop.time()
+            self._poke.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._poke.wait(), max(0.0, min(wait, _MAX_TIMER_SLEEP_S)))
+
+    @staticmethod
+    def _remaining(deadline: float | None) -> float | None:
+        if deadline is None:
+            return None
+        return deadline - asyncio.get_running_loop().time()
+
+    # -- RPC surface -------------------------------------------------------------------------
+    async def register_fields(self, specs: Mapping[str, FieldSpec]) -> dict[str, FieldSpec]:
+        return self.controller.register_fields(specs)
+
+    async def get_specs(self) -> dict[str, FieldSpec]:
+        return self.controller.specs
+
+    async def allocate(
+        self,
+        n: int,
+        partition: str,
+        *,
+        groups: np.ndarray | int | None = None,
+        versions: np.ndarray | int | None = None,
+        lengths: np.ndarray | int | None = None,
+        timeout_s: float | None = None,
+    ) -> BatchMeta:
+        ctl = self.controller
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
+        while not ctl.can_allocate(n) and (ctl.capacity_rows is None or n <= ctl.capacity_rows):
+            remaining = self._remaining(deadline)
+            if remaining is not None and remaining <= 0:
+                raise CapacityError(
+                    f"no room for {n} rows within timeout_s={timeout_s}: TransferQueue holds "
+                    f"{ctl.stats()['rows_live']} of capacity_rows={ctl.capacity_rows}. "
+                    "Consumers must acknowledge rows (of declared tasks) or clear partitions"
+                )
+            fut = loop.create_future()
+            self._space_waiters.add(fut)
+            try:
+                await asyncio.wait({fut}, timeout=remaining)
+            finally:
+                self._space_waiters.discard(fut)
+        return ctl.allocate(n, partition, groups=groups, versions=versions, lengths=lengths)
+
+    async def discard(self, indexes: np.ndarray) -> None:
+        await _gather(self._apply(self.controller.discard(indexes)))
+
+    async def commit(
+        self,
+        indexes: np.ndarray,
+        fields: Sequence[str],
+        *,
+        versions: np.ndarray | int | None = None,
+        lengths: np.ndarray | int | None = None,
+        lease_id: int | None = None,
+    ) -> None:
+        self._apply(
+            self.controller.commit(
+                indexes, fields, versions=versions, lengths=lengths, lease_id=lease_id
+            )
+        )
+
+    async def get_meta(
+        self,
+        *,
+        task: str,
+        partition: str,
+        fields: Sequence[str] | None,
+        batch_size: int,
+        timeout_s: float | None = None,
+        lease_s: float = 60.0,
+        sampler: str = "fifo",
+        sampler_options: Mapping[str, Any] | None = None,
+        min_version: int | None = None,
+    ) -> BatchMeta:
+        ctl = self.controller
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + max(0.0, timeout_s)
+        key: TaskKey = (ctl.partition(partition).id, task)
+        self._apply(ctl.expire())
+        while True:
+            remaining = self._remaining(deadline)
+            short_ok = remaining is not None and remaining <= 0
+            meta, changes = ctl.poll(
+                task=task,
+                partition=partition,
+                fields=fields,
+                batch_size=batch_size,
+                lease_s=lease_s,
+                sampler=sampler,
+                sampler_options=sampler_options,
+                min_version=min_version,
+                short_ok=short_ok,
+            )
+            self._apply(changes)
+            if meta is not None:
+                if meta.lease_id is not None:
+                    self._poke.set()
+                return meta
+            fut = loop.create_future()
+            self._waiters.setdefault(key, set()).add(fut)
+            try:
+                await asyncio.wait({fut}, timeout=remaining)
+            finally:
+                waiters = self._waiters.get(key)
+                if waiters is not None:
+                    waiters.discard(fut)
+
+    async def ack(self, lease_id: int, indexes: np.ndarray | None = None) -> None:
+        self._apply(self.controller.ack(lease_id, indexes))
+
+    async def release(self, lease_id: int, indexes: np.ndarray | None = None) -> None:
+        self._apply(self.controller.release(lease_id, indexes))
+
+    async def renew(self, lease_id: int, lease_s: float, indexes: np.ndarray | None = None) -> None:
+        self.controller.renew(lease_id, lease_s, indexes)
+        self._poke.set()
+
+    async def declare_tasks(self, partition: str, tasks: Sequence[str]) -> None:
+        self.controller.declare_tasks(partition, tasks)
+
+    async def finish(self, partition: str) -> None:
+        self._apply(self.controller.finish(partition))
+
+    async def clear(self, partition: str | None = None) -> None:
+        await _gather(self._apply(self.controller.clear(partition)))
+
+    async def stats(self) -> dict[str, Any]:
+        return self.controller.stats()
+
+
+async def _gather(tasks: list[asyncio.Task[None]]) -> None:
+    if tasks:
+        await asyncio.gather(*tasks)

@@ -1,0 +1,62 @@
+"""The embedded deployment: controller and storage units as objects in this process.
+
+No serialization at all: a put copies each column once into a unit's preallocated buffers, a
+read gathers once into the returned batch. Large copies run on a small thread pool so the I/O
+loop keeps answering other clients meanwhile.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from transferqueue.controller import Controller
+from transferqueue.controller_service import ControllerService
+from transferqueue.handle import TransferQueue
+from transferqueue.links import LocalUnitLink
+from transferqueue.loop import LoopThread
+from transferqueue.storage import StorageUnit
+
+__all__ = ["start"]
+
+
+def start(
+    num_units: int = 2,
+    *,
+    capacity_rows: int | None = None,
+    unit_capacity_bytes: int | None = None,
+) -> TransferQueue:
+    """Start an in-process TransferQueue with ``num_units`` storage units.
+
+    ``capacity_rows`` bounds the rows held at once: a put that would exceed it waits for
+    consumers to free rows (back-pressure). ``unit_capacity_bytes`` bounds each unit's memory.
+    """
+    if num_units < 1:
+        raise ValueError(f"num_units must be >= 1, got {num_units}")
+    io = LoopThread("transferqueue-embedded")
+    executor = ThreadPoolExecutor(max_workers=max(2, num_units), thread_name_prefix="tq-copy")
+    units = [StorageUnit(i, capacity_bytes=unit_capacity_bytes) for i in range(num_units)]
+    links = [LocalUnitLink(u, executor) for u in units]
+
+    async def free_rows(unit_id: int, indexes: np.ndarray) -> None:
+        await links[unit_id].free(indexes)
+
+    async def make() -> ControllerService:
+        service = ControllerService(Controller(num_units, capacity_rows=capacity_rows), free_rows)
+        await service.start()
+        return service
+
+    service = io.run(make())
+
+    def close_service() -> None:
+        if not io.closed:
+            io.run(service.close(), timeout=10)
+
+    return TransferQueue(
+        io,
+        service,
+        links,
+        closers=[close_service, lambda: executor.shutdown(wait=True)],
+        mode="embedded",
+    )

@@ -1,0 +1,141 @@
+"""The error hierarchy of TransferQueue.
+
+Every error has a stable ``code`` so that a server can send it as a typed error reply and the
+client can raise the same class on its side. Messages name the field or value at fault, what
+was expected, what was received, and what to do.
+
+| class               | code            | raised when                                              |
+|---------------------|-----------------|----------------------------------------------------------|
+| TQError             | error           | base class; also "internal" errors of a server           |
+| SchemaError         | schema          | a write disagrees with a field's spec, or is malformed   |
+| UnknownFieldError   | unknown_field   | a read or task names a field nobody has written          |
+| UnknownRowError     | unknown_row     | rows are not (or no longer) stored                       |
+| UnknownLeaseError   | unknown_lease   | an ack/put names a lease the controller never issued     |
+| LeaseExpiredError   | lease_expired   | the lease ran out; its rows went back to the task        |
+| UnknownTaskError    | unknown_task    | a task was not declared for a partition that has tasks   |
+| CapacityError       | capacity        | a write would exceed the configured capacity             |
+| TQTimeoutError      | timeout         | a bounded wait ran out                                   |
+| ProtocolError       | protocol        | a message on the wire cannot be decoded                  |
+| PeerGoneError       | peer_gone       | a server stopped answering                               |
+| ClosedError         | closed          | the client or queue was closed                           |
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CapacityError",
+    "ClosedError",
+    "LeaseExpiredError",
+    "PeerGoneError",
+    "ProtocolError",
+    "SchemaError",
+    "TQError",
+    "TQTimeoutError",
+    "UnknownFieldError",
+    "UnknownLeaseError",
+    "UnknownRowError",
+    "UnknownTaskError",
+    "error_from_code",
+]
+
+
+class TQError(Exception):
+    """Base class of every TransferQueue error."""
+
+    code = "error"
+
+
+class SchemaError(TQError, ValueError):
+    """A write disagrees with the field's spec (dtype, shape, kind) or is malformed."""
+
+    code = "schema"
+
+
+class UnknownFieldError(TQError, KeyError):
+    """A field was named that no producer has written yet."""
+
+    code = "unknown_field"
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class UnknownRowError(TQError, KeyError):
+    """Rows are not stored: never written, already freed, or cleared."""
+
+    code = "unknown_row"
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class UnknownLeaseError(TQError):
+    """A lease id the controller never issued, or rows that the lease does not hold."""
+
+    code = "unknown_lease"
+
+
+class LeaseExpiredError(TQError):
+    """The lease passed its deadline; its rows were returned to the task's queue."""
+
+    code = "lease_expired"
+
+
+class UnknownTaskError(TQError):
+    """A task not declared for a partition whose consumer tasks were declared."""
+
+    code = "unknown_task"
+
+
+class CapacityError(TQError):
+    """A write would exceed capacity and did not fit before its timeout."""
+
+    code = "capacity"
+
+
+class TQTimeoutError(TQError, TimeoutError):
+    """A bounded wait ran out."""
+
+    code = "timeout"
+
+
+class ProtocolError(TQError):
+    """A message could not be decoded, or named an unknown kind."""
+
+    code = "protocol"
+
+
+class PeerGoneError(TQError, ConnectionError):
+    """A server did not answer within the deadline, or its connection closed."""
+
+    code = "peer_gone"
+
+
+class ClosedError(TQError):
+    """The client or the queue was closed."""
+
+    code = "closed"
+
+
+_BY_CODE: dict[str, type[TQError]] = {
+    cls.code: cls
+    for cls in (
+        TQError,
+        SchemaError,
+        UnknownFieldError,
+        UnknownRowError,
+        UnknownLeaseError,
+        LeaseExpiredError,
+        UnknownTaskError,
+        CapacityError,
+        TQTimeoutError,
+        ProtocolError,
+        PeerGoneError,
+        ClosedError,
+    )
+}
+
+
+def error_from_code(code: str, message: str) -> TQError:
+    """Rebuild an error sent by a server; unknown codes become a plain :class:`TQError`."""
+    return _BY_CODE.get(code, TQError)(message)

@@ -1,0 +1,80 @@
+"""``TransferQueue``: a handle on a running TransferQueue, embedded or remote.
+
+It owns the I/O loop and the links; clients made from it share them. ``close()`` is
+idempotent and also runs when the handle is garbage-collected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Sequence
+from types import TracebackType
+
+from transferqueue.client import AsyncClient
+from transferqueue.links import ControllerLink, UnitLink
+from transferqueue.loop import LoopThread
+from transferqueue.sync_client import Client
+
+__all__ = ["TransferQueue"]
+
+
+class TransferQueue:
+    """A running TransferQueue. Make clients with :meth:`client` / :meth:`async_client`."""
+
+    def __init__(
+        self,
+        io: LoopThread,
+        controller: ControllerLink,
+        units: Sequence[UnitLink],
+        *,
+        closers: Sequence[Callable[[], None]] = (),
+        address: str | None = None,
+        mode: str = "embedded",
+    ) -> None:
+        self._io = io
+        self._controller = controller
+        self._units = list(units)
+        self.address = address
+        self.mode = mode
+        self._finalizer = weakref.finalize(self, _close_all, [*closers, io.close])
+
+    @property
+    def num_units(self) -> int:
+        return len(self._units)
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def async_client(self) -> AsyncClient:
+        """An asyncio client (its calls hop onto this handle's I/O loop when needed)."""
+        return AsyncClient(self._io, self._controller, self._units)
+
+    def client(self) -> Client:
+        """A blocking client, safe to share across threads."""
+        return Client(self.async_client(), self._io)
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def __enter__(self) -> TransferQueue:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        where = f" at {self.address}" if self.address else ""
+        return f"TransferQueue({self.mode}{where}, units={self.num_units})"
+
+
+def _close_all(closers: list[Callable[[], None]]) -> None:
+    for close in closers:
+        with contextlib.suppress(Exception):  # one failing closer must not skip the rest
+            close()

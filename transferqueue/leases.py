@@ -1,0 +1,117 @@
+"""Leases: rows handed to a consumer task until it acknowledges them or the deadline passes.
+
+A lease is what makes delivery exactly-once under consumer crashes: ``get_meta`` marks rows
+*leased*, not consumed; only an ``ack`` (or a ``put`` naming the lease) consumes them. When
+the deadline passes first, the controller returns the rows to the task's queue and the lease
+id is remembered as expired, so a late ack from a consumer that was only slow gets a clear
+:class:`LeaseExpiredError` instead of silently consuming rows someone else now holds.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from transferqueue.errors import LeaseExpiredError, UnknownLeaseError
+
+__all__ = ["Lease", "LeaseTable", "TaskKey"]
+
+TaskKey = tuple[int, str]  # (partition id, task name)
+
+_CLOSED_MEMORY = 65536  # how many closed lease ids keep their reason for error messages
+
+
+@dataclass
+class Lease:
+    lease_id: int
+    task: TaskKey
+    indexes: np.ndarray
+    deadline: float
+    remaining: int
+
+
+class LeaseTable:
+    """Active leases, a deadline heap, and the recent history of closed ones."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._active: dict[int, Lease] = {}
+        self._heap: list[tuple[float, int]] = []
+        self._closed: OrderedDict[int, str] = OrderedDict()
+        self._next_id = 1
+
+    def __len__(self) -> int:
+        return len(self._active)
+
+    def open(self, task: TaskKey, indexes: np.ndarray, lease_s: float) -> Lease:
+        if not lease_s > 0:
+            raise ValueError(f"lease_s must be > 0, got {lease_s}")
+        lease = Lease(self._next_id, task, indexes, self._clock() + lease_s, int(indexes.size))
+        self._next_id += 1
+        self._active[lease.lease_id] = lease
+        heapq.heappush(self._heap, (lease.deadline, lease.lease_id))
+        return lease
+
+    def get(self, lease_id: int) -> Lease:
+        """The active lease, or a typed error saying what became of it."""
+        lease = self._active.get(lease_id)
+        if lease is not None:
+            if lease.deadline > self._clock():
+                return lease
+            raise LeaseExpiredError(
+                f"lease {lease_id} expired; its rows are being returned to task "
+                f"{lease.task[1]!r}. Ask for a longer lease_s or acknowledge sooner"
+            )
+        why = self._closed.get(lease_id)
+        if why == "expired":
+            raise LeaseExpiredError(
+                f"lease {lease_id} expired and its rows were handed out again; "
+                "ask for a longer lease_s or acknowledge sooner"
+            )
+        if why is not None:
+            raise UnknownLeaseError(f"lease {lease_id} is no longer active ({why})")
+        raise UnknownLeaseError(
+            f"lease {lease_id} was never issued by this controller; pass the BatchMeta "
+            "returned by get_meta"
+        )
+
+    def closed_reason(self, lease_id: int) -> str | None:
+        return self._closed.get(lease_id)
+
+    def renew(self, lease: Lease, lease_s: float) -> None:
+        lease.deadline = self._clock() + lease_s
+        heapq.heappush(self._heap, (lease.deadline, lease.lease_id))
+
+    def close(self, lease: Lease, why: str) -> None:
+        self._active.pop(lease.lease_id, None)
+        self._closed[lease.lease_id] = why
+        while len(self._closed) > _CLOSED_MEMORY:
+            self._closed.popitem(last=False)
+
+    def due(self) -> list[Lease]:
+        """Remove and return the leases whose deadline has passed."""
+        now = self._clock()
+        out = []
+        while self._heap and self._heap[0][0] <= now:
+            deadline, lid = heapq.heappop(self._heap)
+            lease = self._active.get(lid)
+            if lease is not None and lease.deadline == deadline:
+                self.close(lease, "expired")
+                out.append(lease)
+        return out
+
+    def next_deadline(self) -> float | None:
+        while self._heap:
+            deadline, lid = self._heap[0]
+            lease = self._active.get(lid)
+            if lease is not None and lease.deadline == deadline:
+                return deadline
+            heapq.heappop(self._heap)
+        return None
+
+    def of_partition(self, partition_id: int) -> list[Lease]:
+        return [lease for lease in self._active.values() if lease.task[0] == partition_id]

@@ -1,0 +1,187 @@
+"""Links: how a client reaches the controller and the storage units.
+
+The client is written once against two small interfaces. In the embedded deployment the links
+call the objects in this process; over ZeroMQ they send messages to the servers. Every link
+method runs on the client's I/O loop.
+
+| link            | embedded                          | service (ZeroMQ)              |
+|-----------------|-----------------------------------|-------------------------------|
+| ControllerLink  | :class:`ControllerService` itself | RPC to the controller server  |
+| UnitLink        | :class:`LocalUnitLink`            | RPC to a storage unit server  |
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+import torch
+
+from transferqueue.meta import BatchMeta
+from transferqueue.ragged import Ragged
+from transferqueue.schema import Column, FieldSpec
+from transferqueue.storage import StorageUnit
+
+__all__ = ["ControllerLink", "LocalUnitLink", "UnitLink", "column_nbytes"]
+
+T = TypeVar("T")
+
+# Payloads above this are copied on a worker thread so the I/O loop keeps serving requests.
+OFFLOAD_BYTES = 1 << 20
+
+
+class ControllerLink(Protocol):
+    """The controller's RPC surface (see :class:`ControllerService` for the semantics)."""
+
+    async def register_fields(self, specs: Mapping[str, FieldSpec]) -> dict[str, FieldSpec]: ...
+
+    async def get_specs(self) -> dict[str, FieldSpec]: ...
+
+    async def allocate(
+        self,
+        n: int,
+        partition: str,
+        *,
+        groups: np.ndarray | int | None = None,
+        versions: np.ndarray | int | None = None,
+        lengths: np.ndarray | int | None = None,
+        timeout_s: float | None = None,
+    ) -> BatchMeta: ...
+
+    async def discard(self, indexes: np.ndarray) -> None: ...
+
+    async def commit(
+        self,
+        indexes: np.ndarray,
+        fields: Sequence[str],
+        *,
+        versions: np.ndarray | int | None = None,
+        lengths: np.ndarray | int | None = None,
+        lease_id: int | None = None,
+    ) -> None: ...
+
+    async def get_meta(
+        self,
+        *,
+        task: str,
+        partition: str,
+        fields: Sequence[str] | None,
+        batch_size: int,
+        timeout_s: float | None = None,
+        lease_s: float = 60.0,
+        sampler: str = "fifo",
+        sampler_options: Mapping[str, Any] | None = None,
+        min_version: int | None = None,
+    ) -> BatchMeta: ...
+
+    async def ack(self, lease_id: int, indexes: np.ndarray | None = None) -> None: ...
+
+    async def release(self, lease_id: int, indexes: np.ndarray | None = None) -> None: ...
+
+    async def renew(
+        self, lease_id: int, lease_s: float, indexes: np.ndarray | None = None
+    ) -> None: ...
+
+    async def declare_tasks(self, partition: str, tasks: Sequence[str]) -> None: ...
+
+    async def finish(self, partition: str) -> None: ...
+
+    async def clear(self, partition: str | None = None) -> None: ...
+
+    async def stats(self) -> dict[str, Any]: ...
+
+
+class UnitLink(ABC):
+    """One storage unit, as seen from a client."""
+
+    unit_id: int
+    supports_out: bool = False
+    """True when ``read`` can gather straight into caller-provided dense buffers."""
+
+    @abstractmethod
+    async def write(
+        self,
+        indexes: np.ndarray,
+        columns: Mapping[str, Column],
+        specs: Mapping[str, FieldSpec],
+        *,
+        create: bool,
+    ) -> None: ...
+
+    @abstractmethod
+    async def read(
+        self,
+        indexes: np.ndarray,
+        fields: Sequence[str],
+        out: Mapping[str, torch.Tensor] | None = None,
+    ) -> dict[str, Column]: ...
+
+    @abstractmethod
+    async def free(self, indexes: np.ndarray) -> None: ...
+
+    @abstractmethod
+    async def clear(self) -> None: ...
+
+    @abstractmethod
+    async def stats(self) -> dict[str, Any]: ...
+
+
+def column_nbytes(col: Column) -> int:
+    if isinstance(col, torch.Tensor):
+        return col.numel() * col.element_size()
+    if isinstance(col, Ragged):
+        return col.nbytes
+    return 0
+
+
+class LocalUnitLink(UnitLink):
+    """A storage unit in this process. Large copies run on ``executor`` threads; an asyncio
+    lock serializes access to the unit, which is a plain single-threaded object."""
+
+    supports_out = True
+
+    def __init__(self, unit: StorageUnit, executor: Executor) -> None:
+        self.unit = unit
+        self.unit_id = unit.unit_id
+        self._executor = executor
+        self._lock = asyncio.Lock()
+
+    async def _run(self, nbytes: int, fn: Callable[[], T]) -> T:
+        async with self._lock:
+            if nbytes < OFFLOAD_BYTES:
+                return fn()
+            return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+
+    async def write(
+        self,
+        indexes: np.ndarray,
+        columns: Mapping[str, Column],
+        specs: Mapping[str, FieldSpec],
+        *,
+        create: bool,
+    ) -> None:
+        nbytes = sum(column_nbytes(c) for c in columns.values())
+        await self._run(nbytes, lambda: self.unit.write(indexes, columns, specs, create=create))
+
+    async def read(
+        self,
+        indexes: np.ndarray,
+        fields: Sequence[str],
+        out: Mapping[str, torch.Tensor] | None = None,
+    ) -> dict[str, Column]:
+        nbytes = sum(column_nbytes(t) for t in out.values()) if out else 0
+        nbytes = max(nbytes, OFFLOAD_BYTES if len(indexes) * len(fields) > 4096 else 0)
+        return await self._run(nbytes, lambda: self.unit.read(indexes, fields, out))
+
+    async def free(self, indexes: np.ndarray) -> None:
+        await self._run(0, lambda: self.unit.free(indexes))
+
+    async def clear(self) -> None:
+        await self._run(0, self.unit.clear)
+
+    async def stats(self) -> dict[str, Any]:
+        return await self._run(0, self.unit.stats)

@@ -1,0 +1,146 @@
+"""``BatchMeta``: the handle of a batch of rows, without their payload.
+
+``get_meta`` and ``put`` return one. It names the rows (global indexes), where each row is
+stored (unit ids), their headers, and, for a batch handed to a consumer task, the lease that
+must be acknowledged. Columns (numpy, one entry per row)::
+
+    indexes   int64   global row index
+    units     int32   storage unit holding the row's payload
+    groups    int64   group id (e.g. the prompt shared by the n responses of a GRPO group)
+    versions  int64   policy version that produced the row (-1: none)
+    lengths   int64   length hint for balancing (-1: unknown)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from transferqueue.samplers.balanced import balance_lengths
+
+__all__ = ["REASONS", "BatchMeta"]
+
+REASONS = ("full", "timeout", "drain", "end", "put")
+"""Why a batch has the size it has:
+
+- ``full``: ``batch_size`` rows (a group sampler: as many whole groups as fit);
+- ``timeout``: the wait ran out (short or empty);
+- ``drain``: the partition is finished and these are the last queued rows (short), but other
+  consumers of the task still hold leases whose rows may come back: keep asking;
+- ``end``: the partition is finished and, after this batch, the task has nothing more to
+  receive (short or empty): stop;
+- ``put``: returned by ``put``, not a consumer batch."""
+
+_COLUMNS = ("indexes", "units", "groups", "versions", "lengths")
+
+
+@dataclass(eq=False)
+class BatchMeta:
+    """Rows of one partition, optionally leased to a consumer task."""
+
+    indexes: np.ndarray
+    units: np.ndarray
+    groups: np.ndarray
+    versions: np.ndarray
+    lengths: np.ndarray
+    partition: str
+    fields: tuple[str, ...] = ()
+    task: str | None = None
+    lease_id: int | None = None
+    lease_s: float | None = None
+    reason: str = "put"
+    splits: list[np.ndarray] | None = None
+    acked: bool = field(default=False, repr=False)
+
+    def __post_init__(self) -> None:
+        n = self.indexes.size
+        for name in _COLUMNS:
+            arr = getattr(self, name)
+            if arr.shape != (n,):
+                raise ValueError(f"BatchMeta.{name} has shape {arr.shape}, expected ({n},)")
+
+    def __len__(self) -> int:
+        return int(self.indexes.size)
+
+    def __repr__(self) -> str:
+        lease = f", lease={self.lease_id}" if self.lease_id is not None else ""
+        task = f", task={self.task!r}" if self.task else ""
+        return (
+            f"BatchMeta(rows={len(self)}, partition={self.partition!r}{task}{lease}, "
+            f"reason={self.reason!r}, fields={list(self.fields)})"
+        )
+
+    @classmethod
+    def empty(cls, partition: str, **kw: Any) -> BatchMeta:
+        z = np.empty(0, dtype=np.int64)
+        return cls(z, z.astype(np.int32), z, z, z, partition, **kw)
+
+    @property
+    def is_end(self) -> bool:
+        """True when the task's stream is over: nothing more will be handed out."""
+        return self.reason == "end"
+
+    def select(self, positions: np.ndarray | list[int]) -> BatchMeta:
+        """A sub-batch (same lease): acknowledging it acknowledges only these rows."""
+        pos = np.asarray(positions, dtype=np.int64)
+        return BatchMeta(
+            self.indexes[pos],
+            self.units[pos],
+            self.groups[pos],
+            self.versions[pos],
+            self.lengths[pos],
+            partition=self.partition,
+            fields=self.fields,
+            task=self.task,
+            lease_id=self.lease_id,
+            lease_s=self.lease_s,
+            reason=self.reason,
+        )
+
+    def split(self, parts: int | None = None) -> list[BatchMeta]:
+        """Split across data-parallel ranks.
+
+        Uses the sampler's split when the batch came from the ``balanced`` sampler; otherwise
+        balances the ``lengths`` headers (equal row counts ±1) into ``parts`` sub-batches.
+        """
+        if self.splits is not None and (parts is None or parts == len(self.splits)):
+            return [self.select(p) for p in self.splits]
+        if parts is None:
+            raise ValueError("split() needs parts= unless the batch came with a split")
+        return [self.select(p) for p in balance_lengths(self.lengths, parts)]
+
+    # -- wire form ---------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Plain structure (numpy arrays stay arrays; the wire layer frames them)."""
+        d: dict[str, Any] = {c: getattr(self, c) for c in _COLUMNS}
+        d.update(
+            partition=self.partition,
+            fields=list(self.fields),
+            task=self.task,
+            lease_id=self.lease_id,
+            lease_s=self.lease_s,
+            reason=self.reason,
+            splits=self.splits,
+        )
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> BatchMeta:
+        return cls(
+            np.asarray(d["indexes"], dtype=np.int64),
+            np.asarray(d["units"], dtype=np.int32),
+            np.asarray(d["groups"], dtype=np.int64),
+            np.asarray(d["versions"], dtype=np.int64),
+            np.asarray(d["lengths"], dtype=np.int64),
+            partition=d["partition"],
+            fields=tuple(d.get("fields") or ()),
+            task=d.get("task"),
+            lease_id=d.get("lease_id"),
+            lease_s=d.get("lease_s"),
+            reason=d.get("reason", "put"),
+            splits=None
+            if d.get("splits") is None
+            else [np.asarray(s, dtype=np.int64) for s in d["splits"]],
+        )

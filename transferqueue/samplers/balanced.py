@@ -1,0 +1,94 @@
+"""``balanced``: a batch split across data-parallel ranks with balanced token totals.
+
+Long-tail generation makes a plain split leave ranks waiting on the one that got the longest
+sequences. This sampler takes a batch like ``fifo`` (or like ``group`` when ``group_size`` is
+given), then splits it into ``dp_size`` parts of equal row count (±1) whose summed ``length``
+headers are as even as a greedy longest-first assignment makes them. The split travels with the
+batch: ``meta.split()`` returns one part per rank.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Any
+
+import numpy as np
+
+from transferqueue.samplers.base import HeaderView, Sampler, Selection
+from transferqueue.samplers.fifo import FifoSampler
+from transferqueue.samplers.group import GroupSampler
+from transferqueue.samplers.registry import register_sampler
+
+__all__ = ["BalancedSampler", "balance_lengths"]
+
+
+def balance_lengths(lengths: np.ndarray, parts: int) -> list[np.ndarray]:
+    """Split positions ``0..n-1`` into ``parts`` lists of n//parts or n//parts+1 positions,
+    greedily giving the longest remaining row to the lightest part that still has room.
+
+    Returns position arrays in ascending order. Unknown lengths (< 0) count as 1.
+    """
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    n = int(lengths.size)
+    lens = np.where(lengths < 0, 1, lengths).astype(np.int64)
+    cap = [n // parts + (1 if r < n % parts else 0) for r in range(parts)]
+    heap = [(0, r) for r in range(parts)]  # (total, rank) of parts with room left
+    out: list[list[int]] = [[] for _ in range(parts)]
+    for pos in np.argsort(-lens, kind="stable").tolist():
+        total, r = heapq.heappop(heap)
+        out[r].append(pos)
+        if len(out[r]) < cap[r]:
+            heapq.heappush(heap, (total + int(lens[pos]), r))
+    return [np.sort(np.asarray(p, dtype=np.int64)) for p in out]
+
+
+@register_sampler("balanced")
+class BalancedSampler(Sampler):
+    """A fifo (or whole-group) batch, split into ``dp_size`` length-balanced parts."""
+
+    def __init__(
+        self,
+        header: HeaderView,
+        *,
+        dp_size: int,
+        group_size: int | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__(header, **options)
+        if not isinstance(dp_size, int) or dp_size < 1:
+            raise ValueError(f"balanced sampler needs dp_size >= 1, got {dp_size!r}")
+        self.dp_size = dp_size
+        self._base: Sampler = (
+            FifoSampler(header)
+            if group_size is None
+            else GroupSampler(header, group_size=group_size)
+        )
+
+    def add(self, indexes: np.ndarray, *, returned: bool = False) -> None:
+        self._base.add(indexes, returned=returned)
+
+    def available(self) -> int:
+        return self._base.available()
+
+    def batch_rows(self, batch_size: int) -> int:
+        return self._base.batch_rows(batch_size)
+
+    def check_batch_size(self, batch_size: int) -> None:
+        self._base.check_batch_size(batch_size)
+        if batch_size < self.dp_size:
+            raise ValueError(
+                f"batch_size {batch_size} is smaller than dp_size {self.dp_size}: "
+                "every rank needs at least one row"
+            )
+
+    def sample(self, batch_size: int) -> Selection:
+        sel = self._base.sample(batch_size)
+        parts = balance_lengths(self.header.lengths(sel.indexes), self.dp_size)
+        return Selection(sel.indexes, parts)
+
+    def drop_below(self, min_version: int) -> np.ndarray:
+        return self._base.drop_below(min_version)
+
+    def clear(self) -> None:
+        self._base.clear()

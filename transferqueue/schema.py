@@ -1,0 +1,320 @@
+"""Field specs: what a column holds, and turning user input into canonical columns.
+
+A field is a named column. Its :class:`FieldSpec` fixes three things the first time any
+producer writes it (or when declared up front), and every later write must agree:
+
+| kind     | canonical column type      | ``dtype``        | ``shape``                      |
+|----------|----------------------------|------------------|--------------------------------|
+| dense    | ``torch.Tensor [B, *shape]`` | a tensor dtype | per-row shape (``()`` = scalar) |
+| ragged   | :class:`Ragged`            | a tensor dtype   | per-element shape (token: ``()``) |
+| object   | ``list`` of msgpack values | ``None``         | ``()``                          |
+
+Object values are what msgpack carries (None, bool, int, float, str, bytes, lists, dicts with
+str keys), checked on write in every deployment so that a program that works embedded works
+over the wire too. Nothing is ever pickled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, TypeAlias
+
+import numpy as np
+import torch
+
+from transferqueue.errors import SchemaError
+from transferqueue.ragged import Ragged
+
+__all__ = [
+    "DTYPES",
+    "Column",
+    "FieldSpec",
+    "Kind",
+    "column_rows",
+    "normalize_columns",
+]
+
+Kind = Literal["dense", "ragged", "object"]
+Column: TypeAlias = "torch.Tensor | Ragged | list[Any]"
+
+DTYPES: dict[str, torch.dtype] = {
+    "bool": torch.bool,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
+_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+_MAX_OBJECT_DEPTH = 32
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """Canonical name of a supported dtype; raises SchemaError for anything else."""
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+        if name not in DTYPES:
+            raise SchemaError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
+        return name
+    if dtype not in _NAMES:
+        raise SchemaError(f"unsupported dtype {dtype}; supported: {', '.join(DTYPES)}")
+    return _NAMES[dtype]
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """The type of one field (column). Build with :meth:`dense`, :meth:`ragged`, :meth:`object`."""
+
+    kind: Kind
+    dtype: str | None = None
+    shape: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("dense", "ragged", "object"):
+            raise SchemaError(f"kind must be dense, ragged or object, got {self.kind!r}")
+        if self.kind == "object":
+            if self.dtype is not None or self.shape:
+                raise SchemaError("object fields have no dtype or shape")
+        else:
+            if self.dtype is None:
+                raise SchemaError(f"{self.kind} fields need a dtype")
+            object.__setattr__(self, "dtype", dtype_name(self.dtype))
+            object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+            if any(d < 0 for d in self.shape):
+                raise SchemaError(f"shape must be non-negative, got {self.shape}")
+
+    @classmethod
+    def dense(cls, dtype: torch.dtype | str, shape: Sequence[int] = ()) -> FieldSpec:
+        """Every row is a tensor of ``shape`` (``()``: one scalar per row)."""
+        return cls("dense", dtype_name(dtype), tuple(shape))
+
+    @classmethod
+    def ragged(cls, dtype: torch.dtype | str, inner_shape: Sequence[int] = ()) -> FieldSpec:
+        """Rows of variable length along their first axis (token ids, per-token logprobs)."""
+        return cls("ragged", dtype_name(dtype), tuple(inner_shape))
+
+    @classmethod
+    def object(cls) -> FieldSpec:
+        """Any msgpack-able Python value per row (strings, numbers, dicts, lists)."""
+        return cls("object")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype is None:
+            raise SchemaError("object fields have no tensor dtype")
+        return DTYPES[self.dtype]
+
+    @property
+    def row_nbytes(self) -> int:
+        """Bytes per row of a dense field (per element of a ragged one)."""
+        n = int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        return n * self.torch_dtype.itemsize
+
+    def describe(self) -> str:
+        if self.kind == "object":
+            return "object"
+        return f"{self.kind} {self.dtype} {list(self.shape)}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "dtype": self.dtype, "shape": list(self.shape)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> FieldSpec:
+        try:
+            return cls(d["kind"], d.get("dtype"), tuple(d.get("shape", ())))
+        except (KeyError, TypeError) as e:
+            raise SchemaError(f"malformed field spec {d!r}: {e}") from None
+
+
+# -- input normalization -----------------------------------------------------------------------
+def column_rows(col: Column) -> int:
+    """Number of rows of a canonical column."""
+    if isinstance(col, torch.Tensor):
+        return int(col.shape[0])
+    return len(col)
+
+
+def normalize_columns(
+    data: Mapping[str, Any], specs: Mapping[str, FieldSpec]
+) -> tuple[dict[str, Column], dict[str, FieldSpec], int]:
+    """Turn a user's ``{field: values}`` into canonical columns and their specs.
+
+    ``specs`` holds the specs already known (registered by earlier writes or declared); new
+    fields get a spec inferred from the data. Returns (columns, specs of these columns, rows).
+    Raises :class:`SchemaError` naming the field on any mismatch; nothing is converted silently
+    (no dtype casts), so what is read back is bit-identical to what was written.
+    """
+    if not isinstance(data, Mapping) or not data:
+        raise SchemaError("put needs a non-empty mapping {field name: column}")
+    cols: dict[str, Column] = {}
+    out_specs: dict[str, FieldSpec] = {}
+    rows: int | None = None
+    first = ""
+    for name, value in data.items():
+        if not isinstance(name, str) or not name:
+            raise SchemaError(f"field names must be non-empty strings, got {name!r}")
+        col, spec = _normalize(name, value, specs.get(name))
+        n = column_rows(col)
+        if rows is None:
+            rows, first = n, name
+        elif n != rows:
+            raise SchemaError(
+                f"field {name!r} has {n} rows but field {first!r} has {rows}; "
+                "every column of one put must have the same number of rows"
+            )
+        cols[name] = col
+        out_specs[name] = spec
+    assert rows is not None
+    return cols, out_specs, rows
+
+
+def _normalize(name: str, value: Any, known: FieldSpec | None) -> tuple[Column, FieldSpec]:
+    if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
+        value = _from_numpy(name, value)
+    if isinstance(value, torch.Tensor):
+        return _tensor_column(name, value, known)
+    if isinstance(value, Ragged):
+        spec = FieldSpec.ragged(_dtype_of(name, value.dtype), value.inner_shape)
+        return value, _check(name, spec, known)
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    if isinstance(value, list | tuple):
+        return _sequence_column(name, value, known)
+    raise SchemaError(
+        f"field {name!r}: cannot store a {type(value).__name__}; give a tensor [rows, ...], "
+        "a Ragged, a list of 1-D tensors (ragged) or a list of msgpack-able values (object)"
+    )
+
+
+def _tensor_column(
+    name: str, value: torch.Tensor, known: FieldSpec | None
+) -> tuple[Column, FieldSpec]:
+    if value.dim() == 0:
+        raise SchemaError(
+            f"field {name!r}: a 0-d tensor has no row axis; use t.reshape(1) for one row"
+        )
+    if value.device.type != "cpu":
+        # TransferQueue stores host memory; moving here keeps producers on any device simple.
+        value = value.detach().to("cpu")
+    value = value.detach()
+    if known is not None and known.kind == "ragged":
+        # A padded-free [B, T] batch written to a ragged field: every row has length T.
+        if value.dim() < 2:
+            raise SchemaError(
+                f"field {name!r} is {known.describe()}; a 1-D tensor has no per-row length. "
+                "Give a list of 1-D tensors or a Ragged"
+            )
+        rows, width = value.shape[0], value.shape[1]
+        values = value.reshape(rows * width, *value.shape[2:])
+        lens = torch.full((rows,), width, dtype=torch.int64)
+        return _normalize(name, Ragged.from_lengths(values, lens), known)
+    spec = FieldSpec.dense(_dtype_of(name, value.dtype), tuple(value.shape[1:]))
+    return value, _check(name, spec, known)
+
+
+def _sequence_column(
+    name: str, value: Sequence[Any], known: FieldSpec | None
+) -> tuple[Column, FieldSpec]:
+    items = list(value)
+    if items and all(isinstance(x, torch.Tensor | np.ndarray) for x in items):
+        tensors = [_from_numpy(name, x) if isinstance(x, np.ndarray) else x for x in items]
+        if known is not None and known.kind == "dense":
+            try:
+                stacked = torch.stack([t.detach().cpu() for t in tensors])
+            except RuntimeError as e:
+                raise SchemaError(f"field {name!r} is {known.describe()}: {e}") from None
+            return _tensor_column(name, stacked, known)
+        dtype = tensors[0].dtype
+        for i, t in enumerate(tensors):
+            if t.dim() == 0:
+                raise SchemaError(
+                    f"field {name!r}: row {i} is a 0-d tensor; ragged rows need a length axis"
+                )
+            if t.dtype != dtype:
+                raise SchemaError(
+                    f"field {name!r}: row {i} has dtype {t.dtype}, row 0 has {dtype}; "
+                    "all rows of a ragged field share one dtype"
+                )
+        try:
+            ragged = Ragged.from_tensors([t.detach().cpu() for t in tensors], dtype)
+        except ValueError as e:
+            raise SchemaError(f"field {name!r}: {e}") from None
+        return _normalize(name, ragged, known)
+    if known is not None and known.kind == "ragged":
+        try:
+            ragged = Ragged.from_lists(items, known.torch_dtype)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise SchemaError(
+                f"field {name!r} is {known.describe()}; could not build rows from lists: {e}"
+            ) from None
+        return ragged, _check(name, FieldSpec.ragged(known.torch_dtype, known.shape), known)
+    if known is not None and known.kind == "dense":
+        try:
+            tensor = torch.tensor(items, dtype=known.torch_dtype)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise SchemaError(f"field {name!r} is {known.describe()}: {e}") from None
+        return _tensor_column(name, tensor, known)
+    plain = [_plain(name, i, item, 0) for i, item in enumerate(items)]
+    return plain, _check(name, FieldSpec.object(), known)
+
+
+def _check(name: str, spec: FieldSpec, known: FieldSpec | None) -> FieldSpec:
+    if known is not None and known != spec:
+        raise SchemaError(
+            f"field {name!r}: expected {known.describe()}, received {spec.describe()}; "
+            "convert the column (e.g. t.to(torch.<dtype>)) or write it under a new field name"
+        )
+    return spec
+
+
+def _dtype_of(name: str, dtype: torch.dtype) -> str:
+    try:
+        return dtype_name(dtype)
+    except SchemaError as e:
+        raise SchemaError(f"field {name!r}: {e}") from None
+
+
+def _from_numpy(name: str, arr: np.ndarray) -> torch.Tensor:
+    if arr.dtype.kind not in "biuf":
+        raise SchemaError(f"field {name!r}: numpy dtype {arr.dtype} is not numeric")
+    if not arr.dtype.isnative or not arr.flags.writeable:
+        arr = np.array(arr, dtype=arr.dtype.newbyteorder("="))
+    return torch.from_numpy(arr)
+
+
+_SCALARS = (type(None), bool, int, float, str, bytes)
+
+
+def _plain(name: str, row: int, value: Any, depth: int) -> Any:
+    """A copy of ``value`` in the msgpack data model (tuples become lists, as on the wire).
+
+    Copying containers means a producer that mutates its list after ``put`` cannot change
+    what is stored, and an embedded read returns exactly what a read over the wire returns.
+    """
+    if isinstance(value, _SCALARS):
+        if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**64:
+            raise SchemaError(f"field {name!r} row {row}: integer {value} does not fit 64 bits")
+        return value
+    if depth >= _MAX_OBJECT_DEPTH:
+        raise SchemaError(f"field {name!r} row {row}: nesting deeper than {_MAX_OBJECT_DEPTH}")
+    if isinstance(value, list | tuple):
+        return [_plain(name, row, v, depth + 1) for v in value]
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise SchemaError(f"field {name!r} row {row}: dict keys must be str, got {k!r}")
+            out[k] = _plain(name, row, v, depth + 1)
+        return out
+    if isinstance(value, np.generic):
+        return _plain(name, row, value.item(), depth)
+    raise SchemaError(
+        f"field {name!r} row {row}: {type(value).__name__} is not msgpack-able (object fields "
+        "hold None, bool, int, float, str, bytes, lists and str-keyed dicts); convert it, or "
+        "store tensors in a dense/ragged field"
+    )
