@@ -31,8 +31,10 @@ from transferqueue.errors import (
 from transferqueue.handle import TransferQueue
 from transferqueue.meta import BatchMeta
 from transferqueue.ragged import Ragged
+from transferqueue.remote import connect
 from transferqueue.samplers import Sampler, register_sampler
 from transferqueue.schema import FieldSpec
+from transferqueue.service import LocalService, serve
 from transferqueue.sync_client import Client
 
 __all__ = [
@@ -43,6 +45,7 @@ __all__ = [
     "ClosedError",
     "FieldSpec",
     "LeaseExpiredError",
+    "LocalService",
     "PeerGoneError",
     "ProtocolError",
     "Ragged",
@@ -55,6 +58,8 @@ __all__ = [
     "UnknownLeaseError",
     "UnknownRowError",
     "UnknownTaskError",
+    "connect",
     "register_sampler",
+    "serve",
     "start",
 ]

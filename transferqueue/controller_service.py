@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from transferqueue.controller import Changes, Controller
-from transferqueue.errors import CapacityError
+from transferqueue.errors import CapacityError, ClosedError
 from transferqueue.leases import TaskKey
 from transferqueue.meta import BatchMeta
 from transferqueue.schema import FieldSpec
@@ -170,15 +170,20 @@ class ControllerService:
         sampler: str = "fifo",
         sampler_options: Mapping[str, Any] | None = None,
         min_version: int | None = None,
+        partial: bool = True,
     ) -> BatchMeta:
-        ctl = self.controller
+        """Wait for a batch (see AsyncClient.get_meta). ``partial=False``: at the timeout,
+        return an empty batch instead of a short one (a client waiting in slices)."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + max(0.0, timeout_s)
-        key: TaskKey = (ctl.partition(partition).id, task)
-        self._apply(ctl.expire())
+        self._apply(self.controller.expire())
         while True:
+            ctl = self.controller  # re-read: a reset replaces it
+            key: TaskKey = (ctl.partition(partition).id, task)
             remaining = self._remaining(deadline)
-            short_ok = remaining is not None and remaining <= 0
+            timed_out = remaining is not None and remaining <= 0
+            if timed_out and not partial:
+                return BatchMeta.empty(partition, task=task, reason="timeout")
             meta, changes = ctl.poll(
                 task=task,
                 partition=partition,
@@ -188,7 +193,7 @@ class ControllerService:
                 sampler=sampler,
                 sampler_options=sampler_options,
                 min_version=min_version,
-                short_ok=short_ok,
+                short_ok=timed_out,
             )
             self._apply(changes)
             if meta is not None:
@@ -225,6 +230,23 @@ class ControllerService:
 
     async def stats(self) -> dict[str, Any]:
         return self.controller.stats()
+
+    async def reset(self) -> None:
+        """Forget everything: rows, tasks, leases and field specs (a fresh TransferQueue).
+
+        Callers blocked in ``get_meta`` or waiting for capacity get :class:`ClosedError`;
+        payload is dropped from the storage units by the deployment.
+        """
+        old = self.controller
+        self.controller = Controller(
+            old.num_units, capacity_rows=old.capacity_rows, clock=old.clock
+        )
+        gone = ClosedError("TransferQueue was reset while this call waited")
+        for fut in [f for ws in self._waiters.values() for f in ws] + list(self._space_waiters):
+            if not fut.done():
+                fut.set_exception(gone)
+        self._waiters.clear()
+        self._space_waiters.clear()
 
 
 async def _gather(tasks: list[asyncio.Task[None]]) -> None:

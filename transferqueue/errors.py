@@ -18,11 +18,13 @@ was expected, what was received, and what to do.
 | ProtocolError       | protocol        | a message on the wire cannot be decoded                  |
 | PeerGoneError       | peer_gone       | a server stopped answering                               |
 | ClosedError         | closed          | the client or queue was closed                           |
+| BadRequestError     | bad_request     | an argument is invalid (also a ValueError)               |
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "BadRequestError",
     "CapacityError",
     "ClosedError",
     "LeaseExpiredError",
@@ -117,6 +119,12 @@ class ClosedError(TQError):
     code = "closed"
 
 
+class BadRequestError(TQError, ValueError):
+    """An argument is invalid (a bad batch_size, an unknown sampler, ...)."""
+
+    code = "bad_request"
+
+
 _BY_CODE: dict[str, type[TQError]] = {
     cls.code: cls
     for cls in (
@@ -132,6 +140,7 @@ _BY_CODE: dict[str, type[TQError]] = {
         ProtocolError,
         PeerGoneError,
         ClosedError,
+        BadRequestError,
     )
 }
 

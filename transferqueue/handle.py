@@ -37,7 +37,8 @@ class TransferQueue:
         self._units = list(units)
         self.address = address
         self.mode = mode
-        self._finalizer = weakref.finalize(self, _close_all, [*closers, io.close])
+        self._closers = list(closers)
+        self._finalizer = weakref.finalize(self, _close_all, self._closers, io)
 
     @property
     def num_units(self) -> int:
@@ -54,6 +55,20 @@ class TransferQueue:
     def client(self) -> Client:
         """A blocking client, safe to share across threads."""
         return Client(self.async_client(), self._io)
+
+    def add_closer(self, closer: Callable[[], None]) -> None:
+        """Run ``closer`` when the handle closes (after the ones given at construction)."""
+        self._closers.append(closer)
+
+    def reset(self) -> None:
+        """Forget everything stored: rows, tasks, leases and field specs, for every client
+        of this TransferQueue. Clients made before the reset must not be used after it."""
+        self._io.run(self._reset())
+
+    async def _reset(self) -> None:
+        await self._controller.reset()
+        for unit in self._units:
+            await unit.reset()
 
     def close(self) -> None:
         self._finalizer()
@@ -74,7 +89,8 @@ class TransferQueue:
         return f"TransferQueue({self.mode}{where}, units={self.num_units})"
 
 
-def _close_all(closers: list[Callable[[], None]]) -> None:
+def _close_all(closers: list[Callable[[], None]], io: LoopThread) -> None:
     for close in closers:
         with contextlib.suppress(Exception):  # one failing closer must not skip the rest
             close()
+    io.close()

@@ -94,6 +94,8 @@ class ControllerLink(Protocol):
 
     async def stats(self) -> dict[str, Any]: ...
 
+    async def reset(self) -> None: ...
+
 
 class UnitLink(ABC):
     """One storage unit, as seen from a client."""
@@ -129,6 +131,9 @@ class UnitLink(ABC):
     @abstractmethod
     async def stats(self) -> dict[str, Any]: ...
 
+    @abstractmethod
+    async def reset(self) -> None: ...
+
 
 def column_nbytes(col: Column) -> int:
     if isinstance(col, torch.Tensor):
@@ -144,9 +149,10 @@ class LocalUnitLink(UnitLink):
 
     supports_out = True
 
-    def __init__(self, unit: StorageUnit, executor: Executor) -> None:
+    def __init__(self, unit: StorageUnit, executor: Executor, *, adopt: bool = False) -> None:
         self.unit = unit
         self.unit_id = unit.unit_id
+        self.adopt = adopt  # ragged writes may keep the given buffers (received frames)
         self._executor = executor
         self._lock = asyncio.Lock()
 
@@ -165,7 +171,10 @@ class LocalUnitLink(UnitLink):
         create: bool,
     ) -> None:
         nbytes = sum(column_nbytes(c) for c in columns.values())
-        await self._run(nbytes, lambda: self.unit.write(indexes, columns, specs, create=create))
+        await self._run(
+            nbytes,
+            lambda: self.unit.write(indexes, columns, specs, create=create, adopt=self.adopt),
+        )
 
     async def read(
         self,
@@ -185,3 +194,6 @@ class LocalUnitLink(UnitLink):
 
     async def stats(self) -> dict[str, Any]:
         return await self._run(0, self.unit.stats)
+
+    async def reset(self) -> None:
+        await self._run(0, self.unit.reset)

@@ -25,10 +25,36 @@ import torch
 
 from transferqueue.columns import AnyColumn, DenseColumn, make_column, write_column
 from transferqueue.errors import CapacityError, SchemaError, UnknownFieldError, UnknownRowError
+from transferqueue.ragged import Ragged
 from transferqueue.schema import Column, FieldSpec, column_rows
 from transferqueue.slots import ExtentAllocator, SlotMap
 
 __all__ = ["StorageUnit"]
+
+
+def _check_data(name: str, spec: FieldSpec, data: object) -> None:
+    """The column's Python type, dtype and shape agree with its spec (clients normalize;
+    this guards the unit against anything else arriving over the wire)."""
+    if spec.kind == "dense":
+        ok = (
+            isinstance(data, torch.Tensor)
+            and data.dim() >= 1
+            and data.dtype == spec.torch_dtype
+            and tuple(data.shape[1:]) == spec.shape
+        )
+    elif spec.kind == "ragged":
+        ok = (
+            isinstance(data, Ragged)
+            and data.dtype == spec.torch_dtype
+            and data.inner_shape == spec.shape
+        )
+    else:
+        ok = isinstance(data, list)
+    if not ok:
+        got = type(data).__name__
+        if isinstance(data, torch.Tensor | Ragged):
+            got += f" {data.dtype} {list(data.shape) if isinstance(data, torch.Tensor) else ''}"
+        raise SchemaError(f"field {name!r}: data does not match {spec.describe()} (got {got})")
 
 
 class StorageUnit:
@@ -70,6 +96,7 @@ class StorageUnit:
                 raise SchemaError(
                     f"field {name!r}: expected {col.spec.describe()}, received {spec.describe()}"
                 )
+            _check_data(name, spec, data)
             if column_rows(data) != n:
                 raise SchemaError(f"field {name!r} has {column_rows(data)} rows for {n} indexes")
         slots = self._map.lookup(indexes)
@@ -201,6 +228,12 @@ class StorageUnit:
             col.free(np.flatnonzero(col.written))
         self._map.clear()
         self._alloc.reset()
+
+    def reset(self) -> None:
+        """Forget every row and every field (columns and their memory are dropped)."""
+        self._map = SlotMap()
+        self._alloc = ExtentAllocator(0)
+        self._columns = {}
 
     @property
     def rows(self) -> int:

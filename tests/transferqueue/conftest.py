@@ -1,28 +1,100 @@
 """Fixtures shared by the TransferQueue behaviour tests.
 
 ``tq`` is parametrized over deployments, so every behaviour test runs unchanged against each
-way of running TransferQueue.
+way of running TransferQueue: in-process (``embedded``), controller and units as local
+processes over ZeroMQ (``service``), and as Ray actors (``ray``, needs the ray extra). Service
+and Ray servers are started once per session and reset between tests.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Iterator
 
 import pytest
 
 import transferqueue
 from transferqueue import Client, TransferQueue
 
-DEPLOYMENTS = ["embedded"]
+DEPLOYMENTS = [
+    "embedded",
+    pytest.param("service", marks=pytest.mark.service),
+    pytest.param("ray", marks=pytest.mark.ray),
+]
+
+Deploy = Callable[..., TransferQueue]
+
+
+@pytest.fixture(scope="session")
+def local_service() -> Iterator[transferqueue.LocalService]:
+    with transferqueue.serve(num_units=2) as svc:
+        yield svc
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[None]:
+    ray = pytest.importorskip("ray")
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_tq(ray_cluster: None) -> Iterator[str]:
+    from transferqueue.ray_deploy import start_on_ray
+
+    handle = start_on_ray(num_units=2)
+    yield str(handle.address)
+    handle.close()
 
 
 @pytest.fixture(params=DEPLOYMENTS)
-def tq(request: pytest.FixtureRequest) -> Iterator[TransferQueue]:
-    handle = transferqueue.start(num_units=2)
-    try:
-        yield handle
-    finally:
-        handle.close()
+def deploy(request: pytest.FixtureRequest) -> Iterator[Deploy]:
+    """A factory of TransferQueue handles of the test's deployment.
+
+    ``deploy()`` gives the shared (reset) instance; options such as ``capacity_rows`` start
+    a dedicated one.
+    """
+    kind = request.param
+    handles: list[TransferQueue] = []
+    services: list[transferqueue.LocalService] = []
+
+    def make(**options: object) -> TransferQueue:
+        if kind == "embedded":
+            h = transferqueue.start(num_units=2, **options)  # type: ignore[arg-type]
+        elif options:
+            if kind == "ray":
+                from transferqueue.ray_deploy import start_on_ray
+
+                h = start_on_ray(num_units=2, **options)  # type: ignore[arg-type]
+            else:
+                svc = transferqueue.serve(num_units=2, **options)
+                services.append(svc)
+                h = transferqueue.connect(svc.address)
+        else:
+            shared = request.getfixturevalue("local_service" if kind == "service" else "ray_tq")
+            address = shared.address if kind == "service" else shared
+            h = transferqueue.connect(address)
+            h.reset()
+        handles.append(h)
+        return h
+
+    yield make
+    for h in handles:
+        h.close()
+    for s in services:
+        s.close()
+
+
+@pytest.fixture
+def tq(deploy: Deploy) -> TransferQueue:
+    return deploy()
 
 
 @pytest.fixture

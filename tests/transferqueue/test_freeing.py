@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.transferqueue.conftest import Deploy
 from transferqueue import CapacityError, Client, TransferQueue, UnknownRowError, UnknownTaskError
 
 
@@ -57,10 +58,8 @@ def test_memory_of_freed_rows_is_reused(client: Client, tq: TransferQueue) -> No
     assert all(c <= 256 for c in caps), caps  # ten batches went through the same slots
 
 
-def test_put_waits_for_capacity_then_proceeds() -> None:
-    import transferqueue
-
-    with transferqueue.start(num_units=1, capacity_rows=8) as tq:
+def test_put_waits_for_capacity_then_proceeds(deploy: Deploy) -> None:
+    with deploy(capacity_rows=8) as tq:
         client = tq.client()
         client.declare_tasks(["t"])
         client.put({"x": torch.arange(8)}, group=0)

@@ -1,0 +1,158 @@
+"""The Ray deployment: the controller and the storage units as Ray actors.
+
+Ray does placement and lifecycle; data never goes through Ray's object store: every actor
+runs the same ZeroMQ server as ``transferqueue serve`` and clients (any process, any Ray task
+or actor) connect to it with :func:`transferqueue.connect`. The actor classes are plain
+classes; ``ray.remote`` is applied here, at deployment time, so nothing else imports Ray.
+
+    import ray, transferqueue.ray_deploy as tqr
+    ray.init()
+    tq = tqr.start_on_ray(num_units=4)         # units spread over the cluster's nodes
+    client = tq.client()                        # in the driver
+    address = tq.address                        # pass it to tasks: transferqueue.connect(address)
+
+Servers bind to the IP Ray uses for their node (loopback on a local cluster); pass ``host``
+to choose another interface.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import zmq.asyncio
+
+from transferqueue.handle import TransferQueue
+from transferqueue.loop import LoopThread
+from transferqueue.remote import connect
+from transferqueue.server import ControllerServer, UnitServer
+
+__all__ = ["ControllerActor", "UnitActor", "start_on_ray"]
+
+
+class _ServerActor:
+    """Runs one server on a private event-loop thread inside the actor process."""
+
+    def __init__(self) -> None:
+        self._io = LoopThread("transferqueue-actor")
+        self._ctx = zmq.asyncio.Context()
+        self._server: Any = None
+
+    @staticmethod
+    def _host(host: str | None) -> str:
+        if host:
+            return host
+        import ray
+
+        return str(ray.util.get_node_ip_address())
+
+    def address(self) -> str:
+        return str(self._server.address)
+
+    def ping(self) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        if self._server is not None and not self._io.closed:
+            self._io.run(self._server.close(), timeout=10)
+            self._server = None
+        self._io.close()
+        self._ctx.term()
+
+
+class UnitActor(_ServerActor):
+    """A storage unit server (apply ``ray.remote`` to deploy)."""
+
+    def __init__(self, unit_id: int, capacity_bytes: int | None, host: str | None) -> None:
+        super().__init__()
+
+        async def make() -> UnitServer:
+            server = UnitServer(
+                self._ctx, unit_id, f"tcp://{self._host(host)}:0", capacity_bytes=capacity_bytes
+            )
+            server.start()
+            return server
+
+        self._server = self._io.run(make())
+
+
+class ControllerActor(_ServerActor):
+    """The controller server (apply ``ray.remote`` to deploy)."""
+
+    def __init__(
+        self, unit_addresses: list[str], capacity_rows: int | None, host: str | None
+    ) -> None:
+        super().__init__()
+
+        async def make() -> ControllerServer:
+            server = ControllerServer(
+                self._ctx,
+                unit_addresses,
+                f"tcp://{self._host(host)}:0",
+                capacity_rows=capacity_rows,
+            )
+            await server.start()
+            return server
+
+        self._server = self._io.run(make())
+
+
+def start_on_ray(
+    num_units: int = 2,
+    *,
+    capacity_rows: int | None = None,
+    unit_capacity_bytes: int | None = None,
+    host: str | None = None,
+    spread: bool = True,
+    name_prefix: str | None = None,
+) -> TransferQueue:
+    """Start controller and units as Ray actors and return a connected handle.
+
+    Needs ``ray.init()`` first. Actors take no CPU slot (``num_cpus=0``: they are I/O bound)
+    and are spread over nodes (``spread=False`` packs them). ``handle.close()`` kills them.
+    """
+    try:
+        import ray
+    except ImportError:
+        raise ImportError('the Ray deployment needs ray: pip install "asyncflow[ray]"') from None
+    if not ray.is_initialized():
+        raise RuntimeError("call ray.init() before transferqueue.ray_deploy.start_on_ray()")
+    strategy = "SPREAD" if spread else "DEFAULT"
+    # Any: Ray's actor-handle typing does not model .options(...).remote(...) chains.
+    unit_cls: Any = ray.remote(num_cpus=0)(UnitActor)
+    ctl_cls: Any = ray.remote(num_cpus=0)(ControllerActor)
+
+    def opts(role: str) -> dict[str, Any]:
+        o: dict[str, Any] = {"scheduling_strategy": strategy}
+        if name_prefix:
+            o["name"] = f"{name_prefix}-{role}"
+        return o
+
+    units = [
+        unit_cls.options(**opts(f"unit{i}")).remote(i, unit_capacity_bytes, host)
+        for i in range(num_units)
+    ]
+    actors: list[Any] = list(units)
+    try:
+        unit_addrs = ray.get([u.address.remote() for u in units])
+        ctl = ctl_cls.options(**opts("controller")).remote(unit_addrs, capacity_rows, host)
+        actors.append(ctl)
+        address = str(ray.get(ctl.address.remote()))
+        handle = connect(address)
+    except BaseException:
+        _kill(actors)
+        raise
+
+    handle.mode = "ray"
+    handle.add_closer(lambda: _kill(actors))
+    return handle
+
+
+def _kill(actors: list[Any]) -> None:
+    import ray
+
+    for a in actors:
+        with contextlib.suppress(Exception):  # the actor may be gone already
+            ray.get(a.shutdown.remote(), timeout=10)
+        with contextlib.suppress(Exception):
+            ray.kill(a)

@@ -1,0 +1,78 @@
+"""Entry point of one TransferQueue server process (started by :class:`LocalService`).
+
+    python -m transferqueue.server_main unit --unit-id 0 --address tcp://127.0.0.1:0 --parent PID
+    python -m transferqueue.server_main controller --units A,B --address ADDR --parent PID
+
+It prints ``READY <bound address>`` once serving, stops on SIGTERM/SIGINT, and stops on its
+own when its parent process is gone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import zmq.asyncio
+
+from transferqueue.server import ControllerServer, UnitServer
+
+READY = "TRANSFERQUEUE-READY "
+_PARENT_POLL_S = 1.0
+
+
+async def _serve_until_stopped(server: Any, parent: int) -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(READY + server.address, flush=True)
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), _PARENT_POLL_S)
+        if os.getppid() != parent:  # orphaned: whoever started us is gone
+            break
+    await server.close()
+
+
+async def _run_unit(unit_id: int, address: str, capacity_bytes: int | None, parent: int) -> None:
+    ctx = zmq.asyncio.Context()
+    server = UnitServer(ctx, unit_id, address, capacity_bytes=capacity_bytes)
+    server.start()
+    await _serve_until_stopped(server, parent)
+    ctx.term()
+
+
+async def _run_controller(
+    units: Sequence[str], address: str, capacity_rows: int | None, parent: int
+) -> None:
+    ctx = zmq.asyncio.Context()
+    server = ControllerServer(ctx, units, address, capacity_rows=capacity_rows)
+    await server.start()
+    await _serve_until_stopped(server, parent)
+    ctx.term()
+
+
+def _child_main(argv: list[str]) -> None:
+    """Entry point of a server process (``python -m transferqueue.service ...``)."""
+    ap = argparse.ArgumentParser(prog="transferqueue.service")
+    ap.add_argument("role", choices=["unit", "controller"])
+    ap.add_argument("--address", required=True)
+    ap.add_argument("--parent", type=int, required=True)
+    ap.add_argument("--unit-id", type=int, default=0)
+    ap.add_argument("--capacity", type=int, default=None)
+    ap.add_argument("--units", default="")
+    a = ap.parse_args(argv)
+    if a.role == "unit":
+        asyncio.run(_run_unit(a.unit_id, a.address, a.capacity, a.parent))
+    else:
+        asyncio.run(_run_controller(a.units.split(","), a.address, a.capacity, a.parent))
+
+
+if __name__ == "__main__":
+    _child_main(sys.argv[1:])

@@ -1,0 +1,163 @@
+"""The local-service deployment: a controller and N storage units as processes on one host.
+
+``serve()`` (or ``transferqueue serve``) starts them, waits until each has bound its socket,
+and returns the controller's address; any process connects with
+``transferqueue.connect(address)``. Servers bind to loopback unless told otherwise; binding
+other interfaces is an explicit choice (``host="0.0.0.0"``), and the address handed to clients
+is then ``advertise_host`` (default: this host's name).
+
+Children stop on SIGTERM/SIGINT, and on their own when the parent that started them is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from types import TracebackType
+from typing import Any
+
+from transferqueue.errors import PeerGoneError
+from transferqueue.server_main import READY
+
+__all__ = ["LocalService", "serve"]
+
+
+def _advertised(address: str, advertise_host: str | None) -> str:
+    if not address.startswith("tcp://"):
+        return address
+    host, port = address[len("tcp://") :].rsplit(":", 1)
+    if host in ("0.0.0.0", "*", "::"):
+        host = advertise_host or socket.gethostbyname(socket.gethostname())
+    return f"tcp://{host}:{port}"
+
+
+class LocalService:
+    """Controller and storage-unit processes; ``address`` is what clients connect to."""
+
+    def __init__(
+        self,
+        num_units: int = 2,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        transport: str = "tcp",
+        capacity_rows: int | None = None,
+        unit_capacity_bytes: int | None = None,
+        advertise_host: str | None = None,
+        start_timeout_s: float = 120.0,
+    ) -> None:
+        if num_units < 1:
+            raise ValueError(f"num_units must be >= 1, got {num_units}")
+        if transport not in ("tcp", "ipc"):
+            raise ValueError(f"transport must be 'tcp' or 'ipc', got {transport!r}")
+        self._procs: list[subprocess.Popen[str]] = []
+        self._rundir = tempfile.mkdtemp(prefix="transferqueue-") if transport == "ipc" else None
+        self._finalizer = weakref.finalize(self, _stop, self._procs, self._rundir)
+        try:
+            for i in range(num_units):
+                args = ["unit", "--unit-id", str(i), "--address", self._bind(transport, host, 0, i)]
+                if unit_capacity_bytes is not None:
+                    args += ["--capacity", str(unit_capacity_bytes)]
+                self._spawn(args)
+            units = [
+                _advertised(self._wait(p, start_timeout_s), advertise_host) for p in self._procs
+            ]
+            args = ["controller", "--units", ",".join(units)]
+            args += ["--address", self._bind(transport, host, port, None)]
+            if capacity_rows is not None:
+                args += ["--capacity", str(capacity_rows)]
+            ctl = self._spawn(args)
+            self.address = _advertised(self._wait(ctl, start_timeout_s), advertise_host)
+            self.unit_addresses = units
+        except BaseException:
+            self.close()
+            raise
+
+    def _bind(self, transport: str, host: str, port: int, unit: int | None) -> str:
+        if transport == "ipc":
+            assert self._rundir is not None
+            name = "controller" if unit is None else f"unit{unit}"
+            return f"ipc://{os.path.join(self._rundir, name)}"
+        return f"tcp://{host}:{port}"
+
+    def _spawn(self, args: list[str]) -> subprocess.Popen[str]:
+        cmd = [
+            sys.executable,
+            "-m",
+            "transferqueue.server_main",
+            *args,
+            "--parent",
+            str(os.getpid()),
+        ]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        self._procs.append(proc)
+        return proc
+
+    @staticmethod
+    def _wait(proc: subprocess.Popen[str], timeout_s: float) -> str:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([proc.stdout], [], [], 0.1)
+            if ready:
+                line = proc.stdout.readline()
+                if line.startswith(READY):
+                    return line[len(READY) :].strip()
+                if not line and proc.poll() is not None:
+                    break
+        if proc.poll() is not None:
+            raise PeerGoneError(
+                f"a TransferQueue server exited during start-up (exit code {proc.returncode}); "
+                "its error is printed above"
+            )
+        raise PeerGoneError(f"a TransferQueue server did not start within {timeout_s} s")
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.poll() is None for p in self._procs)
+
+    def close(self) -> None:
+        """Stop every server process (SIGTERM, then SIGKILL after a grace period)."""
+        self._finalizer()
+
+    def __enter__(self) -> LocalService:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def _stop(procs: list[subprocess.Popen[str]], rundir: str | None) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=5)
+        if p.stdout is not None:
+            p.stdout.close()
+    if rundir is not None:
+        shutil.rmtree(rundir, ignore_errors=True)
+
+
+def serve(num_units: int = 2, **kwargs: Any) -> LocalService:
+    """Start a local TransferQueue service; see :class:`LocalService` for the options."""
+    return LocalService(num_units, **kwargs)
