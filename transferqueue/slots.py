@@ -51,7 +51,7 @@ class SlotMap:
         elif lo < self._base:
             self._rebase(lo, hi)
         if hi >= self._base + self._ring.size:
-            self._rebase(min(lo, self._base), hi)
+            self._rebase(lo, hi)
         pos = indexes & (self._ring.size - 1)
         if bool((self._ring[pos] >= 0).any()):
             dup = indexes[self._ring[pos] >= 0][:5].tolist()
@@ -90,6 +90,8 @@ class SlotMap:
         # Indexes live in the window map back from their ring positions relative to base.
         live_idx = self._base + ((live_pos - self._base) & (old_cap - 1))
         new_base = min(lo, int(live_idx.min())) if live_idx.size else lo
+        if live_idx.size:
+            hi = max(hi, int(live_idx.max()))
         cap = old_cap
         while hi - new_base >= cap:
             cap <<= 1
