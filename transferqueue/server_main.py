@@ -21,8 +21,8 @@ from typing import Any
 import zmq.asyncio
 
 from transferqueue.server import ControllerServer, UnitServer
+from transferqueue.service import READY
 
-READY = "TRANSFERQUEUE-READY "
 _PARENT_POLL_S = 1.0
 
 

@@ -24,9 +24,10 @@ from types import TracebackType
 from typing import Any
 
 from transferqueue.errors import PeerGoneError
-from transferqueue.server_main import READY
 
-__all__ = ["LocalService", "serve"]
+__all__ = ["READY", "LocalService", "serve"]
+
+READY = "TRANSFERQUEUE-READY "  # a server process prints this, then its bound address
 
 
 def _advertised(address: str, advertise_host: str | None) -> str:

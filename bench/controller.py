@@ -1,0 +1,189 @@
+"""Controller and embedded data-path benchmark (TransferQueue core).
+
+    python -m bench.controller            # full run (~1-2 min on 2 cores)
+    python -m bench.controller --quick    # smaller sizes, for a smoke test
+
+Cases, each against a baseline measured in the same run:
+
+1. ``put+get_meta+ack`` rate through the embedded client, batch 64 (samples/s).
+2. ``get_meta+ack`` cost as rows held by the controller grow 1k -> 100k -> 1M; the ratio of
+   the 1M cost to the 1k cost must stay <= 2 (a batch costs O(batch), not O(rows)). Measured
+   on the controller core (the algorithm) and through the client (what users see).
+3. Embedded ``put`` + ``get_data`` of a dense float32 batch of 1024 x 8192 x 9 fields
+   (~288 MB, TransferQueue's "Small" case) against a memcpy of the same bytes into a new
+   tensor (``clone``: what any read that returns an independent tensor must do) and into a
+   warm preallocated buffer (``copy_``: the hardware ceiling). Target: >= 50% of the clone
+   memcpy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+import transferqueue
+from bench.common import line, timeit, write_json
+from transferqueue.controller import Controller
+from transferqueue.schema import FieldSpec
+
+
+def put_get_ack_rate(batch: int, seconds: float) -> dict[str, Any]:
+    with transferqueue.start(num_units=2) as tq:
+        client = tq.client()
+        client.declare_tasks(["t"])
+        x = torch.arange(batch, dtype=torch.int64)
+        n = 0
+        t_end = time.perf_counter() + seconds
+        t0 = time.perf_counter()
+        while time.perf_counter() < t_end:
+            client.put({"x": x}, group=0)
+            meta = client.get_meta("t", ["x"], batch, timeout_s=5)
+            client.ack(meta)
+            n += batch
+        dt = time.perf_counter() - t0
+    rate = n / dt
+    line(f"embedded put+get_meta+ack (batch {batch})", rate, "samples/s")
+    return {"batch": batch, "samples_per_s": rate, "samples": n, "seconds": dt}
+
+
+def _fill_core(ctl: Controller, rows: int) -> None:
+    ctl.register_fields({"x": FieldSpec.dense(torch.int64)})
+    chunk = 65536
+    for start in range(0, rows, chunk):
+        meta = ctl.allocate(min(chunk, rows - start), "p")
+        ctl.commit(meta.indexes, ["x"])
+
+
+def core_cost(rows: int, batch: int, iters: int) -> float:
+    """Seconds per get_meta+ack on the controller core with ``rows`` queued for the task."""
+    ctl = Controller(num_units=2)
+    ctl.poll(task="t", partition="p", fields=["x"], batch_size=batch, lease_s=60)
+    _fill_core(ctl, rows + batch * (iters + 10))
+    for _ in range(10):  # warm up
+        meta, _ = ctl.poll(task="t", partition="p", fields=None, batch_size=batch, lease_s=60)
+        assert meta is not None and meta.lease_id is not None
+        ctl.ack(meta.lease_id, meta.indexes)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        meta, _ = ctl.poll(task="t", partition="p", fields=None, batch_size=batch, lease_s=60)
+        assert meta is not None and meta.lease_id is not None
+        ctl.ack(meta.lease_id, meta.indexes)
+    return (time.perf_counter() - t0) / iters
+
+
+def client_cost(rows: int, batch: int, iters: int) -> float:
+    """Seconds per get_meta+ack through the embedded client with ``rows`` queued."""
+    with transferqueue.start(num_units=2) as tq:
+        client = tq.client()
+        total = rows + batch * (iters + 10)
+        chunk = 65536
+        for start in range(0, total, chunk):
+            client.put({"x": torch.zeros(min(chunk, total - start), dtype=torch.int64)}, group=0)
+        for _ in range(10):
+            client.ack(client.get_meta("t", ["x"], batch, timeout_s=5))
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            client.ack(client.get_meta("t", ["x"], batch, timeout_s=5))
+        return (time.perf_counter() - t0) / iters
+
+
+def scaling(sizes: list[int], batch: int, iters: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"batch": batch, "rows": sizes, "core_s": [], "client_s": []}
+    for rows in sizes:
+        core = min(core_cost(rows, batch, iters) for _ in range(3))
+        cli = min(client_cost(rows, batch, iters) for _ in range(2))
+        out["core_s"].append(core)
+        out["client_s"].append(cli)
+        line(f"get_meta+ack core, {rows:>9,} rows held", core * 1e6, "us/batch")
+        line(f"get_meta+ack client, {rows:>9,} rows held", cli * 1e6, "us/batch")
+    out["core_ratio_max_to_min_rows"] = out["core_s"][-1] / out["core_s"][0]
+    out["client_ratio_max_to_min_rows"] = out["client_s"][-1] / out["client_s"][0]
+    line(
+        f"get_meta cost ratio {sizes[-1]:,} / {sizes[0]:,} rows",
+        out["core_ratio_max_to_min_rows"],
+        "x (core)",
+        client=out["client_ratio_max_to_min_rows"],
+        target="<=2",
+    )
+    return out
+
+
+def dense_small(rows: int, width: int, fields: int, repeat: int) -> dict[str, Any]:
+    cols = {f"f{i}": torch.randn(rows, width) for i in range(fields)}
+    nbytes = rows * width * fields * 4
+    src = torch.cat([c.reshape(-1) for c in cols.values()])
+    warm = torch.empty_like(src)
+    memcpy_clone = timeit(lambda: src.clone(), repeat=repeat)
+    memcpy_warm = timeit(lambda: warm.copy_(src), repeat=repeat)
+    with transferqueue.start(num_units=2) as tq:
+        client = tq.client()
+        client.declare_tasks(["t"])
+
+        def cycle() -> None:
+            client.put(cols, group=0)
+            meta = client.get_meta("t", list(cols), rows, timeout_s=30)
+            client.get_data(meta)
+            client.ack(meta)
+
+        tq_t = timeit(cycle, warmup=2, repeat=repeat)
+        put_t = timeit(lambda: client.ack(_put_then_meta(client, cols, rows)), repeat=repeat)
+        meta = _put_then_meta(client, cols, rows)
+        get_t = timeit(lambda: client.get_data(meta), repeat=repeat)
+        client.ack(meta)
+    gbs = lambda s: nbytes / s / 1e9  # noqa: E731
+    res = {
+        "bytes": nbytes,
+        "shape": [rows, width, fields],
+        "memcpy_clone_GBps": gbs(memcpy_clone["best_s"]),
+        "memcpy_warm_GBps": gbs(memcpy_warm["best_s"]),
+        "tq_put_get_GBps": gbs(tq_t["best_s"]),
+        "tq_put_GBps": gbs(put_t["best_s"]),
+        "tq_get_GBps": gbs(get_t["best_s"]),
+    }
+    res["ratio_vs_memcpy_clone"] = res["tq_put_get_GBps"] / res["memcpy_clone_GBps"]
+    res["ratio_vs_memcpy_warm"] = res["tq_put_get_GBps"] / res["memcpy_warm_GBps"]
+    mb = nbytes / 1e6
+    line(f"memcpy clone ({mb:.0f} MB)", res["memcpy_clone_GBps"], "GB/s")
+    line(f"memcpy into warm buffer ({mb:.0f} MB)", res["memcpy_warm_GBps"], "GB/s")
+    line("embedded put (one copy in)", res["tq_put_GBps"], "GB/s")
+    line("embedded get_data (one gather out)", res["tq_get_GBps"], "GB/s")
+    line(
+        "embedded put+get_data",
+        res["tq_put_get_GBps"],
+        "GB/s",
+        vs_clone=res["ratio_vs_memcpy_clone"],
+        vs_warm=res["ratio_vs_memcpy_warm"],
+        target="vs_clone>=0.5",
+    )
+    return res
+
+
+def _put_then_meta(client: transferqueue.Client, cols: dict[str, torch.Tensor], rows: int) -> Any:
+    client.put(cols, group=0)
+    return client.get_meta("t", list(cols), rows, timeout_s=30)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smaller sizes (smoke test)")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    np.random.seed(0)
+    if args.quick:
+        sizes, iters, rate_s, dense = [1_000, 100_000], 200, 1.0, (256, 8192, 9)
+    else:
+        sizes, iters, rate_s, dense = [1_000, 100_000, 1_000_000], 500, 3.0, (1024, 8192, 9)
+    results = {
+        "put_get_ack": put_get_ack_rate(64, rate_s),
+        "scaling": scaling(sizes, 64, iters),
+        "dense_small": dense_small(*dense, repeat=5),
+    }
+    write_json("controller", results)
+
+
+if __name__ == "__main__":
+    main()
