@@ -198,6 +198,7 @@ class AsyncClient:
         lease_s: float = 60.0,
         sampler: str = "fifo",
         min_version: int | None = None,
+        max_group: int | None = None,
         **sampler_options: Any,
     ) -> BatchMeta:
         """Lease up to ``batch_size`` rows whose ``fields`` are all ready for ``task``.
@@ -205,7 +206,9 @@ class AsyncClient:
         Blocks until the batch is full, the partition is finished and drained for this task
         (``reason == "end"``), or ``timeout_s`` passes (``reason == "timeout"``, short or
         empty). ``None`` waits without bound. Rows below ``min_version`` are dropped for this
-        task (counted in stats). Sampler options (``group_size=``, ``dp_size=``) go as keywords.
+        task (counted in stats). ``max_group`` bounds the group ids handed out (group sampler
+        with ``order="group"``). Sampler options (``group_size=``, ``dp_size=``, ``order=``) go
+        as keywords.
         """
         return await self._io.run_async(
             self._ctl.get_meta(
@@ -218,6 +221,7 @@ class AsyncClient:
                 sampler=sampler,
                 sampler_options=sampler_options,
                 min_version=min_version,
+                max_group=max_group,
             )
         )
 

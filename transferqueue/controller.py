@@ -416,6 +416,7 @@ class Controller:
         sampler: str = "fifo",
         sampler_options: Mapping[str, Any] | None = None,
         min_version: int | None = None,
+        max_group: int | None = None,
         short_ok: bool = False,
     ) -> tuple[BatchMeta | None, Changes]:
         """Hand out a batch if one is due: full, end of stream, or (``short_ok``) whatever is
@@ -423,21 +424,27 @@ class Controller:
         part = self.partition(partition)
         t = self._task(part, task, fields, sampler, sampler_options or {})
         t.sampler.check_batch_size(batch_size)
+        if max_group is not None and not t.sampler.supports_max_group:
+            raise ValueError(
+                f"task {task!r}: max_group needs a sampler that orders by group id "
+                '(sampler="group", order="group"); its sampler is ' + repr(t.sampler_name)
+            )
         changes = Changes()
         if min_version is not None:
             dropped = t.sampler.drop_below(min_version)
             if dropped.size:
                 changes.merge(self._mark_done(part, t, self._slots(dropped), dropped=True))
-        avail = t.sampler.available()
+        avail = t.sampler.available(max_group)
         full = avail >= t.sampler.batch_rows(batch_size)
         # Finished and nothing still waiting for upstream fields: no wait can fill the batch.
-        drained = part.finished and t.done + t.leased + avail == part.rows_put
+        queued = avail if max_group is None else t.sampler.available()
+        drained = part.finished and t.done + t.leased + queued == part.rows_put
         if not (full or short_ok or (drained and (avail > 0 or t.leased == 0))):
             return None, changes
-        sel = t.sampler.sample(batch_size)
+        sel = t.sampler.sample(batch_size, max_group)
         slots = self._slots(sel.indexes)
-        if drained and t.leased == 0 and sel.indexes.size == avail:
-            reason = "end"
+        if drained and t.leased == 0 and t.sampler.available() == 0:
+            reason = "end"  # after this batch the task has nothing left to receive
         elif full:
             reason = "full"
         else:

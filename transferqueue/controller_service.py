@@ -170,6 +170,7 @@ class ControllerService:
         sampler: str = "fifo",
         sampler_options: Mapping[str, Any] | None = None,
         min_version: int | None = None,
+        max_group: int | None = None,
         partial: bool = True,
     ) -> BatchMeta:
         """Wait for a batch (see AsyncClient.get_meta). ``partial=False``: at the timeout,
@@ -193,6 +194,7 @@ class ControllerService:
                 sampler=sampler,
                 sampler_options=sampler_options,
                 min_version=min_version,
+                max_group=max_group,
                 short_ok=timed_out,
             )
             self._apply(changes)

@@ -76,6 +76,7 @@ class ControllerLink(Protocol):
         sampler: str = "fifo",
         sampler_options: Mapping[str, Any] | None = None,
         min_version: int | None = None,
+        max_group: int | None = None,
     ) -> BatchMeta: ...
 
     async def ack(self, lease_id: int, indexes: np.ndarray | None = None) -> None: ...

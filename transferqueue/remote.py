@@ -103,6 +103,7 @@ class RemoteControllerLink:
         sampler: str = "fifo",
         sampler_options: Mapping[str, Any] | None = None,
         min_version: int | None = None,
+        max_group: int | None = None,
     ) -> BatchMeta:
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + max(0.0, timeout_s)
@@ -124,6 +125,7 @@ class RemoteControllerLink:
                         "sampler": sampler,
                         "sampler_options": dict(sampler_options or {}),
                         "min_version": min_version,
+                        "max_group": max_group,
                         "partial": last,
                     },
                     wait_s=wait + self.rpc.call_timeout_s,

@@ -72,6 +72,7 @@ class Client:
         lease_s: float = 60.0,
         sampler: str = "fifo",
         min_version: int | None = None,
+        max_group: int | None = None,
         **sampler_options: Any,
     ) -> BatchMeta:
         """See :meth:`AsyncClient.get_meta`."""
@@ -85,6 +86,7 @@ class Client:
                 lease_s=lease_s,
                 sampler=sampler,
                 min_version=min_version,
+                max_group=max_group,
                 **sampler_options,
             )
         )

@@ -98,3 +98,33 @@ def test_registry_lists_known_samplers_on_unknown_name(client: Client) -> None:
     client.put({"x": torch.zeros(1)}, group=0)
     with pytest.raises(ValueError, match="unknown sampler"):
         client.get_meta("t", ["x"], 1, sampler="nope", timeout_s=0)
+
+
+def test_group_order_with_max_group_serves_windows_in_any_completion_order(
+    client: Client,
+) -> None:
+    gs, per_step = 2, 3
+    gids = np.repeat(np.arange(9), gs)  # three windows of three groups
+    client.put({"p": torch.zeros(len(gids))}, group=gids)
+    gen = client.get_meta("gen", ["p"], len(gids), timeout_s=1)
+    # groups of the second window complete first, then the first window in reverse
+    order = [3, 4, 5, 2, 1, 0, 8, 7, 6]
+    for g in order:
+        client.put({"r": torch.ones(gs)}, meta=gen.select(np.flatnonzero(gen.groups == g)))
+    for step in range(3):
+        window = (step + 1) * per_step - 1
+        meta = client.get_meta(
+            "train",
+            ["r"],
+            gs * per_step,
+            sampler="group",
+            group_size=gs,
+            order="group",
+            max_group=window,
+            timeout_s=1,
+        )
+        assert meta.reason in ("full", "end")
+        assert sorted(set(meta.groups.tolist())) == list(range(step * per_step, window + 1))
+        client.ack(meta)
+    with pytest.raises(ValueError, match="max_group needs"):
+        client.get_meta("other", ["r"], 2, max_group=3, timeout_s=0)

@@ -68,8 +68,8 @@ class BalancedSampler(Sampler):
     def add(self, indexes: np.ndarray, *, returned: bool = False) -> None:
         self._base.add(indexes, returned=returned)
 
-    def available(self) -> int:
-        return self._base.available()
+    def available(self, max_group: int | None = None) -> int:
+        return self._base.available(max_group)
 
     def batch_rows(self, batch_size: int) -> int:
         return self._base.batch_rows(batch_size)
@@ -82,8 +82,8 @@ class BalancedSampler(Sampler):
                 "every rank needs at least one row"
             )
 
-    def sample(self, batch_size: int) -> Selection:
-        sel = self._base.sample(batch_size)
+    def sample(self, batch_size: int, max_group: int | None = None) -> Selection:
+        sel = self._base.sample(batch_size, max_group)
         parts = balance_lengths(self.header.lengths(sel.indexes), self.dp_size)
         return Selection(sel.indexes, parts)
 

@@ -42,6 +42,8 @@ class Sampler(ABC):
     """Chooses rows for one task. Subclasses register with ``@register_sampler("name")``."""
 
     name: ClassVar[str] = ""
+    supports_max_group = False
+    """Whether ``sample``/``available`` honour a ``max_group`` bound (see the group sampler)."""
 
     def __init__(self, header: HeaderView, **options: Any) -> None:
         if options:
@@ -57,12 +59,13 @@ class Sampler(ABC):
         expired or released lease (``returned=True``: they go before newer rows)."""
 
     @abstractmethod
-    def available(self) -> int:
+    def available(self, max_group: int | None = None) -> int:
         """Rows a ``sample`` with a large enough ``batch_size`` would hand out now."""
 
     @abstractmethod
-    def sample(self, batch_size: int) -> Selection:
-        """Take up to ``batch_size`` rows (fewer only when fewer are available)."""
+    def sample(self, batch_size: int, max_group: int | None = None) -> Selection:
+        """Take up to ``batch_size`` rows (fewer only when fewer are available); with
+        ``max_group``, only rows of groups with id <= max_group (if supported)."""
 
     @abstractmethod
     def drop_below(self, min_version: int) -> np.ndarray:

@@ -120,10 +120,10 @@ class FifoSampler(Sampler):
     def add(self, indexes: np.ndarray, *, returned: bool = False) -> None:
         self._queue.push_by_version(indexes, self.header.versions(indexes), front=returned)
 
-    def available(self) -> int:
+    def available(self, max_group: int | None = None) -> int:
         return self._queue.rows
 
-    def sample(self, batch_size: int) -> Selection:
+    def sample(self, batch_size: int, max_group: int | None = None) -> Selection:
         parts = self._queue.take(batch_size, split=True)
         return Selection(_concat(parts))
 

@@ -2,13 +2,20 @@
 
 Rows carry a ``group`` id in their header. A group is complete for a task once
 ``group_size`` of its rows are ready for that task; only complete groups are handed out, never
-split across batches. Groups are served oldest first by the lowest version among their rows.
-A group that receives more than ``group_size`` rows completes at ``group_size`` and the extra
-rows start a new group with the same id.
+split across batches. A group that receives more than ``group_size`` rows completes at
+``group_size`` and the extra rows start a new group with the same id.
+
+``order`` says which complete groups go first:
+
+- ``"version"`` (default): the lowest version among a group's rows, oldest first;
+- ``"group"``: ascending group id. With it, ``get_meta(max_group=g)`` hands out only groups
+  with id <= g: a consumer that must take groups in windows (a train step that consumes the
+  groups admitted for it, in whatever order they complete) asks for exactly its window.
 """
 
 from __future__ import annotations
 
+import bisect
 from typing import Any
 
 import numpy as np
@@ -24,13 +31,20 @@ __all__ = ["GroupSampler"]
 class GroupSampler(Sampler):
     """Whole groups of ``group_size`` rows, oldest version first."""
 
-    def __init__(self, header: HeaderView, *, group_size: int, **options: Any) -> None:
+    def __init__(
+        self, header: HeaderView, *, group_size: int, order: str = "version", **options: Any
+    ) -> None:
         super().__init__(header, **options)
         if not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group sampler needs group_size >= 1, got {group_size!r}")
+        if order not in ("version", "group"):
+            raise ValueError(f"group sampler order must be 'version' or 'group', got {order!r}")
         self.group_size = group_size
+        self.supports_max_group = order == "group"
         self._partial: dict[int, list[int]] = {}  # group id -> ready rows so far
-        self._complete = VersionQueue()  # items: one complete group each
+        self._complete: VersionQueue | GroupIdQueue = (
+            VersionQueue() if order == "version" else GroupIdQueue()
+        )
 
     def add(self, indexes: np.ndarray, *, returned: bool = False) -> None:
         if indexes.size == 0:
@@ -54,10 +68,14 @@ class GroupSampler(Sampler):
                 self._push(np.asarray(members, dtype=np.int64), front=False)
 
     def _push(self, rows: np.ndarray, *, front: bool) -> None:
-        version = int(self.header.versions(rows).min())
-        self._complete.push(version, rows, front=front)
+        if isinstance(self._complete, GroupIdQueue):
+            self._complete.push(int(self.header.groups(rows[:1])[0]), rows)
+        else:
+            self._complete.push(int(self.header.versions(rows).min()), rows, front=front)
 
-    def available(self) -> int:
+    def available(self, max_group: int | None = None) -> int:
+        if isinstance(self._complete, GroupIdQueue):
+            return self._complete.available(max_group)
         return self._complete.rows
 
     def check_batch_size(self, batch_size: int) -> None:
@@ -71,11 +89,19 @@ class GroupSampler(Sampler):
     def batch_rows(self, batch_size: int) -> int:
         return (batch_size // self.group_size) * self.group_size
 
-    def sample(self, batch_size: int) -> Selection:
-        return Selection(_concat(self._complete.take(self.batch_rows(batch_size), split=False)))
+    def sample(self, batch_size: int, max_group: int | None = None) -> Selection:
+        n = self.batch_rows(batch_size)
+        if isinstance(self._complete, GroupIdQueue):
+            return Selection(_concat(self._complete.take(n, max_group)))
+        return Selection(_concat(self._complete.take(n, split=False)))
 
     def drop_below(self, min_version: int) -> np.ndarray:
+        if isinstance(self._complete, GroupIdQueue):
+            return _concat(self._complete.drop_if(lambda rows: self._stale(rows, min_version)))
         return _concat(self._complete.drop_below(min_version))
+
+    def _stale(self, rows: np.ndarray, min_version: int) -> bool:
+        return bool(int(self.header.versions(rows).min()) < min_version)
 
     def clear(self) -> None:
         self._partial.clear()
@@ -85,3 +111,67 @@ class GroupSampler(Sampler):
     def partial_groups(self) -> int:
         """Groups with some but not all rows ready."""
         return len(self._partial)
+
+
+class GroupIdQueue:
+    """Complete groups in ascending group id (a sorted id list; a few groups per step)."""
+
+    def __init__(self) -> None:
+        self._ids: list[int] = []
+        self._rows: dict[int, list[np.ndarray]] = {}
+        self.rows = 0
+
+    def push(self, gid: int, rows: np.ndarray) -> None:
+        items = self._rows.get(gid)
+        if items is None:
+            bisect.insort(self._ids, gid)
+            items = self._rows[gid] = []
+        items.append(rows)
+        self.rows += int(rows.size)
+
+    def available(self, max_group: int | None) -> int:
+        if max_group is None:
+            return self.rows
+        end = bisect.bisect_right(self._ids, max_group)
+        return sum(int(r.size) for gid in self._ids[:end] for r in self._rows[gid])
+
+    def take(self, n: int, max_group: int | None) -> list[np.ndarray]:
+        out: list[np.ndarray] = []
+        need = n
+        while self._ids and need > 0:
+            gid = self._ids[0]
+            if max_group is not None and gid > max_group:
+                break
+            items = self._rows[gid]
+            if items[0].size > need:
+                break
+            rows = items.pop(0)
+            if not items:
+                del self._rows[gid]
+                self._ids.pop(0)
+            out.append(rows)
+            need -= int(rows.size)
+            self.rows -= int(rows.size)
+        return out
+
+    def drop_if(self, stale: Any) -> list[np.ndarray]:
+        dropped = []
+        for gid in list(self._ids):
+            keep = []
+            for rows in self._rows[gid]:
+                if stale(rows):
+                    dropped.append(rows)
+                    self.rows -= int(rows.size)
+                else:
+                    keep.append(rows)
+            if keep:
+                self._rows[gid] = keep
+            else:
+                del self._rows[gid]
+                self._ids.remove(gid)
+        return dropped
+
+    def clear(self) -> None:
+        self._ids.clear()
+        self._rows.clear()
+        self.rows = 0
