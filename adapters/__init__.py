@@ -1,0 +1,28 @@
+"""Adapters: each turns one engine role into a producer-consumer stage of TransferQueue.
+
+| adapter           | task      | consumes                        | produces                    |
+|-------------------|-----------|---------------------------------|-----------------------------|
+| RolloutAdapter    | rollout   | prompt_ids                      | response_ids, finish_reason,|
+|                   |           |                                 | behaviour_logprobs          |
+| RewardAdapter     | reward    | prompt, response_ids, answer    | reward                      |
+| ReferenceAdapter  | reference | prompt_ids, response_ids        | ref_logprobs                |
+| TrainAdapter      | train     | prompt_ids, response_ids,       | optimizer steps (acks)      |
+|                   |           | behaviour_logprobs, reward      |                             |
+"""
+
+from adapters.base import Adapter, StageOutput
+from adapters.reference import ReferenceAdapter
+from adapters.reward import RewardAdapter
+from adapters.rollout import RolloutAdapter
+from adapters.train import StepReport, TrainAdapter, group_advantages
+
+__all__ = [
+    "Adapter",
+    "ReferenceAdapter",
+    "RewardAdapter",
+    "RolloutAdapter",
+    "StageOutput",
+    "StepReport",
+    "TrainAdapter",
+    "group_advantages",
+]

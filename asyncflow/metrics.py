@@ -1,0 +1,164 @@
+"""Run metrics: the stage timeline, per-step records, and where they go.
+
+- :class:`Timeline`: busy intervals of every stage worker (lane), the single source of
+  busy/idle fractions, samples/s and tokens/s, and of the Gantt charts of the benchmarks.
+- :class:`MetricsWriter`: one JSON line per train step (``metrics.jsonl``), the same scalars to
+  TensorBoard, and a progress bar on the console.
+- :func:`plot_rewards`: the reward curve of a run (``reward.png``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MetricsWriter", "Timeline", "plot_rewards", "staleness_histogram"]
+
+
+class Timeline:
+    """Busy intervals per lane (``stage`` or ``stage/worker``), in seconds since ``t0``."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.intervals: dict[str, list[tuple[float, float, int, int]]] = defaultdict(list)
+
+    def record(self, lane: str, start: float, end: float, *, samples: int, tokens: int) -> None:
+        self.intervals[lane].append((start - self.t0, end - self.t0, samples, tokens))
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def stage_of(self, lane: str) -> str:
+        return lane.split("/")[0]
+
+    def summary(
+        self, since: float = 0.0, until: float | None = None
+    ) -> dict[str, dict[str, float]]:
+        """Per stage: busy fraction (mean over its lanes), samples/s, tokens/s in a window."""
+        until = self.now() if until is None else until
+        span = max(until - since, 1e-9)
+        out: dict[str, dict[str, float]] = {}
+        lanes: dict[str, int] = Counter(self.stage_of(lane) for lane in self.intervals)
+        for lane, ivs in self.intervals.items():
+            st = out.setdefault(
+                self.stage_of(lane), {"busy": 0.0, "samples_per_s": 0.0, "tokens_per_s": 0.0}
+            )
+            for s, e, n, tok in ivs:
+                lo, hi = max(s, since), min(e, until)
+                if hi <= lo:
+                    continue
+                frac = (hi - lo) / max(e - s, 1e-9)
+                st["busy"] += (hi - lo) / span / lanes[self.stage_of(lane)]
+                st["samples_per_s"] += n * frac / span
+                st["tokens_per_s"] += tok * frac / span
+        for st in out.values():
+            st["idle"] = 1.0 - st["busy"]
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {lane: [list(iv) for iv in ivs] for lane, ivs in self.intervals.items()}
+
+
+def staleness_histogram(staleness: list[int]) -> dict[str, int]:
+    return {str(k): v for k, v in sorted(Counter(staleness).items())}
+
+
+class MetricsWriter:
+    """Writes step records to JSONL and TensorBoard and drives a progress bar."""
+
+    def __init__(
+        self, out_dir: str | Path, *, total_steps: int, tensorboard: bool, progress: bool
+    ) -> None:
+        self.dir = Path(out_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / "metrics.jsonl"
+        self._jsonl = self.path.open("w")
+        self.records: list[dict[str, Any]] = []
+        self._tb: Any = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(self.dir / "tensorboard"))
+            except ImportError:  # tensorboard missing: JSONL and the plot still work
+                self._tb = None
+        self._bar: Any = None
+        if progress:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, desc="train steps", unit="step", dynamic_ncols=True)
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        self._jsonl.write(json.dumps(record, default=_jsonable) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for key, value in _flatten(record).items():
+                number = isinstance(value, int | float) and not isinstance(value, bool)
+                if number and math.isfinite(value):
+                    self._tb.add_scalar(key, value, record["step"])
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix(
+                reward=f"{record['reward']:.3f}",
+                loss=f"{record.get('loss', float('nan')):.3f}",
+                stale=record.get("staleness_max", 0),
+            )
+
+    def close(self) -> None:
+        self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "/"))
+        else:
+            out[key] = v
+    return out
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return str(x)
+
+
+def plot_rewards(runs: dict[str, list[dict[str, Any]]], path: str | Path, title: str) -> Path:
+    """Reward per train step of one or several runs (name -> records), with a moving mean."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, records in runs.items():
+        steps = [r["step"] for r in records]
+        rewards = [r["reward"] for r in records]
+        (line,) = ax.plot(steps, rewards, alpha=0.35)
+        w = max(1, len(rewards) // 10)
+        smooth = [
+            sum(rewards[max(0, i - w + 1) : i + 1]) / len(rewards[max(0, i - w + 1) : i + 1])
+            for i in range(len(rewards))
+        ]
+        ax.plot(steps, smooth, color=line.get_color(), label=name)
+    ax.set_xlabel("train step")
+    ax.set_ylabel("mean reward of the step's samples")
+    ax.set_title(title)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
