@@ -128,3 +128,18 @@ def test_group_order_with_max_group_serves_windows_in_any_completion_order(
         client.ack(meta)
     with pytest.raises(ValueError, match="max_group needs"):
         client.get_meta("other", ["r"], 2, max_group=3, timeout_s=0)
+
+
+def test_group_order_length_serves_longest_groups_first(client: Client) -> None:
+    gs = 2
+    lengths = [5, 50, 20, 50, 1]
+    for g, ln in enumerate(lengths):
+        client.put({"p": torch.zeros(gs)}, group=g, length=ln)
+    got = []
+    for _ in lengths:
+        meta = client.get_meta(
+            "gen", ["p"], gs, sampler="group", group_size=gs, order="length", timeout_s=1
+        )
+        assert len(set(meta.groups.tolist())) == 1
+        got.append(int(meta.groups[0]))
+    assert got == [1, 3, 2, 0, 4]  # longest first, ties by group id

@@ -10,7 +10,10 @@ split across batches. A group that receives more than ``group_size`` rows comple
 - ``"version"`` (default): the lowest version among a group's rows, oldest first;
 - ``"group"``: ascending group id. With it, ``get_meta(max_group=g)`` hands out only groups
   with id <= g: a consumer that must take groups in windows (a train step that consumes the
-  groups admitted for it, in whatever order they complete) asks for exactly its window.
+  groups admitted for it, in whatever order they complete) asks for exactly its window;
+- ``"length"``: longest first by the rows' ``length`` header (ties: ascending group id):
+  longest-processing-time-first scheduling, e.g. generation of the prompts predicted to give
+  the longest responses before the others, so that they do not become the step's long tail.
 """
 
 from __future__ import annotations
@@ -37,13 +40,16 @@ class GroupSampler(Sampler):
         super().__init__(header, **options)
         if not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group sampler needs group_size >= 1, got {group_size!r}")
-        if order not in ("version", "group"):
-            raise ValueError(f"group sampler order must be 'version' or 'group', got {order!r}")
+        if order not in ("version", "group", "length"):
+            raise ValueError(
+                f"group sampler order must be 'version', 'group' or 'length', got {order!r}"
+            )
+        self.order = order
         self.group_size = group_size
-        self.supports_max_group = order == "group"
+        self.supports_max_group = order == "group"  # bounds the key; only ids are group ids
         self._partial: dict[int, list[int]] = {}  # group id -> ready rows so far
-        self._complete: VersionQueue | GroupIdQueue = (
-            VersionQueue() if order == "version" else GroupIdQueue()
+        self._complete: VersionQueue | KeyedGroupQueue = (
+            VersionQueue() if order == "version" else KeyedGroupQueue()
         )
 
     def add(self, indexes: np.ndarray, *, returned: bool = False) -> None:
@@ -68,13 +74,15 @@ class GroupSampler(Sampler):
                 self._push(np.asarray(members, dtype=np.int64), front=False)
 
     def _push(self, rows: np.ndarray, *, front: bool) -> None:
-        if isinstance(self._complete, GroupIdQueue):
-            self._complete.push(int(self.header.groups(rows[:1])[0]), rows)
+        if isinstance(self._complete, KeyedGroupQueue):
+            gid = int(self.header.groups(rows[:1])[0])
+            key = gid if self.order == "group" else -int(self.header.lengths(rows).max())
+            self._complete.push((key, gid), rows)
         else:
             self._complete.push(int(self.header.versions(rows).min()), rows, front=front)
 
     def available(self, max_group: int | None = None) -> int:
-        if isinstance(self._complete, GroupIdQueue):
+        if isinstance(self._complete, KeyedGroupQueue):
             return self._complete.available(max_group)
         return self._complete.rows
 
@@ -91,12 +99,12 @@ class GroupSampler(Sampler):
 
     def sample(self, batch_size: int, max_group: int | None = None) -> Selection:
         n = self.batch_rows(batch_size)
-        if isinstance(self._complete, GroupIdQueue):
+        if isinstance(self._complete, KeyedGroupQueue):
             return Selection(_concat(self._complete.take(n, max_group)))
         return Selection(_concat(self._complete.take(n, split=False)))
 
     def drop_below(self, min_version: int) -> np.ndarray:
-        if isinstance(self._complete, GroupIdQueue):
+        if isinstance(self._complete, KeyedGroupQueue):
             return _concat(self._complete.drop_if(lambda rows: self._stale(rows, min_version)))
         return _concat(self._complete.drop_below(min_version))
 
@@ -113,42 +121,43 @@ class GroupSampler(Sampler):
         return len(self._partial)
 
 
-class GroupIdQueue:
-    """Complete groups in ascending group id (a sorted id list; a few groups per step)."""
+class KeyedGroupQueue:
+    """Complete groups sorted by a key (group id, or minus the length); the keys of group-id
+    order are the ids themselves, so ``max_group`` bounds them directly."""
 
     def __init__(self) -> None:
-        self._ids: list[int] = []
-        self._rows: dict[int, list[np.ndarray]] = {}
+        self._keys: list[tuple[int, int]] = []
+        self._rows: dict[tuple[int, int], list[np.ndarray]] = {}
         self.rows = 0
 
-    def push(self, gid: int, rows: np.ndarray) -> None:
-        items = self._rows.get(gid)
+    def push(self, key: tuple[int, int], rows: np.ndarray) -> None:
+        items = self._rows.get(key)
         if items is None:
-            bisect.insort(self._ids, gid)
-            items = self._rows[gid] = []
+            bisect.insort(self._keys, key)
+            items = self._rows[key] = []
         items.append(rows)
         self.rows += int(rows.size)
 
     def available(self, max_group: int | None) -> int:
         if max_group is None:
             return self.rows
-        end = bisect.bisect_right(self._ids, max_group)
-        return sum(int(r.size) for gid in self._ids[:end] for r in self._rows[gid])
+        end = bisect.bisect_right(self._keys, (max_group, max_group))
+        return sum(int(r.size) for key in self._keys[:end] for r in self._rows[key])
 
     def take(self, n: int, max_group: int | None) -> list[np.ndarray]:
         out: list[np.ndarray] = []
         need = n
-        while self._ids and need > 0:
-            gid = self._ids[0]
-            if max_group is not None and gid > max_group:
+        while self._keys and need > 0:
+            key = self._keys[0]
+            if max_group is not None and key[0] > max_group:
                 break
-            items = self._rows[gid]
+            items = self._rows[key]
             if items[0].size > need:
                 break
             rows = items.pop(0)
             if not items:
-                del self._rows[gid]
-                self._ids.pop(0)
+                del self._rows[key]
+                self._keys.pop(0)
             out.append(rows)
             need -= int(rows.size)
             self.rows -= int(rows.size)
@@ -156,22 +165,22 @@ class GroupIdQueue:
 
     def drop_if(self, stale: Any) -> list[np.ndarray]:
         dropped = []
-        for gid in list(self._ids):
+        for key in list(self._keys):
             keep = []
-            for rows in self._rows[gid]:
+            for rows in self._rows[key]:
                 if stale(rows):
                     dropped.append(rows)
                     self.rows -= int(rows.size)
                 else:
                     keep.append(rows)
             if keep:
-                self._rows[gid] = keep
+                self._rows[key] = keep
             else:
-                del self._rows[gid]
-                self._ids.remove(gid)
+                del self._rows[key]
+                self._keys.remove(key)
         return dropped
 
     def clear(self) -> None:
-        self._ids.clear()
+        self._keys.clear()
         self._rows.clear()
         self.rows = 0
