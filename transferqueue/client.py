@@ -27,6 +27,7 @@ import torch
 from transferqueue.errors import SchemaError, UnknownFieldError
 from transferqueue.links import ControllerLink, UnitLink
 from transferqueue.loop import LoopThread
+from transferqueue.memcpy import copy_rows, gather_rows, scatter_rows
 from transferqueue.meta import BatchMeta
 from transferqueue.ragged import Ragged
 from transferqueue.schema import Column, FieldSpec, normalize_columns
@@ -44,7 +45,10 @@ def take_rows(col: Column, pos: np.ndarray) -> Column:
     if isinstance(col, torch.Tensor):
         if contiguous:
             return col[int(pos[0]) : int(pos[-1]) + 1]
-        return col[torch.from_numpy(pos)]
+        src = col if col.is_contiguous() else col.contiguous()
+        out = torch.empty((n, *col.shape[1:]), dtype=col.dtype)
+        gather_rows(out, src, pos)
+        return out
     if isinstance(col, Ragged):
         if contiguous:
             return col.slice(int(pos[0]), int(pos[-1]) + 1)
@@ -281,7 +285,7 @@ class AsyncClient:
                     src = got[f]
                     assert isinstance(src, torch.Tensor)
                     if src.data_ptr() != dst[int(pos[0]) :].data_ptr() or src.shape[0] != pos.size:
-                        dst[torch.from_numpy(pos)] = src
+                        scatter_rows(dst, pos, src)
                 result[f] = dst
             elif kind == "ragged":
                 result[f] = _merge_ragged([(p, g[f]) for p, g in pieces], n, specs[f])
@@ -411,7 +415,8 @@ def _merge_ragged(parts: list[tuple[np.ndarray, Column]], n: int, spec: FieldSpe
         for a, b in runs(pos):
             k0 = int(np.searchsorted(pos, a))
             k1 = k0 + (b - a)
-            values[int(offsets[a]) : int(offsets[b])] = col.values[
-                int(src_off[k0]) : int(src_off[k1])
-            ]
+            copy_rows(
+                values[int(offsets[a]) : int(offsets[b])],
+                col.values[int(src_off[k0]) : int(src_off[k1])],
+            )
     return Ragged(values, torch.from_numpy(offsets))

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from transferqueue.errors import UnknownFieldError
+from transferqueue.memcpy import copy_rows, gather_rows, scatter_rows
 from transferqueue.ragged import Ragged
 from transferqueue.schema import Column, FieldSpec
 
@@ -125,9 +126,9 @@ class DenseColumn(_ColumnBase):
             block = self._blocks[b]
             src = values[pos]
             if isinstance(rows, slice):
-                block[rows].copy_(src)
+                copy_rows(block[rows], src)
             else:
-                block[torch.from_numpy(rows)] = src
+                scatter_rows(block, rows, src)
         self.written[slots] = True
 
     def read(self, slots: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -137,11 +138,13 @@ class DenseColumn(_ColumnBase):
         for b, rows, pos in pieces:
             block = self._blocks[b]
             if isinstance(rows, slice):
-                out[pos].copy_(block[rows])
+                copy_rows(out[pos], block[rows])
             elif len(pieces) == 1:
-                torch.index_select(block, 0, torch.from_numpy(rows), out=out)
+                gather_rows(out, block, rows)
             else:
-                out[torch.from_numpy(np.asarray(pos))] = block[torch.from_numpy(rows)]
+                part = torch.empty((len(rows), *self.spec.shape), dtype=self.spec.torch_dtype)
+                gather_rows(part, block, rows)
+                scatter_rows(out, np.asarray(pos), part)
         return out
 
 
@@ -172,7 +175,11 @@ class RaggedColumn(_ColumnBase):
     def write(self, slots: np.ndarray, values: Ragged, *, adopt: bool = False) -> None:
         """Store rows; ``adopt=True`` keeps ``values.values`` itself (caller gives it up)."""
         self._release(slots[self.written[slots]])
-        data = values.values.contiguous() if adopt else values.values.clone()
+        if adopt:
+            data = values.values.contiguous()
+        else:
+            data = torch.empty_like(values.values, memory_format=torch.contiguous_format)
+            copy_rows(data, values.values)
         seg = self._next_seg
         self._next_seg += 1
         self._segments[seg] = data
@@ -183,24 +190,33 @@ class RaggedColumn(_ColumnBase):
         self._len[slots] = offsets[1:] - offsets[:-1]
         self.written[slots] = True
 
-    def read(self, slots: np.ndarray) -> Ragged:
+    def read(self, slots: np.ndarray, *, share: bool = False) -> Ragged:
+        """Gather rows into one values buffer. ``share=True`` returns a view of the stored
+        segment when the rows are one run of it: segments are never written after they are
+        stored, so a reader that only sends the bytes on (a server) can skip the copy."""
         lens = self._len[slots]
         offsets = np.zeros(slots.size + 1, dtype=np.int64)
         np.cumsum(lens, out=offsets[1:])
         total = int(offsets[-1])
-        out = torch.empty((total, *self.spec.shape), dtype=self.spec.torch_dtype)
+        runs: list[tuple[int, int, int]] = []  # (first row, end row, segment)
         if slots.size:
             segs, starts = self._seg[slots], self._start[slots]
             # A run continues while rows sit back to back in the same segment.
             cont = (segs[1:] == segs[:-1]) & (starts[1:] == starts[:-1] + lens[:-1])
             breaks = np.flatnonzero(~cont) + 1
-            run_first = np.concatenate(([0], breaks)).tolist()
-            run_end = np.concatenate((breaks, [slots.size])).tolist()
-            for a, b in zip(run_first, run_end, strict=True):
-                o0, o1 = int(offsets[a]), int(offsets[b])
-                if o1 > o0:
-                    s0 = int(starts[a])
-                    out[o0:o1].copy_(self._segments[int(segs[a])][s0 : s0 + (o1 - o0)])
+            firsts = np.concatenate(([0], breaks)).tolist()
+            ends = np.concatenate((breaks, [slots.size])).tolist()
+            runs = [(a, b, int(segs[a])) for a, b in zip(firsts, ends, strict=True)]
+        if share and len(runs) == 1:
+            s0 = int(self._start[slots[0]])
+            view = self._segments[runs[0][2]][s0 : s0 + total]
+            return Ragged(view, torch.from_numpy(offsets))
+        out = torch.empty((total, *self.spec.shape), dtype=self.spec.torch_dtype)
+        for a, b, seg in runs:
+            o0, o1 = int(offsets[a]), int(offsets[b])
+            if o1 > o0:
+                s0 = int(self._start[slots[a]])
+                copy_rows(out[o0:o1], self._segments[seg][s0 : s0 + (o1 - o0)])
         return Ragged(out, torch.from_numpy(offsets))
 
     def free(self, slots: np.ndarray) -> None:

@@ -153,7 +153,9 @@ class LocalUnitLink(UnitLink):
     def __init__(self, unit: StorageUnit, executor: Executor, *, adopt: bool = False) -> None:
         self.unit = unit
         self.unit_id = unit.unit_id
-        self.adopt = adopt  # ragged writes may keep the given buffers (received frames)
+        # A server link: ragged writes keep the received frames as they are, and reads may
+        # return views of stored segments (they are only sent on, never handed to user code).
+        self.adopt = adopt
         self._executor = executor
         self._lock = asyncio.Lock()
 
@@ -185,7 +187,9 @@ class LocalUnitLink(UnitLink):
     ) -> dict[str, Column]:
         nbytes = sum(column_nbytes(t) for t in out.values()) if out else 0
         nbytes = max(nbytes, OFFLOAD_BYTES if len(indexes) * len(fields) > 4096 else 0)
-        return await self._run(nbytes, lambda: self.unit.read(indexes, fields, out))
+        return await self._run(
+            nbytes, lambda: self.unit.read(indexes, fields, out, share=self.adopt)
+        )
 
     async def free(self, indexes: np.ndarray) -> None:
         await self._run(0, lambda: self.unit.free(indexes))

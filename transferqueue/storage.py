@@ -23,7 +23,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from transferqueue.columns import AnyColumn, DenseColumn, make_column, write_column
+from transferqueue.columns import (
+    AnyColumn,
+    DenseColumn,
+    RaggedColumn,
+    make_column,
+    write_column,
+)
 from transferqueue.errors import CapacityError, SchemaError, UnknownFieldError, UnknownRowError
 from transferqueue.ragged import Ragged
 from transferqueue.schema import Column, FieldSpec, column_rows
@@ -171,11 +177,14 @@ class StorageUnit:
         indexes: np.ndarray,
         fields: Sequence[str],
         out: Mapping[str, torch.Tensor] | None = None,
+        *,
+        share: bool = False,
     ) -> dict[str, Column]:
         """Gather ``fields`` of rows ``indexes`` in that order: one buffer per field.
 
         ``out`` may give preallocated dense destinations (the embedded client passes views of
-        the final batch so the gather is the only copy).
+        the final batch so the gather is the only copy). ``share=True`` lets ragged columns
+        return views of immutable stored segments (for a server that only sends the bytes).
         """
         indexes = np.asarray(indexes, dtype=np.int64)
         slots = self._slots(indexes)
@@ -193,6 +202,8 @@ class StorageUnit:
         for name, col in zip(fields, cols, strict=True):
             if isinstance(col, DenseColumn):
                 result[name] = col.read(slots, None if out is None else out.get(name))
+            elif isinstance(col, RaggedColumn):
+                result[name] = col.read(slots, share=share)
             else:
                 result[name] = col.read(slots)
         self._reads += 1
