@@ -32,8 +32,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 __all__ = [
-    "GenerationEngine",
     "Generation",
+    "GenerationEngine",
     "RewardFn",
     "SamplingParams",
     "ScoringEngine",

@@ -1,0 +1,262 @@
+"""HF transformers training engine: the policy, AdamW, and the loss of :mod:`engines.loss`.
+
+Implements :class:`engines.protocols.TrainingEngine`. The train adapter calls
+``forward_backward`` once per micro-batch of a step (in a worker thread), then
+``optimizer_step``; the weight-sync path calls ``state_dict`` after the step.
+
+Log-probs are computed at the generation temperature (``HFTrainingConfig.temperature``), the
+same convention as the generation and scoring engines, so ``logp - behaviour_logp`` measures
+staleness, not a change of temperature. Each ``forward_backward`` is split into micro-batches
+of bounded padded size, each backpropagated at once, so memory does not grow with the batch.
+The loss is a sum over samples (times ``loss_scale``), so the split does not change the
+gradient.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from engines.hf.batching import response_logprobs, right_pad, split_by_tokens
+from engines.hf.loading import ModelSource, load_model
+from engines.loss import policy_loss
+from engines.protocols import TrainBatch
+
+__all__ = ["HFTrainingConfig", "HFTrainingEngine"]
+
+
+@dataclass(kw_only=True)
+class HFTrainingConfig:
+    """Optimizer and loss settings of :class:`HFTrainingEngine`."""
+
+    lr: float = 1e-5
+    """AdamW learning rate (constant); a pretrained LM's scale. The tiny demo model learns at
+    2e-4 and becomes unstable from about 5e-4."""
+    betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    max_grad_norm: float | None = 1.0
+    """Clip the global gradient norm to this; None disables clipping."""
+    temperature: float = 1.0
+    """Sampling temperature of the generator; log-probs are computed at it."""
+    clip_eps: float = 0.2
+    """PPO clip range below 1."""
+    clip_eps_high: float | None = None
+    """PPO clip range above 1; None = clip_eps."""
+    is_cap: float | None = 2.0
+    """Truncation of the importance weight pi_old / mu; None disables the correction."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL to the reference; needs ``TrainBatch.ref_logprobs``."""
+    seq_norm: float | None = None
+    """None: token mean per sequence; a number L: token sum / L (Dr. GRPO, no length bias;
+    use ``max_new_tokens``). See :mod:`engines.loss`."""
+    max_tokens_per_micro_batch: int = 8192
+    """Padded tokens per forward/backward pass."""
+    max_micro_batch_size: int = 32
+    """Samples per forward/backward pass."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ValueError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
+        if self.kl_coef < 0:
+            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
+        if self.seq_norm is not None and self.seq_norm <= 0:
+            raise ValueError(f"seq_norm must be > 0 or None, got {self.seq_norm}")
+        if self.max_tokens_per_micro_batch < 1 or self.max_micro_batch_size < 1:
+            raise ValueError(
+                "max_tokens_per_micro_batch and max_micro_batch_size must be >= 1, got "
+                f"{self.max_tokens_per_micro_batch}, {self.max_micro_batch_size}"
+            )
+
+
+class HFTrainingEngine:
+    """Trains a HF causal LM with the policy loss; see the module docstring.
+
+    Args:
+        model: a saved model folder or an in-memory model. An in-memory model is trained in
+            place: give the generation engine its own copy (``copy.deepcopy``).
+        config: optimizer and loss settings.
+        device: where the model runs.
+        dtype: dtype for a model loaded from a folder (keep float32 for training on CPU).
+        version: optimizer steps already taken by these weights (0 for a fresh start).
+
+    ``TrainBatch.extra["old_logprobs"]`` (``B x [T_i]``), if present, is used as ``pi_old``
+    (for callers that take several optimizer steps on one batch); otherwise ``pi_old`` is the
+    current policy (one step per batch).
+    """
+
+    def __init__(
+        self,
+        model: ModelSource,
+        *,
+        config: HFTrainingConfig | None = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        version: int = 0,
+    ) -> None:
+        self.config = config or HFTrainingConfig()
+        self._model = load_model(model, dtype=dtype, device=device)
+        self._model.train()
+        self._device = next(self._model.parameters()).device
+        cfg = self.config
+        self._optimizer = torch.optim.AdamW(
+            [p for p in self._model.parameters() if p.requires_grad],
+            lr=cfg.lr,
+            betas=cfg.betas,
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+        )
+        self._version = version
+        self._lock = threading.Lock()
+        self._pending_samples = 0
+
+    @property
+    def version(self) -> int:
+        """Optimizer steps taken: the version of the current weights."""
+        return self._version
+
+    @property
+    def model(self) -> PreTrainedModel:
+        """The trained model."""
+        return self._model
+
+    def forward_backward(self, batch: TrainBatch, loss_scale: float) -> dict[str, float]:
+        """Accumulate gradients of ``loss_scale * sum of per-sample losses`` over ``batch``."""
+        cfg = self.config
+        if cfg.kl_coef > 0 and batch.ref_logprobs is None:
+            raise ValueError(
+                f"kl_coef={cfg.kl_coef} needs TrainBatch.ref_logprobs; run a reference "
+                "scoring stage or set kl_coef=0"
+            )
+        old_all = batch.extra.get("old_logprobs")
+        if old_all is not None and len(old_all) != len(batch):
+            raise ValueError(f"extra['old_logprobs'] has {len(old_all)} rows, batch {len(batch)}")
+        for i, (resp, beh) in enumerate(
+            zip(batch.response_ids, batch.behaviour_logprobs, strict=True)
+        ):
+            if resp.shape != beh.shape:
+                raise ValueError(
+                    f"sample {i}: response_ids {tuple(resp.shape)} and behaviour_logprobs "
+                    f"{tuple(beh.shape)} differ in shape"
+                )
+        sums: dict[str, float] = {}
+        tokens = 0
+        loss_total = 0.0
+        with self._lock:
+            self._model.train()
+            slices = split_by_tokens(
+                batch.prompt_ids,
+                batch.response_ids,
+                cfg.max_tokens_per_micro_batch,
+                cfg.max_micro_batch_size,
+            )
+            for part in slices:
+                scored = response_logprobs(
+                    self._model,
+                    batch.prompt_ids[part],
+                    batch.response_ids[part],
+                    temperature=cfg.temperature,
+                    with_entropy=True,
+                )
+                dev = self._device
+                behaviour = right_pad(batch.behaviour_logprobs[part], 0.0, torch.float32)[0]
+                ref = old = None
+                if batch.ref_logprobs is not None:
+                    ref = right_pad(batch.ref_logprobs[part], 0.0, torch.float32)[0].to(dev)
+                if old_all is not None:
+                    old = right_pad(old_all[part], 0.0, torch.float32)[0].to(dev)
+                out = policy_loss(
+                    scored.logprobs,
+                    behaviour.to(dev),
+                    batch.advantages[part].to(dev),
+                    scored.mask,
+                    old_logp=old,
+                    clip_eps=cfg.clip_eps,
+                    clip_eps_high=cfg.clip_eps_high,
+                    is_cap=cfg.is_cap,
+                    ref_logp=ref,
+                    kl_coef=cfg.kl_coef,
+                    loss_scale=loss_scale,
+                    seq_norm=cfg.seq_norm,
+                )
+                if out.num_tokens:  # a micro-batch of empty responses has nothing to learn
+                    out.loss.backward()
+                loss_total += float(out.loss.detach())
+                n = out.num_tokens
+                tokens += n
+                entropy = 0.0 if scored.entropy is None else float(scored.entropy.sum())
+                metrics = {**out.metrics, "entropy": entropy / max(n, 1)}
+                for key, value in metrics.items():
+                    sums[key] = sums.get(key, 0.0) + value * n
+            self._pending_samples += len(batch)
+        result = {key: value / max(tokens, 1) for key, value in sums.items()}
+        staleness = (self._version - batch.versions.long()).float()
+        result.update(
+            loss=loss_total,
+            num_tokens=float(tokens),
+            num_samples=float(len(batch)),
+            micro_batches=float(len(slices)),
+            staleness_mean=float(staleness.mean()) if len(batch) else 0.0,
+            staleness_max=float(staleness.max()) if len(batch) else 0.0,
+        )
+        return result
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Clip, step AdamW, zero the gradients, bump ``version``.
+
+        A step whose gradient norm is not finite is skipped (gradients dropped, weights kept)
+        but still counts as a version, so versions stay in step with the caller's schedule;
+        ``skipped`` reports it.
+        """
+        cfg = self.config
+        with self._lock:
+            params = [p for p in self._model.parameters() if p.grad is not None]
+            if params:
+                max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else math.inf
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+            else:
+                grad_norm = 0.0
+            skipped = not math.isfinite(grad_norm)
+            if not skipped:
+                self._optimizer.step()
+            self._optimizer.zero_grad(set_to_none=True)
+            samples = self._pending_samples
+            self._pending_samples = 0
+            self._version += 1
+            return {
+                "grad_norm": grad_norm,
+                "lr": float(self._optimizer.param_groups[0]["lr"]),
+                "skipped": float(skipped),
+                "samples": float(samples),
+                "version": float(self._version),
+            }
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Detached copies of the current weights (safe to keep across later steps).
+
+        Tied parameters (the embedding and the output head) share one copy, as they share one
+        tensor in the model.
+        """
+        with self._lock:
+            copies: dict[tuple[int, tuple[int, ...], torch.dtype], torch.Tensor] = {}
+            out: dict[str, torch.Tensor] = {}
+            for name, tensor in self._model.state_dict().items():
+                if tensor.numel() == 0:  # empty tensors may share a null data pointer
+                    out[name] = tensor.detach().clone()
+                    continue
+                key = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
+                if key not in copies:
+                    copies[key] = tensor.detach().clone()
+                out[name] = copies[key]
+            return out

@@ -1,0 +1,275 @@
+"""Programmatic tasks with verifiable answers: arithmetic and countdown.
+
+A task is an indexed, endless source of :class:`TaskItem` s. Item ``i`` of a task depends only
+on the task's config, its seed and ``i`` (each item draws from its own ``random.Random`` seeded
+by ``"<seed>:<i>"``), so a data loader can shard or resume by index and two processes built
+with the same arguments see the same items.
+
+| field       | type                 | example (arithmetic)    | example (countdown)          |
+|-------------|----------------------|-------------------------|------------------------------|
+| prompt      | str                  | ``"3 + 4 ="``           | ``"Numbers: 3 5 7. ..."``    |
+| answer      | int                  | ``7``                   | ``22`` (the target)          |
+| reference   | str                  | ``"7"``                 | ``"(7 - 3) * 5 + 2"``        |
+| extra       | dict (msgpack-able)  | ``{}``                  | ``{"numbers": [3, 5, 7, 2]}``|
+
+``TaskItem.row()`` gives the columns a data loader writes (prompt, answer, extra columns);
+``reference`` is a correct completion, used by :func:`engines.tiny.warm_start` and examples.
+
+Called by the prompt data loader of the workflow, by examples, and by the tiny-model warm start.
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
+
+from engines.expressions import evaluate
+
+__all__ = [
+    "TASKS",
+    "ArithmeticConfig",
+    "ArithmeticTask",
+    "CountdownConfig",
+    "CountdownTask",
+    "Task",
+    "TaskItem",
+    "make_task",
+]
+
+_MAX_DRAWS = 1000  # rejection-sampling budget per item before the config is declared infeasible
+
+
+@dataclass(frozen=True)
+class TaskItem:
+    """One problem: the prompt text, its verifiable answer and a correct completion."""
+
+    prompt: str
+    answer: int
+    reference: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def row(self) -> dict[str, Any]:
+        """The msgpack-able columns of this item: ``prompt``, ``answer`` and the extras."""
+        return {"prompt": self.prompt, "answer": self.answer, **self.extra}
+
+
+class Task(ABC):
+    """An endless, index-addressed source of problems."""
+
+    name: ClassVar[str]
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+
+    @abstractmethod
+    def item(self, index: int) -> TaskItem:
+        """Item ``index`` (>= 0); the same for the same config, seed and index."""
+
+    @abstractmethod
+    def spec(self) -> dict[str, Any]:
+        """JSON-able identity of the task (name, config, seed), e.g. for cache keys."""
+
+    def items(self, count: int, start: int = 0) -> list[TaskItem]:
+        """Items ``start .. start + count - 1``."""
+        if count < 0 or start < 0:
+            raise ValueError(f"count and start must be >= 0, got count={count}, start={start}")
+        return [self.item(i) for i in range(start, start + count)]
+
+    def __iter__(self) -> Iterator[TaskItem]:
+        index = 0
+        while True:
+            yield self.item(index)
+            index += 1
+
+    def _rng(self, index: int) -> random.Random:
+        if index < 0:
+            raise ValueError(f"item index must be >= 0, got {index}")
+        return random.Random(f"{self.name}:{self.seed}:{index}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ArithmeticConfig:
+    """Expressions like ``3 + 4`` over uniformly drawn integer operands."""
+
+    min_operand: int = 0
+    """Smallest operand (inclusive)."""
+    max_operand: int = 9
+    """Largest operand (inclusive)."""
+    num_operands: int = 2
+    """Operands per expression (>= 2); operators between them are drawn independently."""
+    operators: str = "+"
+    """Operators to draw from, a subset of ``+-*/``. Divisions are always exact."""
+    allow_negative: bool = False
+    """Whether an answer may be negative (otherwise such draws are rejected)."""
+    prompt_template: str = "{expression} ="
+    """Prompt text; ``{expression}`` is replaced by the expression, e.g. ``3 + 4``."""
+
+    def __post_init__(self) -> None:
+        if self.min_operand > self.max_operand:
+            raise ValueError(
+                f"min_operand ({self.min_operand}) must be <= max_operand ({self.max_operand})"
+            )
+        if self.num_operands < 2:
+            raise ValueError(f"num_operands must be >= 2, got {self.num_operands}")
+        if not self.operators or any(op not in "+-*/" for op in self.operators):
+            raise ValueError(
+                f"operators must be a non-empty subset of '+-*/', got {self.operators!r}"
+            )
+        if "{expression}" not in self.prompt_template:
+            raise ValueError(
+                f"prompt_template must contain '{{expression}}', got {self.prompt_template!r}"
+            )
+
+
+class ArithmeticTask(Task):
+    """Arithmetic problems whose answer is an integer (non-integer draws are rejected)."""
+
+    name = "arithmetic"
+
+    def __init__(self, config: ArithmeticConfig | None = None, *, seed: int = 0) -> None:
+        super().__init__(seed)
+        self.config = config or ArithmeticConfig()
+
+    def spec(self) -> dict[str, Any]:
+        return {"name": self.name, "seed": self.seed, "config": asdict(self.config)}
+
+    def item(self, index: int) -> TaskItem:
+        cfg = self.config
+        rng = self._rng(index)
+        for _ in range(_MAX_DRAWS):
+            operands = [
+                rng.randint(cfg.min_operand, cfg.max_operand) for _ in range(cfg.num_operands)
+            ]
+            ops = [rng.choice(cfg.operators) for _ in range(cfg.num_operands - 1)]
+            expression = _join(operands, ops)
+            try:
+                value = evaluate(expression, allow_unary_minus=True).value
+            except ValueError:  # division by zero
+                continue
+            if value.denominator != 1 or (value < 0 and not cfg.allow_negative):
+                continue
+            answer = int(value)
+            prompt = cfg.prompt_template.format(expression=expression)
+            return TaskItem(prompt=prompt, answer=answer, reference=str(answer))
+        raise ValueError(
+            f"ArithmeticConfig {cfg} yields no integer answer in {_MAX_DRAWS} draws; "
+            "widen the operand range, allow negative answers, or drop '/'"
+        )
+
+
+@dataclass(kw_only=True, frozen=True)
+class CountdownConfig:
+    """Reach a target by combining all the given numbers with ``+ - * /``, each used once."""
+
+    num_numbers: int = 3
+    """How many numbers the player gets (>= 2)."""
+    min_number: int = 1
+    """Smallest number (inclusive, >= 1)."""
+    max_number: int = 9
+    """Largest number (inclusive)."""
+    max_target: int = 100
+    """Largest target; targets are positive integers reachable with the numbers."""
+    operators: str = "+-*/"
+    """Operators the solution may use, a subset of ``+-*/``."""
+    prompt_template: str = "Use {numbers} to make {target}."
+    """Prompt text with ``{numbers}`` (space-separated) and ``{target}`` placeholders."""
+
+    def __post_init__(self) -> None:
+        if self.num_numbers < 2:
+            raise ValueError(f"num_numbers must be >= 2, got {self.num_numbers}")
+        if not 1 <= self.min_number <= self.max_number:
+            raise ValueError(
+                f"need 1 <= min_number <= max_number, got {self.min_number}, {self.max_number}"
+            )
+        if self.max_target < 1:
+            raise ValueError(f"max_target must be >= 1, got {self.max_target}")
+        if not self.operators or any(op not in "+-*/" for op in self.operators):
+            raise ValueError(
+                f"operators must be a non-empty subset of '+-*/', got {self.operators!r}"
+            )
+        for key in ("{numbers}", "{target}"):
+            if key not in self.prompt_template:
+                raise ValueError(
+                    f"prompt_template must contain {key!r}, got {self.prompt_template!r}"
+                )
+
+
+class CountdownTask(Task):
+    """Countdown problems; ``answer`` is the target, ``extra["numbers"]`` the numbers."""
+
+    name = "countdown"
+
+    def __init__(self, config: CountdownConfig | None = None, *, seed: int = 0) -> None:
+        super().__init__(seed)
+        self.config = config or CountdownConfig()
+
+    def spec(self) -> dict[str, Any]:
+        return {"name": self.name, "seed": self.seed, "config": asdict(self.config)}
+
+    def item(self, index: int) -> TaskItem:
+        cfg = self.config
+        rng = self._rng(index)
+        for _ in range(_MAX_DRAWS):
+            numbers = [rng.randint(cfg.min_number, cfg.max_number) for _ in range(cfg.num_numbers)]
+            solution = _random_tree(numbers, cfg.operators, rng)
+            try:
+                value = evaluate(solution, operators=cfg.operators).value
+            except ValueError:  # division by zero
+                continue
+            if value.denominator != 1 or not 1 <= value <= cfg.max_target:
+                continue
+            target = int(value)
+            prompt = cfg.prompt_template.format(
+                numbers=" ".join(str(n) for n in numbers), target=target
+            )
+            return TaskItem(
+                prompt=prompt, answer=target, reference=solution, extra={"numbers": numbers}
+            )
+        raise ValueError(
+            f"CountdownConfig {cfg} yields no reachable target in {_MAX_DRAWS} draws; "
+            "raise max_target or widen the number range"
+        )
+
+
+def _join(operands: list[int], ops: list[str]) -> str:
+    parts = [str(operands[0])]
+    for op, operand in zip(ops, operands[1:], strict=True):
+        parts.append(f"{op} {operand}")
+    return " ".join(parts)
+
+
+def _random_tree(numbers: list[int], operators: str, rng: random.Random) -> str:
+    """A random fully-parenthesized-where-needed expression using each number exactly once."""
+    terms = [str(n) for n in rng.sample(numbers, len(numbers))]
+    while len(terms) > 1:
+        i = rng.randrange(len(terms) - 1)
+        op = rng.choice(operators)
+        left, right = terms[i], terms[i + 1]
+        # Parenthesize compound operands so the string's reading equals the drawn tree.
+        left = f"({left})" if " " in left else left
+        right = f"({right})" if " " in right else right
+        terms[i : i + 2] = [f"{left} {op} {right}"]
+    return terms[0]
+
+
+TASKS: dict[str, type[ArithmeticTask] | type[CountdownTask]] = {
+    ArithmeticTask.name: ArithmeticTask,
+    CountdownTask.name: CountdownTask,
+}
+"""Task classes by name, for configs and command lines."""
+
+
+def make_task(name: str, *, seed: int = 0, **options: Any) -> Task:
+    """Build task ``name`` with its config fields as keyword options.
+
+    ``make_task("arithmetic", max_operand=20, operators="+-")``. Raises ``ValueError`` for an
+    unknown name (listing the known ones) and ``TypeError`` for an unknown option.
+    """
+    if name == ArithmeticTask.name:
+        return ArithmeticTask(ArithmeticConfig(**options), seed=seed)
+    if name == CountdownTask.name:
+        return CountdownTask(CountdownConfig(**options), seed=seed)
+    raise ValueError(f"unknown task {name!r}; known tasks: {sorted(TASKS)}")
