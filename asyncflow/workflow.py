@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 import transferqueue
@@ -75,6 +76,8 @@ class Workflow:
 
     async def run_async(self) -> RunResult:
         cfg = self.config
+        if cfg.torch_threads is not None:
+            torch.set_num_threads(cfg.torch_threads)
         out_dir = Path(cfg.output.dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
