@@ -28,7 +28,14 @@ import torch
 import yaml
 
 import transferqueue
-from adapters import ReferenceAdapter, RewardAdapter, RolloutAdapter, StepReport, TrainAdapter
+from adapters import (
+    Adapter,
+    ReferenceAdapter,
+    RewardAdapter,
+    RolloutAdapter,
+    StepReport,
+    TrainAdapter,
+)
 from asyncflow.build import Components, build_components
 from asyncflow.config import RunConfig, config_to_dict
 from asyncflow.feeder import PromptFeeder
@@ -65,11 +72,34 @@ class RunResult:
 
 
 class Workflow:
-    """One run of the GRPO graph. ``components`` overrides what the config would build."""
+    """One run of the GRPO graph.
 
-    def __init__(self, config: RunConfig, components: Components | None = None) -> None:
+    ``components`` overrides what the config would build (your own engines);
+    ``adapters`` overrides adapter classes by role (``rollout``, ``reward``, ``reference``,
+    ``train``) with subclasses that take the same constructor arguments.
+    """
+
+    def __init__(
+        self,
+        config: RunConfig,
+        components: Components | None = None,
+        *,
+        adapters: dict[str, type[Adapter]] | None = None,
+    ) -> None:
         self.config = config
         self._components = components
+        unknown = set(adapters or {}) - {"rollout", "reward", "reference", "train"}
+        if unknown:
+            raise ValueError(
+                f"unknown adapter roles {sorted(unknown)}; roles: rollout, reward, reference, train"
+            )
+        self.adapters: dict[str, Any] = {
+            "rollout": RolloutAdapter,
+            "reward": RewardAdapter,
+            "reference": ReferenceAdapter,
+            "train": TrainAdapter,
+            **(adapters or {}),
+        }
 
     def run(self) -> RunResult:
         return asyncio.run(self.run_async())
@@ -144,7 +174,9 @@ class Workflow:
         runners = [
             StageRunner(
                 f"rollout{i}" if len(comps.generators) > 1 else "rollout",
-                RolloutAdapter(gen, params, batch_size=cfg.rollout.micro_batch_groups * n),
+                self.adapters["rollout"](
+                    gen, params, batch_size=cfg.rollout.micro_batch_groups * n
+                ),
                 client,
                 timeline,
                 concurrency=cfg.rollout.concurrency,
@@ -156,7 +188,9 @@ class Workflow:
         runners.append(
             StageRunner(
                 "reward",
-                RewardAdapter(comps.reward_fn, comps.tokenizer, batch_size=cfg.reward.batch_size),
+                self.adapters["reward"](
+                    comps.reward_fn, comps.tokenizer, batch_size=cfg.reward.batch_size
+                ),
                 client,
                 timeline,
                 partition=PARTITION,
@@ -167,14 +201,16 @@ class Workflow:
             runners.append(
                 StageRunner(
                     "reference",
-                    ReferenceAdapter(comps.reference, batch_size=cfg.reference.batch_size),
+                    self.adapters["reference"](
+                        comps.reference, batch_size=cfg.reference.batch_size
+                    ),
                     client,
                     timeline,
                     partition=PARTITION,
                     lease_s=lease_s,
                 )
             )
-        train = TrainAdapter(
+        train = self.adapters["train"](
             comps.trainer,
             group_size=n,
             groups_per_step=b,
@@ -298,6 +334,11 @@ def _open_transferqueue(
     return transferqueue.connect(tqc.address), None
 
 
-def run(config: RunConfig, components: Components | None = None) -> RunResult:
-    """Run a workflow to completion (blocking)."""
-    return Workflow(config, components).run()
+def run(
+    config: RunConfig,
+    components: Components | None = None,
+    *,
+    adapters: dict[str, type[Adapter]] | None = None,
+) -> RunResult:
+    """Run a workflow to completion (blocking); see :class:`Workflow` for the arguments."""
+    return Workflow(config, components, adapters=adapters).run()
