@@ -11,16 +11,21 @@
 """
 
 from adapters.base import Adapter, StageOutput
+from adapters.ranker import LengthRanker
 from adapters.reference import ReferenceAdapter
 from adapters.reward import RewardAdapter
-from adapters.rollout import RolloutAdapter
+from adapters.rollout import LeastLoadedRouter, LengthAwareRouter, RolloutAdapter, Router
 from adapters.train import StepReport, TrainAdapter, group_advantages
 
 __all__ = [
     "Adapter",
+    "LeastLoadedRouter",
+    "LengthAwareRouter",
+    "LengthRanker",
     "ReferenceAdapter",
     "RewardAdapter",
     "RolloutAdapter",
+    "Router",
     "StageOutput",
     "StepReport",
     "TrainAdapter",

@@ -78,6 +78,12 @@ class RolloutConfig:
     """Groups per generate call (the weight-switch granularity)."""
     concurrency: int = 1
     """Micro-batches in flight per instance (>1 helps engines that batch continuously)."""
+    ranker: bool = False
+    """Predict each prompt's response length with an online ranker (sets the length header)."""
+    longest_first: bool = False
+    """Hand out the prompts predicted to run longest first (needs ranker)."""
+    long_instances: int = 0
+    """Instances dedicated to predicted-long prompts (length-aware routing; needs ranker)."""
     max_new_tokens: int = 4
     """Response length cap."""
     temperature: float = 0.7
@@ -91,6 +97,15 @@ class RolloutConfig:
                 raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
         if self.engine not in ("hf", "vllm", "simulated"):
             raise ValueError(f"rollout.engine must be hf, vllm or simulated, got {self.engine!r}")
+        if (self.longest_first or self.long_instances) and not self.ranker:
+            raise ValueError(
+                "rollout.longest_first / rollout.long_instances need rollout.ranker=true"
+            )
+        if not 0 <= self.long_instances < self.instances:
+            raise ValueError(
+                f"rollout.long_instances must be in [0, instances), got {self.long_instances} "
+                f"of {self.instances}"
+            )
 
 
 @dataclass(kw_only=True)

@@ -12,7 +12,8 @@ for every sample, and no sample is generated only to be dropped. ``k = 0`` is sy
 on-policy training.
 
 Each group is ``group_size`` rows sharing the group id ``j``, with the prompt's token ids, its
-text and its answer.
+text and its answer. The ``length`` header is the prompt length plus, with a ranker, the
+predicted response length: what length-aware samplers and routers order and split by.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from adapters.ranker import LengthRanker
 from asyncflow.weights import WeightSync
 from engines.hf.text import encode_prompts
 from engines.tasks import Task
@@ -48,6 +50,7 @@ class PromptFeeder:
         total_groups: int,
         partition: str = "train",
         max_groups_per_put: int = 16,
+        ranker: LengthRanker | None = None,
     ) -> None:
         self.client = client
         self.task = task
@@ -59,6 +62,7 @@ class PromptFeeder:
         self.total_groups = total_groups
         self.partition = partition
         self.max_groups_per_put = max_groups_per_put
+        self.ranker = ranker
         self.admitted = 0
         self.admission_log: list[tuple[int, int]] = []  # (group, generator version at admission)
 
@@ -94,7 +98,10 @@ class PromptFeeder:
             for k, v in item.row().items():
                 rows.setdefault(k, []).extend([v] * n)
         groups = np.repeat(np.arange(first, first + count, dtype=np.int64), n)
-        lengths = np.repeat(np.array([int(p.numel()) for p in prompts], dtype=np.int64), n)
+        expected = np.array([int(p.numel()) for p in prompts], dtype=np.float64)
+        if self.ranker is not None:
+            expected += self.ranker.predict(prompts)
+        lengths = np.repeat(expected.round().astype(np.int64), n)
         await self.client.put(
             {"prompt_ids": ids, **rows},
             group=groups,

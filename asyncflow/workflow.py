@@ -30,6 +30,8 @@ import yaml
 import transferqueue
 from adapters import (
     Adapter,
+    LengthAwareRouter,
+    LengthRanker,
     ReferenceAdapter,
     RewardAdapter,
     RolloutAdapter,
@@ -171,19 +173,27 @@ class Workflow:
             top_k=cfg.rollout.top_k,
         )
         lease_s = cfg.transferqueue.lease_s
+        rc = cfg.rollout
+        ranker = LengthRanker() if rc.ranker else None
+        rollout = self.adapters["rollout"](
+            comps.generators,
+            params,
+            batch_size=rc.micro_batch_groups * n,
+            router=LengthAwareRouter(range(rc.long_instances)) if rc.long_instances else None,
+            ranker=ranker,
+            sampler="group" if rc.longest_first else "fifo",
+            sampler_options={"group_size": n, "order": "length"} if rc.longest_first else None,
+        )
         runners = [
             StageRunner(
-                f"rollout{i}" if len(comps.generators) > 1 else "rollout",
-                self.adapters["rollout"](
-                    gen, params, batch_size=cfg.rollout.micro_batch_groups * n
-                ),
+                "rollout",
+                rollout,
                 client,
                 timeline,
-                concurrency=cfg.rollout.concurrency,
+                concurrency=rc.concurrency * len(comps.generators),
                 partition=PARTITION,
                 lease_s=lease_s,
             )
-            for i, gen in enumerate(comps.generators)
         ]
         runners.append(
             StageRunner(
@@ -232,6 +242,7 @@ class Workflow:
             max_staleness=cfg.train.max_staleness,
             total_groups=cfg.train.steps * b,
             partition=PARTITION,
+            ranker=ranker,
         )
         sync.start()
         jobs: dict[asyncio.Task[None], str] = {}
@@ -273,7 +284,11 @@ class Workflow:
             timeline=timeline,
             output_dir=out_dir,
             wall_s=wall,
-            extra={"weight_updates": sync.updates, "weight_update_s": sync.update_seconds},
+            extra={
+                "weight_updates": sync.updates,
+                "weight_update_s": sync.update_seconds,
+                "ranker_error": ranker.mean_abs_log_error() if ranker else None,
+            },
         )
         if cfg.output.plot and writer.records:
             plot_rewards({"reward": writer.records}, out_dir / "reward.png", _title(cfg))
