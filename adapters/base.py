@@ -37,6 +37,8 @@ class StageOutput:
     """Tokens this batch processed, for tokens/s accounting."""
     metrics: dict[str, float] = field(default_factory=dict)
     """Scalars to log for this batch."""
+    lane: str | None = None
+    """Where the batch ran (e.g. the engine instance); the timeline records it per lane."""
 
 
 class Adapter(ABC):

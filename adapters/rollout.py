@@ -130,7 +130,7 @@ class RolloutAdapter(Adapter):
             version=np.array([g.version for g in gens], dtype=np.int64),
             length=prompt_lens + response_lens,
             tokens=int(response_lens.sum()),
-            metrics={"instance": float(k)},
+            lane=f"instance{k}",
         )
 
     def _observe(self, meta: BatchMeta, prompts: Ragged, lens: np.ndarray) -> None:

@@ -16,7 +16,13 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsWriter", "Timeline", "plot_rewards", "staleness_histogram"]
+__all__ = [
+    "MetricsWriter",
+    "Timeline",
+    "merge_intervals",
+    "plot_rewards",
+    "staleness_histogram",
+]
 
 
 class Timeline:
@@ -38,29 +44,43 @@ class Timeline:
     def summary(
         self, since: float = 0.0, until: float | None = None
     ) -> dict[str, dict[str, float]]:
-        """Per stage: busy fraction (mean over its lanes), samples/s, tokens/s in a window."""
+        """Per stage, in a window: busy fraction (time any batch of a lane was in flight,
+        averaged over the stage's lanes), samples/s and tokens/s."""
         until = self.now() if until is None else until
         span = max(until - since, 1e-9)
         out: dict[str, dict[str, float]] = {}
         lanes: dict[str, int] = Counter(self.stage_of(lane) for lane in self.intervals)
         for lane, ivs in self.intervals.items():
-            st = out.setdefault(
-                self.stage_of(lane), {"busy": 0.0, "samples_per_s": 0.0, "tokens_per_s": 0.0}
-            )
+            stage = self.stage_of(lane)
+            st = out.setdefault(stage, {"busy": 0.0, "samples_per_s": 0.0, "tokens_per_s": 0.0})
             for s, e, n, tok in ivs:
                 lo, hi = max(s, since), min(e, until)
-                if hi <= lo:
-                    continue
-                frac = (hi - lo) / max(e - s, 1e-9)
-                st["busy"] += (hi - lo) / span / lanes[self.stage_of(lane)]
-                st["samples_per_s"] += n * frac / span
-                st["tokens_per_s"] += tok * frac / span
+                if hi > lo:
+                    frac = (hi - lo) / max(e - s, 1e-9)
+                    st["samples_per_s"] += n * frac / span
+                    st["tokens_per_s"] += tok * frac / span
+            busy = sum(e - s for s, e in merge_intervals(ivs, since, until))
+            st["busy"] += busy / span / lanes[stage]
         for st in out.values():
             st["idle"] = 1.0 - st["busy"]
         return out
 
     def to_json(self) -> dict[str, Any]:
         return {lane: [list(iv) for iv in ivs] for lane, ivs in self.intervals.items()}
+
+
+def merge_intervals(
+    ivs: list[tuple[float, float, int, int]], since: float = 0.0, until: float = math.inf
+) -> list[tuple[float, float]]:
+    """The union of intervals (clipped to [since, until]) as disjoint sorted (start, end)."""
+    spans = sorted((max(s, since), min(e, until)) for s, e, *_ in ivs if e > since and s < until)
+    merged: list[tuple[float, float]] = []
+    for s, e in spans:
+        if merged and s <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], e))
+        else:
+            merged.append((s, e))
+    return merged
 
 
 def staleness_histogram(staleness: list[int]) -> dict[str, int]:

@@ -98,7 +98,8 @@ class StageRunner:
                 else:
                     await self.client.ack(meta)
                 t1 = time.perf_counter()
-                self.timeline.record(lane, t0, t1, samples=len(meta), tokens=out.tokens)
+                where = lane if out.lane is None else f"{self.name}/{out.lane}"
+                self.timeline.record(where, t0, t1, samples=len(meta), tokens=out.tokens)
                 self.batches += 1
                 self.samples += len(meta)
                 self.tokens += out.tokens
