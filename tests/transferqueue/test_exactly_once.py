@@ -18,9 +18,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from transferqueue import Client, LeaseExpiredError, TransferQueue
+from transferqueue import Client, LeaseExpiredError, TransferQueue, UnknownRowError
 
-LEASE_S = 0.25
+LEASE_S = 0.5
 _RUN = itertools.count()  # hypothesis reseeds `random`: name partitions by a counter
 
 
@@ -37,6 +37,14 @@ def _producer(client: Client, pid: int, sizes: list[int], rng: random.Random) ->
             threading.Event().wait(rng.random() * 0.005)
 
 
+def _guard(errors: list[BaseException], fn: object, *args: object) -> None:
+    """Run a thread body; record any error so the test fails on a thread that died."""
+    try:
+        fn(*args)  # type: ignore[operator]
+    except BaseException as e:  # reported by the test
+        errors.append(e)
+
+
 def _consumer(
     client: Client,
     task: str,
@@ -51,7 +59,12 @@ def _consumer(
     while True:
         meta = client.get_meta(task, fields, batch_size, timeout_s=0.05, lease_s=LEASE_S)
         if len(meta):
-            cols = client.get_data(meta)
+            try:
+                cols = client.get_data(meta)
+            except UnknownRowError:
+                # Our lease ran out while we were slow; another consumer took the rows, every
+                # task consumed them and they were freed. Correct: nothing to do here.
+                continue
             ids = cols["id"]
             assert isinstance(ids, list)
             x = cols["x"]
@@ -121,21 +134,21 @@ def test_each_sample_reaches_each_task_exactly_once(
 
     seen: dict[str, Counter[int]] = {t: Counter() for t in tasks}
     lock = threading.Lock()
+    errors: list[BaseException] = []
     threads = []
     for p in range(producers):
         rng = random.Random(seed * 131 + p)
         threads.append(
-            threading.Thread(target=_producer, args=(client(), p, put_sizes, rng), daemon=True)
+            threading.Thread(
+                target=_guard, args=(errors, _producer, client(), p, put_sizes, rng), daemon=True
+            )
         )
     for t, (fields, bs, writes) in tasks.items():
         for c in range(consumers):
             rng = random.Random(seed * 7919 + c + hash(t) % 1000)
+            body = (client(), t, fields, bs, crash_p, rng, seen[t], lock, writes)
             threads.append(
-                threading.Thread(
-                    target=_consumer,
-                    args=(client(), t, fields, bs, crash_p, rng, seen[t], lock, writes),
-                    daemon=True,
-                )
+                threading.Thread(target=_guard, args=(errors, _consumer, *body), daemon=True)
             )
     for th in threads:
         th.start()
@@ -144,6 +157,7 @@ def test_each_sample_reaches_each_task_exactly_once(
     setup.finish(partition)
     for th in threads[producers:]:
         th.join(60)
+    assert not errors, f"a producer or consumer thread failed: {errors[0]!r}"
     assert not any(th.is_alive() for th in threads), "a consumer never saw the end of stream"
     expected = Counter(p * 10_000 + k for p in range(producers) for k in range(sum(put_sizes)))
     for t in tasks:
