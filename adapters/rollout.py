@@ -11,10 +11,17 @@ engines (instances), each batch goes to the one a :class:`Router` picks: the lea
 default, or, with :class:`LengthAwareRouter`, dedicated instances for prompts the
 :class:`LengthRanker` predicts to run long (StreamRL's skewness-aware dispatch). The ranker
 learns from every batch's observed response lengths.
+
+With ``version_field`` (the workflow uses ``min_gen_version``), a batch only goes to an
+instance whose weights version is at least the batch's bound: that is how the staleness bound
+holds while instances update their weights independently. When no instance is recent enough
+yet, the batch waits for one.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections import deque
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -34,42 +41,62 @@ __all__ = ["LeastLoadedRouter", "LengthAwareRouter", "RolloutAdapter", "Router"]
 class Router(Protocol):
     """Chooses the engine instance for a batch. Called by the rollout adapter per batch."""
 
-    def choose(self, load: Sequence[int], predicted_len: float) -> int:
-        """Index of the instance; ``load`` is the samples in flight on each instance."""
+    def choose(self, load: Sequence[int], predicted_len: float, eligible: Sequence[int]) -> int:
+        """Index of the instance among ``eligible`` (non-empty); ``load`` is the samples in
+        flight on each instance."""
         ...
 
 
 class LeastLoadedRouter:
     """The instance with the fewest samples in flight."""
 
-    def choose(self, load: Sequence[int], predicted_len: float) -> int:
-        return int(np.argmin(load))
+    def choose(self, load: Sequence[int], predicted_len: float, eligible: Sequence[int]) -> int:
+        return min(eligible, key=lambda i: load[i])
 
 
 class LengthAwareRouter:
-    """Predicted-long batches go to dedicated instances, the rest to the others.
+    """Predicted-long batches go to dedicated instances kept lightly loaded.
 
-    A batch is "long" when its predicted response length is at or above the ``quantile`` of
-    the recent predictions (a moving threshold, so it follows the workload).
+    Decode speed of a continuous-batching instance falls with its batch (every iteration
+    advances every running sequence), so the long tail of a step finishes soonest on an
+    instance that runs few sequences. A batch is "long" when its predicted response length is
+    at or above the ``quantile`` of recent predictions (a moving threshold). Long batches go to
+    the dedicated instances while they hold fewer than ``long_capacity`` samples, else to the
+    least loaded other instance (work-conserving). Other batches go to the other instances,
+    or to an idle dedicated one.
     """
 
-    def __init__(self, long_instances: Sequence[int], *, quantile: float = 0.8, window: int = 512):
+    def __init__(
+        self,
+        long_instances: Sequence[int],
+        *,
+        quantile: float = 0.9,
+        long_capacity: int = 16,
+        window: int = 512,
+    ) -> None:
         if not long_instances:
             raise ValueError("LengthAwareRouter needs at least one dedicated long instance")
         self.long = sorted(set(long_instances))
         self.quantile = quantile
+        self.long_capacity = long_capacity
         self._recent: deque[float] = deque(maxlen=window)
         self.long_batches = 0
         self.batches = 0
 
-    def choose(self, load: Sequence[int], predicted_len: float) -> int:
+    def choose(self, load: Sequence[int], predicted_len: float, eligible: Sequence[int]) -> int:
         self._recent.append(predicted_len)
         threshold = float(np.quantile(np.fromiter(self._recent, float), self.quantile))
-        short = [i for i in range(len(load)) if i not in self.long] or self.long
         is_long = len(self._recent) >= 8 and predicted_len >= threshold
-        pool = self.long if is_long else short
+        dedicated = [i for i in eligible if i in self.long]
+        others = [i for i in eligible if i not in self.long]
         self.batches += 1
-        self.long_batches += int(is_long)
+        if is_long:
+            self.long_batches += 1
+            room = [i for i in dedicated if load[i] < self.long_capacity]
+            pool = room or others or dedicated
+        else:
+            idle = [i for i in dedicated if load[i] == 0]
+            pool = others + idle if others else dedicated
         return min(pool, key=lambda i: load[i])
 
 
@@ -77,7 +104,7 @@ class RolloutAdapter(Adapter):
     """Generation engine(s) as the rollout stage."""
 
     task = "rollout"
-    input_fields = ("prompt_ids",)
+    input_fields: tuple[str, ...] = ("prompt_ids",)
     output_fields = ("response_ids", "behaviour_logprobs", "finish_reason")
 
     def __init__(
@@ -90,6 +117,8 @@ class RolloutAdapter(Adapter):
         ranker: LengthRanker | None = None,
         sampler: str = "fifo",
         sampler_options: dict[str, Any] | None = None,
+        version_field: str | None = None,
+        wait_poll_s: float = 0.005,
     ) -> None:
         self.engines = list(engine) if isinstance(engine, Sequence) else [engine]
         if not self.engines:
@@ -101,6 +130,12 @@ class RolloutAdapter(Adapter):
         self.sampler = sampler
         self.sampler_options = dict(sampler_options or {})
         self.load = [0] * len(self.engines)
+        self.version_field = version_field
+        if version_field is not None:
+            self.input_fields = (*type(self).input_fields, version_field)
+        self.wait_poll_s = wait_poll_s
+        self.waited_s = 0.0
+        """Seconds batches waited for an instance with recent enough weights."""
 
     async def process(self, meta: BatchMeta, cols: dict[str, Column]) -> StageOutput:
         prompts = cols["prompt_ids"]
@@ -108,7 +143,8 @@ class RolloutAdapter(Adapter):
             raise TypeError(f"prompt_ids must be a ragged column, got {type(prompts).__name__}")
         prompt_lens = prompts.lengths.numpy()
         predicted = float(np.mean(np.maximum(meta.lengths - prompt_lens, 0))) if len(meta) else 0
-        k = self.router.choose(self.load, predicted)
+        eligible = await self._eligible(cols)
+        k = self.router.choose(self.load, predicted, eligible)
         self.load[k] += len(meta)
         try:
             gens = await self.engines[k].generate([p.long() for p in prompts.unbind()], self.params)
@@ -132,6 +168,22 @@ class RolloutAdapter(Adapter):
             tokens=int(response_lens.sum()),
             lane=f"instance{k}",
         )
+
+    async def _eligible(self, cols: dict[str, Column]) -> list[int]:
+        """Instances whose weights are recent enough for every row (waits until one is)."""
+        if self.version_field is None:
+            return list(range(len(self.engines)))
+        bound = cols[self.version_field]
+        if not isinstance(bound, torch.Tensor):
+            raise TypeError(f"{self.version_field} must be a dense integer column")
+        need = int(bound.max()) if bound.numel() else -1
+        t0 = time.perf_counter()
+        while True:
+            ok = [i for i, e in enumerate(self.engines) if e.version >= need]
+            if ok:
+                self.waited_s += time.perf_counter() - t0
+                return ok
+            await asyncio.sleep(self.wait_poll_s)
 
     def _observe(self, meta: BatchMeta, prompts: Ragged, lens: np.ndarray) -> None:
         """One observation per prompt: the mean response length of its samples here."""

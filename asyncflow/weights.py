@@ -6,8 +6,9 @@ engine lands it at its next micro-batch boundary (its calls in flight finish on 
 weights, later calls see the new ones), so only the final load is ever exposed. Versions a
 generator missed while busy are skipped: it always jumps to the newest.
 
-The prompt feeder reads :meth:`generator_version` (the oldest weights any generator holds) for
-admission control, and waits on :meth:`wait_changed` when it may not admit more.
+The prompt feeder reads :meth:`newest_generator_version` for admission control and waits on
+:meth:`wait_changed` when it may not admit more; the rollout routes each group only to a
+generator whose weights are recent enough for it (see ``asyncflow.feeder``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,12 @@ class WeightSync:
         if not self._generators:
             return self._version
         return min(max(g.version, 0) for g in self._generators)
+
+    def newest_generator_version(self) -> int:
+        """The newest weights version any registered generator holds."""
+        if not self._generators:
+            return self._version
+        return max(max(g.version, 0) for g in self._generators)
 
     def publish(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Make ``state`` the newest weights (called by the trainer; returns at once)."""

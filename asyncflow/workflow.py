@@ -179,10 +179,15 @@ class Workflow:
             comps.generators,
             params,
             batch_size=rc.micro_batch_groups * n,
-            router=LengthAwareRouter(range(rc.long_instances)) if rc.long_instances else None,
+            router=(
+                LengthAwareRouter(range(rc.long_instances), long_capacity=2 * n)
+                if rc.long_instances
+                else None
+            ),
             ranker=ranker,
             sampler="group" if rc.longest_first else "fifo",
             sampler_options={"group_size": n, "order": "length"} if rc.longest_first else None,
+            version_field="min_gen_version",
         )
         runners = [
             StageRunner(

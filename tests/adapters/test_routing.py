@@ -45,15 +45,16 @@ def test_ranker_learns_prompt_dependent_lengths() -> None:
 
 
 def test_length_aware_router_sends_long_batches_to_dedicated_instances() -> None:
-    router = LengthAwareRouter([0], quantile=0.75)
+    router = LengthAwareRouter([0], quantile=0.75, long_capacity=10**9)
     rng = np.random.default_rng(1)
     picks = {}
     for _ in range(400):
         pred = float(rng.lognormal(5, 1))
-        picks.setdefault(router.choose([0, 0, 0], pred), []).append(pred)
+        picks.setdefault(router.choose([0, 0, 0], pred, [0, 1, 2]), []).append(pred)
     assert np.median(picks[0]) > 2 * np.median(picks[1] + picks.get(2, []))
     assert 0.15 < router.long_batches / router.batches < 0.35
-    assert LeastLoadedRouter().choose([3, 1, 2], 0.0) == 1
+    assert LeastLoadedRouter().choose([3, 1, 2], 0.0, [0, 1, 2]) == 1
+    assert LeastLoadedRouter().choose([3, 1, 2], 0.0, [0, 2]) == 2  # only eligible ones
 
 
 class _CountingEngine:
