@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -34,83 +33,24 @@ from transferqueue.errors import (
     UnknownRowError,
     UnknownTaskError,
 )
-from transferqueue.leases import Lease, LeaseTable, TaskKey
+from transferqueue.leases import Lease, LeaseTable
 from transferqueue.meta import BatchMeta
-from transferqueue.samplers import Sampler, get_sampler
+from transferqueue.samplers import get_sampler
 from transferqueue.schema import FieldSpec
 from transferqueue.slots import ExtentAllocator, SlotMap
+from transferqueue.state import (
+    DONE,
+    HEADER,
+    LEASED,
+    QUEUED,
+    WAITING,
+    Changes,
+    PartitionState,
+    TaskState,
+    header_column,
+)
 
 __all__ = ["Changes", "Controller"]
-
-WAITING, QUEUED, LEASED, DONE = 0, 1, 2, 3
-
-
-@dataclass
-class Changes:
-    """What an operation changed that the service layer must act on."""
-
-    woken: set[TaskKey] = field(default_factory=set)  # tasks whose waiters should re-check
-    freed: list[np.ndarray] = field(default_factory=list)  # freed row indexes
-    freed_units: list[np.ndarray] = field(default_factory=list)  # their units
-    space: bool = False  # rows were freed: allocations waiting for capacity may proceed
-
-    def merge(self, other: Changes) -> Changes:
-        self.woken |= other.woken
-        self.freed += other.freed
-        self.freed_units += other.freed_units
-        self.space |= other.space
-        return self
-
-
-class _Task:
-    def __init__(
-        self,
-        key: TaskKey,
-        fields: tuple[str, ...],
-        sampler: Sampler,
-        sampler_name: str,
-        options: dict[str, Any],
-        capacity: int,
-    ) -> None:
-        self.key = key
-        self.fields = fields
-        self.sampler = sampler
-        self.sampler_name = sampler_name
-        self.options = options
-        self.state = np.zeros(capacity, dtype=np.uint8)
-        self.lease = np.full(capacity, -1, dtype=np.int64)
-        self.leased = 0
-        self.done = 0
-        self.dropped = 0
-
-    def grow(self, capacity: int) -> None:
-        extra = capacity - self.state.size
-        self.state = np.concatenate([self.state, np.zeros(extra, dtype=np.uint8)])
-        self.lease = np.concatenate([self.lease, np.full(extra, -1, dtype=np.int64)])
-
-
-class _Partition:
-    def __init__(self, pid: int, name: str) -> None:
-        self.id = pid
-        self.name = name
-        self.declared: list[str] | None = None
-        self.tasks: dict[str, _Task] = {}
-        self.rows_put = 0
-        self.rows_live = 0
-        self.rows_freed = 0
-        self.finished = False
-
-
-_HEADER: dict[str, tuple[type, int]] = {
-    "index": (np.int64, -1),
-    "partition": (np.int16, -1),
-    "unit": (np.int32, -1),
-    "group": (np.int64, -1),
-    "version": (np.int64, -1),
-    "length": (np.int64, -1),
-    "done": (np.int16, 0),
-    "live": (np.bool_, False),
-}
 
 
 class Controller:
@@ -132,12 +72,12 @@ class Controller:
         self._map = SlotMap()
         self._alloc = ExtentAllocator(0)
         self._h: dict[str, np.ndarray] = {
-            k: np.full(0, fill, dtype=dt) for k, (dt, fill) in _HEADER.items()
+            k: np.full(0, fill, dtype=dt) for k, (dt, fill) in HEADER.items()
         }
         self._ready: dict[str, np.ndarray] = {}
         self._specs: dict[str, FieldSpec] = {}
-        self._partitions: dict[str, _Partition] = {}
-        self._by_id: dict[int, _Partition] = {}
+        self._partitions: dict[str, PartitionState] = {}
+        self._by_id: dict[int, PartitionState] = {}
         self._next_index = 0
         self._next_unit = 0
         self._rows_live = 0
@@ -188,14 +128,14 @@ class Controller:
         return self._h["length"][self._slots(indexes)]
 
     # -- rows --------------------------------------------------------------------------------
-    def partition(self, name: str) -> _Partition:
+    def partition(self, name: str) -> PartitionState:
         part = self._partitions.get(name)
         if part is None:
             if not isinstance(name, str) or not name:
                 raise ValueError(f"partition must be a non-empty string, got {name!r}")
             if len(self._partitions) >= np.iinfo(np.int16).max:
                 raise ValueError("too many partitions; clear unused ones")
-            part = _Partition(len(self._by_id), name)
+            part = PartitionState(len(self._by_id), name)
             self._partitions[name] = part
             self._by_id[part.id] = part
         return part
@@ -226,9 +166,9 @@ class Controller:
                 f"capacity_rows={self.capacity_rows}. Consumers must acknowledge rows "
                 "(declared tasks) or the partition must be cleared"
             )
-        g_given = None if groups is None else _column("group", groups, n, default=-1)
-        v = _column("version", versions, n, default=-1)
-        ln = _column("length", lengths, n, default=-1)
+        g_given = None if groups is None else header_column("group", groups, n, default=-1)
+        v = header_column("version", versions, n, default=-1)
+        ln = header_column("length", lengths, n, default=-1)
         part = self.partition(partition)
         slots = self._alloc.allocate(n)
         if slots is None:
@@ -268,7 +208,7 @@ class Controller:
         old = self._alloc.capacity
         self._alloc.grow(capacity)
         extra = capacity - old
-        for k, (dt, fill) in _HEADER.items():
+        for k, (dt, fill) in HEADER.items():
             self._h[k] = np.concatenate([self._h[k], np.full(extra, fill, dtype=dt)])
         for name, arr in self._ready.items():
             self._ready[name] = np.concatenate([arr, np.zeros(extra, dtype=bool)])
@@ -297,8 +237,8 @@ class Controller:
                     f"field {name!r} has no registered spec; register_fields before commit"
                 )
         n = indexes.size
-        v = None if versions is None else _column("version", versions, n, default=-1)
-        ln = None if lengths is None else _column("length", lengths, n, default=-1)
+        v = None if versions is None else header_column("version", versions, n, default=-1)
+        ln = None if lengths is None else header_column("length", lengths, n, default=-1)
         lease = self._held(lease_id, indexes, slots) if lease_id is not None else None
         if v is not None:
             self._h["version"][slots] = v
@@ -320,7 +260,7 @@ class Controller:
             changes.merge(self._finish_rows(lease, slots, acked=True))
         return changes
 
-    def _enqueue_ready(self, task: _Task, slots: np.ndarray) -> bool:
+    def _enqueue_ready(self, task: TaskState, slots: np.ndarray) -> bool:
         cand = slots[task.state[slots] == WAITING]
         if cand.size == 0:
             return False
@@ -364,12 +304,12 @@ class Controller:
 
     def _task(
         self,
-        part: _Partition,
+        part: PartitionState,
         name: str,
         fields: Sequence[str] | None,
         sampler: str,
         options: Mapping[str, Any],
-    ) -> _Task:
+    ) -> TaskState:
         if part.declared is not None and name not in part.declared:
             raise UnknownTaskError(
                 f"task {name!r} is not declared for partition {part.name!r} (declared: "
@@ -393,14 +333,14 @@ class Controller:
         for f in fields:
             self._ready_of(f)
         inst = get_sampler(sampler)(self, **options)
-        task = _Task(
+        task = TaskState(
             (part.id, name), tuple(fields), inst, sampler, dict(options), self._alloc.capacity
         )
         part.tasks[name] = task
         self._enqueue_ready(task, self._live_slots(part))
         return task
 
-    def _live_slots(self, part: _Partition) -> np.ndarray:
+    def _live_slots(self, part: PartitionState) -> np.ndarray:
         h = self._h
         slots = np.flatnonzero(h["live"] & (h["partition"] == part.id))
         return slots[np.argsort(h["index"][slots], kind="stable")]
@@ -487,7 +427,7 @@ class Controller:
                 )
         return lease
 
-    def _task_of(self, lease: Lease) -> _Task:
+    def _task_of(self, lease: Lease) -> TaskState:
         part = self._by_id[lease.task[0]]
         return part.tasks[lease.task[1]]
 
@@ -562,7 +502,7 @@ class Controller:
 
     # -- consumption done, freeing -----------------------------------------------------------
     def _mark_done(
-        self, part: _Partition, task: _Task, slots: np.ndarray, *, dropped: bool
+        self, part: PartitionState, task: TaskState, slots: np.ndarray, *, dropped: bool
     ) -> Changes:
         task.state[slots] = DONE
         task.done += int(slots.size)
@@ -577,7 +517,7 @@ class Controller:
                 self._free(part, full, changes)
         return changes
 
-    def _free(self, part: _Partition, slots: np.ndarray, changes: Changes) -> None:
+    def _free(self, part: PartitionState, slots: np.ndarray, changes: Changes) -> None:
         h = self._h
         indexes = h["index"][slots].copy()
         changes.freed.append(indexes)
@@ -588,7 +528,7 @@ class Controller:
         for task in part.tasks.values():
             task.state[slots] = WAITING
             task.lease[slots] = -1
-        for k, (_, fill) in _HEADER.items():
+        for k, (_, fill) in HEADER.items():
             h[k][slots] = fill
         self._map.remove(indexes)
         self._alloc.free(slots)
@@ -677,16 +617,3 @@ class Controller:
             "fields": {n: s.describe() for n, s in self._specs.items()},
             "partitions": parts,
         }
-
-
-def _column(name: str, value: np.ndarray | int | None, n: int, *, default: int) -> np.ndarray:
-    if value is None:
-        return np.full(n, default, dtype=np.int64)
-    arr = np.asarray(value)
-    if arr.ndim == 0:
-        return np.full(n, int(arr), dtype=np.int64)
-    if arr.shape != (n,):
-        raise SchemaError(f"header {name!r} has shape {arr.shape}, expected ({n},): one per row")
-    if arr.dtype.kind not in "iub":
-        raise SchemaError(f"header {name!r} must be integers, got dtype {arr.dtype}")
-    return arr.astype(np.int64, copy=False)
