@@ -1,0 +1,468 @@
+"""Simulated engines: the timing model, continuous batching, weight-sync semantics, lengths."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from collections.abc import Awaitable
+from pathlib import Path
+from statistics import NormalDist
+from typing import Any, TypeVar
+
+import numpy as np
+import pytest
+import torch
+
+from engines.protocols import (
+    Generation,
+    GenerationEngine,
+    SamplingParams,
+    TrainBatch,
+    TrainingEngine,
+)
+from engines.simulated import (
+    BUILTIN,
+    DecodeLatency,
+    EmpiricalLengths,
+    LognormalLengths,
+    SimulatedGenerationEngine,
+    SimulatedReward,
+    SimulatedTrainingEngine,
+    TrainingCost,
+    content_score,
+    from_calibration,
+)
+from engines.simulated.calibration import DATA_DIR
+
+PARAMS = SamplingParams(max_new_tokens=10_000)
+T = TypeVar("T")
+
+
+class FixedLengths:
+    """Length = the prompt's first token id: tests choose every request's length."""
+
+    max_len = 10_000
+
+    def length(self, prompt: torch.Tensor, index: int) -> int:
+        return int(prompt[0])
+
+
+def prompt(length: int, size: int = 4, tag: int = 0) -> torch.Tensor:
+    """A prompt of ``size`` tokens whose response will be ``length`` tokens (FixedLengths)."""
+    return torch.tensor([length, tag, *range(2, size)][:size], dtype=torch.long)
+
+
+def engine(
+    base_s: float = 0.01,
+    per_seq_s: float = 0.001,
+    *,
+    prefill: float = 0.0,
+    max_batch: int = 64,
+    time_scale: float = 0.1,
+    **kwargs: Any,
+) -> SimulatedGenerationEngine:
+    latency = DecodeLatency(
+        base_s=base_s, per_seq_s=per_seq_s, prefill_s_per_token=prefill, max_batch=max_batch
+    )
+    return SimulatedGenerationEngine(
+        latency, FixedLengths(), time_scale=time_scale, version=0, **kwargs
+    )
+
+
+async def timed(coro: Awaitable[T]) -> tuple[T, float]:
+    t0 = time.monotonic()
+    out = await coro
+    return out, time.monotonic() - t0
+
+
+def close_to(measured: float, expected: float, rel: float = 0.2, abs_s: float = 0.03) -> bool:
+    return abs(measured - expected) <= rel * expected + abs_s
+
+
+# -- generation timing -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+def test_iteration_time_follows_the_model(batch: int) -> None:
+    eng = engine(0.01, 0.002, time_scale=0.2)
+    steps = 40
+    expected = steps * eng.latency.iteration_s(batch)  # modelled seconds
+
+    async def main() -> tuple[list[Generation], float]:
+        return await timed(eng.generate([prompt(steps, tag=i) for i in range(batch)], PARAMS))
+
+    gens, wall = asyncio.run(main())
+    assert close_to(wall, expected * 0.2), (wall, expected * 0.2)
+    assert eng.stats.iterations == steps
+    assert eng.stats.tokens == steps * batch
+    assert eng.stats.busy_s == pytest.approx(expected)
+    assert all(int(g.token_ids.numel()) == steps for g in gens)
+
+
+def test_prefill_is_charged_once_per_prompt_in_the_joining_iteration() -> None:
+    eng = engine(0.01, 0.0, prefill=0.001, time_scale=0.2)
+    # two distinct 100-token prompts, each twice (a group of 2): prefill 200 tokens, not 400
+    prompts = [prompt(20, size=100, tag=t) for t in (1, 1, 2, 2)]
+    expected = 20 * 0.01 + 200 * 0.001
+
+    async def main() -> float:
+        return (await timed(eng.generate(prompts, PARAMS)))[1]
+
+    wall = asyncio.run(main())
+    assert eng.stats.prefill_tokens == 200
+    assert eng.stats.busy_s == pytest.approx(expected)
+    assert close_to(wall, expected * 0.2)
+
+
+def test_long_request_does_not_hold_back_short_ones() -> None:
+    eng = engine(0.01, 0.0, time_scale=0.2)  # one iteration = 2 ms real
+    done: dict[str, float] = {}
+
+    async def call(name: str, length: int, t0: float, delay_iterations: float = 0) -> None:
+        await asyncio.sleep(delay_iterations * 0.002)
+        await eng.generate([prompt(length)], PARAMS)
+        done[name] = time.monotonic() - t0
+
+    async def main() -> None:
+        t0 = time.monotonic()
+        await asyncio.gather(
+            call("long", 150, t0), call("short", 10, t0), call("late_short", 10, t0, 30)
+        )
+
+    asyncio.run(main())
+    assert close_to(done["short"], 10 * 0.002, abs_s=0.02)
+    # joins at the next iteration boundary after ~30 iterations: ~40, not 150
+    assert close_to(done["late_short"], 40 * 0.002, rel=0.3, abs_s=0.03)
+    assert done["late_short"] < done["long"] - 0.1
+    assert close_to(done["long"], 150 * 0.002)
+    assert eng.stats.iterations == 150
+
+
+def test_max_batch_queues_requests_in_fifo_order() -> None:
+    eng = engine(0.01, 0.0, max_batch=2, time_scale=0.2)
+    finished: list[tuple[int, float]] = []
+    seen_queue: list[int] = []
+
+    async def call(tag: int) -> None:
+        await eng.generate([prompt(20, tag=tag)], PARAMS)
+        finished.append((tag, time.monotonic() - t0))
+
+    async def main() -> None:
+        calls = [asyncio.create_task(call(tag)) for tag in range(4)]
+        await asyncio.sleep(0.01)
+        seen_queue.append(eng.queued)
+        seen_queue.append(eng.running)
+        await asyncio.gather(*calls)
+
+    t0 = time.monotonic()
+    asyncio.run(main())
+    assert seen_queue == [2, 2]
+    order = [tag for tag, _ in finished]
+    assert set(order[:2]) == {0, 1} and set(order[2:]) == {2, 3}
+    assert close_to(finished[1][1], 20 * 0.002)
+    assert close_to(finished[3][1], 40 * 0.002)
+    assert eng.stats.iterations == 40
+
+
+def test_update_waits_for_running_requests_and_versions_never_mix() -> None:
+    eng = engine(0.01, 0.0, max_batch=2, time_scale=0.2, sync_s=0.1)  # sync = 20 ms real
+    events: dict[str, float] = {}
+
+    async def main() -> tuple[list[Generation], list[Generation]]:
+        t0 = time.monotonic()
+        # 3 requests, max_batch 2: the third is queued when the update arrives
+        first = asyncio.create_task(eng.generate([prompt(50, tag=t) for t in range(3)], PARAMS))
+        await asyncio.sleep(0.02)  # ~10 iterations in
+        update = asyncio.create_task(eng.update_weights({}, 1))
+        await asyncio.sleep(0.005)
+        second = asyncio.create_task(eng.generate([prompt(5, tag=9)], PARAMS))
+        await update
+        events["update"] = time.monotonic() - t0
+        assert eng.version == 1
+        out1 = await first
+        events["first"] = time.monotonic() - t0
+        out2 = await second
+        return out1, out2
+
+    out1, out2 = asyncio.run(main())
+    # the running pair finished on v0; the queued one started on v1
+    assert [g.version for g in out1] == [0, 0, 1]
+    assert [g.version for g in out2] == [1]
+    # the update ended after the running pair (50 iterations = 0.1 s) plus the load (0.02 s)
+    assert events["update"] >= 50 * 0.002 + 0.02 - 0.005
+    assert eng.stats.updates == 1 and eng.stats.drain_s > 0.3
+    # the queued request ran after the update: 0.12 s + 50 iterations
+    assert close_to(events["first"], 0.12 + 0.1)
+
+
+def test_cancelled_call_leaves_the_batch() -> None:
+    eng = engine(0.01, 0.0, time_scale=0.2)
+
+    async def main() -> float:
+        doomed = asyncio.create_task(eng.generate([prompt(1000, tag=1)], PARAMS))
+        await asyncio.sleep(0.01)
+        doomed.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await doomed
+        _, wall = await timed(eng.generate([prompt(10, tag=2)], PARAMS))
+        assert eng.running == 0
+        return wall
+
+    assert asyncio.run(main()) < 0.1
+
+
+def test_generations_are_well_formed_and_deterministic() -> None:
+    lengths = LognormalLengths(median=20, sigma=0.8, max_len=64, prompt_scale=0)
+
+    def run(seed: int, params: SamplingParams) -> list[Generation]:
+        eng = SimulatedGenerationEngine(
+            DecodeLatency(base_s=0.0, per_seq_s=0.0, prefill_s_per_token=0.0),
+            lengths,
+            time_scale=1.0,
+            vocab_size=50,
+            eos_token_id=7,
+            seed=seed,
+            version=3,
+        )
+        assert isinstance(eng, GenerationEngine)
+        prompts = [torch.tensor([5, 6, 7, 8])] * 8 + [torch.arange(3, 40)] * 8
+        return asyncio.run(eng.generate(prompts, params))
+
+    params = SamplingParams(max_new_tokens=24)
+    gens = run(0, params)
+    for g in gens:
+        ids, logp = g.token_ids, g.logprobs
+        assert 1 <= ids.numel() <= 24 and ids.max() < 50 and ids.min() >= 0
+        assert logp.dtype == torch.float32 and bool((logp < 0).all())
+        assert g.version == 3
+        if g.finish_reason == "stop":
+            assert int(ids[-1]) == 7 and int((ids == 7).sum()) == 1
+        else:
+            assert ids.numel() == 24 and int((ids == 7).sum()) == 0
+    assert {g.finish_reason for g in gens} == {"stop", "length"}
+
+    def sizes(out: list[Generation]) -> list[int]:
+        return [int(g.token_ids.numel()) for g in out]
+
+    assert len(set(sizes(gens[:8]))) > 3  # samples of one prompt differ
+    again = run(0, params)
+    assert all(torch.equal(a.token_ids, b.token_ids) for a, b in zip(gens, again, strict=True))
+    assert sizes(run(1, params)) != sizes(gens)  # the engine seed changes seed-less samples
+    seeded = SamplingParams(max_new_tokens=24, seed=5)
+    assert sizes(run(0, seeded)) == sizes(run(1, seeded))  # a call seed fixes the lengths
+
+
+def test_shared_counts_make_samples_independent_of_routing() -> None:
+    """A group split over two instances gets the samples one instance would have drawn."""
+    latency = DecodeLatency(base_s=0.0, per_seq_s=0.0, prefill_s_per_token=0.0)
+    lengths = LognormalLengths(median=50, sigma=1.0, prompt_scale=0, overlong_p=0)
+    p = torch.arange(5, 30)
+
+    async def draw(split: bool) -> list[list[int]]:
+        counts: dict[bytes, int] = {}
+        engines = [
+            SimulatedGenerationEngine(latency, lengths, seed=s, shared_counts=counts)
+            for s in (0, 1)
+        ]
+        calls = [engines[1 if split and k % 2 else 0].generate([p] * 2, PARAMS) for k in range(4)]
+        return [g.token_ids.tolist() for out in await asyncio.gather(*calls) for g in out]
+
+    one, two = asyncio.run(draw(False)), asyncio.run(draw(True))
+    assert sorted(one) == sorted(two) and len({len(t) for t in one}) > 4
+
+
+# -- length models ---------------------------------------------------------------------------
+
+
+def test_lognormal_lengths_are_deterministic_and_vary_across_samples() -> None:
+    model = LognormalLengths(median=100, sigma=0.7, max_len=1024, overlong_p=0, seed=1)
+    p = torch.arange(10, 70)
+    first = [model.length(p, i) for i in range(64)]
+    assert first == [model.length(p.int(), i) for i in range(64)]  # dtype does not matter
+    assert len(set(first)) > 40
+    reseeded = LognormalLengths(median=100, sigma=0.7, max_len=1024, overlong_p=0, seed=2)
+    assert first != [reseeded.length(p, i) for i in range(64)]
+    logs = np.log(first)
+    assert logs.std() == pytest.approx(0.7, rel=0.35)
+    assert all(1 <= n <= 1024 for n in first)
+
+
+def test_longer_prompts_have_longer_responses() -> None:
+    model = LognormalLengths(median=100, sigma=0.5, prompt_scale=0.5, ref_len=50, prompt_sigma=0)
+    short = np.median([model.length(torch.arange(20) + j, i) for j in range(8) for i in range(16)])
+    long = np.median([model.length(torch.arange(200) + j, i) for j in range(8) for i in range(16)])
+    assert long / short == pytest.approx(math.sqrt(10), rel=0.3)
+
+
+def test_prompt_explained_variance_is_learnable() -> None:
+    """A linear regression on (log length, token counts / sqrt(length)) recovers the share."""
+    rng = np.random.default_rng(0)
+    vocab = 40
+    prompts = [torch.from_numpy(rng.integers(0, vocab, rng.integers(10, 120))) for _ in range(600)]
+    model = LognormalLengths(
+        median=100, sigma=0.6, prompt_scale=0.3, ref_len=50, max_len=10**6, overlong_p=0
+    )
+    model = model.adapted(prompts, prompt_share=0.5)
+    assert model.explained_share(prompts) == pytest.approx(0.5, abs=1e-6)
+    y = np.log([model.length(p, 0) for p in prompts])
+    assert np.median(np.exp(y)) == pytest.approx(100, rel=0.15)
+    x = np.stack(
+        [
+            np.concatenate(
+                [[1.0, math.log(len(p))], np.bincount(p.numpy(), minlength=vocab) / len(p) ** 0.5]
+            )
+            for p in prompts
+        ]
+    )
+    train, test = slice(0, 450), slice(450, None)
+    w, *_ = np.linalg.lstsq(x[train], y[train], rcond=None)
+    residual = y[test] - x[test] @ w
+    r2 = 1 - residual.var() / y[test].var()
+    assert 0.35 < r2 < 0.65
+
+
+def test_empirical_lengths_replay_the_measured_distribution(tmp_path: Path) -> None:
+    values = [int(v) for v in np.random.default_rng(1).lognormal(4.5, 0.8, 500).clip(1, 1024)]
+    path = tmp_path / "lengths.json"
+    path.write_text(json.dumps({"lengths": values, "max_new_tokens": 1024, "fit": {}}))
+    model = EmpiricalLengths.from_json(path, prompt_share=0.3)
+    assert model.max_len == 1024
+    prompts = [torch.arange(j, j + 30) * 7 for j in range(200)]
+    drawn = [model.length(p, i) for p in prompts for i in range(4)]
+    assert drawn == [model.length(p, i) for p in prompts for i in range(4)]
+    assert set(drawn) <= set(values)
+    assert np.median(drawn) == pytest.approx(np.median(values), rel=0.15)
+    group = [model.length(prompts[0], i) for i in range(16)]
+    assert len(set(group)) > 8
+
+
+def test_empirical_lengths_adapted_to_templated_prompts_reach_the_share() -> None:
+    """Prompts sharing most tokens: standardizing their content score restores the share."""
+    values = [int(v) for v in np.random.default_rng(1).lognormal(4.5, 0.8, 500).clip(1, 1024)]
+    rng = np.random.default_rng(4)
+    common = torch.arange(100, 120)
+    prompts = [torch.cat([common, torch.from_numpy(rng.integers(0, 300, 3))]) for _ in range(200)]
+    ranks = np.sort(values)
+
+    def between_groups(model: EmpiricalLengths) -> float:
+        """Variance of group means of normal scores: share + (1 - share) / 8."""
+        means = []
+        for p in prompts:
+            u = (np.searchsorted(ranks, [model.length(p, i) for i in range(8)]) + 0.5) / 500
+            means.append(np.mean([NormalDist().inv_cdf(x) for x in u]))
+        return float(np.var(means))
+
+    raw = EmpiricalLengths(values, prompt_share=0.5)
+    assert between_groups(raw) < 0.3
+    assert 0.45 < between_groups(raw.adapted(prompts)) < 0.75
+
+
+def test_content_score_is_standard_normal_over_random_prompts() -> None:
+    rng = np.random.default_rng(2)
+    z = [content_score(torch.from_numpy(rng.integers(0, 50_000, 64))) for _ in range(2000)]
+    assert np.mean(z) == pytest.approx(0, abs=0.1)
+    assert np.std(z) == pytest.approx(1, abs=0.1)
+
+
+# -- training and reward ---------------------------------------------------------------------
+
+
+def batch(samples: int, response_len: int, prompt_len: int = 10) -> TrainBatch:
+    return TrainBatch(
+        prompt_ids=[torch.zeros(prompt_len, dtype=torch.long)] * samples,
+        response_ids=[torch.ones(response_len, dtype=torch.long)] * samples,
+        behaviour_logprobs=[-torch.ones(response_len)] * samples,
+        advantages=torch.linspace(-1, 1, samples),
+        versions=torch.zeros(samples, dtype=torch.long),
+    )
+
+
+def test_training_time_scales_with_tokens_and_gpus() -> None:
+    cost = TrainingCost(per_token_s=0.001, per_sample_s=0.01, step_s=0.5)
+    one = SimulatedTrainingEngine(cost, gpus=1, time_scale=0.1)
+    two = SimulatedTrainingEngine(cost, gpus=2, time_scale=0.1)
+    assert isinstance(one, TrainingEngine)
+
+    def wall(eng: SimulatedTrainingEngine, b: TrainBatch) -> float:
+        t0 = time.monotonic()
+        metrics = eng.forward_backward(b, 1 / len(b))
+        assert math.isfinite(metrics["loss"]) and metrics["num_tokens"] == b.num_tokens
+        return time.monotonic() - t0
+
+    small, large = batch(4, 90), batch(4, 290)  # 400 and 1200 tokens
+    expected_small = (0.001 * 400 + 0.01 * 4) * 0.1
+    expected_large = (0.001 * 1200 + 0.01 * 4) * 0.1
+    assert close_to(wall(one, small), expected_small, abs_s=0.01)
+    assert close_to(wall(one, large), expected_large, abs_s=0.01)
+    assert close_to(wall(two, large), expected_large / 2, abs_s=0.01)
+    t0 = time.monotonic()
+    step = one.optimizer_step()
+    assert close_to(time.monotonic() - t0, 0.05, abs_s=0.01)
+    assert one.version == 1 and step["version"] == 1 and step["samples"] == 8
+    assert math.isfinite(step["grad_norm"])
+    assert int(one.state_dict()["version"]) == 1
+    assert one.busy_s == pytest.approx(0.44 + 1.24 + 0.5)
+
+
+def test_reward_is_deterministic_and_timed() -> None:
+    reward = SimulatedReward(per_sample_s=0.01, time_scale=1.0, seed=3)
+    prompts, completions = ["a", "b", "c", "a"], ["x", "y", "z", "x"]
+    t0 = time.monotonic()
+    first = reward(prompts, completions, answer=["1"] * 4)
+    assert close_to(time.monotonic() - t0, 0.04, abs_s=0.01)
+    assert first == reward(prompts, completions)
+    assert first[0] == first[3] and len(set(first)) == 3
+    assert all(r is not None and 0 <= r <= 1 for r in first)
+    binary = SimulatedReward(success_rate=0.5)([str(i) for i in range(200)], ["x"] * 200)
+    assert set(binary) == {0.0, 1.0} and 70 < sum(r or 0 for r in binary) < 130
+
+
+# -- calibration -----------------------------------------------------------------------------
+
+
+def test_builtin_defaults_equal_the_recorded_calibration() -> None:
+    path = DATA_DIR / "calibration.json"
+    if not path.is_file():
+        pytest.skip("no recorded calibration in this checkout")
+    recorded = json.loads(path.read_text())
+    assert recorded["default_profile"] == BUILTIN["default_profile"]
+    for name, profile in BUILTIN["profiles"].items():
+        for key in ("decode", "sync_s", "training", "lengths"):
+            assert recorded["profiles"][name][key] == pytest.approx(profile[key]), (name, key)
+    cal = from_calibration()
+    assert cal == from_calibration(path=path)
+    # the dataclass defaults are the recorded default profile
+    assert cal.latency == DecodeLatency()
+    assert cal.training == TrainingCost()
+    assert cal.lengths == LognormalLengths()
+    assert SimulatedGenerationEngine().sync_s == cal.sync_s
+
+
+def test_from_calibration_builds_engines_and_rejects_unknown_profiles() -> None:
+    cal = from_calibration()
+    gen = cal.generation_engine(time_scale=0.01, version=0)
+    assert gen.latency == cal.latency and gen.sync_s == cal.sync_s
+    assert cal.training_engine(time_scale=0.01, gpus=2).gpus == 2
+    if cal.lengths_file is not None:
+        assert cal.empirical_lengths().max_len >= 1
+    with pytest.raises(ValueError, match="known"):
+        from_calibration(profile="nope")
+
+
+def test_lengths_for_moves_the_fit_onto_other_prompts() -> None:
+    """Short prompts of another tokenizer keep the calibrated median and prompt share."""
+    cal = from_calibration()
+    rng = np.random.default_rng(3)
+    prompts = [torch.from_numpy(rng.integers(0, 300, rng.integers(12, 20))) for _ in range(300)]
+    assert np.median([cal.lengths.length(p, 0) for p in prompts]) < cal.lengths.median / 4
+    model = cal.lengths_for(prompts)
+    assert model.explained_share(prompts) == pytest.approx(cal.prompt_share, abs=1e-6)
+    drawn = [model.length(p, i) for p in prompts for i in range(2)]
+    assert np.median(drawn) == pytest.approx(cal.lengths.median, rel=0.15)
+    # lengths spread more than the share allows: the exponent is lowered instead
+    spread = [torch.arange(int(n)) for n in np.geomspace(5, 2000, 50)]
+    lowered = cal.lengths_for(spread, prompt_share=0.1)
+    assert lowered.prompt_sigma == 0 and lowered.prompt_scale < cal.lengths.prompt_scale
+    assert lowered.explained_share(spread) == pytest.approx(0.1, abs=1e-6)
