@@ -1,0 +1,397 @@
+"""RL schedules compared on the real workflow with simulated engines (and one real pair).
+
+    python -m bench.rl                      # the schedule matrix + the real sync/async pair
+    python -m bench.rl --quick              # fewer steps (smoke test)
+    python -m bench.rl --workload measured  # SmolLM2's measured lengths instead of long-tail
+
+Every schedule runs the real asyncflow workflow (TransferQueue, adapters, stage runners,
+admission control, weight sync) on the same resources and the same prompt stream; only the
+engines' compute is simulated (``engines/simulated``: decode iterations, training time per
+token and weight loads calibrated on this machine by ``bench/calibrate.py``), each modelled
+second taking ``time_scale`` real seconds.
+
+| schedule       | GPUs (gen / train)  | staleness | train starts on        | dispatch            |
+|----------------|---------------------|-----------|------------------------|---------------------|
+| colocated-sync | all / all, shared   | 0         | the whole step's batch | least loaded        |
+| disagg-sync    | split               | 0         | the whole step's batch | least loaded        |
+| streaming      | split               | 0         | each micro-batch       | least loaded        |
+| async-k1/k2    | split               | 1 / 2     | each micro-batch       | least loaded        |
+| async-k*-skew  | split               | 1 / 2     | each micro-batch       | ranker: longest     |
+|                |                     |           |                        | first, long prompts |
+|                |                     |           |                        | on own instances    |
+
+Writes ``bench/results/rl.json`` and the plots ``rl_throughput.png``, ``rl_gantt.png`` and
+``rl_real_reward.png``, and prints a table: samples/s and tokens/s (modelled time), ratio to
+colocated-sync, idle fraction per stage, and the generation GPUs' idle time split into the
+pipeline bubble (every generator idle: waiting on training or weights) and the skewness
+bubble (some idle while others still decode the long tail).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from asyncflow import Components, RunResult, load_config, run
+from asyncflow.metrics import merge_intervals
+from bench.common import RESULTS_DIR, line, write_json
+from engines.simulated import (
+    Calibration,
+    LognormalLengths,
+    SimulatedReward,
+    calibrated,
+)
+from engines.tasks import make_task
+from engines.tiny import build_tokenizer
+
+
+@dataclass(frozen=True)
+class Schedule:
+    name: str
+    colocated: bool = False
+    max_staleness: int = 0
+    stream: bool = True
+    skew_aware: bool = False
+
+
+SCHEDULES = [
+    Schedule("colocated-sync", colocated=True, stream=False),
+    Schedule("disagg-sync", stream=False),
+    Schedule("streaming"),
+    Schedule("async-k1", max_staleness=1),
+    Schedule("async-k2", max_staleness=2),
+    Schedule("async-k1-skew", max_staleness=1, skew_aware=True),
+    Schedule("async-k2-skew", max_staleness=2, skew_aware=True),
+]
+
+
+@dataclass(frozen=True)
+class Setup:
+    gpus: int = 8
+    groups_per_step: int = 32
+    group_size: int = 8
+    steps: int = 8
+    time_scale: float = 0.01
+    workload: str = "long-tail"
+    long_instances: int = 1
+    seed: int = 0
+
+
+def _lengths(setup: Setup, cal: Calibration, prompts: list[Any]) -> Any:
+    """The workload's response lengths, moved onto this run's prompts.
+
+    ``measured``: SmolLM2's measured lengths replayed (cap 1024). ``long-tail``: the measured
+    shape (per-sample spread, share of runaway samples that run to the cap, share of the
+    variance the prompt explains) at reasoning-task scale: median 300 tokens, cap 8192.
+    """
+    if setup.workload == "measured":
+        return cal.empirical_lengths(prompts, prompt_share=cal.prompt_share, seed=setup.seed)
+    fit = cal.lengths
+    base = LognormalLengths(
+        median=300,
+        sigma=fit.sigma,
+        max_len=8192,
+        overlong_p=fit.overlong_p,
+        prompt_scale=0.0,
+        seed=setup.seed,
+    )
+    return base.adapted(prompts, prompt_share=cal.prompt_share)
+
+
+def split_gpus(setup: Setup, cal: Calibration, mean_len: float, prompt_len: float) -> int:
+    """Generation GPUs of a disaggregated split: balance decode and training throughput."""
+    samples = setup.groups_per_step * setup.group_size
+    best, best_t = 1, math.inf
+    for g in range(1, setup.gpus):
+        decode = samples * mean_len / (g * cal.latency.tokens_per_s(cal.latency.max_batch))
+        train = cal.training.forward_backward_s(
+            int(samples * (mean_len + prompt_len)), samples, setup.gpus - g
+        )
+        t = max(decode, train)
+        if t < best_t:
+            best, best_t = g, t
+    return best
+
+
+def run_schedule(
+    sched: Schedule, setup: Setup, cal: Calibration, out: Path, gen_gpus: int
+) -> RunResult:
+    tokenizer = build_tokenizer()
+    task = make_task("countdown", seed=setup.seed)
+    from engines.hf.text import encode_prompts
+
+    sample_prompts = encode_prompts(tokenizer, [task.item(i).prompt for i in range(512)])
+    lengths = _lengths(setup, cal, sample_prompts)
+    n_gen = setup.gpus if sched.colocated else gen_gpus
+    n_train = setup.gpus if sched.colocated else setup.gpus - gen_gpus
+    counts: dict[bytes, int] = {}  # same samples whatever the routing
+    generators = [
+        cal.generation_engine(
+            time_scale=setup.time_scale,
+            lengths=lengths,
+            vocab_size=len(tokenizer),
+            eos_token_id=tokenizer.eos_token_id,
+            seed=setup.seed + i,
+            version=0,
+            shared_counts=counts,
+        )
+        for i in range(n_gen)
+    ]
+    comps = Components(
+        task=task,
+        tokenizer=tokenizer,
+        trainer=cal.training_engine(time_scale=setup.time_scale, gpus=n_train, version=0),
+        generators=list(generators),
+        reward_fn=SimulatedReward(0.01, time_scale=setup.time_scale, success_rate=0.5),
+        closers=[g.close for g in generators],
+    )
+    b, n = setup.groups_per_step, setup.group_size
+    per_instance = max(1, cal.latency.max_batch // n)  # groups in flight per instance
+    overrides = [
+        f"output.dir={out}",
+        "output.progress=false",
+        "output.tensorboard=false",
+        "output.plot=false",
+        f"train.steps={setup.steps}",
+        f"train.groups_per_step={b}",
+        f"train.micro_batch_groups={2 if sched.stream else b}",
+        f"train.max_staleness={sched.max_staleness}",
+        f"rollout.group_size={n}",
+        "rollout.micro_batch_groups=1",
+        f"rollout.concurrency={per_instance}",
+        f"rollout.instances={n_gen}",
+        f"rollout.max_new_tokens={lengths.max_len}",
+        "rollout.engine=simulated",
+        "reward.batch_size=64",
+    ]
+    if sched.skew_aware:
+        overrides += [
+            "rollout.ranker=true",
+            "rollout.longest_first=true",
+            f"rollout.long_instances={setup.long_instances}",
+        ]
+    return run(load_config(overrides=overrides), comps)
+
+
+def analyse(result: RunResult, setup: Setup, n_gen: int, n_train: int) -> dict[str, Any]:
+    """Steady-state throughput (modelled time) and the bubble breakdown."""
+    recs = result.records
+    t0, t1 = recs[0]["time_s"], recs[-1]["time_s"]
+    span = max(t1 - t0, 1e-9)
+    samples = sum(r["samples"] for r in recs[1:])
+    tokens = sum(r["tokens"] for r in recs[1:])
+    scale = setup.time_scale
+    lanes = result.timeline.intervals
+    gen_lanes = [k for k in lanes if k.startswith("rollout/")]
+    grid = np.linspace(t0, t1, 4000)
+    busy = np.zeros((max(len(gen_lanes), 1), grid.size), dtype=bool)
+    for i, lane in enumerate(gen_lanes):
+        for s, e in merge_intervals(lanes[lane], t0, t1):
+            busy[i] |= (grid >= s) & (grid < e)
+    n_busy = busy.sum(axis=0)
+    idle = ~busy
+    pipeline = float((idle & (n_busy == 0)[None, :]).mean()) if gen_lanes else 0.0
+    skew = float((idle & (n_busy > 0)[None, :]).mean()) if gen_lanes else 0.0
+    stages = result.timeline.summary(t0, t1)
+    train_busy = stages.get("train", {}).get("busy", 0.0)
+    gen_busy = 1.0 - pipeline - skew
+    return {
+        "samples_per_s": samples / span / (1 / scale),
+        "tokens_per_s": tokens / span / (1 / scale),
+        "step_s": span / max(len(recs) - 1, 1) / scale,
+        "gen_gpus": n_gen,
+        "train_gpus": n_train,
+        "gen_busy": gen_busy,
+        "pipeline_bubble": pipeline,
+        "skew_bubble": skew,
+        "stage_idle": {k: v["idle"] for k, v in stages.items()},
+        "train_busy": train_busy,
+        "staleness_max": max(r["staleness_max"] for r in recs),
+        "reward_first": recs[0]["reward"],
+        "ranker_error": result.extra.get("ranker_error"),
+        "window_real_s": [t0, t1],
+    }
+
+
+def gantt(results: dict[str, tuple[RunResult, dict[str, Any]]], path: Path, scale: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    fig, axes = plt.subplots(len(names), 1, figsize=(11, 1.6 + 1.1 * len(names)), sharex=True)
+    colors = {"rollout": "tab:blue", "reward": "tab:green", "train": "tab:red"}
+    for ax, name in zip(np.atleast_1d(axes), names, strict=True):
+        res, stats = results[name]
+        t0, t1 = stats["window_real_s"]
+        lanes = sorted(res.timeline.intervals, key=lambda k: (k.split("/")[0] != "rollout", k))
+        lanes = [k for k in lanes if not k.startswith("reward/")]
+        for y, lane in enumerate(lanes):
+            spans = merge_intervals(res.timeline.intervals[lane], t0, t1)
+            ax.broken_barh(
+                [((s - t0) / scale, (e - s) / scale) for s, e in spans],
+                (y, 0.8),
+                color=colors.get(lane.split("/")[0], "gray"),
+            )
+        ax.set_yticks([])
+        ax.set_ylabel(name, rotation=0, ha="right", va="center", fontsize=8)
+    np.atleast_1d(axes)[-1].set_xlabel(
+        "modelled seconds (steady state; blue: generation instances, red: training)"
+    )
+    fig.suptitle("Stage activity per schedule (busy = colored)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def bars(table: dict[str, dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(table)
+    base = table[names[0]]["samples_per_s"]
+    vals = [table[k]["samples_per_s"] / base for k in names]
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    ax.bar(names, vals, color=["gray", "gray", "tab:orange"] + ["tab:blue"] * (len(names) - 3))
+    for i, v in enumerate(vals):
+        ax.text(i, v + 0.03, f"{v:.2f}x", ha="center", fontsize=9)
+    ax.set_ylabel("samples/s relative to colocated-sync")
+    ax.set_title("RL schedules on the same simulated resources (higher is better)")
+    plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def real_pair(steps: int, out: Path) -> dict[str, Any]:
+    """The real tiny-model GRPO, synchronous (k=0) vs asynchronous (k=1), same seed."""
+    from asyncflow.metrics import plot_rewards
+
+    runs: dict[str, RunResult] = {}
+    for k in (0, 1):
+        cfg = load_config(
+            overrides=[
+                f"output.dir={out / f'real-k{k}'}",
+                "output.progress=false",
+                "output.tensorboard=false",
+                f"train.steps={steps}",
+                f"train.max_staleness={k}",
+            ]
+        )
+        runs[f"max_staleness={k}"] = run(cfg)
+    summary = {}
+    for name, res in runs.items():
+        first, last = res.reward_first_last()
+        summary[name] = {
+            "wall_s": res.wall_s,
+            "reward_first10": first,
+            "reward_last10": last,
+            "steps": len(res.records),
+        }
+        line(f"real tiny GRPO {name}: wall", res.wall_s, "s", reward=f"{first:.3f}->{last:.3f}")
+    path = RESULTS_DIR / "rl_real_reward.png"
+    plot_rewards(
+        {k: v.records for k, v in runs.items()},
+        path,
+        f"Tiny-model GRPO: synchronous vs asynchronous ({steps} steps)",
+    )
+    print(f"wrote {path}")
+    return summary
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer steps and groups")
+    ap.add_argument("--workload", choices=["long-tail", "measured"], default="long-tail")
+    ap.add_argument("--gpus", type=int, default=24, help="virtual GPUs per schedule")
+    ap.add_argument("--time-scale", type=float, default=0.01, help="real s per modelled s")
+    ap.add_argument("--schedules", default="", help="comma-separated subset of names")
+    ap.add_argument("--real-steps", type=int, default=300, help="0 skips the real pair")
+    args = ap.parse_args()
+    setup = Setup(
+        gpus=args.gpus,
+        steps=5 if args.quick else 10,
+        groups_per_step=16 if args.quick else 32,
+        time_scale=args.time_scale,
+        workload=args.workload,
+    )
+    cal = calibrated()
+    tokenizer = build_tokenizer()
+    task = make_task("countdown", seed=setup.seed)
+    from engines.hf.text import encode_prompts
+
+    prompts = encode_prompts(tokenizer, [task.item(i).prompt for i in range(512)])
+    lengths = _lengths(setup, cal, prompts)
+    draws = [lengths.length(p, i) for i, p in enumerate(prompts)]
+    mean_len, prompt_len = float(np.mean(draws)), float(np.mean([p.numel() for p in prompts]))
+    gen_gpus = split_gpus(setup, cal, mean_len, prompt_len)
+    print(
+        f"calibration {cal.profile} ({cal.source}); workload {setup.workload}: mean response "
+        f"{mean_len:.0f} tokens, p99 {np.percentile(draws, 99):.0f}, max {max(draws)}; "
+        f"{setup.gpus} GPUs, disaggregated split {gen_gpus} gen / {setup.gpus - gen_gpus} train"
+    )
+    chosen = [s for s in SCHEDULES if not args.schedules or s.name in args.schedules.split(",")]
+    results: dict[str, tuple[RunResult, dict[str, Any]]] = {}
+    with tempfile.TemporaryDirectory(prefix="asyncflow-bench-") as tmp:
+        for sched in chosen:
+            n_gen = setup.gpus if sched.colocated else gen_gpus
+            n_train = setup.gpus if sched.colocated else setup.gpus - gen_gpus
+            res = run_schedule(sched, setup, cal, Path(tmp) / sched.name, gen_gpus)
+            stats = analyse(res, setup, n_gen, n_train)
+            results[sched.name] = (res, stats)
+            base = next(iter(results.values()))[1]["samples_per_s"]
+            line(
+                sched.name,
+                stats["samples_per_s"],
+                "samples/s",
+                ratio=stats["samples_per_s"] / base,
+                tok_s=round(stats["tokens_per_s"]),
+                gen_busy=round(stats["gen_busy"], 3),
+                pipeline=round(stats["pipeline_bubble"], 3),
+                skew=round(stats["skew_bubble"], 3),
+                train_idle=round(1 - stats["train_busy"], 3),
+                stale=stats["staleness_max"],
+            )
+        table = {k: v[1] for k, v in results.items()}
+        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+        if len(table) > 1:
+            bars(table, RESULTS_DIR / "rl_throughput.png")
+            gantt(results, RESULTS_DIR / "rl_gantt.png", setup.time_scale)
+        real = real_pair(args.real_steps, Path(tmp)) if args.real_steps else {}
+    base = next(iter(table.values()))["samples_per_s"]
+    print(
+        "\n| schedule | samples/s | tokens/s | vs colocated-sync | gen busy | pipeline "
+        "bubble | skew bubble | train idle |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for name, s in table.items():
+        print(
+            f"| {name} | {s['samples_per_s']:.2f} | {s['tokens_per_s']:.0f} | "
+            f"{s['samples_per_s'] / base:.2f}x | {s['gen_busy']:.2f} | "
+            f"{s['pipeline_bubble']:.2f} | {s['skew_bubble']:.2f} | {1 - s['train_busy']:.2f} |"
+        )
+    write_json(
+        "rl",
+        {
+            "setup": setup.__dict__,
+            "calibration": {"profile": cal.profile, "source": cal.source},
+            "workload": {"mean_len": mean_len, "prompt_len": prompt_len, "max": max(draws)},
+            "schedules": table,
+            "real": real,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
