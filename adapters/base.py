@@ -61,5 +61,9 @@ class Adapter(ABC):
     async def process(self, meta: BatchMeta, cols: dict[str, Column]) -> StageOutput:
         """Run the engine on one batch; must not block the event loop (use threads)."""
 
+    async def after_batch(self) -> None:  # noqa: B027 - optional hook, a no-op by default
+        """Called by the stage runner once a processed batch is written and recorded (e.g. to
+        report a finished step with that batch's time included)."""
+
     async def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Release the engine's resources (called once when the stage stops)."""

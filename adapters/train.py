@@ -107,6 +107,7 @@ class TrainAdapter(Adapter):
         self.step = first_step
         self._groups_done = 0
         self._acc: dict[str, list[Any]] = self._new_acc()
+        self._report: StepReport | None = None  # a finished step, reported after its batch
 
     @staticmethod
     def _new_acc() -> dict[str, list[Any]]:
@@ -189,5 +190,10 @@ class TrainAdapter(Adapter):
         self.step += 1
         self._groups_done = 0
         self._acc = self._new_acc()
-        if self.on_step is not None:
+        self._report = report
+
+    async def after_batch(self) -> None:
+        """Report the step the last batch finished (its time now in the stage timeline)."""
+        report, self._report = self._report, None
+        if report is not None and self.on_step is not None:
             await self.on_step(report)

@@ -98,6 +98,7 @@ def build_components(cfg: RunConfig) -> Components:
             clip_eps_high=t.clip_eps_high,
             is_cap=t.is_cap,
             kl_coef=cfg.reference.kl_coef,
+            **t.engine_options,
         ),
         dtype=dtype,
         version=0,
@@ -119,15 +120,47 @@ def build_components(cfg: RunConfig) -> Components:
 
 
 def _generator(cfg: RunConfig, path: Path, dtype: torch.dtype, *, seed: int) -> GenerationEngine:
+    """One generation engine; ``rollout.engine_options`` win over the derived settings."""
+    import dataclasses
+    import inspect
+    import json
+
     engine = cfg.rollout.engine
+    options = dict(cfg.rollout.engine_options)
     if engine == "hf":
         from engines.hf import HFGenerationEngine
 
-        return HFGenerationEngine(path, dtype=dtype, seed=seed, version=0)
+        valid = set(inspect.signature(HFGenerationEngine).parameters) - {"model", "version"}
+        if isinstance(options.get("dtype"), str):
+            name = options["dtype"]
+            options["dtype"] = getattr(torch, name, None)
+            if not isinstance(options["dtype"], torch.dtype):
+                raise ValueError(f"rollout.engine_options.dtype={name!r} is not a torch dtype")
+        kwargs: dict[str, Any] = {"dtype": dtype, "seed": seed, **options}
+        if not set(kwargs) <= valid:
+            raise ValueError(
+                f"rollout.engine_options {sorted(set(kwargs) - valid)} are not options of the "
+                f"hf engine; valid: {sorted(valid)}"
+            )
+        return HFGenerationEngine(path, version=0, **kwargs)
     if engine == "vllm":
-        from engines.vllm_engine import VLLMGenerationEngine
+        from engines.vllm_engine import VLLMEngineConfig, VLLMGenerationEngine
 
-        return VLLMGenerationEngine(model=str(path), seed=seed, version=0)
+        valid = {f.name for f in dataclasses.fields(VLLMEngineConfig)} - {"model", "version"}
+        # vLLM refuses a max_model_len beyond the model's context (the tiny model has 512).
+        context = json.loads((path / "config.json").read_text()).get("max_position_embeddings")
+        kwargs = {
+            "dtype": cfg.model.dtype,  # behaviour log-probs in the trainer's precision
+            "max_model_len": min(2048, int(context or 2048)),
+            "seed": seed,
+            **options,
+        }
+        if not set(kwargs) <= valid:
+            raise ValueError(
+                f"rollout.engine_options {sorted(set(kwargs) - valid)} are not fields of "
+                f"VLLMEngineConfig; valid: {sorted(valid)}"
+            )
+        return VLLMGenerationEngine(VLLMEngineConfig(model=str(path), version=0, **kwargs))
     raise ValueError(
         f"rollout.engine={engine!r} needs engines built by the benchmark harness "
         "(simulated engines have no model); use hf or vllm"

@@ -90,6 +90,13 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+    engine_options: dict[str, Any] = field(default_factory=dict)
+    """Options of the engine, over what the builder derives from the rest of the config.
+    ``vllm``: fields of ``engines.vllm_engine.VLLMEngineConfig`` (derived: ``dtype`` =
+    ``model.dtype``, so that behaviour log-probs match the trainer's; ``max_model_len`` = the
+    model's context, at most 2048), e.g. ``{dtype: bfloat16, max_num_seqs: 128,
+    kv_cache_gib: 2}``. ``hf``: keyword arguments of ``HFGenerationEngine``, e.g.
+    ``{max_batch_size: 32}``."""
 
     def __post_init__(self) -> None:
         for name in ("instances", "group_size", "micro_batch_groups", "concurrency"):
@@ -97,6 +104,12 @@ class RolloutConfig:
                 raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
         if self.engine not in ("hf", "vllm", "simulated"):
             raise ValueError(f"rollout.engine must be hf, vllm or simulated, got {self.engine!r}")
+        reserved = {"model", "version"} & set(self.engine_options)
+        if reserved:
+            raise ValueError(
+                f"rollout.engine_options must not set {sorted(reserved)}: the model comes from "
+                "model.name and the initial version from the trainer"
+            )
         if (self.longest_first or self.long_instances) and not self.ranker:
             raise ValueError(
                 "rollout.longest_first / rollout.long_instances need rollout.ranker=true"
@@ -163,6 +176,9 @@ class TrainConfig:
     clip_eps_high: float | None = None
     is_cap: float | None = 2.0
     """Truncation of the importance weight between trainer and behaviour policy."""
+    engine_options: dict[str, Any] = field(default_factory=dict)
+    """More options of the training engine (HF: fields of ``HFTrainingConfig``, e.g.
+    ``{max_micro_batch_size: 8, max_tokens_per_micro_batch: 4096}`` to bound memory)."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -264,6 +280,11 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         raise ValueError(f"{where}: {value!r} does not match {hint}")
     if hint is float and isinstance(value, int | float) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, str):
+        try:  # YAML 1.1 reads "2e-5" (no dot) as a string
+            return float(value)
+        except ValueError:
+            raise ValueError(f"{where}: expected a number, got {value!r}") from None
     if hint in (int, str, bool) and type(value) is not hint:
         raise ValueError(f"{where}: expected {hint.__name__}, got {value!r}")
     if origin is list and not isinstance(value, list):

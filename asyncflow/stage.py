@@ -103,5 +103,6 @@ class StageRunner:
                 self.batches += 1
                 self.samples += len(meta)
                 self.tokens += out.tokens
+                await a.after_batch()
             if meta.is_end:
                 return

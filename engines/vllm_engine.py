@@ -267,6 +267,12 @@ class _Resources:
             llm.shutdown()
 
 
+def _unlink_packed(task: asyncio.Future[Any]) -> None:
+    """Done-callback of a packing abandoned by a cancelled update: drop its shared file."""
+    if not task.cancelled() and task.exception() is None:
+        task.result().unlink()
+
+
 class VLLMGenerationEngine:
     """A :class:`~engines.protocols.GenerationEngine` on vLLM's ``AsyncLLM``.
 
@@ -381,7 +387,15 @@ class VLLMGenerationEngine:
             started = time.perf_counter()
             # Tensors travel in their own dtype: the workers cast while copying into their
             # parameters anyway, so casting here too would only add a pass over the weights.
-            packed = await asyncio.to_thread(pack_state, state, directory=self.config.transfer_dir)
+            packing = asyncio.ensure_future(
+                asyncio.to_thread(pack_state, state, directory=self.config.transfer_dir)
+            )
+            try:
+                packed = await asyncio.shield(packing)
+            except asyncio.CancelledError:
+                # The packing thread cannot be stopped: remove its file once it is written.
+                packing.add_done_callback(_unlink_packed)
+                raise
             llm = self._llm()
             try:
                 self._update_epoch += 1
