@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from transferqueue.chunked import ChunkedTensor
 from transferqueue.errors import UnknownFieldError
 from transferqueue.memcpy import copy_rows, gather_rows, scatter_rows
 from transferqueue.ragged import Ragged
@@ -121,8 +122,15 @@ class DenseColumn(_ColumnBase):
             pieces.append((b, slots[where] - self._starts[b], where))  # type: ignore[arg-type]
         return pieces
 
-    def write(self, slots: np.ndarray, values: torch.Tensor) -> None:
-        for b, rows, pos in self._pieces(slots):
+    def write(self, slots: np.ndarray, values: torch.Tensor | ChunkedTensor) -> None:
+        pieces = self._pieces(slots)
+        if isinstance(values, ChunkedTensor):
+            if len(pieces) == 1 and isinstance(pieces[0][1], slice):
+                values.copy_into(self._blocks[pieces[0][0]][pieces[0][1]])  # frames -> buffer
+                self.written[slots] = True
+                return
+            values = values.materialize()
+        for b, rows, pos in pieces:
             block = self._blocks[b]
             src = values[pos]
             if isinstance(rows, slice):
@@ -130,6 +138,13 @@ class DenseColumn(_ColumnBase):
             else:
                 scatter_rows(block, rows, src)
         self.written[slots] = True
+
+    def view(self, slots: np.ndarray) -> torch.Tensor | None:
+        """The rows as a view of the block (no copy) when they are one run of one block."""
+        pieces = self._pieces(slots)
+        if len(pieces) == 1 and isinstance(pieces[0][1], slice):
+            return self._blocks[pieces[0][0]][pieces[0][1]]
+        return None
 
     def read(self, slots: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
         if out is None:
@@ -280,7 +295,7 @@ def make_column(name: str, spec: FieldSpec, capacity: int) -> AnyColumn:
 def write_column(col: AnyColumn, slots: np.ndarray, data: Column, *, adopt: bool) -> None:
     """Write canonical column data (already checked against ``col.spec``)."""
     if isinstance(col, DenseColumn):
-        assert isinstance(data, torch.Tensor)
+        assert isinstance(data, torch.Tensor | ChunkedTensor)
         col.write(slots, data)
     elif isinstance(col, RaggedColumn):
         assert isinstance(data, Ragged)

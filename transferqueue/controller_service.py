@@ -105,6 +105,47 @@ class ControllerService:
         return deadline - asyncio.get_running_loop().time()
 
     # -- RPC surface -------------------------------------------------------------------------
+    def call_now(self, kind: str, args: dict[str, Any]) -> tuple[bool, Any]:
+        """Answer a request without waiting, if it can be: ``(True, result)``; else
+        ``(False, None)`` and the caller awaits the method of that name.
+
+        Most requests never wait (acks, commits, a get_meta whose batch is ready); a server
+        answers them inline, without creating a task per request.
+        """
+        ctl = self.controller
+        if kind == "register_fields":
+            return True, ctl.register_fields(**args)
+        if kind == "get_specs":
+            return True, ctl.specs
+        if kind == "stats":
+            return True, ctl.stats()
+        if kind in ("commit", "ack", "release", "finish"):
+            self._apply(getattr(ctl, kind)(**args))
+            return True, None
+        if kind in ("renew", "declare_tasks"):
+            getattr(ctl, kind)(**args)
+            if kind == "renew":
+                self._poke.set()
+            return True, None
+        if kind == "allocate":
+            n = args.get("n")
+            if isinstance(n, int) and ctl.can_allocate(n):
+                extra = {k: v for k, v in args.items() if k != "timeout_s"}
+                return True, ctl.allocate(**extra)
+            return False, None
+        if kind == "get_meta":
+            timeout = args.get("timeout_s")
+            if timeout is not None and timeout <= 0:
+                return False, None  # the short batch at a timeout is the async path's job
+            self._apply(ctl.expire())
+            poll_args = {k: v for k, v in args.items() if k not in ("timeout_s", "partial")}
+            meta, changes = ctl.poll(**poll_args, short_ok=False)
+            self._apply(changes)
+            if meta is not None and meta.lease_id is not None:
+                self._poke.set()
+            return meta is not None, meta
+        return False, None
+
     async def register_fields(self, specs: Mapping[str, FieldSpec]) -> dict[str, FieldSpec]:
         return self.controller.register_fields(specs)
 

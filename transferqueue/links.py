@@ -21,6 +21,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 import torch
 
+from transferqueue.chunked import ChunkedTensor
 from transferqueue.meta import BatchMeta
 from transferqueue.ragged import Ragged
 from transferqueue.schema import Column, FieldSpec
@@ -136,10 +137,10 @@ class UnitLink(ABC):
     async def reset(self) -> None: ...
 
 
-def column_nbytes(col: Column) -> int:
+def column_nbytes(col: Column | ChunkedTensor) -> int:
     if isinstance(col, torch.Tensor):
         return col.numel() * col.element_size()
-    if isinstance(col, Ragged):
+    if isinstance(col, Ragged | ChunkedTensor):
         return col.nbytes
     return 0
 
@@ -173,7 +174,10 @@ class LocalUnitLink(UnitLink):
         *,
         create: bool,
     ) -> None:
-        nbytes = sum(column_nbytes(c) for c in columns.values())
+        # An adopting (server) unit keeps ragged frames as they are: only dense data is copied.
+        nbytes = sum(
+            column_nbytes(c) for c in columns.values() if not (self.adopt and isinstance(c, Ragged))
+        )
         await self._run(
             nbytes,
             lambda: self.unit.write(indexes, columns, specs, create=create, adopt=self.adopt),
@@ -190,6 +194,26 @@ class LocalUnitLink(UnitLink):
         return await self._run(
             nbytes, lambda: self.unit.read(indexes, fields, out, share=self.adopt)
         )
+
+    async def read_pinned(
+        self, indexes: np.ndarray, fields: Sequence[str]
+    ) -> tuple[dict[str, Column], list[int]]:
+        """Like ``read``, but dense runs come back as views of the unit's buffers, pinned
+        until :meth:`unpin` (for a server that sends them without a copy)."""
+        pins: list[int] = []
+        # Views cost nothing; only scattered dense rows are gathered (then off the loop).
+        nbytes = OFFLOAD_BYTES if len(indexes) * len(fields) > 4096 else 0
+        cols = await self._run(
+            nbytes, lambda: self.unit.read(indexes, fields, share=True, pin=pins)
+        )
+        return cols, pins
+
+    async def unpin(self, pins: Sequence[int]) -> None:
+        def release() -> None:
+            for p in pins:
+                self.unit.unpin(p)
+
+        await self._run(0, release)
 
     async def free(self, indexes: np.ndarray) -> None:
         await self._run(0, lambda: self.unit.free(indexes))

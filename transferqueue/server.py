@@ -24,7 +24,7 @@ from transferqueue.controller import Controller
 from transferqueue.controller_service import ControllerService
 from transferqueue.errors import ProtocolError
 from transferqueue.links import LocalUnitLink
-from transferqueue.rpc import RpcClient, RpcServer
+from transferqueue.rpc import RpcClient, RpcServer, SendThenRelease
 from transferqueue.storage import StorageUnit
 
 __all__ = ["PROTOCOL_VERSION", "ControllerServer", "UnitServer"]
@@ -63,7 +63,7 @@ class UnitServer:
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"tq-unit{unit_id}")
         # Ragged values received as frames are owned by the server: adopt them, no copy.
         self.link = LocalUnitLink(self.unit, self._executor, adopt=True)
-        self.rpc = RpcServer(ctx, address, wire.UNIT_KINDS, self._handle)
+        self.rpc = RpcServer(ctx, address, wire.UNIT_KINDS, self._handle, join=False)
         self.address = self.rpc.address
 
     def start(self) -> None:
@@ -79,7 +79,10 @@ class UnitServer:
                 _indexes(args), columns, specs, create=bool(args.get("create", False))
             )
         if kind == "read":
-            return await link.read(_indexes(args), _strings(args, "fields"))
+            cols, pins = await link.read_pinned(_indexes(args), _strings(args, "fields"))
+            if not pins:
+                return cols
+            return SendThenRelease(cols, lambda: link.unpin(pins))
         if kind == "free":
             return await link.free(_indexes(args))
         if kind == "clear":
@@ -121,23 +124,27 @@ class ControllerServer:
     async def _free_rows(self, unit_id: int, indexes: np.ndarray) -> None:
         await self._units[unit_id].call("free", {"indexes": indexes})
 
-    async def _handle(self, kind: str, args: dict[str, Any]) -> Any:
+    def _handle(self, kind: str, args: dict[str, Any]) -> Any:
+        """The answer, or a coroutine producing it when the request must wait."""
         if kind == "hello":
             return {"protocol": PROTOCOL_VERSION, "units": self.unit_addresses}
         if kind == "reset":
-            await self.service.reset()
-            await asyncio.gather(*(u.call("reset") for u in self._units))
-            return None
-        for name in ("indexes",):
-            if name in args and args[name] is not None:
-                args[name] = _indexes(args, name)
-        method = getattr(self.service, kind)
+            return self._reset()
+        if args.get("indexes") is not None:
+            args["indexes"] = _indexes(args, "indexes")
         try:
-            return await method(**args)
+            done, result = self.service.call_now(kind, args)
+            if done:
+                return result
+            return getattr(self.service, kind)(**args)
         except TypeError as e:
             if "argument" in str(e):
                 raise ProtocolError(f"bad arguments for {kind!r}: {e}") from None
             raise
+
+    async def _reset(self) -> None:
+        await self.service.reset()
+        await asyncio.gather(*(u.call("reset") for u in self._units))
 
     async def close(self) -> None:
         await self.rpc.close()

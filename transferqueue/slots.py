@@ -156,6 +156,21 @@ class ExtentAllocator:
         for s, e in runs(np.sort(slots)):
             self._release(s, e)
 
+    def reserve(self, slots: np.ndarray) -> None:
+        """Mark free ``slots`` as used (they must be free)."""
+        for s, e in runs(np.sort(slots)):
+            k = bisect.bisect_right(self._starts, s) - 1
+            if k < 0 or self._ends[k] < e:
+                raise ValueError(f"slots [{s}, {e}) are not free")
+            start, end = self._starts[k], self._ends[k]
+            del self._starts[k], self._ends[k]
+            if e < end:
+                self._starts.insert(k, e)
+                self._ends.insert(k, end)
+            if start < s:
+                self._starts.insert(k, start)
+                self._ends.insert(k, s)
+
     def reset(self) -> None:
         self._starts, self._ends = [], []
         cap, self.capacity = self.capacity, 0

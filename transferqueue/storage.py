@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from transferqueue.chunked import ChunkedTensor
 from transferqueue.columns import (
     AnyColumn,
     DenseColumn,
@@ -43,7 +44,7 @@ def _check_data(name: str, spec: FieldSpec, data: object) -> None:
     this guards the unit against anything else arriving over the wire)."""
     if spec.kind == "dense":
         ok = (
-            isinstance(data, torch.Tensor)
+            isinstance(data, torch.Tensor | ChunkedTensor)
             and data.dim() >= 1
             and data.dtype == spec.torch_dtype
             and tuple(data.shape[1:]) == spec.shape
@@ -74,6 +75,12 @@ class StorageUnit:
         self._columns: dict[str, AnyColumn] = {}
         self._writes = 0
         self._reads = 0
+        # Slots whose bytes a server is still sending (zero-copy views): freeing them is
+        # deferred until the send is done, so their memory is not reused under the send.
+        self._pins: dict[int, np.ndarray] = {}
+        self._pinned = np.zeros(0, dtype=np.int32)
+        self._deferred: list[np.ndarray] = []
+        self._next_pin = 1
 
     # -- writes ------------------------------------------------------------------------------
     def write(
@@ -146,9 +153,7 @@ class StorageUnit:
             added = self._dense_bytes(cap_after, specs) - self._dense_bytes(
                 self._alloc.capacity, {n: c.spec for n, c in self._columns.items()}
             )
-            ragged = sum(
-                d.nbytes for d in columns.values() if not isinstance(d, torch.Tensor | list)
-            )
+            ragged = sum(d.nbytes for d in columns.values() if isinstance(d, Ragged))
             if self.nbytes + max(added, 0) + ragged > self.capacity_bytes:
                 raise CapacityError(
                     f"unit {self.unit_id} holds {self.nbytes} bytes; this write needs "
@@ -179,12 +184,16 @@ class StorageUnit:
         out: Mapping[str, torch.Tensor] | None = None,
         *,
         share: bool = False,
+        pin: list[int] | None = None,
     ) -> dict[str, Column]:
         """Gather ``fields`` of rows ``indexes`` in that order: one buffer per field.
 
         ``out`` may give preallocated dense destinations (the embedded client passes views of
         the final batch so the gather is the only copy). ``share=True`` lets ragged columns
         return views of immutable stored segments (for a server that only sends the bytes).
+        With ``pin`` (a list) also dense rows that are one run of a block come back as views;
+        the slots stay pinned (their memory is not reused) until :meth:`unpin` of the id
+        appended to ``pin``.
         """
         indexes = np.asarray(indexes, dtype=np.int64)
         slots = self._slots(indexes)
@@ -199,15 +208,47 @@ class StorageUnit:
             col.check_written(slots, indexes)
             cols.append(col)
         result: dict[str, Column] = {}
+        pinned = False
         for name, col in zip(fields, cols, strict=True):
             if isinstance(col, DenseColumn):
-                result[name] = col.read(slots, None if out is None else out.get(name))
+                view = col.view(slots) if pin is not None else None
+                if view is not None:
+                    result[name] = view
+                    pinned = True
+                else:
+                    result[name] = col.read(slots, None if out is None else out.get(name))
             elif isinstance(col, RaggedColumn):
                 result[name] = col.read(slots, share=share)
             else:
                 result[name] = col.read(slots)
+        if pinned and pin is not None:
+            pin.append(self._pin(slots))
         self._reads += 1
         return result
+
+    def _pin(self, slots: np.ndarray) -> int:
+        if self._pinned.size < self._alloc.capacity:
+            grown = np.zeros(self._alloc.capacity, dtype=np.int32)
+            grown[: self._pinned.size] = self._pinned
+            self._pinned = grown
+        self._pinned[slots] += 1
+        pid = self._next_pin
+        self._next_pin += 1
+        self._pins[pid] = slots
+        return pid
+
+    def unpin(self, pin_id: int) -> None:
+        """The send of a pinned read is done: its slots may be reused once freed."""
+        slots = self._pins.pop(pin_id, None)
+        if slots is None:
+            return
+        self._pinned[slots] -= 1
+        if self._deferred:
+            waiting = np.concatenate(self._deferred)
+            ready = self._pinned[waiting] == 0
+            if ready.any():
+                self._alloc.free(waiting[ready])
+            self._deferred = [waiting[~ready]] if not ready.all() else []
 
     def _slots(self, indexes: np.ndarray) -> np.ndarray:
         slots = self._map.lookup(indexes)
@@ -230,7 +271,10 @@ class StorageUnit:
             for col in self._columns.values():
                 col.free(slots)
             self._map.remove(indexes)
-            self._alloc.free(slots)
+            busy = self._pinned[slots] > 0 if self._pins else np.zeros(slots.size, dtype=bool)
+            self._alloc.free(slots[~busy])
+            if busy.any():
+                self._deferred.append(slots[busy])
         return int(slots.size)
 
     def clear(self) -> None:
@@ -239,12 +283,19 @@ class StorageUnit:
             col.free(np.flatnonzero(col.written))
         self._map.clear()
         self._alloc.reset()
+        if self._pins:  # slots still being sent stay out of the free ranges until sent
+            busy = np.flatnonzero(self._pinned > 0)
+            self._alloc.reserve(busy)
+            self._deferred = [busy]
 
     def reset(self) -> None:
-        """Forget every row and every field (columns and their memory are dropped)."""
+        """Forget every row and every field (columns and their memory are dropped; views
+        still being sent keep their old buffers alive until sent)."""
         self._map = SlotMap()
         self._alloc = ExtentAllocator(0)
         self._columns = {}
+        self._pins, self._deferred = {}, []
+        self._pinned = np.zeros(0, dtype=np.int32)
 
     @property
     def rows(self) -> int:

@@ -74,3 +74,12 @@ def test_freed_ranges_merge_back_into_one() -> None:
     alloc.free(c)
     whole = alloc.allocate(100)
     assert whole is not None and runs(whole) == [(0, 100)]
+
+
+def test_reserve_takes_slots_out_of_the_free_ranges() -> None:
+    alloc = ExtentAllocator(10)
+    alloc.reserve(np.array([0, 1, 5]))
+    got = alloc.allocate(7)
+    assert got is not None and sorted(got.tolist()) == [2, 3, 4, 6, 7, 8, 9]
+    alloc.free(np.array([5]))
+    assert alloc.allocate(1) is not None and alloc.free_count == 0
