@@ -32,12 +32,15 @@ class Ragged:
             offsets = offsets.to(torch.int64)
         if values.dim() < 1:
             raise ValueError("values must have at least one dimension (the element axis)")
-        if int(offsets[0]) != 0 or int(offsets[-1]) != values.shape[0]:
+        # numpy on CPU: these checks run on every batch that crosses the wire
+        o: Any = offsets.numpy() if offsets.device.type == "cpu" else offsets
+        first, last = int(o[0]), int(o[-1])
+        if first != 0 or last != values.shape[0]:
             raise ValueError(
                 f"offsets must start at 0 and end at len(values)={values.shape[0]}, "
-                f"got {int(offsets[0])}..{int(offsets[-1])}"
+                f"got {first}..{last}"
             )
-        if offsets.numel() > 1 and bool((offsets[1:] < offsets[:-1]).any()):
+        if o.shape[0] > 1 and bool((o[1:] < o[:-1]).any()):
             raise ValueError("offsets must be non-decreasing")
         self.values = values
         self.offsets = offsets

@@ -267,19 +267,27 @@ class RpcClient:
             self._io.attach()
             self._attached = True
         req_id = next(self._ids)
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
         self._pending[req_id] = fut
         wait = self.call_timeout_s if wait_s is None else wait_s
+        # A timer handle, not asyncio.wait_for: that wraps every call in another task.
+        timer = loop.call_later(wait, self._expire, fut, kind, wait)
         try:
             self._io.send(wire.encode_request(kind, req_id, args or {}))
-            return await asyncio.wait_for(fut, wait)
-        except TimeoutError:
-            raise PeerGoneError(
-                f"{self.address} did not answer {kind!r} within {wait:.0f} s; is the "
-                "TransferQueue service running and reachable?"
-            ) from None
+            return await fut
         finally:
+            timer.cancel()
             self._pending.pop(req_id, None)
+
+    def _expire(self, fut: asyncio.Future[Any], kind: str, wait: float) -> None:
+        if not fut.done():
+            fut.set_exception(
+                PeerGoneError(
+                    f"{self.address} did not answer {kind!r} within {wait:.0f} s; is the "
+                    "TransferQueue service running and reachable?"
+                )
+            )
 
     async def close(self) -> None:
         if self._closed:

@@ -61,10 +61,10 @@ class SlotMap:
 
     def lookup(self, indexes: np.ndarray) -> np.ndarray:
         """Slots of ``indexes`` (int64 array); -1 where a row is absent."""
-        out = np.full(indexes.shape, -1, dtype=np.int64)
         inside = (indexes >= self._base) & (indexes < self._base + self._ring.size)
         if inside.all():
             return self._ring[indexes & (self._ring.size - 1)].astype(np.int64)
+        out = np.full(indexes.shape, -1, dtype=np.int64)
         out[inside] = self._ring[indexes[inside] & (self._ring.size - 1)]
         return out
 

@@ -165,6 +165,18 @@ def _as_buffer(frame: Any) -> memoryview:
     return buf if buf is not None else memoryview(frame)
 
 
+def _count(shape: Any) -> int:
+    """Elements of ``shape`` (a list of non-negative ints), checked without numpy's overhead."""
+    if not isinstance(shape, list):
+        raise ProtocolError(f"malformed shape {shape!r}")
+    count = 1
+    for d in shape:
+        if type(d) is not int or d < 0:
+            raise ProtocolError(f"malformed shape {shape!r}")
+        count *= d
+    return count
+
+
 class _Decoder:
     def __init__(self, frames: Sequence[Any], *, join: bool) -> None:
         self.frames = frames
@@ -206,7 +218,7 @@ class _Decoder:
                 if name not in DTYPES:
                     raise ProtocolError(f"unknown dtype {name!r} on the wire")
                 dtype = DTYPES[name]
-                count = int(np.prod(shape, dtype=np.int64))
+                count = _count(shape)
                 if count == 0:
                     return torch.empty(shape, dtype=dtype)
                 nbytes = count * dtype.itemsize
@@ -221,7 +233,7 @@ class _Decoder:
                 dt = np.dtype(dstr)
                 if dt.kind not in "biuf":
                     raise ProtocolError(f"numpy dtype {dstr!r} is not allowed on the wire")
-                count = int(np.prod(shape, dtype=np.int64))
+                count = _count(shape)
                 if count == 0:
                     return np.empty(shape, dtype=dt)
                 nbytes = count * dt.itemsize
