@@ -97,5 +97,32 @@ def fit_lengths(
         "prompt_sigma": float(math.sqrt(content)),
         "ref_len": float(np.exp(np.log(plen).mean())),
         "overlong_p": max(truncated - body_cut, 0.0),
+        "overlong_slope": fit_overlong_slope(y, g, cap),
         "max_len": cap,
     }
+
+
+def fit_overlong_slope(log_lengths: np.ndarray, groups: np.ndarray, cap: int) -> float:
+    """How runaways cluster on prompts with long answers: the maximum-likelihood ``s`` of
+    ``p_g = p * exp(s * z_g) / mean(exp(s * z))`` (binomial per group), with ``z_g`` the
+    standardized mean log length of group ``g``'s uncut samples.
+
+    ``z_g`` measures the prompt factor with noise, which biases ``s`` towards 0 (the fit
+    understates the clustering).
+    """
+    cut = log_lengths >= math.log(cap) - 1e-9
+    ids = [k for k in np.unique(groups) if (~cut[groups == k]).any()]
+    if len(ids) < 3 or not cut.any():
+        return 0.0
+    z = np.array([log_lengths[(groups == k) & ~cut].mean() for k in ids])
+    z = (z - z.mean()) / (z.std() or 1.0)
+    hits = np.array([cut[groups == k].sum() for k in ids], dtype=float)
+    trials = np.array([(groups == k).sum() for k in ids], dtype=float)
+    rate = hits.sum() / trials.sum()
+
+    def loglik(s: float) -> float:
+        p = np.clip(rate * np.exp(s * z) / np.exp(s * z).mean(), 1e-9, 1 - 1e-9)
+        return float((hits * np.log(p) + (trials - hits) * np.log(1 - p)).sum())
+
+    grid = np.linspace(-2.0, 2.0, 401)
+    return float(grid[int(np.argmax([loglik(s) for s in grid]))])

@@ -98,6 +98,7 @@ def _lengths(setup: Setup, cal: Calibration, prompts: list[Any]) -> Any:
         sigma=fit.sigma,
         max_len=8192,
         overlong_p=fit.overlong_p,
+        overlong_slope=fit.overlong_slope,
         prompt_scale=0.0,
         seed=setup.seed,
     )

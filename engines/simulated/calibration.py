@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,7 @@ _LENGTHS = {
     "ref_len": 63.2,
     "prompt_sigma": 0.184,
     "overlong_p": 0.0339,
+    "overlong_slope": 0.55,
     "prompt_share": 0.185,
     "max_len": 1024,
 }
@@ -113,7 +114,7 @@ class Calibration:
     """Measured share of the log-length variance between prompts."""
     lengths_file: Path | None
     """The measured lengths (for :meth:`empirical_lengths`), if the file exists."""
-    source: str
+    source: str = field(compare=False)
     """Where the numbers came from: a file path or ``"built-in"``."""
 
     def lengths_for(
@@ -173,7 +174,7 @@ def from_calibration(
     if path is None:
         candidate = DATA_DIR / _FILE
         data, source, folder = (
-            (json.loads(candidate.read_text()), str(candidate), DATA_DIR)
+            (json.loads(candidate.read_text()), f"bench/data/{_FILE}", DATA_DIR)
             if candidate.is_file()
             else (BUILTIN, "built-in", DATA_DIR)
         )

@@ -114,6 +114,16 @@ class LognormalLengths:
     """Probability that a sample runs away to ``max_len`` whatever its prompt (SmolLM2: 3.6% of
     the samples reached the 1024-token cap, 3.4% more than the lognormal body predicts). Set 0
     for a pure lognormal; note it scales with ``max_len`` when that is raised."""
+    overlong_slope: float = 0.55
+    """How the runaway probability follows the prompt: ``overlong_p * exp(overlong_slope * f /
+    factor_std) / overlong_norm`` for a prompt whose log factor is ``f`` (0: every prompt runs
+    away alike). SmolLM2's groups show runaways clustered on prompts with long answers (fit by
+    ``bench/calibration_fit.py``)."""
+    factor_std: float = 1.0
+    """Standard deviation of the prompt log factor over the prompt set (set by :meth:`adapted`)."""
+    overlong_norm: float = 1.0
+    """Mean of ``exp(overlong_slope * f / factor_std)`` over the prompt set (set by
+    :meth:`adapted`, so that the mean runaway probability stays ``overlong_p``)."""
     center: float = 0.0
     """Subtracted from the prompt's log factor (:meth:`adapted` sets it so that ``median`` is
     the median over a prompt set)."""
@@ -149,12 +159,19 @@ class LognormalLengths:
     def length(self, prompt: torch.Tensor, index: int) -> int:
         """Response length of sample ``index`` of ``prompt``."""
         key = prompt_key(prompt)
-        if self.overlong_p and uniform(key, index, self.seed, "overlong") < self.overlong_p:
+        if self.overlong_p and uniform(key, index, self.seed, "overlong") < self.runaway_p(prompt):
             return self.max_len
         log_len = self.expected_log_length(prompt)
         if self.sigma:
             log_len += self.sigma * normal(key, index, self.seed, "len")
         return int(min(max(round(math.exp(min(log_len, 30.0))), 1), self.max_len))
+
+    def runaway_p(self, prompt: torch.Tensor) -> float:
+        """Probability that a sample of ``prompt`` runs away to ``max_len``."""
+        if not self.overlong_slope:
+            return self.overlong_p
+        z = self.prompt_log_factor(prompt) / self.factor_std
+        return min(self.overlong_p * math.exp(self.overlong_slope * z) / self.overlong_norm, 1.0)
 
     def explained_share(self, prompts: Sequence[torch.Tensor]) -> float:
         """Share of the log-length variance over ``prompts`` that the prompt explains.
@@ -204,8 +221,13 @@ class LognormalLengths:
                     f"cannot reach prompt_share {prompt_share}: the prompts' content scores "
                     "do not vary and their lengths explain too little"
                 )
-        factors = [model.prompt_log_factor(p) for p in prompts]
-        return replace(model, center=float(np.mean(factors)))
+        factors = np.array([model.prompt_log_factor(p) for p in prompts])
+        centered = factors - factors.mean()
+        std = float(centered.std()) or 1.0
+        norm = float(np.exp(self.overlong_slope * centered / std).mean())
+        return replace(
+            model, center=float(factors.mean()), factor_std=std, overlong_norm=norm or 1.0
+        )
 
 
 class EmpiricalLengths:

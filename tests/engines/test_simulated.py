@@ -466,3 +466,42 @@ def test_lengths_for_moves_the_fit_onto_other_prompts() -> None:
     lowered = cal.lengths_for(spread, prompt_share=0.1)
     assert lowered.prompt_sigma == 0 and lowered.prompt_scale < cal.lengths.prompt_scale
     assert lowered.explained_share(spread) == pytest.approx(0.1, abs=1e-6)
+
+
+def test_runaways_cluster_on_long_prompts_and_keep_their_mean_rate() -> None:
+    g = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(0, 500, (int(n),), generator=g) for n in torch.randint(20, 120, (400,))
+    ]
+    flat = LognormalLengths(overlong_p=0.05, overlong_slope=0.0).adapted(prompts)
+    clustered = LognormalLengths(overlong_p=0.05, overlong_slope=1.0).adapted(prompts)
+    p_flat = np.array([flat.runaway_p(p) for p in prompts])
+    p = np.array([clustered.runaway_p(p) for p in prompts])
+    assert np.allclose(p_flat, 0.05)
+    assert p.mean() == pytest.approx(0.05, rel=0.02)
+    factor = np.array([clustered.prompt_log_factor(p) for p in prompts])
+    long = factor > np.quantile(factor, 0.75)
+    assert p[long].mean() > 2 * p[~long].mean()
+    # the sampled runaways follow: more of them on the long-answer prompts
+    runaways = np.array(
+        [sum(clustered.length(q, i) == clustered.max_len for i in range(16)) for q in prompts]
+    )
+    assert runaways[long].mean() > 1.5 * runaways[~long].mean()
+
+
+def test_overlong_slope_fit_recovers_clustering() -> None:
+    from bench.calibration_fit import fit_overlong_slope
+
+    rng = np.random.default_rng(0)
+    groups, logs = [], []
+    for k in range(300):
+        z = rng.normal()
+        p = min(0.04 * math.exp(0.8 * z) / math.exp(0.32), 1.0)
+        for _ in range(8):
+            groups.append(k)
+            run = rng.random() < p
+            logs.append(math.log(1024) if run else 5.0 + 0.4 * z + 0.3 * rng.normal())
+    slope = fit_overlong_slope(np.array(logs), np.array(groups), 1024)
+    assert 0.4 < slope < 1.2
+    flat = [math.log(1024) if rng.random() < 0.04 else 5.0 + rng.normal() for _ in groups]
+    assert abs(fit_overlong_slope(np.array(flat), np.array(groups), 1024)) < 0.4
