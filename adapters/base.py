@@ -39,6 +39,10 @@ class StageOutput:
     """Scalars to log for this batch."""
     lane: str | None = None
     """Where the batch ran (e.g. the engine instance); the timeline records it per lane."""
+    spans: list[tuple[str, float, float]] = field(default_factory=list)
+    """Where the batch ran when it ran in several places in turn: ``(lane, start, end)``
+    (``time.perf_counter`` seconds) per part; the timeline records these instead of ``lane``
+    (samples and tokens on the last part)."""
 
 
 class Adapter(ABC):

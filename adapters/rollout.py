@@ -16,6 +16,19 @@ With ``version_field`` (the workflow uses ``min_gen_version``), a batch only goe
 instance whose weights version is at least the batch's bound: that is how the staleness bound
 holds while instances update their weights independently. When no instance is recent enough
 yet, the batch waits for one.
+
+Long-tail migration (``migrate_after``, with a :class:`LengthAwareRouter`): a batch first
+runs with a budget of ``migrate_after`` new tokens; the samples still going when the budget
+runs out are continued (prompt + their tokens so far as the new prompt, the rest of the budget)
+on the dedicated long instances, which run few sequences at a time and so decode them fastest.
+The instance that started them is free for new prompts meanwhile, so one runaway sample never
+holds a full batch's instance at a crawl. The sample's tokens and behaviour log-probs are the
+two parts joined; its version is the older of the two parts' (the staleness bound holds for
+every token, and the per-token log-probs stay exact for importance weighting). Any engine
+works: a continuation is an ordinary prompt.
+
+Load: an engine that reports ``in_flight`` (sequences accepted and not finished) is routed by
+it; otherwise by the samples of the adapter's calls in flight on it.
 """
 
 from __future__ import annotations
@@ -23,7 +36,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -31,7 +45,7 @@ import torch
 
 from adapters.base import Adapter, StageOutput
 from adapters.ranker import LengthRanker
-from engines.protocols import GenerationEngine, SamplingParams
+from engines.protocols import Generation, GenerationEngine, SamplingParams
 from transferqueue import BatchMeta, Ragged
 from transferqueue.schema import Column
 
@@ -39,7 +53,12 @@ __all__ = ["LeastLoadedRouter", "LengthAwareRouter", "RolloutAdapter", "Router"]
 
 
 class Router(Protocol):
-    """Chooses the engine instance for a batch. Called by the rollout adapter per batch."""
+    """Chooses the engine instance for a batch. Called by the rollout adapter per batch.
+
+    A router may also define ``choose_continuation(load, eligible, samples) -> int``, the
+    instance for samples migrated after the budget (see the module docstring); without it
+    they go to the least loaded eligible instance.
+    """
 
     def choose(self, load: Sequence[int], predicted_len: float, eligible: Sequence[int]) -> int:
         """Index of the instance among ``eligible`` (non-empty); ``load`` is the samples in
@@ -51,6 +70,12 @@ class LeastLoadedRouter:
     """The instance with the fewest samples in flight."""
 
     def choose(self, load: Sequence[int], predicted_len: float, eligible: Sequence[int]) -> int:
+        return min(eligible, key=lambda i: load[i])
+
+    def choose_continuation(
+        self, load: Sequence[int], eligible: Sequence[int], samples: int = 1
+    ) -> int:
+        """Instance for samples that outlived the migration budget (any: none dedicated)."""
         return min(eligible, key=lambda i: load[i])
 
 
@@ -82,6 +107,7 @@ class LengthAwareRouter:
         self._recent: deque[float] = deque(maxlen=window)
         self.long_batches = 0
         self.batches = 0
+        self.continuations = 0
 
     def choose(self, load: Sequence[int], predicted_len: float, eligible: Sequence[int]) -> int:
         self._recent.append(predicted_len)
@@ -98,6 +124,16 @@ class LengthAwareRouter:
             idle = [i for i in dedicated if load[i] == 0]
             pool = others + idle if others else dedicated
         return min(pool, key=lambda i: load[i])
+
+    def choose_continuation(
+        self, load: Sequence[int], eligible: Sequence[int], samples: int = 1
+    ) -> int:
+        """Migrated long-tail samples: the least loaded dedicated instance with room for them
+        (``long_capacity``); when every one is full, the least loaded instance (queueing
+        behind a full dedicated instance would cost more than a fuller batch)."""
+        room = [i for i in eligible if i in self.long and load[i] + samples <= self.long_capacity]
+        self.continuations += 1
+        return min(room or eligible, key=lambda i: load[i])
 
 
 class RolloutAdapter(Adapter):
@@ -119,6 +155,9 @@ class RolloutAdapter(Adapter):
         sampler_options: dict[str, Any] | None = None,
         version_field: str | None = None,
         wait_poll_s: float = 0.005,
+        migrate_after: int = 0,
+        on_demand: Callable[[int], None] | None = None,
+        on_done: Callable[[], None] | None = None,
     ) -> None:
         self.engines = list(engine) if isinstance(engine, Sequence) else [engine]
         if not self.engines:
@@ -136,6 +175,15 @@ class RolloutAdapter(Adapter):
         self.wait_poll_s = wait_poll_s
         self.waited_s = 0.0
         """Seconds batches waited for an instance with recent enough weights."""
+        if migrate_after < 0:
+            raise ValueError(f"migrate_after must be >= 0 (0: off), got {migrate_after}")
+        self.migrate_after = migrate_after
+        self.on_demand = on_demand
+        """Called with the version a batch waits for when no instance holds it."""
+        self.on_done = on_done
+        """Called after every engine call returns (an instance may now be idle)."""
+        self.migrated = 0
+        """Samples continued on another instance after the migration budget."""
 
     async def process(self, meta: BatchMeta, cols: dict[str, Column]) -> StageOutput:
         prompts = cols["prompt_ids"]
@@ -144,16 +192,16 @@ class RolloutAdapter(Adapter):
         prompt_lens = prompts.lengths.numpy()
         predicted = float(np.mean(np.maximum(meta.lengths - prompt_lens, 0))) if len(meta) else 0
         eligible = await self._eligible(cols)
-        k = self.router.choose(self.load, predicted, eligible)
-        self.load[k] += len(meta)
-        try:
-            gens = await self.engines[k].generate([p.long() for p in prompts.unbind()], self.params)
-        finally:
-            self.load[k] -= len(meta)
-        if len(gens) != len(meta):
-            raise RuntimeError(
-                f"generation engine returned {len(gens)} samples for {len(meta)} prompts"
-            )
+        k = self.router.choose(self._loads(), predicted, eligible)
+        ids = [p.long() for p in prompts.unbind()]
+        budget = self.migrate_after
+        migrating = 0 < budget < self.params.max_new_tokens
+        first = replace(self.params, max_new_tokens=budget) if migrating else self.params
+        t0 = time.perf_counter()
+        gens = await self._generate(k, ids, first)
+        spans = [(f"instance{k}", t0, time.perf_counter())]
+        if migrating:
+            gens = await self._continue(ids, gens, cols, spans)
         response_lens = np.array([int(g.token_ids.numel()) for g in gens], dtype=np.int64)
         if self.ranker is not None:
             self._observe(meta, prompts, response_lens)
@@ -167,7 +215,67 @@ class RolloutAdapter(Adapter):
             length=prompt_lens + response_lens,
             tokens=int(response_lens.sum()),
             lane=f"instance{k}",
+            spans=spans if len(spans) > 1 else [],
         )
+
+    def _loads(self) -> list[int]:
+        return [
+            int(n) if (n := getattr(e, "in_flight", None)) is not None else self.load[i]
+            for i, e in enumerate(self.engines)
+        ]
+
+    async def _generate(
+        self, k: int, prompts: list[torch.Tensor], params: SamplingParams
+    ) -> list[Generation]:
+        self.load[k] += len(prompts)
+        try:
+            gens = await self.engines[k].generate(prompts, params)
+        finally:
+            self.load[k] -= len(prompts)
+            if self.on_done is not None:
+                self.on_done()
+        if len(gens) != len(prompts):
+            raise RuntimeError(
+                f"generation engine returned {len(gens)} samples for {len(prompts)} prompts"
+            )
+        return gens
+
+    async def _continue(
+        self,
+        prompts: list[torch.Tensor],
+        gens: list[Generation],
+        cols: dict[str, Column],
+        spans: list[tuple[str, float, float]],
+    ) -> list[Generation]:
+        """Continue the samples cut by the migration budget on a long instance."""
+        budget = self.migrate_after
+        cut = [
+            i
+            for i, g in enumerate(gens)
+            if g.finish_reason == "length" and int(g.token_ids.numel()) >= budget
+        ]
+        if not cut:
+            return gens
+        eligible = await self._eligible(cols)
+        choose = getattr(self.router, "choose_continuation", None)
+        loads = self._loads()
+        k = choose(loads, eligible, len(cut)) if choose else min(eligible, key=lambda i: loads[i])
+        rest = replace(self.params, max_new_tokens=self.params.max_new_tokens - budget)
+        resumed = [torch.cat([prompts[i], gens[i].token_ids.long()]) for i in cut]
+        t0 = time.perf_counter()
+        tails = await self._generate(k, resumed, rest)
+        spans.append((f"instance{k}", t0, time.perf_counter()))
+        self.migrated += len(cut)
+        out = list(gens)
+        for i, tail in zip(cut, tails, strict=True):
+            head = gens[i]
+            out[i] = Generation(
+                token_ids=torch.cat([head.token_ids, tail.token_ids.to(head.token_ids.dtype)]),
+                logprobs=torch.cat([head.logprobs, tail.logprobs.to(head.logprobs.dtype)]),
+                finish_reason=tail.finish_reason,
+                version=min(head.version, tail.version),
+            )
+        return out
 
     async def _eligible(self, cols: dict[str, Column]) -> list[int]:
         """Instances whose weights are recent enough for every row (waits until one is)."""
@@ -183,6 +291,8 @@ class RolloutAdapter(Adapter):
             if ok:
                 self.waited_s += time.perf_counter() - t0
                 return ok
+            if self.on_demand is not None:
+                self.on_demand(need)
             await asyncio.sleep(self.wait_poll_s)
 
     def _observe(self, meta: BatchMeta, prompts: Ragged, lens: np.ndarray) -> None:

@@ -84,6 +84,16 @@ class RolloutConfig:
     """Hand out the prompts predicted to run longest first (needs ranker)."""
     long_instances: int = 0
     """Instances dedicated to predicted-long prompts (length-aware routing; needs ranker)."""
+    long_capacity: int = 0
+    """Samples of predicted-long batches the dedicated instances take before such batches
+    spill to the others (0: two groups)."""
+    migrate_after: int = 0
+    """Long-tail migration: a sample still decoding after this many tokens is continued on a
+    dedicated long instance, freeing its first instance (0: off; needs long_instances)."""
+    weight_sync: str = "eager"
+    """When a generator takes newer weights: ``eager`` (after every step) or ``on_demand``
+    (when idle, or when no generator is recent enough for the work waiting; see
+    ``asyncflow.weights``)."""
     max_new_tokens: int = 4
     """Response length cap."""
     temperature: float = 0.7
@@ -113,6 +123,20 @@ class RolloutConfig:
         if (self.longest_first or self.long_instances) and not self.ranker:
             raise ValueError(
                 "rollout.longest_first / rollout.long_instances need rollout.ranker=true"
+            )
+        if self.weight_sync not in ("eager", "on_demand"):
+            raise ValueError(
+                f"rollout.weight_sync must be eager or on_demand, got {self.weight_sync!r}"
+            )
+        if self.long_capacity < 0 or self.migrate_after < 0:
+            raise ValueError(
+                f"rollout.long_capacity and rollout.migrate_after must be >= 0, got "
+                f"{self.long_capacity} and {self.migrate_after}"
+            )
+        if self.migrate_after and not self.long_instances:
+            raise ValueError(
+                "rollout.migrate_after needs rollout.long_instances >= 1 (where migrated "
+                "samples continue)"
             )
         if not 0 <= self.long_instances < self.instances:
             raise ValueError(

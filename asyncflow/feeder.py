@@ -78,6 +78,9 @@ class PromptFeeder:
         while self.admitted < self.total_groups:
             limit = self.limit()
             if self.admitted >= limit:
+                newest = self.sync.newest_generator_version()
+                if self.sync.version > newest:  # newer weights exist: have a generator take them
+                    self.sync.demand(newest + 1)
                 await self.sync.wait_changed(timeout_s=1.0)
                 continue
             count = min(limit - self.admitted, self.max_groups_per_put)

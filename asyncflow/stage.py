@@ -98,8 +98,17 @@ class StageRunner:
                 else:
                     await self.client.ack(meta)
                 t1 = time.perf_counter()
-                where = lane if out.lane is None else f"{self.name}/{out.lane}"
-                self.timeline.record(where, t0, t1, samples=len(meta), tokens=out.tokens)
+                if out.spans:
+                    *parts, last = out.spans
+                    for where, s, e in parts:
+                        self.timeline.record(f"{self.name}/{where}", s, e, samples=0, tokens=0)
+                    where, s, e = last
+                    self.timeline.record(
+                        f"{self.name}/{where}", s, e, samples=len(meta), tokens=out.tokens
+                    )
+                else:
+                    where = lane if out.lane is None else f"{self.name}/{out.lane}"
+                    self.timeline.record(where, t0, t1, samples=len(meta), tokens=out.tokens)
                 self.batches += 1
                 self.samples += len(meta)
                 self.tokens += out.tokens

@@ -146,7 +146,7 @@ class Workflow:
         tasks = ["rollout", "reward", *(["reference"] if comps.reference else []), "train"]
         await client.declare_tasks(tasks, partition=PARTITION)
         timeline = Timeline()
-        sync = WeightSync(initial_version=comps.trainer.version)
+        sync = WeightSync(initial_version=comps.trainer.version, policy=cfg.rollout.weight_sync)
         for g in comps.generators:
             sync.register(g)
         done = asyncio.Event()
@@ -180,10 +180,13 @@ class Workflow:
             params,
             batch_size=rc.micro_batch_groups * n,
             router=(
-                LengthAwareRouter(range(rc.long_instances), long_capacity=2 * n)
+                LengthAwareRouter(range(rc.long_instances), long_capacity=rc.long_capacity or 2 * n)
                 if rc.long_instances
                 else None
             ),
+            migrate_after=rc.migrate_after,
+            on_demand=sync.demand,
+            on_done=sync.poke,
             ranker=ranker,
             sampler="group" if rc.longest_first else "fifo",
             sampler_options={"group_size": n, "order": "length"} if rc.longest_first else None,
@@ -293,6 +296,8 @@ class Workflow:
                 "weight_updates": sync.updates,
                 "weight_update_s": sync.update_seconds,
                 "ranker_error": ranker.mean_abs_log_error() if ranker else None,
+                "migrated": getattr(rollout, "migrated", 0),
+                "weight_adoption_s": list(sync.adoption_s),
             },
         )
         if cfg.output.plot and writer.records:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import argparse
 import math
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ from bench.common import RESULTS_DIR, line, write_json
 from engines.simulated import (
     Calibration,
     LognormalLengths,
+    SimulatedGenerationEngine,
     SimulatedReward,
     calibrated,
 )
@@ -79,8 +80,19 @@ class Setup:
     steps: int = 8
     time_scale: float = 0.01
     workload: str = "long-tail"
-    long_instances: int = 1
+    long_instances: int = 0
+    """Dedicated long instances of the skew-aware schedules (0: a quarter of the generation
+    instances, at least one)."""
     seed: int = 0
+    max_batch: int = 0
+    """Sequences a (non-dedicated) generation instance runs at once; 0: the calibrated."""
+    long_max_batch: int = 8
+    """Sequences a dedicated long instance runs at once."""
+    migrate_after: int = -1
+    """Skew-aware schedules: tokens after which a sample migrates to a long instance (-1: the
+    workload's 90th percentile, rounded up to 128; 0: no migration)."""
+    weight_sync: str = "on_demand"
+    """When generators take new weights (``asyncflow.weights``), the same for every schedule."""
 
 
 def _lengths(setup: Setup, cal: Calibration, prompts: list[Any]) -> Any:
@@ -132,15 +144,21 @@ def run_schedule(
     n_gen = setup.gpus if sched.colocated else gen_gpus
     n_train = setup.gpus if sched.colocated else setup.gpus - gen_gpus
     counts: dict[bytes, int] = {}  # same samples whatever the routing
+    cuts: dict[bytes, Any] = {}
+    long = (setup.long_instances or max(1, n_gen // 4)) if sched.skew_aware else 0
+    cap = setup.max_batch or cal.latency.max_batch
     generators = [
-        cal.generation_engine(
+        SimulatedGenerationEngine(
+            replace(cal.latency, max_batch=setup.long_max_batch if i < long else cap),
+            lengths,
             time_scale=setup.time_scale,
-            lengths=lengths,
+            sync_s=cal.sync_s,
             vocab_size=len(tokenizer),
             eos_token_id=tokenizer.eos_token_id,
             seed=setup.seed + i,
             version=0,
             shared_counts=counts,
+            continuations=cuts,
         )
         for i in range(n_gen)
     ]
@@ -153,7 +171,10 @@ def run_schedule(
         closers=[g.close for g in generators],
     )
     b, n = setup.groups_per_step, setup.group_size
-    per_instance = max(1, cal.latency.max_batch // n)  # groups in flight per instance
+    # groups in flight per instance: enough to fill its batch and to hand out every admitted
+    # group at once (a group whose sample migrated holds its worker until that sample ends)
+    window = (sched.max_staleness + 1) * b
+    per_instance = max(-(-cap // n), -(-window // n_gen)) + 2
     overrides = [
         f"output.dir={out}",
         "output.progress=false",
@@ -169,13 +190,16 @@ def run_schedule(
         f"rollout.instances={n_gen}",
         f"rollout.max_new_tokens={lengths.max_len}",
         "rollout.engine=simulated",
+        f"rollout.weight_sync={setup.weight_sync}",
         "reward.batch_size=64",
     ]
     if sched.skew_aware:
         overrides += [
             "rollout.ranker=true",
             "rollout.longest_first=true",
-            f"rollout.long_instances={setup.long_instances}",
+            f"rollout.long_instances={long}",
+            f"rollout.long_capacity={setup.long_max_batch}",
+            f"rollout.migrate_after={setup.migrate_after}",
         ]
     return run(load_config(overrides=overrides), comps)
 
@@ -318,6 +342,12 @@ def main() -> None:
     ap.add_argument("--gpus", type=int, default=24, help="virtual GPUs per schedule")
     ap.add_argument("--time-scale", type=float, default=0.01, help="real s per modelled s")
     ap.add_argument("--schedules", default="", help="comma-separated subset of names")
+    ap.add_argument("--gen-gpus", type=int, default=0, help="one split instead of three")
+    ap.add_argument("--max-batch", type=int, default=0, help="sequences per instance")
+    ap.add_argument("--long-instances", type=int, default=0, help="0: a quarter, at least 1")
+    ap.add_argument("--long-max-batch", type=int, default=8, help="sequences per long instance")
+    ap.add_argument("--migrate-after", type=int, default=-1, help="-1: p90 of the lengths")
+    ap.add_argument("--weight-sync", choices=["eager", "on_demand"], default="on_demand")
     ap.add_argument("--real-steps", type=int, default=300, help="0 skips the real pair")
     args = ap.parse_args()
     setup = Setup(
@@ -326,6 +356,11 @@ def main() -> None:
         groups_per_step=16 if args.quick else 32,
         time_scale=args.time_scale,
         workload=args.workload,
+        max_batch=args.max_batch,
+        long_instances=args.long_instances,
+        long_max_batch=args.long_max_batch,
+        migrate_after=args.migrate_after,
+        weight_sync=args.weight_sync,
     )
     cal = calibrated()
     tokenizer = build_tokenizer()
@@ -336,33 +371,49 @@ def main() -> None:
     lengths = _lengths(setup, cal, prompts)
     draws = [lengths.length(p, i) for i, p in enumerate(prompts)]
     mean_len, prompt_len = float(np.mean(draws)), float(np.mean([p.numel() for p in prompts]))
-    gen_gpus = split_gpus(setup, cal, mean_len, prompt_len)
+    balanced = split_gpus(setup, cal, mean_len, prompt_len)
+    splits = [args.gen_gpus] if args.gen_gpus else [balanced, balanced + 2, balanced + 4]
+    splits = sorted({g for g in splits if 0 < g < setup.gpus})
+    if setup.migrate_after < 0:  # the long tail: past where 90% of the responses have ended
+        setup = replace(setup, migrate_after=int(np.ceil(np.percentile(draws, 90) / 128) * 128))
     print(
         f"calibration {cal.profile} ({cal.source}); workload {setup.workload}: mean response "
-        f"{mean_len:.0f} tokens, p99 {np.percentile(draws, 99):.0f}, max {max(draws)}; "
-        f"{setup.gpus} GPUs, disaggregated split {gen_gpus} gen / {setup.gpus - gen_gpus} train"
+        f"{mean_len:.0f} tokens, p90 {np.percentile(draws, 90):.0f}, p99 "
+        f"{np.percentile(draws, 99):.0f}, max {max(draws)}; {setup.gpus} GPUs; disaggregated "
+        f"schedules run on each of the splits {splits} generation GPUs (balanced decode vs "
+        f"training: {balanced}) and keep their best; migration after {setup.migrate_after} tokens"
     )
     chosen = [s for s in SCHEDULES if not args.schedules or s.name in args.schedules.split(",")]
     results: dict[str, tuple[RunResult, dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="asyncflow-bench-") as tmp:
         for sched in chosen:
-            n_gen = setup.gpus if sched.colocated else gen_gpus
-            n_train = setup.gpus if sched.colocated else setup.gpus - gen_gpus
-            res = run_schedule(sched, setup, cal, Path(tmp) / sched.name, gen_gpus)
-            stats = analyse(res, setup, n_gen, n_train)
-            results[sched.name] = (res, stats)
+            tried: dict[int, float] = {}
+            best: tuple[RunResult, dict[str, Any]] | None = None
+            for g in [setup.gpus] if sched.colocated else splits:
+                n_train = setup.gpus if sched.colocated else setup.gpus - g
+                res = run_schedule(sched, setup, cal, Path(tmp) / f"{sched.name}-{g}", g)
+                stats = analyse(res, setup, g, n_train)
+                tried[g] = stats["samples_per_s"]
+                if best is None or stats["samples_per_s"] > best[1]["samples_per_s"]:
+                    best = (res, stats)
+            assert best is not None
+            best[1]["splits_tried"] = tried
+            results[sched.name] = best
+            stats = best[1]
             base = next(iter(results.values()))[1]["samples_per_s"]
             line(
                 sched.name,
                 stats["samples_per_s"],
                 "samples/s",
                 ratio=stats["samples_per_s"] / base,
+                gen=stats["gen_gpus"],
                 tok_s=round(stats["tokens_per_s"]),
                 gen_busy=round(stats["gen_busy"], 3),
                 pipeline=round(stats["pipeline_bubble"], 3),
                 skew=round(stats["skew_bubble"], 3),
                 train_idle=round(1 - stats["train_busy"], 3),
                 stale=stats["staleness_max"],
+                splits=" ".join(f"{g}:{v:.2f}" for g, v in tried.items()),
             )
         table = {k: v[1] for k, v in results.items()}
         RESULTS_DIR.mkdir(parents=True, exist_ok=True)

@@ -306,6 +306,8 @@ class VLLMGenerationEngine:
         self._update_epoch = 0  # bumped before every pause: tells update aborts from others
         self._broken: str | None = None
         self._ids = itertools.count()
+        self._in_flight = 0
+        self._progress: dict[str, int] = {}  # request id -> tokens generated so far
         self._prefix = uuid.uuid4().hex[:8]
         self.stats: dict[str, float] = {
             "regenerated": 0,
@@ -554,7 +556,24 @@ class VLLMGenerationEngine:
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
 
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not finished (the instance's load, for routing)."""
+        return self._in_flight
+
+    @property
+    def longest_running_tokens(self) -> int:
+        """Tokens generated so far by the request running longest (0 if none)."""
+        return max(self._progress.values(), default=0)
+
     async def _generate_one(self, ids: list[int], params: Any) -> Generation:
+        self._in_flight += 1
+        try:
+            return await self._generate_until_done(ids, params)
+        finally:
+            self._in_flight -= 1
+
+    async def _generate_until_done(self, ids: list[int], params: Any) -> Generation:
         from vllm import TokensPrompt
 
         llm = self._llm()
@@ -567,6 +586,8 @@ class VLLMGenerationEngine:
                     TokensPrompt(prompt_token_ids=ids), params, request_id
                 ):
                     final = output
+                    if output.outputs:
+                        self._progress[request_id] = len(output.outputs[0].token_ids)
             except Exception as exc:
                 if self._resources.llm is None or llm.errored:
                     raise EngineClosedError(
@@ -574,6 +595,8 @@ class VLLMGenerationEngine:
                         "create a new engine"
                     ) from exc
                 raise
+            finally:
+                self._progress.pop(request_id, None)
             if final is None or not final.outputs:
                 raise EngineClosedError(f"vLLM returned no output for request {request_id}")
             completion = final.outputs[0]

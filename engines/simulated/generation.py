@@ -49,6 +49,7 @@ import collections
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -59,6 +60,7 @@ from engines.simulated.lengths import LengthModel, LognormalLengths
 __all__ = ["DecodeLatency", "GenerationStats", "SimulatedGenerationEngine"]
 
 _MASK63 = (1 << 63) - 1
+_MAX_CUTS = 1 << 16
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,6 +141,16 @@ class GenerationStats:
     """Real seconds lost to late wake-ups beyond ``max_lag_s`` (nonzero: machine overloaded)."""
 
 
+@dataclass(frozen=True)
+class _Cut:
+    """A sample cut short by ``max_new_tokens``: what its continuation resumes."""
+
+    key: bytes
+    index: int
+    natural: int
+    offset: int
+
+
 @dataclass(eq=False)
 class _Request:
     prompt_len: int
@@ -147,6 +159,8 @@ class _Request:
     target: int
     truncated: bool
     future: asyncio.Future[Generation]
+    natural: int = 0
+    offset: int = 0
     produced: int = 0
     version: int = -1
     cancelled: bool = False
@@ -183,6 +197,10 @@ class SimulatedGenerationEngine:
         shared_counts: a dict shared by the instances of a run, counting requests per prompt,
             so that the k-th request of a prompt is the same sample on any instance (see the
             module docstring); None counts per engine.
+        continuations: a dict shared by the instances of a run in which samples cut short by
+            ``max_new_tokens`` are recorded, so that a request whose prompt is such a sample's
+            prompt followed by its tokens continues that sample (on any instance sharing the
+            dict) as a language model would; None records per engine.
         max_lag_s: real seconds the scheduler may fall behind its ideal clock and still catch
             up; beyond it resynchronizes (counted in ``stats.lag_s``).
     """
@@ -199,6 +217,7 @@ class SimulatedGenerationEngine:
         seed: int = 0,
         version: int = -1,
         shared_counts: dict[bytes, int] | None = None,
+        continuations: dict[bytes, Any] | None = None,
         max_lag_s: float = 0.02,
     ) -> None:
         if time_scale <= 0 or sync_s < 0 or max_lag_s < 0:
@@ -224,6 +243,8 @@ class SimulatedGenerationEngine:
         self._shared = shared_counts is not None
         # prompt digest -> requests of it without a call seed so far
         self._seen: dict[bytes, int] = shared_counts if shared_counts is not None else {}
+        # digest of (prompt + tokens so far) -> the cut sample a continuation resumes
+        self._cuts: dict[bytes, Any] = continuations if continuations is not None else {}
         self._state: _State | None = None
         self._closed = False
 
@@ -285,6 +306,18 @@ class SimulatedGenerationEngine:
         return 0 if self._state is None else sum(not r.cancelled for r in self._state.running)
 
     @property
+    def longest_running_tokens(self) -> int:
+        """Tokens generated so far by the request running longest (0 if none): how long a
+        weight update here would wait for running requests, as far as can be seen."""
+        st = self._state
+        return max((r.produced for r in st.running if not r.cancelled), default=0) if st else 0
+
+    @property
+    def in_flight(self) -> int:
+        """Requests accepted and not finished (running or waiting): the instance's load."""
+        return self.running + self.queued
+
+    @property
     def queued(self) -> int:
         """Requests waiting to join the running batch."""
         return 0 if self._state is None else sum(not r.cancelled for r in self._state.waiting)
@@ -318,6 +351,13 @@ class SimulatedGenerationEngine:
                 f"{tuple(prompt.shape)}"
             )
         key = prompt_key(prompt)
+        cut = self._cuts.pop(key, None)
+        if cut is not None:  # the continuation of a sample cut short: same sample, same tokens
+            remaining = cut.natural - cut.offset
+            target = min(remaining, params.max_new_tokens)
+            return self._new_request(
+                st, prompt, cut.key, cut.index, cut.natural, cut.offset, target, remaining
+            )
         if params.seed is not None:
             index = hash64("call", params.seed, position)
         else:
@@ -326,14 +366,36 @@ class SimulatedGenerationEngine:
             index = hash64("seen", seen) if self._shared else hash64("seen", self.seed, seen)
         natural = self.lengths.length(prompt, index)
         target = min(natural, params.max_new_tokens)
-        truncated = natural > params.max_new_tokens or natural >= self.lengths.max_len
+        return self._new_request(st, prompt, key, index, natural, 0, target, natural)
+
+    def _new_request(
+        self,
+        st: _State,
+        prompt: torch.Tensor,
+        key: bytes,
+        index: int,
+        natural: int,
+        offset: int,
+        target: int,
+        remaining: int,
+    ) -> _Request:
+        target = max(target, 1)
+        cut_short = remaining > target
+        if cut_short:  # record where a continuation (prompt + these tokens) resumes
+            g = self._tokens(key, index, natural, offset, target)[0]
+            cont = prompt_key(torch.cat([prompt.reshape(-1).to(torch.int64), g]))
+            self._cuts[cont] = _Cut(key, index, natural, offset + target)
+            while len(self._cuts) > _MAX_CUTS:  # never continued: forget the oldest
+                del self._cuts[next(iter(self._cuts))]
         return _Request(
             prompt_len=int(prompt.numel()),
             key=key,
             index=index,
-            target=max(target, 1),
-            truncated=truncated,
+            target=target,
+            truncated=cut_short or natural >= self.lengths.max_len,
             future=st.loop.create_future(),
+            natural=natural,
+            offset=offset,
         )
 
     def _joinable(self, st: _State) -> bool:
@@ -438,20 +500,32 @@ class SimulatedGenerationEngine:
                 r.future.set_result(self._generation(r))
         st.running = still
 
-    def _generation(self, r: _Request) -> Generation:
-        """Deterministic tokens and negative log-probs for a finished request."""
-        g = torch.Generator().manual_seed(hash64(r.key, r.index) & _MASK63)
-        n, eos = r.target, self.eos_token_id
+    def _tokens(
+        self, key: bytes, index: int, natural: int, offset: int, n: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens ``offset .. offset + n`` of a sample and their negative log-probs.
+
+        The whole sample is drawn from its (prompt, index) hash, so a continuation yields
+        exactly the tokens the uncut sample would have had; the last token of a sample that
+        ends before ``max_len`` is the eos.
+        """
+        g = torch.Generator().manual_seed(hash64(key, index) & _MASK63)
+        total, eos = max(natural, 1), self.eos_token_id
         high = self.vocab_size - (0 if eos is None else 1)
-        tokens = torch.randint(0, high, (n,), generator=g)
+        tokens = torch.randint(0, high, (total,), generator=g)
+        logprobs = -(torch.empty(total).exponential_(1.0, generator=g) + 1e-3)
         if eos is not None:
             tokens += (tokens >= eos).long()  # skip the eos id
-            if not r.truncated:
+            if natural < self.lengths.max_len:
                 tokens[-1] = eos
-        logprobs = -(torch.empty(n).exponential_(1.0, generator=g) + 1e-3)
+        return tokens[offset : offset + n], logprobs[offset : offset + n].float()
+
+    def _generation(self, r: _Request) -> Generation:
+        """Deterministic tokens and negative log-probs for a finished request."""
+        tokens, logprobs = self._tokens(r.key, r.index, r.natural, r.offset, r.target)
         return Generation(
-            token_ids=tokens,
-            logprobs=logprobs.float(),
+            token_ids=tokens.clone(),
+            logprobs=logprobs.clone(),
             finish_reason="length" if r.truncated else "stop",
             version=r.version,
         )

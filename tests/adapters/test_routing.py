@@ -6,10 +6,13 @@ import asyncio
 from collections.abc import Sequence
 
 import numpy as np
+import pytest
 import torch
 
 from adapters import LeastLoadedRouter, LengthAwareRouter, LengthRanker, RolloutAdapter
+from adapters.base import StageOutput
 from engines import Generation, SamplingParams
+from engines.simulated import DecodeLatency, LognormalLengths, SimulatedGenerationEngine
 from transferqueue import BatchMeta, Ragged
 
 
@@ -100,3 +103,54 @@ def test_least_loaded_dispatch_spreads_concurrent_batches() -> None:
     asyncio.run(go())
     assert [e.calls for e in engines] == [2, 2]
     assert ranker.observed == 8  # two prompts (groups) per batch, four batches
+
+
+def _sim_engines(versions: Sequence[int]) -> list[SimulatedGenerationEngine]:
+    lengths = LognormalLengths(median=25, sigma=1.3, max_len=200, prompt_scale=0.0, seed=4)
+    counts: dict[bytes, int] = {}
+    cuts: dict[bytes, object] = {}
+    return [
+        SimulatedGenerationEngine(
+            DecodeLatency(base_s=0.001, per_seq_s=0.0, prefill_s_per_token=0.0),
+            lengths,
+            time_scale=0.01,
+            version=v,
+            shared_counts=counts,
+            continuations=cuts,
+        )
+        for v in versions
+    ]
+
+
+def test_migration_continues_long_samples_on_the_long_instance() -> None:
+    """Samples past the budget finish on the dedicated instance; each sample is exactly what
+    it would have been unmigrated, its version the older part's, both instances on the
+    timeline."""
+    params = SamplingParams(max_new_tokens=200)
+    plain = RolloutAdapter(_sim_engines([1]), params)
+    long_first = _sim_engines([3, 1])  # instance 0: dedicated long, newer weights
+    router = LengthAwareRouter([0], long_capacity=64)
+    migrating = RolloutAdapter(long_first, params, router=router, migrate_after=20)
+
+    async def go() -> tuple[StageOutput, StageOutput]:
+        return await plain.process(*_meta(16)), await migrating.process(*_meta(16))
+
+    ref, out = asyncio.run(go())
+    cont = router.continuations
+    assert migrating.migrated > 0 and cont == 1  # one continuation call for the batch
+    long_lens = [len(r) for r in ref.columns["response_ids"] if len(r) > 20]
+    assert migrating.migrated == len(long_lens)
+    for a, b in zip(ref.columns["response_ids"], out.columns["response_ids"], strict=True):
+        assert torch.equal(a, b)
+    ref_lp, out_lp = ref.columns["behaviour_logprobs"], out.columns["behaviour_logprobs"]
+    for a, b in zip(ref_lp, out_lp, strict=True):
+        assert torch.equal(a, b)
+    assert ref.columns["finish_reason"] == out.columns["finish_reason"]
+    assert (out.version == 1).all()  # migrated samples: the older part's version
+    assert [lane for lane, *_ in out.spans] == ["instance1", "instance0"]
+    assert long_first[0].stats.requests == migrating.migrated
+
+
+def test_migration_needs_budget_below_the_cap() -> None:
+    with pytest.raises(ValueError, match="migrate_after"):
+        RolloutAdapter(_sim_engines([0]), SamplingParams(), migrate_after=-1)

@@ -30,6 +30,10 @@ def test_type_and_range_errors_name_the_field() -> None:
         load_config(overrides=["train.steps=lots"])
     with pytest.raises(ValueError, match=r"train\.max_staleness must be >= 0"):
         load_config(overrides=["train.max_staleness=-1"])
+    with pytest.raises(ValueError, match=r"rollout\.migrate_after needs rollout\.long_instances"):
+        load_config(overrides=["rollout.migrate_after=512"])
+    with pytest.raises(ValueError, match=r"rollout\.weight_sync must be eager or on_demand"):
+        load_config(overrides=["rollout.weight_sync=lazy"])
     with pytest.raises(ValueError, match=r"kl_coef > 0 needs reference\.enabled"):
         load_config(overrides=["reference.kl_coef=0.1"])
 

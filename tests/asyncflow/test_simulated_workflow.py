@@ -20,6 +20,7 @@ def _run(out: Path, k: int, *extra: str) -> RunResult:
     scale = 0.002
     lengths = LognormalLengths(median=60, sigma=1.0, max_len=1024, prompt_scale=0.0, seed=1)
     counts: dict[bytes, int] = {}
+    cuts: dict[bytes, object] = {}
     gens = [
         cal.generation_engine(
             time_scale=scale,
@@ -29,6 +30,7 @@ def _run(out: Path, k: int, *extra: str) -> RunResult:
             version=0,
             seed=i,
             shared_counts=counts,
+            continuations=cuts,
         )
         for i in range(3)
     ]
@@ -61,11 +63,20 @@ def _run(out: Path, k: int, *extra: str) -> RunResult:
     return run(cfg, comps)
 
 
+SKEW = ["rollout.ranker=true", "rollout.longest_first=true", "rollout.long_instances=1"]
+MODES = {
+    "least-loaded": [],
+    "skew-aware": SKEW,
+    "on-demand-sync": ["rollout.weight_sync=on_demand"],
+    "migrating": [*SKEW, "rollout.migrate_after=64", "rollout.weight_sync=on_demand"],
+}
+
+
 @pytest.mark.parametrize("k", [0, 1, 2])
-@pytest.mark.parametrize("skew", [False, True], ids=["least-loaded", "skew-aware"])
-def test_bound_holds_across_instances(tmp_path: Path, k: int, skew: bool) -> None:
-    extra = ["rollout.ranker=true", "rollout.longest_first=true", "rollout.long_instances=1"]
-    result = _run(tmp_path, k, *(extra if skew else []))
+@pytest.mark.parametrize("mode", list(MODES))
+def test_bound_holds_across_instances(tmp_path: Path, k: int, mode: str) -> None:
+    skew = mode in ("skew-aware", "migrating")
+    result = _run(tmp_path, k, *MODES[mode])
     trained = []
     for rep in result.reports:
         assert max(rep.staleness) <= k and min(rep.staleness) >= 0
@@ -75,3 +86,5 @@ def test_bound_holds_across_instances(tmp_path: Path, k: int, skew: bool) -> Non
     assert len(lanes) == 3  # every instance generated
     if skew:
         assert result.extra["ranker_error"] is not None
+    if mode == "migrating":  # median 60, sigma 1: about a quarter of the samples pass 64 tokens
+        assert result.extra["migrated"] > 0

@@ -505,3 +505,44 @@ def test_overlong_slope_fit_recovers_clustering() -> None:
     assert 0.4 < slope < 1.2
     flat = [math.log(1024) if rng.random() < 0.04 else 5.0 + rng.normal() for _ in groups]
     assert abs(fit_overlong_slope(np.array(flat), np.array(groups), 1024)) < 0.4
+
+
+def test_continuation_resumes_a_cut_sample_exactly_on_another_instance() -> None:
+    """Cut at a budget and continued elsewhere (prompt + tokens so far), a sample is the same
+    sample: tokens, log-probs, eos and finish reason equal the uncut one's."""
+    lengths = LognormalLengths(median=40, sigma=1.2, max_len=150, prompt_scale=0.0, seed=3)
+    prompts = [torch.tensor([5, i, 9, 11]) for i in range(12)]
+
+    def make(counts: dict[bytes, int], cuts: dict[bytes, Any]) -> SimulatedGenerationEngine:
+        return SimulatedGenerationEngine(
+            DecodeLatency(base_s=0.001, per_seq_s=0.0, prefill_s_per_token=0.0),
+            lengths,
+            time_scale=0.01,
+            vocab_size=50,
+            eos_token_id=0,
+            shared_counts=counts,
+            continuations=cuts,
+        )
+
+    async def go() -> None:
+        whole = await make({}, {}).generate(prompts, SamplingParams(max_new_tokens=150))
+        counts: dict[bytes, int] = {}
+        cuts: dict[bytes, Any] = {}
+        first, second = make(counts, cuts), make(counts, cuts)
+        heads = await first.generate(prompts, SamplingParams(max_new_tokens=30))
+        cut = [i for i, h in enumerate(heads) if h.finish_reason == "length"]
+        assert cut and len(cut) < len(prompts)  # some samples outlive the budget, some not
+        tails = await second.generate(
+            [torch.cat([prompts[i], heads[i].token_ids]) for i in cut],
+            SamplingParams(max_new_tokens=120),
+        )
+        for i, tail in zip(cut, tails, strict=True):
+            assert torch.equal(torch.cat([heads[i].token_ids, tail.token_ids]), whole[i].token_ids)
+            assert torch.equal(torch.cat([heads[i].logprobs, tail.logprobs]), whole[i].logprobs)
+            assert tail.finish_reason == whole[i].finish_reason
+        for i in set(range(len(prompts))) - set(cut):
+            assert torch.equal(heads[i].token_ids, whole[i].token_ids)
+        assert all(int(w.token_ids[-1]) == 0 for w in whole if w.finish_reason == "stop")
+        assert not cuts  # every recorded cut was continued
+
+    asyncio.run(go())
