@@ -133,8 +133,9 @@ class WeightSync:
 
     def _drain_cost(self, i: int) -> tuple[int, int]:
         """What an update of generator ``i`` would wait for: its longest-running request's
-        tokens so far (long-tailed lengths: the longer a sample has run, the longer it is
-        likely to go on), then its requests in flight."""
+        tokens so far if the engine reports ``longest_running_tokens`` (long-tailed lengths:
+        the longer a sample has run, the longer it is likely to go on), then its requests in
+        flight."""
         g = self._generators[i]
         return (getattr(g, "longest_running_tokens", 0), getattr(g, "in_flight", 0))
 

@@ -189,7 +189,9 @@ class Workflow:
             on_done=sync.poke,
             ranker=ranker,
             sampler="group" if rc.longest_first else "fifo",
-            sampler_options={"group_size": n, "order": "length"} if rc.longest_first else None,
+            sampler_options=(
+                {"group_size": n, "order": "length", "window": b} if rc.longest_first else None
+            ),
             version_field="min_gen_version",
         )
         runners = [

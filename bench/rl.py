@@ -18,7 +18,17 @@ second taking ``time_scale`` real seconds.
 | async-k1/k2    | split               | 1 / 2     | each micro-batch       | least loaded        |
 | async-k*-skew  | split               | 1 / 2     | each micro-batch       | ranker: longest     |
 |                |                     |           |                        | first, long prompts |
-|                |                     |           |                        | on own instances    |
+|                |                     |           |                        | and samples past    |
+|                |                     |           |                        | the p90 length on   |
+|                |                     |           |                        | own instances       |
+
+Every schedule uses the same weight-sync policy (``on_demand``, ``asyncflow.weights``). The
+disaggregated schedules run on three splits of the GPUs (the split that balances decode at full
+batch against training, and two with more generation GPUs) and keep their best: with long
+tails the best split depends on the schedule, and each is compared at its own best. The
+skew-aware schedules dedicate a quarter of their generation instances (at least one) to the
+long tail, at most 8 sequences each; samples still decoding after the workload's 90th
+percentile length migrate there (``rollout.migrate_after``).
 
 Writes ``bench/results/rl.json`` and the plots ``rl_throughput.png``, ``rl_gantt.png`` and
 ``rl_real_reward.png``, and prints a table: samples/s and tokens/s (modelled time), ratio to

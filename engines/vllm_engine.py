@@ -307,7 +307,6 @@ class VLLMGenerationEngine:
         self._broken: str | None = None
         self._ids = itertools.count()
         self._in_flight = 0
-        self._progress: dict[str, int] = {}  # request id -> tokens generated so far
         self._prefix = uuid.uuid4().hex[:8]
         self.stats: dict[str, float] = {
             "regenerated": 0,
@@ -561,11 +560,6 @@ class VLLMGenerationEngine:
         """Requests submitted and not finished (the instance's load, for routing)."""
         return self._in_flight
 
-    @property
-    def longest_running_tokens(self) -> int:
-        """Tokens generated so far by the request running longest (0 if none)."""
-        return max(self._progress.values(), default=0)
-
     async def _generate_one(self, ids: list[int], params: Any) -> Generation:
         self._in_flight += 1
         try:
@@ -586,8 +580,6 @@ class VLLMGenerationEngine:
                     TokensPrompt(prompt_token_ids=ids), params, request_id
                 ):
                     final = output
-                    if output.outputs:
-                        self._progress[request_id] = len(output.outputs[0].token_ids)
             except Exception as exc:
                 if self._resources.llm is None or llm.errored:
                     raise EngineClosedError(
@@ -595,8 +587,6 @@ class VLLMGenerationEngine:
                         "create a new engine"
                     ) from exc
                 raise
-            finally:
-                self._progress.pop(request_id, None)
             if final is None or not final.outputs:
                 raise EngineClosedError(f"vLLM returned no output for request {request_id}")
             completion = final.outputs[0]

@@ -26,6 +26,7 @@ def _serve(args: argparse.Namespace) -> int:
         transport=args.transport,
         capacity_rows=args.capacity_rows,
         unit_capacity_bytes=args.unit_capacity_bytes,
+        spread_bytes=args.spread_bytes,
         advertise_host=args.advertise_host,
     )
     print(service.address, flush=True)
@@ -66,6 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--transport", choices=["tcp", "ipc"], default="tcp")
     s.add_argument("--capacity-rows", type=int, default=None, help="rows held at most")
     s.add_argument("--unit-capacity-bytes", type=int, default=None, help="bytes per unit")
+    s.add_argument(
+        "--spread-bytes",
+        type=int,
+        default=None,
+        help="a put spreads over one unit per this many bytes (default 16 MiB; 0: all units)",
+    )
     s.add_argument("--advertise-host", default=None, help="host name clients use to connect")
     s.set_defaults(fn=_serve)
     st = sub.add_parser("stats", help="print a running service's state as JSON")

@@ -56,6 +56,17 @@ def take_rows(col: Column, pos: np.ndarray) -> Column:
     return [col[i] for i in pos.tolist()]
 
 
+def _payload_nbytes(cols: Mapping[str, Column]) -> int:
+    """Bytes of the tensor data of a put (object columns count as nothing)."""
+    total = 0
+    for col in cols.values():
+        if isinstance(col, torch.Tensor):
+            total += col.numel() * col.element_size()
+        elif isinstance(col, Ragged):
+            total += col.nbytes
+    return total
+
+
 def _by_unit(units: np.ndarray) -> dict[int, np.ndarray]:
     """Positions of the rows of each unit, ascending."""
     if units.size and bool((units == units[0]).all()):
@@ -129,6 +140,7 @@ class AsyncClient:
                 versions=versions,
                 lengths=lengths,
                 timeout_s=timeout_s,
+                nbytes=_payload_nbytes(cols),
             )
             try:
                 await self._write_units(new, cols, col_specs, create=True)

@@ -53,6 +53,10 @@ from transferqueue.state import (
 __all__ = ["Changes", "Controller"]
 
 
+SPREAD_BYTES = 16 << 20
+"""Bytes of a put per storage unit it spreads over (see ``Controller._place``)."""
+
+
 class Controller:
     """Row metadata, readiness, per-task queues and leases. Not thread-safe by design."""
 
@@ -62,10 +66,14 @@ class Controller:
         *,
         capacity_rows: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        spread_bytes: int = SPREAD_BYTES,
     ) -> None:
         if num_units < 1:
             raise ValueError(f"num_units must be >= 1, got {num_units}")
+        if spread_bytes < 0:
+            raise ValueError(f"spread_bytes must be >= 0 (0: always spread), got {spread_bytes}")
         self.num_units = num_units
+        self.spread_bytes = spread_bytes
         self.capacity_rows = capacity_rows
         self.clock = clock
         self.leases = LeaseTable(clock)
@@ -151,8 +159,12 @@ class Controller:
         groups: np.ndarray | int | None = None,
         versions: np.ndarray | int | None = None,
         lengths: np.ndarray | int | None = None,
+        nbytes: int | None = None,
     ) -> BatchMeta:
-        """New rows in ``partition``: indexes, units (balanced chunks) and headers."""
+        """New rows in ``partition``: indexes, units (see :meth:`_place`) and headers.
+
+        ``nbytes`` (the payload's size, if the writer knows it) decides over how many units
+        the rows spread."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} rows")
         if self.capacity_rows is not None and n > self.capacity_rows:
@@ -180,7 +192,7 @@ class Controller:
         self._next_index += n
         g = indexes.copy() if g_given is None else g_given
         self._map.insert(indexes, slots)
-        units = self._place(n)
+        units = self._place(n, nbytes)
         h = self._h
         h["index"][slots] = indexes
         h["partition"][slots] = part.id
@@ -195,13 +207,25 @@ class Controller:
         self._rows_live += n
         return BatchMeta(indexes, units, g, v, ln, partition=part.name)
 
-    def _place(self, n: int) -> np.ndarray:
-        """Balanced contiguous chunks, the first unit rotating so small puts spread too."""
+    def _place(self, n: int, nbytes: int | None = None) -> np.ndarray:
+        """Balanced contiguous chunks over as many units as the payload is worth.
+
+        A put of ``nbytes`` spreads over ``nbytes // spread_bytes`` units (at least one, at
+        most all): a unit's share of a large put moves in parallel with the others', while a
+        small put costs one round trip to one unit instead of one per unit (on a loopback or
+        a fast network, a few MB are cheaper in one message than in four). The first unit
+        rotates by the units used, so consecutive puts fill the units evenly. Without
+        ``nbytes`` every put spreads over all units.
+        """
         u = self.num_units
-        sizes = np.full(u, n // u, dtype=np.int64)
-        sizes[: n % u] += 1
-        order = (np.arange(u) + self._next_unit) % u
-        self._next_unit = (self._next_unit + max(n % u, 1 if n < u else 0)) % u
+        use = u
+        if nbytes is not None and self.spread_bytes > 0:
+            use = int(min(u, max(1, nbytes // self.spread_bytes)))
+        sizes = np.full(use, n // use, dtype=np.int64)
+        sizes[: n % use] += 1
+        order = (np.arange(use) + self._next_unit) % u
+        step = use if use < u else max(n % u, 1 if n < u else 0)
+        self._next_unit = (self._next_unit + step) % u
         return np.repeat(order.astype(np.int32), sizes)
 
     def _grow(self, capacity: int) -> None:

@@ -161,6 +161,7 @@ class ControllerService:
         versions: np.ndarray | int | None = None,
         lengths: np.ndarray | int | None = None,
         timeout_s: float | None = None,
+        nbytes: int | None = None,
     ) -> BatchMeta:
         ctl = self.controller
         loop = asyncio.get_running_loop()
@@ -179,7 +180,9 @@ class ControllerService:
                 await asyncio.wait({fut}, timeout=remaining)
             finally:
                 self._space_waiters.discard(fut)
-        return ctl.allocate(n, partition, groups=groups, versions=versions, lengths=lengths)
+        return ctl.allocate(
+            n, partition, groups=groups, versions=versions, lengths=lengths, nbytes=nbytes
+        )
 
     async def discard(self, indexes: np.ndarray) -> None:
         await _gather(self._apply(self.controller.discard(indexes)))
@@ -282,7 +285,10 @@ class ControllerService:
         """
         old = self.controller
         self.controller = Controller(
-            old.num_units, capacity_rows=old.capacity_rows, clock=old.clock
+            old.num_units,
+            capacity_rows=old.capacity_rows,
+            clock=old.clock,
+            spread_bytes=old.spread_bytes,
         )
         gone = ClosedError("TransferQueue was reset while this call waited")
         for fut in [f for ws in self._waiters.values() for f in ws] + list(self._space_waiters):

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from transferqueue.controller import Controller
+from transferqueue.controller import SPREAD_BYTES, Controller
 from transferqueue.controller_service import ControllerService
 from transferqueue.handle import TransferQueue
 from transferqueue.links import LocalUnitLink
@@ -26,11 +26,13 @@ def start(
     *,
     capacity_rows: int | None = None,
     unit_capacity_bytes: int | None = None,
+    spread_bytes: int = SPREAD_BYTES,
 ) -> TransferQueue:
     """Start an in-process TransferQueue with ``num_units`` storage units.
 
     ``capacity_rows`` bounds the rows held at once: a put that would exceed it waits for
     consumers to free rows (back-pressure). ``unit_capacity_bytes`` bounds each unit's memory.
+    A put spreads over one unit per ``spread_bytes`` of payload (0: always over all units).
     """
     if num_units < 1:
         raise ValueError(f"num_units must be >= 1, got {num_units}")
@@ -43,7 +45,10 @@ def start(
         await links[unit_id].free(indexes)
 
     async def make() -> ControllerService:
-        service = ControllerService(Controller(num_units, capacity_rows=capacity_rows), free_rows)
+        service = ControllerService(
+            Controller(num_units, capacity_rows=capacity_rows, spread_bytes=spread_bytes),
+            free_rows,
+        )
         await service.start()
         return service
 

@@ -51,6 +51,7 @@ class ControllerLink(Protocol):
         versions: np.ndarray | int | None = None,
         lengths: np.ndarray | int | None = None,
         timeout_s: float | None = None,
+        nbytes: int | None = None,
     ) -> BatchMeta: ...
 
     async def discard(self, indexes: np.ndarray) -> None: ...

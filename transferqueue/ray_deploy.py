@@ -22,6 +22,7 @@ from typing import Any
 
 import zmq.asyncio
 
+from transferqueue.controller import SPREAD_BYTES
 from transferqueue.handle import TransferQueue
 from transferqueue.loop import LoopThread
 from transferqueue.remote import connect
@@ -80,7 +81,11 @@ class ControllerActor(_ServerActor):
     """The controller server (apply ``ray.remote`` to deploy)."""
 
     def __init__(
-        self, unit_addresses: list[str], capacity_rows: int | None, host: str | None
+        self,
+        unit_addresses: list[str],
+        capacity_rows: int | None,
+        host: str | None,
+        spread_bytes: int = SPREAD_BYTES,
     ) -> None:
         super().__init__()
 
@@ -90,6 +95,7 @@ class ControllerActor(_ServerActor):
                 unit_addresses,
                 f"tcp://{self._host(host)}:0",
                 capacity_rows=capacity_rows,
+                spread_bytes=spread_bytes,
             )
             await server.start()
             return server
@@ -104,12 +110,14 @@ def start_on_ray(
     unit_capacity_bytes: int | None = None,
     host: str | None = None,
     spread: bool = True,
+    spread_bytes: int = SPREAD_BYTES,
     name_prefix: str | None = None,
 ) -> TransferQueue:
     """Start controller and units as Ray actors and return a connected handle.
 
     Needs ``ray.init()`` first. Actors take no CPU slot (``num_cpus=0``: they are I/O bound)
     and are spread over nodes (``spread=False`` packs them). ``handle.close()`` kills them.
+    ``spread_bytes``: a put spreads over one unit per that many bytes (0: over all units).
     """
     try:
         import ray
@@ -135,7 +143,9 @@ def start_on_ray(
     actors: list[Any] = list(units)
     try:
         unit_addrs = ray.get([u.address.remote() for u in units])
-        ctl = ctl_cls.options(**opts("controller")).remote(unit_addrs, capacity_rows, host)
+        ctl = ctl_cls.options(**opts("controller")).remote(
+            unit_addrs, capacity_rows, host, spread_bytes
+        )
         actors.append(ctl)
         address = str(ray.get(ctl.address.remote()))
         handle = connect(address)

@@ -55,6 +55,7 @@ class RemoteControllerLink:
         versions: np.ndarray | int | None = None,
         lengths: np.ndarray | int | None = None,
         timeout_s: float | None = None,
+        nbytes: int | None = None,
     ) -> BatchMeta:
         # Waiting for capacity has no natural bound when timeout_s is None.
         wait = _FOREVER_S if timeout_s is None else timeout_s + self.rpc.call_timeout_s
@@ -65,6 +66,7 @@ class RemoteControllerLink:
             "versions": versions,
             "lengths": lengths,
             "timeout_s": timeout_s,
+            "nbytes": nbytes,
         }
         return _meta(await self.rpc.call("allocate", args, wait_s=wait))
 

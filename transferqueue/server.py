@@ -20,7 +20,7 @@ import numpy as np
 import zmq.asyncio
 
 from transferqueue import wire
-from transferqueue.controller import Controller
+from transferqueue.controller import SPREAD_BYTES, Controller
 from transferqueue.controller_service import ControllerService
 from transferqueue.errors import ProtocolError
 from transferqueue.links import LocalUnitLink
@@ -106,13 +106,15 @@ class ControllerServer:
         address: str = "tcp://127.0.0.1:0",
         *,
         capacity_rows: int | None = None,
+        spread_bytes: int = SPREAD_BYTES,
     ) -> None:
         if not unit_addresses:
             raise ValueError("a controller needs at least one storage unit address")
         self.unit_addresses = list(unit_addresses)
         self._units = [RpcClient(ctx, a) for a in self.unit_addresses]
         self.service = ControllerService(
-            Controller(len(self._units), capacity_rows=capacity_rows), self._free_rows
+            Controller(len(self._units), capacity_rows=capacity_rows, spread_bytes=spread_bytes),
+            self._free_rows,
         )
         self.rpc = RpcServer(ctx, address, wire.CONTROLLER_KINDS, self._handle)
         self.address = self.rpc.address

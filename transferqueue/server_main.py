@@ -49,10 +49,15 @@ async def _run_unit(unit_id: int, address: str, capacity_bytes: int | None, pare
 
 
 async def _run_controller(
-    units: Sequence[str], address: str, capacity_rows: int | None, parent: int
+    units: Sequence[str],
+    address: str,
+    capacity_rows: int | None,
+    spread_bytes: int | None,
+    parent: int,
 ) -> None:
     ctx = zmq.asyncio.Context()
-    server = ControllerServer(ctx, units, address, capacity_rows=capacity_rows)
+    extra = {} if spread_bytes is None else {"spread_bytes": spread_bytes}
+    server = ControllerServer(ctx, units, address, capacity_rows=capacity_rows, **extra)
     await server.start()
     await _serve_until_stopped(server, parent)
     ctx.term()
@@ -66,12 +71,15 @@ def _child_main(argv: list[str]) -> None:
     ap.add_argument("--parent", type=int, required=True)
     ap.add_argument("--unit-id", type=int, default=0)
     ap.add_argument("--capacity", type=int, default=None)
+    ap.add_argument("--spread-bytes", type=int, default=None)
     ap.add_argument("--units", default="")
     a = ap.parse_args(argv)
     if a.role == "unit":
         asyncio.run(_run_unit(a.unit_id, a.address, a.capacity, a.parent))
     else:
-        asyncio.run(_run_controller(a.units.split(","), a.address, a.capacity, a.parent))
+        asyncio.run(
+            _run_controller(a.units.split(","), a.address, a.capacity, a.spread_bytes, a.parent)
+        )
 
 
 if __name__ == "__main__":

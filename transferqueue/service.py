@@ -51,6 +51,7 @@ class LocalService:
         transport: str = "tcp",
         capacity_rows: int | None = None,
         unit_capacity_bytes: int | None = None,
+        spread_bytes: int | None = None,
         advertise_host: str | None = None,
         start_timeout_s: float = 120.0,
     ) -> None:
@@ -74,6 +75,8 @@ class LocalService:
             args += ["--address", self._bind(transport, host, port, None)]
             if capacity_rows is not None:
                 args += ["--capacity", str(capacity_rows)]
+            if spread_bytes is not None:
+                args += ["--spread-bytes", str(spread_bytes)]
             ctl = self._spawn(args)
             self.address = _advertised(self._wait(ctl, start_timeout_s), advertise_host)
             self.unit_addresses = units

@@ -27,7 +27,7 @@ Deploy = Callable[..., TransferQueue]
 
 @pytest.fixture(scope="session")
 def local_service() -> Iterator[transferqueue.LocalService]:
-    with transferqueue.serve(num_units=2) as svc:
+    with transferqueue.serve(num_units=2, spread_bytes=0) as svc:
         yield svc
 
 
@@ -49,7 +49,7 @@ def ray_cluster() -> Iterator[None]:
 def ray_tq(ray_cluster: None) -> Iterator[str]:
     from transferqueue.ray_deploy import start_on_ray
 
-    handle = start_on_ray(num_units=2)
+    handle = start_on_ray(num_units=2, spread_bytes=0)
     yield str(handle.address)
     handle.close()
 
@@ -59,16 +59,18 @@ def deploy(request: pytest.FixtureRequest) -> Iterator[Deploy]:
     """A factory of TransferQueue handles of the test's deployment.
 
     ``deploy()`` gives the shared (reset) instance; options such as ``capacity_rows`` start
-    a dedicated one.
+    a dedicated one. Puts spread over both units (``spread_bytes=0``) unless a test says.
     """
     kind = request.param
     handles: list[TransferQueue] = []
     services: list[transferqueue.LocalService] = []
 
     def make(**options: object) -> TransferQueue:
+        # every put over both units, so that the multi-unit paths are what the tests exercise
+        options.setdefault("spread_bytes", 0)
         if kind == "embedded":
             h = transferqueue.start(num_units=2, **options)  # type: ignore[arg-type]
-        elif options:
+        elif set(options) - {"spread_bytes"}:
             if kind == "ray":
                 from transferqueue.ray_deploy import start_on_ray
 

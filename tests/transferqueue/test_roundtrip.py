@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+import transferqueue
 from transferqueue import Client, FieldSpec, Ragged
 from transferqueue.schema import DTYPES
 
@@ -162,3 +163,27 @@ def test_empty_batch_reads_as_empty_columns(client: Client) -> None:
     cols = client.get_data(empty)
     assert cols["x"].shape == (0, 3)  # type: ignore[union-attr]
     assert len(cols["r"]) == 0 and cols["o"] == []
+
+
+def test_small_puts_go_whole_to_one_unit_in_turn_and_large_ones_spread() -> None:
+    """Placement by payload: one unit per ``spread_bytes``; the first unit rotates so that
+    consecutive small puts fill the units evenly."""
+    from transferqueue.controller import Controller
+
+    ctl = Controller(4, spread_bytes=1000)
+    small = [ctl.allocate(10, "p", nbytes=999).units for _ in range(8)]
+    assert [set(u.tolist()) for u in small] == [{i % 4} for i in range(8)]
+    two = ctl.allocate(10, "p", nbytes=2500).units  # 2 units' worth
+    assert sorted(set(two.tolist())) == [0, 1] and np.bincount(two).tolist() == [5, 5]
+    assert set(ctl.allocate(12, "p", nbytes=10**9).units.tolist()) == {0, 1, 2, 3}
+    assert set(ctl.allocate(12, "p").units.tolist()) == {0, 1, 2, 3}  # size unknown: spread
+    spread = Controller(4, spread_bytes=0)
+    assert set(spread.allocate(8, "p", nbytes=1).units.tolist()) == {0, 1, 2, 3}
+    with pytest.raises(ValueError, match="spread_bytes"):
+        Controller(2, spread_bytes=-1)
+    with transferqueue.start(num_units=2) as tq:  # the client reports its payload's size
+        c = tq.client()
+        metas = [c.put({"x": torch.zeros(64, 16)}) for _ in range(4)]
+        assert [set(m.units.tolist()) for m in metas] == [{0}, {1}, {0}, {1}]
+        big = c.put({"y": torch.zeros(2, 9 << 20, dtype=torch.uint8)})  # 18 MiB
+        assert set(big.units.tolist()) == {0}  # below 2 x 16 MiB: still one unit

@@ -143,3 +143,26 @@ def test_group_order_length_serves_longest_groups_first(client: Client) -> None:
         assert len(set(meta.groups.tolist())) == 1
         got.append(int(meta.groups[0]))
     assert got == [1, 3, 2, 0, 4]  # longest first, ties by group id
+
+
+def test_group_order_length_with_window_keeps_older_windows_first(client: Client) -> None:
+    gs = 2
+    lengths = [5, 50, 20, 90, 1, 70]  # windows of 3 groups: {0, 1, 2}, {3, 4, 5}
+    for g, ln in enumerate(lengths):
+        client.put({"p": torch.zeros(gs)}, group=g, length=ln)
+    got = []
+    for _ in lengths:
+        meta = client.get_meta(
+            "gen",
+            ["p"],
+            gs,
+            sampler="group",
+            group_size=gs,
+            order="length",
+            window=3,
+            timeout_s=1,
+        )
+        got.append(int(meta.groups[0]))
+    assert got == [1, 2, 0, 3, 5, 4]  # the 90 of window 2 waits for window 1's short ones
+    with pytest.raises(ValueError, match="window"):
+        client.get_meta("bad", ["p"], gs, sampler="group", group_size=gs, window=3, timeout_s=1)

@@ -14,6 +14,9 @@ split across batches. A group that receives more than ``group_size`` rows comple
 - ``"length"``: longest first by the rows' ``length`` header (ties: ascending group id):
   longest-processing-time-first scheduling, e.g. generation of the prompts predicted to give
   the longest responses before the others, so that they do not become the step's long tail.
+  With ``window=W``, longest first within consecutive windows of ``W`` group ids, older
+  windows first (``W`` = groups per train step: the next step's long prompts never overtake
+  this step's short ones).
 """
 
 from __future__ import annotations
@@ -35,7 +38,13 @@ class GroupSampler(Sampler):
     """Whole groups of ``group_size`` rows, oldest version first."""
 
     def __init__(
-        self, header: HeaderView, *, group_size: int, order: str = "version", **options: Any
+        self,
+        header: HeaderView,
+        *,
+        group_size: int,
+        order: str = "version",
+        window: int | None = None,
+        **options: Any,
     ) -> None:
         super().__init__(header, **options)
         if not isinstance(group_size, int) or group_size < 1:
@@ -44,7 +53,13 @@ class GroupSampler(Sampler):
             raise ValueError(
                 f"group sampler order must be 'version', 'group' or 'length', got {order!r}"
             )
+        if window is not None and (order != "length" or not isinstance(window, int) or window < 1):
+            raise ValueError(
+                f"group sampler window must be an int >= 1 and needs order='length', got "
+                f"window={window!r}, order={order!r}"
+            )
         self.order = order
+        self.window = window
         self.group_size = group_size
         self.supports_max_group = order == "group"  # bounds the key; only ids are group ids
         self._partial: dict[int, list[int]] = {}  # group id -> ready rows so far
@@ -76,8 +91,12 @@ class GroupSampler(Sampler):
     def _push(self, rows: np.ndarray, *, front: bool) -> None:
         if isinstance(self._complete, KeyedGroupQueue):
             gid = int(self.header.groups(rows[:1])[0])
-            key = gid if self.order == "group" else -int(self.header.lengths(rows).max())
-            self._complete.push((key, gid), rows)
+            if self.order == "group":
+                key: tuple[int, ...] = (gid, gid)
+            else:
+                longest = -int(self.header.lengths(rows).max())
+                key = (longest, gid) if self.window is None else (gid // self.window, longest, gid)
+            self._complete.push(key, rows)
         else:
             self._complete.push(int(self.header.versions(rows).min()), rows, front=front)
 
@@ -126,11 +145,11 @@ class KeyedGroupQueue:
     order are the ids themselves, so ``max_group`` bounds them directly."""
 
     def __init__(self) -> None:
-        self._keys: list[tuple[int, int]] = []
-        self._rows: dict[tuple[int, int], list[np.ndarray]] = {}
+        self._keys: list[tuple[int, ...]] = []
+        self._rows: dict[tuple[int, ...], list[np.ndarray]] = {}
         self.rows = 0
 
-    def push(self, key: tuple[int, int], rows: np.ndarray) -> None:
+    def push(self, key: tuple[int, ...], rows: np.ndarray) -> None:
         items = self._rows.get(key)
         if items is None:
             bisect.insort(self._keys, key)
