@@ -85,8 +85,8 @@ class RolloutConfig:
     long_instances: int = 0
     """Instances dedicated to predicted-long prompts (length-aware routing; needs ranker)."""
     long_capacity: int = 0
-    """Samples of predicted-long batches the dedicated instances take before such batches
-    spill to the others (0: two groups)."""
+    """Samples a dedicated instance takes (predicted-long batches, migrated samples) before
+    more spill to the other instances (0: two groups)."""
     migrate_after: int = 0
     """Long-tail migration: a sample still decoding after this many tokens is continued on a
     dedicated long instance, freeing its first instance (0: off; needs long_instances)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
@@ -29,6 +30,8 @@ from transferqueue.meta import BatchMeta
 from transferqueue.schema import FieldSpec
 
 __all__ = ["ControllerService", "FreeRows"]
+
+log = logging.getLogger(__name__)
 
 FreeRows = Callable[[int, np.ndarray], Coroutine[Any, Any, None]]
 """Drops freed rows (indexes) from one storage unit (unit id)."""
@@ -84,9 +87,16 @@ class ControllerService:
             for u in np.unique(units).tolist():
                 task = loop.create_task(self._free_rows(int(u), indexes[units == u]))
                 self._pending_frees.add(task)
-                task.add_done_callback(self._pending_frees.discard)
+                task.add_done_callback(self._free_done)
                 tasks.append(task)
         return tasks
+
+    def _free_done(self, task: asyncio.Task[None]) -> None:
+        """A unit failed to free rows: their memory stays held there until a clear or reset;
+        say so (the controller has already forgotten the rows, so nothing is lost)."""
+        self._pending_frees.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("a storage unit failed to free rows (its memory stays held): %r", exc)
 
     async def _expire_loop(self) -> None:
         loop = asyncio.get_running_loop()

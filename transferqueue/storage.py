@@ -237,6 +237,15 @@ class StorageUnit:
         self._pins[pid] = slots
         return pid
 
+    def _busy(self, slots: np.ndarray) -> np.ndarray:
+        """Which slots a pinned read is still sending (slots past the pin table, added since
+        the table last grew, are not)."""
+        busy = np.zeros(slots.size, dtype=bool)
+        if self._pins:
+            inside = slots < self._pinned.size
+            busy[inside] = self._pinned[slots[inside]] > 0
+        return busy
+
     def unpin(self, pin_id: int) -> None:
         """The send of a pinned read is done: its slots may be reused once freed."""
         slots = self._pins.pop(pin_id, None)
@@ -271,7 +280,7 @@ class StorageUnit:
             for col in self._columns.values():
                 col.free(slots)
             self._map.remove(indexes)
-            busy = self._pinned[slots] > 0 if self._pins else np.zeros(slots.size, dtype=bool)
+            busy = self._busy(slots)
             self._alloc.free(slots[~busy])
             if busy.any():
                 self._deferred.append(slots[busy])

@@ -98,3 +98,25 @@ def test_clear_ends_leases_and_reopens_partition(client: Client) -> None:
     assert len(again) == 2 and again.reason == "full"
     with pytest.raises(Exception, match="no longer active"):
         client.ack(meta)
+
+
+def test_unit_frees_rows_added_after_a_read_was_pinned() -> None:
+    """A pinned read (a zero-copy send in flight) must not stop the unit from freeing rows
+    written after it, in slots its pin table has not grown to yet."""
+    from transferqueue.schema import FieldSpec
+    from transferqueue.storage import StorageUnit
+
+    unit = StorageUnit(0)
+    specs = {"x": FieldSpec("dense", "float32", (4,))}
+    unit.write(np.arange(8), {"x": torch.ones(8, 4)}, specs, create=True)
+    pins: list[int] = []
+    view = unit.read(np.arange(8), ["x"], pin=pins)["x"]
+    assert pins, "a one-run dense read comes back pinned"
+    more = np.arange(8, 5000)
+    unit.write(more, {"x": torch.full((more.size, 4), 2.0)}, specs, create=True)
+    assert unit.free(more) == more.size  # beyond the pin table: freed at once
+    assert unit.free(np.arange(8)) == 8  # pinned: freed, their slots reused only once sent
+    assert torch.equal(view, torch.ones(8, 4))  # the view being sent is intact
+    unit.unpin(pins[0])
+    unit.write(np.arange(5000, 5008), {"x": torch.zeros(8, 4)}, specs, create=True)
+    assert unit.stats()["rows"] == 8
