@@ -136,6 +136,9 @@ class LengthAwareRouter:
         return min(room or eligible, key=lambda i: load[i])
 
 
+_LEAST_LOADED = LeastLoadedRouter()
+
+
 class RolloutAdapter(Adapter):
     """Generation engine(s) as the rollout stage."""
 
@@ -257,9 +260,8 @@ class RolloutAdapter(Adapter):
         if not cut:
             return gens
         eligible = await self._eligible(cols)
-        choose = getattr(self.router, "choose_continuation", None)
-        loads = self._loads()
-        k = choose(loads, eligible, len(cut)) if choose else min(eligible, key=lambda i: loads[i])
+        choose = getattr(self.router, "choose_continuation", _LEAST_LOADED.choose_continuation)
+        k = choose(self._loads(), eligible, len(cut))
         rest = replace(self.params, max_new_tokens=self.params.max_new_tokens - budget)
         resumed = [torch.cat([prompts[i], gens[i].token_ids.long()]) for i in cut]
         t0 = time.perf_counter()
