@@ -40,7 +40,12 @@ def _advertised(address: str, advertise_host: str | None) -> str:
 
 
 class LocalService:
-    """Controller and storage-unit processes; ``address`` is what clients connect to."""
+    """Controller and storage-unit processes; ``address`` is what clients connect to.
+
+    ``capacity_rows`` and ``unit_capacity_bytes`` bound what is held (see
+    :func:`transferqueue.start`); ``spread_bytes`` is the payload per unit a put spreads over
+    (default 16 MiB; 0: every put over all units); ``transport`` is ``tcp`` or ``ipc``.
+    """
 
     def __init__(
         self,
