@@ -1,6 +1,6 @@
 """TransferQueue service throughput against raw ZeroMQ and Ray's object store, in one run.
 
-    python -m bench.throughput              # full sizes (~3-5 min on 2 cores)
+    python -m bench.throughput              # full sizes (~4-6 min on 2 cores)
     python -m bench.throughput --quick      # small sizes, smoke test
     python -m bench.throughput --no-ray     # skip the Ray baseline
 
@@ -8,7 +8,9 @@ Every system moves the same bytes out of this process into a server process and 
 (put + get), measured after a warm-up, best of several runs:
 
 - ``transferqueue``: a local service (``transferqueue serve``) with 1 and 4 storage units;
-  ``put`` + ``get_meta`` + ``get_data`` + ``ack``.
+  ``put`` + ``get_meta`` + ``get_data`` + ``ack``. Twice: as clients connect by default (the
+  units are on this host, so column data goes through shared memory), and with
+  ``shm_max_bytes=0`` (``frames``: every byte over the ZeroMQ sockets, as between hosts).
 - ``raw zmq``: the same bytes as zero-copy frames (the faster of 8 MiB chunks and
   TransferQueue's chunk size) sent to an echo process over a DEALER/ROUTER pair and sent
   back: the ceiling of any ZeroMQ-based store.
@@ -40,6 +42,7 @@ import zmq
 import transferqueue
 from bench.common import RESULTS_DIR, line, timeit, write_json
 from transferqueue import Ragged
+from transferqueue.remote import SHM_MAX_BYTES
 from transferqueue.wire import CHUNK_BYTES
 
 
@@ -152,9 +155,14 @@ def raw_zmq(cases: dict[str, dict[str, Any]], repeat: int) -> dict[str, float]:
 
 
 # -- TransferQueue -----------------------------------------------------------------------------
-def tq_service(units: int, cases: dict[str, dict[str, Any]], repeat: int) -> dict[str, float]:
+def tq_service(
+    units: int, cases: dict[str, dict[str, Any]], repeat: int, *, shm: bool = True
+) -> dict[str, float]:
     out = {}
-    with transferqueue.serve(num_units=units) as svc, transferqueue.connect(svc.address) as tq:
+    with (
+        transferqueue.serve(num_units=units) as svc,
+        transferqueue.connect(svc.address, shm_max_bytes=SHM_MAX_BYTES if shm else 0) as tq,
+    ):
         client = tq.client()
         for name, cols in cases.items():
             rows = len(next(iter(cols.values())))
@@ -256,7 +264,11 @@ def plot(results: dict[str, Any], path: str) -> None:
         ax.bar(np.arange(len(cases)) + k * width, vals, width, label=sys_name)
     ax.set_xticks(np.arange(len(cases)) + width * (len(systems) - 1) / 2, cases)
     ax.set_ylabel("put + get GB/s (higher is better)")
-    ax.set_title("TransferQueue service vs raw ZeroMQ and Ray object store (loopback)")
+    ax.set_title(
+        "TransferQueue service vs raw ZeroMQ and Ray object store, one host\n"
+        "(transferqueue: shared memory with same-host units; frames: ZeroMQ only)",
+        fontsize=10,
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -280,6 +292,8 @@ def main() -> None:
         ("raw zmq", lambda: raw_zmq(cases, args.repeat)),
         ("transferqueue 1 unit", lambda: tq_service(1, cases, args.repeat)),
         ("transferqueue 4 units", lambda: tq_service(4, cases, args.repeat)),
+        ("transferqueue 1 unit frames", lambda: tq_service(1, cases, args.repeat, shm=False)),
+        ("transferqueue 4 units frames", lambda: tq_service(4, cases, args.repeat, shm=False)),
     ]
     if not args.no_ray:
         runs.append(("ray object store", lambda: ray_store(cases, args.repeat)))
@@ -290,11 +304,12 @@ def main() -> None:
     gbps = {s: {c: sizes[c] / t / 1e9 for c, t in (ts or {}).items()} for s, ts in times.items()}
     ratios: dict[str, float] = {}
     for units in ("1 unit", "4 units"):
-        tq = gbps[f"transferqueue {units}"]
-        ratios[f"{units}: dense vs raw zmq"] = tq["dense"] / gbps["raw zmq"]["dense"]
-        if gbps.get("ray object store"):
-            for c in cases:
-                ratios[f"{units}: {c} vs ray"] = tq[c] / gbps["ray object store"][c]
+        for variant in ("", " frames"):
+            tq = gbps[f"transferqueue {units}{variant}"]
+            ratios[f"{units}{variant}: dense vs raw zmq"] = tq["dense"] / gbps["raw zmq"]["dense"]
+            if gbps.get("ray object store"):
+                for c in cases:
+                    ratios[f"{units}{variant}: {c} vs ray"] = tq[c] / gbps["ray object store"][c]
     for k, v in ratios.items():
         target = ">=0.6" if "raw zmq" in k else ">=3"
         line(f"ratio {k}", v, "x", target=target)

@@ -8,6 +8,8 @@ client code does not change with the deployment.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -16,14 +18,17 @@ import torch
 import zmq
 import zmq.asyncio
 
-from transferqueue.errors import PeerGoneError, ProtocolError
+from transferqueue.errors import PeerGoneError, ProtocolError, TQError
 from transferqueue.handle import TransferQueue
-from transferqueue.links import UnitLink
+from transferqueue.links import OFFLOAD_BYTES, UnitLink, column_nbytes
 from transferqueue.loop import LoopThread
 from transferqueue.meta import BatchMeta
+from transferqueue.ragged import Ragged
 from transferqueue.rpc import DEFAULT_CALL_TIMEOUT_S, RpcClient
 from transferqueue.schema import Column, FieldSpec
 from transferqueue.server import PROTOCOL_VERSION
+from transferqueue.shm import SHM_DIR, Arena, Placer, new_token, shm_available
+from transferqueue.wire import SHM_MIN_BYTES
 
 __all__ = ["RemoteControllerLink", "RemoteUnitLink", "connect"]
 
@@ -31,6 +36,12 @@ __all__ = ["RemoteControllerLink", "RemoteUnitLink", "connect"]
 # died is noticed within a slice plus the call timeout, never never.
 WAIT_SLICE_S = 20.0
 _FOREVER_S = 10 * 365 * 86400.0
+
+SHM_MAX_BYTES = 1 << 30  # default bound of one client's arena with one unit
+_ARENA_MIN_BYTES = 16 << 20
+_SLACK_PER_BUFFER = 64  # alignment padding per placed buffer
+
+log = logging.getLogger(__name__)
 
 
 class RemoteControllerLink:
@@ -164,11 +175,93 @@ class RemoteControllerLink:
 
 
 class RemoteUnitLink(UnitLink):
-    """UnitLink over ZeroMQ: columns travel as out-of-band frames."""
+    """UnitLink over ZeroMQ: columns travel as out-of-band frames, or through a
+    shared-memory arena when the unit is on this host (see :mod:`transferqueue.shm`).
 
-    def __init__(self, unit_id: int, rpc: RpcClient) -> None:
+    ``shm_max_bytes`` bounds the arena (0: never share memory with this unit). A transfer
+    larger than the bound, or one that finds the arena in use by another request, goes as
+    frames.
+    """
+
+    def __init__(self, unit_id: int, rpc: RpcClient, *, shm_max_bytes: int = SHM_MAX_BYTES):
         self.unit_id = unit_id
         self.rpc = rpc
+        self.shm_dir = SHM_DIR
+        self.shm_max_bytes = shm_max_bytes if shm_available(self.shm_dir) else 0
+        self._token = new_token()
+        self._generation = 0
+        self._arena: Arena | None = None
+        self._growing = False
+        self._read_hint = 0  # bytes the last read of this unit returned
+        rpc.resolve = self._resolve
+
+    @property
+    def supports_out(self) -> bool:  # type: ignore[override]
+        # Through shared memory, a read copies once anyway: straight into the batch.
+        return self.shm_max_bytes > 0
+
+    @property
+    def arena_bytes(self) -> int:
+        """Size of the shared-memory arena with this unit (0: none)."""
+        return 0 if self._arena is None else self._arena.size
+
+    def _resolve(self, name: str, offset: int, nbytes: int) -> memoryview:
+        if self._arena is None:
+            raise ProtocolError(f"reply names shared-memory arena {name!r}; none is attached")
+        return self._arena.resolve(name, offset, nbytes)
+
+    async def _acquire(self, nbytes: int) -> Arena | None:
+        """The arena, reserved for one request, holding at least ``nbytes``; None: frames."""
+        if nbytes < SHM_MIN_BYTES or nbytes > self.shm_max_bytes:
+            return None
+        arena = self._arena
+        if self._growing or (arena is not None and arena.busy):
+            return None  # in use, or being replaced: this request sends frames
+        if arena is None or arena.size < nbytes:
+            self._growing = True
+            try:
+                arena = await self._grow(nbytes)
+            finally:
+                self._growing = False
+            if arena is None:
+                return None
+        arena.busy = True
+        return arena
+
+    async def _grow(self, nbytes: int) -> Arena | None:
+        size = min(max(_ARENA_MIN_BYTES, 1 << (nbytes - 1).bit_length()), self.shm_max_bytes)
+        self._generation += 1
+        try:
+            arena = Arena(self._token, self._generation, size, self.shm_dir)
+        except OSError as e:
+            log.warning("no shared memory with unit %d (%s); sending frames", self.unit_id, e)
+            self.shm_max_bytes = 0
+            return None
+        arena.busy = True  # nobody may take it while the unit attaches it
+        try:
+            await self.rpc.call("shm_attach", {"name": arena.name})
+        except TQError as e:
+            arena.close()
+            log.info("unit %d shares no memory with this client (%s)", self.unit_id, e)
+            self.shm_max_bytes = 0
+            return None
+        except BaseException:
+            arena.close()
+            raise
+        finally:
+            arena.busy = False
+        arena.unlink()  # the unit has mapped it; the name is no longer needed
+        if self._arena is not None:
+            self._arena.close()
+        self._arena = arena
+        return arena
+
+    def _done(self, arena: Arena, ok: bool) -> None:
+        arena.busy = False
+        if not ok and arena is self._arena:
+            # The unit may still touch the arena (a request that timed out): never reuse it.
+            self._arena = None
+            arena.close()
 
     async def write(
         self,
@@ -178,15 +271,28 @@ class RemoteUnitLink(UnitLink):
         *,
         create: bool,
     ) -> None:
-        await self.rpc.call(
-            "write",
-            {
-                "indexes": indexes,
-                "columns": dict(columns),
-                "specs": {k: specs[k] for k in columns},
-                "create": create,
-            },
-        )
+        args = {
+            "indexes": indexes,
+            "columns": dict(columns),
+            "specs": {k: specs[k] for k in columns},
+            "create": create,
+        }
+        nbytes = sum(column_nbytes(c) for c in columns.values())
+        arena = await self._acquire(nbytes + _SLACK_PER_BUFFER * 2 * len(columns))
+        if arena is None:
+            await self.rpc.call("write", args)
+            return
+        ok = False
+        try:
+            args["shm"] = True
+            place = Placer(arena.name, arena.buf)
+            await self.rpc.call("write", args, place=place, offload=nbytes >= OFFLOAD_BYTES)
+            ok = True
+        except TQError:
+            ok = True  # the unit answered: it is done with the arena
+            raise
+        finally:
+            self._done(arena, ok)
 
     async def read(
         self,
@@ -194,10 +300,38 @@ class RemoteUnitLink(UnitLink):
         fields: Sequence[str],
         out: Mapping[str, torch.Tensor] | None = None,
     ) -> dict[str, Column]:
-        result = await self.rpc.call("read", {"indexes": indexes, "fields": list(fields)})
-        if not isinstance(result, dict):
-            raise ProtocolError(f"unit {self.unit_id} answered a read with {type(result)}")
-        return result
+        args: dict[str, Any] = {"indexes": indexes, "fields": list(fields)}
+        want = max(sum(t.numel() * t.element_size() for t in (out or {}).values()), 0)
+        arena = await self._acquire(max(want, self._read_hint))
+        if arena is None:
+            result = _columns(await self.rpc.call("read", args), self.unit_id)
+            self._read_hint = _tensor_bytes(result)
+            return _into(result, out, copy=False) if out else result
+        ok = False
+        try:
+            args["shm"] = arena.name
+            result = _columns(await self.rpc.call("read", args), self.unit_id)
+            self._read_hint = _tensor_bytes(result)
+            # Views of the arena must be copied out before the arena serves another request.
+            if self._read_hint >= OFFLOAD_BYTES:
+                result = await asyncio.to_thread(_into, result, out, copy=True)
+            else:
+                result = _into(result, out, copy=True)
+            ok = True
+            return result
+        except TQError:
+            ok = True
+            raise
+        finally:
+            self._done(arena, ok)
+
+    async def close(self) -> None:
+        arena, self._arena = self._arena, None
+        if arena is None:
+            return
+        with contextlib.suppress(TQError):
+            await self.rpc.call("shm_detach", {"name": arena.name}, wait_s=2.0)
+        arena.close()
 
     async def free(self, indexes: np.ndarray) -> None:
         await self.rpc.call("free", {"indexes": indexes})
@@ -212,6 +346,37 @@ class RemoteUnitLink(UnitLink):
 
     async def reset(self) -> None:
         await self.rpc.call("reset")
+
+
+def _columns(value: Any, unit_id: int) -> dict[str, Column]:
+    if not isinstance(value, dict):
+        raise ProtocolError(f"unit {unit_id} answered a read with {type(value).__name__}")
+    return value
+
+
+def _tensor_bytes(cols: Mapping[str, Column]) -> int:
+    return sum(column_nbytes(c) for c in cols.values())
+
+
+def _into(
+    cols: dict[str, Column], out: Mapping[str, torch.Tensor] | None, *, copy: bool
+) -> dict[str, Column]:
+    """Dense columns copied into ``out`` where given; with ``copy``, every other tensor is
+    copied too (it may be a view of the shared-memory arena)."""
+    result: dict[str, Column] = {}
+    for name, col in cols.items():
+        dst = None if out is None else out.get(name)
+        if isinstance(col, torch.Tensor):
+            if dst is not None and dst.shape == col.shape:
+                dst.copy_(col)
+                result[name] = dst
+            else:
+                result[name] = col.clone() if copy else col
+        elif isinstance(col, Ragged) and copy:
+            result[name] = Ragged(col.values.clone(), col.offsets.clone())
+        else:
+            result[name] = col
+    return result
 
 
 def _specs(value: Any) -> dict[str, FieldSpec]:
@@ -231,11 +396,18 @@ def connect(
     *,
     call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
     connect_timeout_s: float = 10.0,
+    shm_max_bytes: int = SHM_MAX_BYTES,
 ) -> TransferQueue:
-    """Connect to a TransferQueue service (``transferqueue serve`` prints its address)."""
+    """Connect to a TransferQueue service (``transferqueue serve`` prints its address).
+
+    Storage units on this host exchange column data with this client through shared memory
+    (``/dev/shm``), up to ``shm_max_bytes`` per unit (default 1 GiB; 0: frames only); units
+    elsewhere, and larger transfers, use ZeroMQ frames. See :mod:`transferqueue.shm`.
+    """
     io = LoopThread("transferqueue-client")
     ctx = zmq.asyncio.Context()
     rpcs: list[RpcClient] = []
+    units: list[RemoteUnitLink] = []
 
     async def setup() -> tuple[RemoteControllerLink, list[RemoteUnitLink]]:
         ctl = RpcClient(ctx, address, call_timeout_s=call_timeout_s)
@@ -249,14 +421,16 @@ def connect(
             ) from None
         if not isinstance(hello, dict) or hello.get("protocol") != PROTOCOL_VERSION:
             raise ProtocolError(f"{address} speaks protocol {hello!r}, expected {PROTOCOL_VERSION}")
-        units = []
         for uid, addr in enumerate(hello["units"]):
             rpc = RpcClient(ctx, addr, call_timeout_s=call_timeout_s)
             rpcs.append(rpc)
-            units.append(RemoteUnitLink(uid, rpc))
+            units.append(RemoteUnitLink(uid, rpc, shm_max_bytes=shm_max_bytes))
         return RemoteControllerLink(ctl), units
 
     async def teardown() -> None:
+        for unit in units:
+            with contextlib.suppress(Exception):
+                await unit.close()
         for rpc in rpcs:
             await rpc.close()
 

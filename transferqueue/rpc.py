@@ -37,10 +37,22 @@ Handler = Callable[[str, dict[str, Any]], Awaitable[Any]]
 @dataclass
 class SendThenRelease:
     """A reply that references memory the handler must not reuse before ZeroMQ has sent it
-    (zero-copy frames); ``release`` runs once it has."""
+    (zero-copy frames); ``release`` runs once it has.
+
+    With ``place``, buffers go into the requester's shared-memory arena where they fit (see
+    :mod:`transferqueue.shm`); ``offload`` encodes (and so copies) on a worker thread.
+    """
 
     value: Any
-    release: Callable[[], Awaitable[None]]
+    release: Callable[[], Awaitable[None]] | None = None
+    place: wire.Placer | None = None
+    offload: bool = False
+
+
+async def _encode(fn: Callable[..., list[Any]], *args: Any, offload: bool = False) -> list[Any]:
+    if offload:
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+    return fn(*args)
 
 
 DEFAULT_CALL_TIMEOUT_S = 60.0
@@ -126,8 +138,10 @@ class RpcServer:
         handler: Handler,
         *,
         join: bool = True,
+        resolve: wire.Resolver | None = None,
     ) -> None:
         self._io = _LoopSocket(ctx, zmq.ROUTER, self._on_message)
+        self._resolve = resolve
         self.address = bind_address(self._io.sock, address)
         self._kinds = kinds
         self._handler = handler
@@ -147,7 +161,9 @@ class RpcServer:
         identity, frames = msg[0], msg[1:]
         req_id: int | None = None
         try:
-            kind, req_id, args = wire.decode_request(frames, self._kinds, join=self._join)
+            kind, req_id, args = wire.decode_request(
+                frames, self._kinds, join=self._join, resolve=self._resolve
+            )
             self.requests += 1
             result = self._handler(kind, args)
         except Exception as e:  # every handler error is a typed reply
@@ -198,17 +214,23 @@ class RpcServer:
             self._reply(identity, req_id, result)
             return
         try:
-            reply = wire.encode_reply(req_id, result.value)
+            reply = await _encode(
+                wire.encode_reply, req_id, result.value, result.place, offload=result.offload
+            )
             # (a received frame cannot be tracked: the identity goes back as bytes)
             tracker = self._io.send([bytes(identity.bytes), *reply], track=True)
             wait = 0.001
             while tracker is not None and not tracker.done:  # ZeroMQ still owns the frames
                 await asyncio.sleep(wait)
                 wait = min(wait * 2, 0.05)
-        except (zmq.ZMQError, ValueError, TypeError) as e:
-            log.warning("reply not sent: %s", e)
+        except Exception as e:  # an unencodable result is a typed reply too
+            if isinstance(e, zmq.ZMQError):
+                log.warning("reply not sent: %s", e)
+            else:
+                self._reply_error(identity, frames, req_id, e)
         finally:
-            await result.release()
+            if result.release is not None:
+                await result.release()
 
     async def close(self) -> None:
         for t in list(self._tasks):
@@ -227,9 +249,11 @@ class RpcClient:
         address: str,
         *,
         call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
+        resolve: wire.Resolver | None = None,
     ) -> None:
         self.address = address
         self.call_timeout_s = call_timeout_s
+        self.resolve = resolve  # finds shared-memory buffers in replies
         self._io = _LoopSocket(ctx, zmq.DEALER, self._on_message)
         self._io.sock.connect(address)
         self._ids = itertools.count(1)
@@ -239,7 +263,7 @@ class RpcClient:
 
     def _on_message(self, frames: list[Any]) -> None:
         try:
-            req_id, result = wire.decode_reply(frames)
+            req_id, result = wire.decode_reply(frames, self.resolve)
         except wire.ReplyError as e:
             fut = self._pending.pop(e.req_id, None)
             if fut is not None and not fut.done():
@@ -258,15 +282,27 @@ class RpcClient:
             fut.set_result(result)
 
     async def call(
-        self, kind: str, args: dict[str, Any] | None = None, *, wait_s: float | None = None
+        self,
+        kind: str,
+        args: dict[str, Any] | None = None,
+        *,
+        wait_s: float | None = None,
+        place: wire.Placer | None = None,
+        offload: bool = False,
     ) -> Any:
-        """Send one request and wait for its reply (``wait_s`` overrides the call timeout)."""
+        """Send one request and wait for its reply (``wait_s`` overrides the call timeout).
+
+        ``place`` puts the request's buffers into a shared-memory arena where they fit;
+        ``offload`` encodes (and so copies) on a worker thread."""
         if self._closed:
             raise ClosedError(f"the connection to {self.address} is closed")
         if not self._attached:
             self._io.attach()
             self._attached = True
         req_id = next(self._ids)
+        frames = await _encode(
+            wire.encode_request, kind, req_id, args or {}, place, offload=offload
+        )
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
         self._pending[req_id] = fut
@@ -274,7 +310,7 @@ class RpcClient:
         # A timer handle, not asyncio.wait_for: that wraps every call in another task.
         timer = loop.call_later(wait, self._expire, fut, kind, wait)
         try:
-            self._io.send(wire.encode_request(kind, req_id, args or {}))
+            self._io.send(frames)
             return await fut
         finally:
             timer.cancel()

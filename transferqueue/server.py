@@ -23,8 +23,9 @@ from transferqueue import wire
 from transferqueue.controller import SPREAD_BYTES, Controller
 from transferqueue.controller_service import ControllerService
 from transferqueue.errors import ProtocolError
-from transferqueue.links import LocalUnitLink
+from transferqueue.links import OFFLOAD_BYTES, LocalUnitLink, column_nbytes
 from transferqueue.rpc import RpcClient, RpcServer, SendThenRelease
+from transferqueue.shm import SHM_DIR, Placer, Segments
 from transferqueue.storage import StorageUnit
 
 __all__ = ["PROTOCOL_VERSION", "ControllerServer", "UnitServer"]
@@ -58,12 +59,19 @@ class UnitServer:
         address: str = "tcp://127.0.0.1:0",
         *,
         capacity_bytes: int | None = None,
+        shm_dir: str = SHM_DIR,
     ) -> None:
         self.unit = StorageUnit(unit_id, capacity_bytes=capacity_bytes)
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"tq-unit{unit_id}")
         # Ragged values received as frames are owned by the server: adopt them, no copy.
         self.link = LocalUnitLink(self.unit, self._executor, adopt=True)
-        self.rpc = RpcServer(ctx, address, wire.UNIT_KINDS, self._handle, join=False)
+        # Arenas of clients on this host (see transferqueue.shm).
+        self.segments = Segments(shm_dir)
+        self.shm_writes = 0
+        self.shm_reads = 0
+        self.rpc = RpcServer(
+            ctx, address, wire.UNIT_KINDS, self._handle, join=False, resolve=self.segments.resolve
+        )
         self.address = self.rpc.address
 
     def start(self) -> None:
@@ -75,21 +83,44 @@ class UnitServer:
             columns, specs = args.get("columns"), args.get("specs")
             if not isinstance(columns, dict) or not isinstance(specs, dict):
                 raise ProtocolError("write needs 'columns' and 'specs' maps")
+            shared = args.get("shm") is True  # views of the client's arena: copy, never adopt
+            self.shm_writes += shared
             return await link.write(
-                _indexes(args), columns, specs, create=bool(args.get("create", False))
+                _indexes(args),
+                columns,
+                specs,
+                create=bool(args.get("create", False)),
+                adopt=False if shared else None,
             )
         if kind == "read":
+            target = args.get("shm")  # the client's arena to place the rows in, if any
+            if target is not None and not isinstance(target, str):
+                raise ProtocolError("argument 'shm' of a read must be an arena name")
+            region = None if target is None else self.segments.region(target)
             cols, pins = await link.read_pinned(_indexes(args), _strings(args, "fields"))
-            if not pins:
-                return cols
-            return SendThenRelease(cols, lambda: link.unpin(pins))
+            release = (lambda: link.unpin(pins)) if pins else None
+            if target is None or region is None:
+                return cols if release is None else SendThenRelease(cols, release)
+            place = Placer(target, region)
+            self.shm_reads += 1
+            big = sum(column_nbytes(c) for c in cols.values()) >= OFFLOAD_BYTES
+            return SendThenRelease(cols, release, place=place, offload=big)
+        if kind == "shm_attach":
+            return self.segments.attach(args.get("name"))  # type: ignore[arg-type]
+        if kind == "shm_detach":
+            return self.segments.detach(args.get("name"))  # type: ignore[arg-type]
         if kind == "free":
             return await link.free(_indexes(args))
         if kind == "clear":
             return await link.clear()
-        if kind == "reset":
+        if kind == "reset":  # data and counters; attached arenas stay valid
+            self.shm_writes = self.shm_reads = 0
             return await link.reset()
-        return await link.stats()
+        stats = await link.stats()
+        stats.update(
+            shm_arenas=len(self.segments), shm_writes=self.shm_writes, shm_reads=self.shm_reads
+        )
+        return stats
 
     async def close(self) -> None:
         await self.rpc.close()

@@ -16,13 +16,21 @@ read in 0.20 s as one frame, 0.22-0.95 s as 8 MiB chunks joined). A storage unit
 chunks does not join them: it copies them straight into its buffers.
 Buffers of at most ``INLINE_BYTES`` go inline in the header. Nothing is ever pickled.
 
+Between a client and a storage unit on the same host, buffers of at least ``SHM_MIN_BYTES``
+may instead be placed in a shared-memory arena the two have attached (see
+:mod:`transferqueue.shm`): the buffer reference is then ``[arena name, offset]``, and the
+receiver resolves it against the arenas it knows (an unknown arena or an offset out of range
+is a :class:`ProtocolError`).
+
 | ext | type        | payload (msgpack)                                           |
 |-----|-------------|-------------------------------------------------------------|
-| 1   | torch.Tensor| [dtype name, shape, [frame index, ...] or inline bytes]     |
-| 2   | np.ndarray  | [dtype str, shape, [frame index, ...] or inline bytes]      |
+| 1   | torch.Tensor| [dtype name, shape, buffer reference]                       |
+| 2   | np.ndarray  | [dtype str, shape, buffer reference]                        |
 | 3   | Ragged      | [values tensor, offsets tensor]                             |
 | 4   | FieldSpec   | {kind, dtype, shape}                                        |
 | 5   | BatchMeta   | BatchMeta.to_dict()                                         |
+
+A buffer reference is ``[frame index, ...]``, inline bytes, or ``[arena name, offset]``.
 
 Message kinds are listed per server below; ``a`` holds the keyword arguments of the server
 method of the same name (see :class:`ControllerService` and :class:`UnitLink`).
@@ -30,7 +38,7 @@ method of the same name (see :class:`ControllerService` and :class:`UnitLink`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgpack
@@ -73,22 +81,35 @@ CONTROLLER_KINDS = frozenset(
         "reset",
     }
 )
-UNIT_KINDS = frozenset({"write", "read", "free", "clear", "stats", "reset"})
+UNIT_KINDS = frozenset(
+    {"write", "read", "free", "clear", "stats", "reset", "shm_attach", "shm_detach"}
+)
 
 CHUNK_BYTES = 64 << 20  # see the module docstring
 INLINE_BYTES = 1024
+SHM_MIN_BYTES = 64 << 10  # smaller buffers go as frames even when an arena is offered
+
+Placer = Callable[[memoryview], "list[str | int] | None"]
+"""Copies a buffer into shared memory: ``[arena name, offset]``, or None when it does not fit."""
+Resolver = Callable[[str, int, int], memoryview]
+"""``(arena name, offset, nbytes)`` -> those bytes of an attached arena."""
 
 _EXT_TENSOR, _EXT_ARRAY, _EXT_RAGGED, _EXT_SPEC, _EXT_META = 1, 2, 3, 4, 5
 
 
 # -- encoding ----------------------------------------------------------------------------------
 class _Encoder:
-    def __init__(self) -> None:
+    def __init__(self, place: Placer | None = None) -> None:
         self.frames: list[Any] = []
+        self.place = place
 
-    def _buffer(self, raw: memoryview) -> list[int] | bytes:
+    def _buffer(self, raw: memoryview) -> list[Any] | bytes:
         if raw.nbytes <= INLINE_BYTES:
             return raw.tobytes()
+        if self.place is not None and raw.nbytes >= SHM_MIN_BYTES:
+            ref = self.place(raw)
+            if ref is not None:
+                return ref
         idx = []
         for start in range(0, raw.nbytes, CHUNK_BYTES):
             idx.append(len(self.frames) + 1)  # frame 0 of the message is the header
@@ -132,19 +153,22 @@ class _Encoder:
         return msgpack.packb(obj, default=self.default, use_bin_type=True)
 
 
-def encode(obj: Any) -> list[Any]:
-    """``obj`` as frames: [msgpack header, buffer, buffer, ...]."""
-    enc = _Encoder()
+def encode(obj: Any, place: Placer | None = None) -> list[Any]:
+    """``obj`` as frames: [msgpack header, buffer, buffer, ...]; with ``place``, buffers it
+    accepts go into shared memory instead of frames."""
+    enc = _Encoder(place)
     header = enc._pack(obj)
     return [header, *enc.frames]
 
 
-def encode_request(kind: str, req_id: int, args: dict[str, Any]) -> list[Any]:
-    return encode({"k": kind, "i": req_id, "a": args})
+def encode_request(
+    kind: str, req_id: int, args: dict[str, Any], place: Placer | None = None
+) -> list[Any]:
+    return encode({"k": kind, "i": req_id, "a": args}, place)
 
 
-def encode_reply(req_id: int, result: Any) -> list[Any]:
-    return encode({"i": req_id, "r": result})
+def encode_reply(req_id: int, result: Any, place: Placer | None = None) -> list[Any]:
+    return encode({"i": req_id, "r": result}, place)
 
 
 def encode_error(req_id: int | None, err: BaseException) -> list[Any]:
@@ -178,13 +202,23 @@ def _count(shape: Any) -> int:
 
 
 class _Decoder:
-    def __init__(self, frames: Sequence[Any], *, join: bool) -> None:
+    def __init__(
+        self, frames: Sequence[Any], *, join: bool, resolve: Resolver | None = None
+    ) -> None:
         self.frames = frames
         self.join = join
+        self.resolve = resolve
 
-    def _parts(self, spec: list[int] | bytes, nbytes: int) -> list[memoryview]:
+    def _parts(self, spec: list[Any] | bytes, nbytes: int) -> list[memoryview]:
         if isinstance(spec, bytes):
             parts = [memoryview(bytearray(spec))]  # small; writable like a frame
+        elif isinstance(spec, list) and len(spec) == 2 and isinstance(spec[0], str):
+            name, offset = spec
+            if self.resolve is None:
+                raise ProtocolError(f"shared-memory buffer {name!r} where none can be attached")
+            if type(offset) is not int:
+                raise ProtocolError(f"malformed shared-memory offset {offset!r}")
+            parts = [self.resolve(name, offset, nbytes)]
         elif isinstance(spec, list) and spec:
             parts = [_as_buffer(self._frame(i)) for i in spec]
         else:
@@ -255,15 +289,16 @@ class _Decoder:
         raise ProtocolError(f"unknown extension type {code}")
 
 
-def decode(frames: Sequence[Any], *, join: bool = True) -> Any:
+def decode(frames: Sequence[Any], *, join: bool = True, resolve: Resolver | None = None) -> Any:
     """Inverse of :func:`encode`; raises :class:`ProtocolError` on anything malformed.
 
     ``join=False`` leaves dense tensors that came in several frames as
     :class:`ChunkedTensor` (a storage unit copies them straight into its buffers).
+    ``resolve`` finds shared-memory buffers (without it, they are a :class:`ProtocolError`).
     """
     if not frames:
         raise ProtocolError("empty message")
-    dec = _Decoder(frames, join=join)
+    dec = _Decoder(frames, join=join, resolve=resolve)
     try:
         return msgpack.unpackb(
             _as_buffer(frames[0]), ext_hook=dec.ext_hook, raw=False, strict_map_key=False
@@ -275,9 +310,13 @@ def decode(frames: Sequence[Any], *, join: bool = True) -> Any:
 
 
 def decode_request(
-    frames: Sequence[Any], kinds: frozenset[str], *, join: bool = True
+    frames: Sequence[Any],
+    kinds: frozenset[str],
+    *,
+    join: bool = True,
+    resolve: Resolver | None = None,
 ) -> tuple[str, int, dict[str, Any]]:
-    msg = decode(frames, join=join)
+    msg = decode(frames, join=join, resolve=resolve)
     if not isinstance(msg, dict):
         raise ProtocolError("a request must be a map")
     kind, req_id, args = msg.get("k"), msg.get("i"), msg.get("a", {})
@@ -302,9 +341,9 @@ def peek_request_id(frames: Sequence[Any]) -> int | None:
     return rid if isinstance(rid, int) else None
 
 
-def decode_reply(frames: Sequence[Any]) -> tuple[int, Any]:
+def decode_reply(frames: Sequence[Any], resolve: Resolver | None = None) -> tuple[int, Any]:
     """(request id, result); a typed error reply is raised as its TQError subclass."""
-    msg = decode(frames)
+    msg = decode(frames, resolve=resolve)
     if not isinstance(msg, dict) or not isinstance(msg.get("i"), int):
         raise ProtocolError("a reply must be a map with an integer id 'i'")
     if "e" in msg:

@@ -1,0 +1,265 @@
+"""Same-host shared memory between clients and storage units: bit-exact data through the
+arena, fallback to frames, arena growth, nothing left in /dev/shm, bad references refused."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+import zmq
+
+import transferqueue
+from transferqueue import ProtocolError, Ragged, TransferQueue, wire
+from transferqueue.remote import RemoteUnitLink
+from transferqueue.shm import SHM_DIR, Arena, Placer, Segments, new_token, shm_available
+
+pytestmark = [
+    pytest.mark.service,
+    pytest.mark.skipif(not shm_available(), reason="no writable /dev/shm on this host"),
+]
+
+
+@pytest.fixture(scope="module")
+def service() -> Iterator[transferqueue.LocalService]:
+    with transferqueue.serve(num_units=2, spread_bytes=0) as svc:
+        yield svc
+
+
+@pytest.fixture
+def tq(service: transferqueue.LocalService) -> Iterator[TransferQueue]:
+    with transferqueue.connect(service.address) as handle:
+        handle.reset()
+        yield handle
+
+
+def _links(tq: TransferQueue) -> list[RemoteUnitLink]:
+    links = tq._units
+    assert all(isinstance(u, RemoteUnitLink) for u in links)
+    return links  # type: ignore[return-value]
+
+
+def _unit_stats(tq: TransferQueue) -> list[dict]:
+    return tq.client().stats()["units"]
+
+
+def _payload(rows: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 3000, (rows,), generator=g).tolist()
+    return {
+        "x": torch.randn(rows, 4096, generator=g),
+        "ids": [torch.randint(0, 50_000, (n,), dtype=torch.int32, generator=g) for n in lengths],
+        "tag": [f"row{i}" for i in range(rows)],
+    }
+
+
+def _check(got: dict, want: dict) -> None:
+    assert torch.equal(got["x"], want["x"])
+    assert isinstance(got["ids"], Ragged)
+    assert [torch.equal(a, b) for a, b in zip(got["ids"].unbind(), want["ids"], strict=True)] == [
+        True
+    ] * len(want["ids"])
+    assert got["tag"] == want["tag"]
+
+
+def test_round_trip_through_shared_memory_is_bit_exact(tq: TransferQueue) -> None:
+    client = tq.client()
+    want = _payload(128, 0)
+    meta = client.put(want, group=0)
+    got = client.get_data(client.get_meta("t", list(want), 128, timeout_s=10))
+    _check(got, want)
+    _check(client.get_data(meta), want)  # a second read of the same rows
+    units = _unit_stats(tq)
+    assert sum(u["shm_writes"] for u in units) >= 2  # spread over both units, no frames
+    assert sum(u["shm_reads"] for u in units) >= 2
+    # the data no longer lives in the arena: overwriting it changes nothing already read
+    for link in _links(tq):
+        assert link._arena is not None
+        link._arena.buf[:] = 0xFF
+    _check(got, want)
+
+
+def test_frames_only_when_disabled(service: transferqueue.LocalService) -> None:
+    with transferqueue.connect(service.address, shm_max_bytes=0) as tq:
+        tq.reset()
+        client = tq.client()
+        want = _payload(64, 1)
+        client.put(want, group=0)
+        _check(client.get_data(client.get_meta("t", list(want), 64, timeout_s=10)), want)
+        units = _unit_stats(tq)
+        assert sum(u["shm_writes"] + u["shm_reads"] for u in units) == 0
+        assert all(link.arena_bytes == 0 for link in _links(tq))
+
+
+def test_unit_that_cannot_see_the_arena_gets_frames(
+    service: transferqueue.LocalService, tmp_path: Path
+) -> None:
+    """A client whose arena the unit cannot open (another host, another /dev/shm) falls back
+    to frames for that unit and loses nothing."""
+    with transferqueue.connect(service.address) as tq:
+        tq.reset()
+        for link in _links(tq):
+            link.shm_dir = str(tmp_path)  # the units look in /dev/shm and find nothing
+        client = tq.client()
+        want = _payload(64, 2)
+        client.put(want, group=0)
+        _check(client.get_data(client.get_meta("t", list(want), 64, timeout_s=10)), want)
+        assert all(link.shm_max_bytes == 0 for link in _links(tq))
+        assert list(tmp_path.iterdir()) == []  # the arenas that failed to attach are gone
+        assert sum(u["shm_writes"] for u in _unit_stats(tq)) == 0
+
+
+def test_arena_grows_and_the_unit_keeps_one_per_client(tq: TransferQueue) -> None:
+    client = tq.client()
+    small = {"x": torch.randn(8, 4096)}  # 128 KiB
+    client.put(small, group=0)
+    sizes = [link.arena_bytes for link in _links(tq)]
+    big = {"x": torch.randn(2048, 4096)}  # 32 MiB, 16 MiB per unit
+    client.put(big, group=1)
+    grown = [link.arena_bytes for link in _links(tq)]
+    assert all(g > s for g, s in zip(grown, sizes, strict=True))
+    got = client.get_data(client.get_meta("t", ["x"], 2056, timeout_s=10))
+    assert torch.equal(got["x"], torch.cat([small["x"], big["x"]]))  # type: ignore[arg-type]
+    assert [u["shm_arenas"] for u in _unit_stats(tq)] == [1, 1]
+
+
+def test_nothing_is_left_in_dev_shm(service: transferqueue.LocalService) -> None:
+    with transferqueue.connect(service.address) as tq:
+        tq.reset()
+        client = tq.client()
+        client.put({"x": torch.randn(256, 4096)}, group=0)
+        tokens = [link._token for link in _links(tq)]
+        assert all(link.arena_bytes > 0 for link in _links(tq))
+        leftover = [n for n in os.listdir(SHM_DIR) if any(t in n for t in tokens)]
+        assert leftover == []  # unlinked once the unit mapped them
+    assert [u["shm_arenas"] for u in _unit_stats_of(service)] == [0, 0]  # detached on close
+
+
+def _unit_stats_of(service: transferqueue.LocalService) -> list[dict]:
+    with transferqueue.connect(service.address, shm_max_bytes=0) as tq:
+        return _unit_stats(tq)
+
+
+def test_concurrent_requests_to_one_unit_share_or_fall_back(tq: TransferQueue) -> None:
+    client = tq.async_client()
+    wants = [{"x": torch.randn(64, 2048), "k": torch.full((64,), i)} for i in range(6)]
+
+    async def go() -> list[dict]:
+        await asyncio.gather(*(client.put(w, partition=f"p{i}") for i, w in enumerate(wants)))
+        metas = await asyncio.gather(
+            *(
+                client.get_meta("t", ["x", "k"], 64, partition=f"p{i}", timeout_s=10)
+                for i in range(6)
+            )
+        )
+        return list(await asyncio.gather(*(client.get_data(m) for m in metas)))
+
+    got = asyncio.run(go())
+    for g, w in zip(got, wants, strict=True):
+        assert torch.equal(g["x"], w["x"]) and torch.equal(g["k"], w["k"])
+    assert sum(u["shm_writes"] for u in _unit_stats(tq)) >= 1
+
+
+def test_bad_shared_memory_references_get_errors_and_the_unit_keeps_serving(
+    service: transferqueue.LocalService, tq: TransferQueue
+) -> None:
+    client = tq.client()
+    want = _payload(32, 3)
+    meta = client.put(want, group=0)
+    arena = _links(tq)[0]._arena
+    assert arena is not None
+    arena_name = arena.name
+    address = service.unit_addresses[0]
+
+    idx = np.arange(16, dtype=np.int64).tobytes()
+
+    def request(spec: list, kind: str = "write") -> dict:
+        body = msgpack.ExtType(1, msgpack.packb(["float32", [16, 4096], spec]))
+        header = msgpack.packb(
+            {
+                "k": kind,
+                "i": 7,
+                "a": {
+                    "indexes": msgpack.ExtType(2, msgpack.packb(["<i8", [16], idx])),
+                    "columns": {"x": body},
+                    "specs": {},
+                    "create": True,
+                    "shm": True,
+                },
+            }
+        )
+        sock.send_multipart([header])
+        assert sock.poll(5000)
+        return msgpack.unpackb(sock.recv_multipart()[0])
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    try:
+        for spec in (
+            ["tq-0123456789abcdef-1", 0],  # never attached
+            [arena_name, 1 << 40],  # past the end of an attached arena
+            [arena_name, -64],
+            ["../../etc/passwd", 0],
+            [arena_name, "0"],
+        ):
+            reply = request(spec)
+            assert reply["e"][0] == "protocol", reply
+        # the same request with a good reference decodes; it fails later (no spec for x)
+        assert request([arena_name, 0])["e"][0] != "protocol"
+        sock.send_multipart(
+            [msgpack.packb({"k": "shm_attach", "i": 8, "a": {"name": "/etc/passwd"}})]
+        )
+        assert sock.poll(5000)
+        assert msgpack.unpackb(sock.recv_multipart()[0])["e"][0] == "protocol"
+    finally:
+        sock.close()
+        ctx.term()
+    _check(client.get_data(meta), want)  # everything stored is intact and served
+
+
+def test_segments_and_placer_contract(tmp_path: Path) -> None:
+    seg = Segments(str(tmp_path))
+    token = new_token()
+    arena = Arena(token, 1, 1 << 20, str(tmp_path))
+    assert seg.attach(arena.name) == 1 << 20
+    assert not (tmp_path / arena.name).exists()  # unlinked by the attaching side
+    place = Placer(arena.name, arena.buf[: 256 << 10])
+    a = np.arange(40_000, dtype=np.int32)
+    ref = place(a.data.cast("B"))
+    assert ref == [arena.name, 0]
+    assert place(np.zeros(300_000, np.uint8).data) is None  # does not fit: a frame instead
+    assert place.overflow == 300_000
+    got = np.frombuffer(seg.resolve(arena.name, 0, a.nbytes), dtype=np.int32)
+    assert np.array_equal(got, a)
+    newer = Arena(token, 2, 1 << 20, str(tmp_path))
+    seg.attach(newer.name)  # a new generation replaces the old mapping
+    assert len(seg) == 1
+    with pytest.raises(ProtocolError, match="not attached"):
+        seg.resolve(arena.name, 0, 16)
+    seg.detach(newer.name)
+    assert len(seg) == 0
+    for bad in ("tq-xyz-1", "../tq-0123456789abcdef-1", 5):
+        with pytest.raises(ProtocolError):
+            seg.attach(bad)  # type: ignore[arg-type]
+    arena.close()
+    newer.close()
+
+
+def test_wire_refuses_shared_memory_without_a_resolver() -> None:
+    arena = Arena(new_token(), 1, 1 << 20)
+    try:
+        frames = wire.encode({"x": torch.randn(64, 1024)}, Placer(arena.name, arena.buf))
+        assert len(frames) == 1  # the tensor went to the arena, not a frame
+        with pytest.raises(ProtocolError, match="shared-memory"):
+            wire.decode(frames)
+        got = wire.decode(frames, resolve=arena.resolve)
+        assert got["x"].data_ptr() == arena.buf.ctypes.data  # a view of the arena
+    finally:
+        arena.close()
