@@ -237,8 +237,7 @@ class RemoteUnitLink(UnitLink):
             log.warning("no shared memory with unit %d (%s); sending frames", self.unit_id, e)
             self.shm_max_bytes = 0
             return None
-        arena.busy = True  # nobody may take it while the unit attaches it
-        try:
+        try:  # (no request can take it meanwhile: _acquire sees _growing)
             await self.rpc.call("shm_attach", {"name": arena.name})
         except TQError as e:
             arena.close()
@@ -248,8 +247,6 @@ class RemoteUnitLink(UnitLink):
         except BaseException:
             arena.close()
             raise
-        finally:
-            arena.busy = False
         arena.unlink()  # the unit has mapped it; the name is no longer needed
         if self._arena is not None:
             self._arena.close()

@@ -249,11 +249,11 @@ class RpcClient:
         address: str,
         *,
         call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
-        resolve: wire.Resolver | None = None,
     ) -> None:
         self.address = address
         self.call_timeout_s = call_timeout_s
-        self.resolve = resolve  # finds shared-memory buffers in replies
+        # Finds shared-memory buffers in replies (set by the unit link that owns the arena).
+        self.resolve: wire.Resolver | None = None
         self._io = _LoopSocket(ctx, zmq.DEALER, self._on_message)
         self._io.sock.connect(address)
         self._ids = itertools.count(1)

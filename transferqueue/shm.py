@@ -108,7 +108,6 @@ class Placer:
         self.name = name
         self.region = region
         self.used = 0  # bytes of the region taken (aligned)
-        self.placed = 0  # payload bytes placed
         self.overflow = 0  # payload bytes that did not fit (they go as frames)
 
     def __call__(self, raw: memoryview) -> list[str | int] | None:
@@ -119,7 +118,6 @@ class Placer:
             return None
         self.region[start : start + n] = np.frombuffer(raw, dtype=np.uint8)
         self.used = _align(start + n)
-        self.placed += n
         return [self.name, start]
 
 
