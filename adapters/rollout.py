@@ -60,16 +60,20 @@ class Router(Protocol):
     they go to the least loaded eligible instance.
     """
 
-    def choose(self, load: Sequence[int], predicted_len: float, eligible: Sequence[int]) -> int:
-        """Index of the instance among ``eligible`` (non-empty); ``load`` is the samples in
-        flight on each instance."""
+    def choose(
+        self, load: Sequence[int], predicted_len: float, eligible: Sequence[int], samples: int = 1
+    ) -> int:
+        """Index of the instance among ``eligible`` (non-empty) for a batch of ``samples``
+        sequences; ``load`` is the samples in flight on each instance."""
         ...
 
 
 class LeastLoadedRouter:
     """The instance with the fewest samples in flight."""
 
-    def choose(self, load: Sequence[int], predicted_len: float, eligible: Sequence[int]) -> int:
+    def choose(
+        self, load: Sequence[int], predicted_len: float, eligible: Sequence[int], samples: int = 1
+    ) -> int:
         return min(eligible, key=lambda i: load[i])
 
     def choose_continuation(
@@ -86,9 +90,10 @@ class LengthAwareRouter:
     advances every running sequence), so the long tail of a step finishes soonest on an
     instance that runs few sequences. A batch is "long" when its predicted response length is
     at or above the ``quantile`` of recent predictions (a moving threshold). Long batches go to
-    the dedicated instances while they hold fewer than ``long_capacity`` samples, else to the
-    least loaded other instance (work-conserving). Other batches go to the other instances,
-    or to an idle dedicated one.
+    a dedicated instance with room for the whole batch within ``long_capacity`` samples, else
+    to the least loaded other instance (work-conserving: queueing behind a dedicated
+    instance's full batch would cost more than decoding in a fuller one). Other batches go to
+    the other instances, or to an idle dedicated one.
     """
 
     def __init__(
@@ -109,7 +114,9 @@ class LengthAwareRouter:
         self.batches = 0
         self.continuations = 0
 
-    def choose(self, load: Sequence[int], predicted_len: float, eligible: Sequence[int]) -> int:
+    def choose(
+        self, load: Sequence[int], predicted_len: float, eligible: Sequence[int], samples: int = 1
+    ) -> int:
         self._recent.append(predicted_len)
         threshold = float(np.quantile(np.fromiter(self._recent, float), self.quantile))
         is_long = len(self._recent) >= 8 and predicted_len >= threshold
@@ -118,7 +125,7 @@ class LengthAwareRouter:
         self.batches += 1
         if is_long:
             self.long_batches += 1
-            room = [i for i in dedicated if load[i] < self.long_capacity]
+            room = [i for i in dedicated if load[i] + samples <= self.long_capacity]
             pool = room or others or dedicated
         else:
             idle = [i for i in dedicated if load[i] == 0]
@@ -195,7 +202,7 @@ class RolloutAdapter(Adapter):
         prompt_lens = prompts.lengths.numpy()
         predicted = float(np.mean(np.maximum(meta.lengths - prompt_lens, 0))) if len(meta) else 0
         eligible = await self._eligible(cols)
-        k = self.router.choose(self._loads(), predicted, eligible)
+        k = self.router.choose(self._loads(), predicted, eligible, len(prompts))
         ids = [p.long() for p in prompts.unbind()]
         budget = self.migrate_after
         migrating = 0 < budget < self.params.max_new_tokens

@@ -18,11 +18,12 @@ Two policies decide *when* a generator takes a newer version:
 - ``on_demand``: when the generator is idle (nothing in flight, so nothing to drain), or when
   the workflow needs newer weights than any generator holds: the feeder may not admit the
   next step's groups, or the rollout holds a group no generator is recent enough for
-  (:meth:`demand`). Then only one lagging generator updates: the one whose longest-running
-  request is youngest (it drains soonest). Generators a
-  version or two behind keep taking the groups their weights are recent enough for, so the
-  staleness bound holds exactly as with ``eager`` (it is enforced per group at routing);
-  what changes is that a long-running sample no longer stalls its instance at every step.
+  (:meth:`demand`). Then only one lagging generator updates: the one likely to drain
+  soonest (``drain_tokens``: its running requests' likely remaining tokens, as the engine
+  estimates them). Generators a version or two behind keep
+  taking the groups their weights are recent enough for, so the staleness bound holds
+  exactly as with ``eager`` (it is enforced per group at routing); what changes is that a
+  long-running sample no longer stalls its instance at every step.
   Needs engines that report ``in_flight``; others are treated as idle (updated at once).
 """
 
@@ -78,7 +79,7 @@ class WeightSync:
 
     def demand(self, version: int) -> None:
         """Some work needs weights of at least ``version`` (``on_demand``: if no generator
-        holds them, the least loaded lagging one updates)."""
+        holds them, the lagging one likely to drain soonest updates)."""
         if version > self._need:
             self._need = version
         self.poke()
@@ -108,9 +109,11 @@ class WeightSync:
         self._state, self._version = state, version
         self._published_at[version] = time.perf_counter()
         self._published.set()
+        self._changed.set()  # a waiting feeder may now demand them
 
     async def wait_changed(self, timeout_s: float | None = None) -> None:
-        """Wait until a generator adopts new weights (or ``timeout_s`` passes)."""
+        """Wait until new weights are published or a generator adopts some (or ``timeout_s``
+        passes)."""
         self._changed.clear()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._changed.wait(), timeout_s)
@@ -132,12 +135,11 @@ class WeightSync:
         return i == min(lagging, key=self._drain_cost)
 
     def _drain_cost(self, i: int) -> tuple[int, int]:
-        """What an update of generator ``i`` would wait for: its longest-running request's
-        tokens so far if the engine reports ``longest_running_tokens`` (long-tailed lengths:
-        the longer a sample has run, the longer it is likely to go on), then its requests in
-        flight."""
+        """What an update of generator ``i`` would wait for: the tokens its running requests
+        are likely to need if the engine estimates them (``drain_tokens``), then its requests
+        in flight."""
         g = self._generators[i]
-        return (getattr(g, "longest_running_tokens", 0), getattr(g, "in_flight", 0))
+        return (getattr(g, "drain_tokens", 0), getattr(g, "in_flight", 0))
 
     async def _follow(self, i: int) -> None:
         engine, wake = self._generators[i], self._wake[i]

@@ -161,6 +161,7 @@ class _Request:
     future: asyncio.Future[Generation]
     natural: int = 0
     offset: int = 0
+    budget: int = 0
     produced: int = 0
     version: int = -1
     cancelled: bool = False
@@ -306,11 +307,24 @@ class SimulatedGenerationEngine:
         return 0 if self._state is None else sum(not r.cancelled for r in self._state.running)
 
     @property
-    def longest_running_tokens(self) -> int:
-        """Tokens generated so far by the request running longest (0 if none): how long a
-        weight update here would wait for running requests, as far as can be seen."""
+    def drain_tokens(self) -> int:
+        """How many more tokens the running requests are likely to need, as far as can be seen
+        (0 if none): how long a weight update here would wait for them. Per request, the
+        smaller of its remaining budget (``max_new_tokens``) and twice its tokens so far,
+        counting those a continuation carries from before it migrated (long-tailed lengths:
+        the longer a sample has run, the longer it is likely to go on, and a tail of runaway
+        samples makes it longer still); the largest of these."""
         st = self._state
-        return max((r.produced for r in st.running if not r.cancelled), default=0) if st else 0
+        if st is None:
+            return 0
+        return max(
+            (
+                min(r.budget - r.produced, 2 * (r.offset + r.produced))
+                for r in st.running
+                if not r.cancelled
+            ),
+            default=0,
+        )
 
     @property
     def in_flight(self) -> int:
@@ -356,7 +370,15 @@ class SimulatedGenerationEngine:
             remaining = cut.natural - cut.offset
             target = min(remaining, params.max_new_tokens)
             return self._new_request(
-                st, prompt, cut.key, cut.index, cut.natural, cut.offset, target, remaining
+                st,
+                prompt,
+                cut.key,
+                cut.index,
+                cut.natural,
+                cut.offset,
+                target,
+                remaining,
+                params.max_new_tokens,
             )
         if params.seed is not None:
             index = hash64("call", params.seed, position)
@@ -366,7 +388,9 @@ class SimulatedGenerationEngine:
             index = hash64("seen", seen) if self._shared else hash64("seen", self.seed, seen)
         natural = self.lengths.length(prompt, index)
         target = min(natural, params.max_new_tokens)
-        return self._new_request(st, prompt, key, index, natural, 0, target, natural)
+        return self._new_request(
+            st, prompt, key, index, natural, 0, target, natural, params.max_new_tokens
+        )
 
     def _new_request(
         self,
@@ -378,6 +402,7 @@ class SimulatedGenerationEngine:
         offset: int,
         target: int,
         remaining: int,
+        budget: int,
     ) -> _Request:
         target = max(target, 1)
         cut_short = remaining > target
@@ -396,6 +421,7 @@ class SimulatedGenerationEngine:
             future=st.loop.create_future(),
             natural=natural,
             offset=offset,
+            budget=budget,
         )
 
     def _joinable(self, st: _State) -> bool:

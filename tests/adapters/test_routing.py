@@ -60,6 +60,19 @@ def test_length_aware_router_sends_long_batches_to_dedicated_instances() -> None
     assert LeastLoadedRouter().choose([3, 1, 2], 0.0, [0, 2]) == 2  # only eligible ones
 
 
+def test_long_batch_goes_to_a_dedicated_instance_only_with_room_for_all_of_it() -> None:
+    """A long batch that would queue behind a dedicated instance's full batch goes to the
+    least loaded other instance instead (work-conserving)."""
+    router = LengthAwareRouter([0, 1], quantile=0.5, long_capacity=8)
+    for _ in range(16):  # warm the moving threshold with short predictions
+        router.choose([0, 0, 0, 0], 10.0, [0, 1, 2, 3], 8)
+    assert router.choose([0, 4, 5, 9], 1000.0, [0, 1, 2, 3], 8) == 0  # room for 8 on 0
+    assert router.choose([5, 4, 5, 9], 1000.0, [0, 1, 2, 3], 4) == 1  # only 1 has room for 4
+    # 8 more fit on neither dedicated instance: the least loaded other one
+    assert router.choose([2, 4, 5, 9], 1000.0, [0, 1, 2, 3], 8) == 2
+    assert router.choose([2, 4, 5, 9], 1000.0, [0, 1, 3], 8) == 3  # only eligible ones
+
+
 class _CountingEngine:
     """A user engine: answers with a fixed-length response, counts its calls."""
 

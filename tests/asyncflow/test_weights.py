@@ -18,7 +18,7 @@ class _Engine:
     def __init__(self, in_flight: int = 0, running_tokens: int = 0) -> None:
         self.version = 0
         self.in_flight = in_flight
-        self.longest_running_tokens = running_tokens
+        self.drain_tokens = running_tokens
         self.updated: list[int] = []
 
     async def generate(
@@ -68,7 +68,7 @@ def test_on_demand_updates_idle_generators_and_one_busy_one_per_demand() -> None
         await _settle()
         assert busy_old.updated == busy_young.updated == []
         idle.in_flight = 4
-        idle.longest_running_tokens = 2000
+        idle.drain_tokens = 2000
         sync.publish({}, 2)
         await _settle()
         assert idle.updated == [1]  # busy now: waits
@@ -89,3 +89,20 @@ def test_on_demand_updates_idle_generators_and_one_busy_one_per_demand() -> None
 def test_unknown_policy_is_rejected() -> None:
     with pytest.raises(ValueError, match="policy"):
         WeightSync(0, policy="lazy")
+
+
+def test_publish_wakes_a_waiting_feeder_at_once() -> None:
+    """The feeder waits on ``wait_changed`` while it may not admit; new weights must wake it
+    (it then demands them) rather than leave it asleep until its timeout."""
+
+    async def go() -> float:
+        sync = WeightSync(0, policy="on_demand")
+        sync.register(_Engine(in_flight=3, running_tokens=500))
+        waiter = asyncio.ensure_future(sync.wait_changed(timeout_s=5.0))
+        await asyncio.sleep(0.01)
+        t0 = asyncio.get_running_loop().time()
+        sync.publish({}, 1)
+        await waiter
+        return asyncio.get_running_loop().time() - t0
+
+    assert asyncio.run(go()) < 0.5

@@ -546,3 +546,45 @@ def test_continuation_resumes_a_cut_sample_exactly_on_another_instance() -> None
         assert not cuts  # every recorded cut was continued
 
     asyncio.run(go())
+
+
+def test_drain_estimate_counts_budget_and_tokens_carried_by_a_continuation() -> None:
+    """``drain_tokens`` (what a weight update would wait for, as the engine can see it): per
+    running request the smaller of its remaining budget and twice its tokens so far, where a
+    continuation's tokens so far include those of its first part."""
+    lengths = LognormalLengths(median=40, sigma=1.2, max_len=4000, prompt_scale=0.0, seed=3)
+    counts: dict[bytes, int] = {}
+    cuts: dict[bytes, Any] = {}
+
+    def make() -> SimulatedGenerationEngine:
+        return SimulatedGenerationEngine(
+            DecodeLatency(base_s=0.01, per_seq_s=0.0, prefill_s_per_token=0.0),
+            lengths,
+            time_scale=0.1,
+            vocab_size=50,
+            shared_counts=counts,
+            continuations=cuts,
+        )
+
+    prompts = [torch.tensor([5, i, 9, 11]) for i in range(40)]
+
+    async def go() -> None:
+        first, second = make(), make()
+        assert first.drain_tokens == 0  # nothing running
+        heads = await first.generate(prompts, SamplingParams(max_new_tokens=60))
+        cut = [i for i, h in enumerate(heads) if h.finish_reason == "length"]
+        assert cut
+        resumed = [torch.cat([prompts[i], heads[i].token_ids]) for i in cut]
+        call = asyncio.ensure_future(second.generate(resumed, SamplingParams(max_new_tokens=3000)))
+        await asyncio.sleep(0.03)  # the continuations join and decode a few tokens
+        st = second._state
+        assert st is not None and st.running
+        assert all(r.offset == 60 and 0 < r.produced < 100 for r in st.running)
+        # 60 tokens carried: twice what each has run counts, not a fresh request's few tokens
+        produced = min(r.produced for r in st.running)
+        assert second.drain_tokens == min(3000 - produced, 2 * (60 + produced)) >= 120
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+
+    asyncio.run(go())
