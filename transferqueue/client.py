@@ -265,9 +265,11 @@ class AsyncClient:
         if n == 0:
             return {f: _empty(specs[f]) for f in names}
         groups = _by_unit(meta.units)
-        if len(groups) == 1 and not next(iter(self._units.values())).supports_out:
+        if len(groups) == 1:
             ((u, _),) = groups.items()
-            return await self._unit(u).read(meta.indexes, names)
+            link = self._unit(u)
+            if not link.supports_out or link.lends_reads:
+                return await link.read(meta.indexes, names)
         out: dict[str, torch.Tensor] = {
             f: torch.empty((n, *s.shape), dtype=s.torch_dtype)
             for f, s in specs.items()

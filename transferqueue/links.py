@@ -108,6 +108,9 @@ class UnitLink(ABC):
     unit_id: int
     supports_out: bool = False
     """True when ``read`` can gather straight into caller-provided dense buffers."""
+    lends_reads: bool = False
+    """True when ``read`` (without ``out``) may return views of memory the link lends to the
+    result, with no copy on the client side: a batch from this unit alone is best read so."""
 
     @abstractmethod
     async def write(

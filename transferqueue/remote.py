@@ -18,7 +18,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from transferqueue.errors import PeerGoneError, ProtocolError, TQError
+from transferqueue.errors import ClosedError, PeerGoneError, ProtocolError, TQError
 from transferqueue.handle import TransferQueue
 from transferqueue.links import OFFLOAD_BYTES, UnitLink, column_nbytes
 from transferqueue.loop import LoopThread
@@ -27,7 +27,7 @@ from transferqueue.ragged import Ragged
 from transferqueue.rpc import DEFAULT_CALL_TIMEOUT_S, RpcClient
 from transferqueue.schema import Column, FieldSpec
 from transferqueue.server import PROTOCOL_VERSION
-from transferqueue.shm import SHM_DIR, Arena, Placer, new_token, shm_available
+from transferqueue.shm import SHM_DIR, Arena, Loan, Placer, ReadArenas, new_token, shm_available
 from transferqueue.wire import SHM_MIN_BYTES
 
 __all__ = ["RemoteControllerLink", "RemoteUnitLink", "connect"]
@@ -39,6 +39,8 @@ _FOREVER_S = 10 * 365 * 86400.0
 
 SHM_MAX_BYTES = 1 << 30  # default bound of one client's arena with one unit
 _ARENA_MIN_BYTES = 16 << 20
+# Read arenas are sized to the read (a power of two): a result kept alive keeps its arena.
+_READ_ARENA_MIN_BYTES = 1 << 20
 _SLACK_PER_BUFFER = 64  # alignment padding per placed buffer
 
 log = logging.getLogger(__name__)
@@ -178,9 +180,11 @@ class RemoteUnitLink(UnitLink):
     """UnitLink over ZeroMQ: columns travel as out-of-band frames, or through a
     shared-memory arena when the unit is on this host (see :mod:`transferqueue.shm`).
 
-    ``shm_max_bytes`` bounds the arena (0: never share memory with this unit). A transfer
-    larger than the bound, or one that finds the arena in use by another request, goes as
-    frames.
+    ``shm_max_bytes`` bounds the request arena, and the read arenas together (0: never share
+    memory with this unit). A transfer larger than the bound, or one that finds the request
+    arena in use by another request, goes as frames. A read lands in an arena lent to it and
+    returns views of it (no copy here) while one is free or fits the bound; otherwise it
+    lands in the request arena and is copied out.
     """
 
     def __init__(self, unit_id: int, rpc: RpcClient, *, shm_max_bytes: int = SHM_MAX_BYTES):
@@ -193,6 +197,9 @@ class RemoteUnitLink(UnitLink):
         self._arena: Arena | None = None
         self._growing = False
         self._read_hint = 0  # bytes the last read of this unit returned
+        # Arenas lent to reads: the result's tensors view them (see ReadArenas).
+        self._reads = ReadArenas(self.shm_max_bytes)
+        self._creating = asyncio.Lock()
         rpc.resolve = self._resolve
 
     @property
@@ -205,7 +212,15 @@ class RemoteUnitLink(UnitLink):
         """Size of the shared-memory arena with this unit (0: none)."""
         return 0 if self._arena is None else self._arena.size
 
+    @property
+    def lends_reads(self) -> bool:  # type: ignore[override]
+        """Whether a read may return views of shared memory (no copy on this side)."""
+        return self.shm_max_bytes > 0
+
     def _resolve(self, name: str, offset: int, nbytes: int) -> memoryview:
+        loan = self._reads.loan(name)
+        if loan is not None:
+            return loan.view(offset, nbytes)
         if self._arena is None:
             raise ProtocolError(f"reply names shared-memory arena {name!r}; none is attached")
         return self._arena.resolve(name, offset, nbytes)
@@ -231,27 +246,62 @@ class RemoteUnitLink(UnitLink):
     async def _grow(self, nbytes: int) -> Arena | None:
         size = min(max(_ARENA_MIN_BYTES, 1 << (nbytes - 1).bit_length()), self.shm_max_bytes)
         self._generation += 1
+        # (no request can take it meanwhile: _acquire sees _growing)
+        arena = await self._attach(self._token, self._generation, size)
+        if arena is None:
+            self.shm_max_bytes = 0
+            self._reads.max_bytes = 0
+            return None
+        if self._arena is not None:
+            self._arena.close()
+        self._arena = arena
+        return arena
+
+    async def _attach(self, token: str, generation: int, size: int) -> Arena | None:
+        """A new arena, mapped by the unit; None (logged) if it cannot be made or shared."""
         try:
-            arena = Arena(self._token, self._generation, size, self.shm_dir)
+            arena = Arena(token, generation, size, self.shm_dir)
         except OSError as e:
             log.warning("no shared memory with unit %d (%s); sending frames", self.unit_id, e)
-            self.shm_max_bytes = 0
             return None
-        try:  # (no request can take it meanwhile: _acquire sees _growing)
+        try:
             await self.rpc.call("shm_attach", {"name": arena.name})
         except TQError as e:
             arena.close()
             log.info("unit %d shares no memory with this client (%s)", self.unit_id, e)
-            self.shm_max_bytes = 0
+            self.shm_max_bytes = 0  # it cannot see this client's arenas: frames from now on
             return None
         except BaseException:
             arena.close()
             raise
         arena.unlink()  # the unit has mapped it; the name is no longer needed
-        if self._arena is not None:
-            self._arena.close()
-        self._arena = arena
         return arena
+
+    async def _borrow(self, nbytes: int) -> Loan | None:
+        """An arena of at least ``nbytes`` lent to one read; None: no room (copy instead)."""
+        if nbytes < SHM_MIN_BYTES or nbytes > self.shm_max_bytes:
+            return None
+        loan = self._reads.lend(nbytes)
+        if loan is None:
+            size = min(
+                max(_READ_ARENA_MIN_BYTES, 1 << (nbytes - 1).bit_length()), self.shm_max_bytes
+            )
+            async with self._creating:  # one at a time: the bound counts every arena made
+                if self._reads.room_for(size):
+                    await self._detach_retired()
+                    arena = await self._attach(new_token(), 1, size)
+                    if arena is None:  # (logged) reads copy from now on
+                        self._reads.max_bytes = 0
+                    else:
+                        loan = self._reads.add(arena)
+        await self._detach_retired()
+        return loan
+
+    async def _detach_retired(self) -> None:
+        for arena in self._reads.retired():
+            with contextlib.suppress(TQError):
+                await self.rpc.call("shm_detach", {"name": arena.name}, wait_s=2.0)
+            arena.close()
 
     def _done(self, arena: Arena, ok: bool) -> None:
         arena.busy = False
@@ -285,8 +335,8 @@ class RemoteUnitLink(UnitLink):
             place = Placer(arena.name, arena.buf)
             await self.rpc.call("write", args, place=place, offload=nbytes >= OFFLOAD_BYTES)
             ok = True
-        except TQError:
-            ok = True  # the unit answered: it is done with the arena
+        except TQError as e:
+            ok = _answered(e)  # the unit answered: it is done with the arena
             raise
         finally:
             self._done(arena, ok)
@@ -299,6 +349,20 @@ class RemoteUnitLink(UnitLink):
     ) -> dict[str, Column]:
         args: dict[str, Any] = {"indexes": indexes, "fields": list(fields)}
         want = max(sum(t.numel() * t.element_size() for t in (out or {}).values()), 0)
+        loan = await self._borrow(max(want, self._read_hint))
+        if loan is not None:  # the rows land in an arena lent to this read: no copy here
+            answered = False
+            try:
+                args["shm"] = loan.arena.name
+                result = _columns(await self.rpc.call("read", args), self.unit_id)
+                answered = True
+            except TQError as e:
+                answered = _answered(e)
+                raise
+            finally:
+                loan.seal(reusable=answered)
+            self._read_hint = _tensor_bytes(result)
+            return _into(result, out, copy=False) if out else result
         arena = await self._acquire(max(want, self._read_hint))
         if arena is None:
             result = _columns(await self.rpc.call("read", args), self.unit_id)
@@ -316,19 +380,19 @@ class RemoteUnitLink(UnitLink):
                 result = _into(result, out, copy=True)
             ok = True
             return result
-        except TQError:
-            ok = True
+        except TQError as e:
+            ok = _answered(e)
             raise
         finally:
             self._done(arena, ok)
 
     async def close(self) -> None:
         arena, self._arena = self._arena, None
-        if arena is None:
-            return
-        with contextlib.suppress(TQError):
-            await self.rpc.call("shm_detach", {"name": arena.name}, wait_s=2.0)
-        arena.close()
+        arenas = self._reads.close() + ([] if arena is None else [arena])
+        for a in arenas:
+            with contextlib.suppress(TQError):
+                await self.rpc.call("shm_detach", {"name": a.name}, wait_s=2.0)
+            a.close()
 
     async def free(self, indexes: np.ndarray) -> None:
         await self.rpc.call("free", {"indexes": indexes})
@@ -343,6 +407,12 @@ class RemoteUnitLink(UnitLink):
 
     async def reset(self) -> None:
         await self.rpc.call("reset")
+
+
+def _answered(e: TQError) -> bool:
+    """Whether the unit answered the request that failed with ``e`` (and so is done with any
+    arena it named). A call that timed out or was closed may still be served later."""
+    return not isinstance(e, PeerGoneError | ClosedError)
 
 
 def _columns(value: Any, unit_id: int) -> dict[str, Column]:
@@ -398,8 +468,10 @@ def connect(
     """Connect to a TransferQueue service (``transferqueue serve`` prints its address).
 
     Storage units on this host exchange column data with this client through shared memory
-    (``/dev/shm``), up to ``shm_max_bytes`` per unit (default 1 GiB; 0: frames only); units
-    elsewhere, and larger transfers, use ZeroMQ frames. See :mod:`transferqueue.shm`.
+    (``/dev/shm``): per unit, a request arena of up to ``shm_max_bytes`` (default 1 GiB; 0:
+    frames only) and as much again in arenas lent to reads, whose results are views of them
+    until dropped. Units elsewhere, and larger transfers, use ZeroMQ frames. See
+    :mod:`transferqueue.shm`.
     """
     io = LoopThread("transferqueue-client")
     ctx = zmq.asyncio.Context()

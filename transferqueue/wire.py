@@ -201,6 +201,10 @@ def _count(shape: Any) -> int:
     return count
 
 
+def _is_shared(spec: Any) -> bool:
+    return isinstance(spec, list) and len(spec) == 2 and isinstance(spec[0], str)
+
+
 class _Decoder:
     def __init__(
         self, frames: Sequence[Any], *, join: bool, resolve: Resolver | None = None
@@ -212,7 +216,7 @@ class _Decoder:
     def _parts(self, spec: list[Any] | bytes, nbytes: int) -> list[memoryview]:
         if isinstance(spec, bytes):
             parts = [memoryview(bytearray(spec))]  # small; writable like a frame
-        elif isinstance(spec, list) and len(spec) == 2 and isinstance(spec[0], str):
+        elif _is_shared(spec):
             name, offset = spec
             if self.resolve is None:
                 raise ProtocolError(f"shared-memory buffer {name!r} where none can be attached")
@@ -272,7 +276,11 @@ class _Decoder:
                     return np.empty(shape, dtype=dt)
                 nbytes = count * dt.itemsize
                 raw = self._joined(self._parts(spec, nbytes), nbytes)
-                return np.frombuffer(raw, dtype=dt).reshape(shape)
+                arr = np.frombuffer(raw, dtype=dt).reshape(shape)
+                # numpy does not keep a shared-memory view's own object alive (it holds what
+                # the view was taken of), and a lent arena is reused once that object is gone:
+                # arrays from shared memory are copied (tensors keep the view alive).
+                return arr.copy() if _is_shared(spec) else arr
             if code == _EXT_RAGGED:
                 values, offsets = body
                 if isinstance(values, ChunkedTensor):

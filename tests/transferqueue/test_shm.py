@@ -4,7 +4,9 @@ arena, fallback to frames, arena growth, nothing left in /dev/shm, bad reference
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,9 +17,18 @@ import torch
 import zmq
 
 import transferqueue
-from transferqueue import ProtocolError, Ragged, TransferQueue, wire
+from transferqueue import FieldSpec, ProtocolError, Ragged, TransferQueue, wire
+from transferqueue.errors import PeerGoneError
 from transferqueue.remote import RemoteUnitLink
-from transferqueue.shm import SHM_DIR, Arena, Placer, Segments, new_token, shm_available
+from transferqueue.shm import (
+    SHM_DIR,
+    Arena,
+    Placer,
+    ReadArenas,
+    Segments,
+    new_token,
+    shm_available,
+)
 
 pytestmark = [
     pytest.mark.service,
@@ -125,7 +136,11 @@ def test_arena_grows_and_the_unit_keeps_one_per_client(tq: TransferQueue) -> Non
     assert all(g > s for g, s in zip(grown, sizes, strict=True))
     got = client.get_data(client.get_meta("t", ["x"], 2056, timeout_s=10))
     assert torch.equal(got["x"], torch.cat([small["x"], big["x"]]))  # type: ignore[arg-type]
-    assert [u["shm_arenas"] for u in _unit_stats(tq)] == [1, 1]
+    del got
+    gc.collect()
+    # one request arena per client (the grown one replaced the first), plus the read arenas
+    reads = [len(link._reads._free) for link in _links(tq)]
+    assert [u["shm_arenas"] for u in _unit_stats(tq)] == [1 + r for r in reads]
 
 
 def test_nothing_is_left_in_dev_shm(service: transferqueue.LocalService) -> None:
@@ -263,3 +278,157 @@ def test_wire_refuses_shared_memory_without_a_resolver() -> None:
         assert got["x"].data_ptr() == arena.buf.ctypes.data  # a view of the arena
     finally:
         arena.close()
+
+
+# -- reads lent arenas: results are views, each arena back once its result is gone ------------
+def _lent_arena_of(t: torch.Tensor, link: RemoteUnitLink) -> str | None:
+    """The name of the lent arena ``t`` views, if any."""
+    for loan in list(link._reads._loans.values()):
+        start = loan.arena.buf.ctypes.data
+        if start <= t.data_ptr() < start + loan.arena.size:
+            return loan.arena.name
+    return None
+
+
+@pytest.fixture(scope="module")
+def one_unit() -> Iterator[transferqueue.LocalService]:
+    with transferqueue.serve(num_units=1) as svc:
+        yield svc
+
+
+def _cycle(client: transferqueue.Client, want: dict, partition: str) -> dict:
+    client.put(want, group=0, partition=partition)
+    rows = len(next(iter(want.values())))
+    meta = client.get_meta("t", list(want), rows, partition=partition, timeout_s=10)
+    got = client.get_data(meta)
+    client.ack(meta)  # the rows are freed on the unit
+    return got
+
+
+def test_reads_return_views_of_lent_arenas_that_later_reads_never_touch(
+    one_unit: transferqueue.LocalService,
+) -> None:
+    with transferqueue.connect(one_unit.address) as tq:
+        tq.reset()
+        client = tq.client()
+        client.declare_tasks(["t"], partition="a")
+        (link,) = _links(tq)
+        want = _payload(64, 4)
+        kept = [_cycle(client, want, "a") for _ in range(4)]
+        for got in kept[1:]:  # (the first read of a unit sizes its arenas)
+            assert _lent_arena_of(got["x"], link) is not None  # a view: no copy on this side
+            assert _lent_arena_of(got["ids"].values, link) is not None
+        lent = [_lent_arena_of(g["x"], link) for g in kept[1:]]
+        assert len(set(lent)) == len(lent)  # a held result's arena is never lent again
+        for got in kept:  # results held while later reads ran are intact
+            _check(got, want)
+        del got, kept
+        gc.collect()
+        assert link._reads._loans == {}  # every arena is back once its results are gone
+        pooled = len(link._reads._free)
+        for _ in range(10):  # steady state: results dropped between reads reuse the arenas
+            _check(_cycle(client, want, "a"), want)
+        assert len(link._reads._free) + len(link._reads._loans) == pooled
+        assert _unit_stats(tq)[0]["shm_arenas"] == 1 + pooled
+
+
+def test_reads_past_the_lending_bound_are_copied_and_intact(
+    one_unit: transferqueue.LocalService,
+) -> None:
+    """With every arena still viewed by held results, a read copies instead; nothing held is
+    ever overwritten."""
+    with transferqueue.connect(one_unit.address, shm_max_bytes=32 << 20) as tq:
+        tq.reset()
+        client = tq.client()
+        client.declare_tasks(["t"], partition="b")
+        (link,) = _links(tq)
+        want = {"x": torch.randn(768, 4096)}  # 12 MiB: 16 MiB arenas, two fit the bound
+        held = [_cycle(client, want, "b") for _ in range(5)]
+        assert link._reads.bytes == 32 << 20
+        assert sum(_lent_arena_of(g["x"], link) is not None for g in held) == 2
+        for got in held:
+            assert torch.equal(got["x"], want["x"])
+
+
+def test_a_loan_ends_when_its_last_view_is_gone_on_any_thread() -> None:
+    arena = Arena(new_token(), 1, 1 << 20)
+    pool = ReadArenas(2 << 20)
+    try:
+        first = pool.add(arena)
+        assert pool.lend(1) is None  # lent: not free
+        t = torch.frombuffer(first.view(0, 4096), dtype=torch.float32)
+        part = t[10:20]
+        first.seal(reusable=True)
+        del t
+        assert pool.loan(arena.name) is first  # a view of it is still alive
+        done = threading.Event()
+
+        def drop() -> None:
+            nonlocal part
+            del part
+            done.set()
+
+        threading.Thread(target=drop).start()
+        assert done.wait(5)
+        assert pool.loan(arena.name) is None
+        again = pool.lend(1 << 20)
+        assert again is not None and again.arena is arena  # back in the pool, reused
+        again.seal(reusable=False)  # e.g. the read timed out: the unit may still write
+        assert pool.lend(1) is None
+        assert pool.retired() == [arena]  # never lent again: for the caller to detach
+        assert not pool.room_for(4 << 20) and pool.room_for(2 << 20)
+    finally:
+        arena.close()
+
+
+def test_arrays_decoded_from_shared_memory_are_copies() -> None:
+    """numpy does not keep a lent view's object alive, so arrays are copied (tensors are not)."""
+    arena = Arena(new_token(), 1, 1 << 20)
+    try:
+        a = np.arange(32_768, dtype=np.int64)
+        frames = wire.encode({"a": a, "t": torch.arange(32_768)}, Placer(arena.name, arena.buf))
+        assert len(frames) == 1
+        got = wire.decode(frames, resolve=arena.resolve)
+        assert np.array_equal(got["a"], a) and got["a"].flags.owndata
+        assert arena.buf.ctypes.data <= got["t"].data_ptr() < arena.buf.ctypes.data + arena.size
+    finally:
+        arena.close()
+
+
+class _SilentUnit:
+    """An RpcClient stand-in: attaches arenas, then never answers reads or writes in time."""
+
+    def __init__(self) -> None:
+        self.resolve = None
+        self.detached: list[str] = []
+
+    async def call(self, kind: str, args: dict | None = None, **_: object) -> object:
+        if kind == "shm_attach":
+            return 1
+        if kind == "shm_detach":
+            self.detached.append(args["name"])  # type: ignore[index]
+            return None
+        raise PeerGoneError(f"no answer to {kind!r}")
+
+
+def test_a_request_that_got_no_answer_never_reuses_its_arena() -> None:
+    """A unit that timed out may still write into the arena the request named later: that
+    arena is never used again (a request arena is dropped, a read arena retired)."""
+
+    async def go() -> None:
+        rpc = _SilentUnit()
+        link = RemoteUnitLink(0, rpc)  # type: ignore[arg-type]
+        link._read_hint = 4 << 20
+        with pytest.raises(PeerGoneError):
+            await link.read(np.arange(4), ["x"])
+        assert link._reads._loans == {} and link._reads._free == []
+        await link._detach_retired()
+        assert len(rpc.detached) == 1  # the read arena is gone from the unit and from here
+        cols = {"x": torch.randn(64, 4096)}
+        with pytest.raises(PeerGoneError):
+            spec = FieldSpec.dense(torch.float32, (4096,))
+            await link.write(np.arange(64), cols, {"x": spec}, create=True)
+        assert link._arena is None  # the request arena is dropped, never reused
+        await link.close()
+
+    asyncio.run(go())
