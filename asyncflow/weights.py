@@ -20,10 +20,10 @@ Two policies decide *when* a generator takes a newer version:
   next step's groups, or the rollout holds a group no generator is recent enough for
   (:meth:`demand`). Then only one lagging generator updates: the one likely to drain
   soonest (``drain_tokens``: its running requests' likely remaining tokens, as the engine
-  estimates them). Generators a version or two behind keep
-  taking the groups their weights are recent enough for, so the staleness bound holds
-  exactly as with ``eager`` (it is enforced per group at routing); what changes is that a
-  long-running sample no longer stalls its instance at every step.
+  estimates them). Generators a version or two behind keep taking the groups their weights
+  are recent enough for, so the staleness bound holds exactly as with ``eager`` (it is
+  enforced per group at routing); what changes is that a long-running sample no longer
+  stalls its instance at every step.
   Needs engines that report ``in_flight``; others are treated as idle (updated at once).
 """
 
