@@ -244,7 +244,7 @@ class RemoteUnitLink(UnitLink):
         return arena
 
     async def _grow(self, nbytes: int) -> Arena | None:
-        size = min(max(_ARENA_MIN_BYTES, 1 << (nbytes - 1).bit_length()), self.shm_max_bytes)
+        size = self._arena_size(nbytes, _ARENA_MIN_BYTES)
         self._generation += 1
         # (no request can take it meanwhile: _acquire sees _growing)
         arena = await self._attach(self._token, self._generation, size)
@@ -256,6 +256,10 @@ class RemoteUnitLink(UnitLink):
             self._arena.close()
         self._arena = arena
         return arena
+
+    def _arena_size(self, nbytes: int, minimum: int) -> int:
+        """The next power of two holding ``nbytes``, at least ``minimum``, within the bound."""
+        return min(max(minimum, 1 << (nbytes - 1).bit_length()), self.shm_max_bytes)
 
     async def _attach(self, token: str, generation: int, size: int) -> Arena | None:
         """A new arena, mapped by the unit; None (logged) if it cannot be made or shared."""
@@ -283,9 +287,7 @@ class RemoteUnitLink(UnitLink):
             return None
         loan = self._reads.lend(nbytes)
         if loan is None:
-            size = min(
-                max(_READ_ARENA_MIN_BYTES, 1 << (nbytes - 1).bit_length()), self.shm_max_bytes
-            )
+            size = self._arena_size(nbytes, _READ_ARENA_MIN_BYTES)
             async with self._creating:  # one at a time: the bound counts every arena made
                 if self._reads.room_for(size):
                     await self._detach_retired()

@@ -262,9 +262,11 @@ class ReadArenas:
     @property
     def bytes(self) -> int:
         with self._lock:
-            return sum(a.size for a in self._free) + sum(
-                loan.arena.size for loan in self._loans.values()
-            )
+            return self._used()
+
+    def _used(self) -> int:
+        loans = sum(loan.arena.size for loan in self._loans.values())
+        return sum(a.size for a in self._free) + loans
 
     def lend(self, nbytes: int) -> Loan | None:
         """A loan of the smallest free arena holding ``nbytes``; None if none is free."""
@@ -281,9 +283,7 @@ class ReadArenas:
         """Whether a new arena of ``size`` bytes fits the bound; retires free arenas (smallest
         first) to make room. Retired arenas are for the caller to detach (``retired``)."""
         with self._lock:
-            used = sum(a.size for a in self._free) + sum(
-                loan.arena.size for loan in self._loans.values()
-            )
+            used = self._used()
             for arena in sorted(self._free, key=lambda a: a.size):
                 if used + size <= self.max_bytes:
                     break

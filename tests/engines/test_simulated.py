@@ -507,6 +507,27 @@ def test_overlong_slope_fit_recovers_clustering() -> None:
     assert abs(fit_overlong_slope(np.array(flat), np.array(groups), 1024)) < 0.4
 
 
+def _sharing(
+    lengths: LognormalLengths,
+    counts: dict[bytes, int],
+    cuts: dict[bytes, Any],
+    *,
+    base_s: float,
+    time_scale: float,
+    eos_token_id: int | None = None,
+) -> SimulatedGenerationEngine:
+    """An instance sharing sample counts and cut samples with the others of a test."""
+    return SimulatedGenerationEngine(
+        DecodeLatency(base_s=base_s, per_seq_s=0.0, prefill_s_per_token=0.0),
+        lengths,
+        time_scale=time_scale,
+        vocab_size=50,
+        eos_token_id=eos_token_id,
+        shared_counts=counts,
+        continuations=cuts,
+    )
+
+
 def test_continuation_resumes_a_cut_sample_exactly_on_another_instance() -> None:
     """Cut at a budget and continued elsewhere (prompt + tokens so far), a sample is the same
     sample: tokens, log-probs, eos and finish reason equal the uncut one's."""
@@ -514,15 +535,7 @@ def test_continuation_resumes_a_cut_sample_exactly_on_another_instance() -> None
     prompts = [torch.tensor([5, i, 9, 11]) for i in range(12)]
 
     def make(counts: dict[bytes, int], cuts: dict[bytes, Any]) -> SimulatedGenerationEngine:
-        return SimulatedGenerationEngine(
-            DecodeLatency(base_s=0.001, per_seq_s=0.0, prefill_s_per_token=0.0),
-            lengths,
-            time_scale=0.01,
-            vocab_size=50,
-            eos_token_id=0,
-            shared_counts=counts,
-            continuations=cuts,
-        )
+        return _sharing(lengths, counts, cuts, base_s=0.001, time_scale=0.01, eos_token_id=0)
 
     async def go() -> None:
         whole = await make({}, {}).generate(prompts, SamplingParams(max_new_tokens=150))
@@ -557,14 +570,7 @@ def test_drain_estimate_counts_budget_and_tokens_carried_by_a_continuation() -> 
     cuts: dict[bytes, Any] = {}
 
     def make() -> SimulatedGenerationEngine:
-        return SimulatedGenerationEngine(
-            DecodeLatency(base_s=0.01, per_seq_s=0.0, prefill_s_per_token=0.0),
-            lengths,
-            time_scale=0.1,
-            vocab_size=50,
-            shared_counts=counts,
-            continuations=cuts,
-        )
+        return _sharing(lengths, counts, cuts, base_s=0.01, time_scale=0.1)
 
     prompts = [torch.tensor([5, i, 9, 11]) for i in range(40)]
 
