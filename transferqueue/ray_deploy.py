@@ -25,6 +25,7 @@ import zmq.asyncio
 from transferqueue.controller import SPREAD_BYTES
 from transferqueue.handle import TransferQueue
 from transferqueue.loop import LoopThread
+from transferqueue.malloc import keep_freed_memory
 from transferqueue.remote import connect
 from transferqueue.server import ControllerServer, UnitServer
 
@@ -35,6 +36,7 @@ class _ServerActor:
     """Runs one server on a private event-loop thread inside the actor process."""
 
     def __init__(self) -> None:
+        keep_freed_memory()  # the actor's worker process serves only this server
         self._io = LoopThread("transferqueue-actor")
         self._ctx = zmq.asyncio.Context()
         self._server: Any = None

@@ -20,6 +20,7 @@ from typing import Any
 
 import zmq.asyncio
 
+from transferqueue.malloc import keep_freed_memory
 from transferqueue.server import ControllerServer, UnitServer
 from transferqueue.service import READY
 
@@ -74,6 +75,7 @@ def _child_main(argv: list[str]) -> None:
     ap.add_argument("--spread-bytes", type=int, default=None)
     ap.add_argument("--units", default="")
     a = ap.parse_args(argv)
+    keep_freed_memory()  # reuse freed payload buffers instead of faulting in fresh pages
     if a.role == "unit":
         asyncio.run(_run_unit(a.unit_id, a.address, a.capacity, a.parent))
     else:
