@@ -79,7 +79,9 @@ class BatchMeta:
 
     @property
     def is_end(self) -> bool:
-        """True when the task's stream is over: nothing more will be handed out."""
+        """True when the task's stream is over: once this batch (if any) is acknowledged,
+        nothing more will be handed out. A batch whose lease runs out instead goes back to
+        the task, so a consumer that did not acknowledge it must keep asking."""
         return self.reason == "end"
 
     def select(self, positions: np.ndarray | list[int]) -> BatchMeta:

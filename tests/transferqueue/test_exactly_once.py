@@ -58,6 +58,9 @@ def _consumer(
 ) -> None:
     while True:
         meta = client.get_meta(task, fields, batch_size, timeout_s=0.05, lease_s=LEASE_S)
+        # A batch this consumer did not acknowledge comes back to the task when its lease
+        # runs out, so that batch's end-of-stream mark is not the end for whoever restarts.
+        finished = True
         if len(meta):
             try:
                 cols = client.get_data(meta)
@@ -71,7 +74,7 @@ def _consumer(
             assert isinstance(x, torch.Tensor)
             assert x.tolist() == ids  # columns of one row stay together
             if rng.random() < crash_p:
-                pass  # crash: walk away from the lease, never ack
+                finished = False  # crash: walk away from the lease, never ack, restart
             else:
                 try:
                     if writes is not None:
@@ -79,11 +82,11 @@ def _consumer(
                     else:
                         client.ack(meta)
                 except LeaseExpiredError:
-                    pass  # too slow: the rows were handed to someone else
+                    finished = False  # too slow: the rows were handed to someone else
                 else:
                     with lock:
                         seen.update(ids)
-        if meta.is_end:
+        if meta.is_end and finished:
             return
 
 

@@ -33,6 +33,20 @@ def test_unacked_lease_is_redelivered_after_deadline(client: Client) -> None:
     assert stats["done"] == 8 and stats["leased"] == 0
 
 
+def test_end_of_stream_batch_comes_back_when_its_lease_runs_out(client: Client) -> None:
+    # The last batch of a finished stream carries the end mark; a consumer that walks away
+    # from it has not ended the stream: the rows go to the next consumer that asks.
+    _put(client, 3)
+    client.finish("default")
+    last = client.get_meta("t", ["x"], 8, lease_s=0.2, timeout_s=1)
+    assert len(last) == 3 and last.is_end
+    again = client.get_meta("t", ["x"], 8, timeout_s=3)
+    assert sorted(again.indexes.tolist()) == sorted(last.indexes.tolist()) and again.is_end
+    client.ack(again)
+    over = client.get_meta("t", ["x"], 8, timeout_s=1)
+    assert len(over) == 0 and over.is_end
+
+
 def test_put_with_expired_lease_writes_nothing(client: Client) -> None:
     _put(client, 2)
     meta = client.get_meta("t", ["x"], 2, lease_s=0.05, timeout_s=1)
