@@ -18,6 +18,7 @@ lease fails before anything is written) and acknowledges it in the commit.
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
@@ -82,6 +83,9 @@ class AsyncClient:
         self._ctl = controller
         self._units = {u.unit_id: u for u in units}
         self._schema: dict[str, FieldSpec] = {}
+        # Names this client's puts to the controller, which keeps a producer's small puts on
+        # one unit for a while (Controller._place).
+        self._producer = secrets.token_hex(8)
 
     # -- writes ------------------------------------------------------------------------------
     async def put(
@@ -141,6 +145,7 @@ class AsyncClient:
                 lengths=lengths,
                 timeout_s=timeout_s,
                 nbytes=_payload_nbytes(cols),
+                producer=self._producer,
             )
             try:
                 await self._write_units(new, cols, col_specs, create=True)

@@ -172,6 +172,7 @@ class ControllerService:
         lengths: np.ndarray | int | None = None,
         timeout_s: float | None = None,
         nbytes: int | None = None,
+        producer: str | None = None,
     ) -> BatchMeta:
         ctl = self.controller
         loop = asyncio.get_running_loop()
@@ -191,7 +192,13 @@ class ControllerService:
             finally:
                 self._space_waiters.discard(fut)
         return ctl.allocate(
-            n, partition, groups=groups, versions=versions, lengths=lengths, nbytes=nbytes
+            n,
+            partition,
+            groups=groups,
+            versions=versions,
+            lengths=lengths,
+            nbytes=nbytes,
+            producer=producer,
         )
 
     async def discard(self, indexes: np.ndarray) -> None:

@@ -54,6 +54,7 @@ class ControllerLink(Protocol):
         lengths: np.ndarray | int | None = None,
         timeout_s: float | None = None,
         nbytes: int | None = None,
+        producer: str | None = None,
     ) -> BatchMeta: ...
 
     async def discard(self, indexes: np.ndarray) -> None: ...

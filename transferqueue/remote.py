@@ -69,6 +69,7 @@ class RemoteControllerLink:
         lengths: np.ndarray | int | None = None,
         timeout_s: float | None = None,
         nbytes: int | None = None,
+        producer: str | None = None,
     ) -> BatchMeta:
         # Waiting for capacity has no natural bound when timeout_s is None.
         wait = _FOREVER_S if timeout_s is None else timeout_s + self.rpc.call_timeout_s
@@ -80,6 +81,7 @@ class RemoteControllerLink:
             "lengths": lengths,
             "timeout_s": timeout_s,
             "nbytes": nbytes,
+            "producer": producer,
         }
         return _meta(await self.rpc.call("allocate", args, wait_s=wait))
 

@@ -183,7 +183,30 @@ def test_small_puts_go_whole_to_one_unit_in_turn_and_large_ones_spread() -> None
         Controller(2, spread_bytes=-1)
     with transferqueue.start(num_units=2) as tq:  # the client reports its payload's size
         c = tq.client()
-        metas = [c.put({"x": torch.zeros(64, 16)}) for _ in range(4)]
-        assert [set(m.units.tolist()) for m in metas] == [{0}, {1}, {0}, {1}]
         big = c.put({"y": torch.zeros(2, 9 << 20, dtype=torch.uint8)})  # 18 MiB
-        assert set(big.units.tolist()) == {0}  # below 2 x 16 MiB: still one unit
+        assert len(set(big.units.tolist())) == 1  # below 2 x 16 MiB: still one unit
+
+
+def test_a_producers_small_puts_stay_on_one_unit_until_it_has_its_share() -> None:
+    """Sticky placement: a named producer's small puts go to one unit until it has taken
+    ``spread_bytes``, then to the next; over a few ``spread_bytes`` every unit has an even
+    share, and another producer starts elsewhere."""
+    from transferqueue.controller import Controller
+
+    ctl = Controller(4, spread_bytes=1000)
+    units = [int(ctl.allocate(3, "p", nbytes=300, producer="a").units[0]) for _ in range(16)]
+    assert units == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
+    assert set(ctl.allocate(5, "p", nbytes=300, producer="a").units.tolist()) == {0}
+    assert set(ctl.allocate(5, "p", nbytes=300, producer="b").units.tolist()) == {1}
+    # large puts and puts without a producer are placed as before
+    assert set(ctl.allocate(12, "p", nbytes=10**9, producer="a").units.tolist()) == {0, 1, 2, 3}
+    assert set(ctl.allocate(3, "p", nbytes=300).units.tolist()) == {2}
+    with pytest.raises(TypeError, match="producer must be a string"):
+        ctl.allocate(1, "p", nbytes=1, producer=7)  # type: ignore[arg-type]
+    one = Controller(1, spread_bytes=1000)  # a single unit: nothing to choose
+    assert set(one.allocate(3, "p", nbytes=300, producer="a").units.tolist()) == {0}
+    with transferqueue.start(num_units=2) as tq:  # each client names itself
+        c, d = tq.client(), tq.client()
+        mine = {int(c.put({"x": torch.zeros(64, 16)}).units[0]) for _ in range(4)}
+        theirs = {int(d.put({"x": torch.zeros(64, 16)}).units[0]) for _ in range(4)}
+        assert len(mine) == 1 and len(theirs) == 1 and mine != theirs
