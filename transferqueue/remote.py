@@ -27,7 +27,17 @@ from transferqueue.ragged import Ragged
 from transferqueue.rpc import DEFAULT_CALL_TIMEOUT_S, RpcClient
 from transferqueue.schema import Column, FieldSpec
 from transferqueue.server import PROTOCOL_VERSION
-from transferqueue.shm import SHM_DIR, Arena, Loan, Placer, ReadArenas, new_token, shm_available
+from transferqueue.shm import (
+    SHM_DIR,
+    WRITE_HEADER,
+    Arena,
+    Loan,
+    Placer,
+    ReadArenas,
+    WriteArenas,
+    new_token,
+    shm_available,
+)
 from transferqueue.wire import SHM_MIN_BYTES
 
 __all__ = ["RemoteControllerLink", "RemoteUnitLink", "connect"]
@@ -41,6 +51,8 @@ SHM_MAX_BYTES = 1 << 30  # default bound of one client's arena with one unit
 _ARENA_MIN_BYTES = 16 << 20
 # Read arenas are sized to the read (a power of two): a result kept alive keeps its arena.
 _READ_ARENA_MIN_BYTES = 1 << 20
+# Ragged writes at least this large go through write arenas (the unit keeps their values).
+_WRITE_ARENA_MIN_BYTES = 1 << 20
 _SLACK_PER_BUFFER = 64  # alignment padding per placed buffer
 
 log = logging.getLogger(__name__)
@@ -182,11 +194,14 @@ class RemoteUnitLink(UnitLink):
     """UnitLink over ZeroMQ: columns travel as out-of-band frames, or through a
     shared-memory arena when the unit is on this host (see :mod:`transferqueue.shm`).
 
-    ``shm_max_bytes`` bounds the request arena, and the read arenas together (0: never share
-    memory with this unit). A transfer larger than the bound, or one that finds the request
-    arena in use by another request, goes as frames. A read lands in an arena lent to it and
-    returns views of it (no copy here) while one is free or fits the bound; otherwise it
-    lands in the request arena and is copied out.
+    ``shm_max_bytes`` bounds the request arena, the read arenas together and the write arenas
+    together (0: never share memory with this unit). A transfer larger than the bound, or one
+    that finds the request arena in use by another request, goes as frames. A read lands in
+    an arena lent to it and returns views of it (no copy here) while one is free or fits the
+    bound; otherwise it lands in the request arena and is copied out. A write with ragged
+    columns goes into a write arena the unit keeps its ragged values in (no copy there) until
+    the rows are freed (see :class:`~transferqueue.shm.WriteArenas`); without a free one
+    within the bound it goes through the request arena, and the unit copies.
     """
 
     def __init__(self, unit_id: int, rpc: RpcClient, *, shm_max_bytes: int = SHM_MAX_BYTES):
@@ -201,6 +216,9 @@ class RemoteUnitLink(UnitLink):
         self._read_hint = 0  # bytes the last read of this unit returned
         # Arenas lent to reads: the result's tensors view them (see ReadArenas).
         self._reads = ReadArenas(self.shm_max_bytes)
+        # Arenas ragged writes are placed in; the unit keeps their values as views of them
+        # until the rows are gone (see WriteArenas).
+        self._writes = WriteArenas(self.shm_max_bytes)
         self._creating = asyncio.Lock()
         rpc.resolve = self._resolve
 
@@ -252,7 +270,7 @@ class RemoteUnitLink(UnitLink):
         arena = await self._attach(self._token, self._generation, size)
         if arena is None:
             self.shm_max_bytes = 0
-            self._reads.max_bytes = 0
+            self._reads.max_bytes = self._writes.max_bytes = 0
             return None
         if self._arena is not None:
             self._arena.close()
@@ -263,15 +281,18 @@ class RemoteUnitLink(UnitLink):
         """The next power of two holding ``nbytes``, at least ``minimum``, within the bound."""
         return min(max(minimum, 1 << (nbytes - 1).bit_length()), self.shm_max_bytes)
 
-    async def _attach(self, token: str, generation: int, size: int) -> Arena | None:
-        """A new arena, mapped by the unit; None (logged) if it cannot be made or shared."""
+    async def _attach(
+        self, token: str, generation: int, size: int, *, keep: bool = False
+    ) -> Arena | None:
+        """A new arena, mapped by the unit; None (logged) if it cannot be made or shared.
+        ``keep``: a write arena (the unit may keep views of it)."""
         try:
             arena = Arena(token, generation, size, self.shm_dir)
         except OSError as e:
             log.warning("no shared memory with unit %d (%s); sending frames", self.unit_id, e)
             return None
         try:
-            await self.rpc.call("shm_attach", {"name": arena.name})
+            await self.rpc.call("shm_attach", {"name": arena.name, "keep": keep})
         except TQError as e:
             arena.close()
             log.info("unit %d shares no memory with this client (%s)", self.unit_id, e)
@@ -301,8 +322,26 @@ class RemoteUnitLink(UnitLink):
         await self._detach_retired()
         return loan
 
+    async def _lend_write(self, nbytes: int) -> Arena | None:
+        """A write arena with ``nbytes`` of room, lent to one write; None: no room (the write
+        goes through the request arena, and the unit copies)."""
+        if nbytes < _WRITE_ARENA_MIN_BYTES or nbytes + WRITE_HEADER > self.shm_max_bytes:
+            return None
+        arena = self._writes.lend(nbytes)
+        if arena is None:
+            size = self._arena_size(nbytes + WRITE_HEADER, _READ_ARENA_MIN_BYTES)
+            async with self._creating:  # one at a time: the bound counts every arena made
+                if self._writes.room_for(size):
+                    await self._detach_retired()
+                    made = await self._attach(new_token(), 1, size, keep=True)
+                    if made is None:  # (logged) writes are copied from now on
+                        self._writes.max_bytes = 0
+                    else:
+                        arena = self._writes.add(made)
+        return arena
+
     async def _detach_retired(self) -> None:
-        for arena in self._reads.retired():
+        for arena in self._reads.retired() + self._writes.retired():
             with contextlib.suppress(TQError):
                 await self.rpc.call("shm_detach", {"name": arena.name}, wait_s=2.0)
             arena.close()
@@ -329,7 +368,13 @@ class RemoteUnitLink(UnitLink):
             "create": create,
         }
         nbytes = sum(column_nbytes(c) for c in columns.values())
-        arena = await self._acquire(nbytes + _SLACK_PER_BUFFER * 2 * len(columns))
+        need = nbytes + _SLACK_PER_BUFFER * 2 * len(columns)
+        if any(isinstance(c, Ragged) for c in columns.values()):
+            kept = await self._lend_write(need)
+            if kept is not None:
+                await self._write_kept(kept, args, nbytes)
+                return
+        arena = await self._acquire(need)
         if arena is None:
             await self.rpc.call("write", args)
             return
@@ -344,6 +389,20 @@ class RemoteUnitLink(UnitLink):
             raise
         finally:
             self._done(arena, ok)
+
+    async def _write_kept(self, arena: Arena, args: dict[str, Any], nbytes: int) -> None:
+        """A write placed in a write arena; the unit clears the arena's flag once it holds
+        no view of it, and only then is the arena lent again."""
+        args["shm"] = True
+        args["keep"] = arena.name
+        place = Placer(arena.name, arena.buf[WRITE_HEADER:], base=WRITE_HEADER)
+        try:
+            await self.rpc.call("write", args, place=place, offload=nbytes >= OFFLOAD_BYTES)
+        except TQError:
+            # The unit may not clear the flag of a request it could not read (or that got no
+            # answer): never lend this arena again.
+            self._writes.retire(arena)
+            raise
 
     async def read(
         self,
@@ -392,7 +451,7 @@ class RemoteUnitLink(UnitLink):
 
     async def close(self) -> None:
         arena, self._arena = self._arena, None
-        arenas = self._reads.close() + ([] if arena is None else [arena])
+        arenas = self._reads.close() + self._writes.close() + ([] if arena is None else [arena])
         for a in arenas:
             with contextlib.suppress(TQError):
                 await self.rpc.call("shm_detach", {"name": a.name}, wait_s=2.0)

@@ -84,14 +84,24 @@ class UnitServer:
             if not isinstance(columns, dict) or not isinstance(specs, dict):
                 raise ProtocolError("write needs 'columns' and 'specs' maps")
             shared = args.get("shm") is True  # views of the client's arena: copy, never adopt
+            # ... unless it is a write arena (the client reuses it only when the unit holds no
+            # view of it): then ragged values stay views of it, no copy.
+            keep = args.get("keep") if shared else None
+            if keep is not None and not isinstance(keep, str):
+                raise ProtocolError("argument 'keep' of a write must be an arena name")
             self.shm_writes += shared
-            return await link.write(
-                _indexes(args),
-                columns,
-                specs,
-                create=bool(args.get("create", False)),
-                adopt=False if shared else None,
-            )
+            try:
+                return await link.write(
+                    _indexes(args),
+                    columns,
+                    specs,
+                    create=bool(args.get("create", False)),
+                    adopt=(keep is not None) if shared else None,
+                )
+            finally:
+                if keep is not None:
+                    del columns, args  # (the request's views: only what the unit kept stays)
+                    self.segments.seal(keep)
         if kind == "read":
             target = args.get("shm")  # the client's arena to place the rows in, if any
             if target is not None and not isinstance(target, str):
@@ -106,7 +116,7 @@ class UnitServer:
             big = sum(column_nbytes(c) for c in cols.values()) >= OFFLOAD_BYTES
             return SendThenRelease(cols, release, place=place, offload=big)
         if kind == "shm_attach":
-            return self.segments.attach(args.get("name"))  # type: ignore[arg-type]
+            return self.segments.attach(args.get("name"), keep=args.get("keep") is True)  # type: ignore[arg-type]
         if kind == "shm_detach":
             return self.segments.detach(args.get("name"))  # type: ignore[arg-type]
         if kind == "free":

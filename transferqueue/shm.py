@@ -3,7 +3,10 @@
 When a client and a storage unit run on the same host, column buffers need not cross a
 socket: the client copies them into a shared-memory *arena* it owns and the message carries
 ``[arena name, offset]`` in place of a frame (see :mod:`transferqueue.wire`). The unit copies
-straight from the arena into its buffers. On a read the unit copies the rows into an arena
+straight from the arena into its buffers, except the ragged values of a write placed in a
+*write arena* (:class:`WriteArenas`): those it keeps as views of the arena until the rows are
+freed, and the client writes into that arena again only once the unit has cleared its flag
+(:class:`Kept`). On a read the unit copies the rows into an arena
 *lent* to that read (:class:`ReadArenas`), and the tensors the client returns are views of
 it: the arena is lent again only once the last of them is gone. That is two ``memcpy`` for a
 write and one for a read, instead of a socket's send, the kernel's copies and the receiver's
@@ -22,8 +25,8 @@ How an arena comes to be shared:
    answers with an error and the client sends frames to that unit from then on.
 3. One request at a time uses the request arena (a second concurrent request to the same
    unit sends frames). It grows by replacing it with a larger one (a new generation); the
-   unit drops the old mapping when the new one is attached. Read arenas have tokens of their
-   own; the client detaches those it no longer needs.
+   unit drops the old mapping when the new one is attached. Read and write arenas have
+   tokens of their own; the client detaches those it no longer needs.
 
 Nothing in the arena is trusted: the unit only resolves names it has attached and checks
 every offset against the mapping's size.
@@ -46,7 +49,18 @@ import numpy as np
 
 from transferqueue.errors import ProtocolError
 
-__all__ = ["SHM_DIR", "Arena", "Loan", "Placer", "ReadArenas", "Segments", "shm_available"]
+__all__ = [
+    "SHM_DIR",
+    "WRITE_HEADER",
+    "Arena",
+    "Kept",
+    "Loan",
+    "Placer",
+    "ReadArenas",
+    "Segments",
+    "WriteArenas",
+    "shm_available",
+]
 
 log = logging.getLogger(__name__)
 
@@ -111,9 +125,10 @@ class Arena:
 class Placer:
     """Copies buffers into an arena region, one after the other, while they fit."""
 
-    def __init__(self, name: str, region: np.ndarray) -> None:
+    def __init__(self, name: str, region: np.ndarray, base: int = 0) -> None:
         self.name = name
         self.region = region
+        self.base = base  # offset of the region in the arena (what references name)
         self.used = 0  # bytes of the region taken (aligned)
         self.overflow = 0  # payload bytes that did not fit (they go as frames)
 
@@ -125,7 +140,7 @@ class Placer:
             return None
         self.region[start : start + n] = np.frombuffer(raw, dtype=np.uint8)
         self.used = _align(start + n)
-        return [self.name, start]
+        return [self.name, self.base + start]
 
 
 def new_token() -> str:
@@ -135,13 +150,16 @@ def new_token() -> str:
 class Segments:
     """The arenas a storage unit has attached, by client token (bounded, oldest dropped)."""
 
-    def __init__(self, directory: str = SHM_DIR, max_clients: int = 256) -> None:
+    def __init__(self, directory: str = SHM_DIR, max_clients: int = 1024) -> None:
         self.directory = directory
         self.max_clients = max_clients
         self._by_token: OrderedDict[str, tuple[str, np.ndarray]] = OrderedDict()
+        self._kept: dict[str, Kept] = {}  # write arenas whose buffers this unit may keep
 
-    def attach(self, name: str) -> int:
-        """Map the client's arena ``name`` and remove its file; returns its size."""
+    def attach(self, name: str, keep: bool = False) -> int:
+        """Map the client's arena ``name`` and remove its file; returns its size. ``keep``:
+        a write arena (see :class:`WriteArenas`): rows written from it may stay views of it,
+        and its flag tells the client when none is left."""
         m = _NAME.fullmatch(name) if isinstance(name, str) else None
         if m is None:
             raise ProtocolError(f"{name!r} is not a TransferQueue arena name")
@@ -163,10 +181,18 @@ class Segments:
         if mapped is None:
             raise ProtocolError(f"shared-memory arena {name} is empty")
         token = m.group(1)
-        self._by_token.pop(token, None)  # an older generation of this client's arena
-        self._by_token[token] = (name, np.frombuffer(mapped, dtype=np.uint8))
+        if keep and size <= WRITE_HEADER:
+            raise ProtocolError(f"write arena {name} of {size} bytes has no room past its header")
+        old = self._by_token.pop(token, None)  # an older generation of this client's arena
+        if old is not None:
+            self._kept.pop(old[0], None)
+        buf = np.frombuffer(mapped, dtype=np.uint8)
+        self._by_token[token] = (name, buf)
+        if keep:
+            self._kept[name] = Kept(buf)
         while len(self._by_token) > self.max_clients:
-            self._by_token.popitem(last=False)
+            gone, _ = self._by_token.popitem(last=False)[1]
+            self._kept.pop(gone, None)
         return size
 
     def detach(self, name: str) -> None:
@@ -175,6 +201,7 @@ class Segments:
             entry = self._by_token.get(m.group(1))
             if entry is not None and entry[0] == name:
                 del self._by_token[m.group(1)]
+                self._kept.pop(name, None)  # views still held keep the memory mapped
 
     def region(self, name: str, offset: int = 0, nbytes: int | None = None) -> np.ndarray:
         buf = self._buffer(name)
@@ -186,7 +213,16 @@ class Segments:
         return buf[offset:end]
 
     def resolve(self, name: str, offset: int, nbytes: int) -> memoryview:
-        return self.region(name, offset, nbytes).data
+        region = self.region(name, offset, nbytes)
+        kept = self._kept.get(name)
+        return region.data if kept is None else kept.view(region)
+
+    def seal(self, name: str) -> None:
+        """The request that wrote from write arena ``name`` is over: once the views it left
+        are gone, the arena is the client's again."""
+        kept = self._kept.get(name)
+        if kept is not None:
+            kept.seal()
 
     def _buffer(self, name: str) -> np.ndarray:
         m = _NAME.fullmatch(name) if isinstance(name, str) else None
@@ -198,6 +234,117 @@ class Segments:
 
     def __len__(self) -> int:
         return len(self._by_token)
+
+
+WRITE_HEADER = ALIGN
+"""Bytes at the start of a write arena before its data; byte 0 is the flag: 1 while the unit
+may hold views of the arena, 0 once the client may write into it again."""
+
+
+class Kept:
+    """A unit's side of a write arena: counts the views of it that are alive.
+
+    Every buffer a request resolves in the arena is a fresh memoryview with a finalizer; a
+    ragged column written with adoption keeps its values as such a view. When the request is
+    over (:meth:`seal`) and the last view is gone, the unit clears the arena's flag, and the
+    client may write into the arena again. (The unit reads the arena only through those views,
+    so it is done with the memory when it clears the flag.)
+    """
+
+    def __init__(self, buf: np.ndarray) -> None:
+        self.buf = buf
+        self._live = 0
+        self._sealed = True
+        self._lock = threading.RLock()  # views may die inside a garbage collection run
+
+    def view(self, region: np.ndarray) -> memoryview:
+        with self._lock:
+            if self._live == 0:
+                self._sealed = False  # a new request
+            self._live += 1
+        mv = region.data
+        weakref.finalize(mv, self._drop)
+        return mv
+
+    def seal(self) -> None:
+        with self._lock:
+            self._sealed = True
+            if self._live == 0:
+                self.buf[0] = 0
+
+    def _drop(self) -> None:
+        with self._lock:
+            self._live -= 1
+            if self._live == 0 and self._sealed:
+                self.buf[0] = 0
+
+
+class WriteArenas:
+    """A client's write arenas with one unit: arenas a put's buffers are placed in, which the
+    unit may keep (ragged values adopted as views instead of copied) until the rows are gone.
+
+    An arena's first byte is its flag (:data:`WRITE_HEADER`): the client sets it when it lends
+    the arena to a write, the unit clears it once it holds no view of the arena. Only free
+    arenas (flag clear) are lent again. ``max_bytes`` bounds them all. Used on the client's
+    I/O loop only.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._arenas: list[Arena] = []
+        self._retired: list[Arena] = []
+
+    @property
+    def bytes(self) -> int:
+        return sum(a.size for a in self._arenas)
+
+    @staticmethod
+    def _free(arena: Arena) -> bool:
+        return int(arena.buf[0]) == 0
+
+    def lend(self, nbytes: int) -> Arena | None:
+        """The smallest free arena with ``nbytes`` past its header, flagged as lent."""
+        fits = [a for a in self._arenas if a.size - WRITE_HEADER >= nbytes and self._free(a)]
+        if not fits:
+            return None
+        arena = min(fits, key=lambda a: a.size)
+        arena.buf[0] = 1
+        return arena
+
+    def room_for(self, size: int) -> bool:
+        """Whether a new arena of ``size`` fits the bound; retires free arenas (smallest
+        first) to make room."""
+        used = self.bytes
+        for arena in sorted(self._arenas, key=lambda a: a.size):
+            if used + size <= self.max_bytes:
+                break
+            if self._free(arena):
+                self._arenas.remove(arena)
+                self._retired.append(arena)
+                used -= arena.size
+        return used + size <= self.max_bytes
+
+    def add(self, arena: Arena) -> Arena:
+        """A newly attached arena, lent to the write at hand."""
+        arena.buf[0] = 1
+        self._arenas.append(arena)
+        return arena
+
+    def retire(self, arena: Arena) -> None:
+        """Never lend ``arena`` again (a write from it got no clean answer)."""
+        if arena in self._arenas:
+            self._arenas.remove(arena)
+            self._retired.append(arena)
+
+    def retired(self) -> list[Arena]:
+        out, self._retired = self._retired, []
+        return out
+
+    def close(self) -> list[Arena]:
+        out = self._arenas + self._retired
+        self._arenas, self._retired = [], []
+        self.max_bytes = 0
+        return out
 
 
 class Loan:

@@ -7,6 +7,7 @@ import asyncio
 import gc
 import os
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import zmq
 
 import transferqueue
 from transferqueue import FieldSpec, ProtocolError, Ragged, TransferQueue, wire
-from transferqueue.errors import PeerGoneError
+from transferqueue.errors import PeerGoneError, UnknownRowError
 from transferqueue.remote import RemoteUnitLink
 from transferqueue.shm import (
     SHM_DIR,
@@ -88,11 +89,14 @@ def test_round_trip_through_shared_memory_is_bit_exact(tq: TransferQueue) -> Non
     units = _unit_stats(tq)
     assert sum(u["shm_writes"] for u in units) >= 2  # spread over both units, no frames
     assert sum(u["shm_reads"] for u in units) >= 2
-    # the data no longer lives in the arena: overwriting it changes nothing already read
+    # the data no longer lives in any arena the client may write into: overwriting those
+    # changes nothing already read (write arenas the unit still keeps rows in stay flagged)
     for link in _links(tq):
-        assert link._arena is not None
-        link._arena.buf[:] = 0xFF
+        free = [a for a in link._writes._arenas if a.buf[0] == 0]
+        for arena in free + ([] if link._arena is None else [link._arena]):
+            arena.buf[:] = 0xFF
     _check(got, want)
+    _check(client.get_data(meta), want)
 
 
 def test_frames_only_when_disabled(service: transferqueue.LocalService) -> None:
@@ -329,7 +333,10 @@ def test_reads_return_views_of_lent_arenas_that_later_reads_never_touch(
         for _ in range(10):  # steady state: results dropped between reads reuse the arenas
             _check(_cycle(client, want, "a"), want)
         assert len(link._reads._free) + len(link._reads._loans) == pooled
-        assert _unit_stats(tq)[0]["shm_arenas"] == 1 + pooled
+        # writes (ragged) went through write arenas, each lent again once its rows were freed
+        writes = len(link._writes._arenas)
+        assert 1 <= writes <= 3 and link._arena is None
+        assert _unit_stats(tq)[0]["shm_arenas"] == writes + pooled
 
 
 def test_reads_past_the_lending_bound_are_copied_and_intact(
@@ -432,3 +439,86 @@ def test_a_request_that_got_no_answer_never_reuses_its_arena() -> None:
         await link.close()
 
     asyncio.run(go())
+
+
+# -- write arenas: the unit keeps ragged values as views of them until the rows are gone -----
+def _kept(link: RemoteUnitLink) -> list[str]:
+    """Write arenas the unit still holds views of (flag set)."""
+    return [a.name for a in link._writes._arenas if a.buf[0] != 0]
+
+
+def _wait_released(link: RemoteUnitLink, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s  # (rows are freed on the unit after the ack)
+    while _kept(link) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _kept(link) == []
+
+
+def test_ragged_writes_stay_in_write_arenas_until_their_rows_are_freed(
+    one_unit: transferqueue.LocalService,
+) -> None:
+    with transferqueue.connect(one_unit.address) as tq:
+        tq.reset()
+        client = tq.client()
+        client.declare_tasks(["t"], partition="w")
+        (link,) = _links(tq)
+        held = [_payload(96, seed) for seed in range(3)]
+        for want in held:
+            client.put(want, group=0, partition="w")
+        # each put is kept in an arena of its own: no copy on the unit, no arena reused
+        assert len(_kept(link)) == 3 and link._arena is None
+        metas = [client.get_meta("t", list(held[0]), 96, partition="w", timeout_s=10)]
+        metas += [client.get_meta("t", list(held[0]), 96, partition="w", timeout_s=10)]
+        client.put(_payload(96, 9), group=0, partition="w")  # while those rows still live
+        assert len(_kept(link)) == 4
+        for meta, want in zip(metas, held, strict=False):
+            _check(client.get_data(meta), want)
+            client.ack(meta)
+        rest = client.get_meta("t", list(held[0]), 192, partition="w", timeout_s=10)
+        client.ack(rest)
+        _wait_released(link)  # every row freed: the unit let go of every arena
+        names = {a.name for a in link._writes._arenas}
+        for seed in range(5):  # steady state: the arenas are lent again, none is added
+            want = _payload(96, 20 + seed)
+            got = _cycle(client, want, "w")
+            _check(got, want)
+        assert {a.name for a in link._writes._arenas} == names
+
+
+def test_writes_past_the_write_arena_bound_are_copied_and_intact(
+    one_unit: transferqueue.LocalService,
+) -> None:
+    with transferqueue.connect(one_unit.address, shm_max_bytes=8 << 20) as tq:
+        tq.reset()
+        client = tq.client()
+        client.declare_tasks(["t"], partition="v")
+        (link,) = _links(tq)
+        held = [_payload(96, seed) for seed in range(4)]  # ~2.2 MB each: 4 MiB arenas
+        for want in held:
+            client.put(want, group=0, partition="v")
+        assert len(_kept(link)) == 2 and link._writes.bytes == 8 << 20
+        assert link._arena is not None  # the others went through the request arena
+        for want in held:
+            meta = client.get_meta("t", list(want), 96, partition="v", timeout_s=10)
+            _check(client.get_data(meta), want)
+            client.ack(meta)
+        _wait_released(link)
+
+
+def test_a_write_the_unit_refuses_retires_its_arena_and_the_unit_lets_go(
+    one_unit: transferqueue.LocalService,
+) -> None:
+    with transferqueue.connect(one_unit.address) as tq:
+        tq.reset()
+        client = tq.client()
+        (link,) = _links(tq)
+        ids = Ragged.from_tensors([torch.arange(300_000, dtype=torch.int32)])
+        spec = FieldSpec.ragged(torch.int32)
+        with pytest.raises(UnknownRowError):  # rows that were never allocated
+            tq._io.run(link.write(np.array([10**9]), {"ids": ids}, {"ids": spec}, create=False))
+        assert link._writes._arenas == []  # retired: never lent again
+        (arena,) = link._writes._retired
+        assert arena.buf[0] == 0  # the unit sealed the request and holds no view of it
+        want = _payload(32, 7)
+        client.declare_tasks(["t"], partition="u")
+        _check(_cycle(client, want, "u"), want)  # and it keeps serving
