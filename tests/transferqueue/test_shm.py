@@ -4,6 +4,7 @@ arena, fallback to frames, arena growth, nothing left in /dev/shm, bad reference
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
 import threading
@@ -300,6 +301,20 @@ def one_unit() -> Iterator[transferqueue.LocalService]:
         yield svc
 
 
+@contextlib.contextmanager
+def _session(
+    svc: transferqueue.LocalService, partition: str, **connect: int
+) -> Iterator[tuple[TransferQueue, transferqueue.Client, RemoteUnitLink]]:
+    """A fresh connection to the one-unit service: the handle, a client with task ``t``
+    declared on ``partition``, and the link to the unit."""
+    with transferqueue.connect(svc.address, **connect) as tq:
+        tq.reset()
+        client = tq.client()
+        client.declare_tasks(["t"], partition=partition)
+        (link,) = _links(tq)
+        yield tq, client, link
+
+
 def _cycle(client: transferqueue.Client, want: dict, partition: str) -> dict:
     client.put(want, group=0, partition=partition)
     rows = len(next(iter(want.values())))
@@ -312,11 +327,7 @@ def _cycle(client: transferqueue.Client, want: dict, partition: str) -> dict:
 def test_reads_return_views_of_lent_arenas_that_later_reads_never_touch(
     one_unit: transferqueue.LocalService,
 ) -> None:
-    with transferqueue.connect(one_unit.address) as tq:
-        tq.reset()
-        client = tq.client()
-        client.declare_tasks(["t"], partition="a")
-        (link,) = _links(tq)
+    with _session(one_unit, "a") as (tq, client, link):
         want = _payload(64, 4)
         kept = [_cycle(client, want, "a") for _ in range(4)]
         for got in kept[1:]:  # (the first read of a unit sizes its arenas)
@@ -344,11 +355,7 @@ def test_reads_past_the_lending_bound_are_copied_and_intact(
 ) -> None:
     """With every arena still viewed by held results, a read copies instead; nothing held is
     ever overwritten."""
-    with transferqueue.connect(one_unit.address, shm_max_bytes=32 << 20) as tq:
-        tq.reset()
-        client = tq.client()
-        client.declare_tasks(["t"], partition="b")
-        (link,) = _links(tq)
+    with _session(one_unit, "b", shm_max_bytes=32 << 20) as (_, client, link):
         want = {"x": torch.randn(768, 4096)}  # 12 MiB: 16 MiB arenas, two fit the bound
         held = [_cycle(client, want, "b") for _ in range(5)]
         assert link._reads.bytes == 32 << 20
@@ -457,11 +464,7 @@ def _wait_released(link: RemoteUnitLink, timeout_s: float = 10.0) -> None:
 def test_ragged_writes_stay_in_write_arenas_until_their_rows_are_freed(
     one_unit: transferqueue.LocalService,
 ) -> None:
-    with transferqueue.connect(one_unit.address) as tq:
-        tq.reset()
-        client = tq.client()
-        client.declare_tasks(["t"], partition="w")
-        (link,) = _links(tq)
+    with _session(one_unit, "w") as (_, client, link):
         held = [_payload(96, seed) for seed in range(3)]
         for want in held:
             client.put(want, group=0, partition="w")
@@ -488,11 +491,7 @@ def test_ragged_writes_stay_in_write_arenas_until_their_rows_are_freed(
 def test_writes_past_the_write_arena_bound_are_copied_and_intact(
     one_unit: transferqueue.LocalService,
 ) -> None:
-    with transferqueue.connect(one_unit.address, shm_max_bytes=8 << 20) as tq:
-        tq.reset()
-        client = tq.client()
-        client.declare_tasks(["t"], partition="v")
-        (link,) = _links(tq)
+    with _session(one_unit, "v", shm_max_bytes=8 << 20) as (_, client, link):
         held = [_payload(96, seed) for seed in range(4)]  # ~2.2 MB each: 4 MiB arenas
         for want in held:
             client.put(want, group=0, partition="v")
