@@ -100,6 +100,7 @@ HEADER: dict[str, tuple[type, int]] = {
     "length": (np.int64, -1),
     "done": (np.int16, 0),
     "live": (np.bool_, False),
+    "nbytes": (np.int64, 0),  # the row's share of the payload its put reported (placement)
 }
 
 

@@ -187,22 +187,45 @@ def test_small_puts_go_whole_to_one_unit_in_turn_and_large_ones_spread() -> None
         assert len(set(big.units.tolist())) == 1  # below 2 x 16 MiB: still one unit
 
 
-def test_a_producers_small_puts_stay_on_one_unit_until_it_has_its_share() -> None:
-    """Sticky placement: a named producer's small puts go to one unit until it has taken
-    ``spread_bytes``, then to the next; over a few ``spread_bytes`` every unit has an even
-    share, and another producer starts elsewhere."""
+def test_a_producers_small_puts_stay_on_one_unit_while_the_units_are_balanced() -> None:
+    """Sticky placement: a named producer's small puts stay on one unit until it holds
+    ``spread_bytes`` more live payload than the least loaded unit, then go to the least
+    loaded one; rows consumed as fast as they come keep the producer where it is."""
     from transferqueue.controller import Controller
 
     ctl = Controller(4, spread_bytes=1000)
     units = [int(ctl.allocate(3, "p", nbytes=300, producer="a").units[0]) for _ in range(16)]
     assert units == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
-    assert set(ctl.allocate(5, "p", nbytes=300, producer="a").units.tolist()) == {0}
+    assert ctl.stats()["unit_bytes"] == [1200] * 4
+    # all units equally loaded: it stays where it is
+    assert set(ctl.allocate(5, "p", nbytes=300, producer="a").units.tolist()) == {3}
     assert set(ctl.allocate(5, "p", nbytes=300, producer="b").units.tolist()) == {1}
     # large puts and puts without a producer are placed as before
     assert set(ctl.allocate(12, "p", nbytes=10**9, producer="a").units.tolist()) == {0, 1, 2, 3}
     assert set(ctl.allocate(3, "p", nbytes=300).units.tolist()) == {2}
     with pytest.raises(TypeError, match="producer must be a string"):
         ctl.allocate(1, "p", nbytes=1, producer=7)  # type: ignore[arg-type]
+
+    # rows freed as fast as they are put: the producer never moves
+    flow = Controller(4, spread_bytes=1000)
+    flow.register_fields({"x": FieldSpec.dense(torch.int64, ())})
+    flow.declare_tasks("p", ["t"])
+    seen = set()
+    for _ in range(40):
+        meta = flow.allocate(4, "p", nbytes=700, producer="a")
+        seen |= set(meta.units.tolist())
+        flow.commit(meta.indexes, ["x"])
+        got, _ = flow.poll(task="t", partition="p", fields=["x"], batch_size=4, lease_s=60)
+        assert got is not None and got.lease_id is not None
+        flow.ack(got.lease_id)
+    assert seen == {0} and flow.stats()["unit_bytes"] == [0] * 4
+    # rows that pile up spread: live bytes stay within three spread_bytes of each other
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        flow.allocate(2, "p", nbytes=int(rng.integers(1, 1999)), producer=str(rng.integers(3)))
+        load = flow.stats()["unit_bytes"]
+        assert max(load) - min(load) < 3000, load
+
     one = Controller(1, spread_bytes=1000)  # a single unit: nothing to choose
     assert set(one.allocate(3, "p", nbytes=300, producer="a").units.tolist()) == {0}
     with transferqueue.start(num_units=2) as tq:  # each client names itself
