@@ -536,7 +536,7 @@ def connect(
     until dropped. Units elsewhere, and larger transfers, use ZeroMQ frames. See
     :mod:`transferqueue.shm`.
     """
-    io = LoopThread("transferqueue-client")
+    io = LoopThread("transferqueue-client", always=False)
     ctx = zmq.asyncio.Context()
     rpcs: list[RpcClient] = []
     units: list[RemoteUnitLink] = []
