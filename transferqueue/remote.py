@@ -201,7 +201,9 @@ class RemoteUnitLink(UnitLink):
     bound; otherwise it lands in the request arena and is copied out. A write with ragged
     columns goes into a write arena the unit keeps its ragged values in (no copy there) until
     the rows are freed (see :class:`~transferqueue.shm.WriteArenas`); without a free one
-    within the bound it goes through the request arena, and the unit copies.
+    within the bound it goes through the request arena, and the unit copies. A read of ragged
+    rows this client wrote from a write arena gets them named in that arena and returns
+    copy-on-write views of it (:meth:`~transferqueue.shm.WriteArenas.view`): no copy at all.
     """
 
     def __init__(self, unit_id: int, rpc: RpcClient, *, shm_max_bytes: int = SHM_MAX_BYTES):
@@ -241,6 +243,9 @@ class RemoteUnitLink(UnitLink):
         loan = self._reads.loan(name)
         if loan is not None:
             return loan.view(offset, nbytes)
+        mine = self._writes.view(name, offset, nbytes)  # rows this client wrote
+        if mine is not None:
+            return mine
         if self._arena is None:
             raise ProtocolError(f"reply names shared-memory arena {name!r}; none is attached")
         return self._arena.resolve(name, offset, nbytes)
@@ -287,7 +292,7 @@ class RemoteUnitLink(UnitLink):
         """A new arena, mapped by the unit; None (logged) if it cannot be made or shared.
         ``keep``: a write arena (the unit may keep views of it)."""
         try:
-            arena = Arena(token, generation, size, self.shm_dir)
+            arena = Arena(token, generation, size, self.shm_dir, private=keep)
         except OSError as e:
             log.warning("no shared memory with unit %d (%s); sending frames", self.unit_id, e)
             return None
@@ -411,6 +416,19 @@ class RemoteUnitLink(UnitLink):
         out: Mapping[str, torch.Tensor] | None = None,
     ) -> dict[str, Column]:
         args: dict[str, Any] = {"indexes": indexes, "fields": list(fields)}
+        # Rows this client wrote through write arenas come back as views of them (no copy on
+        # either side); the arenas stay held until the reply is in (and then by the views).
+        pinned = self._writes.pin()
+        if pinned:
+            args["mine"] = [a.name for a in pinned]
+        try:
+            return await self._read(args, out)
+        finally:
+            self._writes.unpin(pinned)
+
+    async def _read(
+        self, args: dict[str, Any], out: Mapping[str, torch.Tensor] | None
+    ) -> dict[str, Column]:
         want = max(sum(t.numel() * t.element_size() for t in (out or {}).values()), 0)
         loan = await self._borrow(max(want, self._read_hint))
         if loan is not None:  # the rows land in an arena lent to this read: no copy here

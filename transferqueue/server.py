@@ -42,9 +42,13 @@ def _indexes(args: dict[str, Any], name: str = "indexes", *, optional: bool = Fa
     return value.astype(np.int64, copy=False)
 
 
+def _is_strings(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
 def _strings(args: dict[str, Any], name: str) -> list[str]:
     value = args.get(name)
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+    if not isinstance(value, list) or not _is_strings(value):
         raise ProtocolError(f"argument {name!r} must be a list of strings")
     return value
 
@@ -107,11 +111,19 @@ class UnitServer:
             if target is not None and not isinstance(target, str):
                 raise ProtocolError("argument 'shm' of a read must be an arena name")
             region = None if target is None else self.segments.region(target)
+            # The client's write arenas: ragged values it wrote from them go back named where
+            # they are (the client views them; no copy on either side).
+            mine = args.get("mine")
+            if mine is not None and not _is_strings(mine):
+                raise ProtocolError("argument 'mine' of a read must be a list of arena names")
+            local = self.segments.kept_ranges(mine) if mine else []
             cols, pins = await link.read_pinned(_indexes(args), _strings(args, "fields"))
             release = (lambda: link.unpin(pins)) if pins else None
-            if target is None or region is None:
+            if region is None and not local:
                 return cols if release is None else SendThenRelease(cols, release)
-            place = Placer(target, region)
+            if region is None:  # no arena to copy into: the rest goes as frames
+                target, region = "", np.empty(0, dtype=np.uint8)
+            place = Placer(str(target), region, local=local)
             self.shm_reads += 1
             big = sum(column_nbytes(c) for c in cols.values()) >= OFFLOAD_BYTES
             return SendThenRelease(cols, release, place=place, offload=big)

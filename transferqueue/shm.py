@@ -4,15 +4,18 @@ When a client and a storage unit run on the same host, column buffers need not c
 socket: the client copies them into a shared-memory *arena* it owns and the message carries
 ``[arena name, offset]`` in place of a frame (see :mod:`transferqueue.wire`). The unit copies
 straight from the arena into its buffers, except the ragged values of a write placed in a
-*write arena* (:class:`WriteArenas`): those it keeps as views of the arena until the rows are
-freed, and the client writes into that arena again only once the unit has cleared its flag
-(:class:`Kept`). On a read the unit copies the rows into an arena
-*lent* to that read (:class:`ReadArenas`), and the tensors the client returns are views of
-it: the arena is lent again only once the last of them is gone. That is two ``memcpy`` for a
-write and one for a read, instead of a socket's send, the kernel's copies and the receiver's
-page faults: on the reference machine a 300 MB leg took ~0.16 s this way against ~0.46 s over
-ZeroMQ loopback. When every lendable arena is still viewed by results the caller holds, a
-read lands in the client's request arena and is copied out.
+*write arena* (:class:`WriteArenas`): those it keeps as views of the arena until the rows
+are freed, and the client writes into that arena again only once the unit has cleared its
+flag (:class:`Kept`). On a read the unit copies the rows into an arena *lent* to that read
+(:class:`ReadArenas`), and the tensors the client returns are views of it: the arena is lent
+again only once the last of them is gone; ragged values the reader itself wrote from a write
+arena are not copied at all, but named where they are, and the client hands out
+copy-on-write views of its own arena (:meth:`WriteArenas.view`). That is two ``memcpy`` for
+a write and one for a read (none for a writer's own ragged values), instead of a socket's
+send, the kernel's copies and the receiver's page faults: on the reference machine a 300 MB leg took
+~0.16 s this way against ~0.46 s over ZeroMQ loopback. When every lendable arena is still
+viewed by results the caller holds, a read lands in the client's request arena and is
+copied out.
 
 How an arena comes to be shared:
 
@@ -43,7 +46,7 @@ import secrets
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -78,23 +81,61 @@ def _align(n: int) -> int:
 
 
 class Arena:
-    """A shared-memory segment owned by a client (one per storage unit it talks to)."""
+    """A shared-memory segment owned by a client (one per storage unit it talks to).
 
-    def __init__(self, token: str, generation: int, size: int, directory: str = SHM_DIR):
+    ``private``: keep the file open, to hand out copy-on-write views of what the client
+    wrote (:meth:`private_view`).
+    """
+
+    def __init__(
+        self,
+        token: str,
+        generation: int,
+        size: int,
+        directory: str = SHM_DIR,
+        private: bool = False,
+    ):
         self.name = f"tq-{token}-{generation}"
         self.size = size
         self.busy = False
         self._path = os.path.join(directory, self.name)
+        self._fd: int | None = None
         fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.posix_fallocate(fd, 0, size)  # ENOSPC now rather than SIGBUS on first touch
             self._map = mmap.mmap(fd, size)
         except BaseException:
+            os.close(fd)
             self.unlink()
             raise
-        finally:
+        if private:
+            self._fd = fd
+        else:
             os.close(fd)
         self.buf = np.frombuffer(self._map, dtype=np.uint8)
+
+    def private_view(self, offset: int, nbytes: int) -> memoryview:
+        """Bytes of the arena through a mapping of their own, copy-on-write: they read what
+        the arena holds now, and writes to them stay in that mapping (nothing shared, and no
+        other view, changes). The mapping goes with the last view of it."""
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
+            raise ProtocolError(
+                f"reply names bytes {offset}..{offset + nbytes} of arena {self.name}, "
+                f"which holds {self.size}"
+            )
+        if self._fd is None:
+            raise ProtocolError(f"arena {self.name} has no private views")
+        if nbytes == 0:
+            return memoryview(bytearray(0))
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        m = mmap.mmap(
+            self._fd,
+            offset + nbytes - start,
+            flags=mmap.MAP_PRIVATE,
+            prot=mmap.PROT_READ | mmap.PROT_WRITE,
+            offset=start,
+        )
+        return np.frombuffer(m, dtype=np.uint8)[offset - start :].data
 
     def unlink(self) -> None:
         """Remove the name (the unit does so once it has mapped it; this is the fallback)."""
@@ -117,23 +158,45 @@ class Arena:
     def close(self) -> None:
         self.unlink()
         self.buf = np.empty(0, dtype=np.uint8)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         # Views handed out keep the mapping alive; it is unmapped when the last one goes.
         with contextlib.suppress(BufferError):
             self._map.close()
 
 
 class Placer:
-    """Copies buffers into an arena region, one after the other, while they fit."""
+    """Copies buffers into an arena region, one after the other, while they fit.
 
-    def __init__(self, name: str, region: np.ndarray, base: int = 0) -> None:
+    ``local``: ``(name, address, size)`` of arenas the receiver owns and can view (a
+    client's write arenas, on a read by that client): a buffer lying inside one is named
+    where it is, not copied.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        region: np.ndarray,
+        base: int = 0,
+        local: Sequence[tuple[str, int, int]] = (),
+    ) -> None:
         self.name = name
         self.region = region
         self.base = base  # offset of the region in the arena (what references name)
+        self.local = local
         self.used = 0  # bytes of the region taken (aligned)
         self.overflow = 0  # payload bytes that did not fit (they go as frames)
+        self.named = 0  # payload bytes named in the receiver's own arenas
 
     def __call__(self, raw: memoryview) -> list[str | int] | None:
         n = raw.nbytes
+        if self.local:
+            address = np.frombuffer(raw, dtype=np.uint8).ctypes.data
+            for name, start, size in self.local:
+                if start <= address and address + n <= start + size:
+                    self.named += n
+                    return [name, address - start]
         start = self.used
         if start + n > self.region.size:
             self.overflow += n
@@ -217,6 +280,16 @@ class Segments:
         kept = self._kept.get(name)
         return region.data if kept is None else kept.view(region)
 
+    def kept_ranges(self, names: Sequence[str]) -> list[tuple[str, int, int]]:
+        """``(name, address, size)`` of the write arenas among ``names`` (for a
+        :class:`Placer`'s ``local``); other names are ignored."""
+        out = []
+        for name in names:
+            kept = self._kept.get(name)
+            if kept is not None:
+                out.append((name, kept.buf.ctypes.data, kept.buf.size))
+        return out
+
     def seal(self, name: str) -> None:
         """The request that wrote from write arena ``name`` is over: once the views it left
         are gone, the arena is the client's again."""
@@ -284,67 +357,121 @@ class WriteArenas:
     unit may keep (ragged values adopted as views instead of copied) until the rows are gone.
 
     An arena's first byte is its flag (:data:`WRITE_HEADER`): the client sets it when it lends
-    the arena to a write, the unit clears it once it holds no view of the arena. Only free
-    arenas (flag clear) are lent again. ``max_bytes`` bounds them all. Used on the client's
-    I/O loop only.
+    the arena to a write, the unit clears it once it holds no view of it. A read by this
+    client of rows it wrote may come back as views of the arena itself (:meth:`view`: a
+    copy-on-write mapping of their own, so no copy anywhere, and a caller that modifies them
+    changes nothing stored and no other result). Only arenas that are free (flag clear) and
+    not held (no such view alive, no read in flight that may name it: :meth:`pin`) are lent
+    again.
+    ``max_bytes`` bounds them all. Lent, added and retired on the client's I/O loop; views
+    end on any thread.
     """
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self._arenas: list[Arena] = []
         self._retired: list[Arena] = []
+        self._by_name: dict[str, Arena] = {}
+        self._holds: dict[str, int] = {}  # views alive and reads in flight, per arena
+        self._lock = threading.RLock()  # (views may end inside a garbage collection run)
 
     @property
     def bytes(self) -> int:
         return sum(a.size for a in self._arenas)
 
-    @staticmethod
-    def _free(arena: Arena) -> bool:
-        return int(arena.buf[0]) == 0
+    def _free(self, arena: Arena) -> bool:
+        return int(arena.buf[0]) == 0 and not self._holds.get(arena.name)
 
     def lend(self, nbytes: int) -> Arena | None:
         """The smallest free arena with ``nbytes`` past its header, flagged as lent."""
-        fits = [a for a in self._arenas if a.size - WRITE_HEADER >= nbytes and self._free(a)]
-        if not fits:
-            return None
-        arena = min(fits, key=lambda a: a.size)
-        arena.buf[0] = 1
-        return arena
+        with self._lock:
+            fits = [a for a in self._arenas if a.size - WRITE_HEADER >= nbytes and self._free(a)]
+            if not fits:
+                return None
+            arena = min(fits, key=lambda a: a.size)
+            arena.buf[0] = 1
+            return arena
 
     def room_for(self, size: int) -> bool:
         """Whether a new arena of ``size`` fits the bound; retires free arenas (smallest
         first) to make room."""
-        used = self.bytes
-        for arena in sorted(self._arenas, key=lambda a: a.size):
-            if used + size <= self.max_bytes:
-                break
-            if self._free(arena):
-                self._arenas.remove(arena)
-                self._retired.append(arena)
-                used -= arena.size
-        return used + size <= self.max_bytes
+        with self._lock:
+            used = self.bytes
+            for arena in sorted(self._arenas, key=lambda a: a.size):
+                if used + size <= self.max_bytes:
+                    break
+                if self._free(arena):
+                    self._drop(arena)
+                    used -= arena.size
+            return used + size <= self.max_bytes
 
     def add(self, arena: Arena) -> Arena:
         """A newly attached arena, lent to the write at hand."""
-        arena.buf[0] = 1
-        self._arenas.append(arena)
-        return arena
+        with self._lock:
+            arena.buf[0] = 1
+            self._arenas.append(arena)
+            self._by_name[arena.name] = arena
+            return arena
 
     def retire(self, arena: Arena) -> None:
         """Never lend ``arena`` again (a write from it got no clean answer)."""
-        if arena in self._arenas:
-            self._arenas.remove(arena)
-            self._retired.append(arena)
+        with self._lock:
+            if arena in self._arenas:
+                self._drop(arena)
+
+    def _drop(self, arena: Arena) -> None:
+        self._arenas.remove(arena)
+        self._retired.append(arena)  # (views of it may still be made until it is handed out)
 
     def retired(self) -> list[Arena]:
-        out, self._retired = self._retired, []
-        return out
+        """Arenas no longer lent (the caller detaches them from the unit and closes them)."""
+        with self._lock:
+            out, self._retired = self._retired, []
+            for a in out:
+                self._by_name.pop(a.name, None)
+            return out
+
+    def pin(self) -> list[Arena]:
+        """Hold every arena the unit may hold rows in (flag set), for a read that may name
+        them; :meth:`unpin` once its reply is in."""
+        with self._lock:
+            held = [a for a in self._arenas if int(a.buf[0]) == 1]
+            for a in held:
+                self._holds[a.name] = self._holds.get(a.name, 0) + 1
+            return held
+
+    def unpin(self, arenas: Sequence[Arena]) -> None:
+        with self._lock:
+            for a in arenas:
+                self._release(a.name)
+
+    def view(self, name: str, offset: int, nbytes: int) -> memoryview | None:
+        """Bytes of write arena ``name`` (None: not one of these), copy-on-write (see
+        :meth:`Arena.private_view`); the arena is held until the view is gone."""
+        with self._lock:
+            arena = self._by_name.get(name)
+            if arena is None:
+                return None
+            mv = arena.private_view(offset, nbytes)
+            self._holds[name] = self._holds.get(name, 0) + 1
+        weakref.finalize(mv, self._release, name)
+        return mv
+
+    def _release(self, name: str) -> None:
+        with self._lock:
+            left = self._holds.get(name, 0) - 1
+            if left > 0:
+                self._holds[name] = left
+            else:
+                self._holds.pop(name, None)
 
     def close(self) -> list[Arena]:
-        out = self._arenas + self._retired
-        self._arenas, self._retired = [], []
-        self.max_bytes = 0
-        return out
+        with self._lock:
+            out = self._arenas + self._retired
+            self._arenas, self._retired = [], []
+            self._by_name.clear()
+            self.max_bytes = 0
+            return out
 
 
 class Loan:

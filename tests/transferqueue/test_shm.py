@@ -238,6 +238,17 @@ def test_bad_shared_memory_references_get_errors_and_the_unit_keeps_serving(
         )
         assert sock.poll(5000)
         assert msgpack.unpackb(sock.recv_multipart()[0])["e"][0] == "protocol"
+
+        def read(mine: object) -> dict:
+            rows = msgpack.ExtType(2, msgpack.packb(["<i8", [1], np.arange(1).tobytes()]))
+            args = {"indexes": rows, "fields": ["ids"], "mine": mine}
+            sock.send_multipart([msgpack.packb({"k": "read", "i": 9, "a": args})])
+            assert sock.poll(5000)
+            return msgpack.unpackb(sock.recv_multipart()[0])
+
+        assert read(5)["e"][0] == "protocol"  # 'mine' must name arenas
+        assert read([7, "x"])["e"][0] == "protocol"
+        assert "r" in read(["tq-0123456789abcdef-1", arena_name])  # not write arenas: ignored
     finally:
         sock.close()
         ctx.term()
@@ -303,14 +314,14 @@ def one_unit() -> Iterator[transferqueue.LocalService]:
 
 @contextlib.contextmanager
 def _session(
-    svc: transferqueue.LocalService, partition: str, **connect: int
+    svc: transferqueue.LocalService, partition: str, tasks: tuple[str, ...] = ("t",), **connect: int
 ) -> Iterator[tuple[TransferQueue, transferqueue.Client, RemoteUnitLink]]:
-    """A fresh connection to the one-unit service: the handle, a client with task ``t``
+    """A fresh connection to the one-unit service: the handle, a client with ``tasks``
     declared on ``partition``, and the link to the unit."""
     with transferqueue.connect(svc.address, **connect) as tq:
         tq.reset()
         client = tq.client()
-        client.declare_tasks(["t"], partition=partition)
+        client.declare_tasks(list(tasks), partition=partition)
         (link,) = _links(tq)
         yield tq, client, link
 
@@ -332,7 +343,10 @@ def test_reads_return_views_of_lent_arenas_that_later_reads_never_touch(
         kept = [_cycle(client, want, "a") for _ in range(4)]
         for got in kept[1:]:  # (the first read of a unit sizes its arenas)
             assert _lent_arena_of(got["x"], link) is not None  # a view: no copy on this side
-            assert _lent_arena_of(got["ids"].values, link) is not None
+        # ragged values come back as views of the write arena they were written from, which
+        # is not lent again while they are held
+        assert all(_lent_arena_of(g["ids"].values, link) is None for g in kept)
+        assert len(link._writes._holds) == len(kept) == len(link._writes._arenas)
         lent = [_lent_arena_of(g["x"], link) for g in kept[1:]]
         assert len(set(lent)) == len(lent)  # a held result's arena is never lent again
         for got in kept:  # results held while later reads ran are intact
@@ -340,13 +354,15 @@ def test_reads_return_views_of_lent_arenas_that_later_reads_never_touch(
         del got, kept
         gc.collect()
         assert link._reads._loans == {}  # every arena is back once its results are gone
+        assert link._writes._holds == {}
         pooled = len(link._reads._free)
+        writes = len(link._writes._arenas)
         for _ in range(10):  # steady state: results dropped between reads reuse the arenas
             _check(_cycle(client, want, "a"), want)
         assert len(link._reads._free) + len(link._reads._loans) == pooled
         # writes (ragged) went through write arenas, each lent again once its rows were freed
-        writes = len(link._writes._arenas)
-        assert 1 <= writes <= 3 and link._arena is None
+        # and no result viewed it
+        assert len(link._writes._arenas) == writes == 4 and link._arena is None
         assert _unit_stats(tq)[0]["shm_arenas"] == writes + pooled
 
 
@@ -486,6 +502,41 @@ def test_ragged_writes_stay_in_write_arenas_until_their_rows_are_freed(
             got = _cycle(client, want, "w")
             _check(got, want)
         assert {a.name for a in link._writes._arenas} == names
+
+
+def test_rows_read_back_by_their_writer_are_private_views_of_its_write_arena(
+    one_unit: transferqueue.LocalService,
+) -> None:
+    """A read of ragged rows this client wrote returns views of its own write arena (no copy
+    on either side); changing them in place changes nothing stored and no other result."""
+    with _session(one_unit, "own", tasks=("t", "u")) as (_, client, link):
+        want = _payload(64, 3)
+        client.put(want, group=0, partition="own")
+        meta = client.get_meta("t", list(want), 64, partition="own", timeout_s=10)
+        got = client.get_data(meta)
+        _check(got, want)
+        assert _lent_arena_of(got["ids"].values, link) is None  # not copied into a read arena
+        (held,) = link._writes._holds  # the write arena, held while viewed
+        got["ids"].values.fill_(-1)  # the caller changes its result in place
+        again = client.get_data(meta)  # the same rows, read again by the same client
+        _check(again, want)
+        with transferqueue.connect(one_unit.address) as other:  # another client: a copy
+            o = other.client()
+            theirs = o.get_meta("u", list(want), 64, partition="own", timeout_s=10)
+            _check(o.get_data(theirs), want)
+            o.ack(theirs)
+        client.ack(meta)  # every task is done: the rows are freed on the unit
+        _check(_cycle(client, _payload(64, 4), "own"), _payload(64, 4))
+        more = _payload(64, 5)
+        client.put(more, group=0, partition="own")  # while old views are held: another arena
+        assert bool((got["ids"].values == -1).all())
+        _check(again, want)
+        assert held in link._writes._holds
+        del got, again
+        gc.collect()
+        assert held not in link._writes._holds
+        meta = client.get_meta("t", list(more), 64, partition="own", timeout_s=10)
+        _check(client.get_data(meta), more)
 
 
 def test_writes_past_the_write_arena_bound_are_copied_and_intact(
