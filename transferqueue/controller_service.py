@@ -49,6 +49,7 @@ class ControllerService:
         self._space_waiters: set[asyncio.Future[None]] = set()
         self._timer: asyncio.Task[None] | None = None
         self._poke = asyncio.Event()
+        self._wake_at = 0.0  # loop time the lease timer wakes at next (unless poked)
         self._pending_frees: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
@@ -104,9 +105,19 @@ class ControllerService:
             self._apply(self.controller.expire())
             deadline = self.controller.next_deadline()
             wait = _MAX_TIMER_SLEEP_S if deadline is None else deadline - loop.time()
+            wait = max(0.0, min(wait, _MAX_TIMER_SLEEP_S))
             self._poke.clear()
+            self._wake_at = loop.time() + wait
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._poke.wait(), max(0.0, min(wait, _MAX_TIMER_SLEEP_S)))
+                await asyncio.wait_for(self._poke.wait(), wait)
+
+    def _leased(self, lease_s: Any) -> None:
+        """A lease was handed out: wake the timer if it ends before the timer wakes anyway
+        (most leases outlast the timer's longest sleep: no wake-up per batch)."""
+        if not isinstance(lease_s, int | float) or (
+            asyncio.get_running_loop().time() + lease_s < self._wake_at
+        ):
+            self._poke.set()
 
     @staticmethod
     def _remaining(deadline: float | None) -> float | None:
@@ -152,7 +163,7 @@ class ControllerService:
             meta, changes = ctl.poll(**poll_args, short_ok=False)
             self._apply(changes)
             if meta is not None and meta.lease_id is not None:
-                self._poke.set()
+                self._leased(args.get("lease_s", 60.0))
             return meta is not None, meta
         return False, None
 
@@ -261,7 +272,7 @@ class ControllerService:
             self._apply(changes)
             if meta is not None:
                 if meta.lease_id is not None:
-                    self._poke.set()
+                    self._leased(lease_s)
                 return meta
             fut = loop.create_future()
             self._waiters.setdefault(key, set()).add(fut)

@@ -217,6 +217,9 @@ class RpcServer:
             reply = await _encode(
                 wire.encode_reply, req_id, result.value, result.place, offload=result.offload
             )
+            if len(reply) == 1:  # every buffer went into shared memory: no frame to wait for
+                self._io.send([identity, *reply])
+                return
             # (a received frame cannot be tracked: the identity goes back as bytes)
             tracker = self._io.send([bytes(identity.bytes), *reply], track=True)
             wait = 0.001
