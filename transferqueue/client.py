@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from transferqueue.errors import SchemaError, UnknownFieldError
-from transferqueue.links import ControllerLink, UnitLink
+from transferqueue.links import ControllerLink, Staged, UnitLink
 from transferqueue.loop import LoopThread
 from transferqueue.memcpy import copy_rows, gather_rows, scatter_rows
 from transferqueue.meta import BatchMeta
@@ -86,6 +86,8 @@ class AsyncClient:
         # Names this client's puts to the controller, which keeps a producer's small puts on
         # one unit for a while (Controller._place).
         self._producer = secrets.token_hex(8)
+        self._last_unit: int | None = None  # the unit the last put's rows all went to
+        self._whole_bytes = 0  # the largest put the controller placed on one unit
 
     # -- writes ------------------------------------------------------------------------------
     async def put(
@@ -137,18 +139,23 @@ class AsyncClient:
         versions = _header(version, n, "version")
         lengths = _header(length, n, "length")
         if meta is None:
-            new = await self._ctl.allocate(
+            nbytes = _payload_nbytes(cols)
+            allocating = self._ctl.allocate(
                 n,
                 partition,
                 groups=_header(group, n, "group"),
                 versions=versions,
                 lengths=lengths,
                 timeout_s=timeout_s,
-                nbytes=_payload_nbytes(cols),
+                nbytes=nbytes,
                 producer=self._producer,
             )
+            new, staged = await self._allocate_staging(allocating, cols, nbytes)
             try:
-                await self._write_units(new, cols, col_specs, create=True)
+                if staged is not None:
+                    await staged[0].write_staged(new.indexes, staged[1], col_specs, create=True)
+                else:
+                    await self._write_units(new, cols, col_specs, create=True)
                 await self._ctl.commit(new.indexes, list(cols))
             except BaseException:
                 # Nothing of the put may stay half-written: free what units hold, undo rows.
@@ -179,6 +186,50 @@ class AsyncClient:
         if lengths is not None:
             meta.lengths = np.broadcast_to(np.asarray(lengths, dtype=np.int64), (n,)).copy()
         return meta
+
+    async def _allocate_staging(
+        self, allocating: Coroutine[Any, Any, BatchMeta], cols: Mapping[str, Column], nbytes: int
+    ) -> tuple[BatchMeta, tuple[UnitLink, Staged] | None]:
+        """The new rows, and the columns staged by the unit they went to (or None).
+
+        While the controller allocates, the columns are copied to where the unit this
+        client's last put went to will take them from (:meth:`UnitLink.stage`), when this
+        put can go there too: the controller keeps a producer's puts on its unit while the
+        units are balanced, and a put no larger than one it placed whole is placed whole.
+        """
+        last = self._last_unit
+        link = None if last is None or nbytes > self._whole_bytes else self._units.get(last)
+        if link is None or not link.stages(nbytes):
+            new = await allocating
+            self._placed(new, nbytes)
+            return new, None
+        pending = asyncio.ensure_future(allocating)
+        staged: Staged | None = None
+        try:
+            await asyncio.sleep(0)  # the allocate request goes out first
+            staged = await link.stage(cols)
+            new = await pending
+        except BaseException:
+            pending.cancel()
+            if staged is not None:
+                link.unstage(staged)
+            raise
+        self._placed(new, nbytes)
+        if staged is None:
+            return new, None
+        if self._last_unit != link.unit_id:  # placed elsewhere (or over several units)
+            link.unstage(staged)
+            return new, None
+        return new, (link, staged)
+
+    def _placed(self, new: BatchMeta, nbytes: int) -> None:
+        """Remember where the controller put this client's rows (see _allocate_staging)."""
+        units = new.units
+        if units.size and bool((units == units[0]).all()):
+            self._last_unit = int(units[0])
+            self._whole_bytes = max(self._whole_bytes, nbytes)
+        else:
+            self._last_unit = None
 
     async def _register(self, specs: Mapping[str, FieldSpec]) -> None:
         new = {k: v for k, v in specs.items() if self._schema.get(k) != v}

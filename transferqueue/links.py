@@ -16,6 +16,7 @@ import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
@@ -27,7 +28,7 @@ from transferqueue.ragged import Ragged
 from transferqueue.schema import Column, FieldSpec
 from transferqueue.storage import StorageUnit
 
-__all__ = ["ControllerLink", "LocalUnitLink", "UnitLink", "column_nbytes"]
+__all__ = ["ControllerLink", "LocalUnitLink", "Staged", "UnitLink", "column_nbytes"]
 
 T = TypeVar("T")
 
@@ -103,6 +104,16 @@ class ControllerLink(Protocol):
     async def reset(self) -> None: ...
 
 
+@dataclass
+class Staged:
+    """A put's columns copied to where a link sends them from, before the put's rows are
+    known (see :meth:`UnitLink.stage`); ``columns`` are views of that memory."""
+
+    columns: dict[str, Column]
+    nbytes: int  # tensor payload of the columns
+    token: Any  # the link's own record of where they lie
+
+
 class UnitLink(ABC):
     """One storage unit, as seen from a client."""
 
@@ -122,6 +133,25 @@ class UnitLink(ABC):
         *,
         create: bool,
     ) -> None: ...
+
+    def stages(self, nbytes: int) -> bool:
+        """Whether :meth:`stage` may take a put of ``nbytes`` of tensors."""
+        return False
+
+    async def stage(self, columns: Mapping[str, Column]) -> Staged | None:
+        """Copy a put's columns to where this link will send them from, while the put's rows
+        are still being allocated (the copy overlaps that round trip). Then either
+        :meth:`write_staged` or :meth:`unstage`. None: this link gains nothing by it."""
+        return None
+
+    async def write_staged(
+        self, indexes: np.ndarray, staged: Staged, specs: Mapping[str, FieldSpec], *, create: bool
+    ) -> None:
+        """``write`` of the columns :meth:`stage` returned."""
+        await self.write(indexes, staged.columns, specs, create=create)
+
+    def unstage(self, staged: Staged) -> None:  # noqa: B027 (nothing to give back here)
+        """Give back what :meth:`stage` took, unwritten."""
 
     @abstractmethod
     async def read(

@@ -20,7 +20,7 @@ import zmq.asyncio
 
 from transferqueue.errors import ClosedError, PeerGoneError, ProtocolError, TQError
 from transferqueue.handle import TransferQueue
-from transferqueue.links import OFFLOAD_BYTES, UnitLink, column_nbytes
+from transferqueue.links import OFFLOAD_BYTES, Staged, UnitLink, column_nbytes
 from transferqueue.loop import LoopThread
 from transferqueue.meta import BatchMeta
 from transferqueue.ragged import Ragged
@@ -35,6 +35,7 @@ from transferqueue.shm import (
     Placer,
     ReadArenas,
     WriteArenas,
+    align,
     new_token,
     shm_available,
 )
@@ -56,6 +57,11 @@ _WRITE_ARENA_MIN_BYTES = 1 << 20
 _SLACK_PER_BUFFER = 64  # alignment padding per placed buffer
 
 log = logging.getLogger(__name__)
+
+
+def _write_need(columns: Mapping[str, Column], nbytes: int) -> int:
+    """Arena bytes a write of ``columns`` (``nbytes`` of tensors) may take, padding included."""
+    return nbytes + _SLACK_PER_BUFFER * 2 * len(columns)
 
 
 class RemoteControllerLink:
@@ -204,6 +210,7 @@ class RemoteUnitLink(UnitLink):
     within the bound it goes through the request arena, and the unit copies. A read of ragged
     rows this client wrote from a write arena gets them named in that arena and returns
     copy-on-write views of it (:meth:`~transferqueue.shm.WriteArenas.view`): no copy at all.
+    A put can be staged into a write arena while its rows are allocated (:meth:`stage`).
     """
 
     def __init__(self, unit_id: int, rpc: RpcClient, *, shm_max_bytes: int = SHM_MAX_BYTES):
@@ -222,6 +229,7 @@ class RemoteUnitLink(UnitLink):
         # until the rows are gone (see WriteArenas).
         self._writes = WriteArenas(self.shm_max_bytes)
         self._creating = asyncio.Lock()
+        self.staged_writes = 0  # puts copied into a write arena while being allocated
         rpc.resolve = self._resolve
 
     @property
@@ -373,7 +381,7 @@ class RemoteUnitLink(UnitLink):
             "create": create,
         }
         nbytes = sum(column_nbytes(c) for c in columns.values())
-        need = nbytes + _SLACK_PER_BUFFER * 2 * len(columns)
+        need = _write_need(columns, nbytes)
         if any(isinstance(c, Ragged) for c in columns.values()):
             kept = await self._lend_write(need)
             if kept is not None:
@@ -395,12 +403,75 @@ class RemoteUnitLink(UnitLink):
         finally:
             self._done(arena, ok)
 
-    async def _write_kept(self, arena: Arena, args: dict[str, Any], nbytes: int) -> None:
+    def stages(self, nbytes: int) -> bool:
+        return self._writes.max_bytes > 0 and nbytes >= _WRITE_ARENA_MIN_BYTES
+
+    async def stage(self, columns: Mapping[str, Column]) -> Staged | None:
+        """Copy a ragged put's tensors into a write arena (see :meth:`UnitLink.stage`); None
+        when the put would not go through one, or none is free within the bound."""
+        if not any(isinstance(c, Ragged) for c in columns.values()):
+            return None
+        nbytes = sum(column_nbytes(c) for c in columns.values())
+        # (the unit may still hold the last put's rows: then a second arena is made, once)
+        arena = await self._lend_write(_write_need(columns, nbytes))
+        if arena is None:
+            return None
+        region = arena.buf[WRITE_HEADER:]
+        used = 0
+
+        def into_arena(t: torch.Tensor) -> torch.Tensor:
+            nonlocal used
+            n = t.numel() * t.element_size()
+            if n < SHM_MIN_BYTES:
+                return t  # small: it goes as a frame, as any small buffer does
+            dst = region[used : used + n]
+            if t.device.type == "cpu" and t.is_contiguous():  # (numpy: one plain memcpy)
+                dst[:] = t.reshape(-1).view(torch.uint8).numpy()
+                out = torch.from_numpy(dst).view(t.dtype).view(t.shape)
+            else:
+                out = torch.from_numpy(dst).view(t.dtype).view(t.shape)
+                out.copy_(t)
+            used = align(used + n)
+            return out
+
+        staged: dict[str, Column] = {}
+        for name, col in columns.items():
+            if isinstance(col, Ragged):
+                staged[name] = Ragged(into_arena(col.values), col.offsets)
+            elif isinstance(col, torch.Tensor):
+                staged[name] = into_arena(col)
+            else:
+                staged[name] = col
+        return Staged(staged, nbytes, (arena, used))
+
+    async def write_staged(
+        self, indexes: np.ndarray, staged: Staged, specs: Mapping[str, FieldSpec], *, create: bool
+    ) -> None:
+        arena, used = staged.token
+        self.staged_writes += 1
+        args = {
+            "indexes": indexes,
+            "columns": staged.columns,
+            "specs": {k: specs[k] for k in staged.columns},
+            "create": create,
+        }
+        await self._write_kept(arena, args, staged.nbytes, staged=used)
+
+    def unstage(self, staged: Staged) -> None:
+        self._writes.unlend(staged.token[0])
+
+    async def _write_kept(
+        self, arena: Arena, args: dict[str, Any], nbytes: int, *, staged: int = 0
+    ) -> None:
         """A write placed in a write arena; the unit clears the arena's flag once it holds
-        no view of it, and only then is the arena lent again."""
+        no view of it, and only then is the arena lent again. ``staged``: bytes at the
+        start of the arena's region already holding the columns' buffers (they are named
+        where they lie; other buffers are placed after them)."""
         args["shm"] = True
         args["keep"] = arena.name
-        place = Placer(arena.name, arena.buf[WRITE_HEADER:], base=WRITE_HEADER)
+        base = WRITE_HEADER + staged
+        local = [(arena.name, arena.buf.ctypes.data, arena.size)] if staged else []
+        place = Placer(arena.name, arena.buf[base:], base=base, local=local)
         try:
             await self.rpc.call("write", args, place=place, offload=nbytes >= OFFLOAD_BYTES)
         except TQError:

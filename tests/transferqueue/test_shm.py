@@ -572,3 +572,62 @@ def test_a_write_the_unit_refuses_retires_its_arena_and_the_unit_lets_go(
         want = _payload(32, 7)
         client.declare_tasks(["t"], partition="u")
         _check(_cycle(client, want, "u"), want)  # and it keeps serving
+
+
+# -- staged puts: copied into a write arena while the controller allocates their rows ---------
+def test_puts_are_staged_where_the_last_put_went_while_their_rows_are_allocated() -> None:
+    with (
+        transferqueue.serve(num_units=1, capacity_rows=200) as svc,
+        _session(svc, "st") as (_, client, link),
+    ):
+        first = _payload(160, 1)  # larger than the puts below: they are placed whole too
+        _check(_cycle(client, first, "st"), first)
+        assert link.staged_writes == 0  # nothing known yet of where this client's puts go
+        held = [_payload(96, seed) for seed in (2, 3)]
+        for want in held:
+            client.put(want, group=0, partition="st")
+        assert link.staged_writes == 2
+        with pytest.raises(transferqueue.CapacityError):  # 192 rows live: no room for 96
+            client.put(held[0], group=0, partition="st", timeout_s=0.2)
+        assert link.staged_writes == 2  # staged, never written: the arena was given back
+        for want in held:
+            meta = client.get_meta("t", list(want), 96, partition="st", timeout_s=10)
+            _check(client.get_data(meta), want)
+            client.ack(meta)
+        _wait_released(link)  # no arena is left lent to a put that never went out
+        huge = {"ids": [torch.arange(n, dtype=torch.int32) for n in range(2000, 2096)]}
+        huge["wide"] = torch.randn(96, 3 * 4096)  # more than any put placed whole so far
+        client.declare_tasks(["t"], partition="big")
+        client.put(huge, group=0, partition="big")
+        assert link.staged_writes == 2
+        meta = client.get_meta("t", ["ids", "wide"], 96, partition="big", timeout_s=10)
+        got = client.get_data(meta)
+        assert torch.equal(got["wide"], huge["wide"])
+        assert all(torch.equal(a, b) for a, b in zip(got["ids"].unbind(), huge["ids"], strict=True))
+
+
+def test_a_put_staged_for_one_unit_but_placed_on_another_is_written_there_intact() -> None:
+    """The controller moves a producer to the least loaded unit once its own holds
+    ``spread_bytes`` more: the put staged for the old unit is given back and sent anew."""
+    with (
+        transferqueue.serve(num_units=2, spread_bytes=3 << 20) as svc,
+        transferqueue.connect(svc.address) as tq,
+    ):
+        client = tq.client()
+        client.declare_tasks(["t"], partition="mv")
+        base = _payload(96, 0)  # ~2.2 MB; then the same sizes, other values
+        wants = [
+            {"x": base["x"] + k, "ids": [t + k for t in base["ids"]], "tag": base["tag"]}
+            for k in range(3)
+        ]
+        metas = [client.put(want, group=0, partition="mv") for want in wants]
+        units = [int(m.units[0]) for m in metas]
+        assert units[0] == units[1] != units[2]  # moved on once 4.4 MB were held
+        links = _links(tq)
+        assert links[units[0]].staged_writes == 1 and links[units[2]].staged_writes == 0
+        for want in wants:
+            meta = client.get_meta("t", list(want), 96, partition="mv", timeout_s=10)
+            _check(client.get_data(meta), want)
+            client.ack(meta)
+        for link in links:
+            _wait_released(link)
