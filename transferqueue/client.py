@@ -18,6 +18,7 @@ lease fails before anything is written) and acknowledges it in the commit.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
 from typing import Any
@@ -210,9 +211,12 @@ class AsyncClient:
             staged = await link.stage(cols)
             new = await pending
         except BaseException:
-            pending.cancel()
             if staged is not None:
                 link.unstage(staged)
+            if pending.done() and not pending.cancelled() and pending.exception() is None:
+                with contextlib.suppress(Exception):  # rows allocated for nothing: undo them
+                    await self._ctl.discard(pending.result().indexes)
+            pending.cancel()
             raise
         self._placed(new, nbytes)
         if staged is None:

@@ -631,3 +631,28 @@ def test_a_put_staged_for_one_unit_but_placed_on_another_is_written_there_intact
             client.ack(meta)
         for link in links:
             _wait_released(link)
+
+
+def test_a_put_whose_staging_fails_undoes_its_rows_and_gives_the_arena_back(
+    one_unit: transferqueue.LocalService,
+) -> None:
+    with _session(one_unit, "sf") as (_, client, link):
+        want = _payload(96, 7)
+        _check(_cycle(client, want, "sf"), want)
+        real_stage = link.stage
+
+        async def failing_stage(columns: dict) -> object:
+            staged = await real_stage(columns)
+            await asyncio.sleep(0.05)  # the rows are allocated meanwhile
+            link.unstage(staged)  # type: ignore[arg-type]
+            raise RuntimeError("staging failed")
+
+        link.stage = failing_stage  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="staging failed"):
+            client.put(want, group=0, partition="sf")
+        link.stage = real_stage  # type: ignore[method-assign]
+        live = client.stats()["controller"]["partitions"]["sf"]["rows_live"]
+        assert live == 0  # allocated, then undone
+        _check(_cycle(client, want, "sf"), want)
+        assert link.staged_writes == 1
+        _wait_released(link)
