@@ -180,6 +180,8 @@ def _normalize(name: str, value: Any, known: FieldSpec | None) -> tuple[Column, 
         return _tensor_column(name, value, known)
     if isinstance(value, Ragged):
         spec = FieldSpec.ragged(_dtype_of(name, value.dtype), value.inner_shape)
+        if value.values.device.type != "cpu" or value.offsets.device.type != "cpu":
+            value = Ragged(value.values.detach().cpu(), value.offsets.cpu())  # (as dense ones)
         return value, _check(name, spec, known)
     if isinstance(value, np.ndarray):
         value = value.tolist()

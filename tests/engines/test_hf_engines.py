@@ -267,3 +267,48 @@ def test_empty_responses_are_scored_and_trained_without_error(
         metrics = trainer.forward_backward(batch, loss_scale=0.25)
         assert metrics["num_tokens"] == sum(int(r.numel()) for r in batch_responses)
     assert trainer.optimizer_step()["version"] == 1.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_engines_on_cuda_agree_with_cpu_and_train_along_the_advantage(
+    tiny_model: PreTrainedModel, prompts: list[torch.Tensor]
+) -> None:
+    """The same engines on a GPU: generation log-probs equal scoring's, one gradient equals
+    the CPU's, and training moves log-probs along the advantage."""
+    gen = HFGenerationEngine(copy.deepcopy(tiny_model), device="cuda", seed=0)
+    params = SamplingParams(max_new_tokens=8, temperature=0.9, seed=3)
+    gens = gen.generate_sync(prompts * 2, params)
+    assert all(g.token_ids.device.type == "cpu" for g in gens)
+    scored = HFScoringEngine(tiny_model, temperature=0.9, device="cuda").logprobs(
+        prompts * 2, [g.token_ids for g in gens]
+    )
+    assert _max_diff(gens, [s.cpu() for s in scored]) < 1e-4
+    gen.close()
+
+    batch = _batch(tiny_model, prompts, temperature=0.8)  # generated on the CPU
+    grads = []
+    for device in ("cpu", "cuda"):
+        trainer = HFTrainingEngine(
+            copy.deepcopy(tiny_model), config=HFTrainingConfig(temperature=0.8), device=device
+        )
+        trainer.forward_backward(batch, loss_scale=0.125)
+        grads.append(torch.cat([p.grad.flatten().cpu() for p in trainer.model.parameters()]))
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-5, rtol=1e-3)
+
+    scorer = HFScoringEngine(tiny_model, temperature=0.8)
+    before = torch.stack([s.sum() for s in scorer.logprobs(batch.prompt_ids, batch.response_ids)])
+    trainer = HFTrainingEngine(
+        copy.deepcopy(tiny_model), config=HFTrainingConfig(lr=1e-3, temperature=0.8), device="cuda"
+    )
+    for _ in range(3):
+        trainer.forward_backward(batch, loss_scale=1.0 / len(batch))
+        assert trainer.optimizer_step()["grad_norm"] > 0
+    trained = copy.deepcopy(tiny_model)
+    trained.load_state_dict(trainer.state_dict())  # (copied from the device)
+    after_scorer = HFScoringEngine(trained, temperature=0.8)
+    after = torch.stack(
+        [s.sum() for s in after_scorer.logprobs(batch.prompt_ids, batch.response_ids)]
+    )
+    positive = batch.advantages > 0
+    assert ((after - before)[positive] > 0).all() and ((after - before)[~positive] < 0).all()
