@@ -72,6 +72,7 @@ def deploy(request: pytest.FixtureRequest) -> Iterator[Deploy]:
             h = transferqueue.start(num_units=2, **options)  # type: ignore[arg-type]
         elif set(options) - {"spread_bytes"}:
             if kind == "ray":
+                request.getfixturevalue("ray_cluster")  # (skips without ray; starts it once)
                 from transferqueue.ray_deploy import start_on_ray
 
                 h = start_on_ray(num_units=2, **options)  # type: ignore[arg-type]
