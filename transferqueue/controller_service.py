@@ -303,6 +303,10 @@ class ControllerService:
         await _gather(self._apply(self.controller.clear(partition)))
 
     async def stats(self) -> dict[str, Any]:
+        # Frees already decided are awaited first, so that a caller that reads the units'
+        # stats after these sees their payload dropped (not a free still on the wire).
+        if self._pending_frees:
+            await asyncio.gather(*self._pending_frees, return_exceptions=True)
         return self.controller.stats()
 
     async def reset(self) -> None:
