@@ -29,11 +29,19 @@ works: a continuation is an ordinary prompt.
 
 Load: an engine that reports ``in_flight`` (sequences accepted and not finished) is routed by
 it; otherwise by the samples of the adapter's calls in flight on it.
+
+Instances may live in other processes (``asyncflow.deploy``): a proxy whose instance died
+raises :class:`InstanceLostError`, and the batch (still leased) is generated again on another
+eligible instance, as is a batch that came back from an instance older than its bound (one
+that restarted with its initial weights between routing and the call). Every returned sample
+is checked against the batch's version bound, so the staleness bound holds whatever happens
+to instances.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -45,11 +53,37 @@ import torch
 
 from adapters.base import Adapter, StageOutput
 from adapters.ranker import LengthRanker
-from engines.protocols import Generation, GenerationEngine, SamplingParams
+from engines.protocols import Generation, SamplingParams
 from transferqueue import BatchMeta, Ragged
 from transferqueue.schema import Column
 
-__all__ = ["LeastLoadedRouter", "LengthAwareRouter", "RolloutAdapter", "Router"]
+__all__ = [
+    "GenerationInstance",
+    "InstanceLostError",
+    "LeastLoadedRouter",
+    "LengthAwareRouter",
+    "RolloutAdapter",
+    "Router",
+]
+
+log = logging.getLogger(__name__)
+
+
+class InstanceLostError(RuntimeError):
+    """A generation instance is gone (its process died) or came back with weights older than
+    the batch it was given; the rollout adapter generates the batch elsewhere."""
+
+
+class GenerationInstance(Protocol):
+    """What the rollout adapter needs of an instance: a generation engine, or a proxy of one
+    in another process. ``in_flight`` (sequences accepted, not finished) is optional."""
+
+    @property
+    def version(self) -> int: ...
+
+    async def generate(
+        self, prompts: Sequence[torch.Tensor], params: SamplingParams
+    ) -> list[Generation]: ...
 
 
 class Router(Protocol):
@@ -155,7 +189,7 @@ class RolloutAdapter(Adapter):
 
     def __init__(
         self,
-        engine: GenerationEngine | Sequence[GenerationEngine],
+        engine: GenerationInstance | Sequence[GenerationInstance],
         params: SamplingParams,
         *,
         batch_size: int = 16,
@@ -168,6 +202,7 @@ class RolloutAdapter(Adapter):
         migrate_after: int = 0,
         on_demand: Callable[[int], None] | None = None,
         on_done: Callable[[], None] | None = None,
+        max_retries: int = 3,
     ) -> None:
         self.engines = list(engine) if isinstance(engine, Sequence) else [engine]
         if not self.engines:
@@ -194,14 +229,30 @@ class RolloutAdapter(Adapter):
         """Called after every engine call returns (an instance may now be idle)."""
         self.migrated = 0
         """Samples continued on another instance after the migration budget."""
+        self.max_retries = max_retries
+        self.retries = 0
+        """Batches generated again because their instance was lost."""
 
     async def process(self, meta: BatchMeta, cols: dict[str, Column]) -> StageOutput:
+        attempt = 0
+        while True:
+            try:
+                return await self._process(meta, cols)
+            except InstanceLostError as e:
+                attempt += 1
+                self.retries += 1
+                if attempt > self.max_retries:
+                    raise
+                log.warning("rollout: %s; generating the batch again (retry %d)", e, attempt)
+
+    async def _process(self, meta: BatchMeta, cols: dict[str, Column]) -> StageOutput:
         prompts = cols["prompt_ids"]
         if not isinstance(prompts, Ragged):
             raise TypeError(f"prompt_ids must be a ragged column, got {type(prompts).__name__}")
         prompt_lens = prompts.lengths.numpy()
         predicted = float(np.mean(np.maximum(meta.lengths - prompt_lens, 0))) if len(meta) else 0
-        eligible = await self._eligible(cols)
+        need = self._need(cols)
+        eligible = await self._eligible(need)
         k = self.router.choose(self._loads(), predicted, eligible, len(prompts))
         ids = [p.long() for p in prompts.unbind()]
         budget = self.migrate_after
@@ -211,7 +262,13 @@ class RolloutAdapter(Adapter):
         gens = await self._generate(k, ids, first)
         spans = [(f"instance{k}", t0, time.perf_counter())]
         if migrating:
-            gens = await self._continue(ids, gens, cols, spans)
+            gens = await self._continue(ids, gens, need, spans)
+        stale = [g.version for g in gens if g.version < need]
+        if stale:
+            raise InstanceLostError(
+                f"instance {k} returned samples of weights version {min(stale)} for a batch "
+                f"that needs {need} (it restarted with older weights)"
+            )
         response_lens = np.array([int(g.token_ids.numel()) for g in gens], dtype=np.int64)
         if self.ranker is not None:
             self._observe(meta, prompts, response_lens)
@@ -254,7 +311,7 @@ class RolloutAdapter(Adapter):
         self,
         prompts: list[torch.Tensor],
         gens: list[Generation],
-        cols: dict[str, Column],
+        need: int,
         spans: list[tuple[str, float, float]],
     ) -> list[Generation]:
         """Continue the samples cut by the migration budget on a long instance."""
@@ -266,7 +323,7 @@ class RolloutAdapter(Adapter):
         ]
         if not cut:
             return gens
-        eligible = await self._eligible(cols)
+        eligible = await self._eligible(need)
         choose = getattr(self.router, "choose_continuation", _LEAST_LOADED.choose_continuation)
         k = choose(self._loads(), eligible, len(cut))
         rest = replace(self.params, max_new_tokens=self.params.max_new_tokens - budget)
@@ -286,14 +343,17 @@ class RolloutAdapter(Adapter):
             )
         return out
 
-    async def _eligible(self, cols: dict[str, Column]) -> list[int]:
-        """Instances whose weights are recent enough for every row (waits until one is)."""
+    def _need(self, cols: dict[str, Column]) -> int:
+        """The oldest weights version allowed to generate every row of the batch (-1: any)."""
         if self.version_field is None:
-            return list(range(len(self.engines)))
+            return -1
         bound = cols[self.version_field]
         if not isinstance(bound, torch.Tensor):
             raise TypeError(f"{self.version_field} must be a dense integer column")
-        need = int(bound.max()) if bound.numel() else -1
+        return int(bound.max()) if bound.numel() else -1
+
+    async def _eligible(self, need: int) -> list[int]:
+        """Instances whose weights are recent enough for every row (waits until one is)."""
         t0 = time.perf_counter()
         while True:
             ok = [i for i, e in enumerate(self.engines) if e.version >= need]

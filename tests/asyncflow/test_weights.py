@@ -1,4 +1,8 @@
-"""Weight sync policies: when generators take published weights."""
+"""Weight sync policies (the registry) and the generator hosts that follow them.
+
+Waits are on events the code under test sets (an engine's ``update_weights`` call, a
+registry change), each bounded generously; no assertion depends on how fast the machine is.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +12,12 @@ from collections.abc import Mapping, Sequence
 import pytest
 import torch
 
-from asyncflow.weights import WeightSync
-from engines import Generation, SamplingParams
+from asyncflow.deploy.local import InProcessWeights
+from asyncflow.hosts import GeneratorHost, check_engine
+from asyncflow.registry import Registry
+from engines import Generation, GenerationEngine, SamplingParams
+
+BOUND_S = 10.0
 
 
 class _Engine:
@@ -20,6 +28,8 @@ class _Engine:
         self.in_flight = in_flight
         self.drain_tokens = running_tokens
         self.updated: list[int] = []
+        self.states: list[Mapping[str, torch.Tensor]] = []
+        self.changed = asyncio.Event()
 
     async def generate(
         self, prompts: Sequence[torch.Tensor], params: SamplingParams
@@ -29,26 +39,66 @@ class _Engine:
     async def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         self.version = version
         self.updated.append(version)
+        self.states.append(state)
+        self.changed.set()
 
 
-async def _settle() -> None:
-    for _ in range(20):
+async def _until(cond: object, what: str) -> None:
+    """Wait (bounded) until ``cond()`` holds; the hosts' followers run meanwhile."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + BOUND_S
+    while not cond():  # type: ignore[operator]
+        if loop.time() > deadline:
+            raise AssertionError(f"not within {BOUND_S} s: {what}")
         await asyncio.sleep(0.005)
 
 
-def test_eager_updates_every_generator_at_once() -> None:
-    async def go() -> list[_Engine]:
-        engines = [_Engine(in_flight=5), _Engine(in_flight=0)]
-        sync = WeightSync(0, policy="eager")
-        for e in engines:
-            sync.register(e)
-        sync.start()
-        sync.publish({}, 1)
-        await _settle()
-        await sync.close()
-        return engines
+async def _quiet(registry: Registry) -> None:
+    """Let every follower look at the current state (two full poll rounds of the registry)."""
+    for _ in range(2):
+        registry.poke()
+        await asyncio.sleep(registry.poll_s * 2)
 
-    assert [e.updated for e in asyncio.run(go())] == [[1], [1]]
+
+class _Run:
+    """A registry, in-process weights and one host per engine, with followers running."""
+
+    def __init__(self, engines: list[_Engine], policy: str) -> None:
+        self.registry = Registry(0, policy=policy, poll_s=0.01)
+        self.weights = InProcessWeights()
+        self.hosts = [
+            GeneratorHost(f"g{i}", e, self.registry, self.weights) for i, e in enumerate(engines)
+        ]
+        self.tasks: list[asyncio.Task[None]] = []
+
+    async def __aenter__(self) -> _Run:
+        for h in self.hosts:
+            await h.start()
+        self.tasks = [asyncio.ensure_future(h.run()) for h in self.hosts]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    async def publish(self, version: int) -> dict[str, torch.Tensor]:
+        state = {"w": torch.full((2,), float(version))}
+        self.weights.publish(state, version)
+        await self.registry.publish(version)
+        return state
+
+
+def test_eager_updates_every_generator_at_once() -> None:
+    async def go() -> None:
+        engines = [_Engine(in_flight=5), _Engine(in_flight=0)]
+        async with _Run(engines, "eager") as run:
+            state = await run.publish(1)
+            await _until(lambda: all(e.updated == [1] for e in engines), "both updated")
+            assert all(e.states[0] is state for e in engines)  # handed over, not copied
+            assert await run.registry.oldest_generator_version() == 1
+
+    asyncio.run(go())
 
 
 def test_on_demand_updates_idle_generators_and_one_busy_one_per_demand() -> None:
@@ -56,53 +106,129 @@ def test_on_demand_updates_idle_generators_and_one_busy_one_per_demand() -> None
         busy_old = _Engine(in_flight=3, running_tokens=900)  # a long-running sample
         busy_young = _Engine(in_flight=8, running_tokens=40)
         idle = _Engine(in_flight=0)
-        sync = WeightSync(0, policy="on_demand", poll_s=0.01)
-        for e in (busy_old, busy_young, idle):
-            sync.register(e)
-        sync.start()
-        sync.publish({}, 1)
-        await _settle()
-        # nothing to drain on the idle one: it takes the weights; the busy ones keep going
-        assert (busy_old.updated, busy_young.updated, idle.updated) == ([], [], [1])
-        sync.demand(1)  # a generator holds version 1 already: no busy one is disturbed
-        await _settle()
-        assert busy_old.updated == busy_young.updated == []
-        idle.in_flight = 4
-        idle.drain_tokens = 2000
-        sync.publish({}, 2)
-        await _settle()
-        assert idle.updated == [1]  # busy now: waits
-        sync.demand(2)  # work needs version 2 and nobody has it: the one that drains soonest
-        await _settle()
-        assert (busy_young.updated, busy_old.updated, idle.updated) == ([2], [], [1])
-        busy_old.in_flight = 0  # its samples finished: idle, so it catches up on its own
-        sync.poke()
-        await _settle()
-        assert busy_old.updated == [2]
-        assert sync.newest_generator_version() == 2 and sync.generator_version() == 1
-        assert len(sync.adoption_s) == 2
-        await sync.close()
+        async with _Run([busy_old, busy_young, idle], "on_demand") as run:
+            reg = run.registry
+            await run.publish(1)
+            # nothing to drain on the idle one: it takes the weights; the busy ones keep going
+            await _until(lambda: idle.updated == [1], "idle generator updated")
+            await _quiet(reg)
+            assert (busy_old.updated, busy_young.updated) == ([], [])
+            reg.demand(1)  # a generator holds version 1 already: no busy one is disturbed
+            await _quiet(reg)
+            assert busy_old.updated == busy_young.updated == []
+            idle.in_flight = 4
+            idle.drain_tokens = 2000
+            await run.publish(2)
+            await _quiet(reg)
+            assert idle.updated == [1]  # busy now: waits
+            reg.demand(2)  # work needs version 2 and nobody has it: the one that drains soonest
+            await _until(lambda: busy_young.updated == [2], "the quickest to drain updated")
+            await _quiet(reg)
+            assert (busy_old.updated, idle.updated) == ([], [1])
+            busy_old.in_flight = 0  # its samples finished: idle, so it catches up on its own
+            await _until(lambda: busy_old.updated == [2], "the now idle generator caught up")
+            assert await reg.newest_generator_version() == 2
+            assert await reg.oldest_generator_version() == 1
+            assert len(reg.adoption_s) == 2
 
     asyncio.run(go())
 
 
 def test_unknown_policy_is_rejected() -> None:
     with pytest.raises(ValueError, match="policy"):
-        WeightSync(0, policy="lazy")
+        Registry(0, policy="lazy")
 
 
 def test_publish_wakes_a_waiting_feeder_at_once() -> None:
     """The feeder waits on ``wait_changed`` while it may not admit; new weights must wake it
     (it then demands them) rather than leave it asleep until its timeout."""
 
-    async def go() -> float:
-        sync = WeightSync(0, policy="on_demand")
-        sync.register(_Engine(in_flight=3, running_tokens=500))
-        waiter = asyncio.ensure_future(sync.wait_changed(timeout_s=5.0))
-        await asyncio.sleep(0.01)
-        t0 = asyncio.get_running_loop().time()
-        sync.publish({}, 1)
-        await waiter
-        return asyncio.get_running_loop().time() - t0
+    async def go() -> int:
+        reg = Registry(0, policy="on_demand")
+        _, _, seen = await reg.admission_view()
+        waiter = asyncio.ensure_future(reg.wait_changed(seen, timeout_s=60.0))
+        await asyncio.sleep(0)
+        await reg.publish(1)
+        return await asyncio.wait_for(waiter, BOUND_S)  # long before the 60 s timeout
 
-    assert asyncio.run(go()) < 0.5
+    assert asyncio.run(go()) == 1
+
+
+def test_a_change_between_view_and_wait_is_not_missed() -> None:
+    """With the registry in another process, the feeder's view and its wait are two calls;
+    a publish in between must end the wait at once."""
+
+    async def go() -> int:
+        reg = Registry(0)
+        _, _, seen = await reg.admission_view()
+        await reg.publish(1)  # lands before the wait begins
+        return await asyncio.wait_for(reg.wait_changed(seen, timeout_s=60.0), BOUND_S)
+
+    assert asyncio.run(go()) == 1
+
+
+def test_a_restarted_generator_registers_with_its_own_weights_and_counts_a_restart() -> None:
+    async def go() -> None:
+        reg = Registry(0)
+        await reg.register("g0", 0)
+        await reg.report("g0", version=5)
+        assert await reg.newest_generator_version() == 5
+        assert await reg.register("g0", 0) == 1  # a new incarnation, back at its initial weights
+        assert await reg.newest_generator_version() == 0  # never the dead one's version
+        assert (await reg.stats())["restarts"] == {"g0": 1}
+
+    asyncio.run(go())
+
+
+def test_registry_watch_returns_new_state_after_a_report() -> None:
+    async def go() -> None:
+        reg = Registry(0)
+        await reg.register("g0", 0)
+        seq, snap = await reg.watch(-1, timeout_s=1.0)
+        assert snap == {"g0": (0, 0)}
+        waiter = asyncio.ensure_future(reg.watch(seq, timeout_s=60.0))
+        await asyncio.sleep(0)
+        await reg.report("g0", version=3, in_flight=7)
+        seq2, snap2 = await asyncio.wait_for(waiter, BOUND_S)
+        assert seq2 > seq and snap2 == {"g0": (3, 7)}
+
+    asyncio.run(go())
+
+
+class _BrokenUpdate(_Engine):
+    async def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        raise RuntimeError("weights do not fit the model")
+
+
+def test_an_update_that_raises_ends_the_host_with_that_error() -> None:
+    """A follower error must reach the supervisor (the run), never hang a later step."""
+
+    async def go() -> None:
+        async with _Run([_BrokenUpdate()], "eager") as run:
+            await run.publish(1)
+            with pytest.raises(RuntimeError, match="weights do not fit"):
+                await asyncio.wait_for(run.tasks[0], BOUND_S)
+
+    asyncio.run(go())
+
+
+class _NoUpdate:
+    version = 0
+
+    async def generate(
+        self, prompts: Sequence[torch.Tensor], params: SamplingParams
+    ) -> list[Generation]:
+        return []
+
+
+class _SyncUpdate(_NoUpdate):
+    def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        pass
+
+
+def test_engines_are_checked_against_their_protocol_at_start() -> None:
+    with pytest.raises(TypeError, match=r"rollout engine _NoUpdate lacks update_weights"):
+        check_engine(_NoUpdate(), GenerationEngine, "rollout")
+    with pytest.raises(TypeError, match=r"update_weights with 'async def'"):
+        check_engine(_SyncUpdate(), GenerationEngine, "rollout")
+    check_engine(_Engine(), GenerationEngine, "rollout")  # a complete engine passes

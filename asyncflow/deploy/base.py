@@ -1,0 +1,90 @@
+"""What a deployment of the workflow gives the driver.
+
+The driver (``asyncflow.workflow``) is the run's single controller, as in LlamaRL: it owns the
+prompt feeder (admission control under the staleness bound), takes the trainer's step reports
+and writes the run's records. Where the stages run is the deployment's business:
+
+| deployment          | stages                                   | registry             |
+|---------------------|------------------------------------------|----------------------|
+| ``local``           | asyncio tasks in the driver's process    | an object in the     |
+|                     |                                          | driver               |
+| ``ray``             | one Ray actor per stage instance, each   | a small coordinator  |
+|                     | with the resources its config names      | actor                |
+
+Sample data never passes through the driver in either: every stage reads and writes
+TransferQueue itself. What the driver gets from a deployment is small: a TransferQueue client
+(for the feeder's puts and the queue stats), the registry the feeder reads, length predictions
+for the feeder when the rollout ranks prompts, and the step reports.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from adapters import StepReport
+from asyncflow.feeder import AdmissionState, Predictor
+from asyncflow.metrics import Timeline
+from engines.tasks import Task
+from transferqueue import AsyncClient
+
+__all__ = ["Deployment", "Job"]
+
+Job = Callable[[], Coroutine[Any, Any, None]]
+"""A long-running part of a run (a stage, a weight follower); the driver supervises it: if it
+raises, the run stops with a :class:`~asyncflow.stage.StageError` naming it."""
+
+
+class Deployment(ABC):
+    """Where a run's stages live. Used by the driver as ``async with``."""
+
+    client: AsyncClient
+    """The driver's TransferQueue client."""
+    registry: AdmissionState
+    """Generator versions for admission control."""
+    timeline: Timeline
+    """The run's timeline (stage hosts elsewhere merge theirs into it, see :meth:`collect`)."""
+    task: Task
+    tokenizer: Any
+
+    @property
+    def predict(self) -> Predictor | None:
+        """Predicted response lengths for the feeder (None without a ranker)."""
+        return None
+
+    @abstractmethod
+    async def open(self) -> None:
+        """Start TransferQueue, the registry and every stage host (engines loaded)."""
+
+    @abstractmethod
+    def jobs(self) -> dict[str, Job]:
+        """The parts the driver runs and supervises, by name (stages, followers)."""
+
+    @abstractmethod
+    async def next_report(self) -> StepReport:
+        """Wait for the next finished train step (its weights already published)."""
+
+    @abstractmethod
+    async def collect(self) -> dict[str, dict[str, float]]:
+        """Merge what stage hosts recorded since the last call into :attr:`timeline`; returns
+        per stage the means of its adapters' metrics over that time."""
+
+    @abstractmethod
+    async def summary(self) -> dict[str, Any]:
+        """End-of-run counters (weight updates, restarts, ...)."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Stop every stage host and TransferQueue (idempotent)."""
+
+    async def __aenter__(self) -> Deployment:
+        try:
+            await self.open()
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,235 @@
+"""``deploy=local``: every stage an asyncio task in the driver's process.
+
+Engines are built in the driver (or given as :class:`~asyncflow.build.Components`); the stages
+share one TransferQueue client (embedded by default, or a local service); the generator
+registry is a plain object on the driver's loop that reads the engines live; weights go from
+trainer to generators in memory (the trainer's ``state_dict()`` copy, no other copy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+import transferqueue
+from adapters import Adapter, LengthRanker, StepReport
+from asyncflow import stages
+from asyncflow.build import Components, EngineFactories, build_components
+from asyncflow.config import RunConfig
+from asyncflow.deploy.base import Deployment, Job
+from asyncflow.hosts import GeneratorHost, check_engine
+from asyncflow.metrics import Timeline
+from asyncflow.registry import Registry
+from asyncflow.stage import StageRunner
+from engines.protocols import ScoringEngine, TrainingEngine
+
+__all__ = ["LocalDeployment", "open_transferqueue"]
+
+
+def open_transferqueue(
+    cfg: RunConfig,
+) -> tuple[transferqueue.TransferQueue, transferqueue.LocalService | None]:
+    """TransferQueue as ``transferqueue.mode`` says: embedded, a local service, or a running
+    service at ``transferqueue.address``."""
+    tqc = cfg.transferqueue
+    if tqc.mode in ("embedded", "auto"):
+        return transferqueue.start(num_units=tqc.num_units), None
+    if tqc.mode == "service":
+        service = transferqueue.serve(num_units=tqc.num_units)
+        try:
+            return transferqueue.connect(service.address), service
+        except BaseException:
+            service.close()
+            raise
+    assert tqc.address is not None
+    return transferqueue.connect(tqc.address), None
+
+
+class InProcessWeights:
+    """Published weights handed over in memory (trainer and generators share a process).
+
+    Keeps the newest version only: a generator always jumps to the newest, and versions it
+    missed while busy are never loaded.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Condition()
+        self._version = -1
+        self._state: Mapping[str, torch.Tensor] = {}
+
+    def publish(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        with self._lock:
+            if version <= self._version:
+                raise ValueError(f"published version {version} is not newer than {self._version}")
+            self._state, self._version = state, version
+            self._lock.notify_all()
+
+    def newest(self) -> int:
+        return self._version
+
+    def wait_newer(self, version: int, timeout_s: float) -> int:
+        with self._lock:
+            self._lock.wait_for(lambda: self._version > version, timeout_s)
+            return self._version
+
+    def get(self, version: int) -> Mapping[str, torch.Tensor]:
+        with self._lock:
+            if version != self._version:
+                raise KeyError(f"weights version {version} is gone; newest: {self._version}")
+            return self._state
+
+    def release(self, version: int) -> None:
+        """Nothing to free: the state stays until a newer one replaces it."""
+
+
+class LocalDeployment(Deployment):
+    """Every stage in this process (see the module docstring)."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        timeline: Timeline,
+        *,
+        components: Components | None = None,
+        factories: EngineFactories | None = None,
+        adapters: dict[str, type[Adapter]] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.timeline = timeline
+        self._given = components
+        self._factories = factories
+        self._adapters = stages.adapter_classes(adapters)
+        self._comps: Components | None = None
+        self._tq: transferqueue.TransferQueue | None = None
+        self._service: transferqueue.LocalService | None = None
+        self._reports: asyncio.Queue[StepReport] = asyncio.Queue()
+        self._ranker: LengthRanker | None = None
+        self._runners: list[StageRunner] = []
+        self._hosts: list[GeneratorHost] = []
+        self._rollout: Adapter | None = None
+        self._closed = False
+
+    async def open(self) -> None:
+        cfg = self.cfg
+        comps = self._given
+        if comps is None:
+            comps = await asyncio.to_thread(build_components, cfg, self._factories)
+        self._comps = comps
+        check_engine(comps.trainer, TrainingEngine, "train")
+        if comps.reference is not None:
+            check_engine(comps.reference, ScoringEngine, "reference")
+        if not callable(comps.reward_fn):
+            raise TypeError(f"the reward function {comps.reward_fn!r} is not callable")
+        self.task, self.tokenizer = comps.task, comps.tokenizer
+        self._tq, self._service = open_transferqueue(cfg)
+        self.client = self._tq.async_client()
+        registry = Registry(comps.trainer.version, policy=cfg.rollout.weight_sync)
+        self.registry = self._registry = registry
+        self._weights = InProcessWeights()
+        self._hosts = [
+            GeneratorHost(f"instance{i}", g, registry, self._weights)
+            for i, g in enumerate(comps.generators)
+        ]
+        for h in self._hosts:
+            await h.start()
+        self._ranker = LengthRanker() if cfg.rollout.ranker else None
+        rollout = stages.rollout_adapter(
+            self._adapters["rollout"],
+            self._hosts,
+            cfg,
+            on_demand=registry.demand,
+            on_done=registry.poke,
+            ranker=self._ranker,
+        )
+        self._rollout = rollout
+        tl, client = self.timeline, self.client
+        self._runners = [
+            stages.runner(
+                "rollout",
+                rollout,
+                client,
+                tl,
+                cfg,
+                concurrency=cfg.rollout.concurrency * len(self._hosts),
+            ),
+            stages.runner(
+                "reward",
+                stages.reward_adapter(
+                    self._adapters["reward"], comps.reward_fn, comps.tokenizer, cfg
+                ),
+                client,
+                tl,
+                cfg,
+                concurrency=cfg.reward.instances,
+            ),
+        ]
+        if comps.reference is not None:
+            ref = stages.reference_adapter(self._adapters["reference"], comps.reference, cfg)
+            self._runners.append(stages.runner("reference", ref, client, tl, cfg))
+        train = stages.train_adapter(self._adapters["train"], comps.trainer, cfg, self._on_step)
+        self._runners.append(stages.runner("train", train, client, tl, cfg))
+
+    async def _on_step(self, report: StepReport) -> None:
+        """After each optimizer step: publish the weights (generators follow at their next
+        micro-batch boundary), then hand the report to the driver."""
+        assert self._comps is not None
+        state = await asyncio.to_thread(self._comps.trainer.state_dict)
+        self._weights.publish(state, report.version)
+        await self._registry.publish(report.version)
+        self._reports.put_nowait(report)
+
+    @property
+    def predict(self) -> Any:
+        ranker = self._ranker
+        if ranker is None:
+            return None
+
+        async def predict(prompts: Sequence[torch.Tensor]) -> np.ndarray:
+            return ranker.predict(prompts)
+
+        return predict
+
+    def jobs(self) -> dict[str, Job]:
+        jobs: dict[str, Job] = {r.name: r.run for r in self._runners}
+        for h in self._hosts:
+            jobs[f"rollout/{h.name} weights"] = h.run
+        return jobs
+
+    async def next_report(self) -> StepReport:
+        return await self._reports.get()
+
+    async def collect(self) -> dict[str, dict[str, float]]:
+        return {r.name: m for r in self._runners if (m := r.drain_metrics())}
+
+    async def summary(self) -> dict[str, Any]:
+        stats = await self._registry.stats()
+        rollout = self._rollout
+        return {
+            "weight_updates": stats["updates"],
+            "weight_update_s": stats["update_seconds"],
+            "weight_adoption_s": stats["adoption_s"],
+            "restarts": stats["restarts"],
+            "ranker_error": self._ranker.mean_abs_log_error() if self._ranker else None,
+            "migrated": getattr(rollout, "migrated", 0),
+            "rollout_retries": getattr(rollout, "retries", 0),
+        }
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for r in self._runners:
+            with contextlib.suppress(Exception):
+                await r.adapter.close()
+        if self._tq is not None:
+            self._tq.close()
+        if self._service is not None:
+            self._service.close()
+        if self._given is None and self._comps is not None:
+            self._comps.close()

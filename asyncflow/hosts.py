@@ -1,0 +1,222 @@
+"""Generator hosts: a generation engine in its own process, its load reports, its weights.
+
+A :class:`GeneratorHost` lives next to its engine (in the driver with ``deploy=local``, in a
+Ray actor with ``deploy=ray``) and is the only thing that reads the engine's state. It
+
+- registers the engine with the :class:`~asyncflow.registry.Registry` (again after a restart),
+- reports the engine's load (``in_flight``, ``drain_tokens``) and weights ``version`` there,
+- runs the weight follower: waits until the registry's policy says this engine should load
+  newer weights, fetches them from its weight source (the receiving end of a weight
+  transport) and calls ``engine.update_weights`` (the engine lands them at its next
+  micro-batch boundary).
+
+The rollout adapter calls :meth:`GeneratorHost.generate` as it would call the engine. Errors of
+the follower are not swallowed: :meth:`GeneratorHost.run` raises them, and the deployment
+supervises it like a stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import time
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+import torch
+
+from engines.protocols import Generation, GenerationEngine, SamplingParams
+
+__all__ = ["GeneratorHost", "RegistryAPI", "WeightSource", "check_engine"]
+
+
+class RegistryAPI(Protocol):
+    """The part of :class:`~asyncflow.registry.Registry` a generator host calls (directly, or
+    through the coordinator actor)."""
+
+    async def register(self, name: str, version: int) -> int: ...
+
+    async def report(
+        self,
+        name: str,
+        *,
+        version: int | None = None,
+        in_flight: int | None = None,
+        drain_tokens: int | None = None,
+    ) -> None: ...
+
+    async def wait_update(self, name: str, timeout_s: float) -> int | None: ...
+
+    async def updated(self, name: str, version: int, seconds: float) -> None: ...
+
+    async def update_failed(self, name: str) -> None: ...
+
+
+class WeightSource(Protocol):
+    """The receiving end of a weight transport, as the follower uses it (blocking calls; the
+    follower runs them in a worker thread)."""
+
+    def newest(self) -> int:
+        """Newest version that :meth:`get` can return now (-1: none)."""
+        ...
+
+    def wait_newer(self, version: int, timeout_s: float) -> int:
+        """Block until a version newer than ``version`` can be fetched (or ``timeout_s``);
+        returns the newest."""
+        ...
+
+    def get(self, version: int) -> Mapping[str, torch.Tensor]:
+        """The weights of ``version`` (valid until :meth:`release`)."""
+        ...
+
+    def release(self, version: int) -> None: ...
+
+
+def check_engine(engine: object, protocol: type, role: str) -> None:
+    """Raise ``TypeError`` naming every method or property of ``protocol`` that ``engine``
+    lacks (checked when a workflow starts, not at the first call that needs it)."""
+    names = [
+        n
+        for n in dir(protocol)
+        if not n.startswith("_") and (callable(getattr(protocol, n)) or n == "version")
+    ]
+    missing = [n for n in names if not hasattr(engine, n)]
+    wrong_async = [
+        n
+        for n in names
+        if n not in missing
+        and inspect.iscoroutinefunction(getattr(protocol, n))
+        and not inspect.iscoroutinefunction(getattr(engine, n))
+    ]
+    if missing or wrong_async:
+        parts = []
+        if missing:
+            parts.append(f"lacks {', '.join(missing)}")
+        if wrong_async:
+            parts.append(f"must define {', '.join(wrong_async)} with 'async def'")
+        raise TypeError(
+            f"the {role} engine {type(engine).__name__} {' and '.join(parts)}: implement "
+            f"engines.protocols.{protocol.__name__}"
+        )
+
+
+class GeneratorHost:
+    """One generation engine, registered under ``name``, following published weights."""
+
+    def __init__(
+        self,
+        name: str,
+        engine: GenerationEngine,
+        registry: RegistryAPI,
+        weights: WeightSource,
+        *,
+        report_s: float = 0.05,
+        poll_s: float = 5.0,
+    ) -> None:
+        check_engine(engine, GenerationEngine, "rollout")
+        self.name = name
+        self.engine = engine
+        self.registry = registry
+        self.weights = weights
+        self.report_s = report_s
+        self.poll_s = poll_s
+        self._calls = 0  # samples of generate calls in flight (engines without in_flight)
+        self._dirty = asyncio.Event()
+        self.updates = 0
+
+    @property
+    def version(self) -> int:
+        return int(self.engine.version)
+
+    @property
+    def in_flight(self) -> int:
+        """Sequences accepted and not finished, as the engine counts them (else the samples
+        of the calls in flight)."""
+        n = getattr(self.engine, "in_flight", None)
+        return self._calls if n is None else int(n)
+
+    def _load(self) -> tuple[int, int, int]:
+        """(version, in_flight, drain_tokens) for the weight-update policy. Engines that do
+        not count their own in-flight sequences count as idle (updated at once)."""
+        e = self.engine
+        return int(e.version), int(getattr(e, "in_flight", 0)), int(getattr(e, "drain_tokens", 0))
+
+    async def start(self) -> None:
+        """Register (call before the first :meth:`generate`)."""
+        await self.registry.register(self.name, self.version)
+        set_live = getattr(self.registry, "set_live", None)
+        if set_live is not None:  # the registry is in this process: it reads the engine live
+            set_live(self.name, self._load)
+
+    async def generate(
+        self, prompts: Sequence[torch.Tensor], params: SamplingParams
+    ) -> list[Generation]:
+        self._calls += len(prompts)
+        self._dirty.set()
+        try:
+            return list(await self.engine.generate(prompts, params))
+        finally:
+            self._calls -= len(prompts)
+            self._dirty.set()
+
+    async def run(self) -> None:
+        """Follow published weights and report the load until cancelled; raises what the
+        engine's ``update_weights`` or the weight source raised."""
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._follow())
+                if getattr(self.registry, "set_live", None) is None:
+                    tg.create_task(self._report())
+        except ExceptionGroup as eg:  # one part failed (cancellation propagates as is)
+            raise eg.exceptions[0] from None
+
+    async def _report(self) -> None:
+        """Send the load to a registry in another process when it changed (at most every
+        ``report_s``; while sequences run, their drain estimate changes too)."""
+        last: tuple[int, int, int] | None = None
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._dirty.wait(), self.report_s)
+            self._dirty.clear()
+            now = self._load()
+            if now != last:
+                await self.registry.report(
+                    self.name, version=now[0], in_flight=now[1], drain_tokens=now[2]
+                )
+                last = now
+            await asyncio.sleep(self.report_s)
+
+    async def _follow(self) -> None:
+        while True:
+            target = await self.registry.wait_update(self.name, self.poll_s)
+            if target is None:
+                continue
+            t0 = time.perf_counter()
+            try:
+                version = await asyncio.to_thread(self._fetchable, target)
+                state = await asyncio.to_thread(self.weights.get, version)
+                try:
+                    await self.engine.update_weights(state, version)
+                finally:
+                    self.weights.release(version)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await self.registry.update_failed(self.name)
+                raise
+            self.updates += 1
+            await self.registry.updated(self.name, version, time.perf_counter() - t0)
+            self._dirty.set()
+
+    def _fetchable(self, target: int) -> int:
+        """The newest version the weight source has, at least ``target`` (published means
+        fetchable; a short wait covers a transport that announces before it delivers)."""
+        newest = self.weights.newest()
+        if newest < target:
+            newest = self.weights.wait_newer(target - 1, self.poll_s)
+        if newest < target:
+            raise TimeoutError(
+                f"generator {self.name!r}: weights version {target} was published but the "
+                f"weight source has only {newest} after {self.poll_s} s"
+            )
+        return newest
