@@ -139,7 +139,7 @@ class RolloutConfig:
     weight_sync: str = "eager"
     """When a generator takes newer weights: ``eager`` (after every step) or ``on_demand``
     (when idle, or when no generator is recent enough for the work waiting; see
-    ``asyncflow.weights``)."""
+    ``asyncflow.registry``)."""
     max_new_tokens: int = 4
     """Response length cap."""
     temperature: float = 0.7

@@ -4,12 +4,16 @@
                           ^                                   |
                           +------- deferred weight sync -------+
 
-Stages are independent loops over TransferQueue (``asyncflow.stage``); the feeder admits
-groups under the staleness bound (``asyncflow.feeder``); the train stage publishes weights
-after each step and the generators pick them up at their next micro-batch boundary
-(``asyncflow.weights``). The run ends after ``train.steps`` optimizer steps. If any part
-fails, every stage is stopped, TransferQueue is closed and the error is raised (as
-:class:`StageError` naming the stage).
+Stages are independent loops over TransferQueue (``asyncflow.stage``, built the same way in
+every deployment by ``asyncflow.stages``); the feeder admits groups under the staleness bound
+(``asyncflow.feeder``); the train stage publishes weights after each step and the generators
+pick them up at their next micro-batch boundary, when the registry's policy says so
+(``asyncflow.registry``, ``asyncflow.hosts``). Where the stages run is the deployment's
+business (``asyncflow.deploy``: this process, or Ray actors); this process stays the run's
+single controller either way: it runs the feeder, takes the step reports and writes the
+records. The run ends after ``train.steps`` optimizer steps. If any part fails, every stage is
+stopped, TransferQueue is closed and the error is raised (as :class:`StageError` naming the
+stage).
 """
 
 from __future__ import annotations
