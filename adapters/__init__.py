@@ -14,11 +14,20 @@ from adapters.base import Adapter, StageOutput
 from adapters.ranker import LengthRanker
 from adapters.reference import ReferenceAdapter
 from adapters.reward import RewardAdapter
-from adapters.rollout import LeastLoadedRouter, LengthAwareRouter, RolloutAdapter, Router
-from adapters.train import StepReport, TrainAdapter, group_advantages
+from adapters.rollout import (
+    GenerationInstance,
+    InstanceLostError,
+    LeastLoadedRouter,
+    LengthAwareRouter,
+    RolloutAdapter,
+    Router,
+)
+from adapters.train import StepReport, TrainAdapter, group_advantages, make_train_batch
 
 __all__ = [
     "Adapter",
+    "GenerationInstance",
+    "InstanceLostError",
     "LeastLoadedRouter",
     "LengthAwareRouter",
     "LengthRanker",
@@ -30,4 +39,5 @@ __all__ = [
     "StepReport",
     "TrainAdapter",
     "group_advantages",
+    "make_train_batch",
 ]

@@ -56,6 +56,10 @@ class Adapter(ABC):
     sampler_options: dict[str, Any] = {}  # noqa: RUF012 - read-only default, replaced per instance
     batch_size: int = 1
     """Rows per batch (see ``request`` for per-call overrides)."""
+    read_fields: tuple[str, ...] | None = None
+    """Fields the stage runner reads for the whole batch before :meth:`process` (None: every
+    input field). An adapter that has parts of a batch read elsewhere (data-parallel ranks
+    each reading their share) names only what it needs of the whole batch."""
 
     def request(self) -> dict[str, Any]:
         """Arguments of the next ``get_meta`` (``batch_size``, and e.g. ``max_group``)."""

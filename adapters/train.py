@@ -33,7 +33,7 @@ from engines.protocols import TrainBatch, TrainingEngine
 from transferqueue import BatchMeta, Ragged
 from transferqueue.schema import Column
 
-__all__ = ["StepReport", "TrainAdapter", "group_advantages"]
+__all__ = ["StepReport", "TrainAdapter", "group_advantages", "make_train_batch"]
 
 
 def group_advantages(
@@ -52,6 +52,33 @@ def group_advantages(
         vals = torch.where(ok, (r - mean) / (std + eps), torch.zeros_like(r))
         adv[idx] = vals
     return adv
+
+
+def make_train_batch(
+    meta: BatchMeta, cols: dict[str, Column], advantages: torch.Tensor, use_reference: bool
+) -> TrainBatch:
+    """The engine's view of a micro-batch read from TransferQueue (advantages computed by the
+    caller, over whole groups)."""
+    prompts, responses = cols["prompt_ids"], cols["response_ids"]
+    blp = cols["behaviour_logprobs"]
+    if not (
+        isinstance(prompts, Ragged) and isinstance(responses, Ragged) and isinstance(blp, Ragged)
+    ):
+        raise TypeError("train needs ragged prompt_ids, response_ids and behaviour_logprobs")
+    ref = None
+    if use_reference:
+        ref_col = cols["ref_logprobs"]
+        if not isinstance(ref_col, Ragged):
+            raise TypeError("train needs a ragged ref_logprobs column with a reference stage")
+        ref = ref_col.unbind()
+    return TrainBatch(
+        prompt_ids=[p.long() for p in prompts.unbind()],
+        response_ids=[r.long() for r in responses.unbind()],
+        behaviour_logprobs=blp.unbind(),
+        advantages=advantages,
+        versions=torch.from_numpy(meta.versions.copy()),
+        ref_logprobs=ref,
+    )
 
 
 @dataclass
@@ -121,51 +148,49 @@ class TrainAdapter(Adapter):
         }
 
     async def process(self, meta: BatchMeta, cols: dict[str, Column]) -> StageOutput:
-        prompts, responses = cols["prompt_ids"], cols["response_ids"]
-        blp, reward = cols["behaviour_logprobs"], cols["reward"]
-        if not (
-            isinstance(prompts, Ragged)
-            and isinstance(responses, Ragged)
-            and isinstance(blp, Ragged)
-            and isinstance(reward, torch.Tensor)
-        ):
-            raise TypeError(
-                "train needs ragged prompt_ids/response_ids/behaviour_logprobs, dense reward"
-            )
+        reward = cols["reward"]
+        if not isinstance(reward, torch.Tensor):
+            raise TypeError(f"train needs a dense reward column, got {type(reward).__name__}")
         window = range(self.step * self.groups_per_step, (self.step + 1) * self.groups_per_step)
         if not all(int(g) in window for g in meta.groups):
             raise RuntimeError(
                 f"step {self.step} got groups {sorted(set(meta.groups.tolist()))} outside its "
                 f"window {window.start}..{window.stop - 1}; group ids must be admission indexes"
             )
-        ref = None
-        if self.use_reference:
-            ref_col = cols["ref_logprobs"]
-            assert isinstance(ref_col, Ragged)
-            ref = ref_col.unbind()
-        batch = TrainBatch(
-            prompt_ids=[p.long() for p in prompts.unbind()],
-            response_ids=[r.long() for r in responses.unbind()],
-            behaviour_logprobs=blp.unbind(),
-            advantages=group_advantages(reward, meta.groups),
-            versions=torch.from_numpy(meta.versions.copy()),
-            ref_logprobs=ref,
-        )
+        advantages = group_advantages(reward, meta.groups)
         scale = 1.0 / (self.groups_per_step * self.group_size)
-        metrics = await asyncio.to_thread(self.engine.forward_backward, batch, scale)
+        metrics, tokens = await self.train_batch(meta, cols, advantages, scale)
         acc = self._acc
         acc["rewards"].append(reward)
         acc["versions"] += meta.versions.tolist()
         acc["groups"] += meta.groups.tolist()
-        acc["tokens"].append(batch.num_tokens)
+        acc["tokens"].append(tokens)
         acc["metrics"].append((len(meta), metrics))
         self._groups_done += len(meta) // self.group_size
         if self._groups_done >= self.groups_per_step:
             await self._finish_step()
-        return StageOutput(tokens=batch.num_tokens)
+        return StageOutput(tokens=tokens)
+
+    async def train_batch(
+        self,
+        meta: BatchMeta,
+        cols: dict[str, Column],
+        advantages: torch.Tensor,
+        loss_scale: float,
+    ) -> tuple[dict[str, float], int]:
+        """Accumulate the gradients of one micro-batch; returns the engine's metrics and the
+        response tokens trained. Override to train elsewhere (data-parallel ranks)."""
+        batch = make_train_batch(meta, cols, advantages, self.use_reference)
+        metrics = await asyncio.to_thread(self.engine.forward_backward, batch, loss_scale)
+        return metrics, batch.num_tokens
+
+    async def optimizer_step(self) -> dict[str, float]:
+        """Step the optimizer once the step's micro-batches are in (override with
+        :meth:`train_batch`)."""
+        return await asyncio.to_thread(self.engine.optimizer_step)
 
     async def _finish_step(self) -> None:
-        step_metrics = await asyncio.to_thread(self.engine.optimizer_step)
+        step_metrics = await self.optimizer_step()
         acc = self._acc
         rewards = torch.cat(acc["rewards"]).float()
         valid = rewards[~rewards.isnan()]

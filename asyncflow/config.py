@@ -351,6 +351,9 @@ class DeployConfig:
     file per version, same host), ``broadcast`` (torch.distributed from the trainer, any
     node), ``ray`` (Ray's object store), or ``auto`` (``broadcast`` when stage hosts span
     several nodes, else ``shm``). ``local`` always hands weights over in memory."""
+    start_timeout_s: float = 600.0
+    """``ray``: how long stage hosts may take to start (engines loaded, resources granted)
+    before the run fails naming the ones still waiting."""
     max_restarts: int = 3
     """``ray``: restarts of a dead rollout, reward or reference actor before the run fails
     (its leased rows come back through TransferQueue's leases; a trainer rank is never
@@ -365,6 +368,8 @@ class DeployConfig:
                 f"deploy.weight_transport must be one of {transports}, got "
                 f"{self.weight_transport!r}"
             )
+        if self.start_timeout_s <= 0:
+            raise ValueError(f"deploy.start_timeout_s must be > 0, got {self.start_timeout_s}")
         if self.max_restarts < 0:
             raise ValueError(f"deploy.max_restarts must be >= 0, got {self.max_restarts}")
 

@@ -230,14 +230,18 @@ class Registry:
                 await asyncio.wait_for(self._changed.wait(), left)
         return self._changes
 
-    async def watch(self, seq: int, timeout_s: float) -> tuple[int, dict[str, tuple[int, int]]]:
+    async def watch(
+        self, seq: int, timeout_s: float
+    ) -> tuple[int, dict[str, tuple[int, int, int]]]:
         """Long poll: once the state differs from the one numbered ``seq`` (or ``timeout_s``
-        passed), the new number and ``{name: (version, in_flight)}``."""
+        passed), the new number and ``{name: (version, in_flight, incarnation)}``."""
         async with self._watch:
             if self._seq == seq:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._watch.wait(), timeout_s)
-            return self._seq, {n: self._current(n)[:2] for n in self._gens}
+            return self._seq, {
+                n: (*self._current(n)[:2], st.incarnation) for n, st in self._gens.items()
+            }
 
     async def stats(self) -> dict[str, object]:
         """Counters for the run's records."""

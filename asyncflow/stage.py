@@ -96,7 +96,8 @@ class StageRunner:
             )
             if len(meta):
                 t0 = time.perf_counter()
-                cols = await self.client.get_data(meta)
+                fields = None if a.read_fields is None else list(a.read_fields)
+                cols = await self.client.get_data(meta, fields)
                 out = await a.process(meta, cols)
                 _check_outputs(a, out.columns)
                 if out.columns:

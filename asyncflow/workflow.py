@@ -163,6 +163,7 @@ class Workflow:
                 versions = await dep.registry.admission_view()
                 record = _record(report, timeline, last_t, now, tq_tasks, versions[0])
                 record["stage_metrics"] = stage_metrics
+                record["restarts"] = sum(dep.restarts.values())
                 last_t = now
                 reports.append(report)
                 writer.write(record)

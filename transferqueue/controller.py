@@ -438,7 +438,8 @@ class Controller:
         if max_group is not None and not t.sampler.supports_max_group:
             raise ValueError(
                 f"task {task!r}: max_group needs a sampler that orders by group id "
-                '(sampler="group", order="group"); its sampler is ' + repr(t.sampler_name)
+                '(sampler="group" or "balanced" with group_size, order="group"); its sampler '
+                "is " + repr(t.sampler_name)
             )
         changes = Changes()
         if min_version is not None:

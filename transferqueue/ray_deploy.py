@@ -114,12 +114,16 @@ def start_on_ray(
     spread: bool = True,
     spread_bytes: int = SPREAD_BYTES,
     name_prefix: str | None = None,
+    actor_options: dict[str, Any] | None = None,
 ) -> TransferQueue:
     """Start controller and units as Ray actors and return a connected handle.
 
     Needs ``ray.init()`` first. Actors take no CPU slot (``num_cpus=0``: they are I/O bound)
     and are spread over nodes (``spread=False`` packs them). ``handle.close()`` kills them.
     ``spread_bytes``: a put spreads over one unit per that many bytes (0: over all units).
+    ``actor_options``: Ray actor options for every server actor, over the defaults (e.g.
+    ``{"resources": {"tq_node": 0.01}}`` to keep them on the nodes declaring ``tq_node``, or
+    a ``scheduling_strategy``).
     """
     try:
         import ray
@@ -133,7 +137,7 @@ def start_on_ray(
     ctl_cls: Any = ray.remote(num_cpus=0)(ControllerActor)
 
     def opts(role: str) -> dict[str, Any]:
-        o: dict[str, Any] = {"scheduling_strategy": strategy}
+        o: dict[str, Any] = {"scheduling_strategy": strategy, **(actor_options or {})}
         if name_prefix:
             o["name"] = f"{name_prefix}-{role}"
         return o

@@ -47,6 +47,8 @@ class Deployment(ABC):
     """The run's timeline (stage hosts elsewhere merge theirs into it, see :meth:`collect`)."""
     task: Task
     tokenizer: Any
+    restarts: dict[str, int]
+    """Stage hosts restarted so far, by name (``ray``; always empty with ``local``)."""
 
     @property
     def predict(self) -> Predictor | None:

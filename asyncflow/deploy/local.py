@@ -114,6 +114,7 @@ class LocalDeployment(Deployment):
         self._hosts: list[GeneratorHost] = []
         self._rollout: Adapter | None = None
         self._closed = False
+        self.restarts: dict[str, int] = {}
 
     async def open(self) -> None:
         cfg = self.cfg

@@ -185,12 +185,12 @@ def test_registry_watch_returns_new_state_after_a_report() -> None:
         reg = Registry(0)
         await reg.register("g0", 0)
         seq, snap = await reg.watch(-1, timeout_s=1.0)
-        assert snap == {"g0": (0, 0)}
+        assert snap == {"g0": (0, 0, 0)}
         waiter = asyncio.ensure_future(reg.watch(seq, timeout_s=60.0))
         await asyncio.sleep(0)
         await reg.report("g0", version=3, in_flight=7)
         seq2, snap2 = await asyncio.wait_for(waiter, BOUND_S)
-        assert seq2 > seq and snap2 == {"g0": (3, 7)}
+        assert seq2 > seq and snap2 == {"g0": (3, 7, 0)}
 
     asyncio.run(go())
 

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transferqueue import Client
+from transferqueue import Client, TQError
 from transferqueue.samplers import balance_lengths, get_sampler, sampler_names
 
 
@@ -70,6 +70,39 @@ def test_length_balanced_split_within_10_percent_on_skewed_lengths(
     # a naive contiguous split of the same batch is far worse (what the sampler is for)
     naive = np.array([c.sum() for c in np.array_split(meta.lengths, dp)])
     assert naive.max() / naive.min() > totals.max() / totals.min()
+
+
+def test_balanced_whole_groups_in_a_window_split_across_ranks(client: Client) -> None:
+    """What data-parallel training leases: whole groups of the step's window only (group
+    order, ``max_group``), every rank a share of equal rows."""
+    gs, dp = 4, 2
+    gids = np.repeat(np.arange(6), gs)
+    lengths = np.arange(len(gids)) * 7 + 1
+    client.put({"x": torch.zeros(len(gids))}, group=gids, length=lengths)
+    taken: list[int] = []
+    for window_end in (1, 3, 5):  # three steps of two groups each
+        meta = client.get_meta(
+            "train",
+            ["x"],
+            2 * gs,
+            sampler="balanced",
+            dp_size=dp,
+            group_size=gs,
+            order="group",
+            max_group=window_end,
+            timeout_s=1,
+        )
+        assert sorted(set(meta.groups.tolist())) == [window_end - 1, window_end]
+        parts = meta.split()
+        assert [len(p) for p in parts] == [gs, gs]
+        assert sorted(np.concatenate([p.indexes for p in parts]).tolist()) == sorted(
+            meta.indexes.tolist()
+        )
+        taken += meta.groups.tolist()
+        client.ack(meta)
+    assert sorted(taken) == sorted(gids.tolist())
+    with pytest.raises((TypeError, TQError), match=r"takes no options \['colour'\]"):
+        client.get_meta("other", ["x"], 8, sampler="balanced", dp_size=2, colour="red")
 
 
 def test_fifo_serves_oldest_version_first(client: Client) -> None:

@@ -2,7 +2,8 @@
 
 Long-tail generation makes a plain split leave ranks waiting on the one that got the longest
 sequences. This sampler takes a batch like ``fifo`` (or like ``group`` when ``group_size`` is
-given), then splits it into ``dp_size`` parts of equal row count (±1) whose summed ``length``
+given, with ``group``'s options: ``order``, ``window``, and ``max_group`` on ``get_meta``), then
+splits it into ``dp_size`` parts of equal row count (±1) whose summed ``length``
 headers are as even as a greedy longest-first assignment makes them. The split travels with the
 batch: ``meta.split()`` returns one part per rank.
 """
@@ -55,15 +56,17 @@ class BalancedSampler(Sampler):
         group_size: int | None = None,
         **options: Any,
     ) -> None:
-        super().__init__(header, **options)
         if not isinstance(dp_size, int) or dp_size < 1:
             raise ValueError(f"balanced sampler needs dp_size >= 1, got {dp_size!r}")
         self.dp_size = dp_size
+        # the options are the base sampler's (it rejects what it does not take)
         self._base: Sampler = (
-            FifoSampler(header)
+            FifoSampler(header, **options)
             if group_size is None
-            else GroupSampler(header, group_size=group_size)
+            else GroupSampler(header, group_size=group_size, **options)
         )
+        super().__init__(header)
+        self.supports_max_group = self._base.supports_max_group
 
     def add(self, indexes: np.ndarray, *, returned: bool = False) -> None:
         self._base.add(indexes, returned=returned)

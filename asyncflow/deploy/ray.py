@@ -1,0 +1,393 @@
+"""``deploy=ray``: every stage instance a Ray actor on the resources its config names.
+
+    asyncflow run deploy.mode=ray rollout.instances=2 reward.instances=2 train.dp_size=2
+
+What runs where (``asyncflow.deploy.ray_hosts`` for the actors):
+
+| actor                 | count               | resources (config)      | after its death   |
+|-----------------------|---------------------|-------------------------|-------------------|
+| TransferQueue servers | 1 + num_units       | transferqueue.placement | -                 |
+| coordinator           | 1                   | none (I/O)              | -                 |
+| generator             | rollout.instances   | rollout.placement       | restarted         |
+| rollout dispatcher    | 1                   | none (I/O)              | restarted         |
+| reward worker         | reward.instances    | reward.placement        | restarted         |
+| reference worker      | reference.instances | reference.placement     | restarted         |
+| trainer rank          | train.dp_size       | train.placement         | the run fails,    |
+|                       |                     |                         | naming the rank   |
+
+Restarts are Ray's (``deploy.max_restarts`` per actor).
+
+The driver (this process) stays the run's single controller (LlamaRL's design): it runs the
+prompt feeder, and so admission control, itself, and takes the step reports. Shared state
+that stage hosts on other nodes report to and wait on (generator versions and loads, the
+weight-update policy, the step reports) lives in a small coordinator actor, because a Ray
+actor cannot call back into the driver.
+
+**Recovery.** Generators, the rollout dispatcher and reward/reference workers are restarted by
+Ray (``max_restarts``) and their ``run`` is called again by the driver, which counts the
+restarts (``RunResult.extra["restarts"]``, and ``restarts`` in every step's record). What a dead
+host held comes back without anyone's help: rows it had leased return to their task when the
+lease runs out (``transferqueue.lease_s``), and a ``generate`` call in flight on a dead
+generator fails at once in the dispatcher, which generates the batch on another instance. A
+restarted generator registers again with its initial weights and takes no batch until it
+holds weights recent enough for it (the staleness bound is checked per sample, whatever
+happens). A trainer rank is not restarted: the optimizer state would be gone; the run fails
+with an error naming the rank (never a hang: every collective has a timeout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+import transferqueue
+from adapters import Adapter, StepReport
+from asyncflow.build import EngineFactories
+from asyncflow.config import PlacementConfig, RunConfig
+from asyncflow.deploy.base import Deployment, Job
+from asyncflow.deploy.ray_hosts import GeneratorActor, RolloutActor, TrainerActor, WorkerActor
+from asyncflow.deploy.ray_weights import ObjectStoreWeights
+from asyncflow.deploy.remote import Coordinator, RemoteRegistry
+from asyncflow.metrics import Timeline
+
+__all__ = ["RayDeployment", "actor_options"]
+
+log = logging.getLogger(__name__)
+
+
+def actor_options(p: PlacementConfig, *, pg: Any = None, bundle: int = 0) -> dict[str, Any]:
+    """Ray actor options for one instance of a stage placed as ``p`` says."""
+    opts: dict[str, Any] = {"num_cpus": p.num_cpus, "num_gpus": p.num_gpus}
+    if p.resources:
+        opts["resources"] = dict(p.resources)
+    if pg is not None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=bundle
+        )
+    elif p.node_id is not None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(p.node_id, soft=p.soft)
+    return opts
+
+
+def _bundle(p: PlacementConfig) -> dict[str, float]:
+    bundle = {"CPU": p.num_cpus, "GPU": p.num_gpus, **p.resources}
+    bundle = {k: float(v) for k, v in bundle.items() if v}
+    if not bundle:
+        raise ValueError(
+            "placement.placement_group needs resources to reserve: set num_cpus, num_gpus or "
+            "resources above 0"
+        )
+    return bundle
+
+
+class RayDeployment(Deployment):
+    """Stage hosts as Ray actors (see the module docstring)."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        timeline: Timeline,
+        *,
+        factories: EngineFactories | None = None,
+        adapters: dict[str, type[Adapter]] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.timeline = timeline
+        self._factories = factories or EngineFactories()
+        self._adapters = adapters
+        self._started_ray = False
+        self._tq: transferqueue.TransferQueue | None = None
+        self._service: transferqueue.LocalService | None = None
+        self._actors: list[Any] = []
+        self._groups: list[Any] = []
+        self._coord: Any = None
+        self._trainers: list[Any] = []
+        self._generators: list[tuple[str, Any]] = []
+        self._rollout: Any = None
+        self._workers: list[tuple[str, Any]] = []
+        self.restarts: dict[str, int] = {}
+        self._closed = False
+
+    # -- start ------------------------------------------------------------------------------
+    def _init_ray(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            return
+        cfg = self.cfg.deploy
+        for key, value in (("RAY_USAGE_STATS_ENABLED", "0"),):
+            os.environ.setdefault(key, value)
+        num_cpus = cfg.num_cpus
+        if cfg.address is None and num_cpus is None:
+            # Logical CPU slots: enough for every actor the config asks for, at least the cores
+            num_cpus = max(os.cpu_count() or 1, int(np.ceil(self._cpus_asked())))
+        ray.init(
+            address=cfg.address,
+            num_cpus=num_cpus if cfg.address is None else None,
+            include_dashboard=False,
+            log_to_driver=True,
+        )
+        self._started_ray = True
+
+    def _cpus_asked(self) -> float:
+        c = self.cfg
+        total = c.rollout.instances * c.rollout.placement.num_cpus
+        total += c.reward.instances * c.reward.placement.num_cpus
+        total += c.train.dp_size * c.train.placement.num_cpus
+        if c.reference.enabled:
+            total += c.reference.instances * c.reference.placement.num_cpus
+        return total
+
+    def _open_tq(self) -> transferqueue.TransferQueue:
+        tqc = self.cfg.transferqueue
+        if tqc.mode in ("ray", "auto"):
+            from transferqueue.ray_deploy import start_on_ray
+
+            opts = actor_options(tqc.placement)
+            return start_on_ray(tqc.num_units, actor_options=opts)
+        if tqc.mode == "service":
+            self._service = transferqueue.serve(num_units=tqc.num_units)
+            return transferqueue.connect(self._service.address)
+        assert tqc.address is not None
+        return transferqueue.connect(tqc.address)
+
+    def _placed(self, p: PlacementConfig, n: int) -> list[dict[str, Any]]:
+        """Actor options for the ``n`` instances of a stage (with a placement group reserved
+        for the stage when its placement asks for one)."""
+        if p.placement_group is None:
+            return [actor_options(p) for _ in range(n)]
+        from ray.util.placement_group import placement_group
+
+        pg = placement_group([_bundle(p)] * n, strategy=p.placement_group)
+        self._groups.append(pg)
+        return [actor_options(p, pg=pg, bundle=i) for i in range(n)]
+
+    async def open(self) -> None:
+        import ray
+
+        cfg = self.cfg
+        self._init_ray()  # on this thread: Ray installs its signal handlers on the main one
+        f = self._factories
+        self.task = f.task(cfg)
+        model = await asyncio.to_thread(f.model, cfg, self.task)
+        self.tokenizer = await asyncio.to_thread(f.tokenizer, model)
+        self._tq = await asyncio.to_thread(self._open_tq)
+        self.client = self._tq.async_client()
+        address = self._tq.address
+        assert address is not None
+        origin = self.timeline.origin
+        restart = {"max_restarts": cfg.deploy.max_restarts, "max_task_retries": 0}
+        # Hosts find each other by name, never by a handle in their constructor arguments:
+        # Ray restarts an actor with the same arguments, which must not depend on objects
+        # the driver might let go of.
+        prefix = f"asyncflow-{uuid.uuid4().hex[:8]}"
+        env = {"runtime_env": {"env_vars": {"RAY_WARN_BLOCKING_GET_INSIDE_ASYNC": "0"}}}
+        coord_name = f"{prefix}-coordinator"
+        coord_cls: Any = ray.remote(Coordinator)
+        self._coord = coord_cls.options(name=coord_name, num_cpus=0).remote(
+            0, policy=cfg.rollout.weight_sync
+        )
+        self._actors.append(self._coord)
+        await self._coord.ping.remote()
+        registry = RemoteRegistry(self._coord)
+        self.registry = self._registry = registry
+        weights = self._weights = ObjectStoreWeights(coord_name)
+
+        trainer_cls: Any = ray.remote(TrainerActor)
+        for rank, opts in enumerate(self._placed(cfg.train.placement, cfg.train.dp_size)):
+            actor = trainer_cls.options(**opts, **env).remote(
+                rank, cfg, model, f, self._adapters, address, coord_name, origin
+            )
+            self._trainers.append(actor)
+            self._actors.append(actor)
+        gen_cls: Any = ray.remote(GeneratorActor)
+        for i, opts in enumerate(self._placed(cfg.rollout.placement, cfg.rollout.instances)):
+            name = f"instance{i}"
+            actor = gen_cls.options(name=f"{prefix}-{name}", **opts, **restart, **env).remote(
+                name, i, cfg, model, f, coord_name, weights, origin
+            )
+            self._generators.append((name, actor))
+            self._actors.append(actor)
+        rollout_cls: Any = ray.remote(RolloutActor)
+        gen_names = [(n, f"{prefix}-{n}") for n, _ in self._generators]
+        self._rollout = rollout_cls.options(num_cpus=0, **restart).remote(
+            cfg, self._adapters, address, coord_name, gen_names, origin
+        )
+        self._actors.append(self._rollout)
+        worker_cls: Any = ray.remote(WorkerActor)
+        roles = [("reward", cfg.reward.placement, cfg.reward.instances)]
+        if cfg.reference.enabled:
+            roles.append(("reference", cfg.reference.placement, cfg.reference.instances))
+        for role, placement, n in roles:
+            for i, opts in enumerate(self._placed(placement, n)):
+                actor = worker_cls.options(**opts, **restart).remote(
+                    role, i, cfg, model, f, self._adapters, address, origin
+                )
+                self._workers.append((f"{role}/{i}" if n > 1 else role, actor))
+                self._actors.append(actor)
+        await self._until_started()
+        if len(self._trainers) > 1:
+            host, port = await self._trainers[0].endpoint.remote()
+            world = len(self._trainers)
+            await asyncio.gather(*(t.join.remote(world, host, port) for t in self._trainers))
+
+    async def _until_started(self) -> None:
+        """Every actor constructed (engines loaded), or an error saying which are not and
+        what they wait for."""
+        import ray
+
+        timeout = self.cfg.deploy.start_timeout_s
+        names = {id(a): n for n, a in self._named()}
+        pending = {a.ping.remote(): a for a in self._actors}
+        deadline = time.monotonic() + timeout
+        while pending:
+            left = deadline - time.monotonic()
+            ready, _ = await asyncio.to_thread(
+                ray.wait, list(pending), num_returns=len(pending), timeout=max(left, 0)
+            )
+            for ref in ready:
+                await ref  # a constructor that raised raises here
+                pending.pop(ref)
+            if pending and time.monotonic() >= deadline:
+                waiting = sorted(names.get(id(a), "coordinator") for a in pending.values())
+                raise TimeoutError(
+                    f"stage hosts {waiting} did not start within deploy.start_timeout_s="
+                    f"{timeout}: the cluster may lack the resources their placement asks for "
+                    f"(available: {ray.available_resources()}); lower the stages' placement "
+                    "num_cpus/num_gpus or add nodes"
+                )
+
+    def _named(self) -> list[tuple[str, Any]]:
+        out = [(f"train/rank{r}" if r else "train", t) for r, t in enumerate(self._trainers)]
+        out += [(f"rollout/{n}", a) for n, a in self._generators]
+        out += [("rollout", self._rollout), *self._workers]
+        return out
+
+    # -- run --------------------------------------------------------------------------------
+    def jobs(self) -> dict[str, Job]:
+        jobs: dict[str, Job] = {}
+        trainers = self._trainers
+        jobs["train"] = self._job(
+            "train", lambda: trainers[0].run.remote(trainers[1:], self._weights), restartable=False
+        )
+        for r, t in enumerate(trainers[1:], start=1):
+            jobs[f"train/rank{r}"] = self._job(f"train/rank{r}", t.hold.remote, restartable=False)
+        for name, g in self._generators:
+            jobs[f"rollout/{name}"] = self._job(f"rollout/{name}", g.run.remote, restartable=True)
+        jobs["rollout"] = self._job("rollout", self._rollout.run.remote, restartable=True)
+        for name, w in self._workers:
+            jobs[name] = self._job(name, w.run.remote, restartable=True)
+        return jobs
+
+    def _job(self, name: str, call: Callable[[], Awaitable[Any]], *, restartable: bool) -> Job:
+        """A stage host's ``run`` on the driver's loop; after a restart Ray did, run again."""
+        import ray
+
+        async def supervised() -> None:
+            while True:
+                try:
+                    await call()
+                    return
+                except ray.exceptions.RayActorError as e:
+                    used = self.restarts.get(name, 0)
+                    if not restartable or used >= self.cfg.deploy.max_restarts:
+                        raise RuntimeError(f"stage host {name!r} died: {e}") from e
+                    self.restarts[name] = used + 1
+                    log.warning("stage host %r died; restarted by Ray (restart %d)", name, used + 1)
+
+        return supervised
+
+    async def next_report(self) -> StepReport:
+        while True:
+            report = await self._registry.next_report(5.0)
+            if report is not None:
+                return report
+
+    async def collect(self) -> dict[str, dict[str, float]]:
+        hosts = [a for _, a in self._named()]
+        results = await asyncio.gather(*(a.drain.remote() for a in hosts), return_exceptions=True)
+        merged: dict[str, list[dict[str, float]]] = {}
+        for r in results:
+            if isinstance(r, BaseException):
+                continue  # a host that died lost what it had not handed over
+            intervals, metrics = r
+            self.timeline.merge(intervals)
+            for stage, m in metrics.items():
+                merged.setdefault(stage, []).append(m)
+        return {
+            stage: {k: float(np.nanmean([m[k] for m in ms if k in m])) for k in ms[0]}
+            for stage, ms in merged.items()
+        }
+
+    @property
+    def predict(self) -> Any:
+        if not self.cfg.rollout.ranker:
+            return None
+        rollout = self._rollout
+
+        async def predict(prompts: Sequence[torch.Tensor]) -> np.ndarray:
+            try:
+                out: np.ndarray = await rollout.predict.remote(list(prompts))
+                return out
+            except Exception as e:  # the dispatcher restarting: no prediction this time
+                log.warning("length prediction unavailable (%s); using none", e)
+                return np.zeros(len(prompts))
+
+        return predict
+
+    async def summary(self) -> dict[str, Any]:
+        stats = await self._registry.stats()
+        rollout: dict[str, Any] = {}
+        with contextlib.suppress(Exception):
+            rollout = await self._rollout.summary.remote()
+        return {
+            "weight_updates": stats["updates"],
+            "weight_update_s": stats["update_seconds"],
+            "weight_adoption_s": stats["adoption_s"],
+            "restarts": dict(self.restarts),
+            "generator_restarts": stats["restarts"],
+            **rollout,
+        }
+
+    async def where(self) -> dict[str, dict[str, Any]]:
+        """Node and process of every stage host, by name (and of the TransferQueue servers
+        under ``transferqueue``)."""
+        named = self._named()
+        places = await asyncio.gather(*(a.where.remote() for _, a in named))
+        return dict(zip([n for n, _ in named], places, strict=True))
+
+    # -- stop -------------------------------------------------------------------------------
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        import ray
+
+        for a in self._actors:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(a.close.remote(), 10.0)
+        for a in self._actors:
+            with contextlib.suppress(Exception):
+                ray.kill(a)
+        for pg in self._groups:
+            with contextlib.suppress(Exception):
+                ray.util.remove_placement_group(pg)
+        if self._tq is not None:
+            self._tq.close()
+        if self._service is not None:
+            self._service.close()
+        if self._started_ray:
+            ray.shutdown()

@@ -1,0 +1,429 @@
+"""Stage hosts for ``deploy=ray``: plain classes, one Ray actor each (``ray.remote`` is applied
+in ``asyncflow.deploy.ray``, at deployment).
+
+| host           | instances               | builds                     | runs               |
+|----------------|-------------------------|----------------------------|--------------------|
+| GeneratorActor | rollout.instances       | one generation engine      | its weight         |
+|                |                         |                            | follower; generate |
+| RolloutActor   | 1                       | the rollout adapter over   | the rollout stage  |
+|                |                         | proxies of the generators  |                    |
+| WorkerActor    | reward/reference        | the reward function or the | that stage         |
+|                | .instances              | reference engine           |                    |
+| TrainerActor   | train.dp_size           | one training engine        | rank 0: the train  |
+|                |                         | (a rank)                   | stage              |
+
+Every host opens its own TransferQueue client (``transferqueue.connect``): sample data goes
+from TransferQueue to the host that needs it and back, never through the driver. The rollout
+is one host that dispatches to the generators rather than one stage per generator, because
+StreamRL's skew-aware dispatch (dedicated long-tail instances, migration of samples past a
+length budget) needs one view of every instance's load; what it relays to a generator is the
+micro-batch's token ids and what comes back the sampled tokens and log-probs (kilobytes).
+
+Each host records its busy intervals on a :class:`~asyncflow.metrics.Timeline` with the run's
+origin; the driver drains them (:meth:`drain`) into the run's timeline at every step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import transferqueue
+from adapters import Adapter, LengthRanker, StepReport
+from adapters.train import TrainAdapter, make_train_batch
+from asyncflow import stages
+from asyncflow.build import EngineFactories
+from asyncflow.config import RunConfig
+from asyncflow.deploy.remote import GeneratorView, RemoteGenerator, RemoteRegistry
+from asyncflow.hosts import GeneratorHost, WeightSource, check_engine
+from asyncflow.metrics import Timeline
+from asyncflow.stage import StageRunner
+from engines.protocols import Generation, SamplingParams, ScoringEngine, TrainingEngine
+from transferqueue import AsyncClient, BatchMeta
+from transferqueue.schema import Column
+
+__all__ = ["GeneratorActor", "RolloutActor", "TrainerActor", "WorkerActor"]
+
+log = logging.getLogger(__name__)
+
+Drained = tuple[dict[str, list[tuple[float, float, int, int]]], dict[str, dict[str, float]]]
+
+
+def _quiet_hf() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def actor(name: str, timeout_s: float = 60.0) -> Any:
+    """The named actor of this run (created by the driver before the caller, but its name
+    may take a moment to be visible on another node)."""
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return ray.get_actor(name)
+        except ValueError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+class _Host:
+    """What every stage host has: where it runs, its TransferQueue client, its timeline."""
+
+    def __init__(self, cfg: RunConfig, tq_address: str | None, origin: float) -> None:
+        _quiet_hf()
+        if cfg.torch_threads is not None:
+            torch.set_num_threads(cfg.torch_threads)
+        self.cfg = cfg
+        self.timeline = Timeline(origin)
+        self._tq: transferqueue.TransferQueue | None = None
+        self.client: AsyncClient | None = None
+        if tq_address is not None:
+            self._tq = transferqueue.connect(tq_address)
+            self.client = self._tq.async_client()
+        self.runners: list[StageRunner] = []
+
+    def where(self) -> dict[str, Any]:
+        """This host's node and process (placement tests; SIGKILL in fault tests)."""
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {"node_id": ctx.get_node_id(), "pid": os.getpid()}
+
+    def ping(self) -> bool:
+        return True
+
+    def drain(self) -> Drained:
+        """Busy intervals and adapter metrics recorded since the last drain."""
+        return self.timeline.drain(), {r.name: m for r in self.runners if (m := r.drain_metrics())}
+
+    async def hold(self) -> None:
+        """Returns only when the actor dies (the driver watches hosts without a stage of
+        their own through it)."""
+        await asyncio.Event().wait()
+
+    def close(self) -> None:
+        if self._tq is not None:
+            self._tq.close()
+            self._tq = None
+
+
+class GeneratorActor(_Host):
+    """One generation engine, following published weights, serving ``generate`` calls."""
+
+    def __init__(
+        self,
+        name: str,
+        index: int,
+        cfg: RunConfig,
+        model: Path,
+        factories: EngineFactories,
+        coordinator: str,
+        weights: Any,
+        origin: float,
+    ) -> None:
+        super().__init__(cfg, None, origin)
+        self.name = name
+        engine = factories.generator(cfg, model, index)
+        receiver: WeightSource = weights.receiver(f"{name}:{os.getpid()}")
+        self.host = GeneratorHost(name, engine, RemoteRegistry(actor(coordinator)), receiver)
+        self._registered = asyncio.Event()
+
+    async def run(self) -> None:
+        """Register (a restarted incarnation counts as a restart), then follow weights."""
+        await self.host.start()
+        self._registered.set()
+        await self.host.run()
+
+    async def generate(
+        self, prompts: Sequence[torch.Tensor], params: SamplingParams
+    ) -> list[Generation]:
+        # A fresh incarnation serves only once registered: its version is then known
+        await asyncio.wait_for(self._registered.wait(), 120.0)
+        return await self.host.generate(prompts, params)
+
+
+class RolloutActor(_Host):
+    """The rollout stage, dispatching micro-batches to the generator actors."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        adapters: dict[str, type[Adapter]] | None,
+        tq_address: str,
+        coordinator: str,
+        generators: list[tuple[str, str]],
+        origin: float,
+    ) -> None:
+        super().__init__(cfg, tq_address, origin)
+        self.registry = RemoteRegistry(actor(coordinator))
+        self.view = GeneratorView(self.registry)
+        self.instances = [RemoteGenerator(n, actor(h), self.view) for n, h in generators]
+        self.ranker = LengthRanker() if cfg.rollout.ranker else None
+        cls = stages.adapter_classes(adapters)["rollout"]
+        self.adapter = stages.rollout_adapter(
+            cls, self.instances, cfg, on_demand=self.registry.demand, ranker=self.ranker
+        )
+        assert self.client is not None
+        self.runners = [
+            stages.runner(
+                "rollout",
+                self.adapter,
+                self.client,
+                self.timeline,
+                cfg,
+                concurrency=cfg.rollout.concurrency * len(self.instances),
+            )
+        ]
+
+    async def run(self) -> None:
+        await self.view.refresh()
+        async with asyncio.TaskGroup() as tg:
+            view = tg.create_task(self.view.run())
+            await self.runners[0].run()
+            view.cancel()
+
+    async def predict(self, prompts: Sequence[torch.Tensor]) -> np.ndarray:
+        """The ranker's predicted response lengths (the feeder sets the length header)."""
+        if self.ranker is None:
+            return np.zeros(len(prompts))
+        return self.ranker.predict(prompts)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "ranker_error": self.ranker.mean_abs_log_error() if self.ranker else None,
+            "migrated": getattr(self.adapter, "migrated", 0),
+            "rollout_retries": getattr(self.adapter, "retries", 0),
+            "lost_calls": sum(g.lost for g in self.instances),
+        }
+
+
+class WorkerActor(_Host):
+    """One reward or reference worker: its stage over its own engine."""
+
+    def __init__(
+        self,
+        role: str,
+        index: int,
+        cfg: RunConfig,
+        model: Path,
+        factories: EngineFactories,
+        adapters: dict[str, type[Adapter]] | None,
+        tq_address: str,
+        origin: float,
+    ) -> None:
+        super().__init__(cfg, tq_address, origin)
+        cls = stages.adapter_classes(adapters)[role]
+        adapter: Adapter
+        if role == "reward":
+            reward_fn = factories.reward(cfg)
+            if not callable(reward_fn):
+                raise TypeError(f"the reward function {reward_fn!r} is not callable")
+            adapter = stages.reward_adapter(cls, reward_fn, factories.tokenizer(model), cfg)
+        elif role == "reference":
+            engine = factories.reference(cfg, model)
+            check_engine(engine, ScoringEngine, "reference")
+            adapter = stages.reference_adapter(cls, engine, cfg)
+        else:
+            raise ValueError(f"a worker runs the reward or reference stage, not {role!r}")
+        assert self.client is not None
+        self.runners = [stages.runner(role, adapter, self.client, self.timeline, cfg)]
+
+    async def run(self) -> None:
+        await self.runners[0].run()
+
+
+class _DataParallelTrain(TrainAdapter):
+    """The train stage on rank 0 of ``dp_size`` ranks (see :class:`TrainerActor`).
+
+    A micro-batch is leased with the ``balanced`` sampler (whole groups of the step's window,
+    split into ``dp_size`` parts of equal rows and near-equal tokens). Only the rewards are
+    read here, for the group advantages; each rank reads its part's columns itself and
+    accumulates its gradients; the optimizer step all-reduces them on every rank at once.
+    """
+
+    def __init__(self, *args: Any, ranks: list[Any], local: TrainerActor, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.ranks = ranks  # actor handles of ranks 1..dp_size-1
+        self.local = local
+        dp = len(ranks) + 1
+        self.sampler = "balanced"
+        self.sampler_options = {**self.sampler_options, "dp_size": dp}
+        self.read_fields = ("reward",)
+
+    async def train_batch(
+        self,
+        meta: BatchMeta,
+        cols: dict[str, Column],
+        advantages: torch.Tensor,
+        loss_scale: float,
+    ) -> tuple[dict[str, float], int]:
+        assert meta.splits is not None, "the balanced sampler splits every batch"
+        parts = meta.split()
+        calls = [self.local.train_part(parts[0], advantages[meta.splits[0]], loss_scale)]
+        for r, handle in enumerate(self.ranks, start=1):
+            adv = advantages[meta.splits[r]]
+            calls.append(_rank_call(handle.train_part.remote(parts[r], adv, loss_scale), r))
+        results = await asyncio.gather(*calls)
+        rows = sum(n for _, _, n in results) or 1
+        merged: dict[str, float] = {}
+        for metrics, _, n in results:
+            for k, v in metrics.items():
+                merged[k] = merged.get(k, 0.0) + float(v) * n / rows
+        return merged, sum(t for _, t, _ in results)
+
+    async def optimizer_step(self) -> dict[str, float]:
+        calls = [self.local.optimizer_step()]
+        calls += [_rank_call(h.optimizer_step.remote(), r) for r, h in enumerate(self.ranks, 1)]
+        return (await asyncio.gather(*calls))[0]
+
+
+async def _rank_call(ref: Any, rank: int) -> Any:
+    """A call to trainer rank ``rank``; its death is an error naming the rank."""
+    import ray
+
+    try:
+        return await ref
+    except ray.exceptions.RayActorError as e:
+        raise RuntimeError(
+            f"trainer rank {rank} died ({e}); a trainer rank is not restarted: resume the run "
+            "from a checkpoint"
+        ) from e
+
+
+class TrainerActor(_Host):
+    """One data-parallel rank of the trainer; rank 0 runs the train stage."""
+
+    def __init__(
+        self,
+        rank: int,
+        cfg: RunConfig,
+        model: Path,
+        factories: EngineFactories,
+        adapters: dict[str, type[Adapter]] | None,
+        tq_address: str,
+        coordinator: str,
+        origin: float,
+    ) -> None:
+        super().__init__(cfg, tq_address, origin)
+        self.rank = rank
+        self.engine: TrainingEngine = factories.trainer(cfg, model, rank)
+        check_engine(self.engine, TrainingEngine, "train")
+        self.registry = RemoteRegistry(actor(coordinator))
+        self._adapters = adapters
+        self._sender: Any = None
+        self.use_reference = cfg.reference.enabled
+
+    # -- data-parallel group ----------------------------------------------------------------
+    def endpoint(self) -> tuple[str, int]:
+        """An address and a free port on this rank's node (rank 0 hosts the rendezvous)."""
+        import ray
+
+        from engines.distributed import free_port
+
+        ip = str(ray.util.get_node_ip_address())
+        return ip, free_port(ip)
+
+    async def join(self, world: int, address: str, port: int) -> None:
+        """Join the data-parallel group; every rank starts from rank 0's weights."""
+        from engines.distributed import backend_for, broadcast_parameters, init_group
+
+        module = self._module()
+        backend = backend_for(next(module.parameters()).device)
+
+        def setup() -> None:
+            init_group(self.rank, world, address, port, backend=backend)
+            broadcast_parameters(module)
+
+        await asyncio.to_thread(setup)
+
+    def _module(self) -> torch.nn.Module:
+        module = getattr(self.engine, "model", None)
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(
+                f"train.dp_size > 1 needs a training engine with a torch ``model`` attribute "
+                f"(gradients are all-reduced over it); {type(self.engine).__name__} has none"
+            )
+        return module
+
+    async def train_part(
+        self, meta: BatchMeta, advantages: torch.Tensor, loss_scale: float
+    ) -> tuple[dict[str, float], int, int]:
+        """Read this rank's part of a micro-batch and accumulate its gradients; returns
+        (metrics, response tokens, rows)."""
+        assert self.client is not None
+        fields = ["prompt_ids", "response_ids", "behaviour_logprobs"]
+        if self.use_reference:
+            fields.append("ref_logprobs")
+        cols = await self.client.get_data(meta, fields)
+        batch = make_train_batch(meta, cols, advantages, self.use_reference)
+        metrics = await asyncio.to_thread(self.engine.forward_backward, batch, loss_scale)
+        return metrics, batch.num_tokens, len(meta)
+
+    async def optimizer_step(self) -> dict[str, float]:
+        """Sum the gradients over the ranks (when there are several), then step."""
+        from engines.distributed import all_reduce_gradients
+
+        def step() -> dict[str, float]:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                all_reduce_gradients(self._module())
+            return self.engine.optimizer_step()
+
+        return await asyncio.to_thread(step)
+
+    # -- rank 0 ---------------------------------------------------------------------------
+    async def run(self, ranks: list[Any], weights: Any) -> None:
+        """Rank 0: the train stage. After each step the weights are published through the
+        weight transport, then the coordinator learns the version and the report."""
+        if self.rank != 0:
+            raise RuntimeError("only trainer rank 0 runs the train stage")
+        if self._sender is None:
+            self._sender = weights.sender()
+        cls = stages.adapter_classes(self._adapters)["train"]
+        cfg = self.cfg
+        if ranks:
+            if not issubclass(cls, TrainAdapter):
+                raise TypeError("train.dp_size > 1 needs the train adapter to be a TrainAdapter")
+            adapter: Adapter = _DataParallelTrain(
+                self.engine,
+                group_size=cfg.rollout.group_size,
+                groups_per_step=cfg.train.groups_per_step,
+                micro_batch_groups=cfg.train.micro_batch_groups,
+                use_reference=cfg.reference.enabled,
+                on_step=self._on_step,
+                first_step=self.engine.version,
+                ranks=ranks,
+                local=self,
+            )
+        else:
+            adapter = stages.train_adapter(cls, self.engine, cfg, self._on_step)
+        assert self.client is not None
+        self.runners = [stages.runner("train", adapter, self.client, self.timeline, cfg)]
+        await self.runners[0].run()
+
+    async def _on_step(self, report: StepReport) -> None:
+        state = await asyncio.to_thread(self.engine.state_dict)
+        await asyncio.to_thread(self._sender.publish, state, report.version)
+        await self.registry.publish(report.version)
+        await self.registry.step_done(report)
+
+    def close(self) -> None:
+        if self._sender is not None:
+            with contextlib.suppress(Exception):
+                self._sender.close()
+        super().close()

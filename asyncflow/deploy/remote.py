@@ -1,0 +1,214 @@
+"""The Ray side of shared state: the coordinator actor and the proxies that call it.
+
+:class:`Coordinator` is the generator :class:`~asyncflow.registry.Registry` plus the inbox of
+step reports. It runs as one async Ray actor (``ray.remote`` is applied in
+``asyncflow.deploy.ray``), because stage hosts on other nodes must report to and wait on one
+shared state, and a Ray actor cannot call back into the driver. The driver stays the single
+controller: it reads the coordinator (admission control, step reports) and decides.
+
+:class:`RemoteRegistry` gives the coordinator the registry's own async interface (what the
+feeder and the generator hosts already call), so those run unchanged in both deployments;
+:class:`RemoteGenerator` is a generation instance in another actor as the rollout adapter
+sees it. Every remote call either returns, raises ``RayActorError`` when the actor died, or
+is a long poll with its own ``timeout_s``: none can hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from adapters import InstanceLostError, StepReport
+from asyncflow.registry import Registry
+from engines.protocols import Generation, SamplingParams
+
+__all__ = ["Coordinator", "GeneratorView", "RemoteGenerator", "RemoteRegistry"]
+
+log = logging.getLogger(__name__)
+
+
+class Coordinator(Registry):
+    """The registry as an actor, with the step reports the trainer hands the driver."""
+
+    def __init__(self, initial_version: int = 0, *, policy: str = "eager") -> None:
+        super().__init__(initial_version, policy=policy)
+        self._reports: asyncio.Queue[StepReport] = asyncio.Queue()
+        self._weights: tuple[int, list[Any]] = (-1, [])
+        self._weights_changed = asyncio.Event()
+
+    async def put_weights(self, version: int, refs: list[Any]) -> None:
+        """The object-store weight transport: the newest version's object refs (held here so
+        they stay alive; the previous version's are dropped)."""
+        if version > self._weights[0]:
+            self._weights = (version, refs)
+            self._weights_changed.set()
+
+    async def weights_after(self, version: int, timeout_s: float) -> tuple[int, list[Any]]:
+        """The newest weights' ``(version, refs)`` once newer than ``version`` (or the current
+        ones after ``timeout_s``)."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self._weights[0] <= version:
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                break
+            self._weights_changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._weights_changed.wait(), left)
+        return self._weights
+
+    async def step_done(self, report: StepReport) -> None:
+        """The trainer finished a step (its weights are already published)."""
+        self._reports.put_nowait(report)
+
+    async def next_report(self, timeout_s: float) -> StepReport | None:
+        """The next finished step, or None after ``timeout_s``."""
+        try:
+            return await asyncio.wait_for(self._reports.get(), timeout_s)
+        except TimeoutError:
+            return None
+
+    async def ping(self) -> bool:
+        return True
+
+    async def close(self) -> None:
+        """Drop the weights held for the object-store transport."""
+        self._weights = (self._weights[0], [])
+
+
+class RemoteRegistry:
+    """The coordinator actor behind the registry's async methods."""
+
+    def __init__(self, handle: Any) -> None:
+        self._h = handle
+
+    async def register(self, name: str, version: int) -> int:
+        return int(await self._h.register.remote(name, version))
+
+    async def report(
+        self,
+        name: str,
+        *,
+        version: int | None = None,
+        in_flight: int | None = None,
+        drain_tokens: int | None = None,
+    ) -> None:
+        await self._h.report.remote(
+            name, version=version, in_flight=in_flight, drain_tokens=drain_tokens
+        )
+
+    async def wait_update(self, name: str, timeout_s: float) -> int | None:
+        result = await self._h.wait_update.remote(name, timeout_s)
+        return None if result is None else int(result)
+
+    async def updated(self, name: str, version: int, seconds: float) -> None:
+        await self._h.updated.remote(name, version, seconds)
+
+    async def update_failed(self, name: str) -> None:
+        await self._h.update_failed.remote(name)
+
+    async def publish(self, version: int) -> None:
+        await self._h.publish.remote(version)
+
+    async def admission_view(self) -> tuple[int, int, int]:
+        newest, published, changes = await self._h.admission_view.remote()
+        return int(newest), int(published), int(changes)
+
+    def demand(self, version: int) -> None:
+        """Fire and forget: routing code calls it as a plain callback."""
+        self._h.demand.remote(version)
+
+    async def wait_changed(self, seen: int, timeout_s: float) -> int:
+        return int(await self._h.wait_changed.remote(seen, timeout_s))
+
+    async def watch(
+        self, seq: int, timeout_s: float
+    ) -> tuple[int, dict[str, tuple[int, int, int]]]:
+        result: tuple[int, dict[str, tuple[int, int, int]]] = await self._h.watch.remote(
+            seq, timeout_s
+        )
+        return result
+
+    async def step_done(self, report: StepReport) -> None:
+        await self._h.step_done.remote(report)
+
+    async def next_report(self, timeout_s: float) -> StepReport | None:
+        report: StepReport | None = await self._h.next_report.remote(timeout_s)
+        return report
+
+    async def stats(self) -> dict[str, Any]:
+        stats: dict[str, Any] = await self._h.stats.remote()
+        return stats
+
+
+class GeneratorView:
+    """Every generator's weights version as the coordinator last told it, kept fresh by one
+    long poll (the rollout routes by it many times a second). A generator whose calls failed
+    because its actor died counts as having no weights (-1) until it registers again (a new
+    incarnation), so nothing is routed to it meanwhile."""
+
+    def __init__(self, registry: RemoteRegistry, poll_s: float = 5.0) -> None:
+        self.registry = registry
+        self.poll_s = poll_s
+        self._snap: dict[str, tuple[int, int, int]] = {}
+        self._lost: dict[str, int] = {}  # name -> incarnation that died
+        self._seq = -1
+
+    def version(self, name: str) -> int:
+        version, _, incarnation = self._snap.get(name, (-1, 0, -1))
+        if self._lost.get(name) == incarnation:
+            return -1
+        return version
+
+    def lost(self, name: str) -> None:
+        if name in self._snap:
+            self._lost[name] = self._snap[name][2]
+
+    async def refresh(self, timeout_s: float = 0.0) -> None:
+        self._seq, self._snap = await self.registry.watch(self._seq, timeout_s)
+
+    async def run(self) -> None:
+        """Follow the coordinator until cancelled (raises if it died)."""
+        while True:
+            await self.refresh(self.poll_s)
+
+
+class RemoteGenerator:
+    """A generation instance in another actor (a generator host), for the rollout adapter.
+
+    ``version`` is what the instance last registered or reported (never newer than what it
+    holds, so routing by it never breaks the staleness bound; the adapter still checks every
+    sample's version). ``in_flight`` counts the samples of this proxy's calls in flight: the
+    rollout is the only caller, so that is the instance's load as dispatched.
+    """
+
+    def __init__(self, name: str, handle: Any, view: GeneratorView) -> None:
+        self.name = name
+        self._h = handle
+        self._view = view
+        self.in_flight = 0
+        self.lost = 0
+
+    @property
+    def version(self) -> int:
+        return self._view.version(self.name)
+
+    async def generate(
+        self, prompts: Sequence[torch.Tensor], params: SamplingParams
+    ) -> list[Generation]:
+        import ray
+
+        self.in_flight += len(prompts)
+        try:
+            gens: list[Generation] = await self._h.generate.remote(list(prompts), params)
+            return gens
+        except ray.exceptions.RayActorError as e:
+            self.lost += 1
+            self._view.lost(self.name)  # not routable until it registers again
+            raise InstanceLostError(f"generation instance {self.name!r} died: {e}") from e
+        finally:
+            self.in_flight -= len(prompts)

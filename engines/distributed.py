@@ -1,0 +1,118 @@
+"""Data-parallel training over ``torch.distributed``: one process per rank, gradients summed.
+
+Every rank holds the whole model (DDP's layout, not FSDP's). Each rank runs
+``forward_backward`` on its share of a step's samples with the same ``loss_scale`` (1 / the
+step's samples over *all* ranks), so the sum of the ranks' gradients is the step's mean
+gradient; :func:`all_reduce_gradients` forms that sum on every rank just before the optimizer
+step, after which every rank clips and steps identically and the replicas stay equal.
+
+Gradients travel in flat buckets of at most ``bucket_bytes`` (one collective per bucket,
+bounded extra memory), in parameter order, which every rank shares. A parameter with no
+gradient on a rank (no sample of its share touched it) counts as zeros there.
+
+| backend | tensors on | set up by                                              |
+|---------|------------|--------------------------------------------------------|
+| gloo    | CPU        | :func:`init_group` (``torch.distributed`` default group) |
+| nccl    | CUDA       | the same, chosen from the model's device              |
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "BUCKET_BYTES",
+    "all_reduce_gradients",
+    "backend_for",
+    "broadcast_parameters",
+    "free_port",
+    "init_group",
+]
+
+BUCKET_BYTES = 64 << 20
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (for the rank-0 rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def init_group(
+    rank: int, world: int, address: str, port: int, *, backend: str, timeout_s: float = 120.0
+) -> None:
+    """Join the data-parallel group (this process's default ``torch.distributed`` group).
+
+    ``timeout_s`` bounds every collective: a rank that died makes the others fail with an
+    error after at most that long, never hang.
+    """
+    if dist.is_initialized():
+        raise RuntimeError("this process is already in a torch.distributed group")
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{address}:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def _buckets(
+    params: list[torch.nn.Parameter], bucket_bytes: int
+) -> Iterator[list[torch.nn.Parameter]]:
+    bucket: list[torch.nn.Parameter] = []
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if bucket and (size + nbytes > bucket_bytes or p.dtype != bucket[0].dtype):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(p)
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def all_reduce_gradients(module: torch.nn.Module, *, bucket_bytes: int = BUCKET_BYTES) -> int:
+    """Sum every trainable parameter's gradient over the group, in place; returns the
+    collectives issued. Call on every rank, between the last ``backward`` and the step."""
+    world = dist.get_world_size()
+    params = [p for p in module.parameters() if p.requires_grad]
+    calls = 0
+    if world == 1:
+        return calls
+    for bucket in _buckets(params, bucket_bytes):
+        flat = torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket]
+        )
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        calls += 1
+        offset = 0
+        for p in bucket:
+            n = p.numel()
+            summed = flat[offset : offset + n].view_as(p)
+            if p.grad is None:
+                p.grad = summed.clone()
+            else:
+                p.grad.copy_(summed)
+            offset += n
+    return calls
+
+
+def broadcast_parameters(module: torch.nn.Module, src: int = 0) -> None:
+    """Make every rank's parameters and buffers rank ``src``'s (replicas start equal even if
+    their initialization differed)."""
+    with torch.no_grad():
+        for t in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(t.data, src=src)
