@@ -4,13 +4,14 @@ from asyncflow import load_config, run
 result = run(load_config(overrides=["train.steps=40", "output.dir=runs/demo"]))
 """
 
-from asyncflow.build import Components, build_components
+from asyncflow.build import Components, EngineFactories, build_components
 from asyncflow.config import RunConfig, load_config
 from asyncflow.stage import StageError
 from asyncflow.workflow import RunResult, Workflow, run
 
 __all__ = [
     "Components",
+    "EngineFactories",
     "RunConfig",
     "RunResult",
     "StageError",

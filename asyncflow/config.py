@@ -424,13 +424,28 @@ def _build(cls: type[Any], data: dict[str, Any], where: str) -> Any:
             f"unknown key(s) {sorted(unknown)} in {where or 'config'}; valid keys: {sorted(names)}"
         )
     kwargs = {}
+    defaults = {f.name: f for f in dataclasses.fields(cls)}
     for name, value in data.items():
         hint = hints[name]
         if dataclasses.is_dataclass(hint) and isinstance(hint, type):
+            # a partial section starts from the field's own default (e.g. a placement whose
+            # default differs from the class defaults), not from the bare class
+            factory = defaults[name].default_factory
+            base = factory() if factory is not dataclasses.MISSING else None
+            if base is not None and isinstance(value, dict):
+                value = {**_shallow(base), **value}
             kwargs[name] = _build(hint, value, f"{where}.{name}".lstrip("."))
         else:
             kwargs[name] = _coerce(value, hint, f"{where}.{name}".lstrip("."))
     return cls(**kwargs)
+
+
+def _shallow(obj: Any) -> dict[str, Any]:
+    """A dataclass's fields as a dict, nested dataclasses left as dicts of their fields."""
+    return {
+        f.name: _shallow(v) if dataclasses.is_dataclass(v := getattr(obj, f.name)) else v
+        for f in dataclasses.fields(obj)
+    }
 
 
 def _coerce(value: Any, hint: Any, where: str) -> Any:

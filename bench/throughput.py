@@ -228,7 +228,7 @@ def ray_store(cases: dict[str, dict[str, Any]], repeat: int) -> dict[str, float]
         "RAY_AUTH_MODE": "disabled",
     }.items():
         os.environ.setdefault(k, v)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     out = {}
     try:
         store: Any = ray.remote(num_cpus=0)(_Store).remote()

@@ -55,6 +55,12 @@ class _ServerActor:
     def ping(self) -> bool:
         return True
 
+    def node_id(self) -> str:
+        """The Ray node this server runs on (hex id)."""
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
+
     def shutdown(self) -> None:
         if self._server is not None and not self._io.closed:
             self._io.run(self._server.close(), timeout=10)
@@ -115,6 +121,7 @@ def start_on_ray(
     spread_bytes: int = SPREAD_BYTES,
     name_prefix: str | None = None,
     actor_options: dict[str, Any] | None = None,
+    start_timeout_s: float = 300.0,
 ) -> TransferQueue:
     """Start controller and units as Ray actors and return a connected handle.
 
@@ -123,7 +130,8 @@ def start_on_ray(
     ``spread_bytes``: a put spreads over one unit per that many bytes (0: over all units).
     ``actor_options``: Ray actor options for every server actor, over the defaults (e.g.
     ``{"resources": {"tq_node": 0.01}}`` to keep them on the nodes declaring ``tq_node``, or
-    a ``scheduling_strategy``).
+    a ``scheduling_strategy``). ``start_timeout_s`` bounds the wait for the actors to start
+    (a cluster without the resources they ask for never starts them).
     """
     try:
         import ray
@@ -148,12 +156,12 @@ def start_on_ray(
     ]
     actors: list[Any] = list(units)
     try:
-        unit_addrs = ray.get([u.address.remote() for u in units])
+        unit_addrs = _started(ray, [u.address.remote() for u in units], start_timeout_s, "units")
         ctl = ctl_cls.options(**opts("controller")).remote(
             unit_addrs, capacity_rows, host, spread_bytes
         )
         actors.append(ctl)
-        address = str(ray.get(ctl.address.remote()))
+        address = str(_started(ray, [ctl.address.remote()], start_timeout_s, "controller")[0])
         handle = connect(address)
     except BaseException:
         _kill(actors)
@@ -162,6 +170,16 @@ def start_on_ray(
     handle.mode = "ray"
     handle.add_closer(lambda: _kill(actors))
     return handle
+
+
+def _started(ray: Any, refs: list[Any], timeout_s: float, what: str) -> list[Any]:
+    try:
+        return list(ray.get(refs, timeout=timeout_s))
+    except ray.exceptions.GetTimeoutError:
+        raise TimeoutError(
+            f"the TransferQueue {what} did not start within {timeout_s} s: the cluster may lack "
+            f"the resources they ask for ({ray.available_resources()} available)"
+        ) from None
 
 
 def _kill(actors: list[Any]) -> None:

@@ -111,6 +111,7 @@ class RayDeployment(Deployment):
         self._started_ray = False
         self._tq: transferqueue.TransferQueue | None = None
         self._service: transferqueue.LocalService | None = None
+        self._tq_names: list[str] = []
         self._actors: list[Any] = []
         self._groups: list[Any] = []
         self._coord: Any = None
@@ -135,7 +136,7 @@ class RayDeployment(Deployment):
             # Logical CPU slots: enough for every actor the config asks for, at least the cores
             num_cpus = max(os.cpu_count() or 1, int(np.ceil(self._cpus_asked())))
         ray.init(
-            address=cfg.address,
+            address=cfg.address or "local",  # None: a cluster of our own, never a stranger's
             num_cpus=num_cpus if cfg.address is None else None,
             include_dashboard=False,
             log_to_driver=True,
@@ -151,13 +152,15 @@ class RayDeployment(Deployment):
             total += c.reference.instances * c.reference.placement.num_cpus
         return total
 
-    def _open_tq(self) -> transferqueue.TransferQueue:
+    def _open_tq(self, prefix: str) -> transferqueue.TransferQueue:
         tqc = self.cfg.transferqueue
         if tqc.mode in ("ray", "auto"):
             from transferqueue.ray_deploy import start_on_ray
 
             opts = actor_options(tqc.placement)
-            return start_on_ray(tqc.num_units, actor_options=opts)
+            self._tq_names = [f"{prefix}-tq-unit{i}" for i in range(tqc.num_units)]
+            self._tq_names.append(f"{prefix}-tq-controller")
+            return start_on_ray(tqc.num_units, actor_options=opts, name_prefix=f"{prefix}-tq")
         if tqc.mode == "service":
             self._service = transferqueue.serve(num_units=tqc.num_units)
             return transferqueue.connect(self._service.address)
@@ -179,21 +182,24 @@ class RayDeployment(Deployment):
         import ray
 
         cfg = self.cfg
+        t0 = time.perf_counter()
         self._init_ray()  # on this thread: Ray installs its signal handlers on the main one
         f = self._factories
         self.task = f.task(cfg)
         model = await asyncio.to_thread(f.model, cfg, self.task)
         self.tokenizer = await asyncio.to_thread(f.tokenizer, model)
-        self._tq = await asyncio.to_thread(self._open_tq)
+        t1 = time.perf_counter()
+        prefix = f"asyncflow-{uuid.uuid4().hex[:8]}"
+        self._tq = await asyncio.to_thread(self._open_tq, prefix)
         self.client = self._tq.async_client()
+        t2 = time.perf_counter()
         address = self._tq.address
         assert address is not None
         origin = self.timeline.origin
         restart = {"max_restarts": cfg.deploy.max_restarts, "max_task_retries": 0}
         # Hosts find each other by name, never by a handle in their constructor arguments:
         # Ray restarts an actor with the same arguments, which must not depend on objects
-        # the driver might let go of.
-        prefix = f"asyncflow-{uuid.uuid4().hex[:8]}"
+        # the driver might let go of. Names: ``asyncflow-<run>-<stage>`` (``ray list actors``).
         env = {"runtime_env": {"env_vars": {"RAY_WARN_BLOCKING_GET_INSIDE_ASYNC": "0"}}}
         coord_name = f"{prefix}-coordinator"
         coord_cls: Any = ray.remote(Coordinator)
@@ -208,7 +214,8 @@ class RayDeployment(Deployment):
 
         trainer_cls: Any = ray.remote(TrainerActor)
         for rank, opts in enumerate(self._placed(cfg.train.placement, cfg.train.dp_size)):
-            actor = trainer_cls.options(**opts, **env).remote(
+            name = f"{prefix}-train-rank{rank}"
+            actor = trainer_cls.options(name=name, **opts, **env).remote(
                 rank, cfg, model, f, self._adapters, address, coord_name, origin
             )
             self._trainers.append(actor)
@@ -223,7 +230,7 @@ class RayDeployment(Deployment):
             self._actors.append(actor)
         rollout_cls: Any = ray.remote(RolloutActor)
         gen_names = [(n, f"{prefix}-{n}") for n, _ in self._generators]
-        self._rollout = rollout_cls.options(num_cpus=0, **restart).remote(
+        self._rollout = rollout_cls.options(name=f"{prefix}-rollout", num_cpus=0, **restart).remote(
             cfg, self._adapters, address, coord_name, gen_names, origin
         )
         self._actors.append(self._rollout)
@@ -233,16 +240,27 @@ class RayDeployment(Deployment):
             roles.append(("reference", cfg.reference.placement, cfg.reference.instances))
         for role, placement, n in roles:
             for i, opts in enumerate(self._placed(placement, n)):
-                actor = worker_cls.options(**opts, **restart).remote(
+                name = f"{prefix}-{role}-{i}"
+                actor = worker_cls.options(name=name, **opts, **restart).remote(
                     role, i, cfg, model, f, self._adapters, address, origin
                 )
                 self._workers.append((f"{role}/{i}" if n > 1 else role, actor))
                 self._actors.append(actor)
         await self._until_started()
+        t3 = time.perf_counter()
         if len(self._trainers) > 1:
             host, port = await self._trainers[0].endpoint.remote()
             world = len(self._trainers)
             await asyncio.gather(*(t.join.remote(world, host, port) for t in self._trainers))
+        log.info(
+            "deploy=ray: Ray and the model in %.1f s, TransferQueue in %.1f s, %d stage hosts "
+            "in %.1f s, trainer group in %.1f s",
+            t1 - t0,
+            t2 - t1,
+            len(self._actors),
+            t3 - t2,
+            time.perf_counter() - t3,
+        )
 
     async def _until_started(self) -> None:
         """Every actor constructed (engines loaded), or an error saying which are not and
@@ -362,12 +380,18 @@ class RayDeployment(Deployment):
             **rollout,
         }
 
-    async def where(self) -> dict[str, dict[str, Any]]:
-        """Node and process of every stage host, by name (and of the TransferQueue servers
-        under ``transferqueue``)."""
+    async def where(self) -> dict[str, str]:
+        """The Ray node (hex id) of every stage host by stage name, and of the TransferQueue
+        servers (``tq/unit0``, ..., ``tq/controller``) when they run on Ray."""
+        import ray
+
         named = self._named()
         places = await asyncio.gather(*(a.where.remote() for _, a in named))
-        return dict(zip([n for n, _ in named], places, strict=True))
+        out = {n: str(p["node_id"]) for (n, _), p in zip(named, places, strict=True)}
+        for name in self._tq_names:
+            node = await ray.get_actor(name).node_id.remote()
+            out["tq/" + name.rsplit("-", 1)[1]] = str(node)
+        return out
 
     # -- stop -------------------------------------------------------------------------------
     async def close(self) -> None:

@@ -1,4 +1,4 @@
-"""Small, fast run configs on the real tiny model (built once, cached)."""
+"""Small, fast run configs on the real tiny model (built once, cached), in either deployment."""
 
 from __future__ import annotations
 
@@ -7,6 +7,9 @@ from pathlib import Path
 import pytest
 
 from asyncflow import RunConfig, load_config
+
+DEPLOYS = ["local", pytest.param("ray", marks=[pytest.mark.ray, pytest.mark.slow])]
+"""Workflow deployments the invariant tests run under (``ray``: a local Ray cluster)."""
 
 
 def small_config(out: Path, *overrides: str) -> RunConfig:
@@ -30,3 +33,19 @@ def small_config(out: Path, *overrides: str) -> RunConfig:
 @pytest.fixture
 def out_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"
+
+
+@pytest.fixture(params=DEPLOYS)
+def deploy(request: pytest.FixtureRequest) -> list[str]:
+    """Config overrides of the test's deployment (``ray``: two generators, two reward workers
+    and a data-parallel trainer of two ranks, on the session's Ray cluster)."""
+    if request.param == "local":
+        return ["deploy.mode=local"]
+    request.getfixturevalue("ray_cluster")
+    return [
+        "deploy.mode=ray",
+        "rollout.instances=2",
+        "reward.instances=2",
+        "train.dp_size=2",
+        "deploy.start_timeout_s=300",
+    ]

@@ -8,7 +8,6 @@ and Ray servers are started once per session and reset between tests.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -29,20 +28,6 @@ Deploy = Callable[..., TransferQueue]
 def local_service() -> Iterator[transferqueue.LocalService]:
     with transferqueue.serve(num_units=2, spread_bytes=0) as svc:
         yield svc
-
-
-@pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[None]:
-    ray = pytest.importorskip("ray")
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,64 @@
+"""Engines that fail on purpose, for the workflow's error tests.
+
+They live in an importable module (not a test module) so that Ray actors can build them from
+:class:`asyncflow.EngineFactories` of these module-level functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncflow import RunConfig
+from asyncflow.build import build_generator
+from engines.protocols import Generation, GenerationEngine, RewardFn, SamplingParams
+
+
+def _raising_reward(*args: Any, **kwargs: Any) -> list[float | None]:
+    raise ValueError("reward model exploded")
+
+
+def raising_reward_factory(cfg: RunConfig) -> RewardFn:
+    return _raising_reward
+
+
+class DyingEngine:
+    """A generation engine that fails on its third call."""
+
+    def __init__(self, inner: GenerationEngine) -> None:
+        self.inner = inner
+        self.calls = 0
+
+    @property
+    def version(self) -> int:
+        return int(self.inner.version)
+
+    async def generate(
+        self, prompts: Sequence[torch.Tensor], params: SamplingParams
+    ) -> list[Generation]:
+        self.calls += 1
+        if self.calls == 3:
+            raise RuntimeError("generator lost its device")
+        return list(await self.inner.generate(prompts, params))
+
+    async def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        await self.inner.update_weights(state, version)
+
+
+class BadWeights(DyingEngine):
+    """A generation engine whose weight updates fail."""
+
+    async def generate(
+        self, prompts: Sequence[torch.Tensor], params: SamplingParams
+    ) -> list[Generation]:
+        return list(await self.inner.generate(prompts, params))
+
+    async def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        raise RuntimeError("weights do not fit the model")
+
+
+def wrapped_generator(wrapper: type, cfg: RunConfig, path: Path, index: int) -> GenerationEngine:
+    return wrapper(build_generator(cfg, path, index))  # type: ignore[no-any-return]

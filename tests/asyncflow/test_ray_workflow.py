@@ -1,0 +1,100 @@
+"""The distributed workflow (``deploy=ray``): placement on several nodes, dead stage hosts
+recovered.
+
+Both start Ray actors for every stage instance; they are marked ``ray`` and ``slow``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncflow import run
+from tests.asyncflow.conftest import small_config
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_stage_hosts_and_units_land_on_the_nodes_the_config_names() -> None:
+    pytest.importorskip("ray")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.asyncflow.placement_probe"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    where = json.loads(proc.stdout.strip().splitlines()[-1])
+    units = {k: v for k, v in where.items() if k.startswith("tq/")}
+    assert set(units) == {"tq/unit0", "tq/unit1", "tq/controller"}
+    assert set(units.values()) == {"node_a"}  # a custom resource only node a declares
+    for stage in ("rollout/instance0", "rollout/instance1", "reward/0", "reward/1"):
+        assert where[stage] == "node_b", (stage, where)
+    assert where["train"] == where["train/rank1"] == "node_c"  # pinned by node id
+
+
+def _kill_when(out: Path, after_steps: int, targets: list[str], killed: list[str]) -> None:
+    """Once ``after_steps`` steps are recorded, SIGKILL the stage hosts whose actor names end
+    with ``targets`` (their processes, as an OOM killer would)."""
+    import ray
+
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= after_steps:
+            break
+        time.sleep(0.2)
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+    for suffix in targets:
+        name = max(n for n in names if n.endswith(suffix))
+        pid = ray.get(ray.get_actor(name).where.remote(), timeout=60)["pid"]
+        os.kill(pid, signal.SIGKILL)
+        killed.append(suffix)
+
+
+def test_killed_generator_and_reward_hosts_are_recovered(ray_cluster: None, tmp_path: Path) -> None:
+    """SIGKILL a generator and a reward worker mid-run: Ray restarts them, the driver runs
+    them again, what they held comes back (the generator's call at once, the reward worker's
+    rows when their lease ends), and the run finishes with every invariant intact."""
+    out = tmp_path / "run"
+    k, steps = 1, 14
+    cfg = small_config(
+        out,
+        "deploy.mode=ray",
+        "rollout.instances=2",
+        "reward.instances=2",
+        f"train.steps={steps}",
+        f"train.max_staleness={k}",
+        "transferqueue.lease_s=5",
+        "deploy.start_timeout_s=300",
+    )
+    killed: list[str] = []
+    killer = threading.Thread(
+        target=_kill_when, args=(out, 3, ["-instance0", "-reward-0"], killed), daemon=True
+    )
+    killer.start()
+    result = run(cfg)
+    killer.join(timeout=60)
+    assert killed == ["-instance0", "-reward-0"]
+    b = cfg.train.groups_per_step
+    trained: list[int] = []
+    for rep in result.reports:
+        assert min(rep.staleness) >= 0 and max(rep.staleness) <= k
+        assert rep.groups == list(range(rep.step * b, (rep.step + 1) * b))
+        trained += rep.groups
+    assert trained == list(range(steps * b))  # every group trained exactly once
+    assert result.extra["restarts"].get("rollout/instance0", 0) >= 1
+    assert result.extra["restarts"].get("reward/0", 0) >= 1
+    assert result.extra["generator_restarts"].get("instance0", 0) >= 1  # it registered again
+    assert result.records[-1]["restarts"] >= 2
