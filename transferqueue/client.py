@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import secrets
 from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
 import torch
@@ -36,7 +36,14 @@ from transferqueue.ragged import Ragged
 from transferqueue.schema import Column, FieldSpec, normalize_columns
 from transferqueue.slots import runs
 
-__all__ = ["AsyncClient", "take_rows"]
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+__all__ = ["FORMATS", "AsyncClient", "take_rows"]
+
+FORMATS = ("torch", "arrow")
+"""What ``get_data`` returns: ``torch`` (a dict of tensors, Ragged and lists) or ``arrow``
+(a ``pyarrow.Table`` over the same memory, see :mod:`transferqueue.arrow`)."""
 
 _MAX_RUNS_FOR_DIRECT_READ = 8
 
@@ -311,12 +318,30 @@ class AsyncClient:
             )
         )
 
+    @overload
     async def get_data(
-        self, meta: BatchMeta, fields: Sequence[str] | None = None
-    ) -> dict[str, Column]:
+        self,
+        meta: BatchMeta,
+        fields: Sequence[str] | None = None,
+        *,
+        format: Literal["torch"] = "torch",
+    ) -> dict[str, Column]: ...
+
+    @overload
+    async def get_data(
+        self, meta: BatchMeta, fields: Sequence[str] | None = None, *, format: Literal["arrow"]
+    ) -> pa.Table: ...
+
+    async def get_data(
+        self, meta: BatchMeta, fields: Sequence[str] | None = None, *, format: str = "torch"
+    ) -> dict[str, Column] | pa.Table:
         """Columns of the batch's rows, in the batch's order: dense fields as one tensor,
-        ragged as one :class:`Ragged`, object fields as a list."""
-        return await self._io.run_async(self._get_data(meta, fields))
+        ragged as one :class:`Ragged`, object fields as a list; with ``format="arrow"``, a
+        ``pyarrow.Table`` of the same columns over the same memory (ragged: ``large_list``,
+        dense: primitive or fixed-size lists; see :mod:`transferqueue.arrow`)."""
+        check_format(format)
+        cols = await self._io.run_async(self._get_data(meta, fields))
+        return as_format(cols, format)
 
     async def _get_data(self, meta: BatchMeta, fields: Sequence[str] | None) -> dict[str, Column]:
         names = list(meta.fields if fields is None else fields)
@@ -461,6 +486,20 @@ class AsyncClient:
         ctl = await self._ctl.stats()
         units = await asyncio.gather(*(u.stats() for u in self._units.values()))
         return {"controller": ctl, "units": list(units)}
+
+
+def check_format(format: str) -> None:
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {', '.join(FORMATS)}; got {format!r}")
+
+
+def as_format(cols: dict[str, Column], format: str) -> dict[str, Column] | pa.Table:
+    """``get_data``'s columns in the asked format (see :data:`FORMATS`)."""
+    if format == "arrow":
+        from transferqueue.arrow import to_table  # (pyarrow loads only when asked for)
+
+        return to_table(cols)
+    return cols
 
 
 def _header(value: Any, n: int, name: str) -> np.ndarray | int | None:
