@@ -124,20 +124,20 @@ class System(Protocol):
 class MetaLoop:
     """The meta-rate loop both runners share.
 
-    ``fill(live)`` drops the rows of the last fill and puts ``live`` fresh ones (untimed);
-    ``call(batch)`` takes one batch and returns the seconds its ``get_meta`` took (a system
-    that acknowledges batches does that after it: the whole call is timed too). Calls stop
-    before they would take more than half of the filled rows, so every timed call sees
-    between ``live`` and ``live / 2`` ready rows; then the store is filled again. A fill is
-    kept across commands (the peer needs about 25 s to put a million rows), and the first
-    call after a fill is an untimed warm-up (a task's first call may set up its queue).
+    ``fill(live)`` drops the rows of the last fill of that size and puts ``live`` fresh ones
+    into a partition of their own (untimed); ``call(live, batch)`` takes one batch from it
+    and returns the seconds its ``get_meta`` took (a system that acknowledges batches does
+    that after it: the whole call is timed too). Calls stop before they would take more than
+    half of the filled rows, so every timed call sees between ``live`` and ``live / 2``
+    ready rows; then that partition is filled again. Fills are kept across commands (the
+    peer needs about 25 s to put a million rows), and the first call after a fill is an
+    untimed warm-up (a task's first call may set up its queue).
     """
 
-    def __init__(self, fill: Callable[[int], None], call: Callable[[int], float]) -> None:
+    def __init__(self, fill: Callable[[int], None], call: Callable[[int, int], float]) -> None:
         self._fill = fill
         self._call = call
-        self._live = 0
-        self._left = 0  # calls left before the filled rows are half taken
+        self._left: dict[int, int] = {}  # live -> calls left before half the rows are taken
 
     def run(self, live: int, batch: int, seconds: float) -> dict[str, float]:
         if live < 4 * batch:
@@ -145,17 +145,17 @@ class MetaLoop:
         timed = fill_s = get_meta_s = 0.0
         calls = 0
         while timed < seconds:
-            if self._live != live or self._left <= 0:
+            if self._left.get(live, 0) <= 0:
                 t0 = time.perf_counter()
                 self._fill(live)
-                self._call(batch)
+                self._call(live, batch)
                 fill_s += time.perf_counter() - t0
-                self._live, self._left = live, (live // 2) // batch - 1
+                self._left[live] = (live // 2) // batch - 1
             t0 = time.perf_counter()
-            get_meta_s += self._call(batch)
+            get_meta_s += self._call(live, batch)
             timed += time.perf_counter() - t0
             calls += 1
-            self._left -= 1
+            self._left[live] -= 1
         return {
             "calls": calls,
             "timed_s": timed,

@@ -98,15 +98,15 @@ class OursSystem:
         return self._meta.run(live, batch, seconds)
 
     def _fill(self, live: int) -> None:
-        self.client.clear("meta")
+        self.client.clear(f"meta{live}")
         for start in range(0, live, _FILL_CHUNK_ROWS):
             n = min(_FILL_CHUNK_ROWS, live - start)
             x = torch.arange(start, start + n, dtype=torch.int64).view(n, 1)
-            self.client.put({"x": x}, partition="meta")
+            self.client.put({"x": x}, partition=f"meta{live}")
 
-    def _call(self, batch: int) -> float:
+    def _call(self, live: int, batch: int) -> float:
         t0 = time.perf_counter()
-        meta = self.client.get_meta("bench", ["x"], batch, partition="meta", timeout_s=10)
+        meta = self.client.get_meta("bench", ["x"], batch, partition=f"meta{live}", timeout_s=10)
         dt = time.perf_counter() - t0
         if len(meta) != batch:
             raise AssertionError(f"ours get_meta returned {len(meta)} rows, asked {batch}")

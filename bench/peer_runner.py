@@ -57,7 +57,13 @@ class PeerSystem:
     """The peer with ``units`` SimpleStorage units, this process as its client."""
 
     def __init__(self, scale: str, units: int) -> None:
-        ray.init(num_cpus=max(2, units + 1), include_dashboard=False, log_to_driver=False)
+        # a Ray instance of its own ("local"), never a cluster someone else started here
+        ray.init(
+            address="local",
+            num_cpus=max(2, units + 1),
+            include_dashboard=False,
+            log_to_driver=False,
+        )
         tq.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": units}}}))
         self.units = units
         self.client = tq.get_client()
@@ -78,7 +84,7 @@ class PeerSystem:
             "ragged": digest([t for pair in ragged.values() for t in pair]),
         }
         self._meta = MetaLoop(self._fill, self._call)
-        self._filled = False
+        self._filled: set[int] = set()
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -126,18 +132,19 @@ class PeerSystem:
         return self._meta.run(live, batch, seconds)
 
     def _fill(self, live: int) -> None:
-        if self._filled:
-            self.client.clear_partition("meta")
+        part = f"meta{live}"
+        if live in self._filled:
+            self.client.clear_partition(part)
         for start in range(0, live, _FILL_CHUNK_ROWS):
             n = min(_FILL_CHUNK_ROWS, live - start)
             x = torch.arange(start, start + n, dtype=torch.int64).view(n, 1)
-            self.client.put(data=TensorDict({"x": x}, batch_size=n), partition_id="meta")
-        self._filled = True
+            self.client.put(data=TensorDict({"x": x}, batch_size=n), partition_id=part)
+        self._filled.add(live)
 
-    def _call(self, batch: int) -> float:
+    def _call(self, live: int, batch: int) -> float:
         t0 = time.perf_counter()
         meta = self.client.get_meta(
-            data_fields=["x"], batch_size=batch, partition_id="meta", task_name="bench"
+            data_fields=["x"], batch_size=batch, partition_id=f"meta{live}", task_name="bench"
         )
         dt = time.perf_counter() - t0
         if len(meta) != batch:
