@@ -1,8 +1,8 @@
 """Ours against the TransferQueue we set out to beat (PyPI ``transferqueue`` 0.1.11), one run.
 
     python -m bench.peer --setup     # once: builds bench/.peer-venv with the peer pinned
-    python -m bench.peer             # full sizes, 3 alternating rounds x 2 reps (~15 min)
-    python -m bench.peer --quick     # small sizes, 1 round: a smoke test (~3 min)
+    python -m bench.peer             # full sizes, 3 alternating rounds x 2 reps (~6 min)
+    python -m bench.peer --quick     # small sizes, 1 round: a smoke test (~2 min)
 
 The peer installs top-level ``tests``, ``scripts``, ``recipe`` and ``tutorial`` packages and
 needs Ray, so it lives in a virtualenv of its own (``bench/.peer-venv``, git-ignored; a plain
@@ -291,7 +291,9 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     ax1.set_xticks(x, [k.replace("u", " unit(s)") for k in keys], fontsize=8)
     ax1.set_ylabel("2 x payload / (put + get_meta + get_data), GB/s")
     ax1.set_title("put + get, medians", fontsize=10)
-    ax1.legend()
+    top = max(v["median"] for per in summary["GBps"].values() for v in per.values())
+    ax1.set_ylim(0, top * 1.3)
+    ax1.legend(loc="upper center", ncol=2)
     meta = summary["meta_samples_per_s"]
     for name, style in (("ours", "-o"), ("ours_with_ack", ":o"), ("peer", "--s")):
         for units in sorted({k.split()[1] for k in meta}):
@@ -300,7 +302,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
             ax2.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
     ax2.set_xscale("log")
     ax2.set_yscale("log")
-    ax2.set_xlabel("rows in the store")
+    ax2.set_xlabel("rows in the partition")
     ax2.set_ylabel("samples/s (get_meta of 64)")
     ax2.set_title("get_meta rate, medians", fontsize=10)
     ax2.legend(fontsize=8)
