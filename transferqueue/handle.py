@@ -11,6 +11,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from types import TracebackType
 
+from transferqueue.buffers import ResultBuffers
 from transferqueue.client import AsyncClient
 from transferqueue.links import ControllerLink, UnitLink
 from transferqueue.loop import LoopThread
@@ -38,6 +39,7 @@ class TransferQueue:
         self.address = address
         self.mode = mode
         self._closers = list(closers)
+        self._buffers = ResultBuffers()  # reused by the reads of every client made here
         self._finalizer = weakref.finalize(self, _close_all, self._closers, io)
 
     @property
@@ -50,7 +52,7 @@ class TransferQueue:
 
     def async_client(self) -> AsyncClient:
         """An asyncio client (its calls hop onto this handle's I/O loop when needed)."""
-        return AsyncClient(self._io, self._controller, self._units)
+        return AsyncClient(self._io, self._controller, self._units, self._buffers)
 
     def client(self) -> Client:
         """A blocking client, safe to share across threads."""

@@ -8,14 +8,17 @@ blocking call would stall your event loop.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
 
-from transferqueue.client import AsyncClient
+from transferqueue.client import AsyncClient, as_format, check_format
 from transferqueue.loop import LoopThread
 from transferqueue.meta import BatchMeta
 from transferqueue.schema import Column, FieldSpec
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 __all__ = ["Client"]
 
@@ -91,9 +94,26 @@ class Client:
             )
         )
 
-    def get_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> dict[str, Column]:
-        """See :meth:`AsyncClient.get_data`."""
-        return self._io.run(self._a.get_data(meta, fields))
+    @overload
+    def get_data(
+        self,
+        meta: BatchMeta,
+        fields: Sequence[str] | None = None,
+        *,
+        format: Literal["torch"] = "torch",
+    ) -> dict[str, Column]: ...
+
+    @overload
+    def get_data(
+        self, meta: BatchMeta, fields: Sequence[str] | None = None, *, format: Literal["arrow"]
+    ) -> pa.Table: ...
+
+    def get_data(
+        self, meta: BatchMeta, fields: Sequence[str] | None = None, *, format: str = "torch"
+    ) -> dict[str, Column] | pa.Table:
+        """See :meth:`AsyncClient.get_data` (``format="arrow"``: a ``pyarrow.Table``)."""
+        check_format(format)
+        return as_format(self._io.run(self._a.get_data(meta, fields)), format)
 
     def ack(self, meta: BatchMeta) -> None:
         """See :meth:`AsyncClient.ack`."""
