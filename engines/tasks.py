@@ -14,6 +14,8 @@ with the same arguments see the same items.
 
 ``TaskItem.row()`` gives the columns a data loader writes (prompt, answer, extra columns);
 ``reference`` is a correct completion, used by :func:`engines.tiny.warm_start` and examples.
+Prompts and answers read from files come from :class:`engines.file_task.FileTask` (task
+``file``): the same interface, a finite set of rows reshuffled every epoch.
 
 Called by the prompt data loader of the workflow, by examples, and by the tiny-model warm start.
 """
@@ -23,8 +25,8 @@ from __future__ import annotations
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar, TypeAlias
 
 from engines.expressions import evaluate
 
@@ -34,20 +36,29 @@ __all__ = [
     "ArithmeticTask",
     "CountdownConfig",
     "CountdownTask",
+    "Prompt",
     "Task",
     "TaskItem",
     "make_task",
+    "task_config_class",
 ]
 
 _MAX_DRAWS = 1000  # rejection-sampling budget per item before the config is declared infeasible
 
+Prompt: TypeAlias = str | list[dict[str, str]]
+"""A prompt: text (one user turn), or chat messages (``{"role": ..., "content": ...}`` dicts)."""
+
 
 @dataclass(frozen=True)
 class TaskItem:
-    """One problem: the prompt text, its verifiable answer and a correct completion."""
+    """One problem: the prompt, its verifiable answer and a correct completion.
 
-    prompt: str
-    answer: int
+    Generated tasks give an ``int`` answer; a file task gives the answer column's value as
+    read (a number or a string such as ``"#### 72"``; ``None`` for no answer).
+    """
+
+    prompt: Prompt
+    answer: Any
     reference: str
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -71,6 +82,17 @@ class Task(ABC):
     @abstractmethod
     def spec(self) -> dict[str, Any]:
         """JSON-able identity of the task (name, config, seed), e.g. for cache keys."""
+
+    def num_items(self) -> int | None:
+        """How many items the task gives (``item(i)`` for ``i`` below it); None: endless."""
+        return None
+
+    def columns(self) -> tuple[str, ...]:
+        """The names of the columns of ``row()`` other than ``prompt``: what a reward reads.
+
+        Called when the reward stage is built, to know which columns to hand the reward.
+        """
+        return tuple(k for k in self.item(0).row() if k != "prompt")
 
     def items(self, count: int, start: int = 0) -> list[TaskItem]:
         """Items ``start .. start + count - 1``."""
@@ -255,21 +277,44 @@ def _random_tree(numbers: list[int], operators: str, rng: random.Random) -> str:
     return terms[0]
 
 
-TASKS: dict[str, type[ArithmeticTask] | type[CountdownTask]] = {
-    ArithmeticTask.name: ArithmeticTask,
-    CountdownTask.name: CountdownTask,
+TASKS: dict[str, str] = {
+    ArithmeticTask.name: "engines.tasks:ArithmeticTask",
+    CountdownTask.name: "engines.tasks:CountdownTask",
+    "file": "engines.file_task:FileTask",
 }
-"""Task classes by name, for configs and command lines."""
+"""Task classes by name (as import paths: the file task is imported only when used)."""
+
+
+def task_config_class(name: str) -> type[Any]:
+    """The config dataclass of task ``name`` (its fields are the task's options)."""
+    if name == ArithmeticTask.name:
+        return ArithmeticConfig
+    if name == CountdownTask.name:
+        return CountdownConfig
+    if name == "file":
+        from engines.file_task import FileTaskConfig
+
+        return FileTaskConfig
+    raise ValueError(f"unknown task {name!r}; known tasks: {sorted(TASKS)}")
 
 
 def make_task(name: str, *, seed: int = 0, **options: Any) -> Task:
     """Build task ``name`` with its config fields as keyword options.
 
-    ``make_task("arithmetic", max_operand=20, operators="+-")``. Raises ``ValueError`` for an
-    unknown name (listing the known ones) and ``TypeError`` for an unknown option.
+    ``make_task("arithmetic", max_operand=20, operators="+-")``,
+    ``make_task("file", path="train.jsonl", prompt_key="question")``. Raises ``ValueError``
+    for an unknown name or option (listing the known ones) and for a bad option value.
     """
+    config_class = task_config_class(name)
+    valid = [f.name for f in fields(config_class)]
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown} of task {name!r}; valid options: {valid}")
+    config = config_class(**options)
     if name == ArithmeticTask.name:
-        return ArithmeticTask(ArithmeticConfig(**options), seed=seed)
+        return ArithmeticTask(config, seed=seed)
     if name == CountdownTask.name:
-        return CountdownTask(CountdownConfig(**options), seed=seed)
-    raise ValueError(f"unknown task {name!r}; known tasks: {sorted(TASKS)}")
+        return CountdownTask(config, seed=seed)
+    from engines.file_task import FileTask
+
+    return FileTask(config, seed=seed)
