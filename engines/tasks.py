@@ -40,6 +40,7 @@ __all__ = [
     "Task",
     "TaskItem",
     "make_task",
+    "task_columns",
     "task_config_class",
 ]
 
@@ -296,6 +297,16 @@ def task_config_class(name: str) -> type[Any]:
 
         return FileTaskConfig
     raise ValueError(f"unknown task {name!r}; known tasks: {sorted(TASKS)}")
+
+
+def task_columns(name: str, **options: Any) -> tuple[str, ...]:
+    """The columns of task ``name``'s rows besides ``prompt`` (what a reward reads), from its
+    name and options alone: no data file is read. Equals ``make_task(...).columns()``."""
+    if name == "file":
+        from engines.file_task import FileTaskConfig
+
+        return ("answer", *FileTaskConfig(**options).extra_keys)
+    return make_task(name, **options).columns()  # generated tasks cost nothing to build
 
 
 def make_task(name: str, *, seed: int = 0, **options: Any) -> Task:
