@@ -55,3 +55,10 @@ def test_rows_of_a_file_reach_the_user_reward(
     for prompt, answer, level in user_reward_mod.CALLS:
         assert by_prompt[prompt] == (answer, level)  # the row's own answer and extra column
     assert len(user_reward_mod.CALLS) == 10 * cfg.rollout.group_size
+
+
+def test_the_reward_gets_every_column_of_the_task(out_dir: Path) -> None:
+    # The countdown reward reads the row's "numbers" column besides its answer.
+    cfg = small_config(out_dir, "task.name=countdown", "reward.functions=[countdown]")
+    result = run(cfg)
+    assert len(result.records) == cfg.train.steps
