@@ -133,6 +133,7 @@ class FileTask(Task):
     """The rows of a file (or ``datasets`` folder) as task items, reshuffled every epoch."""
 
     name = "file"
+    config_class = FileTaskConfig
 
     def __init__(self, config: FileTaskConfig, *, seed: int = 0) -> None:
         super().__init__(seed)
@@ -191,8 +192,9 @@ class FileTask(Task):
         extra = {k: cols[k][row] for k in cfg.extra_keys}
         return TaskItem(prompt=self._prompts[row], answer=answer, reference=reference, extra=extra)
 
-    def columns(self) -> tuple[str, ...]:
-        return ("answer", *self.config.extra_keys)
+    @classmethod
+    def config_columns(cls, config: Any) -> tuple[str, ...]:
+        return ("answer", *config.extra_keys)
 
     def _permutation(self, epoch: int) -> np.ndarray:
         perm = self._perms.get(epoch)

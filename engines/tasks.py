@@ -22,9 +22,10 @@ Called by the prompt data loader of the workflow, by examples, and by the tiny-m
 
 from __future__ import annotations
 
+import importlib
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar, TypeAlias
 
@@ -40,6 +41,7 @@ __all__ = [
     "Task",
     "TaskItem",
     "make_task",
+    "task_class",
     "task_columns",
     "task_config_class",
 ]
@@ -69,9 +71,11 @@ class TaskItem:
 
 
 class Task(ABC):
-    """An endless, index-addressed source of problems."""
+    """An index-addressed source of problems (endless unless :meth:`num_items` says)."""
 
     name: ClassVar[str]
+    config_class: ClassVar[type[Any]]
+    """The frozen dataclass of the task's options (what :func:`make_task` builds it with)."""
 
     def __init__(self, seed: int) -> None:
         self.seed = seed
@@ -89,11 +93,14 @@ class Task(ABC):
         return None
 
     def columns(self) -> tuple[str, ...]:
-        """The names of the columns of ``row()`` other than ``prompt``: what a reward reads.
+        """The names of the columns of ``row()`` other than ``prompt``: what a reward reads."""
+        return self.config_columns(getattr(self, "config", None))
 
-        Called when the reward stage is built, to know which columns to hand the reward.
-        """
-        return tuple(k for k in self.item(0).row() if k != "prompt")
+    @classmethod
+    def config_columns(cls, config: Any) -> tuple[str, ...]:
+        """The row columns besides ``prompt`` that a task with ``config`` writes, known from the
+        config alone (no data read): the reward stage is built from it, on any host."""
+        return ("answer",)
 
     def items(self, count: int, start: int = 0) -> list[TaskItem]:
         """Items ``start .. start + count - 1``."""
@@ -151,6 +158,7 @@ class ArithmeticTask(Task):
     """Arithmetic problems whose answer is an integer (non-integer draws are rejected)."""
 
     name = "arithmetic"
+    config_class = ArithmeticConfig
 
     def __init__(self, config: ArithmeticConfig | None = None, *, seed: int = 0) -> None:
         super().__init__(seed)
@@ -224,6 +232,7 @@ class CountdownTask(Task):
     """Countdown problems; ``answer`` is the target, ``extra["numbers"]`` the numbers."""
 
     name = "countdown"
+    config_class = CountdownConfig
 
     def __init__(self, config: CountdownConfig | None = None, *, seed: int = 0) -> None:
         super().__init__(seed)
@@ -231,6 +240,10 @@ class CountdownTask(Task):
 
     def spec(self) -> dict[str, Any]:
         return {"name": self.name, "seed": self.seed, "config": asdict(self.config)}
+
+    @classmethod
+    def config_columns(cls, config: Any) -> tuple[str, ...]:
+        return ("answer", "numbers")
 
     def item(self, index: int) -> TaskItem:
         cfg = self.config
@@ -283,30 +296,29 @@ TASKS: dict[str, str] = {
     CountdownTask.name: "engines.tasks:CountdownTask",
     "file": "engines.file_task:FileTask",
 }
-"""Task classes by name (as import paths: the file task is imported only when used)."""
+"""Task classes by name, as import paths (a task's module is imported only when it is used)."""
+
+
+def task_class(name: str) -> type[Task]:
+    """The class of task ``name``; ``ValueError`` listing the known names if there is none."""
+    try:
+        module, _, attribute = TASKS[name].partition(":")
+    except KeyError:
+        raise ValueError(f"unknown task {name!r}; known tasks: {sorted(TASKS)}") from None
+    cls: type[Task] = getattr(importlib.import_module(module), attribute)
+    return cls
 
 
 def task_config_class(name: str) -> type[Any]:
     """The config dataclass of task ``name`` (its fields are the task's options)."""
-    if name == ArithmeticTask.name:
-        return ArithmeticConfig
-    if name == CountdownTask.name:
-        return CountdownConfig
-    if name == "file":
-        from engines.file_task import FileTaskConfig
-
-        return FileTaskConfig
-    raise ValueError(f"unknown task {name!r}; known tasks: {sorted(TASKS)}")
+    return task_class(name).config_class
 
 
 def task_columns(name: str, **options: Any) -> tuple[str, ...]:
     """The columns of task ``name``'s rows besides ``prompt`` (what a reward reads), from its
     name and options alone: no data file is read. Equals ``make_task(...).columns()``."""
-    if name == "file":
-        from engines.file_task import FileTaskConfig
-
-        return ("answer", *FileTaskConfig(**options).extra_keys)
-    return make_task(name, **options).columns()  # generated tasks cost nothing to build
+    cls = task_class(name)
+    return cls.config_columns(cls.config_class(**options))
 
 
 def make_task(name: str, *, seed: int = 0, **options: Any) -> Task:
@@ -316,16 +328,10 @@ def make_task(name: str, *, seed: int = 0, **options: Any) -> Task:
     ``make_task("file", path="train.jsonl", prompt_key="question")``. Raises ``ValueError``
     for an unknown name or option (listing the known ones) and for a bad option value.
     """
-    config_class = task_config_class(name)
-    valid = [f.name for f in fields(config_class)]
+    cls = task_class(name)
+    valid = [f.name for f in fields(cls.config_class)]
     unknown = sorted(set(options) - set(valid))
     if unknown:
         raise ValueError(f"unknown option(s) {unknown} of task {name!r}; valid options: {valid}")
-    config = config_class(**options)
-    if name == ArithmeticTask.name:
-        return ArithmeticTask(config, seed=seed)
-    if name == CountdownTask.name:
-        return CountdownTask(config, seed=seed)
-    from engines.file_task import FileTask
-
-    return FileTask(config, seed=seed)
+    build: Callable[..., Task] = cls  # every task class takes (config, *, seed)
+    return build(cls.config_class(**options), seed=seed)

@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerBase
 from engines.file_task import FileTask, read_columns
 from engines.hf.text import encode_prompts
 from engines.rewards import MathAnswerReward
-from engines.tasks import make_task
+from engines.tasks import make_task, task_columns
 from engines.tiny import TinyConfig, WarmStartConfig, build_model, build_tokenizer, warm_start
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -177,3 +177,14 @@ def test_hf_datasets_folders(tmp_path: Path) -> None:
     _write(files, "jsonl")
     columns = read_columns(files, ["q", "a"])
     assert columns["q"] == [r["q"] for r in ROWS] and columns["a"] == [r["a"] for r in ROWS]
+
+
+@pytest.mark.parametrize("name", ["arithmetic", "countdown", "file"])
+def test_columns_known_from_the_config_are_those_of_the_rows(tmp_path: Path, name: str) -> None:
+    options: dict[str, Any] = {}
+    if name == "file":
+        path = _write(tmp_path, "jsonl")
+        options = {"path": str(path), "prompt_key": "q", "answer_key": "a", "extra_keys": ["tag"]}
+    task = make_task(name, **options)
+    row_columns = tuple(k for k in task.item(0).row() if k != "prompt")
+    assert task_columns(name, **options) == task.columns() == row_columns
