@@ -1,7 +1,12 @@
 """``asyncflow`` command line.
 
 asyncflow run [CONFIG.yaml] [section.field=value ...]    # one training run
-asyncflow config [CONFIG.yaml] [overrides ...]            # print the resolved config
+asyncflow config [CONFIG.yaml] [overrides ...]            # check and print the resolved config
+asyncflow run --help                                      # every config field, type, default, doc
+
+Both commands load and check the config the same way (:func:`asyncflow.config_check.
+resolve_config`); a bad config, a missing file or malformed YAML prints one line
+``asyncflow: bad config: ...`` naming the field and the fix, and exits with status 2.
 """
 
 from __future__ import annotations
@@ -12,7 +17,11 @@ import sys
 
 import yaml
 
-from asyncflow.config import config_to_dict, load_config
+from asyncflow.config import config_to_dict
+from asyncflow.config_check import resolve_config
+from asyncflow.config_help import fields_help
+
+BAD_CONFIG_EXIT = 2
 
 
 def _split(args: list[str]) -> tuple[str | None, list[str]]:
@@ -21,20 +30,35 @@ def _split(args: list[str]) -> tuple[str | None, list[str]]:
     return None, args
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser(with_fields: bool) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="asyncflow", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    run_p = sub.add_parser("run", help="train: GRPO through TransferQueue")
-    run_p.add_argument("args", nargs="*", help="[CONFIG.yaml] [section.field=value ...]")
-    cfg_p = sub.add_parser("config", help="print the resolved config as YAML")
-    cfg_p.add_argument("args", nargs="*")
-    ns = ap.parse_args(argv)
+    epilog = fields_help() if with_fields else None  # read from the source: only for --help
+    for name, text in (
+        ("run", "train: GRPO through TransferQueue"),
+        ("config", "check the config as run does and print it resolved, as YAML"),
+    ):
+        p = sub.add_parser(
+            name,
+            help=text,
+            description=text,
+            epilog=epilog,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        p.add_argument("args", nargs="*", help="[CONFIG.yaml] [section.field=value ...]")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    ns = _parser(with_fields=bool({"-h", "--help"} & set(args))).parse_args(args)
     path, overrides = _split(ns.args)
     try:
-        cfg = load_config(path, overrides)
-    except (ValueError, TypeError) as e:
-        print(f"asyncflow: bad config: {e}", file=sys.stderr)
-        return 2
+        cfg = resolve_config(path, overrides)
+    except (ValueError, TypeError) as e:  # ConfigError and the sections' own checks
+        message = " ".join(str(e).split())  # one line, whatever the source wrote
+        print(f"asyncflow: bad config: {message}", file=sys.stderr)
+        return BAD_CONFIG_EXIT
     if ns.cmd == "config":
         print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
         return 0

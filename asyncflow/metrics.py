@@ -1,9 +1,12 @@
 """Run metrics: the stage timeline, per-step records, and where they go.
 
 - :class:`Timeline`: busy intervals of every stage worker (lane), the single source of
-  busy/idle fractions, samples/s and tokens/s, and of the Gantt charts of the benchmarks.
+  busy/idle fractions, samples/s and tokens/s, and of the Gantt charts of the benchmarks;
+  :func:`write_timeline` saves it as ``timeline.json`` and as a Chrome trace
+  (``timeline.trace.json``: open it in https://ui.perfetto.dev or chrome://tracing).
 - :class:`MetricsWriter`: one JSON line per train step (``metrics.jsonl``), the same scalars to
-  TensorBoard, and a progress bar on the console.
+  the experiment trackers of ``output.loggers`` (``asyncflow.loggers``: TensorBoard, W&B,
+  MLflow), and a progress bar on the console.
 - :func:`plot_rewards`: the reward curve of a run (``reward.png``).
 """
 
@@ -13,8 +16,11 @@ import json
 import math
 import time
 from collections import Counter, defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from asyncflow.loggers import MetricsLogger, scalars
 
 __all__ = [
     "MetricsWriter",
@@ -22,7 +28,11 @@ __all__ = [
     "merge_intervals",
     "plot_rewards",
     "staleness_histogram",
+    "write_timeline",
 ]
+
+STAGE_ORDER = ("rollout", "reward", "reference", "train")
+"""The pipeline's stages in data order: the order of the trace's tracks."""
 
 
 class Timeline:
@@ -95,6 +105,78 @@ class Timeline:
     def to_json(self) -> dict[str, Any]:
         return {lane: [list(iv) for iv in ivs] for lane, ivs in self.intervals.items()}
 
+    def to_chrome_trace(self, records: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+        """The timeline in Chrome's Trace Event Format (JSON object form).
+
+        | trace          | from                                                       |
+        |----------------|------------------------------------------------------------|
+        | process (pid)  | a stage (``rollout``, ``reward``, ...), in pipeline order  |
+        | thread (tid)   | a lane of that stage (``rollout/0``, ...)                  |
+        | ``X`` event    | one busy interval; ``args``: samples, tokens               |
+        | ``C`` counter  | ``reward`` of each step record, at the step's ``time_s``   |
+
+        Times are microseconds since the timeline's start.
+        """
+
+        def stage_key(stage: str) -> tuple[int, str]:
+            order = STAGE_ORDER.index(stage) if stage in STAGE_ORDER else len(STAGE_ORDER)
+            return order, stage
+
+        stages = sorted({self.stage_of(lane) for lane in self.intervals}, key=stage_key)
+        events: list[dict[str, Any]] = []
+        for pid, stage in enumerate(stages, 1):
+            events.append(_meta("process_name", pid, 0, {"name": stage}))
+            events.append(_meta("process_sort_index", pid, 0, {"sort_index": pid}))
+            lanes = sorted(lane for lane in self.intervals if self.stage_of(lane) == stage)
+            for tid, lane in enumerate(lanes, 1):
+                events.append(_meta("thread_name", pid, tid, {"name": lane}))
+                for start, end, samples, tokens in self.intervals[lane]:
+                    events.append(
+                        {
+                            "ph": "X",
+                            "name": stage,
+                            "cat": "stage",
+                            "pid": pid,
+                            "tid": tid,
+                            "ts": start * 1e6,
+                            "dur": max(end - start, 0.0) * 1e6,
+                            "args": {"samples": samples, "tokens": tokens},
+                        }
+                    )
+        counter_pid = len(stages) + 1
+        steps = [r for r in records if math.isfinite(r.get("reward", math.nan))]
+        if steps:
+            events.append(_meta("process_name", counter_pid, 0, {"name": "train steps"}))
+        for r in steps:
+            events.append(
+                {
+                    "ph": "C",
+                    "name": "reward",
+                    "pid": counter_pid,
+                    "ts": r["time_s"] * 1e6,
+                    "args": {"reward": r["reward"]},
+                }
+            )
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def _meta(name: str, pid: int, tid: int, args: dict[str, Any]) -> dict[str, Any]:
+    return {"ph": "M", "name": name, "pid": pid, "tid": tid, "args": args}
+
+
+def write_timeline(
+    timeline: Timeline, out_dir: str | Path, records: Sequence[dict[str, Any]] = ()
+) -> tuple[Path, Path]:
+    """Write ``timeline.json`` (lane -> intervals) and ``timeline.trace.json`` (Chrome trace).
+
+    Called by the workflow when a run ends; ``records`` (the step records) add a reward counter.
+    """
+    out = Path(out_dir)
+    plain, trace = out / "timeline.json", out / "timeline.trace.json"
+    plain.write_text(json.dumps(timeline.to_json()))
+    trace.write_text(json.dumps(timeline.to_chrome_trace(records)))
+    return plain, trace
+
 
 def merge_intervals(
     ivs: list[tuple[float, float, int, int]], since: float = 0.0, until: float = math.inf
@@ -115,24 +197,26 @@ def staleness_histogram(staleness: list[int]) -> dict[str, int]:
 
 
 class MetricsWriter:
-    """Writes step records to JSONL and TensorBoard and drives a progress bar."""
+    """Writes step records to ``metrics.jsonl`` and the trackers, and drives a progress bar.
+
+    ``loggers`` are started trackers (:func:`asyncflow.loggers.make_loggers`); the writer
+    closes them in :meth:`close`.
+    """
 
     def __init__(
-        self, out_dir: str | Path, *, total_steps: int, tensorboard: bool, progress: bool
+        self,
+        out_dir: str | Path,
+        *,
+        total_steps: int,
+        progress: bool,
+        loggers: Sequence[MetricsLogger] = (),
     ) -> None:
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
         self._jsonl = self.path.open("w")
         self.records: list[dict[str, Any]] = []
-        self._tb: Any = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._tb = SummaryWriter(str(self.dir / "tensorboard"))
-            except ImportError:  # tensorboard missing: JSONL and the plot still work
-                self._tb = None
+        self.loggers = list(loggers)
         self._bar: Any = None
         if progress:
             from tqdm import tqdm
@@ -143,11 +227,10 @@ class MetricsWriter:
         self.records.append(record)
         self._jsonl.write(json.dumps(record, default=_jsonable) + "\n")
         self._jsonl.flush()
-        if self._tb is not None:
-            for key, value in _flatten(record).items():
-                number = isinstance(value, int | float) and not isinstance(value, bool)
-                if number and math.isfinite(value):
-                    self._tb.add_scalar(key, value, record["step"])
+        if self.loggers:
+            values = scalars(record)
+            for logger in self.loggers:
+                logger.log(record["step"], values)
         if self._bar is not None:
             self._bar.update(1)
             self._bar.set_postfix(
@@ -157,22 +240,18 @@ class MetricsWriter:
             )
 
     def close(self) -> None:
+        """Close the file, every tracker (all of them, even if one fails) and the bar."""
         self._jsonl.close()
-        if self._tb is not None:
-            self._tb.close()
         if self._bar is not None:
             self._bar.close()
-
-
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flatten(v, key + "/"))
-        else:
-            out[key] = v
-    return out
+        errors: list[BaseException] = []
+        for logger in self.loggers:
+            try:
+                logger.close()
+            except Exception as e:  # the other trackers still get their runs ended
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
 
 def _jsonable(x: Any) -> Any:

@@ -1,7 +1,7 @@
 """The stages of the GRPO graph, built from a config the same way in every deployment.
 
     rollout:   prompt_ids, min_gen_version -> response_ids, behaviour_logprobs, finish_reason
-    reward:    prompt, response_ids, answer -> reward
+    reward:    prompt, response_ids, answer (+ the task's extra columns) -> reward
     reference: prompt_ids, response_ids -> ref_logprobs              (optional)
     train:     whole groups of the step's window -> an optimizer step (acks the rows)
 
@@ -30,6 +30,7 @@ from asyncflow.config import RunConfig
 from asyncflow.metrics import Timeline
 from asyncflow.stage import StageRunner
 from engines.protocols import RewardFn, SamplingParams, ScoringEngine, TrainingEngine
+from engines.tasks import task_columns
 from transferqueue import AsyncClient
 
 __all__ = [
@@ -114,7 +115,10 @@ def rollout_adapter(
 def reward_adapter(
     cls: type[Adapter], reward_fn: RewardFn, tokenizer: Any, cfg: RunConfig
 ) -> Adapter:
-    return cls(reward_fn, tokenizer, batch_size=cfg.reward.batch_size)  # type: ignore[call-arg]
+    columns = task_columns(cfg.task.name, **cfg.task.options)  # the row's answer and extras
+    return cls(  # type: ignore[call-arg]
+        reward_fn, tokenizer, columns=columns, batch_size=cfg.reward.batch_size
+    )
 
 
 def reference_adapter(cls: type[Adapter], engine: ScoringEngine, cfg: RunConfig) -> Adapter:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import time
@@ -38,7 +37,14 @@ from asyncflow.config import RunConfig, config_to_dict
 from asyncflow.deploy.base import Deployment
 from asyncflow.deploy.local import LocalDeployment
 from asyncflow.feeder import PromptFeeder
-from asyncflow.metrics import MetricsWriter, Timeline, plot_rewards, staleness_histogram
+from asyncflow.loggers import make_loggers
+from asyncflow.metrics import (
+    MetricsWriter,
+    Timeline,
+    plot_rewards,
+    staleness_histogram,
+    write_timeline,
+)
 from asyncflow.stage import StageError
 from asyncflow.stages import PARTITION
 
@@ -122,7 +128,7 @@ class Workflow:
         writer = MetricsWriter(
             out_dir,
             total_steps=cfg.train.steps,
-            tensorboard=cfg.output.tensorboard,
+            loggers=make_loggers(cfg.output, config_to_dict(cfg)),
             progress=cfg.output.progress,
         )
         try:
@@ -195,7 +201,7 @@ class Workflow:
                     await t
         await dep.collect()
         wall = time.perf_counter() - t_start
-        (out_dir / "timeline.json").write_text(json.dumps(timeline.to_json()))
+        write_timeline(timeline, out_dir, writer.records)
         result = RunResult(
             records=writer.records,
             reports=reports,

@@ -188,7 +188,7 @@ def run_schedule(
     overrides = [
         f"output.dir={out}",
         "output.progress=false",
-        "output.tensorboard=false",
+        "output.loggers=[jsonl]",
         "output.plot=false",
         f"train.steps={setup.steps}",
         f"train.groups_per_step={b}",
@@ -319,7 +319,7 @@ def real_pair(steps: int, out: Path) -> dict[str, Any]:
             overrides=[
                 f"output.dir={out / f'real-k{k}'}",
                 "output.progress=false",
-                "output.tensorboard=false",
+                "output.loggers=[jsonl]",
                 f"train.steps={steps}",
                 f"train.max_staleness={k}",
             ]

@@ -14,10 +14,14 @@ completion that is malformed (no number, an unsafe or invalid expression) is a v
 | FormatReward      | (none)               | 1 if the completion matches a regular expression    |
 | CountdownReward   | answer, numbers      | 1 if the expression uses the numbers and hits answer|
 | WeightedReward    | those of its parts   | weighted sum of its parts                           |
+
+:func:`make_reward` builds one by name (``math``, ``format``, ``countdown``) or imports a
+user's by import path (``mypkg.rewards:exact``; see :func:`load_reward`).
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -32,6 +36,7 @@ __all__ = [
     "FormatReward",
     "MathAnswerReward",
     "WeightedReward",
+    "load_reward",
     "make_reward",
     "parse_final_number",
 ]
@@ -254,9 +259,70 @@ REWARDS: dict[str, Callable[..., RewardCallable]] = {
 
 
 def make_reward(name: str, **options: Any) -> RewardCallable:
-    """Build reward ``name`` with keyword ``options``; unknown names raise ``ValueError``."""
+    """Build reward ``name`` with keyword ``options``.
+
+    ``name`` is a built-in (``math``, ``format``, ``countdown``) or an import path
+    ``module.path:attribute`` (see :func:`load_reward`). Raises ``ValueError`` for an unknown
+    name or an import path that does not name a callable.
+    """
+    if ":" in name:
+        return load_reward(name, **options)
     try:
         factory = REWARDS[name]
     except KeyError:
-        raise ValueError(f"unknown reward {name!r}; known rewards: {sorted(REWARDS)}") from None
+        hint = ""
+        if "." in name:  # a dotted path without the colon
+            module, _, attribute = name.rpartition(".")
+            hint = f" (did you mean {module}:{attribute}?)"
+        raise ValueError(
+            f"unknown reward {name!r}; known rewards: {sorted(REWARDS)}, or an import path "
+            f"'module.path:function'{hint}"
+        ) from None
     return factory(**options)
+
+
+def load_reward(path: str, **options: Any) -> RewardCallable:
+    """Import the reward callable named by ``path`` = ``module.path:attribute``.
+
+    The attribute is the reward itself (a function ``(prompts, completions, **columns) ->
+    list[float | None]``), or a class, which is instantiated with ``options`` (like the
+    built-in rewards). The module must be importable from ``sys.path`` (``PYTHONPATH``).
+    Raises ``ValueError`` naming ``path`` and what to change.
+    """
+    module_name, _, attribute = path.partition(":")
+    if not module_name or not attribute or ":" in attribute:
+        raise ValueError(
+            f"reward import path {path!r} must look like 'module.path:function', e.g. "
+            "'mypkg.rewards:exact'"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        raise ValueError(
+            f"reward {path!r}: no module named {e.name!r}; put the module's folder on "
+            "PYTHONPATH or install its package"
+        ) from None
+    except Exception as e:  # the user's module itself failed: say so, in one line
+        raise ValueError(
+            f"reward {path!r}: importing {module_name!r} failed: {type(e).__name__}: {e}"
+        ) from None
+    obj: Any = module
+    for part in attribute.split("."):
+        if not hasattr(obj, part):
+            public = sorted(n for n in dir(module) if not n.startswith("_"))
+            raise ValueError(
+                f"reward {path!r}: {module_name!r} has no attribute {attribute!r}; it defines "
+                f"{public}"
+            )
+        obj = getattr(obj, part)
+    if isinstance(obj, type):
+        obj = obj(**options)
+    elif options:
+        raise ValueError(f"reward {path!r} is a function: it takes no options, got {options}")
+    if not callable(obj):
+        raise ValueError(
+            f"reward {path!r} is a {type(obj).__name__}, not a callable "
+            "(prompts, completions, **columns) -> list[float | None]"
+        )
+    reward: RewardCallable = obj
+    return reward

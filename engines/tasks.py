@@ -14,17 +14,20 @@ with the same arguments see the same items.
 
 ``TaskItem.row()`` gives the columns a data loader writes (prompt, answer, extra columns);
 ``reference`` is a correct completion, used by :func:`engines.tiny.warm_start` and examples.
+Prompts and answers read from files come from :class:`engines.file_task.FileTask` (task
+``file``): the same interface, a finite set of rows reshuffled every epoch.
 
 Called by the prompt data loader of the workflow, by examples, and by the tiny-model warm start.
 """
 
 from __future__ import annotations
 
+import importlib
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar, TypeAlias
 
 from engines.expressions import evaluate
 
@@ -34,20 +37,31 @@ __all__ = [
     "ArithmeticTask",
     "CountdownConfig",
     "CountdownTask",
+    "Prompt",
     "Task",
     "TaskItem",
     "make_task",
+    "task_class",
+    "task_columns",
+    "task_config_class",
 ]
 
 _MAX_DRAWS = 1000  # rejection-sampling budget per item before the config is declared infeasible
 
+Prompt: TypeAlias = str | list[dict[str, str]]
+"""A prompt: text (one user turn), or chat messages (``{"role": ..., "content": ...}`` dicts)."""
+
 
 @dataclass(frozen=True)
 class TaskItem:
-    """One problem: the prompt text, its verifiable answer and a correct completion."""
+    """One problem: the prompt, its verifiable answer and a correct completion.
 
-    prompt: str
-    answer: int
+    Generated tasks give an ``int`` answer; a file task gives the answer column's value as
+    read (a number or a string such as ``"#### 72"``; ``None`` for no answer).
+    """
+
+    prompt: Prompt
+    answer: Any
     reference: str
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -57,9 +71,11 @@ class TaskItem:
 
 
 class Task(ABC):
-    """An endless, index-addressed source of problems."""
+    """An index-addressed source of problems (endless unless :meth:`num_items` says)."""
 
     name: ClassVar[str]
+    config_class: ClassVar[type[Any]]
+    """The frozen dataclass of the task's options (what :func:`make_task` builds it with)."""
 
     def __init__(self, seed: int) -> None:
         self.seed = seed
@@ -71,6 +87,20 @@ class Task(ABC):
     @abstractmethod
     def spec(self) -> dict[str, Any]:
         """JSON-able identity of the task (name, config, seed), e.g. for cache keys."""
+
+    def num_items(self) -> int | None:
+        """How many items the task gives (``item(i)`` for ``i`` below it); None: endless."""
+        return None
+
+    def columns(self) -> tuple[str, ...]:
+        """The names of the columns of ``row()`` other than ``prompt``: what a reward reads."""
+        return self.config_columns(getattr(self, "config", None))
+
+    @classmethod
+    def config_columns(cls, config: Any) -> tuple[str, ...]:
+        """The row columns besides ``prompt`` that a task with ``config`` writes, known from the
+        config alone (no data read): the reward stage is built from it, on any host."""
+        return ("answer",)
 
     def items(self, count: int, start: int = 0) -> list[TaskItem]:
         """Items ``start .. start + count - 1``."""
@@ -128,6 +158,7 @@ class ArithmeticTask(Task):
     """Arithmetic problems whose answer is an integer (non-integer draws are rejected)."""
 
     name = "arithmetic"
+    config_class = ArithmeticConfig
 
     def __init__(self, config: ArithmeticConfig | None = None, *, seed: int = 0) -> None:
         super().__init__(seed)
@@ -201,6 +232,7 @@ class CountdownTask(Task):
     """Countdown problems; ``answer`` is the target, ``extra["numbers"]`` the numbers."""
 
     name = "countdown"
+    config_class = CountdownConfig
 
     def __init__(self, config: CountdownConfig | None = None, *, seed: int = 0) -> None:
         super().__init__(seed)
@@ -208,6 +240,10 @@ class CountdownTask(Task):
 
     def spec(self) -> dict[str, Any]:
         return {"name": self.name, "seed": self.seed, "config": asdict(self.config)}
+
+    @classmethod
+    def config_columns(cls, config: Any) -> tuple[str, ...]:
+        return ("answer", "numbers")
 
     def item(self, index: int) -> TaskItem:
         cfg = self.config
@@ -255,21 +291,47 @@ def _random_tree(numbers: list[int], operators: str, rng: random.Random) -> str:
     return terms[0]
 
 
-TASKS: dict[str, type[ArithmeticTask] | type[CountdownTask]] = {
-    ArithmeticTask.name: ArithmeticTask,
-    CountdownTask.name: CountdownTask,
+TASKS: dict[str, str] = {
+    ArithmeticTask.name: "engines.tasks:ArithmeticTask",
+    CountdownTask.name: "engines.tasks:CountdownTask",
+    "file": "engines.file_task:FileTask",
 }
-"""Task classes by name, for configs and command lines."""
+"""Task classes by name, as import paths (a task's module is imported only when it is used)."""
+
+
+def task_class(name: str) -> type[Task]:
+    """The class of task ``name``; ``ValueError`` listing the known names if there is none."""
+    try:
+        module, _, attribute = TASKS[name].partition(":")
+    except KeyError:
+        raise ValueError(f"unknown task {name!r}; known tasks: {sorted(TASKS)}") from None
+    cls: type[Task] = getattr(importlib.import_module(module), attribute)
+    return cls
+
+
+def task_config_class(name: str) -> type[Any]:
+    """The config dataclass of task ``name`` (its fields are the task's options)."""
+    return task_class(name).config_class
+
+
+def task_columns(name: str, **options: Any) -> tuple[str, ...]:
+    """The columns of task ``name``'s rows besides ``prompt`` (what a reward reads), from its
+    name and options alone: no data file is read. Equals ``make_task(...).columns()``."""
+    cls = task_class(name)
+    return cls.config_columns(cls.config_class(**options))
 
 
 def make_task(name: str, *, seed: int = 0, **options: Any) -> Task:
     """Build task ``name`` with its config fields as keyword options.
 
-    ``make_task("arithmetic", max_operand=20, operators="+-")``. Raises ``ValueError`` for an
-    unknown name (listing the known ones) and ``TypeError`` for an unknown option.
+    ``make_task("arithmetic", max_operand=20, operators="+-")``,
+    ``make_task("file", path="train.jsonl", prompt_key="question")``. Raises ``ValueError``
+    for an unknown name or option (listing the known ones) and for a bad option value.
     """
-    if name == ArithmeticTask.name:
-        return ArithmeticTask(ArithmeticConfig(**options), seed=seed)
-    if name == CountdownTask.name:
-        return CountdownTask(CountdownConfig(**options), seed=seed)
-    raise ValueError(f"unknown task {name!r}; known tasks: {sorted(TASKS)}")
+    cls = task_class(name)
+    valid = [f.name for f in fields(cls.config_class)]
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown} of task {name!r}; valid options: {valid}")
+    build: Callable[..., Task] = cls  # every task class takes (config, *, seed)
+    return build(cls.config_class(**options), seed=seed)

@@ -235,8 +235,9 @@ def warm_start(
 
     Prompts are encoded with :func:`engines.hf.text.encode_prompts` (the chat template), as the
     rollout encodes them; the target is the reference text followed by EOS. Deterministic: the
-    data is the task's items from ``config.start_index`` and nothing is sampled. Returns the
-    first and last step losses and the seconds taken.
+    data is the task's items from ``config.start_index`` (modulo the task's size if it is
+    finite) and nothing is sampled. Returns the first and last step losses and the seconds
+    taken.
     """
     config = config or WarmStartConfig()
     if tokenizer.eos_token_id is None:
@@ -248,7 +249,10 @@ def warm_start(
     losses: list[float] = []
     for step in range(config.steps):
         first = config.start_index + step * config.batch_size
-        items = task.items(config.batch_size + 1, start=first)
+        # A finite task (a file read for a few epochs) is read round and round.
+        limit = task.num_items()
+        indexes = range(first, first + config.batch_size + 1)
+        items = [task.item(i if limit is None else i % limit) for i in indexes]
         prompts = encode_prompts(tokenizer, [it.prompt for it in items[:-1]])
         targets = [it.reference for it in (items[1:] if config.format_only else items[:-1])]
         responses = [

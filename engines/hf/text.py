@@ -7,7 +7,7 @@ the rollout will encode them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -17,30 +17,33 @@ __all__ = ["decode_responses", "encode_prompts"]
 
 def encode_prompts(
     tokenizer: PreTrainedTokenizerBase,
-    texts: Sequence[str],
+    texts: Sequence[str | Sequence[Mapping[str, str]]],
     *,
     chat_template: bool | None = None,
 ) -> list[torch.Tensor]:
-    """One 1-D int64 tensor per prompt text.
+    """One 1-D int64 tensor per prompt: a text, or chat messages (role/content dicts).
 
-    With ``chat_template`` (default: whenever the tokenizer has one) each text becomes a single
-    user turn followed by the assistant header, so generation continues as the assistant.
-    Otherwise the text is encoded with the tokenizer's special tokens (e.g. BOS).
+    With ``chat_template`` (default: whenever the tokenizer has one) a text becomes a single
+    user turn, messages are rendered as they are, and the assistant header follows, so
+    generation continues as the assistant. Without it a text is encoded with the tokenizer's
+    special tokens (e.g. BOS), and messages as their contents joined by blank lines.
     """
     use_chat = bool(tokenizer.chat_template) if chat_template is None else chat_template
     if use_chat and not tokenizer.chat_template:
         raise ValueError("chat_template=True but the tokenizer has no chat template")
     out: list[torch.Tensor] = []
     for text in texts:
+        if isinstance(text, str):
+            messages = [{"role": "user", "content": text}]
+        else:
+            messages = [{"role": m["role"], "content": m["content"]} for m in text]
         if use_chat:
             ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}],
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=False,
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False
             )
         else:
-            ids = tokenizer(text)["input_ids"]
+            joined = text if isinstance(text, str) else "\n\n".join(m["content"] for m in text)
+            ids = tokenizer(joined)["input_ids"]
         out.append(torch.tensor(list(ids), dtype=torch.long))
     return out
 

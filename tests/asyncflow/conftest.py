@@ -17,7 +17,7 @@ def small_config(out: Path, *overrides: str) -> RunConfig:
         overrides=[
             f"output.dir={out}",
             "output.progress=false",
-            "output.tensorboard=false",
+            "output.loggers=[jsonl]",
             "output.plot=false",
             "train.steps=6",
             "train.groups_per_step=2",

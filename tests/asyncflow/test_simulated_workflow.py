@@ -46,7 +46,7 @@ def _run(out: Path, k: int, *extra: str) -> RunResult:
         overrides=[
             f"output.dir={out}",
             "output.progress=false",
-            "output.tensorboard=false",
+            "output.loggers=[jsonl]",
             "output.plot=false",
             "train.steps=6",
             "train.groups_per_step=6",

@@ -142,7 +142,7 @@ def test_smollm2_example_runs_as_documented(tmp_path: Path) -> None:
             "rollout.group_size=4",
             "rollout.max_new_tokens=16",
             "output.progress=false",
-            "output.tensorboard=false",
+            "output.loggers=[jsonl]",
         ],
         cwd=ROOT,
         capture_output=True,

@@ -61,12 +61,32 @@ def test_staleness_bound_holds_and_every_group_is_trained_once(
 
 
 def test_outputs_written(out_dir: Path) -> None:
-    cfg = small_config(out_dir, "output.plot=true", "output.tensorboard=true", "train.steps=3")
+    cfg = small_config(
+        out_dir, "output.plot=true", "output.loggers=[jsonl,tensorboard]", "train.steps=3"
+    )
     run(cfg)
     assert (out_dir / "reward.png").stat().st_size > 1000
     assert (out_dir / "config.yaml").is_file()
     assert json.loads((out_dir / "timeline.json").read_text())["train"]
     assert any((out_dir / "tensorboard").iterdir())
+    # The Chrome trace: one process per stage in pipeline order, one thread per lane, and
+    # every busy interval of timeline.json as a complete event of its lane.
+    trace = json.loads((out_dir / "timeline.trace.json").read_text())["traceEvents"]
+    processes = {e["pid"]: e["args"]["name"] for e in trace if e["name"] == "process_name"}
+    assert [processes[p] for p in sorted(processes)] == [
+        "rollout",
+        "reward",
+        "train",
+        "train steps",
+    ]
+    lanes = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace if e["name"] == "thread_name"}
+    plain = json.loads((out_dir / "timeline.json").read_text())
+    assert sorted(lanes.values()) == sorted(plain)
+    for (pid, tid), lane in lanes.items():
+        spans = [e for e in trace if e["ph"] == "X" and (e["pid"], e["tid"]) == (pid, tid)]
+        assert len(spans) == len(plain[lane]) > 0
+        assert all(e["name"] == processes[pid] == lane.split("/")[0] for e in spans)
+    assert len([e for e in trace if e["ph"] == "C" and e["name"] == "reward"]) == 3
 
 
 def _errors_within_bound(cfg: RunConfig, factories: EngineFactories, match: str) -> None:

@@ -35,6 +35,21 @@ def test_grpo_arithmetic_writes_metrics_per_step(tmp_path: Path) -> None:
     assert (tmp_path / "reward.png").is_file()
 
 
+def test_grpo_from_jsonl_trains_on_the_file_with_the_user_reward(tmp_path: Path) -> None:
+    out = _run(
+        "examples/grpo_from_jsonl.py",
+        "--output-dir",
+        str(tmp_path),
+        "train.steps=4",
+        "output.progress=false",
+    )
+    assert "4 steps on arithmetic_train.jsonl" in out and "mean reward" in out
+    config = (tmp_path / "config.yaml").read_text()
+    assert "my_rewards:exact_answer" in config and "prompt_key: question" in config
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == list(range(4))
+
+
 def test_custom_engine_example(tmp_path: Path) -> None:
     out = _run(
         "examples/custom_engine.py",
