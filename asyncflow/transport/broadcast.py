@@ -23,7 +23,10 @@ newer version arrives, plus any version the caller pinned with ``get``. That sta
 also what a *newcomer* (a restarted generator host) is served from: the sender asks a receiver
 that holds the newest version to send it over a temporary link, so a late receiver gets the
 newest version with no republish and no copy at the sender. With no such holder (the only
-receiver restarted), the newcomer gets the next published version.
+receiver restarted), the newcomer gets the next published version, unless the sender keeps
+its own copy (``keep_newest=True``: one packed host image of the newest version at the
+sender, which then also streams from it; the choice for a single generator host, whose
+restart would otherwise wait for a step that needs its samples).
 
 Every wait is bounded by ``timeout_s``; a receiver whose link fails is dropped and told to join
 again, which it does by itself.
@@ -32,6 +35,7 @@ again, which it does by itself.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 import weakref
@@ -56,6 +60,8 @@ from engines.weights_io import plan_state
 __all__ = ["BroadcastSender", "BroadcastTransport"]
 
 BACKENDS = ("gloo", "nccl")
+_SELF = "\x00sender"  # fetch_from of a newcomer the sender serves itself (keep_newest)
+log = logging.getLogger(__name__)
 
 
 @register_transport("broadcast")
@@ -72,8 +78,12 @@ class BroadcastTransport:
     both ends; receivers copy each range to their host image)."""
     bucket_bytes: int = 256 << 20
     """The sender's staging memory in all (two buckets of half); ranges are at most half."""
+    keep_newest: bool = False
+    """Keep a packed host copy of the newest version at the sender (one model's bytes), so a
+    newcomer is served even when no receiver holds the newest version."""
     timeout_s: float = 60.0
-    """Bound of one publish, of building a link, and of one catch-up of a newcomer."""
+    """Bound of one publish, of building a link, and of one catch-up of a newcomer; set it
+    above the model's bytes over the slowest link's bandwidth."""
     heartbeat_s: float = 1.0
     dead_after_s: float = 10.0
 
@@ -143,6 +153,8 @@ class BroadcastSender:
         self._members = self._shared.members
         self._version = -1
         self._header: Message | None = None  # layout and ranges of the newest version
+        self._image: torch.Tensor | None = None  # keep_newest: the newest version, packed
+        self._self_serving = False  # keep_newest: the sender serves a newcomer now
         self._publishing = False
         self._acks: dict[str, str | None] = {}
         self._ack_version = -1
@@ -162,6 +174,7 @@ class BroadcastSender:
             dead_after_s=config.dead_after_s,
             name="broadcast-weights-sender",
         )
+        self._control.start()
 
     # -- publish (the trainer's thread) ---------------------------------------------------
 
@@ -179,6 +192,11 @@ class BroadcastSender:
             ranges = links.plan_ranges(
                 plan, chunk_bytes=self.config.chunk_bytes, device=self._device
             )
+            image = self._pack(plan, ranges) if self.config.keep_newest else None
+            if image is not None:  # stream from the copy, which no one changes
+                ranges = [
+                    links.Range(r.start, r.end, direct=image[r.start : r.end]) for r in ranges
+                ]
             header: Message = {
                 "nbytes": plan.nbytes,
                 "layout": plan.layout,
@@ -204,7 +222,7 @@ class BroadcastSender:
                 for name, member in targets.items():
                     msg = {"kind": control.PUBLISH, "version": version, "link": member.link_id}
                     self._control.send(name, {**msg, **header})
-                failures = self._stream(version, ranges, targets, deadline)
+                failures = self._stream(version, ranges, targets, deadline) if targets else {}
                 with self._cond:
                     for name, why in failures.items():
                         self._acks[name] = why
@@ -214,7 +232,7 @@ class BroadcastSender:
                     )
                     late = f"no acknowledgement within timeout_s={self.config.timeout_s}"
                     failures = {n: why or late for n, why in self._acks.items() if why != "ok"}
-                    self._version, self._header = version, header
+                    self._version, self._header, self._image = version, header, image
             except BaseException:
                 failures = dict.fromkeys(targets, "the sender failed mid-publish")
                 raise
@@ -297,6 +315,14 @@ class BroadcastSender:
                 torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)
             ]
         return self._buckets
+
+    def _pack(self, plan: Any, ranges: list[links.Range]) -> torch.Tensor:
+        """The whole image in host memory (``keep_newest``), packed range by range."""
+        image = torch.empty(plan.nbytes, dtype=torch.uint8)
+        bucket = torch.empty(max((r.nbytes for r in ranges), default=0), dtype=torch.uint8)
+        for r in ranges:
+            image[r.start : r.end] = r.pack(bucket) if r.direct is None else r.direct
+        return image
 
     def members(self) -> list[str]:
         """The receivers with a link (the ones a publish streams to)."""
@@ -417,6 +443,8 @@ class BroadcastSender:
         holder = self._members.get(m.fetch_from)
         if holder is not None:
             holder.serving = False
+        if m.fetch_from == _SELF:
+            self._self_serving = False
         m.fetch_until, m.fetch_from = 0.0, ""
         if failed:
             m.retry_at = time.monotonic() + self.config.heartbeat_s
@@ -440,15 +468,36 @@ class BroadcastSender:
                     ),
                     None,
                 )
-                if holder is None:
-                    break  # it gets the next publish (or a holder that frees up)
                 prefix = f"serve/{next(self._ids)}"
-                holder.serving = True
-                m.fetch_until, m.fetch_from = now + self.config.timeout_s, holder.name
                 common = {"version": version, "prefix": prefix, "ranges": header["ranges"]}
-                sends.append((holder.name, {"kind": control.SERVE, **common, "to": m.name}))
+                if holder is not None:
+                    holder.serving = True
+                    sends.append((holder.name, {"kind": control.SERVE, **common, "to": m.name}))
+                elif self._image is not None and not self._self_serving:
+                    self._self_serving = True
+                    serve = (self._image, header["ranges"], prefix)
+                    threading.Thread(target=self._serve, args=serve, daemon=True).start()
+                else:
+                    break  # it gets the next publish (or a holder that frees up)
+                m.fetch_until = now + self.config.timeout_s
+                m.fetch_from = holder.name if holder is not None else _SELF
                 sends.append(
                     (m.name, {"kind": control.FETCH, **common, **header, "link": m.link_id})
                 )
         for member, msg in sends:
             self._control.send(member, msg)
+
+    def _serve(self, image: torch.Tensor, ranges: list[list[int]], prefix: str) -> None:
+        """``keep_newest``: send the newest image to a newcomer over a temporary link (its
+        FETCH reports how it went)."""
+        timeout_s = self.config.timeout_s
+        try:
+            store = links.open_store(
+                "127.0.0.1", self._store.port, master=False, timeout_s=timeout_s
+            )
+            group = links.pair_group(store, prefix, 0, backend="gloo", timeout_s=timeout_s)
+            links.send_ranges(group, image, ranges, timeout_s)
+            done = torch.zeros(1, dtype=torch.uint8)
+            group.recv([done], 1, len(ranges)).wait(links.seconds(timeout_s))
+        except Exception as e:
+            log.warning("serving %s from the sender failed: %s", prefix, e)

@@ -94,7 +94,12 @@ class BroadcastReceiver:
         self._store_port = -1
         self._bucket: torch.Tensor | None = None  # NCCL: device memory a range lands in first
         self._finalizer = weakref.finalize(self, self._state.stop)
-        worker = threading.Thread(target=self._work, name=f"broadcast-{member}", daemon=True)
+        worker = threading.Thread(
+            target=_work,
+            args=(weakref.ref(self), self._state.jobs),
+            name=f"broadcast-{member}",
+            daemon=True,
+        )
         self._state.worker = worker
         worker.start()
         self._state.control = self._control = ControlClient(
@@ -104,6 +109,7 @@ class BroadcastReceiver:
             heartbeat_s=config.heartbeat_s,
             name=f"broadcast-weights-{member}",
         )
+        self._control.start()
 
     def newest(self) -> int:
         self._check()
@@ -157,31 +163,28 @@ class BroadcastReceiver:
 
     # -- worker ---------------------------------------------------------------------------
 
-    def _work(self) -> None:
+    def _run_job(self, msg: Message) -> None:
+        """Run one job of the worker; a failure is reported to the sender, never raised."""
         jobs = {
             control.PUBLISH: self._publish,
             control.FETCH: self._fetch,
             control.SERVE: self._serve,
         }
-        while True:
-            msg = self._state.jobs.get()
-            if msg is None:
-                return
-            try:
-                if self._left(msg) < 0.5:
-                    raise RuntimeError("it expired waiting behind another transfer")
-                jobs[msg["kind"]](msg)
-            except Exception as e:  # a failed job is reported; the worker goes on
-                log.warning("receiver %r: %s job failed: %s", self.member, msg["kind"], e)
-                if msg["kind"] in (control.PUBLISH, control.FETCH):
-                    self._control.send(
-                        {
-                            "kind": control.FAILED,
-                            "version": msg["version"],
-                            "link": msg.get("link"),
-                            "reason": f"{type(e).__name__}: {e}",
-                        }
-                    )
+        try:
+            if self._left(msg) < 0.5:
+                raise RuntimeError("it expired waiting behind another transfer")
+            jobs[msg["kind"]](msg)
+        except Exception as e:
+            log.warning("receiver %r: %s job failed: %s", self.member, msg["kind"], e)
+            if msg["kind"] in (control.PUBLISH, control.FETCH):
+                self._control.send(
+                    {
+                        "kind": control.FAILED,
+                        "version": msg["version"],
+                        "link": msg.get("link"),
+                        "reason": f"{type(e).__name__}: {e}",
+                    }
+                )
 
     def _store_for(self, port: int) -> Any:
         """The worker's client of the sender's store (one per thread: a client's blocking
@@ -302,3 +305,14 @@ class BroadcastReceiver:
             self._bucket = None
             self._bucket = torch.empty(largest, dtype=torch.uint8, device="cuda")
         return self._bucket
+
+
+def _work(ref: weakref.ref[BroadcastReceiver], jobs: queue.SimpleQueue[Message | None]) -> None:
+    """The worker thread: runs jobs in order. It holds the receiver only while running a job,
+    so an unreferenced receiver is collected (and its finalizer stops this thread)."""
+    while (msg := jobs.get()) is not None:
+        receiver = ref()
+        if receiver is None:
+            return
+        receiver._run_job(msg)
+        del receiver

@@ -32,6 +32,7 @@ it runs on this host and its process has exited (a SIGKILL sends nothing).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import queue
@@ -180,8 +181,9 @@ class ControlServer:
         dead_after_s: float,
         name: str = "weights-control",
     ) -> None:
-        self._on_join, self._on_message, self._on_lost = on_join, on_message, on_lost
-        self._on_tick = on_tick
+        # Weak: the I/O thread must not keep the owner alive (its finalizer closes this server).
+        self._on_join, self._on_message = _weak(on_join), _weak(on_message)
+        self._on_lost, self._on_tick = _weak(on_lost), _weak(on_tick) if on_tick else None
         self.heartbeat_s, self.dead_after_s = heartbeat_s, dead_after_s
         self._peers: dict[str, _Peer] = {}
         self._lock = threading.Lock()
@@ -195,6 +197,9 @@ class ControlServer:
                 f"the weight sender cannot bind its control socket at {address!r}: {e}; "
                 "pass another address (a free port) to the transport"
             ) from e
+
+    def start(self) -> None:
+        """Start the I/O thread (once the owner can take callbacks)."""
         self._io.start(self._run)
 
     def members(self) -> list[str]:
@@ -301,11 +306,14 @@ class ControlServer:
         for member, reason in lost:
             self._call(self._on_lost, member, reason)
 
-    def _call(self, fn: Callable[..., None], *args: Any) -> None:
+    def _call(self, fn: Callable[[], Callable[..., None] | None], *args: Any) -> None:
+        handler = fn()
+        if handler is None:
+            return  # the owner is gone; its finalizer stops this loop
         try:
-            fn(*args)
+            handler(*args)
         except Exception as e:  # a handler bug is logged and surfaced, never a dead loop
-            log.exception("weights control: handler %s failed", getattr(fn, "__name__", fn))
+            log.exception("weights control: handler %s failed", handler)
             if self._io.error is None:
                 self._io.error = e
 
@@ -330,12 +338,15 @@ class ControlClient:
     ) -> None:
         self.member = member
         self.heartbeat_s = heartbeat_s
-        self._on_message = on_message
+        self._on_message = _weak(on_message)
         self.last_heard = 0.0
         self._joined_at = 0.0
         self._io = _Loop(zmq.DEALER, name)
         self._finalizer = weakref.finalize(self, self._io.stop)
         self._io.sock.connect(address)
+
+    def start(self) -> None:
+        """Start the I/O thread (once the owner can take callbacks): it joins at once."""
         self._io.start(self._run)
 
     def send(self, msg: Message) -> None:
@@ -390,14 +401,23 @@ class ControlClient:
         self.last_heard = time.monotonic()
         if msg["kind"] == HEARTBEAT:
             return
+        handler = self._on_message()
         try:
-            self._on_message(msg)
+            if handler is not None:
+                handler(msg)
         except Exception as e:
             log.exception("weights control: receiver handler failed")
             if self._io.error is None:
                 self._io.error = e
         if msg["kind"] == REJOIN and time.monotonic() - self._joined_at > self.heartbeat_s:
             self._join()  # (heartbeats crossing our JOIN also come back as rejoin: one JOIN)
+
+
+def _weak(fn: Callable[..., None]) -> Callable[[], Callable[..., None] | None]:
+    """A weak reference to a bound method (a strong one to anything else)."""
+    if inspect.ismethod(fn):
+        return weakref.WeakMethod(fn)
+    return lambda: fn
 
 
 def _bind_address(address: str) -> str:

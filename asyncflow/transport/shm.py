@@ -168,6 +168,7 @@ class ShmSender:
             name="shm-weights-sender",
         )
         self._finalizer = weakref.finalize(self, _stop, self._control, self._files)
+        self._control.start()
 
     def publish(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Pack ``state`` into a fresh file and wait (``timeout_s``) until every current
@@ -258,6 +259,8 @@ class ShmReceiver:
             heartbeat_s=config.heartbeat_s,
             name=f"shm-weights-{member}",
         )
+        self._finalizer = weakref.finalize(self, self._control.close)
+        self._control.start()
 
     def newest(self) -> int:
         self._check()
@@ -275,7 +278,7 @@ class ShmReceiver:
         self._shelf.release(version)
 
     def close(self) -> None:
-        self._control.close()
+        self._finalizer()
         self._shelf.close()
 
     def _check(self) -> None:

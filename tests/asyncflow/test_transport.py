@@ -9,6 +9,7 @@ one in a Ray actor. Comparisons are bit-exact: dtype, shape and raw bytes.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -185,6 +186,49 @@ def test_bad_input_is_a_typed_error(transport: WeightTransport) -> None:
         sender.publish({}, 6)  # an empty state is a valid version
     finally:
         sender.close()
+
+
+@pytest.mark.parametrize("keep_newest", [False, True])
+def test_broadcast_newcomer_with_no_holder(keep_newest: bool) -> None:
+    """The only receiver restarts: with ``keep_newest`` the sender serves it the newest version
+    from its own copy; without, it gets the next published version."""
+    transport = make_transport("broadcast", **FAST["broadcast"], keep_newest=keep_newest)
+    sender = transport.sender()
+    try:
+        states = [awkward_state(seed) for seed in range(2)]
+        sender.publish(states[0], 0)  # nobody listens yet
+        receiver = transport.receiver("restarted")
+        try:
+            wait_until(lambda: sender.members() == ["restarted"], why="the receiver to link")
+            if keep_newest:
+                assert receiver.wait_newer(-1, 30) == 0
+                check_same(receiver.get(0), states[0])
+                receiver.release(0)
+            else:
+                assert receiver.wait_newer(-1, 1.0) == -1
+            sender.publish(states[1], 1)
+            assert receiver.newest() == 1  # publish returned: it has it
+            check_same(receiver.get(1), states[1])
+        finally:
+            receiver.close()
+    finally:
+        sender.close()
+
+
+@pytest.mark.parametrize("name", ["shm", "broadcast"])
+def test_ends_dropped_without_close_stop_their_threads(name: str) -> None:
+    before = set(threading.enumerate())
+    transport = make_transport(name, **FAST[name])
+    sender = transport.sender()
+    receiver = transport.receiver("r")
+    wait_until(lambda: sender.members() == ["r"], why="the receiver to join")
+    sender.publish(awkward_state(), 0)
+    assert receiver.wait_newer(-1, 30) == 0
+    del sender, receiver
+    gc.collect()
+    # threads end within their bounds (a control loop wakes every heartbeat_s)
+    wait_until(lambda: not (set(threading.enumerate()) - before), 30, "the threads to end")
+    assert not shm_files()
 
 
 def test_registry_and_configs_pickle() -> None:
