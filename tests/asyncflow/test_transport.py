@@ -218,13 +218,16 @@ def test_broadcast_newcomer_with_no_holder(keep_newest: bool) -> None:
 @pytest.mark.parametrize("name", ["shm", "broadcast"])
 def test_ends_dropped_without_close_stop_their_threads(name: str) -> None:
     before = set(threading.enumerate())
-    transport = make_transport(name, **FAST[name])
-    sender = transport.sender()
-    receiver = transport.receiver("r")
-    wait_until(lambda: sender.members() == ["r"], why="the receiver to join")
-    sender.publish(awkward_state(), 0)
-    assert receiver.wait_newer(-1, 30) == 0
-    del sender, receiver
+
+    def use_and_forget() -> None:
+        transport = make_transport(name, **FAST[name])
+        sender = transport.sender()
+        receiver = transport.receiver("r")
+        wait_until(lambda: sender.members() == ["r"], why="the receiver to join")
+        sender.publish(awkward_state(), 0)
+        assert receiver.wait_newer(-1, 30) == 0
+
+    use_and_forget()
     gc.collect()
     # threads end within their bounds (a control loop wakes every heartbeat_s)
     wait_until(lambda: not (set(threading.enumerate()) - before), 30, "the threads to end")
