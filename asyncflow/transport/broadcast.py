@@ -318,7 +318,7 @@ class BroadcastSender:
 
     def _pack(self, plan: Any, ranges: list[links.Range]) -> torch.Tensor:
         """The whole image in host memory (``keep_newest``), packed range by range."""
-        image = torch.empty(plan.nbytes, dtype=torch.uint8)
+        image = links.host_image(plan.nbytes)
         bucket = torch.empty(max((r.nbytes for r in ranges), default=0), dtype=torch.uint8)
         for r in ranges:
             image[r.start : r.end] = r.pack(bucket) if r.direct is None else r.direct

@@ -230,7 +230,7 @@ class BroadcastReceiver:
             link = self._state.link
         if link is None or link[0] != link_id:
             raise RuntimeError(f"no link {link_id} here (it failed or was replaced)")
-        image = torch.empty(int(msg["nbytes"]), dtype=torch.uint8)
+        image = links.host_image(int(msg["nbytes"]))
         bucket = self._device_bucket(msg["ranges"]) if self.config.backend == "nccl" else None
         try:
             links.recv_ranges(link[1], image, msg["ranges"], self.config.timeout_s, bucket=bucket)
@@ -254,7 +254,7 @@ class BroadcastReceiver:
         self._keep(msg, image)
 
     def _fetch(self, msg: Message) -> None:
-        image = torch.empty(int(msg["nbytes"]), dtype=torch.uint8)
+        image = links.host_image(int(msg["nbytes"]))
         group = self._temp_group(msg, rank=1)
         links.recv_ranges(group, image, msg["ranges"], self.config.timeout_s)
         # tell the holder everything arrived, so that it may drop the link

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import mmap
 import queue
 import threading
 import time
@@ -39,6 +40,7 @@ __all__ = [
     "LinkWaiter",
     "Range",
     "abort",
+    "host_image",
     "open_store",
     "pair_group",
     "plan_ranges",
@@ -159,6 +161,19 @@ def plan_ranges(plan: StatePlan, *, chunk_bytes: int, device: str) -> list[Range
     if current is not None:
         ranges.append(current)
     return ranges
+
+
+def host_image(nbytes: int) -> torch.Tensor:
+    """A fresh uint8 host buffer for a received image, backed by transparent huge pages where
+    the kernel offers them: a transfer into fresh 4 KiB pages page-faults every page (on the
+    reference machine 0.5 GB/s, against 2.5 GB/s with huge pages and 4.2 into warm memory)."""
+    advise = getattr(mmap, "MADV_HUGEPAGE", None)
+    if nbytes < (2 << 20) or advise is None:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(OSError):
+        area.madvise(advise)
+    return torch.frombuffer(area, dtype=torch.uint8)  # the tensor keeps the mapping alive
 
 
 def seconds(timeout_s: float) -> datetime.timedelta:
