@@ -141,7 +141,8 @@ class WeightReceiver(Protocol):
 
     def get(self, version: int) -> Mapping[str, torch.Tensor]:
         """The state of ``version`` as tensors in host memory, which the caller copies from
-        (into an engine's parameters); valid until ``release(version)``. Tied weights are
+        (into an engine's parameters) and never writes to (they may be shared with other
+        receivers or served to newcomers); valid until ``release(version)``. Tied weights are
         views of the same bytes. Pins ``version``: it is kept (not freed when superseded)
         until released. Raises :class:`VersionError` when ``version`` is not available: only
         the newest and the pinned versions are."""

@@ -75,7 +75,8 @@ class BroadcastTransport:
     host from every generator host (the default, a free loopback port, suits one machine)."""
     backend: str = "gloo"
     """``gloo`` (host memory; CUDA tensors are copied to host buckets) or ``nccl`` (CUDA at
-    both ends; receivers copy each range to their host image)."""
+    both ends; receivers copy each range to their host image). The NCCL path follows the
+    gloo one but has not run here yet (no GPU was available); gloo is the tested default."""
     bucket_bytes: int = 256 << 20
     """The sender's staging memory in all (two buckets of half); ranges are at most half."""
     keep_newest: bool = False
@@ -93,6 +94,11 @@ class BroadcastTransport:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if not self.address.startswith("tcp://") or ":" not in self.address[6:]:
             raise ValueError(f"address must be tcp://HOST:PORT, got {self.address!r}")
+        if self.keep_newest and self.backend != "gloo":
+            raise ValueError(
+                "keep_newest keeps the sender's copy in host memory, which only backend='gloo' "
+                f"sends; got backend={self.backend!r}"
+            )
         if self.bucket_bytes < 128:
             raise ValueError(f"bucket_bytes must be >= 128, got {self.bucket_bytes}")
 

@@ -248,6 +248,10 @@ def test_registry_and_configs_pickle() -> None:
         register_transport("shm")(type("Other", (), {}))
     with pytest.raises(ValueError, match="backend must be one of"):
         make_transport("broadcast", backend="mpi")
+    with pytest.raises(ValueError, match="keep_newest keeps the sender's copy in host memory"):
+        make_transport("broadcast", backend="nccl", keep_newest=True)
+    with pytest.raises(ValueError, match="address must be tcp://HOST:PORT"):
+        make_transport("broadcast", address="ipc:///tmp/x")
     with pytest.raises(ValueError, match="dead_after_s must exceed two heartbeats"):
         make_transport("shm", heartbeat_s=1.0, dead_after_s=1.5)
     for name in NAMES:
