@@ -1,6 +1,6 @@
 """Run every benchmark behind the README's figures, one after the other.
 
-    python -m bench              # controller, service throughput, RL schedules (~15 min)
+    python -m bench              # controller, service throughput, weights, RL schedules (~16 min)
     python -m bench --quick      # smaller sizes (~4 min), for a smoke test
 
 Each benchmark measures its baseline in the same run and prints ratios; JSON and plots go to
@@ -20,7 +20,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     extra = ["--quick"] if args.quick else []
-    for module in ("bench.controller", "bench.throughput", "bench.rl"):
+    for module in ("bench.controller", "bench.throughput", "bench.weights", "bench.rl"):
         print(f"\n=== python -m {module} {' '.join(extra)}", flush=True)
         rc = subprocess.call([sys.executable, "-m", module, *extra])
         if rc:

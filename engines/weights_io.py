@@ -31,7 +31,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["PackedState", "checkpoint_shapes", "pack_state", "unpack_state"]
+__all__ = [
+    "PackedState",
+    "StatePlan",
+    "checkpoint_shapes",
+    "pack_state",
+    "plan_state",
+    "unpack_buffer",
+    "unpack_state",
+]
 
 _ALIGN = 64
 _SHM = Path("/dev/shm")
@@ -72,22 +80,31 @@ def _pick_directory(nbytes: int, directory: str | os.PathLike[str] | None) -> Pa
     return Path(tempfile.gettempdir())
 
 
-def pack_state(
-    state: Mapping[str, torch.Tensor],
-    *,
-    directory: str | os.PathLike[str] | None = None,
-    float_dtype: torch.dtype | None = None,
-) -> PackedState:
-    """Copy ``state`` into one fresh memory-mapped file.
+@dataclass(frozen=True)
+class StatePlan:
+    """Where each tensor of a state dict goes in the packed image; no bytes copied yet.
 
-    Args:
-        state: name -> tensor, on any device (copied to host memory).
-        directory: where to create the file; ``None`` picks ``/dev/shm`` when it has room for
-            twice the payload, else the system temporary directory.
-        float_dtype: cast floating-point tensors to this dtype while packing (e.g. the
-            receiver's compute dtype, which halves the bytes moved for bf16 engines).
+    ``pieces`` lists every distinct tensor once (tied names share one piece), in offset order,
+    as ``(tensor, dtype, offset)``: ``tensor`` is the caller's own (not copied), ``dtype`` the
+    dtype it takes in the image. ``nbytes`` is the image size (0 for an empty state).
     """
-    plans: list[tuple[str, torch.Tensor, torch.dtype, int, bool]] = []  # ..., offset, first
+
+    layout: list[LayoutEntry]
+    nbytes: int
+    pieces: list[tuple[torch.Tensor, torch.dtype, int]]
+
+
+def plan_state(
+    state: Mapping[str, torch.Tensor], *, float_dtype: torch.dtype | None = None
+) -> StatePlan:
+    """Lay ``state`` out as :func:`pack_state` would, without copying (see :class:`StatePlan`).
+
+    Used by :func:`pack_state` and by senders that stream the image in pieces instead of
+    writing one file (``asyncflow.transport``). Raises ``TypeError`` for a value that is not a
+    tensor and ``ValueError`` for a tensor on the meta device.
+    """
+    layout: list[LayoutEntry] = []
+    pieces: list[tuple[torch.Tensor, torch.dtype, int]] = []
     seen: dict[tuple[int, int, tuple[int, ...], torch.dtype], int] = {}
     total = 0
     for name, tensor in state.items():
@@ -104,27 +121,45 @@ def pack_state(
             dtype,
         )
         if tensor.numel() and key in seen:  # the same values under a second name (tied weights)
-            plans.append((name, tensor, dtype, seen[key], False))
+            layout.append([name, _dtype_name(dtype), list(tensor.shape), seen[key]])
             continue
         offset = -(-total // _ALIGN) * _ALIGN
         seen[key] = offset
-        plans.append((name, tensor, dtype, offset, True))
+        layout.append([name, _dtype_name(dtype), list(tensor.shape), offset])
+        pieces.append((tensor, dtype, offset))
         total = offset + tensor.numel() * dtype.itemsize
-    nbytes = max(total, 1)
+    return StatePlan(layout=layout, nbytes=total, pieces=pieces)
+
+
+def pack_state(
+    state: Mapping[str, torch.Tensor],
+    *,
+    directory: str | os.PathLike[str] | None = None,
+    float_dtype: torch.dtype | None = None,
+) -> PackedState:
+    """Copy ``state`` into one fresh memory-mapped file.
+
+    Args:
+        state: name -> tensor, on any device (copied to host memory).
+        directory: where to create the file; ``None`` picks ``/dev/shm`` when it has room for
+            twice the payload, else the system temporary directory.
+        float_dtype: cast floating-point tensors to this dtype while packing (e.g. the
+            receiver's compute dtype, which halves the bytes moved for bf16 engines).
+    """
+    plan = plan_state(state, float_dtype=float_dtype)
+    nbytes = max(plan.nbytes, 1)
     folder = _pick_directory(nbytes, directory)
     path = folder / f"asyncflow-weights-{os.getpid()}-{uuid.uuid4().hex}.bin"
-    layout: list[LayoutEntry] = []
     try:
         # Sequential write() calls: ~3 GB/s into tmpfs, where copying into a fresh shared
         # mapping page-faults every 4 KiB page (~5x slower). Casts and device copies go through
         # one reused staging buffer for the same reason (a fresh tensor per cast page-faults).
-        largest = max((t.numel() * d.itemsize for _, t, d, _, first in plans if first), default=0)
+        largest = max((t.numel() * d.itemsize for t, d, _ in plan.pieces), default=0)
         staging = torch.empty(largest, dtype=torch.uint8)
         with open(path, "wb", buffering=0) as file:
             position = 0
-            for name, tensor, dtype, offset, first in plans:
-                layout.append([name, _dtype_name(dtype), list(tensor.shape), offset])
-                if not first or tensor.numel() == 0:
+            for tensor, dtype, offset in plan.pieces:
+                if tensor.numel() == 0:
                     continue
                 if offset > position:
                     file.write(bytes(offset - position))
@@ -141,7 +176,7 @@ def pack_state(
     except BaseException:
         path.unlink(missing_ok=True)
         raise
-    return PackedState(path=str(path), layout=layout, nbytes=nbytes)
+    return PackedState(path=str(path), layout=plan.layout, nbytes=nbytes)
 
 
 def _view(
@@ -163,13 +198,23 @@ def unpack_state(path: str, layout: Sequence[LayoutEntry]) -> Iterator[tuple[str
         return
     size = os.path.getsize(path)
     buffer = torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
+    yield from unpack_buffer(buffer, layout, source=f"packed weights {path!r}")
+
+
+def unpack_buffer(
+    buffer: torch.Tensor, layout: Sequence[LayoutEntry], *, source: str = "packed weights"
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Zero-copy ``(name, tensor)`` views of a packed image held in a 1-D uint8 ``buffer``.
+
+    Names listed at one offset (tied weights) get views of the same bytes. ``source`` names the
+    buffer in errors.
+    """
+    size = int(buffer.numel())
     for name, dtype_name, shape, offset in layout:
         dtype = _parse_dtype(dtype_name)
         end = int(offset) + _numel(shape) * dtype.itemsize
         if end > size:
-            raise ValueError(
-                f"packed weights {path!r}: {name!r} ends at byte {end} but the file has {size}"
-            )
+            raise ValueError(f"{source}: {name!r} ends at byte {end} but the image has {size}")
         yield name, _view(buffer, dtype, shape, int(offset))
 
 
