@@ -3,15 +3,15 @@
 Engines are built in the driver (or given as :class:`~asyncflow.build.Components`); the stages
 share one TransferQueue client (embedded by default, or a local service); the generator
 registry is a plain object on the driver's loop that reads the engines live; weights go from
-trainer to generators in memory (the trainer's ``state_dict()`` copy, no other copy).
+trainer to generators in memory (the ``inprocess`` weight transport: the trainer's
+``state_dict()`` copy, no other copy).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -27,6 +27,7 @@ from asyncflow.hosts import GeneratorHost, check_engine
 from asyncflow.metrics import Timeline
 from asyncflow.registry import Registry
 from asyncflow.stage import StageRunner
+from asyncflow.transport import WeightSender, make_transport
 from engines.protocols import ScoringEngine, TrainingEngine
 
 __all__ = ["LocalDeployment", "open_transferqueue"]
@@ -49,43 +50,6 @@ def open_transferqueue(
             raise
     assert tqc.address is not None
     return transferqueue.connect(tqc.address), None
-
-
-class InProcessWeights:
-    """Published weights handed over in memory (trainer and generators share a process).
-
-    Keeps the newest version only: a generator always jumps to the newest, and versions it
-    missed while busy are never loaded.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Condition()
-        self._version = -1
-        self._state: Mapping[str, torch.Tensor] = {}
-
-    def publish(self, state: Mapping[str, torch.Tensor], version: int) -> None:
-        with self._lock:
-            if version <= self._version:
-                raise ValueError(f"published version {version} is not newer than {self._version}")
-            self._state, self._version = state, version
-            self._lock.notify_all()
-
-    def newest(self) -> int:
-        return self._version
-
-    def wait_newer(self, version: int, timeout_s: float) -> int:
-        with self._lock:
-            self._lock.wait_for(lambda: self._version > version, timeout_s)
-            return self._version
-
-    def get(self, version: int) -> Mapping[str, torch.Tensor]:
-        with self._lock:
-            if version != self._version:
-                raise KeyError(f"weights version {version} is gone; newest: {self._version}")
-            return self._state
-
-    def release(self, version: int) -> None:
-        """Nothing to free: the state stays until a newer one replaces it."""
 
 
 class LocalDeployment(Deployment):
@@ -112,6 +76,7 @@ class LocalDeployment(Deployment):
         self._ranker: LengthRanker | None = None
         self._runners: list[StageRunner] = []
         self._hosts: list[GeneratorHost] = []
+        self._sender: WeightSender | None = None
         self._rollout: Adapter | None = None
         self._closed = False
         self.restarts: dict[str, int] = {}
@@ -132,9 +97,10 @@ class LocalDeployment(Deployment):
         self.client = self._tq.async_client()
         registry = Registry(comps.trainer.version, policy=cfg.rollout.weight_sync)
         self.registry = self._registry = registry
-        self._weights = InProcessWeights()
+        transport = make_transport("inprocess")
+        self._sender = transport.sender()
         self._hosts = [
-            GeneratorHost(f"instance{i}", g, registry, self._weights)
+            GeneratorHost(f"instance{i}", g, registry, transport.receiver(f"instance{i}"))
             for i, g in enumerate(comps.generators)
         ]
         for h in self._hosts:
@@ -181,7 +147,8 @@ class LocalDeployment(Deployment):
         micro-batch boundary), then hand the report to the driver."""
         assert self._comps is not None
         state = await asyncio.to_thread(self._comps.trainer.state_dict)
-        self._weights.publish(state, report.version)
+        assert self._sender is not None
+        self._sender.publish(state, report.version)
         await self._registry.publish(report.version)
         self._reports.put_nowait(report)
 
@@ -228,6 +195,12 @@ class LocalDeployment(Deployment):
         for r in self._runners:
             with contextlib.suppress(Exception):
                 await r.adapter.close()
+        if self._sender is not None:
+            self._sender.close()
+        for h in self._hosts:
+            close = getattr(h.weights, "close", None)
+            if close is not None:
+                close()
         if self._tq is not None:
             self._tq.close()
         if self._service is not None:

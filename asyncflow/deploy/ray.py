@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -117,6 +118,8 @@ class RayDeployment(Deployment):
         self._coord: Any = None
         self._trainers: list[Any] = []
         self._generators: list[tuple[str, Any]] = []
+        self._weights: Any = None
+        self._coord_name = ""
         self._rollout: Any = None
         self._workers: list[tuple[str, Any]] = []
         self.restarts: dict[str, int] = {}
@@ -210,7 +213,7 @@ class RayDeployment(Deployment):
         await self._coord.ping.remote()
         registry = RemoteRegistry(self._coord)
         self.registry = self._registry = registry
-        weights = self._weights = ObjectStoreWeights(coord_name)
+        self._coord_name = coord_name
 
         trainer_cls: Any = ray.remote(TrainerActor)
         for rank, opts in enumerate(self._placed(cfg.train.placement, cfg.train.dp_size)):
@@ -224,7 +227,7 @@ class RayDeployment(Deployment):
         for i, opts in enumerate(self._placed(cfg.rollout.placement, cfg.rollout.instances)):
             name = f"instance{i}"
             actor = gen_cls.options(name=f"{prefix}-{name}", **opts, **restart, **env).remote(
-                name, i, cfg, model, f, coord_name, weights, origin
+                name, i, cfg, model, f, coord_name, origin
             )
             self._generators.append((name, actor))
             self._actors.append(actor)
@@ -248,18 +251,20 @@ class RayDeployment(Deployment):
                 self._actors.append(actor)
         await self._until_started()
         t3 = time.perf_counter()
+        self._weights = await self._transport()
         if len(self._trainers) > 1:
             host, port = await self._trainers[0].endpoint.remote()
             world = len(self._trainers)
             await asyncio.gather(*(t.join.remote(world, host, port) for t in self._trainers))
         log.info(
             "deploy=ray: Ray and the model in %.1f s, TransferQueue in %.1f s, %d stage hosts "
-            "in %.1f s, trainer group in %.1f s",
+            "in %.1f s, trainer group in %.1f s; weights through %r",
             t1 - t0,
             t2 - t1,
             len(self._actors),
             t3 - t2,
             time.perf_counter() - t3,
+            self._weights.name,
         )
 
     async def _until_started(self) -> None:
@@ -288,6 +293,33 @@ class RayDeployment(Deployment):
                     "num_cpus/num_gpus or add nodes"
                 )
 
+    async def _transport(self) -> Any:
+        """The weight transport, chosen now that every host has a node: ``shm`` when the
+        trainer and every generator share one (one packed file per version, mapped by
+        everyone), ``broadcast`` from the trainer's rank 0 when they span several (a
+        torch.distributed link per generator; the sender keeps the newest version so that a
+        restarted generator is served even when it is the only one), or what
+        ``deploy.weight_transport`` names."""
+        from asyncflow.transport import make_transport
+
+        choice = self.cfg.deploy.weight_transport
+        if choice == "auto":
+            where = await self.where()
+            nodes = {where["train"], *(where[f"rollout/{n}"] for n, _ in self._generators)}
+            choice = "shm" if len(nodes) == 1 else "broadcast"
+        if choice == "ray":
+            return ObjectStoreWeights(self._coord_name)
+        if choice == "shm":
+            return make_transport("shm")
+        host, port = await self._trainers[0].endpoint.remote()
+        # NCCL only where both ends name a CUDA device; gloo moves CUDA tensors through host
+        # buckets and works everywhere
+        cuda = all(d.startswith("cuda") for d in (self.cfg.train.device, self.cfg.rollout.device))
+        backend = "nccl" if cuda else "gloo"
+        return make_transport(
+            "broadcast", address=f"tcp://{host}:{port}", backend=backend, keep_newest=True
+        )
+
     def _named(self) -> list[tuple[str, Any]]:
         out = [(f"train/rank{r}" if r else "train", t) for r, t in enumerate(self._trainers)]
         out += [(f"rollout/{n}", a) for n, a in self._generators]
@@ -304,14 +336,24 @@ class RayDeployment(Deployment):
         for r, t in enumerate(trainers[1:], start=1):
             jobs[f"train/rank{r}"] = self._job(f"train/rank{r}", t.hold.remote, restartable=False)
         for name, g in self._generators:
-            jobs[f"rollout/{name}"] = self._job(f"rollout/{name}", g.run.remote, restartable=True)
-        jobs["rollout"] = self._job("rollout", self._rollout.run.remote, restartable=True)
+            run = functools.partial(g.run.remote, self._weights)
+            jobs[f"rollout/{name}"] = self._job(f"rollout/{name}", run, restartable=True, host=g)
+        rollout = self._rollout
+        jobs["rollout"] = self._job("rollout", rollout.run.remote, restartable=True, host=rollout)
         for name, w in self._workers:
-            jobs[name] = self._job(name, w.run.remote, restartable=True)
+            jobs[name] = self._job(name, w.run.remote, restartable=True, host=w)
         return jobs
 
-    def _job(self, name: str, call: Callable[[], Awaitable[Any]], *, restartable: bool) -> Job:
-        """A stage host's ``run`` on the driver's loop; after a restart Ray did, run again."""
+    def _job(
+        self,
+        name: str,
+        call: Callable[[], Awaitable[Any]],
+        *,
+        restartable: bool,
+        host: Any = None,
+    ) -> Job:
+        """A stage host's ``run`` on the driver's loop; after Ray restarted the host, run it
+        again (each restart counted), until ``deploy.max_restarts`` is spent."""
         import ray
 
         async def supervised() -> None:
@@ -320,13 +362,38 @@ class RayDeployment(Deployment):
                     await call()
                     return
                 except ray.exceptions.RayActorError as e:
-                    used = self.restarts.get(name, 0)
-                    if not restartable or used >= self.cfg.deploy.max_restarts:
+                    if not restartable or host is None:
                         raise RuntimeError(f"stage host {name!r} died: {e}") from e
-                    self.restarts[name] = used + 1
-                    log.warning("stage host %r died; restarted by Ray (restart %d)", name, used + 1)
+                    used = self.restarts.get(name, 0) + 1
+                    self.restarts[name] = used  # counted when seen: the run may end first
+                    if used > self.cfg.deploy.max_restarts:
+                        raise RuntimeError(
+                            f"stage host {name!r} died {used} times (deploy.max_restarts="
+                            f"{self.cfg.deploy.max_restarts}): {e}"
+                        ) from e
+                    log.warning("stage host %r died; Ray restarts it (restart %d)", name, used)
+                    await self._until_alive(name, host, e)
 
         return supervised
+
+    async def _until_alive(self, name: str, host: Any, cause: BaseException) -> None:
+        """Wait (bounded) until Ray has restarted ``host``; raise if it never will."""
+        import ray
+
+        deadline = time.monotonic() + self.cfg.deploy.start_timeout_s
+        while True:
+            try:
+                await host.ping.remote()
+                return
+            except ray.exceptions.ActorUnavailableError:  # restarting: not yet
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"stage host {name!r} died and did not come back within "
+                        f"deploy.start_timeout_s={self.cfg.deploy.start_timeout_s}"
+                    ) from cause
+                await asyncio.sleep(0.5)
+            except ray.exceptions.RayActorError as e:  # dead for good (restarts spent)
+                raise RuntimeError(f"stage host {name!r} died: {e}") from cause
 
     async def next_report(self) -> StepReport:
         while True:

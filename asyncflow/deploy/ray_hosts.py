@@ -122,7 +122,12 @@ class _Host:
 
 
 class GeneratorActor(_Host):
-    """One generation engine, following published weights, serving ``generate`` calls."""
+    """One generation engine, following published weights, serving ``generate`` calls.
+
+    Its weight receiver is opened by :meth:`run` (not the constructor), because the driver
+    picks the transport once it knows where every host landed (one node: shared memory;
+    several: a broadcast from the trainer).
+    """
 
     def __init__(
         self,
@@ -132,18 +137,20 @@ class GeneratorActor(_Host):
         model: Path,
         factories: EngineFactories,
         coordinator: str,
-        weights: Any,
         origin: float,
     ) -> None:
         super().__init__(cfg, None, origin)
         self.name = name
-        engine = factories.generator(cfg, model, index)
-        receiver: WeightSource = weights.receiver(f"{name}:{os.getpid()}")
-        self.host = GeneratorHost(name, engine, RemoteRegistry(actor(coordinator)), receiver)
+        self.engine = factories.generator(cfg, model, index)
+        self.registry = RemoteRegistry(actor(coordinator))
+        self.host: GeneratorHost | None = None
         self._registered = asyncio.Event()
 
-    async def run(self) -> None:
+    async def run(self, weights: Any) -> None:
         """Register (a restarted incarnation counts as a restart), then follow weights."""
+        if self.host is None:
+            receiver: WeightSource = weights.receiver(f"{self.name}:{os.getpid()}")
+            self.host = GeneratorHost(self.name, self.engine, self.registry, receiver)
         await self.host.start()
         self._registered.set()
         await self.host.run()
@@ -153,7 +160,16 @@ class GeneratorActor(_Host):
     ) -> list[Generation]:
         # A fresh incarnation serves only once registered: its version is then known
         await asyncio.wait_for(self._registered.wait(), 120.0)
+        assert self.host is not None
         return await self.host.generate(prompts, params)
+
+    def close(self) -> None:
+        if self.host is not None:
+            close = getattr(self.host.weights, "close", None)
+            if close is not None:
+                with contextlib.suppress(Exception):
+                    close()
+        super().close()
 
 
 class RolloutActor(_Host):
@@ -417,8 +433,15 @@ class TrainerActor(_Host):
         await self.runners[0].run()
 
     async def _on_step(self, report: StepReport) -> None:
+        from asyncflow.transport import ReceiverFailedError
+
         state = await asyncio.to_thread(self.engine.state_dict)
-        await asyncio.to_thread(self._sender.publish, state, report.version)
+        try:
+            await asyncio.to_thread(self._sender.publish, state, report.version)
+        except ReceiverFailedError as e:
+            # the version reached every other receiver; the failed ones were dropped, and a
+            # restarted generator rejoins and gets the newest version by itself
+            log.warning("weights version %d missed some generators: %s", report.version, e)
         await self.registry.publish(report.version)
         await self.registry.step_done(report)
 

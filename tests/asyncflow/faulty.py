@@ -62,3 +62,26 @@ class BadWeights(DyingEngine):
 
 def wrapped_generator(wrapper: type, cfg: RunConfig, path: Path, index: int) -> GenerationEngine:
     return wrapper(build_generator(cfg, path, index))  # type: ignore[no-any-return]
+
+
+class SlowReward:
+    """The math reward, taking at least ``delay_s`` per batch (a reward model's latency), so
+    that a run lasts long enough for a killed host to be restarted while it goes on."""
+
+    def __init__(self, delay_s: float) -> None:
+        from engines.rewards import make_reward
+
+        self.delay_s = delay_s
+        self.inner = make_reward("math")
+
+    def __call__(
+        self, prompts: Sequence[str], completions: Sequence[str], **columns: Any
+    ) -> list[float | None]:
+        import time
+
+        time.sleep(self.delay_s)
+        return list(self.inner(prompts, completions, **columns))
+
+
+def slow_reward_factory(cfg: RunConfig, delay_s: float = 0.4) -> RewardFn:
+    return SlowReward(delay_s)

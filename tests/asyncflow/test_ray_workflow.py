@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from asyncflow import run
+from asyncflow import EngineFactories, run
 from tests.asyncflow.conftest import small_config
+from tests.asyncflow.faulty import slow_reward_factory
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -68,7 +69,7 @@ def test_killed_generator_and_reward_hosts_are_recovered(ray_cluster: None, tmp_
     them again, what they held comes back (the generator's call at once, the reward worker's
     rows when their lease ends), and the run finishes with every invariant intact."""
     out = tmp_path / "run"
-    k, steps = 1, 14
+    k, steps = 1, 30
     cfg = small_config(
         out,
         "deploy.mode=ray",
@@ -84,7 +85,8 @@ def test_killed_generator_and_reward_hosts_are_recovered(ray_cluster: None, tmp_
         target=_kill_when, args=(out, 3, ["-instance0", "-reward-0"], killed), daemon=True
     )
     killer.start()
-    result = run(cfg)
+    # a reward with latency: the run outlasts the restarts, so the new incarnations register
+    result = run(cfg, factories=EngineFactories(reward=slow_reward_factory))
     killer.join(timeout=60)
     assert killed == ["-instance0", "-reward-0"]
     b = cfg.train.groups_per_step

@@ -12,9 +12,9 @@ from collections.abc import Mapping, Sequence
 import pytest
 import torch
 
-from asyncflow.deploy.local import InProcessWeights
 from asyncflow.hosts import GeneratorHost, check_engine
 from asyncflow.registry import Registry
+from asyncflow.transport import make_transport
 from engines import Generation, GenerationEngine, SamplingParams
 
 BOUND_S = 10.0
@@ -65,9 +65,11 @@ class _Run:
 
     def __init__(self, engines: list[_Engine], policy: str) -> None:
         self.registry = Registry(0, policy=policy, poll_s=0.01)
-        self.weights = InProcessWeights()
+        transport = make_transport("inprocess")
+        self.weights = transport.sender()
         self.hosts = [
-            GeneratorHost(f"g{i}", e, self.registry, self.weights) for i, e in enumerate(engines)
+            GeneratorHost(f"g{i}", e, self.registry, transport.receiver(f"g{i}"))
+            for i, e in enumerate(engines)
         ]
         self.tasks: list[asyncio.Task[None]] = []
 
@@ -95,7 +97,8 @@ def test_eager_updates_every_generator_at_once() -> None:
         async with _Run(engines, "eager") as run:
             state = await run.publish(1)
             await _until(lambda: all(e.updated == [1] for e in engines), "both updated")
-            assert all(e.states[0] is state for e in engines)  # handed over, not copied
+            for e in engines:  # handed over, not copied
+                assert all(e.states[0][k] is v for k, v in state.items())
             assert await run.registry.oldest_generator_version() == 1
 
     asyncio.run(go())
