@@ -32,6 +32,9 @@ def ray_cluster() -> Iterator[None]:
             include_dashboard=False,
             log_to_driver=False,
             runtime_env={"env_vars": {"PYTHONPATH": path}},
+            # no idle workers started ahead for the logical slots: on 2 cores they only cost
+            # start-up CPU (actors get their own workers anyway)
+            _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False},
         )
     yield
     if started:

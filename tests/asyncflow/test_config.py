@@ -61,3 +61,10 @@ def test_partial_override_of_a_section_keeps_its_own_defaults() -> None:
     assert cfg.transferqueue.placement.num_cpus == 0
     assert cfg.transferqueue.placement.resources == {"node_a": 0.01}
     assert load_config(overrides=["reward.placement.num_gpus=1"]).reward.placement.num_cpus == 0.5
+
+
+def test_a_section_with_a_mode_takes_a_bare_word() -> None:
+    cfg = load_config(overrides=["deploy=ray", "transferqueue=service"])
+    assert cfg.deploy.mode == "ray" and cfg.transferqueue.mode == "service"
+    with pytest.raises(ValueError, match="deploy.mode must be local or ray"):
+        load_config(overrides=["deploy=slurm"])
