@@ -530,6 +530,12 @@ class RunConfig:
                 "deploy.mode=ray needs a TransferQueue every actor can reach: "
                 "transferqueue.mode=ray (the default with auto), service or connect"
             )
+        if self.train.dp_size > self.rollout.group_size:
+            raise ValueError(
+                f"train.dp_size={self.train.dp_size} exceeds rollout.group_size="
+                f"{self.rollout.group_size}: a micro-batch of one group must give every rank "
+                "a row; lower dp_size or raise group_size"
+            )
         if self.train.dp_size > 1 and mode != "ray":
             raise ValueError(
                 f"train.dp_size={self.train.dp_size} needs deploy.mode=ray (one actor per rank)"

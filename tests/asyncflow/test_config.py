@@ -66,5 +66,5 @@ def test_partial_override_of_a_section_keeps_its_own_defaults() -> None:
 def test_a_section_with_a_mode_takes_a_bare_word() -> None:
     cfg = load_config(overrides=["deploy=ray", "transferqueue=service"])
     assert cfg.deploy.mode == "ray" and cfg.transferqueue.mode == "service"
-    with pytest.raises(ValueError, match="deploy.mode must be local or ray"):
+    with pytest.raises(ValueError, match=r"deploy\.mode must be local or ray"):
         load_config(overrides=["deploy=slurm"])

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncflow import EngineFactories, run
+from asyncflow import EngineFactories, StageError, run
 from tests.asyncflow.conftest import small_config
 from tests.asyncflow.faulty import slow_reward_factory
 
@@ -100,3 +100,21 @@ def test_killed_generator_and_reward_hosts_are_recovered(ray_cluster: None, tmp_
     assert result.extra["restarts"].get("reward/0", 0) >= 1
     assert result.extra["generator_restarts"].get("instance0", 0) >= 1  # it registered again
     assert result.records[-1]["restarts"] >= 2
+
+
+def test_a_dead_trainer_rank_ends_the_run_naming_it(ray_cluster: None, tmp_path: Path) -> None:
+    """A trainer rank is not restarted (its optimizer state is gone): its death must end the
+    run at once with an error that names it, never leave rank 0 waiting in a collective."""
+    out = tmp_path / "run"
+    cfg = small_config(
+        out, "deploy.mode=ray", "train.dp_size=2", "train.steps=40", "deploy.start_timeout_s=300"
+    )
+    killed: list[str] = []
+    killer = threading.Thread(
+        target=_kill_when, args=(out, 2, ["-train-rank1"], killed), daemon=True
+    )
+    killer.start()
+    with pytest.raises(StageError, match=r"stage 'train/rank1' failed: .*died"):
+        run(cfg, factories=EngineFactories(reward=slow_reward_factory))
+    killer.join(timeout=60)
+    assert killed == ["-train-rank1"]
