@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncflow import load_config
+from asyncflow import build_components, load_config
+from tests.asyncflow.conftest import small_config
 
 
 def test_precedence(tmp_path: Path) -> None:
@@ -52,3 +53,15 @@ def test_cli_prints_resolved_config() -> None:
         text=True,
     )
     assert bad.returncode == 2 and "valid keys" in bad.stderr
+
+
+def test_unknown_engine_option_is_a_clear_error(out_dir: Path) -> None:
+    """Caught while building the engines, before vLLM is imported: runs without vLLM."""
+    cfg = small_config(out_dir, "rollout.engine=vllm", "rollout.engine_options={max_seqs: 8}")
+    with pytest.raises(ValueError, match=r"\['max_seqs'\] are not fields of VLLMEngineConfig"):
+        build_components(cfg)
+
+
+def test_engine_options_cannot_replace_the_model() -> None:
+    with pytest.raises(ValueError, match=r"must not set \['model'\]"):
+        load_config(overrides=["rollout.engine=vllm", "rollout.engine_options={model: other}"])
