@@ -19,6 +19,8 @@ from collections.abc import Generator
 
 import pytest
 
+pytest_plugins = ["pytester"]  # tests/test_extras_gate.py runs this file's hooks on a sample
+
 REQUIRE_ENV = "ASYNCFLOW_TEST_REQUIRE"
 EXTRAS = ("vllm", "smollm2")
 
@@ -80,13 +82,20 @@ def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     """Turn any skip of a test with a required marker into a failure (a skip inside the test
-    or a ``skipif`` mark would otherwise hide that it never ran)."""
+    or a ``skipif`` mark would otherwise hide that it never ran), and an ``xfail`` too when the
+    required extra is absent (the xfail mark would otherwise swallow the failed setup)."""
     report = yield
-    if not report.skipped or hasattr(report, "wasxfail"):
-        return report
     required = [extra for extra in _marked(item) if extra in _required()]
-    if required:
+    if not required or not report.skipped:
+        return report
+    if hasattr(report, "wasxfail"):
+        missing = [extra for extra in required if _absent(extra) is not None]
+        if not missing:
+            return report
+        del report.wasxfail
+        reason = f"the {missing} extra is absent"
+    else:
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
-        report.outcome = "failed"
-        report.longrepr = f"skipped although {REQUIRE_ENV} requires {required}: {reason}"
+    report.outcome = "failed"
+    report.longrepr = f"skipped although {REQUIRE_ENV} requires {required}: {reason}"
     return report
