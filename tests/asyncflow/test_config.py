@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncflow import load_config
+from asyncflow import build_components, load_config
+from tests.asyncflow.conftest import small_config
 
 
 def test_precedence(tmp_path: Path) -> None:
@@ -68,3 +69,15 @@ def test_a_section_with_a_mode_takes_a_bare_word() -> None:
     assert cfg.deploy.mode == "ray" and cfg.transferqueue.mode == "service"
     with pytest.raises(ValueError, match=r"deploy\.mode must be local or ray"):
         load_config(overrides=["deploy=slurm"])
+
+
+def test_unknown_engine_option_is_a_clear_error(out_dir: Path) -> None:
+    """Caught while building the engines, before vLLM is imported: runs without vLLM."""
+    cfg = small_config(out_dir, "rollout.engine=vllm", "rollout.engine_options={max_seqs: 8}")
+    with pytest.raises(ValueError, match=r"\['max_seqs'\] are not fields of VLLMEngineConfig"):
+        build_components(cfg)
+
+
+def test_engine_options_cannot_replace_the_model() -> None:
+    with pytest.raises(ValueError, match=r"must not set \['model'\]"):
+        load_config(overrides=["rollout.engine=vllm", "rollout.engine_options={model: other}"])

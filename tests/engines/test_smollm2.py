@@ -32,7 +32,6 @@ def test_rejects_unknown_dtype(tmp_path: Path) -> None:
 
 @pytest.mark.smollm2
 @pytest.mark.slow
-@pytest.mark.skipif(not smollm2.is_available(), reason=smollm2.INSTALL_HINT)
 def test_convert_once_then_reuse(tmp_path: Path) -> None:
     assert smollm2.find_gguf().suffix == ".gguf"
     folder = smollm2.model_dir(tmp_path)

@@ -14,17 +14,10 @@ import time
 from collections.abc import Iterator, Sequence
 
 import pytest
-
-pytest.importorskip("vllm")
-
-from engines import smollm2
-
-if not smollm2.is_available():
-    pytest.skip(f"SmolLM2 weights absent: {smollm2.INSTALL_HINT}", allow_module_level=True)
-
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from engines import smollm2
 from engines.protocols import Generation, SamplingParams
 from engines.vllm_engine import VLLMEngineConfig, VLLMGenerationEngine
 

@@ -11,12 +11,9 @@ import asyncio
 import copy
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-
-pytest.importorskip("vllm")
-
-import psutil
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
@@ -27,6 +24,9 @@ from engines.vllm_engine import (
     VLLMGenerationEngine,
     WeightUpdateError,
 )
+
+if TYPE_CHECKING:
+    import psutil
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -53,6 +53,8 @@ def reference_logprobs(
 
 def vllm_processes() -> list[psutil.Process]:
     """This process's vLLM children (engine core, workers), by the titles vLLM gives them."""
+    import psutil  # a dependency of vLLM
+
     return [p for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM")]
 
 
@@ -244,6 +246,8 @@ def test_mismatched_state_is_rejected_before_pausing(engine, runner, prompts, hf
 
 def test_close_is_idempotent_and_stops_processes(engine, runner, prompts) -> None:
     """Runs last: closes the module's engine."""
+    import psutil  # a dependency of vLLM
+
     children = vllm_processes()
     assert len(children) >= 2  # engine core + worker
     engine.close()
