@@ -27,11 +27,20 @@ __all__ = ["StageError", "StageRunner"]
 
 
 class StageError(RuntimeError):
-    """A stage failed; ``stage`` names it and ``__cause__`` is the original error."""
+    """A stage failed; ``stage`` names it and ``__cause__`` is the original error.
+
+    Picklable (a stage host in another process raises it through Ray): its ``args`` are
+    ``(stage, cause)``, what the constructor takes.
+    """
 
     def __init__(self, stage: str, cause: BaseException) -> None:
-        super().__init__(f"stage {stage!r} failed: {type(cause).__name__}: {cause}")
+        super().__init__(stage, cause)
         self.stage = stage
+        self.__cause__ = cause
+
+    def __str__(self) -> str:
+        cause = self.args[1]
+        return f"stage {self.stage!r} failed: {type(cause).__name__}: {cause}"
 
 
 class StageRunner:

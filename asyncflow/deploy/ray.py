@@ -57,8 +57,9 @@ from asyncflow.config import PlacementConfig, RunConfig
 from asyncflow.deploy.base import Deployment, Job
 from asyncflow.deploy.ray_hosts import GeneratorActor, RolloutActor, TrainerActor, WorkerActor
 from asyncflow.deploy.ray_weights import ObjectStoreWeights
-from asyncflow.deploy.remote import Coordinator, RemoteRegistry
+from asyncflow.deploy.remote import Coordinator, RemoteRegistry, remote_cause
 from asyncflow.metrics import Timeline
+from asyncflow.stage import StageError
 
 __all__ = ["RayDeployment", "actor_options"]
 
@@ -361,6 +362,12 @@ class RayDeployment(Deployment):
                 try:
                     await call()
                     return
+                except ray.exceptions.RayTaskError as e:  # the host's run raised: name it
+                    cause = remote_cause(e)
+                    root = cause.__cause__ if isinstance(cause, StageError) else None
+                    raise StageError(
+                        name, root if isinstance(root, BaseException) else cause
+                    ) from e
                 except ray.exceptions.RayActorError as e:
                     if not restartable or host is None:
                         raise RuntimeError(f"stage host {name!r} died: {e}") from e

@@ -207,10 +207,13 @@ class RolloutActor(_Host):
 
     async def run(self) -> None:
         await self.view.refresh()
-        async with asyncio.TaskGroup() as tg:
-            view = tg.create_task(self.view.run())
+        view = asyncio.ensure_future(self.view.run())  # follows the coordinator meanwhile
+        try:
             await self.runners[0].run()
+        finally:
             view.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await view
 
     async def predict(self, prompts: Sequence[torch.Tensor]) -> np.ndarray:
         """The ranker's predicted response lengths (the feeder sets the length header)."""

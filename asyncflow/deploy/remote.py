@@ -206,9 +206,17 @@ class RemoteGenerator:
         try:
             gens: list[Generation] = await self._h.generate.remote(list(prompts), params)
             return gens
+        except ray.exceptions.RayTaskError as e:
+            raise remote_cause(e) from None  # the engine's own error, as if it ran here
         except ray.exceptions.RayActorError as e:
             self.lost += 1
             self._view.lost(self.name)  # not routable until it registers again
             raise InstanceLostError(f"generation instance {self.name!r} died: {e}") from e
         finally:
             self.in_flight -= len(prompts)
+
+
+def remote_cause(error: Any) -> BaseException:
+    """The exception a remote call raised (Ray wraps it; its traceback is in the message)."""
+    cause = getattr(error, "cause", None)
+    return cause if isinstance(cause, BaseException) else error

@@ -8,7 +8,10 @@ import pytest
 
 from asyncflow import RunConfig, load_config
 
-DEPLOYS = ["local", pytest.param("ray", marks=[pytest.mark.ray, pytest.mark.slow])]
+DEPLOYS = [
+    "local",
+    pytest.param("ray", marks=[pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(900)]),
+]
 """Workflow deployments the invariant tests run under (``ray``: a local Ray cluster)."""
 
 

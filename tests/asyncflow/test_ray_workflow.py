@@ -21,7 +21,7 @@ from asyncflow import EngineFactories, StageError, run
 from tests.asyncflow.conftest import small_config
 from tests.asyncflow.faulty import slow_reward_factory
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[2]
 

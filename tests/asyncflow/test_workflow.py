@@ -23,7 +23,9 @@ from tests.asyncflow.faulty import (
     wrapped_generator,
 )
 
-ERROR_BOUND_S = 120.0  # generous: a loaded 2-core machine starting Ray actors
+ERROR_BOUND_S = {"local": 120.0, "ray": 480.0}
+"""How long a failing run may take, start-up included: generous (a loaded 2-core machine
+starting Ray actors for every stage), but finite: a hang fails the test."""
 
 
 @pytest.mark.parametrize("k", [0, 1, 2])
@@ -93,7 +95,7 @@ def _errors_within_bound(cfg: RunConfig, factories: EngineFactories, match: str)
     t0 = time.monotonic()
     with pytest.raises(StageError, match=match):
         run(cfg, factories=factories)
-    assert time.monotonic() - t0 < ERROR_BOUND_S
+    assert time.monotonic() - t0 < ERROR_BOUND_S[cfg.deploy.mode]
 
 
 def test_error_in_reward_stage_is_a_clear_error_not_a_hang(
@@ -120,5 +122,5 @@ def test_failing_weight_update_names_the_generator_instead_of_hanging(
     _errors_within_bound(
         small_config(out_dir, *deploy),
         EngineFactories(generator=functools.partial(wrapped_generator, BadWeights)),
-        r"stage 'rollout/instance0.*' failed: .*weights do not fit the model",
+        r"stage 'rollout/instance\d.*' failed: .*weights do not fit the model",
     )
