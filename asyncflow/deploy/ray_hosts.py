@@ -418,16 +418,8 @@ class TrainerActor(_Host):
         if ranks:
             if not issubclass(cls, TrainAdapter):
                 raise TypeError("train.dp_size > 1 needs the train adapter to be a TrainAdapter")
-            adapter: Adapter = _DataParallelTrain(
-                self.engine,
-                group_size=cfg.rollout.group_size,
-                groups_per_step=cfg.train.groups_per_step,
-                micro_batch_groups=cfg.train.micro_batch_groups,
-                use_reference=cfg.reference.enabled,
-                on_step=self._on_step,
-                first_step=self.engine.version,
-                ranks=ranks,
-                local=self,
+            adapter: Adapter = stages.train_adapter(
+                _DataParallelTrain, self.engine, cfg, self._on_step, ranks=ranks, local=self
             )
         else:
             adapter = stages.train_adapter(cls, self.engine, cfg, self._on_step)
