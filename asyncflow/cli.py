@@ -79,8 +79,10 @@ def main(argv: list[str] | None = None) -> int:
 
     result = run(cfg)
     first, last = result.reward_first_last()
+    resumed = len(result.records) - len(result.reports)
+    since = f" ({len(result.reports)} after resuming at step {resumed})" if resumed else ""
     print(
-        f"asyncflow: {len(result.records)} steps in {result.wall_s:.1f} s; mean reward "
+        f"asyncflow: {len(result.records)} steps{since} in {result.wall_s:.1f} s; mean reward "
         f"first 10% {first:.3f} -> last 10% {last:.3f}; outputs in {result.output_dir}"
     )
     if result.policy_dir is not None:

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -166,9 +167,23 @@ def _env() -> dict[str, str]:
     }
 
 
+_STARTED: list[subprocess.Popen[bytes]] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_run_left_behind() -> Iterator[None]:
+    """A run a failing test leaves behind is killed with everything it started."""
+    yield
+    while _STARTED:
+        proc = _STARTED.pop()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(60)
+
+
 def _cli(args: list[str], log: Path) -> subprocess.Popen[bytes]:
     with log.open("ab") as f:
-        return subprocess.Popen(
+        proc = subprocess.Popen(
             [sys.executable, "-m", "asyncflow.cli", "run", *args],
             cwd=ROOT,
             env=_env(),
@@ -176,6 +191,8 @@ def _cli(args: list[str], log: Path) -> subprocess.Popen[bytes]:
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: the kill reaches its children
         )
+    _STARTED.append(proc)
+    return proc
 
 
 def _kill_after_checkpoint(proc: subprocess.Popen[bytes], ckpt: Path, log: Path) -> None:
@@ -238,6 +255,7 @@ def _kill_and_resume(tmp_path: Path, overrides: list[str], steps: int, every: in
     return out
 
 
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("k", [0, 1])
 def test_killed_local_run_resumes_as_if_never_stopped(tmp_path: Path, k: int) -> None:
     steps = 14
@@ -253,6 +271,7 @@ def test_killed_local_run_resumes_as_if_never_stopped(tmp_path: Path, k: int) ->
 
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # two runs, each starting a Ray instance of its own
 def test_killed_ray_run_resumes_as_if_never_stopped(tmp_path: Path) -> None:
     """deploy=ray with two generators and two data-parallel trainer ranks: the driver (and
     the Ray instance it started) killed after a checkpoint, the run resumed."""
