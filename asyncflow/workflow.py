@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -328,6 +329,7 @@ async def _save_policy(dep: Deployment, directory: Path, version: int) -> Path |
         await dep.save_policy(tmp)
     except TypeError as e:  # not a CheckpointableEngine
         log.warning("the trained policy is not saved: %s", e)
+        await asyncio.to_thread(shutil.rmtree, tmp, True)
         return None
     return await asyncio.to_thread(checkpoint.finish_policy, tmp, directory, dep.tokenizer, version)
 

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from asyncflow import run
-from asyncflow.evaluation import pass_at_k
+from asyncflow import load_config, run
+from asyncflow.config_check import resolve_config
+from asyncflow.evaluation import eval_prompt_count, make_eval_task, pass_at_k
 from tests.asyncflow.conftest import small_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,6 +24,25 @@ def test_pass_at_k_is_the_unbiased_estimate() -> None:
         # the chance that k of n samples drawn without replacement include a correct one
         draws = list(itertools.combinations([True] * c + [False] * (n - c), k))
         assert math.isclose(pass_at_k(n, c, k), sum(map(any, draws)) / len(draws))
+
+
+def test_eval_config_defaults_and_errors() -> None:
+    cfg = load_config(overrides=["eval.every_steps=5", "task.options={max_operand: 5}"])
+    task = make_eval_task(cfg)  # the training task, its options, another seed
+    assert task.seed == 1 and task.spec()["config"]["max_operand"] == 5
+    assert eval_prompt_count(cfg, task) == 64
+    cfg = load_config(overrides=["eval.task=file", f"eval.options={{path: '{VAL}'}}"])
+    assert cfg.eval.task_spec(cfg.task.name, cfg.task.options) == ("file", {"path": str(VAL)})
+    cases = {
+        "eval.n=4": r"eval\.n=4 samples of a greedy policy are all the same; set eval\.temperature",
+        "eval.task=nope": r"eval\.task must be one of",
+        "eval.every_steps=-1": r"eval\.every_steps must be >= 0",
+    }
+    for override, message in cases.items():
+        with pytest.raises(ValueError, match=message):
+            load_config(overrides=[override])
+    with pytest.raises(ValueError, match=r"eval\.options of task 'file': .*does not exist"):
+        resolve_config(None, ["eval.every_steps=5", "eval.task=file", "eval.options={path: x}"])
 
 
 @pytest.mark.parametrize(
