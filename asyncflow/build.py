@@ -173,8 +173,14 @@ class EngineFactories:
     reference: Callable[[RunConfig, Path], ScoringEngine] = build_reference
 
 
-def build_components(cfg: RunConfig, factories: EngineFactories | None = None) -> Components:
-    """Build the task, tokenizer and every engine a config names, in this process."""
+def build_components(
+    cfg: RunConfig, factories: EngineFactories | None = None, *, policy: Path | None = None
+) -> Components:
+    """Build the task, tokenizer and every engine a config names, in this process.
+
+    ``policy``: the folder the generators load instead of the model (a checkpoint's policy
+    when a run resumes; the trainer and the reference are built from the model as always,
+    the trainer then loads the checkpoint's state)."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # per-model "Loading weights" bars drown the run's own
@@ -186,7 +192,7 @@ def build_components(cfg: RunConfig, factories: EngineFactories | None = None) -
     generators: list[GenerationEngine] = []
     closers: list[Any] = []
     for i in range(cfg.rollout.instances):
-        gen = f.generator(cfg, path, i)
+        gen = f.generator(cfg, policy or path, i)
         generators.append(gen)
         close = getattr(gen, "close", None)
         if close is not None:

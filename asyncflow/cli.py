@@ -1,17 +1,21 @@
 """``asyncflow`` command line.
 
 asyncflow run [CONFIG.yaml] [section.field=value ...]    # one training run
+asyncflow run --resume DIR [overrides ...]                # continue from DIR's newest checkpoint
 asyncflow config [CONFIG.yaml] [overrides ...]            # check and print the resolved config
 asyncflow run --help                                      # every config field, type, default, doc
 
 Both commands load and check the config the same way (:func:`asyncflow.config_check.
 resolve_config`); a bad config, a missing file or malformed YAML prints one line
 ``asyncflow: bad config: ...`` naming the field and the fix, and exits with status 2.
+``--resume DIR`` is the override ``resume=DIR``. A finished run prints where its trained
+policy is and the one line that loads it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 
@@ -46,6 +50,12 @@ def _parser(with_fields: bool) -> argparse.ArgumentParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         p.add_argument("args", nargs="*", help="[CONFIG.yaml] [section.field=value ...]")
+        p.add_argument(
+            "--resume",
+            metavar="DIR",
+            help="continue from the newest checkpoint in DIR (an output dir, its checkpoints "
+            "folder or one checkpoint), with that run's config under the overrides",
+        )
     return ap
 
 
@@ -53,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     ns = _parser(with_fields=bool({"-h", "--help"} & set(args))).parse_args(args)
     path, overrides = _split(ns.args)
+    if ns.resume is not None:
+        overrides = [*overrides, f"resume={json.dumps(ns.resume)}"]  # a YAML string, always
     try:
         cfg = resolve_config(path, overrides)
     except (ValueError, TypeError) as e:  # ConfigError and the sections' own checks
@@ -67,11 +79,26 @@ def main(argv: list[str] | None = None) -> int:
 
     result = run(cfg)
     first, last = result.reward_first_last()
+    resumed = len(result.records) - len(result.reports)
+    since = f" ({len(result.reports)} after resuming at step {resumed})" if resumed else ""
     print(
-        f"asyncflow: {len(result.records)} steps in {result.wall_s:.1f} s; mean reward "
+        f"asyncflow: {len(result.records)} steps{since} in {result.wall_s:.1f} s; mean reward "
         f"first 10% {first:.3f} -> last 10% {last:.3f}; outputs in {result.output_dir}"
     )
+    if result.policy_dir is not None:
+        print(f"asyncflow: trained policy in {result.policy_dir}; load it with:")
+        print(load_command(result.policy_dir))
     return 0
+
+
+def load_command(policy: object) -> str:
+    """One shell line that loads a saved policy and its tokenizer with transformers."""
+    where = repr(str(policy))
+    return (
+        'python -c "from transformers import AutoModelForCausalLM, AutoTokenizer; '
+        f"model = AutoModelForCausalLM.from_pretrained({where}); "
+        f'tokenizer = AutoTokenizer.from_pretrained({where})"'
+    )
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from typing import Any
 
 import yaml
 
+from asyncflow.config_sections import CheckpointConfig, EvalConfig
 from engines.rewards import REWARDS
 from engines.tasks import TASKS
 
@@ -518,6 +519,12 @@ class RunConfig:
     """What a run writes and which trackers get it."""
     deploy: DeployConfig = field(default_factory=DeployConfig)
     """Where the stages run: this process or Ray actors."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints to resume from."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Validation on held-out prompts."""
+    resume: str | None = None
+    """Continue from the newest checkpoint in this folder or its ``checkpoints/`` (``--resume``)."""
 
     def __post_init__(self) -> None:
         mode, tq = self.deploy.mode, self.transferqueue.mode

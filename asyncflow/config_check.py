@@ -6,6 +6,11 @@ then checks what needs the machine: the model folder, the engine's package, ever
 a finite task holds the run's groups, and the trackers' packages. ``asyncflow run`` and
 ``asyncflow config`` both call :func:`resolve_config` (load + check), so both accept and
 refuse exactly the same configs, before a run starts anything.
+
+With ``resume=DIR`` and no config file, the config the checkpoint's run had is the base that
+the overrides apply to (``asyncflow run --resume runs/x`` continues ``runs/x`` as it was
+configured); a config that changes what a step trains (the task, the group size, the groups
+per step, the model) or has no steps left is refused here.
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from asyncflow.config import ConfigError, RunConfig, load_config
+from asyncflow import checkpoint
+from asyncflow.config import ConfigError, RunConfig, config_to_dict, load_config
 from asyncflow.loggers import missing_packages
 from engines.rewards import make_reward
 from engines.tasks import Task, make_task
@@ -35,7 +41,33 @@ RESERVED_COLUMNS = (
 def resolve_config(path: str | Path | None, overrides: list[str]) -> RunConfig:
     """Load (defaults < file < overrides) and check a config, as ``asyncflow run`` does."""
     cfg = load_config(path, overrides)
+    if cfg.resume is not None:
+        cfg = _resumed(cfg, path, overrides)
     check_config(cfg)
+    return cfg
+
+
+def _resumed(cfg: RunConfig, path: str | Path | None, overrides: list[str]) -> RunConfig:
+    """The config of a resumed run: the checkpoint's (unless a file is given), overridden."""
+    assert cfg.resume is not None
+    try:
+        found = checkpoint.find_checkpoint(cfg.resume)
+    except FileNotFoundError as e:
+        raise ConfigError(str(e)) from None
+    if path is None:
+        cfg = load_config(found / "config.yaml", overrides)
+    saved = checkpoint.read_driver_state(found)
+    problems = checkpoint.resume_problems(config_to_dict(cfg), saved.config)
+    if problems:
+        raise ConfigError(
+            f"resume={cfg.resume}: {'; '.join(problems)}; a resumed run keeps these (they decide "
+            "which prompts each step trains): drop those overrides"
+        )
+    if saved.steps >= cfg.train.steps:
+        raise ConfigError(
+            f"resume={cfg.resume}: the checkpoint {found.name} has trained {saved.steps} steps "
+            f"of train.steps={cfg.train.steps}; set train.steps > {saved.steps} to train further"
+        )
     return cfg
 
 
@@ -53,6 +85,8 @@ def check_config(cfg: RunConfig) -> Task:
         except (ValueError, TypeError) as e:
             raise ConfigError(f"reward.functions: {e}") from None
     task = _check_task(cfg)
+    if cfg.eval.every_steps:
+        _check_eval(cfg)
     missing = missing_packages(cfg.output.loggers)
     if missing:
         raise ConfigError(
@@ -117,6 +151,14 @@ def _check_task(cfg: RunConfig) -> Task:
             f"{available // cfg.train.groups_per_step} or raise task.options.epochs"
         )
     return task
+
+
+def _check_eval(cfg: RunConfig) -> None:
+    name, options = cfg.eval.task_spec(cfg.task.name, cfg.task.options)
+    try:
+        make_task(name, seed=cfg.eval.seed, **options)
+    except (ValueError, TypeError, OSError) as e:
+        raise ConfigError(f"eval.options of task {name!r}: {_one_line(e)}") from None
 
 
 def _one_line(e: BaseException) -> str:

@@ -17,6 +17,9 @@ admission nor the other generators. ``k = 0`` is synchronous on-policy training.
 Each group is ``group_size`` rows sharing the group id ``j``, with the prompt's token ids, its
 text and its answer. The ``length`` header is the prompt length plus, with a ranker, the
 predicted response length: what length-aware samplers and routers order and split by.
+
+A resumed run (``asyncflow.checkpoint``) starts the feeder at ``start``, the first group no
+step trained before the checkpoint, with the admission log of the groups before it.
 """
 
 from __future__ import annotations
@@ -67,6 +70,8 @@ class PromptFeeder:
         partition: str = "train",
         max_groups_per_put: int = 16,
         predict: Predictor | None = None,
+        start: int = 0,
+        admission_log: list[tuple[int, int]] | None = None,
     ) -> None:
         self.client = client
         self.task = task
@@ -79,8 +84,9 @@ class PromptFeeder:
         self.partition = partition
         self.max_groups_per_put = max_groups_per_put
         self.predict = predict
-        self.admitted = 0
-        self.admission_log: list[tuple[int, int]] = []  # (group, generator version at admission)
+        self.admitted = start
+        # (group, generator version at admission)
+        self.admission_log: list[tuple[int, int]] = list(admission_log or [])
 
     def limit(self, v_gen: int) -> int:
         """Groups that may have been admitted by now, with ``v_gen`` the newest generator

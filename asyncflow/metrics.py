@@ -200,7 +200,10 @@ class MetricsWriter:
     """Writes step records to ``metrics.jsonl`` and the trackers, and drives a progress bar.
 
     ``loggers`` are started trackers (:func:`asyncflow.loggers.make_loggers`); the writer
-    closes them in :meth:`close`.
+    closes them in :meth:`close`. ``previous`` are the records of a resumed run up to its
+    checkpoint: ``metrics.jsonl`` is rewritten with them (dropping what the interrupted run
+    wrote after the checkpoint, steps that are trained again) and continues from there; the
+    trackers got them when they were first written.
     """
 
     def __init__(
@@ -210,18 +213,28 @@ class MetricsWriter:
         total_steps: int,
         progress: bool,
         loggers: Sequence[MetricsLogger] = (),
+        previous: Sequence[dict[str, Any]] = (),
     ) -> None:
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
         self._jsonl = self.path.open("w")
-        self.records: list[dict[str, Any]] = []
+        self.records: list[dict[str, Any]] = list(previous)
+        for record in self.records:
+            self._jsonl.write(json.dumps(record, default=_jsonable) + "\n")
+        self._jsonl.flush()
         self.loggers = list(loggers)
         self._bar: Any = None
         if progress:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_steps, desc="train steps", unit="step", dynamic_ncols=True)
+            self._bar = tqdm(
+                total=total_steps,
+                initial=len(self.records),
+                desc="train steps",
+                unit="step",
+                dynamic_ncols=True,
+            )
 
     def write(self, record: dict[str, Any]) -> None:
         self.records.append(record)

@@ -8,6 +8,12 @@
 A deployment (``asyncflow.deploy``) decides where each stage runs and what it talks to; these
 functions decide what each stage *is*, so that ``deploy=local`` and ``deploy=ray`` run the same
 adapters with the same options.
+
+Validation (``eval.every_steps``) runs two more stages on their own partition, ``val``, over
+the same generation instances and the same reward function: ``eval`` (a rollout adapter with
+the evaluation's sampling parameters) and ``eval/reward``; the driver consumes their rows
+(``asyncflow.evaluation``). Rows of ``val`` are never seen by the train stage and never
+counted by admission control (see ``asyncflow.evaluation`` for why this cannot deadlock).
 """
 
 from __future__ import annotations
@@ -35,8 +41,13 @@ from transferqueue import AsyncClient
 
 __all__ = [
     "ADAPTERS",
+    "EVAL_PARTITION",
     "PARTITION",
     "adapter_classes",
+    "eval_reward_runner",
+    "eval_rollout_adapter",
+    "eval_rollout_runner",
+    "eval_tasks",
     "reference_adapter",
     "reward_adapter",
     "rollout_adapter",
@@ -47,6 +58,7 @@ __all__ = [
 ]
 
 PARTITION = "train"
+EVAL_PARTITION = "val"
 
 ADAPTERS: dict[str, type[Adapter]] = {
     "rollout": RolloutAdapter,
@@ -69,6 +81,11 @@ def adapter_classes(overrides: dict[str, type[Adapter]] | None) -> dict[str, typ
 def tasks(cfg: RunConfig) -> list[str]:
     """TransferQueue consumer tasks of the graph (rows are freed once all have acked)."""
     return ["rollout", "reward", *(["reference"] if cfg.reference.enabled else []), "train"]
+
+
+def eval_tasks(cfg: RunConfig) -> list[str]:
+    """Consumer tasks of the ``val`` partition (``eval``: the driver, reading the rewards)."""
+    return ["rollout", "reward", "eval"]
 
 
 def sampling_params(cfg: RunConfig) -> SamplingParams:
@@ -112,10 +129,45 @@ def rollout_adapter(
     return cls(list(instances), sampling_params(cfg), **kwargs)  # type: ignore[call-arg]
 
 
-def reward_adapter(
-    cls: type[Adapter], reward_fn: RewardFn, tokenizer: Any, cfg: RunConfig
+def eval_rollout_adapter(
+    cls: type[Adapter],
+    instances: Sequence[GenerationInstance],
+    cfg: RunConfig,
+    *,
+    on_demand: Callable[[int], None] | None,
+    on_done: Callable[[], None] | None = None,
 ) -> Adapter:
-    columns = task_columns(cfg.task.name, **cfg.task.options)  # the row's answer and extras
+    """The rollout of held-out prompts: the same instances, the evaluation's sampling
+    parameters, each row given to an instance holding at least the version it evaluates."""
+    ev, rc = cfg.eval, cfg.rollout
+    params = SamplingParams(
+        max_new_tokens=ev.max_new_tokens or rc.max_new_tokens,
+        temperature=ev.temperature,
+        top_p=ev.top_p,
+    )
+    return cls(  # type: ignore[call-arg]
+        list(instances),
+        params,
+        batch_size=ev.batch_size,
+        on_demand=on_demand,
+        on_done=on_done,
+        version_field="min_gen_version",
+    )
+
+
+def reward_adapter(
+    cls: type[Adapter],
+    reward_fn: RewardFn,
+    tokenizer: Any,
+    cfg: RunConfig,
+    *,
+    evaluation: bool = False,
+) -> Adapter:
+    """The reward stage (``evaluation``: of the held-out task's rows, with its columns)."""
+    name, options = cfg.task.name, cfg.task.options
+    if evaluation:
+        name, options = cfg.eval.task_spec(name, options)
+    columns = task_columns(name, **options)  # the row's answer and extras
     return cls(  # type: ignore[call-arg]
         reward_fn, tokenizer, columns=columns, batch_size=cfg.reward.batch_size
     )
@@ -152,6 +204,7 @@ def runner(
     cfg: RunConfig,
     *,
     concurrency: int = 1,
+    partition: str = PARTITION,
 ) -> StageRunner:
     return StageRunner(
         name,
@@ -159,6 +212,43 @@ def runner(
         client,
         timeline,
         concurrency=concurrency,
-        partition=PARTITION,
+        partition=partition,
         lease_s=cfg.transferqueue.lease_s,
     )
+
+
+def eval_rollout_runner(
+    cls: type[Adapter],
+    instances: Sequence[GenerationInstance],
+    client: AsyncClient,
+    timeline: Timeline,
+    cfg: RunConfig,
+    *,
+    on_demand: Callable[[int], None] | None,
+    on_done: Callable[[], None] | None = None,
+) -> StageRunner:
+    """The ``eval`` stage: held-out prompts of the ``val`` partition, one worker per instance
+    (so an evaluation batch waits behind at most the training batches already on it)."""
+    adapter = eval_rollout_adapter(cls, instances, cfg, on_demand=on_demand, on_done=on_done)
+    return runner(
+        "eval",
+        adapter,
+        client,
+        timeline,
+        cfg,
+        concurrency=len(instances),
+        partition=EVAL_PARTITION,
+    )
+
+
+def eval_reward_runner(
+    cls: type[Adapter],
+    reward_fn: RewardFn,
+    tokenizer: Any,
+    client: AsyncClient,
+    timeline: Timeline,
+    cfg: RunConfig,
+) -> StageRunner:
+    """The ``eval/reward`` stage: the run's reward function over the ``val`` partition."""
+    adapter = reward_adapter(cls, reward_fn, tokenizer, cfg, evaluation=True)
+    return runner("eval/reward", adapter, client, timeline, cfg, partition=EVAL_PARTITION)

@@ -14,6 +14,12 @@ single controller either way: it runs the feeder, takes the step reports and wri
 records. The run ends after ``train.steps`` optimizer steps. If any part fails, every stage is
 stopped, TransferQueue is closed and the error is raised (as :class:`StageError` naming the
 stage).
+
+Around the steps, the driver also: evaluates the policy on held-out prompts every
+``eval.every_steps`` steps (``asyncflow.evaluation``), writes each step's record once its
+evaluation is in (records stay in step order; training does not wait), completes the
+checkpoints the trainer staged (``asyncflow.checkpoint``), resumes from one (``resume``), and
+saves the trained policy as a Hugging Face folder, ``output.dir/policy``, when the run ends.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,11 +38,13 @@ import torch
 import yaml
 
 from adapters import Adapter, StepReport
-from asyncflow import stages
+from asyncflow import checkpoint, stages
 from asyncflow.build import Components, EngineFactories
+from asyncflow.checkpoint import CheckpointPlan, DriverState, ResumePoint
 from asyncflow.config import RunConfig, config_to_dict
 from asyncflow.deploy.base import Deployment
 from asyncflow.deploy.local import LocalDeployment
+from asyncflow.evaluation import Evaluator
 from asyncflow.feeder import PromptFeeder
 from asyncflow.loggers import make_loggers
 from asyncflow.metrics import (
@@ -46,7 +55,7 @@ from asyncflow.metrics import (
     write_timeline,
 )
 from asyncflow.stage import StageError
-from asyncflow.stages import PARTITION
+from asyncflow.stages import EVAL_PARTITION, PARTITION
 
 __all__ = ["RunResult", "Workflow", "run"]
 
@@ -55,7 +64,11 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RunResult:
-    """What a finished run returns (the same numbers are in ``output_dir``)."""
+    """What a finished run returns (the same numbers are in ``output_dir``).
+
+    A resumed run's ``records`` and ``admission`` include those of the run it resumed (up to
+    the checkpoint); ``reports`` are this process's steps only.
+    """
 
     records: list[dict[str, Any]]
     reports: list[StepReport]
@@ -64,6 +77,8 @@ class RunResult:
     output_dir: Path
     wall_s: float
     extra: dict[str, Any] = field(default_factory=dict)
+    policy_dir: Path | None = None
+    """The trained policy as a Hugging Face folder (None: the training engine cannot save)."""
 
     def reward_first_last(self, fraction: float = 0.1) -> tuple[float, float]:
         """Mean reward over the first and the last ``fraction`` of the steps."""
@@ -103,7 +118,9 @@ class Workflow:
     def run(self) -> RunResult:
         return asyncio.run(self.run_async())
 
-    def _deployment(self, timeline: Timeline) -> Deployment:
+    def _deployment(
+        self, timeline: Timeline, plan: CheckpointPlan | None, resume: ResumePoint | None
+    ) -> Deployment:
         cfg = self.config
         if cfg.deploy.mode == "local":
             return LocalDeployment(
@@ -112,37 +129,64 @@ class Workflow:
                 components=self._components,
                 factories=self._factories,
                 adapters=self._adapters,
+                checkpoint=plan,
+                resume=resume,
             )
         from asyncflow.deploy.ray import RayDeployment
 
-        return RayDeployment(cfg, timeline, factories=self._factories, adapters=self._adapters)
+        return RayDeployment(
+            cfg,
+            timeline,
+            factories=self._factories,
+            adapters=self._adapters,
+            checkpoint=plan,
+            resume=resume,
+        )
 
     async def run_async(self) -> RunResult:
         cfg = self.config
         if cfg.torch_threads is not None:
             torch.set_num_threads(cfg.torch_threads)
+        found = _resume_state(cfg)
+        state = None if found is None else found[1]
         out_dir = Path(cfg.output.dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-        timeline = Timeline()
+        # a resumed run's clock goes on from the checkpoint's run time
+        timeline = Timeline(None if state is None else time.time() - state.elapsed_s)
         writer = MetricsWriter(
             out_dir,
             total_steps=cfg.train.steps,
             loggers=make_loggers(cfg.output, config_to_dict(cfg)),
             progress=cfg.output.progress,
+            previous=state.records if state is not None else (),
         )
+        plan = CheckpointPlan.of(cfg)
+        resume = None if found is None else ResumePoint(str(found[0]), found[1].version)
         try:
-            async with self._deployment(timeline) as deployment:
-                return await self._drive(cfg, deployment, writer, out_dir)
+            async with self._deployment(timeline, plan, resume) as deployment:
+                return await self._drive(cfg, deployment, writer, out_dir, plan, state)
         finally:
             writer.close()
 
     async def _drive(
-        self, cfg: RunConfig, dep: Deployment, writer: MetricsWriter, out_dir: Path
+        self,
+        cfg: RunConfig,
+        dep: Deployment,
+        writer: MetricsWriter,
+        out_dir: Path,
+        plan: CheckpointPlan | None,
+        state: DriverState | None,
     ) -> RunResult:
         t_start = time.perf_counter()
         timeline, client = dep.timeline, dep.client
+        b = cfg.train.groups_per_step
+        first_step = 0 if state is None else state.steps
         await client.declare_tasks(stages.tasks(cfg), partition=PARTITION)
+        evaluator: Evaluator | None = None
+        if cfg.eval.every_steps:
+            await client.declare_tasks(stages.eval_tasks(cfg), partition=EVAL_PARTITION)
+            evaluator = Evaluator(cfg, client, dep.tokenizer)
         reports: list[StepReport] = []
         feeder = PromptFeeder(
             client,
@@ -150,17 +194,23 @@ class Workflow:
             dep.tokenizer,
             dep.registry,
             group_size=cfg.rollout.group_size,
-            groups_per_step=cfg.train.groups_per_step,
+            groups_per_step=b,
             max_staleness=cfg.train.max_staleness,
-            total_groups=cfg.train.steps * cfg.train.groups_per_step,
+            total_groups=cfg.train.steps * b,
             partition=PARTITION,
             predict=dep.predict,
+            start=first_step * b,  # the first untrained group: the TransferQueue is new
+            admission_log=None if state is None else state.admission,
         )
+        steps = range(first_step, cfg.train.steps)
+        Pending = tuple[StepReport, dict[str, Any], "asyncio.Future[dict[str, float]] | None"]
+        pending: asyncio.Queue[Pending] = asyncio.Queue()
+        config = config_to_dict(cfg)
 
         async def bookkeeping() -> None:
-            """Step reports -> records, until the last step."""
-            last_t = 0.0
-            while len(reports) < cfg.train.steps:
+            """Step reports -> records (and evaluations started), until the last step."""
+            last_t = timeline.now()
+            for _ in steps:
                 report = await dep.next_report()
                 stage_metrics = await dep.collect()
                 now = timeline.now()
@@ -172,17 +222,49 @@ class Workflow:
                 record["restarts"] = sum(dep.restarts.values())
                 last_t = now
                 reports.append(report)
+                done = None
+                if evaluator is not None and evaluator.due(report.step + 1):
+                    done = await evaluator.start(report.version)
+                pending.put_nowait((report, record, done))
+
+        async def recording() -> None:
+            """Records in step order, each once its evaluation is in, then the checkpoint
+            due after its step."""
+            for _ in steps:
+                report, record, done = await pending.get()
+                if done is not None:
+                    assert evaluator is not None
+                    record["eval"] = await evaluator.result(done, report.step)
                 writer.write(record)
+                done_steps = report.step + 1
+                if plan is not None and plan.due(done_steps):
+                    part = DriverState(
+                        steps=done_steps,
+                        version=report.version,
+                        next_group=done_steps * b,
+                        admission=[a for a in feeder.admission_log if a[0] < done_steps * b],
+                        elapsed_s=float(record["time_s"]),
+                        records=list(writer.records),
+                    )
+                    path = await asyncio.to_thread(
+                        checkpoint.commit, plan, part, dep.tokenizer, config
+                    )
+                    log.info("checkpoint after step %d: %s", report.step, path)
 
         loop = asyncio.get_running_loop()
         jobs: dict[asyncio.Task[None], str] = {loop.create_task(feeder.run()): "feeder"}
+        jobs[loop.create_task(bookkeeping())] = "driver"
+        if evaluator is not None:
+            jobs[loop.create_task(evaluator.collect())] = "eval"
         for name, job in dep.jobs().items():
             jobs[loop.create_task(job())] = name
-        finished = loop.create_task(bookkeeping())
+        finished = loop.create_task(recording())
         try:
-            pending: set[asyncio.Task[Any]] = {*jobs, finished}
+            pending_tasks: set[asyncio.Task[Any]] = {*jobs, finished}
             while not finished.done():
-                ready, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                ready, pending_tasks = await asyncio.wait(
+                    pending_tasks, return_when=asyncio.FIRST_COMPLETED
+                )
                 for t in ready:
                     if t.cancelled():
                         continue
@@ -191,7 +273,7 @@ class Workflow:
                         if isinstance(exc, StageError):
                             raise exc
                         raise StageError(jobs.get(t, "driver"), exc) from exc
-                if not finished.done() and not (pending - {finished}):
+                if not finished.done() and not (pending_tasks - {finished}):
                     raise RuntimeError("every stage ended before the last train step")
         finally:
             for t in [*jobs, finished]:
@@ -200,6 +282,7 @@ class Workflow:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await t
         await dep.collect()
+        policy_dir = await _save_policy(dep, out_dir / "policy", cfg.train.steps)
         wall = time.perf_counter() - t_start
         write_timeline(timeline, out_dir, writer.records)
         result = RunResult(
@@ -210,10 +293,45 @@ class Workflow:
             output_dir=out_dir,
             wall_s=wall,
             extra=await dep.summary(),
+            policy_dir=policy_dir,
         )
         if cfg.output.plot and writer.records:
             plot_rewards({"reward": writer.records}, out_dir / "reward.png", _title(cfg))
         return result
+
+
+def _resume_state(cfg: RunConfig) -> tuple[Path, DriverState] | None:
+    """The checkpoint ``cfg.resume`` names and its driver's state (None: a fresh run);
+    ``ValueError`` if this config cannot continue it."""
+    if cfg.resume is None:
+        return None
+    found = checkpoint.find_checkpoint(cfg.resume)
+    state = checkpoint.read_driver_state(found)
+    problems = checkpoint.resume_problems(config_to_dict(cfg), state.config)
+    if problems:
+        raise ValueError(
+            f"resume={cfg.resume!r}: {'; '.join(problems)}; a resumed run keeps these (they "
+            "decide which prompts each step trains): drop those overrides"
+        )
+    if state.steps >= cfg.train.steps:
+        raise ValueError(
+            f"resume={cfg.resume!r}: the checkpoint has trained {state.steps} steps, "
+            f"train.steps={cfg.train.steps}; set train.steps > {state.steps} to train further"
+        )
+    return found, state
+
+
+async def _save_policy(dep: Deployment, directory: Path, version: int) -> Path | None:
+    """The trained policy as a Hugging Face folder with the tokenizer (replaced atomically);
+    None, with a warning, when the training engine cannot save."""
+    tmp = await asyncio.to_thread(checkpoint.staging_dir, directory)
+    try:
+        await dep.save_policy(tmp)
+    except TypeError as e:  # not a CheckpointableEngine
+        log.warning("the trained policy is not saved: %s", e)
+        await asyncio.to_thread(shutil.rmtree, tmp, True)
+        return None
+    return await asyncio.to_thread(checkpoint.finish_policy, tmp, directory, dep.tokenizer, version)
 
 
 def _title(cfg: RunConfig) -> str:
@@ -238,6 +356,7 @@ def _record(
         "reward_std": report.reward_std,
         "version": report.version,
         "samples": report.samples,
+        "groups": report.groups,
         "tokens": report.tokens,
         "time_s": now,
         "step_s": now - since,

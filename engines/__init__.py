@@ -4,6 +4,7 @@ Engines know nothing of TransferQueue; see :mod:`engines.protocols` for the role
 """
 
 from engines.protocols import (
+    CheckpointableEngine,
     Generation,
     GenerationEngine,
     RewardFn,
@@ -14,6 +15,7 @@ from engines.protocols import (
 )
 
 __all__ = [
+    "CheckpointableEngine",
     "Generation",
     "GenerationEngine",
     "RewardFn",

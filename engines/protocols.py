@@ -16,6 +16,8 @@ Roles and who calls them:
 | ScoringEngine       | logprobs                                  | reference adapter          |
 | TrainingEngine      | forward_backward, optimizer_step,         | train adapter; weight sync |
 |                     | state_dict, version                       |                            |
+| CheckpointableEngine| save, load, save_policy (optional: what   | the trainer's host, between|
+|                     | checkpoints and the saved policy need)    | steps and at the end       |
 | RewardFn            | __call__                                  | reward adapter             |
 
 Generation is ``async`` because it is where requests from several micro-batches overlap (vLLM's
@@ -25,6 +27,7 @@ are plain blocking calls; the adapters run them in a worker thread so the event 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -32,6 +35,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 __all__ = [
+    "CheckpointableEngine",
     "Generation",
     "GenerationEngine",
     "RewardFn",
@@ -203,6 +207,33 @@ class TrainingEngine(Protocol):
         Called by the weight-sync path after ``optimizer_step``; the returned tensors must not
         change under later steps (return copies).
         """
+        ...
+
+
+@runtime_checkable
+class CheckpointableEngine(Protocol):
+    """A training engine whose state can be written and read back (optional role).
+
+    Needed by checkpoints (``checkpoint.every_steps``), resuming, and the policy folder a run
+    leaves; a training engine without it still trains. Every call happens between optimizer
+    steps, in the trainer's process (a worker thread).
+    """
+
+    def save(self, directory: str | os.PathLike[str]) -> None:
+        """Write all a resumed run needs to continue exactly: the policy as a Hugging Face
+        folder ``directory/policy`` (safetensors, ``from_pretrained`` loads it), optimizer
+        and scheduler state, ``version``. Called after ``optimizer_step`` of a checkpoint's
+        last step."""
+        ...
+
+    def load(self, directory: str | os.PathLike[str]) -> None:
+        """Restore what :meth:`save` wrote (weights, optimizer, ``version``). Called once
+        when a run resumes, before the first ``forward_backward``."""
+        ...
+
+    def save_policy(self, directory: str | os.PathLike[str]) -> None:
+        """Write the current policy as a Hugging Face folder (safetensors). Called when the
+        run ends."""
         ...
 
 

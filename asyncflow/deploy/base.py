@@ -15,12 +15,30 @@ Sample data never passes through the driver in either: every stage reads and wri
 TransferQueue itself. What the driver gets from a deployment is small: a TransferQueue client
 (for the feeder's puts and the queue stats), the registry the feeder reads, length predictions
 for the feeder when the rollout ranks prompts, and the step reports.
+
+**Checkpoints, resume, validation** (``asyncflow.checkpoint``, ``asyncflow.evaluation``). A
+deployment is constructed with ``checkpoint`` (a :class:`~asyncflow.checkpoint.CheckpointPlan`
+or None) and ``resume`` (a :class:`~asyncflow.checkpoint.ResumePoint` or None) and then:
+
+- writes the trainer's part of a checkpoint where the trainer lives, right after the optimizer
+  step of every step the plan marks and after publishing its weights, *before* handing over
+  that step's report (:func:`~asyncflow.checkpoint.write_trainer_part`): the driver completes
+  the checkpoint once it has the report;
+- on resume, restores the trainer (every rank) with
+  :func:`~asyncflow.checkpoint.restore_trainer`, builds generators from the checkpoint's
+  policy folder at its version (:func:`~asyncflow.checkpoint.adopt_version`, again after a
+  restart of a generator host), and starts the registry at that version;
+- with ``eval.every_steps``, runs the ``eval`` and ``eval/reward`` stages
+  (:func:`asyncflow.stages.eval_rollout_runner`, :func:`~asyncflow.stages.eval_reward_runner`)
+  on the ``val`` partition, over the same generation instances as the rollout;
+- writes the trained policy when asked (:meth:`Deployment.save_policy`).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
 from adapters import StepReport
@@ -71,6 +89,13 @@ class Deployment(ABC):
     async def collect(self) -> dict[str, dict[str, float]]:
         """Merge what stage hosts recorded since the last call into :attr:`timeline`; returns
         per stage the means of its adapters' metrics over that time."""
+
+    @abstractmethod
+    async def save_policy(self, directory: Path) -> None:
+        """Write the trained policy's model files into ``directory`` (an existing, empty
+        folder), where the trainer lives; the driver adds the tokenizer. Called once after the
+        last step. ``TypeError`` if the training engine cannot save
+        (:class:`~engines.protocols.CheckpointableEngine`)."""
 
     @abstractmethod
     async def summary(self) -> dict[str, Any]:

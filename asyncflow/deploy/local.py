@@ -5,6 +5,8 @@ share one TransferQueue client (embedded by default, or a local service); the ge
 registry is a plain object on the driver's loop that reads the engines live; weights go from
 trainer to generators in memory (the ``inprocess`` weight transport: the trainer's
 ``state_dict()`` copy, no other copy).
+Checkpoints are written by the train stage's step callback in this process (the trainer's
+part, in a worker thread; the rollout and the other stages keep running meanwhile).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,6 +24,14 @@ import transferqueue
 from adapters import Adapter, LengthRanker, StepReport
 from asyncflow import stages
 from asyncflow.build import Components, EngineFactories, build_components
+from asyncflow.checkpoint import (
+    CheckpointPlan,
+    ResumePoint,
+    adopt_version,
+    check_checkpointable,
+    restore_trainer,
+    write_trainer_part,
+)
 from asyncflow.config import RunConfig
 from asyncflow.deploy.base import Deployment, Job
 from asyncflow.hosts import GeneratorHost, check_engine
@@ -63,9 +74,13 @@ class LocalDeployment(Deployment):
         components: Components | None = None,
         factories: EngineFactories | None = None,
         adapters: dict[str, type[Adapter]] | None = None,
+        checkpoint: CheckpointPlan | None = None,
+        resume: ResumePoint | None = None,
     ) -> None:
         self.cfg = cfg
         self.timeline = timeline
+        self._plan = checkpoint
+        self._resume = resume
         self._given = components
         self._factories = factories
         self._adapters = stages.adapter_classes(adapters)
@@ -84,10 +99,18 @@ class LocalDeployment(Deployment):
     async def open(self) -> None:
         cfg = self.cfg
         comps = self._given
+        resume = self._resume
         if comps is None:
-            comps = await asyncio.to_thread(build_components, cfg, self._factories)
+            policy = None if resume is None else resume.policy
+            comps = await asyncio.to_thread(build_components, cfg, self._factories, policy=policy)
         self._comps = comps
         check_engine(comps.trainer, TrainingEngine, "train")
+        if self._plan is not None:
+            check_checkpointable(comps.trainer, "checkpoint.every_steps")
+        if resume is not None:
+            await asyncio.to_thread(restore_trainer, comps.trainer, resume.directory)
+            for g in comps.generators:
+                await adopt_version(g, resume.policy, resume.version)
         if comps.reference is not None:
             check_engine(comps.reference, ScoringEngine, "reference")
         if not callable(comps.reward_fn):
@@ -141,16 +164,44 @@ class LocalDeployment(Deployment):
             self._runners.append(stages.runner("reference", ref, client, tl, cfg))
         train = stages.train_adapter(self._adapters["train"], comps.trainer, cfg, self._on_step)
         self._runners.append(stages.runner("train", train, client, tl, cfg))
+        if cfg.eval.every_steps:
+            self._runners += [
+                stages.eval_rollout_runner(
+                    self._adapters["rollout"],
+                    self._hosts,
+                    client,
+                    tl,
+                    cfg,
+                    on_demand=registry.demand,
+                    on_done=registry.poke,
+                ),
+                stages.eval_reward_runner(
+                    self._adapters["reward"], comps.reward_fn, comps.tokenizer, client, tl, cfg
+                ),
+            ]
 
     async def _on_step(self, report: StepReport) -> None:
         """After each optimizer step: publish the weights (generators follow at their next
-        micro-batch boundary), then hand the report to the driver."""
+        micro-batch boundary), write the trainer's part of a checkpoint when one is due
+        (generators already hold the new weights; only the train stage waits), then hand
+        the report to the driver."""
         assert self._comps is not None
-        state = await asyncio.to_thread(self._comps.trainer.state_dict)
+        trainer = self._comps.trainer
+        state = await asyncio.to_thread(trainer.state_dict)
         assert self._sender is not None
         self._sender.publish(state, report.version)
         await self._registry.publish(report.version)
+        plan = self._plan
+        if plan is not None and plan.due(report.step + 1):
+            staging = plan.staging(report.step + 1)
+            seconds = await asyncio.to_thread(write_trainer_part, trainer, staging)
+            report.metrics["checkpoint_save_s"] = seconds
         self._reports.put_nowait(report)
+
+    async def save_policy(self, directory: Path) -> None:
+        assert self._comps is not None
+        engine = check_checkpointable(self._comps.trainer, "saving the trained policy")
+        await asyncio.to_thread(engine.save_policy, directory)
 
     @property
     def predict(self) -> Any:

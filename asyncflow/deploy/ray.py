@@ -32,7 +32,14 @@ generator fails at once in the dispatcher, which generates the batch on another 
 restarted generator registers again with its initial weights and takes no batch until it
 holds weights recent enough for it (the staleness bound is checked per sample, whatever
 happens). A trainer rank is not restarted: the optimizer state would be gone; the run fails
-with an error naming the rank (never a hang: every collective has a timeout).
+with an error naming the rank (never a hang: every collective has a timeout); resume the
+run from its last checkpoint (``asyncflow run --resume DIR``).
+
+**Checkpoints and resume.** Trainer rank 0 writes the trainer's part of a checkpoint in its
+actor (``asyncflow.checkpoint``); with several nodes ``checkpoint.dir`` must be a folder every
+node sees. On resume, every trainer rank restores the checkpoint before the data-parallel
+group forms, generator hosts are built from its policy folder at its version, and the
+coordinator starts at that version.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -53,6 +61,7 @@ import torch
 import transferqueue
 from adapters import Adapter, StepReport
 from asyncflow.build import EngineFactories
+from asyncflow.checkpoint import CheckpointPlan, ResumePoint
 from asyncflow.config import PlacementConfig, RunConfig
 from asyncflow.deploy.base import Deployment, Job
 from asyncflow.deploy.ray_hosts import GeneratorActor, RolloutActor, TrainerActor, WorkerActor
@@ -105,9 +114,13 @@ class RayDeployment(Deployment):
         *,
         factories: EngineFactories | None = None,
         adapters: dict[str, type[Adapter]] | None = None,
+        checkpoint: CheckpointPlan | None = None,
+        resume: ResumePoint | None = None,
     ) -> None:
         self.cfg = cfg
         self.timeline = timeline
+        self._plan = checkpoint
+        self._resume = resume
         self._factories = factories or EngineFactories()
         self._adapters = adapters
         self._started_ray = False
@@ -207,8 +220,10 @@ class RayDeployment(Deployment):
         env = {"runtime_env": {"env_vars": {"RAY_WARN_BLOCKING_GET_INSIDE_ASYNC": "0"}}}
         coord_name = f"{prefix}-coordinator"
         coord_cls: Any = ray.remote(Coordinator)
+        resume = self._resume
+        start_version = 0 if resume is None else resume.version
         self._coord = coord_cls.options(name=coord_name, num_cpus=0).remote(
-            0, policy=cfg.rollout.weight_sync
+            start_version, policy=cfg.rollout.weight_sync
         )
         self._actors.append(self._coord)
         await self._coord.ping.remote()
@@ -225,10 +240,11 @@ class RayDeployment(Deployment):
             self._trainers.append(actor)
             self._actors.append(actor)
         gen_cls: Any = ray.remote(GeneratorActor)
+        policy = model if resume is None else resume.policy
         for i, opts in enumerate(self._placed(cfg.rollout.placement, cfg.rollout.instances)):
             name = f"instance{i}"
             actor = gen_cls.options(name=f"{prefix}-{name}", **opts, **restart, **env).remote(
-                name, i, cfg, model, f, coord_name, origin
+                name, i, cfg, policy, f, coord_name, origin, start_version
             )
             self._generators.append((name, actor))
             self._actors.append(actor)
@@ -252,6 +268,8 @@ class RayDeployment(Deployment):
                 self._actors.append(actor)
         await self._until_started()
         t3 = time.perf_counter()
+        if resume is not None:  # every rank, before the group forms
+            await asyncio.gather(*(t.restore.remote(resume.directory) for t in self._trainers))
         self._weights = await self._transport()
         if len(self._trainers) > 1:
             host, port = await self._trainers[0].endpoint.remote()
@@ -332,7 +350,9 @@ class RayDeployment(Deployment):
         jobs: dict[str, Job] = {}
         trainers = self._trainers
         jobs["train"] = self._job(
-            "train", lambda: trainers[0].run.remote(trainers[1:], self._weights), restartable=False
+            "train",
+            lambda: trainers[0].run.remote(trainers[1:], self._weights, self._plan),
+            restartable=False,
         )
         for r, t in enumerate(trainers[1:], start=1):
             jobs[f"train/rank{r}"] = self._job(f"train/rank{r}", t.hold.remote, restartable=False)
@@ -439,6 +459,9 @@ class RayDeployment(Deployment):
                 return np.zeros(len(prompts))
 
         return predict
+
+    async def save_policy(self, directory: Path) -> None:
+        await self._trainers[0].save_policy.remote(str(directory.resolve()))
 
     async def summary(self) -> dict[str, Any]:
         stats = await self._registry.stats()

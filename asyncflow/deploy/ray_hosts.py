@@ -21,6 +21,13 @@ micro-batch's token ids and what comes back the sampled tokens and log-probs (ki
 
 Each host records its busy intervals on a :class:`~asyncflow.metrics.Timeline` with the run's
 origin; the driver drains them (:meth:`drain`) into the run's timeline at every step.
+
+Checkpoints (``asyncflow.checkpoint``): trainer rank 0 writes the trainer's part after the
+optimizer step of a step the plan marks (ranks are identical); on resume every rank restores
+from the checkpoint (:meth:`TrainerActor.restore`) and generator hosts start from its policy
+folder at its version (``initial_version``, a constructor argument so that a host Ray
+restarts starts there too). Validation adds the ``eval`` stage to the rollout host and the
+``eval/reward`` stage to each reward worker, over the ``val`` partition.
 """
 
 from __future__ import annotations
@@ -41,6 +48,13 @@ from adapters import Adapter, LengthRanker, StepReport
 from adapters.train import TrainAdapter, make_train_batch
 from asyncflow import stages
 from asyncflow.build import EngineFactories
+from asyncflow.checkpoint import (
+    CheckpointPlan,
+    adopt_version,
+    check_checkpointable,
+    restore_trainer,
+    write_trainer_part,
+)
 from asyncflow.config import RunConfig
 from asyncflow.deploy.remote import GeneratorView, RemoteGenerator, RemoteRegistry
 from asyncflow.hosts import GeneratorHost, WeightSource, check_engine
@@ -138,9 +152,11 @@ class GeneratorActor(_Host):
         factories: EngineFactories,
         coordinator: str,
         origin: float,
+        initial_version: int = 0,
     ) -> None:
         super().__init__(cfg, None, origin)
         self.name = name
+        self._model, self._initial_version = model, initial_version
         self.engine = factories.generator(cfg, model, index)
         self.registry = RemoteRegistry(actor(coordinator))
         self.host: GeneratorHost | None = None
@@ -151,6 +167,8 @@ class GeneratorActor(_Host):
         if self.host is None:
             receiver: WeightSource = weights.receiver(f"{self.name}:{os.getpid()}")
             self.host = GeneratorHost(self.name, self.engine, self.registry, receiver)
+            if self._initial_version:  # ``model`` is a checkpoint's policy of that version
+                await adopt_version(self.engine, self._model, self._initial_version)
         await self.host.start()
         self._registered.set()
         await self.host.run()
@@ -204,16 +222,29 @@ class RolloutActor(_Host):
                 concurrency=cfg.rollout.concurrency * len(self.instances),
             )
         ]
+        if cfg.eval.every_steps:
+            self.runners.append(
+                stages.eval_rollout_runner(
+                    cls,
+                    self.instances,
+                    self.client,
+                    self.timeline,
+                    cfg,
+                    on_demand=self.registry.demand,
+                )
+            )
 
     async def run(self) -> None:
         await self.view.refresh()
-        view = asyncio.ensure_future(self.view.run())  # follows the coordinator meanwhile
         try:
-            await self.runners[0].run()
-        finally:
-            view.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await view
+            async with asyncio.TaskGroup() as tg:
+                view = tg.create_task(self.view.run())
+                evals = [tg.create_task(r.run()) for r in self.runners[1:]]
+                await self.runners[0].run()
+                if not evals:  # else the eval stage serves until the driver stops the run
+                    view.cancel()
+        except ExceptionGroup as eg:  # a stage failed: its StageError, as with one stage
+            raise eg.exceptions[0] from None
 
     async def predict(self, prompts: Sequence[torch.Tensor]) -> np.ndarray:
         """The ranker's predicted response lengths (the feeder sets the length header)."""
@@ -247,22 +278,35 @@ class WorkerActor(_Host):
         super().__init__(cfg, tq_address, origin)
         cls = stages.adapter_classes(adapters)[role]
         adapter: Adapter
+        assert self.client is not None
+        evals: list[StageRunner] = []
         if role == "reward":
             reward_fn = factories.reward(cfg)
             if not callable(reward_fn):
                 raise TypeError(f"the reward function {reward_fn!r} is not callable")
-            adapter = stages.reward_adapter(cls, reward_fn, factories.tokenizer(model), cfg)
+            tokenizer = factories.tokenizer(model)
+            adapter = stages.reward_adapter(cls, reward_fn, tokenizer, cfg)
+            if cfg.eval.every_steps:
+                evals.append(
+                    stages.eval_reward_runner(
+                        cls, reward_fn, tokenizer, self.client, self.timeline, cfg
+                    )
+                )
         elif role == "reference":
             engine = factories.reference(cfg, model)
             check_engine(engine, ScoringEngine, "reference")
             adapter = stages.reference_adapter(cls, engine, cfg)
         else:
             raise ValueError(f"a worker runs the reward or reference stage, not {role!r}")
-        assert self.client is not None
-        self.runners = [stages.runner(role, adapter, self.client, self.timeline, cfg)]
+        self.runners = [stages.runner(role, adapter, self.client, self.timeline, cfg), *evals]
 
     async def run(self) -> None:
-        await self.runners[0].run()
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for r in self.runners:
+                    tg.create_task(r.run())
+        except ExceptionGroup as eg:  # a stage failed: its StageError, as with one stage
+            raise eg.exceptions[0] from None
 
 
 class _DataParallelTrain(TrainAdapter):
@@ -344,6 +388,7 @@ class TrainerActor(_Host):
         self.registry = RemoteRegistry(actor(coordinator))
         self._adapters = adapters
         self._sender: Any = None
+        self._plan: CheckpointPlan | None = None
         self.use_reference = cfg.reference.enabled
 
     # -- data-parallel group ----------------------------------------------------------------
@@ -405,12 +450,24 @@ class TrainerActor(_Host):
 
         return await asyncio.to_thread(step)
 
+    async def restore(self, directory: str) -> int:
+        """Load a checkpoint's trainer part (every rank; before :meth:`join`); returns the
+        restored version."""
+        await asyncio.to_thread(restore_trainer, self.engine, directory)
+        return int(self.engine.version)
+
     # -- rank 0 ---------------------------------------------------------------------------
-    async def run(self, ranks: list[Any], weights: Any) -> None:
+    async def run(
+        self, ranks: list[Any], weights: Any, checkpoint: CheckpointPlan | None = None
+    ) -> None:
         """Rank 0: the train stage. After each step the weights are published through the
-        weight transport, then the coordinator learns the version and the report."""
+        weight transport, the trainer's part of a checkpoint written when one is due, then
+        the coordinator learns the version and the report."""
         if self.rank != 0:
             raise RuntimeError("only trainer rank 0 runs the train stage")
+        if checkpoint is not None:
+            check_checkpointable(self.engine, "checkpoint.every_steps")
+        self._plan = checkpoint
         if self._sender is None:
             self._sender = weights.sender()
         cls = stages.adapter_classes(self._adapters)["train"]
@@ -438,7 +495,17 @@ class TrainerActor(_Host):
             # restarted generator rejoins and gets the newest version by itself
             log.warning("weights version %d missed some generators: %s", report.version, e)
         await self.registry.publish(report.version)
+        plan = self._plan
+        if plan is not None and plan.due(report.step + 1):
+            staging = plan.staging(report.step + 1)
+            seconds = await asyncio.to_thread(write_trainer_part, self.engine, staging)
+            report.metrics["checkpoint_save_s"] = seconds
         await self.registry.step_done(report)
+
+    async def save_policy(self, directory: str) -> None:
+        """Rank 0: the trained policy's model files into ``directory``."""
+        engine = check_checkpointable(self.engine, "saving the trained policy")
+        await asyncio.to_thread(engine.save_policy, directory)
 
     def close(self) -> None:
         if self._sender is not None:

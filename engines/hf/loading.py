@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-__all__ = ["ModelSource", "eos_token_ids", "load_model", "load_weights"]
+__all__ = ["ModelSource", "eos_token_ids", "load_model", "load_weights", "read_folder_state"]
 
 ModelSource = str | os.PathLike[str] | PreTrainedModel
 """A saved model folder (``save_pretrained`` layout) or a model object used as is."""
@@ -77,3 +77,25 @@ def load_weights(model: PreTrainedModel, state: Mapping[str, torch.Tensor]) -> N
                 f"weights lack keys the model needs: {sorted(untied)[:8]}; publish a full "
                 "state_dict (tied parameters may be left out)"
             )
+
+
+def read_folder_state(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """The tensors of a ``save_pretrained`` folder's safetensors files (one file or the
+    shards of an index), on the CPU, as saved: what :func:`load_weights` takes."""
+    from safetensors.torch import load_file
+
+    folder = os.fspath(path)
+    files = (
+        sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+        if os.path.isdir(folder)
+        else []
+    )
+    if not files:
+        raise FileNotFoundError(
+            f"{folder!r} holds no .safetensors file: not a save_pretrained folder written with "
+            "safe_serialization"
+        )
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        state.update(load_file(os.path.join(folder, name)))
+    return state

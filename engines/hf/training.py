@@ -1,8 +1,20 @@
 """HF transformers training engine: the policy, AdamW, and the loss of :mod:`engines.loss`.
 
-Implements :class:`engines.protocols.TrainingEngine`. The train adapter calls
-``forward_backward`` once per micro-batch of a step (in a worker thread), then
-``optimizer_step``; the weight-sync path calls ``state_dict`` after the step.
+Implements :class:`engines.protocols.TrainingEngine` and
+:class:`engines.protocols.CheckpointableEngine`. The train adapter calls ``forward_backward``
+once per micro-batch of a step (in a worker thread), then ``optimizer_step``; the weight-sync
+path calls ``state_dict`` after the step; checkpoints call ``save`` between steps and
+``load`` before the first one, and the end of a run ``save_policy``.
+
+A checkpoint written by :meth:`HFTrainingEngine.save` into a folder:
+
+| path                  | content                                                        |
+|-----------------------|----------------------------------------------------------------|
+| ``policy/``           | the policy, ``save_pretrained`` (``model.safetensors``, config, |
+|                       | generation config): loads with ``from_pretrained``              |
+| ``trainer_state.pt``  | ``{"format", "version", "optimizer", "scheduler"}``: AdamW's    |
+|                       | state dict (``torch.load(weights_only=True)`` reads it); no LR  |
+|                       | scheduler exists (constant LR), so ``scheduler`` is None        |
 
 Log-probs are computed at the generation temperature (``HFTrainingConfig.temperature``), the
 same convention as the generation and scoring engines, so ``logp - behaviour_logp`` measures
@@ -15,18 +27,22 @@ gradient.
 from __future__ import annotations
 
 import math
+import os
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
 
 from engines.hf.batching import response_logprobs, right_pad, split_by_tokens
-from engines.hf.loading import ModelSource, load_model
+from engines.hf.loading import ModelSource, load_model, load_weights, read_folder_state
 from engines.loss import policy_loss
 from engines.protocols import TrainBatch
 
 __all__ = ["HFTrainingConfig", "HFTrainingEngine"]
+
+_STATE_FORMAT = 1  # bump when trainer_state.pt changes
 
 
 @dataclass(kw_only=True)
@@ -260,3 +276,51 @@ class HFTrainingEngine:
                     copies[key] = tensor.detach().clone()
                 out[name] = copies[key]
             return out
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def save_policy(self, directory: str | os.PathLike[str]) -> None:
+        """The current policy as a Hugging Face folder (safetensors), under the lock: never
+        half an optimizer step. The folder is created if needed."""
+        with self._lock:
+            self._model.save_pretrained(os.fspath(directory), safe_serialization=True)
+
+    def save(self, directory: str | os.PathLike[str]) -> None:
+        """Everything training needs to go on: ``policy/`` and ``trainer_state.pt`` (see the
+        module docstring). Called between steps (after ``optimizer_step``): gradients being
+        accumulated for the next step are not saved, the weights and AdamW's moments are."""
+        root = Path(directory)
+        root.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            self._model.save_pretrained(os.fspath(root / "policy"), safe_serialization=True)
+            state = {
+                "format": _STATE_FORMAT,
+                "version": self._version,
+                "optimizer": self._optimizer.state_dict(),
+                "scheduler": None,
+            }
+            torch.save(state, root / "trainer_state.pt")
+
+    def load(self, directory: str | os.PathLike[str]) -> None:
+        """Restore what :meth:`save` wrote: the weights (in place), AdamW's state and
+        ``version``. Raises ``FileNotFoundError`` / ``ValueError`` naming what is missing or
+        does not fit (another architecture, another optimizer layout)."""
+        root = Path(directory)
+        path = root / "trainer_state.pt"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing: {root} is not a training checkpoint")
+        weights = read_folder_state(root / "policy")
+        state = torch.load(path, map_location=self._device, weights_only=True)
+        if state.get("format") != _STATE_FORMAT:
+            raise ValueError(
+                f"{path}: trainer state format {state.get('format')!r}, this engine reads "
+                f"{_STATE_FORMAT}"
+            )
+        with self._lock:
+            load_weights(self._model, weights)
+            try:
+                self._optimizer.load_state_dict(state["optimizer"])
+            except ValueError as e:
+                raise ValueError(f"{path}: the optimizer state does not fit this model: {e}") from e
+            self._optimizer.zero_grad(set_to_none=True)
+            self._pending_samples = 0
+            self._version = int(state["version"])

@@ -44,10 +44,15 @@ def test_grpo_from_jsonl_trains_on_the_file_with_the_user_reward(tmp_path: Path)
         "output.progress=false",
     )
     assert "4 steps on arithmetic_train.jsonl" in out and "mean reward" in out
+    assert "eval/reward on arithmetic_val.jsonl (greedy)" in out
     config = (tmp_path / "config.yaml").read_text()
     assert "my_rewards:exact_answer" in config and "prompt_key: question" in config
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == list(range(4))
+    # the held-out file is evaluated after the last step (the default every 50 is later)
+    assert [r["step"] for r in lines if "eval" in r] == [3]
+    assert lines[-1]["eval"]["samples"] == 20  # every held-out line, one greedy answer each
+    assert (tmp_path / "policy" / "model.safetensors").is_file()
 
 
 def test_custom_engine_example(tmp_path: Path) -> None:
