@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from asyncflow import run
-from tests.asyncflow.conftest import small_config
+from tests.asyncflow.conftest import RAY_TEST_TIMEOUT_S, small_config
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(RAY_TEST_TIMEOUT_S)]
 
 ROOT = Path(__file__).resolve().parents[2]
 
