@@ -26,7 +26,8 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from adapters import RewardAdapter, StageOutput
-from asyncflow import build_components, load_config
+from asyncflow import RunConfig, build_components, load_config
+from asyncflow.build import Components, model_path
 from asyncflow.workflow import Workflow
 from engines import Generation, SamplingParams
 from engines.hf import load_model, load_weights
@@ -117,6 +118,14 @@ class RewardWithLength(RewardAdapter):
         return out
 
 
+def custom_components(cfg: RunConfig) -> Components:
+    """What the config builds, with the generation engine swapped for ours."""
+    comps = build_components(cfg)
+    folder = str(model_path(cfg, comps.task))
+    comps.generators = [GenerateAPIEngine(folder, seed=cfg.rollout.seed)]
+    return comps
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--output-dir", default="runs/custom")
@@ -125,11 +134,7 @@ def main() -> None:
     cfg = load_config(
         overrides=["train.steps=100", *args.overrides, f"output.dir={args.output_dir}"]
     )
-    comps = build_components(cfg)
-    from asyncflow.build import model_path
-
-    folder = str(model_path(cfg, comps.task))
-    comps.generators = [GenerateAPIEngine(folder, seed=cfg.rollout.seed)]
+    comps = custom_components(cfg)
     result = Workflow(cfg, comps, adapters={"reward": RewardWithLength}).run()
     first, last = result.reward_first_last()
     print(

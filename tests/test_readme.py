@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -44,3 +47,41 @@ def test_readme_commands_are_the_ci_commands() -> None:
     assert tests.startswith('.venv-vllm/bin/python -m pytest -q -m "vllm or smollm2" tests')
     assert "export ASYNCFLOW_TEST_REQUIRE=vllm,smollm2" in ci
     assert ".venv-vllm/" in (README.parent / ".gitignore").read_text().splitlines()
+
+
+def _one_line_block(text: str, marker: str) -> str:
+    """The single command line of the fenced block that follows ``marker``."""
+    rest = text[text.index(marker) + len(marker) :].split("\n")
+    opening = next(i for i, line in enumerate(rest) if line.startswith("```"))
+    closing = next(i for i in range(opening + 1, len(rest)) if rest[i].startswith("```"))
+    lines = [line for line in rest[opening + 1 : closing] if line.strip()]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_ci_runs_the_readme_test_command_verbatim(tmp_path: Path) -> None:
+    """``.ci/run`` itself, on a copy of the README, with a stand-in ``python3.11`` first on
+    PATH that records its arguments and fails: CI echoes the README's test command exactly as
+    written, runs it (its first program is called as written) and fails with its exit code."""
+    (tmp_path / ".ci").mkdir()
+    shutil.copy2(README.parent / ".ci" / "run", tmp_path / ".ci" / "run")
+    shutil.copy2(README, tmp_path / "README.md")
+    stub = tmp_path / "bin" / "python3.11"
+    stub.parent.mkdir()
+    stub.write_text('#!/bin/sh\necho "$PWD $*" >> "$STUB_CALLS"\nexit 3\n')
+    stub.chmod(0o755)
+    calls = tmp_path / "calls"
+    env = {**os.environ, "PATH": f"{stub.parent}:{os.environ['PATH']}", "STUB_CALLS": str(calls)}
+    proc = subprocess.run(
+        ["bash", str(tmp_path / ".ci" / "run")],
+        cwd=tmp_path / ".ci",  # CI moves to the repository root itself
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    command = _one_line_block(README.read_text(), "<!-- test-command -->")
+    assert command.startswith("python3.11 -m venv .venv && ")
+    assert f"+ {command}" in proc.stdout.splitlines(), proc.stdout
+    assert calls.read_text().splitlines() == [f"{tmp_path} -m venv .venv"]  # ran, at the root
+    assert proc.returncode == 3, proc.stderr  # the command's failure is CI's failure

@@ -13,6 +13,7 @@ from adapters import LeastLoadedRouter, LengthAwareRouter, LengthRanker, Rollout
 from adapters.base import StageOutput
 from engines import Generation, SamplingParams
 from engines.simulated import DecodeLatency, LognormalLengths, SimulatedGenerationEngine
+from tests.virtual_time import run_virtual
 from transferqueue import BatchMeta, Ragged
 
 
@@ -113,7 +114,7 @@ def test_least_loaded_dispatch_spreads_concurrent_batches() -> None:
         outs = await asyncio.gather(*(adapter.process(*_meta(4)) for _ in range(4)))
         assert all(len(o.columns["response_ids"]) == 4 for o in outs)
 
-    asyncio.run(go())
+    run_virtual(go())  # (virtual time: no call can end before all four are dispatched)
     assert [e.calls for e in engines] == [2, 2]
     assert ranker.observed == 8  # two prompts (groups) per batch, four batches
 
@@ -148,7 +149,7 @@ def test_migration_continues_long_samples_on_the_long_instance() -> None:
     async def go() -> tuple[StageOutput, StageOutput]:
         return await plain.process(*_meta(16)), await migrating.process(*_meta(16))
 
-    ref, out = asyncio.run(go())
+    ref, out = run_virtual(go())
     cont = router.continuations
     assert migrating.migrated > 0 and cont == 1  # one continuation call for the batch
     long_lens = [len(r) for r in ref.columns["response_ids"] if len(r) > 20]

@@ -2,17 +2,30 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+import transferqueue
 from asyncflow import RunConfig, load_config
+
+RAY_TEST_TIMEOUT_S = 1200
+"""Per-test limit of the workflow tests on Ray: they start a dozen actors that each import
+torch, minutes on a loaded 2-core machine (the suite's default limit is 300 s)."""
 
 DEPLOYS = [
     "local",
-    pytest.param("ray", marks=[pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(900)]),
+    pytest.param("local-service", marks=pytest.mark.service),
+    pytest.param(
+        "ray",
+        marks=[pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(RAY_TEST_TIMEOUT_S)],
+    ),
 ]
-"""Workflow deployments the invariant tests run under (``ray``: a local Ray cluster)."""
+"""Workflow deployments the invariant tests run under: stages in this process over an
+embedded TransferQueue (``local``) or over a TransferQueue service in processes of its own
+(``local-service``: every column crosses ZeroMQ or shared memory), and every stage a Ray actor
+over TransferQueue on Ray (``ray``: a local Ray cluster)."""
 
 
 def small_config(out: Path, *overrides: str) -> RunConfig:
@@ -38,12 +51,29 @@ def out_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"
 
 
+@pytest.fixture(scope="session")
+def workflow_service() -> Iterator[str]:
+    """One TransferQueue service (controller and two units in processes of their own) for the
+    session's workflow runs: starting one per run costs seconds of imports."""
+    with transferqueue.serve(num_units=2) as svc:
+        yield svc.address
+
+
 @pytest.fixture(params=DEPLOYS)
 def deploy(request: pytest.FixtureRequest) -> list[str]:
     """Config overrides of the test's deployment (``ray``: two generators, two reward workers
     and a data-parallel trainer of two ranks, on the session's Ray cluster)."""
     if request.param == "local":
-        return ["deploy.mode=local"]
+        return ["deploy.mode=local", "transferqueue.mode=embedded"]
+    if request.param == "local-service":
+        address = request.getfixturevalue("workflow_service")
+        with transferqueue.connect(address) as tq:
+            tq.reset()  # nothing of an earlier run stays: partitions, tasks, leases
+        return [
+            "deploy.mode=local",
+            "transferqueue.mode=connect",
+            f"transferqueue.address={address}",
+        ]
     request.getfixturevalue("ray_cluster")
     return [
         "deploy.mode=ray",

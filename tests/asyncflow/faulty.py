@@ -6,6 +6,7 @@ They live in an importable module (not a test module) so that Ray actors can bui
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,24 @@ class BadWeights(DyingEngine):
 
     async def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         raise RuntimeError("weights do not fit the model")
+
+
+class NeverUpdates(DyingEngine):
+    """A generation engine whose weight updates never finish (its version stays put)."""
+
+    async def generate(
+        self, prompts: Sequence[torch.Tensor], params: SamplingParams
+    ) -> list[Generation]:
+        return list(await self.inner.generate(prompts, params))
+
+    async def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        await asyncio.Event().wait()  # until the run ends and cancels the follower
+
+
+def lagging_second_generator(cfg: RunConfig, path: Path, index: int) -> GenerationEngine:
+    """Instance 1 never takes new weights; instance 0 is a plain generator."""
+    engine = build_generator(cfg, path, index)
+    return NeverUpdates(engine) if index == 1 else engine  # type: ignore[return-value]
 
 
 def wrapped_generator(wrapper: type, cfg: RunConfig, path: Path, index: int) -> GenerationEngine:

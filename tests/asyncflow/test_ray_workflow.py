@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from asyncflow import EngineFactories, StageError, run
-from tests.asyncflow.conftest import small_config
+from tests.asyncflow.conftest import RAY_TEST_TIMEOUT_S, small_config
 from tests.asyncflow.faulty import slow_reward_factory
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(RAY_TEST_TIMEOUT_S)]
 
 ROOT = Path(__file__).resolve().parents[2]
 

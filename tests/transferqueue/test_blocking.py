@@ -15,9 +15,7 @@ def test_get_meta_wakes_when_data_lands(client: Client) -> None:
     result = {}
 
     def consumer() -> None:
-        t0 = time.monotonic()
-        meta = client.get_meta("t", ["x"], 4, timeout_s=10)
-        result["meta"], result["waited"] = meta, time.monotonic() - t0
+        result["meta"] = client.get_meta("t", ["x"], 4, timeout_s=120)
 
     th = threading.Thread(target=consumer)
     th.start()
@@ -25,19 +23,17 @@ def test_get_meta_wakes_when_data_lands(client: Client) -> None:
     client.put({"x": torch.arange(2)}, group=0)
     time.sleep(0.1)
     assert th.is_alive()  # 2 of 4 rows: still waiting
-    t_put = time.monotonic()
     client.put({"x": torch.arange(2)}, group=1)
-    th.join(5)
+    th.join(60)  # woke on the put: long before its 120 s timeout
     assert not th.is_alive()
     assert len(result["meta"]) == 4 and result["meta"].reason == "full"
-    assert time.monotonic() - t_put < 1.0  # woke on the put, not at the 10 s timeout
 
 
 def test_timeout_returns_short_batch_with_reason(client: Client) -> None:
     client.put({"x": torch.arange(3)}, group=0)
     t0 = time.monotonic()
     meta = client.get_meta("t", ["x"], 10, timeout_s=0.3)
-    assert 0.25 < time.monotonic() - t0 < 2
+    assert 0.25 < time.monotonic() - t0 < 60  # waited its timeout (the bound: not forever)
     assert len(meta) == 3 and meta.reason == "timeout"
     empty = client.get_meta("t", ["x"], 10, timeout_s=0.05)
     assert len(empty) == 0 and empty.reason == "timeout"
@@ -48,15 +44,14 @@ def test_end_of_stream_returns_short_batch_then_empty_end(client: Client) -> Non
     first = client.get_meta("t", ["x"], 4, timeout_s=1)
     assert first.reason == "full"
     client.finish()
-    t0 = time.monotonic()
-    last = client.get_meta("t", ["x"], 4, timeout_s=10)
-    # the last row comes at once; not "end" while `first` is leased (its rows may come back)
-    assert len(last) == 1 and last.reason == "drain" and time.monotonic() - t0 < 1
+    # the last row comes at once, not at the (60 s) timeout: the reason says which;
+    # not "end" while `first` is leased (its rows may come back)
+    last = client.get_meta("t", ["x"], 4, timeout_s=60)
+    assert len(last) == 1 and last.reason == "drain"
     client.ack(first)
     client.ack(last)
-    t0 = time.monotonic()
-    done = client.get_meta("t", ["x"], 4, timeout_s=10)
-    assert len(done) == 0 and done.reason == "end" and time.monotonic() - t0 < 1
+    done = client.get_meta("t", ["x"], 4, timeout_s=60)
+    assert len(done) == 0 and done.reason == "end"
 
 
 def test_waiter_gets_end_only_after_other_consumer_acks(client: Client) -> None:
@@ -74,7 +69,7 @@ def test_waiter_gets_end_only_after_other_consumer_acks(client: Client) -> None:
     time.sleep(0.2)
     assert th.is_alive()  # the held rows may still come back: keep waiting
     client.ack(held)
-    th.join(5)
+    th.join(60)
     assert not th.is_alive() and len(out["meta"]) == 0 and out["meta"].reason == "end"
 
 

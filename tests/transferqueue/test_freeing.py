@@ -66,7 +66,7 @@ def test_put_waits_for_capacity_then_proceeds(deploy: Deploy) -> None:
         done = threading.Event()
 
         def producer() -> None:
-            client.put({"x": torch.arange(4)}, group=1, timeout_s=10)
+            client.put({"x": torch.arange(4)}, group=1, timeout_s=60)
             done.set()
 
         th = threading.Thread(target=producer)
@@ -74,7 +74,7 @@ def test_put_waits_for_capacity_then_proceeds(deploy: Deploy) -> None:
         time.sleep(0.2)
         assert not done.is_set()  # full: the put waits (back-pressure), nothing is dropped
         client.ack(client.get_meta("t", ["x"], 4, timeout_s=1))
-        th.join(5)
+        th.join(60)  # the ack made room: the put goes on (its timeout is a bound only)
         assert done.is_set()
         with pytest.raises(CapacityError, match="capacity_rows=8"):
             client.put({"x": torch.arange(4)}, group=2, timeout_s=0.2)

@@ -1,4 +1,12 @@
-"""Leases: unacknowledged rows come back; late, unknown and partial acks are typed."""
+"""Leases: unacknowledged rows come back; late, unknown and partial acks are typed.
+
+The deadline arithmetic is tested on the controller with a clock the test sets (exact, no
+waiting). The tests through a client, in every deployment, run on real time: a lease that must
+hold while the test acts on it lasts ``HOLD_S`` (far longer than any step of the test takes on a
+loaded machine), a wait for rows to come back ends on their return (``WAIT_S`` is only a
+bound), and what is asserted about time is order (the rows came back no sooner than their
+deadline), never how long anything took.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +17,15 @@ import pytest
 import torch
 
 from transferqueue import Client, LeaseExpiredError, UnknownLeaseError
+from transferqueue.controller import Controller
+from transferqueue.schema import FieldSpec
+
+HOLD_S = 2.0
+"""A lease the test relies on still holding while it acts on its rows."""
+SHORT_S = 0.2
+"""A lease the test waits out."""
+WAIT_S = 60.0
+"""Bound of a wait that ends on an event (rows coming back), long before this."""
 
 
 def _put(client: Client, n: int) -> None:
@@ -17,15 +34,13 @@ def _put(client: Client, n: int) -> None:
 
 def test_unacked_lease_is_redelivered_after_deadline(client: Client) -> None:
     _put(client, 8)
-    first = client.get_meta("t", ["x"], 8, lease_s=0.3, timeout_s=1)
+    t0 = time.monotonic()  # before the lease is granted: its deadline is after t0 + SHORT_S
+    first = client.get_meta("t", ["x"], 8, lease_s=SHORT_S, timeout_s=WAIT_S)
     assert len(first) == 8
-    # nothing else to hand out while the lease is held
-    assert len(client.get_meta("t", ["x"], 8, timeout_s=0.1)) == 0
-    t0 = time.monotonic()
-    again = client.get_meta("t", ["x"], 8, timeout_s=3)
-    waited = time.monotonic() - t0
+    again = client.get_meta("t", ["x"], 8, timeout_s=WAIT_S)  # blocks until they come back
+    assert time.monotonic() - t0 >= SHORT_S  # never before the deadline
     assert sorted(again.indexes.tolist()) == sorted(first.indexes.tolist())
-    assert 0.1 < waited < 2.0
+    assert again.reason == "full"
     with pytest.raises(LeaseExpiredError, match="lease_s"):
         client.ack(first)
     client.ack(again)
@@ -33,14 +48,23 @@ def test_unacked_lease_is_redelivered_after_deadline(client: Client) -> None:
     assert stats["done"] == 8 and stats["leased"] == 0
 
 
+def test_leased_rows_go_to_nobody_else_while_the_lease_holds(client: Client) -> None:
+    _put(client, 8)
+    first = client.get_meta("t", ["x"], 8, lease_s=HOLD_S, timeout_s=WAIT_S)
+    assert len(first) == 8
+    assert len(client.get_meta("t", ["x"], 8, timeout_s=0)) == 0
+    client.ack(first)  # still within the lease: accepted
+    assert len(client.get_meta("t", ["x"], 8, timeout_s=0)) == 0
+
+
 def test_end_of_stream_batch_comes_back_when_its_lease_runs_out(client: Client) -> None:
     # The last batch of a finished stream carries the end mark; a consumer that walks away
     # from it has not ended the stream: the rows go to the next consumer that asks.
     _put(client, 3)
     client.finish("default")
-    last = client.get_meta("t", ["x"], 8, lease_s=0.2, timeout_s=1)
+    last = client.get_meta("t", ["x"], 8, lease_s=SHORT_S, timeout_s=WAIT_S)
     assert len(last) == 3 and last.is_end
-    again = client.get_meta("t", ["x"], 8, timeout_s=3)
+    again = client.get_meta("t", ["x"], 8, timeout_s=WAIT_S)
     assert sorted(again.indexes.tolist()) == sorted(last.indexes.tolist()) and again.is_end
     client.ack(again)
     over = client.get_meta("t", ["x"], 8, timeout_s=1)
@@ -49,8 +73,8 @@ def test_end_of_stream_batch_comes_back_when_its_lease_runs_out(client: Client) 
 
 def test_put_with_expired_lease_writes_nothing(client: Client) -> None:
     _put(client, 2)
-    meta = client.get_meta("t", ["x"], 2, lease_s=0.05, timeout_s=1)
-    time.sleep(0.2)
+    meta = client.get_meta("t", ["x"], 2, lease_s=0.05, timeout_s=WAIT_S)
+    time.sleep(0.2)  # the deadline (granted before the reply came) has passed
     with pytest.raises(LeaseExpiredError):
         client.put({"y": torch.ones(2)}, meta=meta)
     # the field was never committed: no consumer of "y" sees these rows
@@ -78,22 +102,98 @@ def test_ack_is_idempotent_and_release_redelivers_at_once(client: Client) -> Non
 
 def test_partial_ack_of_a_split_batch(client: Client) -> None:
     client.put({"x": torch.arange(6)}, group=np.arange(6), length=[1, 9, 2, 8, 3, 7])
-    meta = client.get_meta("t", ["x"], 6, timeout_s=1, lease_s=0.3)
+    meta = client.get_meta("t", ["x"], 6, timeout_s=WAIT_S, lease_s=HOLD_S)
     left, right = meta.split(2)
     client.ack(left)
     with pytest.raises(UnknownLeaseError, match="not held"):
         client.ack(left.select([0]).__class__(**{**left.__dict__, "acked": False}))
     # the unacked half comes back after the deadline, the acked half never does
-    back = client.get_meta("t", ["x"], 6, timeout_s=2)
+    back = client.get_meta("t", ["x"], len(right), timeout_s=WAIT_S)
     assert sorted(back.indexes.tolist()) == sorted(right.indexes.tolist())
+    assert len(client.get_meta("t", ["x"], 6, timeout_s=0)) == 0
 
 
 def test_put_with_lease_renews_then_acks(client: Client) -> None:
     _put(client, 3)
-    meta = client.get_meta("t", ["x"], 3, lease_s=0.4, timeout_s=1)
-    time.sleep(0.25)
-    client.put({"y": torch.zeros(3)}, meta=meta)  # renews (deadline moves) and acks
+    t0 = time.monotonic()
+    meta = client.get_meta("t", ["x"], 3, lease_s=HOLD_S, timeout_s=WAIT_S)
+    client.put({"y": torch.zeros(3)}, meta=meta, ack=False, lease_s=WAIT_S)  # renews only
+    assert not meta.acked
+    time.sleep(max(0.0, t0 + HOLD_S + 0.1 - time.monotonic()))  # past the first deadline
+    assert len(client.get_meta("t", ["x"], 3, timeout_s=0)) == 0  # renewed: still held
+    client.put({"z": torch.zeros(3)}, meta=meta)  # renews and acks
     assert meta.acked
-    time.sleep(0.3)
-    assert len(client.get_meta("t", ["x"], 3, timeout_s=0.1)) == 0
-    assert len(client.get_meta("u", ["y"], 3, timeout_s=1)) == 3
+    assert len(client.get_meta("t", ["x"], 3, timeout_s=0)) == 0
+    assert len(client.get_meta("u", ["y", "z"], 3, timeout_s=WAIT_S)) == 3
+
+
+# -- the deadline arithmetic, on the controller's clock ---------------------------------------
+class _Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _controller(clock: _Clock, rows: int = 8) -> Controller:
+    ctl = Controller(1, clock=clock)
+    ctl.register_fields({"x": FieldSpec.dense("int64")})
+    meta = ctl.allocate(rows, "p", groups=np.arange(rows))
+    ctl.commit(meta.indexes, ["x"])
+    return ctl
+
+
+def _take(ctl: Controller, lease_s: float = 10.0) -> list[int]:
+    """The sorted indexes task ``t`` gets now, then the lease id (``[0]``: nothing)."""
+    meta, _ = ctl.poll(
+        task="t", partition="p", fields=["x"], batch_size=8, lease_s=lease_s, short_ok=True
+    )
+    assert meta is not None
+    return [*sorted(meta.indexes.tolist()), meta.lease_id or 0]
+
+
+def test_a_lease_holds_until_its_deadline_and_not_a_moment_longer() -> None:
+    clock = _Clock()
+    ctl = _controller(clock)
+    *rows, lease = _take(ctl, lease_s=10.0)
+    assert rows == list(range(8))
+    clock.now = 109.999
+    ctl.expire()
+    assert _take(ctl) == [0]  # held: nothing for anyone
+    assert ctl.next_deadline() == 110.0
+    clock.now = 110.0
+    ctl.expire()
+    *again, _ = _take(ctl)
+    assert again == rows  # back at the deadline
+    with pytest.raises(LeaseExpiredError, match="handed out again"):
+        ctl.ack(lease)
+
+
+def test_renew_moves_the_deadline_from_now() -> None:
+    clock = _Clock()
+    ctl = _controller(clock)
+    *_, lease = _take(ctl, lease_s=10.0)
+    clock.now = 108.0
+    ctl.renew(lease, 10.0)  # deadline 118, not 110 + 10
+    assert ctl.next_deadline() == 118.0
+    clock.now = 117.0
+    ctl.expire()
+    assert _take(ctl) == [0]
+    ctl.ack(lease)  # accepted: the lease holds
+    clock.now = 1000.0
+    ctl.expire()
+    assert _take(ctl) == [0]  # acknowledged rows never come back
+
+
+def test_an_expired_lease_cannot_be_renewed_or_acked() -> None:
+    clock = _Clock()
+    ctl = _controller(clock)
+    *_, lease = _take(ctl, lease_s=10.0)
+    clock.now = 110.0  # past the deadline, before the timer returned the rows
+    with pytest.raises(LeaseExpiredError, match="lease_s"):
+        ctl.renew(lease, 10.0)
+    with pytest.raises(LeaseExpiredError):
+        ctl.ack(lease)

@@ -43,9 +43,11 @@ def test_a_blocking_call_runs_on_the_caller_when_the_loop_is_on_demand(io: LoopT
 
 def test_calls_from_other_threads_complete_while_one_caller_waits(io: LoopThread) -> None:
     gate = asyncio.Event()
+    waiting = threading.Event()
     got: list[str] = []
 
     async def wait_for_gate() -> str:
+        waiting.set()
         await gate.wait()
         return "opened"
 
@@ -53,11 +55,11 @@ def test_calls_from_other_threads_complete_while_one_caller_waits(io: LoopThread
         gate.set()
         return "set"
 
-    waiter = threading.Thread(target=lambda: got.append(io.run(wait_for_gate(), timeout=10)))
+    waiter = threading.Thread(target=lambda: got.append(io.run(wait_for_gate(), timeout=60)))
     waiter.start()
-    time.sleep(0.2)  # the waiter runs (or waits on) the loop
-    assert io.run(open_gate(), timeout=10) == "set"  # handed to whoever runs the loop
-    waiter.join(10)
+    assert waiting.wait(60)  # the waiter's call runs (on the loop it drives, or the daemon's)
+    assert io.run(open_gate(), timeout=60) == "set"  # handed to whoever runs the loop
+    waiter.join(60)
     assert got == ["opened"]
 
 
@@ -91,20 +93,24 @@ def test_async_callers_on_other_loops_are_served(io: LoopThread) -> None:
 
 def test_close_ends_a_call_that_is_waiting_on_the_loop(io: LoopThread) -> None:
     errors: list[BaseException] = []
+    started = threading.Event()
+
+    async def sleep_an_hour() -> None:
+        started.set()
+        await asyncio.sleep(3600)
 
     def wait_forever() -> None:
         try:
-            io.run(asyncio.sleep(3600))
+            io.run(sleep_an_hour())
         except BaseException as e:  # recorded for the assertion
             errors.append(e)
 
     th = threading.Thread(target=wait_forever)
     th.start()
-    time.sleep(0.2)
-    t0 = time.monotonic()
+    assert started.wait(60)  # the call is waiting on the loop
     io.close()
-    th.join(10)
-    assert not th.is_alive() and time.monotonic() - t0 < 6
+    th.join(60)  # ended by the close, not by the hour's sleep
+    assert not th.is_alive()
     assert len(errors) == 1 and isinstance(errors[0], ClosedError)
     with pytest.raises(ClosedError):
         io.run(_where())
@@ -117,7 +123,7 @@ def test_a_connected_client_calls_without_the_hop_and_shares_across_threads() ->
         got: list[int] = []
 
         def consume() -> None:  # blocks on the loop until rows come
-            meta = client.get_meta("t", ["x"], 6, timeout_s=20)
+            meta = client.get_meta("t", ["x"], 6, timeout_s=60)
             got.extend(client.get_data(meta)["x"].tolist())  # type: ignore[union-attr]
             client.ack(meta)
 
@@ -126,6 +132,6 @@ def test_a_connected_client_calls_without_the_hop_and_shares_across_threads() ->
         time.sleep(0.3)
         for k in range(3):  # from this thread while the consumer waits on the loop
             client.put({"x": torch.tensor([2 * k, 2 * k + 1])})
-        th.join(20)
+        th.join(60)
         assert sorted(got) == list(range(6))
         assert tq.client().stats()["controller"]["rows_live"] == 0

@@ -1,0 +1,117 @@
+"""The stage runner over a real (embedded) TransferQueue: what it writes, the adapter metrics it
+keeps, and adapters that write other fields than they declare."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+import transferqueue
+from adapters import Adapter, StageOutput
+from asyncflow.metrics import Timeline
+from asyncflow.stage import StageError, StageRunner
+from transferqueue import BatchMeta
+from transferqueue.schema import Column
+
+ROWS = 7
+BOUND_S = 60.0  # every wait below ends on an event long before this
+
+
+class _Doubler(Adapter):
+    """Writes ``y = 2 x`` (or what ``writes`` names) and reports two metrics per batch."""
+
+    task = "double"
+    input_fields = ("x",)
+    output_fields = ("y",)
+    batch_size = 3
+
+    def __init__(self, writes: tuple[str, ...] = ("y",)) -> None:
+        self.writes = writes
+        self.batches: list[tuple[int, float]] = []  # (rows, x_mean or NaN) per batch
+
+    async def process(self, meta: BatchMeta, cols: dict[str, Column]) -> StageOutput:
+        x = cols["x"]
+        assert isinstance(x, torch.Tensor)
+        # a short batch has no verdict (NaN): the runner must leave it out of the mean
+        m = float(x.double().mean()) if len(meta) == self.batch_size else math.nan
+        self.batches.append((len(meta), m))
+        return StageOutput(
+            columns={name: x * 2 for name in self.writes},
+            metrics={"x_mean": m, "one": 1.0},
+        )
+
+
+@pytest.fixture
+def tq() -> Iterator[transferqueue.TransferQueue]:
+    with transferqueue.start(num_units=2) as handle:
+        client = handle.client()
+        client.declare_tasks(["double", "check", "check_z"], partition="p")
+        client.put({"x": torch.arange(ROWS)}, group=np.arange(ROWS), partition="p")
+        client.finish("p")
+        yield handle
+
+
+def _run(tq: transferqueue.TransferQueue, adapter: Adapter) -> StageRunner:
+    runner = StageRunner("double", adapter, tq.async_client(), Timeline(), partition="p")
+
+    async def go() -> None:
+        await asyncio.wait_for(runner.run(), BOUND_S)
+
+    asyncio.run(go())
+    return runner
+
+
+def test_runner_writes_the_output_and_keeps_row_weighted_adapter_metrics(
+    tq: transferqueue.TransferQueue,
+) -> None:
+    adapter = _Doubler()
+    runner = _run(tq, adapter)
+    assert sum(n for n, _ in adapter.batches) == ROWS and runner.samples == ROWS
+    valid = [(n, m) for n, m in adapter.batches if not math.isnan(m)]
+    assert valid and len(valid) < len(adapter.batches)  # a short batch (NaN) was left out
+    want = sum(n * m for n, m in valid) / sum(n for n, _ in valid)
+    assert runner.drain_metrics() == {"x_mean": pytest.approx(want), "one": 1.0}
+    assert runner.drain_metrics() == {}  # drained: the next record starts afresh
+    client = tq.client()
+    meta = client.get_meta("check", ["x", "y"], ROWS, partition="p", timeout_s=BOUND_S)
+    cols = client.get_data(meta)
+    assert len(meta) == ROWS and torch.equal(cols["y"], cols["x"] * 2)  # type: ignore[operator]
+
+
+@pytest.mark.parametrize(
+    ("writes", "message"),
+    [
+        (("y", "z"), r"declares output_fields \['y'\] but wrote \['y', 'z'\] .*undeclared \['z'\]"),
+        ((), None),  # nothing written: a plain ack, allowed
+    ],
+    ids=["undeclared", "ack-only"],
+)
+def test_an_adapter_writing_undeclared_fields_fails_its_stage(
+    tq: transferqueue.TransferQueue, writes: tuple[str, ...], message: str | None
+) -> None:
+    adapter = _Doubler(writes)
+    if message is None:
+        _run(tq, adapter)
+        return
+    with pytest.raises(StageError, match=message):
+        _run(tq, adapter)
+    # the batch was refused before its put: nothing of it reached TransferQueue
+    client = tq.client()
+    for task, field in (("check", "y"), ("check_z", "z")):
+        meta = client.get_meta(task, [field], ROWS, partition="p", timeout_s=0)
+        assert len(meta) == 0, field
+
+
+def test_an_adapter_missing_a_declared_field_fails_its_stage_instead_of_starving_the_next(
+    tq: transferqueue.TransferQueue,
+) -> None:
+    class _Declares(_Doubler):
+        output_fields = ("y", "z")  # a later stage waits for z: it would never come
+
+    with pytest.raises(StageError, match=r"wrote \['y'\] \(missing \['z'\], undeclared \[\]\)"):
+        _run(tq, _Declares())
