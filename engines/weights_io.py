@@ -34,7 +34,10 @@ import torch
 __all__ = [
     "PackedState",
     "StatePlan",
+    "TensorSpec",
     "checkpoint_shapes",
+    "checkpoint_specs",
+    "mismatches",
     "pack_state",
     "plan_state",
     "unpack_buffer",
@@ -225,8 +228,20 @@ def _numel(shape: Sequence[int]) -> int:
     return numel
 
 
-def checkpoint_shapes(folder: str | os.PathLike[str]) -> dict[str, tuple[int, ...]] | None:
-    """Tensor name -> shape of a safetensors checkpoint folder, from the headers only.
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and safetensors dtype (``"F32"``, ``"BF16"``, ``"I64"``...) of a checkpoint tensor."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def floating(self) -> bool:
+        return self.dtype.startswith(("F", "BF"))  # F16, F32, F64, BF16, F8_*
+
+
+def checkpoint_specs(folder: str | os.PathLike[str]) -> dict[str, TensorSpec] | None:
+    """Tensor name -> :class:`TensorSpec` of a safetensors checkpoint folder, from the headers.
 
     Returns None when ``folder`` is not a local folder of ``*.safetensors`` files (a hub name,
     or another format): then there is nothing to check an update against.
@@ -237,9 +252,74 @@ def checkpoint_shapes(folder: str | os.PathLike[str]) -> dict[str, tuple[int, ..
         return None
     from safetensors import safe_open
 
-    shapes: dict[str, tuple[int, ...]] = {}
+    specs: dict[str, TensorSpec] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                shapes[name] = tuple(int(d) for d in handle.get_slice(name).get_shape())
-    return shapes
+                piece = handle.get_slice(name)
+                shape = tuple(int(d) for d in piece.get_shape())
+                specs[name] = TensorSpec(shape=shape, dtype=str(piece.get_dtype()))
+    return specs
+
+
+def checkpoint_shapes(folder: str | os.PathLike[str]) -> dict[str, tuple[int, ...]] | None:
+    """Tensor name -> shape of a safetensors checkpoint folder (see :func:`checkpoint_specs`)."""
+    specs = checkpoint_specs(folder)
+    return None if specs is None else {name: spec.shape for name, spec in specs.items()}
+
+
+def mismatches(
+    expected: Mapping[str, TensorSpec],
+    entries: Sequence[tuple[str, Sequence[int], torch.dtype]],
+    *,
+    aliases: Mapping[str, str] | None = None,
+) -> str | None:
+    """What keeps ``entries`` (``(name, shape, dtype)``) from replacing the checkpoint
+    ``expected`` tensor for tensor, or None when they can.
+
+    They can when every checkpoint tensor is present once under its name, every name is a
+    checkpoint name (or an ``aliases`` key: a name that takes the spec of another, such as a
+    tied ``lm_head.weight`` -> ``model.embed_tokens.weight``), shapes are equal, and floating
+    tensors replace floating ones (any float dtype: loaders cast) and others keep their dtype.
+    Called before loading anything, by the engine on the state and by the vLLM workers on the
+    packed layout, so that a bad update is refused while the old weights are intact.
+    """
+    aliases = aliases or {}
+    problems: list[str] = []
+    unknown: list[str] = []
+    seen: set[str] = set()
+    for name, shape, dtype in entries:
+        spec = expected.get(name) or expected.get(aliases.get(name, ""))
+        if spec is None:
+            unknown.append(name)
+            continue
+        seen.add(name)
+        got = tuple(int(d) for d in shape)
+        if got != spec.shape:
+            problems.append(f"{name!r} has shape {got}, the served model has {spec.shape}")
+        elif dtype.is_floating_point != spec.floating or (
+            not spec.floating and _dtype_name(dtype) != _SAFETENSORS_INTS.get(spec.dtype)
+        ):
+            problems.append(f"{name!r} has dtype {dtype}, the served model has {spec.dtype}")
+    missing = sorted(set(expected) - seen)
+    if unknown or missing:
+        problems.append(
+            f"unknown: {_few(unknown)} ({len(unknown)}), missing: {_few(missing)} "
+            f"({len(missing)}); send every tensor of the served checkpoint under its "
+            "transformers name (a full model.state_dict())"
+        )
+    return "; ".join(problems[:4]) + (" ..." if len(problems) > 4 else "") if problems else None
+
+
+_SAFETENSORS_INTS = {
+    "I8": "int8",
+    "I16": "int16",
+    "I32": "int32",
+    "I64": "int64",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+
+
+def _few(names: Sequence[str]) -> str:
+    return f"{list(names[:3])}{'...' if len(names) > 3 else ''}"

@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from engines.protocols import Generation, GenerationEngine, SamplingParams
 from engines.vllm_engine import (
     EngineClosedError,
+    StateMismatchError,
     VLLMEngineConfig,
     VLLMGenerationEngine,
     WeightUpdateError,
@@ -229,10 +230,13 @@ def test_mismatched_state_is_rejected_before_pausing(engine, runner, prompts, hf
     version = engine.version
     state = dict(hf_model.state_dict())
     bad_shape = {**state, "model.layers.0.mlp.up_proj.weight": torch.zeros(3, 3)}
-    with pytest.raises(WeightUpdateError, match=r"up_proj.weight.*shape \(3, 3\)"):
+    with pytest.raises(StateMismatchError, match=r"up_proj.weight.*shape \(3, 3\)"):
         runner.run(engine.update_weights(bad_shape, version=99))
     with pytest.raises(WeightUpdateError, match=r"unknown: \['bogus.weight'\]"):
         runner.run(engine.update_weights({**state, "bogus.weight": torch.zeros(1)}, version=99))
+    ints = {**state, "model.norm.weight": torch.ones(128, dtype=torch.int64)}
+    with pytest.raises(StateMismatchError, match=r"norm.weight.*dtype torch.int64.*F32"):
+        runner.run(engine.update_weights(ints, version=99))
     del state["model.norm.weight"]
     with pytest.raises(WeightUpdateError, match=r"missing: \['model.norm.weight'\]"):
         runner.run(engine.update_weights(state, version=99))
@@ -242,6 +246,46 @@ def test_mismatched_state_is_rejected_before_pausing(engine, runner, prompts, hf
     ref = reference_logprobs(hf_model, prompts, [g.token_ids for g in gens], TEMPERATURE)
     assert {g.version for g in gens} == {version}
     assert mean_abs_diff(ref, gens) < TOLERANCE
+
+
+def worker_statuses(runner: asyncio.Runner, engine: VLLMGenerationEngine) -> list[dict]:
+    """Each vLLM worker's account of the last weight update (its asyncflow_shm backend)."""
+    llm = engine._resources.llm
+    return runner.run(llm.collective_rpc("asyncflow_weight_update_status"))
+
+
+def test_workers_refuse_a_bad_layout_and_keep_serving_the_old_weights(
+    engine, runner, prompts, hf_model, monkeypatch
+) -> None:
+    """The workers' own check: with the engine's check off (as for a model served from a hub
+    name), a wrong shape reaches vLLM's weight-transfer engine after start_weight_update has
+    put every layer on the meta device. The worker refuses it before loading a tensor and
+    undoes the armed reload: the next forward pass runs (a meta tensor would kill the engine)
+    on the old weights, and the engine's version is unchanged."""
+    version = engine.version
+    runner.run(engine.update_weights(hf_model.state_dict(), version=version + 1))
+    version += 1
+    assert worker_statuses(runner, engine) == [{"state": "loaded", "error": None}]
+    monkeypatch.setattr(engine, "_checkpoint", None)
+    bad = {**hf_model.state_dict(), "model.layers.1.mlp.down_proj.weight": torch.zeros(4, 4)}
+    with pytest.raises(StateMismatchError, match=r"refused.*down_proj.weight.*shape \(4, 4\)"):
+        runner.run(engine.update_weights(bad, version=version + 1))
+    (status,) = worker_statuses(runner, engine)
+    assert status["state"] == "refused" and "down_proj" in status["error"]
+    assert engine.version == version and engine._broken is None
+    gens = sample(runner, engine, prompts, seed=5, max_new_tokens=24)
+    assert {g.version for g in gens} == {version}
+    ref = reference_logprobs(hf_model, prompts, [g.token_ids for g in gens], TEMPERATURE)
+    assert mean_abs_diff(ref, gens) < TOLERANCE
+    # The engine takes the next good update as usual.
+    new_model = perturbed(hf_model, seed=version)
+    runner.run(engine.update_weights(new_model.state_dict(), version=version + 1))
+    gens = sample(runner, engine, prompts, seed=6, max_new_tokens=24)
+    ref = reference_logprobs(new_model, prompts, [g.token_ids for g in gens], TEMPERATURE)
+    assert {g.version for g in gens} == {version + 1}
+    assert mean_abs_diff(ref, gens) < TOLERANCE
+    monkeypatch.undo()
+    runner.run(engine.update_weights(hf_model.state_dict(), version=version + 2))
 
 
 def test_close_is_idempotent_and_stops_processes(engine, runner, prompts) -> None:

@@ -12,7 +12,14 @@ import torch
 
 from engines import vllm_engine
 from engines.vllm_engine import VLLMEngineConfig, VLLMGenerationEngine, VLLMUnavailableError
-from engines.weights_io import checkpoint_shapes, pack_state, unpack_state
+from engines.weights_io import (
+    TensorSpec,
+    checkpoint_shapes,
+    checkpoint_specs,
+    mismatches,
+    pack_state,
+    unpack_state,
+)
 
 
 @pytest.mark.parametrize(
@@ -23,6 +30,8 @@ from engines.weights_io import checkpoint_shapes, pack_state, unpack_state
         ("kv_cache_gib", 0.0),
         ("gpu_memory_utilization", 1.5),
         ("update_mode", "keep"),
+        ("update_timeout_s", 0.0),
+        ("engine_kwargs", {"weight_transfer_config": {"backend": "nccl"}}),
     ],
 )
 def test_config_rejects_bad_values(field: str, value: object) -> None:
@@ -34,7 +43,8 @@ def test_engine_args() -> None:
     config = VLLMEngineConfig(model="m", kv_cache_gib=0.5, engine_kwargs={"max_num_seqs": 8})
     cpu = config.engine_args(cpu=True)
     assert cpu["logprobs_mode"] == "processed_logprobs"
-    assert cpu["worker_extension_cls"] == "engines.vllm_engine.VLLMWorkerExtension"
+    assert cpu["worker_extension_cls"] == "engines.vllm_worker.VLLMWorkerExtension"
+    assert cpu["weight_transfer_config"] == {"backend": "asyncflow_shm"}
     assert cpu["kv_cache_memory_bytes"] == 1 << 29
     assert cpu["max_num_seqs"] == 8  # engine_kwargs win
     assert cpu["enable_chunked_prefill"] is False  # seeded requests crash chunked CPU prefill
@@ -56,7 +66,10 @@ def test_missing_vllm_is_a_typed_error(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_importing_the_module_does_not_import_vllm() -> None:
     code = "import sys, engines.vllm_engine; assert 'vllm' not in sys.modules, 'imported vllm'"
     subprocess.run([sys.executable, "-c", code], check=True)
-    assert vllm_engine.VLLMWorkerExtension.__module__ == "engines.vllm_engine"
+    module, _, name = vllm_engine.WORKER_EXTENSION.rpartition(".")
+    spec = importlib.util.find_spec(module)  # resolved by name in vLLM's workers
+    assert spec is not None and spec.origin is not None
+    assert f"class {name}:" in Path(spec.origin).read_text()
 
 
 def test_weights_file_round_trips_awkward_tensors() -> None:
@@ -114,3 +127,25 @@ def test_checkpoint_shapes(tmp_path: Path) -> None:
     assert checkpoint_shapes(tmp_path) == {"a.weight": (3, 4), "b": (2,)}
     assert checkpoint_shapes(tmp_path / "missing") is None
     assert checkpoint_shapes("org/hub-name") is None
+
+
+def test_mismatches_name_every_kind_of_problem(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    ckpt = {"embed": torch.zeros(5, 4), "norm": torch.zeros(4, dtype=torch.bfloat16)}
+    save_file({**ckpt, "ids": torch.zeros(3, dtype=torch.int64)}, str(tmp_path / "m.safetensors"))
+    specs = checkpoint_specs(tmp_path)
+    assert specs is not None
+    assert specs["norm"] == TensorSpec(shape=(4,), dtype="BF16") and specs["norm"].floating
+    assert not specs["ids"].floating
+    f32, i64 = torch.float32, torch.int64
+    good = [("embed", (5, 4), f32), ("norm", (4,), f32), ("ids", (3,), i64)]  # casts allowed
+    assert mismatches(specs, good) is None
+    shape = mismatches(specs, [("embed", (4, 5), f32), *good[1:]])
+    assert shape is not None and "'embed' has shape (4, 5), the served model has (5, 4)" in shape
+    ints = mismatches(specs, [*good[:2], ("ids", (3,), torch.int32)])
+    assert ints is not None and "'ids' has dtype torch.int32, the served model has I64" in ints
+    floats = mismatches(specs, [*good[:2], ("ids", (3,), f32)])
+    assert floats is not None and "'ids' has dtype torch.float32" in floats
+    names = mismatches(specs, [*good[1:], ("bogus", (1,), f32)])
+    assert names is not None and "unknown: ['bogus'] (1), missing: ['embed'] (1)" in names
