@@ -20,13 +20,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
+from collections.abc import AsyncGenerator, Coroutine, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from transferqueue.errors import SchemaError, UnknownFieldError
+from transferqueue import messages as m
+from transferqueue.errors import BadRequestError, SchemaError, UnknownFieldError
 from transferqueue.links import ControllerLink, Staged, UnitLink
 from transferqueue.loop import LoopThread
 from transferqueue.memcpy import copy_rows, gather_rows, scatter_rows
@@ -79,13 +80,22 @@ def _by_unit(units: np.ndarray) -> dict[int, np.ndarray]:
 class AsyncClient:
     """Async TransferQueue client. Get one from ``tq.async_client()``."""
 
-    def __init__(self, io: LoopThread, controller: ControllerLink, units: Sequence[UnitLink]):
+    def __init__(
+        self,
+        io: LoopThread,
+        controller: ControllerLink,
+        units: Sequence[UnitLink],
+        owner: object = None,
+    ):
+        # The handle this client came from: held, so that the handle (and its connections)
+        # lives as long as any of its clients (``connect(address).client()`` works).
+        self._owner = owner
         self._io = io
         self._ctl = controller
         self._units = {u.unit_id: u for u in units}
         self._schema: dict[str, FieldSpec] = {}
         # Names this client's puts to the controller, which keeps a producer's small puts on
-        # one unit for a while (Controller._place).
+        # one unit for a while (Placement.place).
         self._producer = secrets.token_hex(8)
         self._last_unit: int | None = None  # the unit the last put's rows all went to
         self._whole_bytes = 0  # the largest put the controller placed on one unit
@@ -136,34 +146,42 @@ class AsyncClient:
         if specs:
             known.update(specs)
         cols, col_specs, n = normalize_columns(data, known)
+        timeout_s = _timeout(timeout_s)
         await self._register(col_specs)
         versions = _header(version, n, "version")
         lengths = _header(length, n, "length")
         if meta is None:
             nbytes = _payload_nbytes(cols)
-            allocating = self._ctl.allocate(
-                n,
-                partition,
-                groups=_header(group, n, "group"),
-                versions=versions,
-                lengths=lengths,
-                timeout_s=timeout_s,
-                nbytes=nbytes,
-                producer=self._producer,
+            allocating = self._ctl.call(
+                m.Allocate(
+                    n=n,
+                    partition=partition,
+                    groups=_header(group, n, "group"),
+                    versions=versions,
+                    lengths=lengths,
+                    nbytes=nbytes,
+                    producer=self._producer,
+                    timeout_s=timeout_s,
+                )
             )
             new, staged = await self._allocate_staging(allocating, cols, nbytes)
+            grants = new.grants or {}
             try:
                 if staged is not None:
-                    await staged[0].write_staged(new.indexes, staged[1], col_specs, create=True)
+                    link, token = staged
+                    await link.write_staged(
+                        new.indexes, token, col_specs, create=True, grant=grants.get(link.unit_id)
+                    )
                 else:
                     await self._write_units(new, cols, col_specs, create=True)
-                await self._ctl.commit(new.indexes, list(cols))
+                await self._ctl.call(m.Commit(indexes=new.indexes, fields=list(cols)))
             except BaseException:
                 # Nothing of the put may stay half-written: free what units hold, undo rows.
                 await asyncio.gather(
-                    *(u.free(new.indexes) for u in self._units.values()), return_exceptions=True
+                    *(u.free(new.indexes, grants.get(u.unit_id)) for u in self._units.values()),
+                    return_exceptions=True,
                 )
-                await self._ctl.discard(new.indexes)
+                await self._ctl.call(m.Discard(indexes=new.indexes))
                 raise
             new.fields = tuple(cols)
             return new
@@ -171,14 +189,16 @@ class AsyncClient:
             raise SchemaError(f"put with meta: the columns have {n} rows, meta has {len(meta)}")
         lease = meta.lease_id if meta.lease_id is not None and not meta.acked else None
         if lease is not None:
-            await self._ctl.renew(lease, lease_s, meta.indexes)
+            await self._ctl.call(m.Renew(lease_id=lease, lease_s=lease_s, indexes=meta.indexes))
         await self._write_units(meta, cols, col_specs, create=False)
-        await self._ctl.commit(
-            meta.indexes,
-            list(cols),
-            versions=versions,
-            lengths=lengths,
-            lease_id=lease if ack else None,
+        await self._ctl.call(
+            m.Commit(
+                indexes=meta.indexes,
+                fields=list(cols),
+                versions=versions,
+                lengths=lengths,
+                lease_id=lease if ack else None,
+            )
         )
         if lease is not None and ack:
             meta.acked = True
@@ -215,7 +235,7 @@ class AsyncClient:
                 link.unstage(staged)
             if pending.done() and not pending.cancelled() and pending.exception() is None:
                 with contextlib.suppress(Exception):  # rows allocated for nothing: undo them
-                    await self._ctl.discard(pending.result().indexes)
+                    await self._ctl.call(m.Discard(indexes=pending.result().indexes))
             pending.cancel()
             raise
         self._placed(new, nbytes)
@@ -238,7 +258,8 @@ class AsyncClient:
     async def _register(self, specs: Mapping[str, FieldSpec]) -> None:
         new = {k: v for k, v in specs.items() if self._schema.get(k) != v}
         if new:
-            self._schema.update(await self._ctl.register_fields(new))
+            registered: dict[str, FieldSpec] = await self._ctl.call(m.RegisterFields(specs=new))
+            self._schema.update(registered)
 
     async def _write_units(
         self,
@@ -249,9 +270,13 @@ class AsyncClient:
         create: bool,
     ) -> None:
         jobs = []
+        grants = meta.grants or {}
         for u, pos in _by_unit(meta.units).items():
             part = {name: take_rows(col, pos) for name, col in cols.items()}
-            jobs.append(self._unit(u).write(meta.indexes[pos], part, specs, create=create))
+            write = self._unit(u).write(
+                meta.indexes[pos], part, specs, create=create, grant=grants.get(u)
+            )
+            jobs.append(write)
         await asyncio.gather(*jobs)
 
     def _unit(self, unit_id: int) -> UnitLink:
@@ -286,20 +311,19 @@ class AsyncClient:
         with ``order="group"``). Sampler options (``group_size=``, ``dp_size=``, ``order=``) go
         as keywords.
         """
-        return await self._io.run_async(
-            self._ctl.get_meta(
-                task=task,
-                partition=partition,
-                fields=None if fields is None else list(fields),
-                batch_size=batch_size,
-                timeout_s=timeout_s,
-                lease_s=lease_s,
-                sampler=sampler,
-                sampler_options=sampler_options,
-                min_version=min_version,
-                max_group=max_group,
-            )
+        msg = m.GetMeta(
+            task=task,
+            partition=partition,
+            fields=None if fields is None else list(fields),
+            batch_size=batch_size,
+            lease_s=lease_s,
+            sampler=sampler,
+            sampler_options=sampler_options,
+            min_version=min_version,
+            max_group=max_group,
+            timeout_s=_timeout(timeout_s),
         )
+        return await self._io.run_async(self._ctl.call(msg))
 
     async def get_data(
         self, meta: BatchMeta, fields: Sequence[str] | None = None
@@ -314,7 +338,8 @@ class AsyncClient:
             raise ValueError("get_data needs fields: the meta names none; pass fields=[...]")
         missing = [f for f in names if f not in self._schema]
         if missing:
-            self._schema.update(await self._ctl.get_specs())
+            known: dict[str, FieldSpec] = await self._ctl.call(m.GetSpecs())
+            self._schema.update(known)
             missing = [f for f in names if f not in self._schema]
             if missing:
                 raise UnknownFieldError(
@@ -380,14 +405,17 @@ class AsyncClient:
             raise ValueError("this BatchMeta holds no lease (it came from put, or was empty)")
         if meta.acked:
             return
-        await self._io.run_async(self._ctl.ack(meta.lease_id, meta.indexes))
+        await self._io.run_async(
+            self._ctl.call(m.Ack(lease_id=meta.lease_id, indexes=meta.indexes))
+        )
         meta.acked = True
 
     async def release(self, meta: BatchMeta) -> None:
         """Give the batch's rows back to its task unconsumed (e.g. a consumer shutting down)."""
         if meta.lease_id is None or meta.acked:
             return
-        await self._io.run_async(self._ctl.release(meta.lease_id, meta.indexes))
+        msg = m.Release(lease_id=meta.lease_id, indexes=meta.indexes)
+        await self._io.run_async(self._ctl.call(msg))
         meta.acked = True
 
     async def stream(
@@ -401,7 +429,7 @@ class AsyncClient:
         lease_s: float = 60.0,
         sampler: str = "fifo",
         **sampler_options: Any,
-    ) -> AsyncIterator[tuple[BatchMeta, dict[str, Column]]]:
+    ) -> AsyncGenerator[tuple[BatchMeta, dict[str, Column]], None]:
         """Yield (meta, columns) until the task's stream ends; each batch is acknowledged when
         the loop body finishes it (unless the body acked it itself, e.g. by ``put(meta=)``).
         A body that raises leaves its lease open: the rows are redelivered after ``lease_s``.
@@ -429,29 +457,43 @@ class AsyncClient:
     # -- administration ----------------------------------------------------------------------
     async def declare_tasks(self, tasks: Sequence[str], *, partition: str = "default") -> None:
         """Name every consumer task of the partition; rows are freed once all have acked."""
-        await self._io.run_async(self._ctl.declare_tasks(partition, list(tasks)))
+        msg = m.DeclareTasks(partition=partition, tasks=list(tasks))
+        await self._io.run_async(self._ctl.call(msg))
 
     async def finish(self, partition: str = "default") -> None:
         """No more rows will be put into the partition; consumers end once drained."""
-        await self._io.run_async(self._ctl.finish(partition))
+        await self._io.run_async(self._ctl.call(m.Finish(partition=partition)))
 
     async def clear(self, partition: str | None = None) -> None:
         """Drop every row of the partition (all partitions if None)."""
-        await self._io.run_async(self._ctl.clear(partition))
+        await self._io.run_async(self._ctl.call(m.Clear(partition=partition)))
 
     async def stats(self) -> dict[str, Any]:
         """Controller state (rows, tasks, leases) and every unit's storage."""
         return await self._io.run_async(self._stats())
 
     async def _stats(self) -> dict[str, Any]:
-        ctl = await self._ctl.stats()
+        ctl = await self._ctl.call(m.Stats())
         units = await asyncio.gather(*(u.stats() for u in self._units.values()))
         return {"controller": ctl, "units": list(units)}
 
 
-def _header(value: Any, n: int, name: str) -> np.ndarray | int | None:
-    if value is None or isinstance(value, int | np.integer):
-        return None if value is None else int(value)
+def _timeout(timeout_s: float | None) -> float | None:
+    """A wait bound: None or infinity (no bound), else finite seconds >= 0."""
+    if timeout_s is None or timeout_s == float("inf"):
+        return None
+    if not isinstance(timeout_s, int | float) or not 0 <= timeout_s < float("inf"):
+        raise BadRequestError(f"timeout_s must be seconds >= 0 or None, got {timeout_s!r}")
+    return float(timeout_s)
+
+
+def _header(value: Any, n: int, name: str) -> np.ndarray | None:
+    if value is None:
+        return None
+    if isinstance(value, int | np.integer):
+        if not -(2**63) <= int(value) < 2**63:
+            raise SchemaError(f"{name}={value} does not fit int64")
+        return np.asarray(int(value), dtype=np.int64)  # (0-d: one value for every row)
     arr = value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
     if arr.shape != (n,):
         raise SchemaError(f"{name}= has shape {arr.shape}; give one int, or one per row ({n},)")

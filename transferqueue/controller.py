@@ -26,7 +26,9 @@ from typing import Any
 import numpy as np
 
 from transferqueue.errors import (
+    BadRequestError,
     CapacityError,
+    FinishedError,
     SchemaError,
     UnknownFieldError,
     UnknownLeaseError,
@@ -34,6 +36,7 @@ from transferqueue.errors import (
     UnknownTaskError,
 )
 from transferqueue.leases import Lease, LeaseTable
+from transferqueue.limits import MAX_FIELDS, MAX_LEASE_S, MAX_ROWS, MAX_TASKS
 from transferqueue.meta import BatchMeta
 from transferqueue.placement import SPREAD_BYTES, Placement
 from transferqueue.samplers import get_sampler
@@ -64,6 +67,7 @@ class Controller:
         capacity_rows: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         spread_bytes: int = SPREAD_BYTES,
+        max_lease_s: float = MAX_LEASE_S,
     ) -> None:
         if num_units < 1:
             raise ValueError(f"num_units must be >= 1, got {num_units}")
@@ -73,7 +77,7 @@ class Controller:
         self.spread_bytes = spread_bytes
         self.capacity_rows = capacity_rows
         self.clock = clock
-        self.leases = LeaseTable(clock)
+        self.leases = LeaseTable(clock, max_lease_s)
         self._map = SlotMap()
         self._alloc = ExtentAllocator(0)
         self._h: dict[str, np.ndarray] = {
@@ -94,6 +98,8 @@ class Controller:
 
     def register_fields(self, specs: Mapping[str, FieldSpec]) -> dict[str, FieldSpec]:
         """Register new fields; a spec that disagrees with a registered one is an error."""
+        if len(set(self._ready) | set(specs)) > MAX_FIELDS:
+            raise CapacityError(f"this controller keeps at most {MAX_FIELDS} fields")
         for name, spec in specs.items():
             known = self._specs.get(name)
             if known is not None and known != spec:
@@ -109,6 +115,8 @@ class Controller:
     def _ready_of(self, name: str) -> np.ndarray:
         arr = self._ready.get(name)
         if arr is None:
+            if len(self._ready) >= MAX_FIELDS:  # (a bitmap per field name: bounded)
+                raise CapacityError(f"this controller keeps at most {MAX_FIELDS} fields")
             arr = self._ready[name] = np.zeros(self._alloc.capacity, dtype=bool)
         return arr
 
@@ -163,16 +171,11 @@ class Controller:
 
         ``nbytes`` (the payload's size, if the writer knows it) decides over how many units
         the rows spread; ``producer`` (a name the writer keeps for all its puts) lets its
-        small puts stay on one unit for a while."""
-        if n < 0:
-            raise ValueError(f"cannot allocate {n} rows")
+        small puts stay on one unit for a while. Everything is checked before any state
+        changes, so a failed allocate leaves the controller as it was."""
+        self.check_allocate(n, partition)
         if producer is not None and not isinstance(producer, str):
             raise TypeError(f"producer must be a string naming the writer, got {producer!r}")
-        if self.capacity_rows is not None and n > self.capacity_rows:
-            raise CapacityError(
-                f"a put of {n} rows exceeds capacity_rows={self.capacity_rows}; "
-                "split the put or raise capacity_rows"
-            )
         if not self.can_allocate(n):
             raise CapacityError(
                 f"TransferQueue holds {self._rows_live} rows; {n} more exceed "
@@ -183,12 +186,11 @@ class Controller:
         v = header_column("version", versions, n, default=-1)
         ln = header_column("length", lengths, n, default=-1)
         part = self.partition(partition)
-        slots = self._alloc.allocate(n)
-        if slots is None:
+        if self._alloc.free_count < n:
             cap = self._alloc.capacity
             self._grow(cap + max(n - self._alloc.free_count, cap // 2, 1024))
-            slots = self._alloc.allocate(n)
-            assert slots is not None
+        slots = self._alloc.allocate(n)
+        assert slots is not None
         indexes = np.arange(self._next_index, self._next_index + n, dtype=np.int64)
         self._next_index += n
         g = indexes.copy() if g_given is None else g_given
@@ -213,17 +215,40 @@ class Controller:
         self._rows_live += n
         return BatchMeta(indexes, units, g, v, ln, partition=part.name)
 
+    def check_allocate(self, n: int, partition: str) -> None:
+        """Raise the errors no wait for capacity can cure: a bad row count, a put larger than
+        capacity, a finished partition."""
+        if not isinstance(n, int) or not 0 <= n <= MAX_ROWS:
+            raise BadRequestError(f"a put allocates 0..{MAX_ROWS} rows, got n={n!r}; split it")
+        if self.capacity_rows is not None and n > self.capacity_rows:
+            raise CapacityError(
+                f"a put of {n} rows exceeds capacity_rows={self.capacity_rows}; "
+                "split the put or raise capacity_rows"
+            )
+        part = self._partitions.get(partition)
+        if part is not None and part.finished:
+            raise FinishedError(
+                f"partition {partition!r} is finished: its consumers may have ended and would "
+                "never see new rows; put into another partition, or clear this one first"
+            )
+
     def _grow(self, capacity: int) -> None:
-        old = self._alloc.capacity
+        """Every per-slot array grown to ``capacity``: all built first, then swapped in, so a
+        MemoryError half way leaves every array (and the allocator) as it was."""
+        extra = capacity - self._alloc.capacity
+        header = {
+            k: np.concatenate([self._h[k], np.full(extra, fill, dtype=dt)])
+            for k, (dt, fill) in HEADER.items()
+        }
+        ready = {
+            n: np.concatenate([a, np.zeros(extra, dtype=bool)]) for n, a in self._ready.items()
+        }
+        tasks = [t for p in self._partitions.values() for t in p.tasks.values()]
+        grown = [t.grown(capacity) for t in tasks]
+        self._h, self._ready = header, ready
+        for task, arrays in zip(tasks, grown, strict=True):
+            task.state, task.lease = arrays
         self._alloc.grow(capacity)
-        extra = capacity - old
-        for k, (dt, fill) in HEADER.items():
-            self._h[k] = np.concatenate([self._h[k], np.full(extra, fill, dtype=dt)])
-        for name, arr in self._ready.items():
-            self._ready[name] = np.concatenate([arr, np.zeros(extra, dtype=bool)])
-        for part in self._partitions.values():
-            for task in part.tasks.values():
-                task.grow(capacity)
 
     def commit(
         self,
@@ -233,6 +258,7 @@ class Controller:
         versions: np.ndarray | int | None = None,
         lengths: np.ndarray | int | None = None,
         lease_id: int | None = None,
+        owner: str | None = None,
     ) -> Changes:
         """Fields of these rows are stored: update headers, mark ready, enqueue, ack a lease.
 
@@ -248,7 +274,7 @@ class Controller:
         n = indexes.size
         v = None if versions is None else header_column("version", versions, n, default=-1)
         ln = None if lengths is None else header_column("length", lengths, n, default=-1)
-        lease = self._held(lease_id, indexes, slots) if lease_id is not None else None
+        lease = self._held(lease_id, indexes, slots, owner) if lease_id is not None else None
         if v is not None:
             self._h["version"][slots] = v
         if ln is not None:
@@ -325,6 +351,8 @@ class Controller:
                 f"{part.declared}); add it to declare_tasks so its rows are not freed under it"
             )
         task = part.tasks.get(name)
+        if task is None and sum(len(p.tasks) for p in self._partitions.values()) >= MAX_TASKS:
+            raise CapacityError(f"this controller keeps at most {MAX_TASKS} tasks")
         if task is not None:
             if fields is not None and tuple(fields) != task.fields:
                 raise ValueError(
@@ -367,9 +395,12 @@ class Controller:
         min_version: int | None = None,
         max_group: int | None = None,
         short_ok: bool = False,
+        owner: str | None = None,
     ) -> tuple[BatchMeta | None, Changes]:
         """Hand out a batch if one is due: full, end of stream, or (``short_ok``) whatever is
-        queued. Returns (None, changes) when the caller should wait."""
+        queued. Returns (None, changes) when the caller should wait. The lease is ``owner``'s
+        (the client's key). A wait that can never end is an error (see :meth:`_never`)."""
+        self.leases.check_lease_s(lease_s)
         part = self.partition(partition)
         t = self._task(part, task, fields, sampler, sampler_options or {})
         t.sampler.check_batch_size(batch_size)
@@ -389,6 +420,8 @@ class Controller:
         queued = avail if max_group is None else t.sampler.available()
         drained = part.finished and t.done + t.leased + queued == part.rows_put
         if not (full or short_ok or (drained and (avail > 0 or t.leased == 0))):
+            if part.finished and avail == 0 and t.leased == 0:
+                self._never(part, t)
             return None, changes
         sel = t.sampler.sample(batch_size, max_group)
         slots = self._slots(sel.indexes)
@@ -400,7 +433,7 @@ class Controller:
             reason = "drain" if drained else "timeout"
         lease_id = None
         if sel.indexes.size:
-            lease = self.leases.open(t.key, sel.indexes, lease_s)
+            lease = self.leases.open(t.key, sel.indexes, lease_s, owner)
             lease_id = lease.lease_id
             t.state[slots] = LEASED
             t.lease[slots] = lease_id
@@ -422,9 +455,33 @@ class Controller:
         )
         return meta, changes
 
+    def _never(self, part: PartitionState, task: TaskState) -> None:
+        """Raise when ``task`` waits for fields nobody ever wrote while nothing in its finished
+        partition is still being processed (a misspelt field: no row will ever get them).
+        Another task with rows left, or a declared task not started yet, may write them."""
+        missing = [f for f in task.fields if f not in self._specs]
+        if not missing or task.done == part.rows_put:
+            return
+        if part.declared is not None and set(part.declared) - set(part.tasks):
+            return  # a declared task has not started yet
+        for other in part.tasks.values():
+            if other is not task and other.done < part.rows_put:
+                return
+        raise UnknownFieldError(
+            f"task {task.key[1]!r} waits for fields {missing} of partition {part.name!r}, "
+            "which no producer has written; the partition is finished and no other task has "
+            f"rows left, so they will never come. Known fields: {sorted(self._specs)}"
+        )
+
     # -- leases ------------------------------------------------------------------------------
-    def _held(self, lease_id: int, indexes: np.ndarray | None, slots: np.ndarray | None) -> Lease:
-        lease = self.leases.get(lease_id)
+    def _held(
+        self,
+        lease_id: int,
+        indexes: np.ndarray | None,
+        slots: np.ndarray | None,
+        owner: str | None = None,
+    ) -> Lease:
+        lease = self.leases.get(lease_id, owner)
         if indexes is not None and slots is not None:
             task = self._task_of(lease)
             held = (task.lease[slots] == lease_id) & (task.state[slots] == LEASED)
@@ -448,27 +505,38 @@ class Controller:
             return slots[(task.lease[slots] == lease.lease_id) & (task.state[slots] == LEASED)]
         indexes = np.asarray(indexes, dtype=np.int64)
         slots = self._slots(indexes)
-        self._held(lease.lease_id, indexes, slots)
+        self._held(lease.lease_id, indexes, slots, lease.owner)
         return slots
 
-    def ack(self, lease_id: int, indexes: np.ndarray | None = None) -> Changes:
+    def ack(
+        self, lease_id: int, indexes: np.ndarray | None = None, owner: str | None = None
+    ) -> Changes:
         """Consume the lease's rows (all, or ``indexes`` of them). Acking a lease that was
         fully acknowledged already is a no-op."""
         if indexes is None and self.leases.closed_reason(lease_id) == "acked":
             return Changes()
-        lease = self.leases.get(lease_id)
+        lease = self.leases.get(lease_id, owner)
         return self._finish_rows(lease, self._lease_slots(lease, indexes), acked=True)
 
-    def release(self, lease_id: int, indexes: np.ndarray | None = None) -> Changes:
+    def release(
+        self, lease_id: int, indexes: np.ndarray | None = None, owner: str | None = None
+    ) -> Changes:
         """Give rows back unconsumed (a consumer that cannot process them); no-op if acked."""
         if indexes is None and self.leases.closed_reason(lease_id) in ("acked", "released"):
             return Changes()
-        lease = self.leases.get(lease_id)
+        lease = self.leases.get(lease_id, owner)
         return self._finish_rows(lease, self._lease_slots(lease, indexes), acked=False)
 
-    def renew(self, lease_id: int, lease_s: float, indexes: np.ndarray | None = None) -> None:
+    def renew(
+        self,
+        lease_id: int,
+        lease_s: float,
+        indexes: np.ndarray | None = None,
+        owner: str | None = None,
+    ) -> None:
         """Extend the deadline (a producer about to write results for the lease's rows)."""
-        lease = self.leases.get(lease_id)
+        self.leases.check_lease_s(lease_s)
+        lease = self.leases.get(lease_id, owner)
         if indexes is not None:
             self._lease_slots(lease, indexes)
         self.leases.renew(lease, lease_s)
@@ -518,6 +586,8 @@ class Controller:
         if dropped:
             task.dropped += int(slots.size)
         changes = Changes()
+        if part.finished:  # other tasks' waits may now end (see _never)
+            changes.woken |= {t.key for t in part.tasks.values()}
         if part.declared is not None and task.key[1] in part.declared:
             done = self._h["done"]
             done[slots] += 1

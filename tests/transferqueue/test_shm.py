@@ -12,14 +12,15 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import msgpack
 import numpy as np
 import pytest
+import rawwire as raw
 import torch
 import zmq
 
 import transferqueue
 from transferqueue import FieldSpec, ProtocolError, Ragged, TransferQueue, wire
+from transferqueue import messages as m
 from transferqueue.errors import PeerGoneError, UnknownRowError
 from transferqueue.remote import RemoteUnitLink
 from transferqueue.shm import (
@@ -196,59 +197,38 @@ def test_bad_shared_memory_references_get_errors_and_the_unit_keeps_serving(
     arena_name = arena.name
     address = service.unit_addresses[0]
 
-    idx = np.arange(16, dtype=np.int64).tobytes()
-
-    def request(spec: list, kind: str = "write") -> dict:
-        body = msgpack.ExtType(1, msgpack.packb(["float32", [16, 4096], spec]))
-        header = msgpack.packb(
-            {
-                "k": kind,
-                "i": 7,
-                "a": {
-                    "indexes": msgpack.ExtType(2, msgpack.packb(["<i8", [16], idx])),
-                    "columns": {"x": body},
-                    "specs": {},
-                    "create": True,
-                    "shm": True,
-                },
-            }
-        )
-        sock.send_multipart([header])
-        assert sock.poll(5000)
-        return msgpack.unpackb(sock.recv_multipart()[0])
+    def request(ref: bytes) -> tuple[int, object] | None:
+        column = raw.tensor("float32", [16, 4096], ref)
+        # Write: indexes, columns, specs, create, grant, shm
+        body = [raw.int64s(list(range(16))), {"x": column}, {}, True, None, True]
+        return raw.ask(sock, raw.request("write", body, rid=7))
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address)
     try:
-        for spec in (
-            ["tq-0123456789abcdef-1", 0],  # never attached
-            [arena_name, 1 << 40],  # past the end of an attached arena
-            [arena_name, -64],
-            ["../../etc/passwd", 0],
-            [arena_name, "0"],
+        for ref in (
+            raw.shm("tq-0123456789abcdef-1", 0),  # never attached
+            raw.shm(arena_name, 1 << 40),  # past the end of an attached arena
+            raw.shm(arena_name, (1 << 64) - 64),
+            raw.shm("../../etc/passwd", 0),
+            raw.shm(arena_name, 0)[:-3],  # a name cut short
         ):
-            reply = request(spec)
-            assert reply["e"][0] == "protocol", reply
-        # the same request with a good reference decodes; it fails later (no spec for x)
-        assert request([arena_name, 0])["e"][0] != "protocol"
-        sock.send_multipart(
-            [msgpack.packb({"k": "shm_attach", "i": 8, "a": {"name": "/etc/passwd"}})]
-        )
-        assert sock.poll(5000)
-        assert msgpack.unpackb(sock.recv_multipart()[0])["e"][0] == "protocol"
+            assert raw.error_code(request(ref)) == "protocol"
+        # the same request with a good reference decodes; it fails later (no grant)
+        assert raw.error_code(request(raw.shm(arena_name, 0))) not in (None, "protocol")
+        reply = raw.ask(sock, raw.request("shm_attach", ["/etc/passwd"], rid=8))
+        assert raw.error_code(reply) == "protocol"
 
-        def read(mine: object) -> dict:
-            rows = msgpack.ExtType(2, msgpack.packb(["<i8", [1], np.arange(1).tobytes()]))
-            args = {"indexes": rows, "fields": ["ids"], "mine": mine}
-            sock.send_multipart([msgpack.packb({"k": "read", "i": 9, "a": args})])
-            assert sock.poll(5000)
-            return msgpack.unpackb(sock.recv_multipart()[0])
+        def read(mine: object) -> tuple[int, object] | None:
+            body = [raw.int64s([0]), ["ids"], None, mine]  # Read: indexes, fields, shm, mine
+            return raw.ask(sock, raw.request("read", body, rid=9))
 
-        assert read(5)["e"][0] == "protocol"  # 'mine' must name arenas
-        assert read([7, "x"])["e"][0] == "protocol"
-        assert "r" in read(["tq-0123456789abcdef-1", arena_name])  # not write arenas: ignored
+        assert raw.error_code(read(5)) == "protocol"  # 'mine' must name arenas
+        assert raw.error_code(read([7, "x"])) == "protocol"
+        ok = read(["tq-0123456789abcdef-1", arena_name])  # not write arenas: ignored
+        assert ok is not None and ok[0] == 0
     finally:
         sock.close()
         ctx.term()
@@ -432,13 +412,13 @@ class _SilentUnit:
         self.resolve = None
         self.detached: list[str] = []
 
-    async def call(self, kind: str, args: dict | None = None, **_: object) -> object:
-        if kind == "shm_attach":
+    async def call(self, msg: m.Request, **_: object) -> object:
+        if isinstance(msg, m.ShmAttach):
             return 1
-        if kind == "shm_detach":
-            self.detached.append(args["name"])  # type: ignore[index]
+        if isinstance(msg, m.ShmDetach):
+            self.detached.append(msg.name)
             return None
-        raise PeerGoneError(f"no answer to {kind!r}")
+        raise PeerGoneError(f"no answer to {msg.kind!r}")
 
 
 def test_a_request_that_got_no_answer_never_reuses_its_arena() -> None:
