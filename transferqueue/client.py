@@ -189,7 +189,8 @@ class AsyncClient:
             raise SchemaError(f"put with meta: the columns have {n} rows, meta has {len(meta)}")
         lease = meta.lease_id if meta.lease_id is not None and not meta.acked else None
         if lease is not None:
-            await self._ctl.call(m.Renew(lease_id=lease, lease_s=lease_s, indexes=meta.indexes))
+            msg = m.Renew(lease_id=lease, lease_s=_lease(lease_s), indexes=meta.indexes)
+            await self._ctl.call(msg)
         await self._write_units(meta, cols, col_specs, create=False)
         await self._ctl.call(
             m.Commit(
@@ -316,7 +317,7 @@ class AsyncClient:
             partition=partition,
             fields=None if fields is None else list(fields),
             batch_size=batch_size,
-            lease_s=lease_s,
+            lease_s=_lease(lease_s),
             sampler=sampler,
             sampler_options=sampler_options,
             min_version=min_version,
@@ -476,6 +477,13 @@ class AsyncClient:
         ctl = await self._ctl.call(m.Stats())
         units = await asyncio.gather(*(u.stats() for u in self._units.values()))
         return {"controller": ctl, "units": list(units)}
+
+
+def _lease(lease_s: float) -> float:
+    """A lease time: finite seconds > 0 (the controller also bounds it by its max_lease_s)."""
+    if not isinstance(lease_s, int | float) or not 0 < lease_s < float("inf"):
+        raise BadRequestError(f"lease_s must be finite seconds > 0, got {lease_s!r}")
+    return float(lease_s)
 
 
 def _timeout(timeout_s: float | None) -> float | None:
