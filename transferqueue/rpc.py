@@ -215,7 +215,7 @@ class RpcServer:
     def _on_message(self, msg: list[Any]) -> None:
         """Answer inline when the handler can; requests that must wait get a task."""
         if len(msg) < 2:
-            self.bad_messages += 1  # no identity or header: nobody to answer
+            self.bad_messages += 1  # no identity or no header: nobody to answer
             return
         identity, frames = msg[0], msg[1:]
         try:
@@ -284,7 +284,7 @@ class RpcServer:
             reply = await _encode(
                 wire.encode_reply, rid, result.value, result.place, offload=result.offload
             )
-            if len(reply) == 2:  # every buffer went into shared memory: no frame to wait for
+            if len(reply) == 1:  # every buffer went into shared memory: no frame to wait for
                 self._io.send([identity, *reply])
                 return
             # (a received frame cannot be tracked: the identity goes back as bytes)

@@ -3,15 +3,17 @@
 Every message kind is declared once, in :mod:`transferqueue.messages`; this module only moves
 them. A message is a multipart ZeroMQ message::
 
-    request  frame 0   header    rid uint64 LE | kind (ASCII)
-             frame 1   body      msgpack of the message struct (its fields, in order)
-             frame 2.. buffers   one per tensor / array chunk, referenced from the body
-    reply    frame 0   header    rid uint64 LE | status uint8 (0: result, 1: error)
-             frame 1   body      msgpack of the kind's declared reply type, or [code, text]
-             frame 2.. buffers
+    request  frame 0   rid uint64 LE | kind length uint8 | kind (ASCII) | body: msgpack of
+                       the message struct (its fields, in order)
+             frame 1.. buffers: one per tensor / array chunk, referenced from the body
+    reply    frame 0   rid uint64 LE | status uint8 (0: result, 1: error) | body: msgpack of
+                       the kind's declared reply type, or [code, text]
+             frame 1.. buffers
 
-A server reads the header first (so even a request whose body is rejected gets an error reply
-naming its id), then decodes the body straight into the kind's struct with ``msgspec``:
+The header and the body share one frame (a second frame per message cost a send per request
+on a loaded two-core host). A server reads the header first (so even a request whose body is
+rejected gets an error reply naming its id), then decodes the body straight into the kind's
+struct with ``msgspec``:
 types, bounds (:mod:`transferqueue.limits`), counts and nesting are checked in that one pass,
 before any handler runs, and anything else is a :class:`ProtocolError` reply.
 
@@ -26,7 +28,7 @@ extension nests in another and decoding never recurses)::
 
 A buffer reference is ``0`` + the bytes (buffers of at most ``INLINE_BYTES``), ``1`` + first
 buffer uint32 + count uint32 (frames after the body; buffers above ``CHUNK_BYTES`` are split
-over several), or ``2`` + offset uint64 + name length uint8 + name (a shared-memory arena the
+over several; buffer 0 is frame 1), or ``2`` + offset uint64 + name length uint8 + name (a shared-memory arena the
 two sides attached, see :mod:`transferqueue.shm`; an unknown arena or an offset out of range
 is a :class:`ProtocolError`). Buffers of tensors and arrays never pass through msgpack: they
 are sent with ``copy=False`` and rebuilt with ``torch.frombuffer``/``np.frombuffer`` on
@@ -69,7 +71,6 @@ __all__ = [
     "INLINE_BYTES",
     "PROTOCOL_VERSION",
     "SHM_MIN_BYTES",
-    "ReplyError",
     "RequestError",
     "decode",
     "decode_reply",
@@ -101,7 +102,8 @@ _HEAD = struct.Struct("<BB")
 _U32X2 = struct.Struct("<II")
 _SHM = struct.Struct("<QB")
 _RID = struct.Struct("<Q")
-_RID_STATUS = struct.Struct("<QB")
+_RID_KIND = struct.Struct("<QB")  # request: rid, length of the kind
+_RID_STATUS = struct.Struct("<QB")  # reply: rid, status
 _OK, _ERROR = 0, 1
 
 
@@ -175,12 +177,13 @@ def _enc_hook(obj: Any) -> Any:
 _encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 
 
-def encode(obj: Any, place: Placer | None = None) -> list[Any]:
-    """``obj`` as frames: [msgpack body, buffer, buffer, ...]; with ``place``, buffers it
-    accepts go into shared memory instead of frames."""
+def encode(obj: Any, place: Placer | None = None, head: bytes = b"") -> list[Any]:
+    """``obj`` as frames: [``head`` + msgpack body, buffer, buffer, ...]; with ``place``,
+    buffers it accepts go into shared memory instead of frames."""
     _out.buffers, _out.place = [], place
     try:
-        body = _encoder.encode(obj)
+        body = bytearray(head)
+        _encoder.encode_into(obj, body, len(head))
         return [body, *_out.buffers]
     except TQError:
         raise
@@ -191,11 +194,12 @@ def encode(obj: Any, place: Placer | None = None) -> list[Any]:
 
 
 def encode_request(rid: int, msg: Request[Any], place: Placer | None = None) -> list[Any]:
-    return [_RID.pack(rid) + msg.kind.encode(), *encode(msg, place)]
+    kind = msg.kind.encode()
+    return encode(msg, place, _RID_KIND.pack(rid, len(kind)) + kind)
 
 
 def encode_reply(rid: int, result: Any, place: Placer | None = None) -> list[Any]:
-    return [_RID_STATUS.pack(rid, _OK), *encode(result, place)]
+    return encode(result, place, _RID_STATUS.pack(rid, _OK))
 
 
 def encode_error(rid: int, err: BaseException) -> list[Any]:
@@ -207,7 +211,7 @@ def encode_error(rid: int, err: BaseException) -> list[Any]:
         code, text = "bad_request", str(err)
     else:
         code, text = "error", f"internal error: {type(err).__name__}: {err}"
-    return [_RID_STATUS.pack(rid, _ERROR), _encoder.encode([code, text[:4096]])]
+    return [_RID_STATUS.pack(rid, _ERROR) + _encoder.encode([code, text[:4096]])]
 
 
 # -- decoding ----------------------------------------------------------------------------------
@@ -361,17 +365,17 @@ def _decoder(tp: Any) -> msgspec.msgpack.Decoder[Any]:
 
 def _decode_body(
     tp: Any,
-    frames: Sequence[Any],
-    start: int,
+    body: memoryview,
+    buffers: Sequence[Any],
     *,
     join: bool = True,
     resolve: Resolver | None = None,
 ) -> Any:
-    if len(frames) <= start:
+    if not body.nbytes:
         raise ProtocolError("the message has no body")
-    _in.buffers, _in.join, _in.resolve = frames[start + 1 :], join, resolve
+    _in.buffers, _in.join, _in.resolve = buffers, join, resolve
     try:
-        return _decoder(tp).decode(_as_buffer(frames[start]))
+        return _decoder(tp).decode(body)
     except TQError:
         raise
     except msgspec.ValidationError as e:
@@ -392,7 +396,9 @@ def decode(
     :class:`ChunkedTensor` (a storage unit copies them straight into its buffers).
     ``resolve`` finds shared-memory buffers (without it, they are a :class:`ProtocolError`).
     """
-    return _decode_body(type, frames, 0, join=join, resolve=resolve)
+    if not frames:
+        raise ProtocolError("empty message")
+    return _decode_body(type, _as_buffer(frames[0]), frames[1:], join=join, resolve=resolve)
 
 
 class RequestError(Exception):
@@ -415,17 +421,18 @@ def decode_request(
     :class:`ProtocolError` (nobody to answer); anything else refused is a
     :class:`RequestError` carrying the id."""
     head = _as_buffer(frames[0]) if frames else memoryview(b"")
-    if head.nbytes < _RID.size:
+    if head.nbytes < _RID_KIND.size:
         raise ProtocolError("malformed request header")
-    (rid,) = _RID.unpack_from(head)
-    kind = bytes(head[_RID.size : _RID.size + 64]).decode("ascii", "replace")
-    cls = KINDS[server].get(kind) if head.nbytes <= _RID.size + 64 else None
-    if cls is None:
+    rid, n = _RID_KIND.unpack_from(head)
+    start = _RID_KIND.size + n
+    kind = bytes(head[_RID_KIND.size : start]).decode("ascii", "replace")
+    cls = KINDS[server].get(kind)
+    if cls is None or start > head.nbytes:
         known = sorted(KINDS[server])
         err = ProtocolError(f"unknown message kind {kind!r}; this server takes {known}")
         raise RequestError(rid, err)
     try:
-        msg = _decode_body(cls, frames, 1, join=join, resolve=resolve)
+        msg = _decode_body(cls, head[start:], frames[1:], join=join, resolve=resolve)
     except ProtocolError as e:
         raise RequestError(rid, ProtocolError(f"{kind}: {e}")) from None
     return rid, msg
@@ -434,28 +441,20 @@ def decode_request(
 def reply_id(frames: Sequence[Any]) -> int | None:
     """The request id a reply answers (None: not a reply)."""
     head = _as_buffer(frames[0]) if frames else memoryview(b"")
-    return _RID.unpack_from(head)[0] if head.nbytes == _RID_STATUS.size else None
+    return _RID.unpack_from(head)[0] if head.nbytes > _RID_STATUS.size else None
 
 
 def decode_reply(frames: Sequence[Any], reply_type: Any, resolve: Resolver | None = None) -> Any:
     """The result of a reply (into ``reply_type``); a typed error reply is raised as its
     TQError subclass."""
     head = _as_buffer(frames[0])
-    if head.nbytes != _RID_STATUS.size:
+    if head.nbytes <= _RID_STATUS.size:
         raise ProtocolError("malformed reply header")
     status = head[_RID.size]
+    body = head[_RID_STATUS.size :]
     if status == _ERROR:
-        code, text = _decode_body(tuple[str, str], frames, 1)
+        code, text = _decode_body(tuple[str, str], body, ())
         raise error_from_code(code, text)
     if status != _OK:
         raise ProtocolError(f"unknown reply status {status}")
-    return _decode_body(reply_type, frames, 1, resolve=resolve)
-
-
-class ReplyError(Exception):
-    """Carries a decoded error reply together with the id of the request it answers."""
-
-    def __init__(self, req_id: int, error: TQError) -> None:
-        super().__init__(req_id, error)
-        self.req_id = req_id
-        self.error = error
+    return _decode_body(reply_type, body, frames[1:], resolve=resolve)

@@ -191,7 +191,7 @@ def cases(server: str) -> Iterator[tuple[str, list[bytes]]]:
             for label, bad in BAD:
                 rid += 1
                 body = _array([*packed[:i], _pack(bad), *packed[i + 1 :]])
-                yield f"{kind}[{i}]={label}", [raw.header(kind, rid), body, *buffers]
+                yield f"{kind}[{i}]={label}", [raw.header(kind, rid) + body, *buffers]
         for label, body in [
             ("valid", _array(packed)),
             ("too-many-fields", _array([*packed, b"\xc0", b"\xc0"])),
@@ -202,17 +202,19 @@ def cases(server: str) -> Iterator[tuple[str, list[bytes]]]:
             ("empty-body", b""),
         ]:
             rid += 1
-            yield f"{kind} {label}", [raw.header(kind, rid), body, *buffers]
+            yield f"{kind} {label}", [raw.header(kind, rid) + body, *buffers]
         rid += 1
         yield f"{kind} no-body", [raw.header(kind, rid)]
-        yield f"{kind} extra-frames", [raw.header(kind, rid), _array(packed), *buffers, b"x" * 64]
+        yield f"{kind} extra-frames", [raw.header(kind, rid) + _array(packed), *buffers, b"x" * 64]
+        rid += 1
+        yield f"{kind} kind-length-past-the-end", [raw.header(kind, rid)[:8] + b"\xff" + b"abc"]
     for label, head in [
         ("unknown-kind", raw.header("nope")),
-        ("long-kind", raw.header("k" * 1000)),
+        ("long-kind", raw.header("k" * 255)),
         ("short-header", b"\x01\x02"),
-        ("binary-kind", struct.pack("<Q", 5) + b"\xff\xfe"),
+        ("binary-kind", struct.pack("<QB", 5, 2) + b"\xff\xfe"),
     ]:
-        yield label, [head, b"\x90"]
+        yield label, [head + b"\x90"]
 
 
 def numbered(frames: list[bytes]) -> int | None:

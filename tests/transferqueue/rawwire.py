@@ -17,12 +17,13 @@ NUMPY_INT64 = 7  # code of int64 in the wire's numpy dtype table
 
 
 def header(kind: str, rid: int = 1) -> bytes:
-    return struct.pack("<Q", rid) + kind.encode()
+    raw = kind.encode()
+    return struct.pack("<QB", rid, len(raw) % 256) + raw
 
 
 def request(kind: str, body: Any, *buffers: bytes, rid: int = 1) -> list[bytes]:
     """A request whose body is ``body`` packed as it is (a list: the struct's fields)."""
-    return [header(kind, rid), msgpack.packb(body, use_bin_type=True), *buffers]
+    return [header(kind, rid) + msgpack.packb(body, use_bin_type=True), *buffers]
 
 
 def inline(data: bytes) -> bytes:
@@ -58,8 +59,9 @@ def ask(sock: zmq.Socket, msg: list[bytes], wait_s: float = 5.0) -> tuple[int, A
     if not sock.poll(int(wait_s * 1000)):
         return None
     reply = sock.recv_multipart()
-    _, status = struct.unpack("<QB", reply[0])
-    return status, msgpack.unpackb(reply[1], strict_map_key=False, ext_hook=lambda c, d: (c, d))
+    _, status = struct.unpack_from("<QB", reply[0])
+    body = reply[0][9:]
+    return status, msgpack.unpackb(body, strict_map_key=False, ext_hook=lambda c, d: (c, d))
 
 
 def error_code(reply: tuple[int, Any] | None) -> str | None:

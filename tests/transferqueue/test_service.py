@@ -42,10 +42,10 @@ def _fuzz(sock: zmq.Socket, server: str, pids: list[int], rss0: list[int]) -> tu
             numbered += 1
         while sock.poll(2000 if pending else 20):
             reply = sock.recv_multipart()
-            got, status = struct.unpack("<QB", reply[0])
+            got, status = struct.unpack_from("<QB", reply[0])
             assert status in (0, 1), label
             if status == 1:  # a typed error reply
-                code, text = msgpack.unpackb(reply[1])
+                code, text = msgpack.unpackb(reply[0][9:])
                 assert code in ERROR_CODES, (label, code, text)
             pending.discard(got)
             answered += 1
