@@ -27,13 +27,13 @@ extension nests in another and decoding never recurses)::
 | 3   | Ragged       | its values tensor's payload, then its offsets tensor's payload      |
 
 A buffer reference is ``0`` + the bytes (buffers of at most ``INLINE_BYTES``), ``1`` + first
-buffer uint32 + count uint32 (frames after the body; buffers above ``CHUNK_BYTES`` are split
-over several; buffer 0 is frame 1), or ``2`` + offset uint64 + name length uint8 + name (a shared-memory arena the
-two sides attached, see :mod:`transferqueue.shm`; an unknown arena or an offset out of range
-is a :class:`ProtocolError`). Buffers of tensors and arrays never pass through msgpack: they
-are sent with ``copy=False`` and rebuilt with ``torch.frombuffer``/``np.frombuffer`` on
-receipt, sharing the frame's memory (the tensor keeps the frame alive). ``FieldSpec`` and
-``BatchMeta`` are plain structs on the wire. Nothing is ever pickled.
+buffer uint32 + count uint32 (the frames after the first; buffers above ``CHUNK_BYTES`` are
+split over several), or ``2`` + offset uint64 + name length uint8 + name (a shared-memory
+arena the two sides attached, see :mod:`transferqueue.shm`; an unknown arena or an offset
+out of range is a :class:`ProtocolError`). Buffers of tensors and arrays never pass through
+msgpack: they are sent with ``copy=False`` and rebuilt with ``torch.frombuffer`` /
+``np.frombuffer`` on receipt, sharing the frame's memory (the tensor keeps the frame alive).
+``FieldSpec`` and ``BatchMeta`` are plain structs on the wire. Nothing is ever pickled.
 
 Frames above 64 MiB move slower, but joining chunks on receipt costs a full copy into fresh
 memory, which on the reference machine cost more than frames of up to 64 MiB lose (a 32 MB
