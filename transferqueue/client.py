@@ -122,8 +122,9 @@ class AsyncClient:
         (object). ``group``/``version``/``length`` set row headers (one value, or one per row;
         a row without ``group`` is a group of its own).
         With ``meta`` from ``get_meta``, the lease is acknowledged when the write lands
-        (``ack=False`` keeps it open). ``timeout_s`` bounds the wait for capacity.
-        Returns the rows written.
+        (``ack=False`` keeps it open). ``timeout_s`` bounds the wait for capacity (None:
+        as long as the service is alive). New rows of a finished partition are a
+        :class:`FinishedError`. Returns the rows written.
         """
         return await self._io.run_async(
             self._put(data, meta, partition, group, version, length, specs, ack, lease_s, timeout_s)
@@ -307,10 +308,12 @@ class AsyncClient:
 
         Blocks until the batch is full, the partition is finished and drained for this task
         (``reason == "end"``), or ``timeout_s`` passes (``reason == "timeout"``, short or
-        empty). ``None`` waits without bound. Rows below ``min_version`` are dropped for this
-        task (counted in stats). ``max_group`` bounds the group ids handed out (group sampler
-        with ``order="group"``). Sampler options (``group_size=``, ``dp_size=``, ``order=``) go
-        as keywords.
+        empty). ``None`` waits as long as the service is alive; a finished partition whose
+        rows wait for fields nobody has written, with no other task left to write them, is an
+        :class:`UnknownFieldError` (a misspelt field). Rows below ``min_version`` are dropped
+        for this task (counted in stats). ``max_group`` bounds the group ids handed out (group
+        sampler with ``order="group"``). Sampler options (``group_size=``, ``dp_size=``,
+        ``order=``) go as keywords.
         """
         msg = m.GetMeta(
             task=task,

@@ -405,7 +405,7 @@ class Read(UnitRequest[dict[str, Any]]):
     indexes: Rows
     fields: Names
     shm: ArenaName | None = None
-    mine: Annotated[list[ArenaName], Meta(max_length=64)] = []
+    mine: Annotated[list[ArenaName], Meta(max_length=MAX_NAMES)] = []
 
 
 class Free(UnitRequest[None]):
