@@ -163,3 +163,28 @@ def test_a_wait_notices_a_dead_controller(monkeypatch: pytest.MonkeyPatch, call:
         waiter.join(30)
         assert not waiter.is_alive() and isinstance(errors[0], PeerGoneError), errors
         tq.close()
+
+
+def test_a_controller_that_fails_to_grow_is_left_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A MemoryError half way through growing once left the controller's arrays of different
+    sizes (an IndexError on every later put); growing is now all or nothing."""
+    from transferqueue.controller import Controller
+    from transferqueue.state import TaskState
+
+    ctl = Controller(num_units=2)
+    meta = ctl.allocate(1000, "p")
+    ctl.poll(task="t", partition="p", fields=["x"], batch_size=1, lease_s=5)  # a task
+    real = TaskState.grown
+
+    def fail(self: TaskState, capacity: int) -> tuple:
+        raise MemoryError("simulated")
+
+    monkeypatch.setattr(TaskState, "grown", fail)
+    with pytest.raises(MemoryError):
+        ctl.allocate(5000, "p")
+    monkeypatch.setattr(TaskState, "grown", real)
+    assert ctl.stats()["rows_live"] == 1000
+    more = ctl.allocate(5000, "p")  # serves as before
+    assert more.indexes[0] == meta.indexes[-1] + 1 and len(more) == 5000
+    with pytest.raises(BadRequestError, match="4194304"):
+        ctl.allocate(300_000_000, "p")  # refused before anything is sized
