@@ -15,8 +15,11 @@ Producers ``put`` columns of rows; consumer tasks lease batches of rows whose fi
 from transferqueue.client import AsyncClient
 from transferqueue.embedded import start
 from transferqueue.errors import (
+    AuthError,
     CapacityError,
     ClosedError,
+    DeniedError,
+    FinishedError,
     LeaseExpiredError,
     PeerGoneError,
     ProtocolError,
@@ -39,11 +42,14 @@ from transferqueue.sync_client import Client
 
 __all__ = [
     "AsyncClient",
+    "AuthError",
     "BatchMeta",
     "CapacityError",
     "Client",
     "ClosedError",
+    "DeniedError",
     "FieldSpec",
+    "FinishedError",
     "LeaseExpiredError",
     "LocalService",
     "PeerGoneError",

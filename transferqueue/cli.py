@@ -1,7 +1,9 @@
-"""``transferqueue`` command line: run a local service, inspect a running one.
+"""``transferqueue`` command line: run a local service, inspect a running one, make keys.
 
 transferqueue serve --units 4              # prints tcp://127.0.0.1:PORT, serves until ^C
 transferqueue stats tcp://127.0.0.1:PORT   # JSON of the controller and units
+transferqueue keygen DIR [--admin]         # keys for a service beyond loopback
+transferqueue serve --host 0.0.0.0 --keys DIR [--advertise-host NAME]
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import json
 import signal
 import sys
 import threading
+
+from transferqueue.errors import TQError
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -28,6 +32,8 @@ def _serve(args: argparse.Namespace) -> int:
         unit_capacity_bytes=args.unit_capacity_bytes,
         spread_bytes=args.spread_bytes,
         advertise_host=args.advertise_host,
+        keys=args.keys,
+        max_lease_s=args.max_lease_s,
     )
     print(service.address, flush=True)
     print(
@@ -48,8 +54,24 @@ def _serve(args: argparse.Namespace) -> int:
 def _stats(args: argparse.Namespace) -> int:
     from transferqueue.remote import connect
 
-    with connect(args.address) as tq:
+    with connect(
+        args.address, keys=args.keys, connect_timeout_s=args.timeout, call_timeout_s=args.timeout
+    ) as tq:
         print(json.dumps(tq.client().stats(), indent=2, default=str))
+    return 0
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    from transferqueue.auth import keygen
+
+    clients = tuple(args.client or ["client"])
+    for path in keygen(args.directory, clients=clients, admin=args.admin):
+        print(path)
+    print(
+        f"transferqueue: servers take --keys {args.directory}; a client host needs server.key "
+        "and its own *.key_secret (connect(address, keys=DIR) or TRANSFERQUEUE_KEYS=DIR)",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -73,13 +95,38 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="a put spreads over one unit per this many bytes (default 16 MiB; 0: all units)",
     )
-    s.add_argument("--advertise-host", default=None, help="host name clients use to connect")
+    s.add_argument(
+        "--advertise-host",
+        default=None,
+        help="host name or address clients connect to (default: the bound host; with 0.0.0.0 "
+        "the address this host reaches others from)",
+    )
+    s.add_argument(
+        "--keys",
+        default=None,
+        help="key directory from `transferqueue keygen` (default $TRANSFERQUEUE_KEYS); needed "
+        "for any --host but 127.0.0.1",
+    )
+    s.add_argument("--max-lease-s", type=float, default=None, help="longest lease (default 1 day)")
     s.set_defaults(fn=_serve)
     st = sub.add_parser("stats", help="print a running service's state as JSON")
-    st.add_argument("address")
+    st.add_argument("address", help="tcp://HOST:PORT, as `transferqueue serve` prints it")
+    st.add_argument("--keys", default=None, help="key directory (default $TRANSFERQUEUE_KEYS)")
+    st.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer")
     st.set_defaults(fn=_stats)
+    k = sub.add_parser("keygen", help="write CURVE keys for a service and its clients")
+    k.add_argument("directory")
+    k.add_argument("--client", action="append", help="client key name (repeatable; default client)")
+    k.add_argument(
+        "--admin", action="store_true", help="also an admin key: only it may clear/reset"
+    )
+    k.set_defaults(fn=_keygen)
     args = ap.parse_args(argv)
-    return int(args.fn(args))
+    try:
+        return int(args.fn(args))
+    except (TQError, ValueError) as e:
+        print(f"transferqueue: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

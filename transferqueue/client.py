@@ -20,14 +20,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
+from collections.abc import AsyncGenerator, Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
 import torch
 
+from transferqueue import messages as m
 from transferqueue.buffers import ResultBuffers
-from transferqueue.errors import SchemaError, UnknownFieldError
+from transferqueue.errors import BadRequestError, SchemaError, UnknownFieldError
 from transferqueue.links import OFFLOAD_BYTES, ControllerLink, Staged, UnitLink
 from transferqueue.loop import LoopThread
 from transferqueue.memcpy import copy_rows, gather_rows
@@ -46,6 +47,8 @@ FORMATS = ("torch", "arrow")
 (a ``pyarrow.Table`` over the same memory, see :mod:`transferqueue.arrow`)."""
 
 _MAX_RUNS_FOR_DIRECT_READ = 8
+_UNDO_WAIT_S = 30.0
+"""How long a failed put waits for the reply to its allocation, to discard the rows."""
 
 
 def take_rows(col: Column, pos: np.ndarray) -> Column:
@@ -93,7 +96,11 @@ class AsyncClient:
         controller: ControllerLink,
         units: Sequence[UnitLink],
         buffers: ResultBuffers | None = None,
+        owner: object = None,
     ):
+        # The handle this client came from: held, so that the handle (and its connections)
+        # lives as long as any of its clients (``connect(address).client()`` works).
+        self._owner = owner
         self._io = io
         self._ctl = controller
         self._units = {u.unit_id: u for u in units}
@@ -102,7 +109,7 @@ class AsyncClient:
         self._buffers = ResultBuffers() if buffers is None else buffers
         self._schema: dict[str, FieldSpec] = {}
         # Names this client's puts to the controller, which keeps a producer's small puts on
-        # one unit for a while (Controller._place).
+        # one unit for a while (Placement.place).
         self._producer = secrets.token_hex(8)
         self._last_unit: int | None = None  # the unit the last put's rows all went to
         self._whole_bytes = 0  # the largest put the controller placed on one unit
@@ -129,8 +136,9 @@ class AsyncClient:
         (object). ``group``/``version``/``length`` set row headers (one value, or one per row;
         a row without ``group`` is a group of its own).
         With ``meta`` from ``get_meta``, the lease is acknowledged when the write lands
-        (``ack=False`` keeps it open). ``timeout_s`` bounds the wait for capacity.
-        Returns the rows written.
+        (``ack=False`` keeps it open). ``timeout_s`` bounds the wait for capacity (None:
+        as long as the service is alive). New rows of a finished partition are a
+        :class:`FinishedError`. Returns the rows written.
         """
         return await self._io.run_async(
             self._put(data, meta, partition, group, version, length, specs, ack, lease_s, timeout_s)
@@ -153,34 +161,42 @@ class AsyncClient:
         if specs:
             known.update(specs)
         cols, col_specs, n = normalize_columns(data, known)
+        timeout_s = _timeout(timeout_s)
         await self._register(col_specs)
         versions = _header(version, n, "version")
         lengths = _header(length, n, "length")
         if meta is None:
             nbytes = _payload_nbytes(cols)
-            allocating = self._ctl.allocate(
-                n,
-                partition,
-                groups=_header(group, n, "group"),
-                versions=versions,
-                lengths=lengths,
-                timeout_s=timeout_s,
-                nbytes=nbytes,
-                producer=self._producer,
+            allocating = self._ctl.call(
+                m.Allocate(
+                    n=n,
+                    partition=partition,
+                    groups=_header(group, n, "group"),
+                    versions=versions,
+                    lengths=lengths,
+                    nbytes=nbytes,
+                    producer=self._producer,
+                    timeout_s=timeout_s,
+                )
             )
             new, staged = await self._allocate_staging(allocating, cols, nbytes)
+            grants = new.grants or {}
             try:
                 if staged is not None:
-                    await staged[0].write_staged(new.indexes, staged[1], col_specs, create=True)
+                    link, token = staged
+                    await link.write_staged(
+                        new.indexes, token, col_specs, create=True, grant=grants.get(link.unit_id)
+                    )
                 else:
                     await self._write_units(new, cols, col_specs, create=True)
-                await self._ctl.commit(new.indexes, list(cols))
+                await self._ctl.call(m.Commit(indexes=new.indexes, fields=list(cols)))
             except BaseException:
                 # Nothing of the put may stay half-written: free what units hold, undo rows.
                 await asyncio.gather(
-                    *(u.free(new.indexes) for u in self._units.values()), return_exceptions=True
+                    *(u.free(new.indexes, grants.get(u.unit_id)) for u in self._units.values()),
+                    return_exceptions=True,
                 )
-                await self._ctl.discard(new.indexes)
+                await self._ctl.call(m.Discard(indexes=new.indexes))
                 raise
             new.fields = tuple(cols)
             return new
@@ -188,14 +204,17 @@ class AsyncClient:
             raise SchemaError(f"put with meta: the columns have {n} rows, meta has {len(meta)}")
         lease = meta.lease_id if meta.lease_id is not None and not meta.acked else None
         if lease is not None:
-            await self._ctl.renew(lease, lease_s, meta.indexes)
+            msg = m.Renew(lease_id=lease, lease_s=_lease(lease_s), indexes=meta.indexes)
+            await self._ctl.call(msg)
         await self._write_units(meta, cols, col_specs, create=False)
-        await self._ctl.commit(
-            meta.indexes,
-            list(cols),
-            versions=versions,
-            lengths=lengths,
-            lease_id=lease if ack else None,
+        await self._ctl.call(
+            m.Commit(
+                indexes=meta.indexes,
+                fields=list(cols),
+                versions=versions,
+                lengths=lengths,
+                lease_id=lease if ack else None,
+            )
         )
         if lease is not None and ack:
             meta.acked = True
@@ -204,6 +223,18 @@ class AsyncClient:
         if lengths is not None:
             meta.lengths = np.broadcast_to(np.asarray(lengths, dtype=np.int64), (n,)).copy()
         return meta
+
+    async def _undo_allocation(self, pending: asyncio.Future[BatchMeta]) -> None:
+        """Discard the rows of an allocation whose put failed before it used them. The
+        request is already out, so the controller allocates them whether or not anybody waits
+        for the reply: wait for it (bounded), then give the rows back."""
+        try:
+            new = await asyncio.wait_for(asyncio.shield(pending), _UNDO_WAIT_S)
+        except BaseException:  # no reply in time (or the put is cancelled again): give up
+            pending.cancel()
+            return
+        with contextlib.suppress(Exception):
+            await self._ctl.call(m.Discard(indexes=new.indexes))
 
     async def _allocate_staging(
         self, allocating: Coroutine[Any, Any, BatchMeta], cols: Mapping[str, Column], nbytes: int
@@ -230,10 +261,7 @@ class AsyncClient:
         except BaseException:
             if staged is not None:
                 link.unstage(staged)
-            if pending.done() and not pending.cancelled() and pending.exception() is None:
-                with contextlib.suppress(Exception):  # rows allocated for nothing: undo them
-                    await self._ctl.discard(pending.result().indexes)
-            pending.cancel()
+            await self._undo_allocation(pending)
             raise
         self._placed(new, nbytes)
         if staged is None:
@@ -255,7 +283,8 @@ class AsyncClient:
     async def _register(self, specs: Mapping[str, FieldSpec]) -> None:
         new = {k: v for k, v in specs.items() if self._schema.get(k) != v}
         if new:
-            self._schema.update(await self._ctl.register_fields(new))
+            registered: dict[str, FieldSpec] = await self._ctl.call(m.RegisterFields(specs=new))
+            self._schema.update(registered)
 
     async def _write_units(
         self,
@@ -266,9 +295,13 @@ class AsyncClient:
         create: bool,
     ) -> None:
         jobs = []
+        grants = meta.grants or {}
         for u, pos in _by_unit(meta.units).items():
             part = {name: take_rows(col, pos) for name, col in cols.items()}
-            jobs.append(self._unit(u).write(meta.indexes[pos], part, specs, create=create))
+            write = self._unit(u).write(
+                meta.indexes[pos], part, specs, create=create, grant=grants.get(u)
+            )
+            jobs.append(write)
         await asyncio.gather(*jobs)
 
     def _unit(self, unit_id: int) -> UnitLink:
@@ -298,25 +331,26 @@ class AsyncClient:
 
         Blocks until the batch is full, the partition is finished and drained for this task
         (``reason == "end"``), or ``timeout_s`` passes (``reason == "timeout"``, short or
-        empty). ``None`` waits without bound. Rows below ``min_version`` are dropped for this
-        task (counted in stats). ``max_group`` bounds the group ids handed out (group sampler
-        with ``order="group"``). Sampler options (``group_size=``, ``dp_size=``, ``order=``) go
-        as keywords.
+        empty). ``None`` waits as long as the service is alive; a finished partition whose
+        rows wait for fields nobody has written, with no other task left to write them, is an
+        :class:`UnknownFieldError` (a misspelt field). Rows below ``min_version`` are dropped
+        for this task (counted in stats). ``max_group`` bounds the group ids handed out (group
+        sampler with ``order="group"``). Sampler options (``group_size=``, ``dp_size=``,
+        ``order=``) go as keywords.
         """
-        return await self._io.run_async(
-            self._ctl.get_meta(
-                task=task,
-                partition=partition,
-                fields=None if fields is None else list(fields),
-                batch_size=batch_size,
-                timeout_s=timeout_s,
-                lease_s=lease_s,
-                sampler=sampler,
-                sampler_options=sampler_options,
-                min_version=min_version,
-                max_group=max_group,
-            )
+        msg = m.GetMeta(
+            task=task,
+            partition=partition,
+            fields=None if fields is None else list(fields),
+            batch_size=batch_size,
+            lease_s=_lease(lease_s),
+            sampler=sampler,
+            sampler_options=sampler_options,
+            min_version=min_version,
+            max_group=max_group,
+            timeout_s=_timeout(timeout_s),
         )
+        return await self._io.run_async(self._ctl.call(msg))
 
     @overload
     async def get_data(
@@ -349,7 +383,8 @@ class AsyncClient:
             raise ValueError("get_data needs fields: the meta names none; pass fields=[...]")
         missing = [f for f in names if f not in self._schema]
         if missing:
-            self._schema.update(await self._ctl.get_specs())
+            known: dict[str, FieldSpec] = await self._ctl.call(m.GetSpecs())
+            self._schema.update(known)
             missing = [f for f in names if f not in self._schema]
             if missing:
                 raise UnknownFieldError(
@@ -419,14 +454,17 @@ class AsyncClient:
             raise ValueError("this BatchMeta holds no lease (it came from put, or was empty)")
         if meta.acked:
             return
-        await self._io.run_async(self._ctl.ack(meta.lease_id, meta.indexes))
+        await self._io.run_async(
+            self._ctl.call(m.Ack(lease_id=meta.lease_id, indexes=meta.indexes))
+        )
         meta.acked = True
 
     async def release(self, meta: BatchMeta) -> None:
         """Give the batch's rows back to its task unconsumed (e.g. a consumer shutting down)."""
         if meta.lease_id is None or meta.acked:
             return
-        await self._io.run_async(self._ctl.release(meta.lease_id, meta.indexes))
+        msg = m.Release(lease_id=meta.lease_id, indexes=meta.indexes)
+        await self._io.run_async(self._ctl.call(msg))
         meta.acked = True
 
     async def stream(
@@ -440,7 +478,7 @@ class AsyncClient:
         lease_s: float = 60.0,
         sampler: str = "fifo",
         **sampler_options: Any,
-    ) -> AsyncIterator[tuple[BatchMeta, dict[str, Column]]]:
+    ) -> AsyncGenerator[tuple[BatchMeta, dict[str, Column]], None]:
         """Yield (meta, columns) until the task's stream ends; each batch is acknowledged when
         the loop body finishes it (unless the body acked it itself, e.g. by ``put(meta=)``).
         A body that raises leaves its lease open: the rows are redelivered after ``lease_s``.
@@ -468,22 +506,23 @@ class AsyncClient:
     # -- administration ----------------------------------------------------------------------
     async def declare_tasks(self, tasks: Sequence[str], *, partition: str = "default") -> None:
         """Name every consumer task of the partition; rows are freed once all have acked."""
-        await self._io.run_async(self._ctl.declare_tasks(partition, list(tasks)))
+        msg = m.DeclareTasks(partition=partition, tasks=list(tasks))
+        await self._io.run_async(self._ctl.call(msg))
 
     async def finish(self, partition: str = "default") -> None:
         """No more rows will be put into the partition; consumers end once drained."""
-        await self._io.run_async(self._ctl.finish(partition))
+        await self._io.run_async(self._ctl.call(m.Finish(partition=partition)))
 
     async def clear(self, partition: str | None = None) -> None:
         """Drop every row of the partition (all partitions if None)."""
-        await self._io.run_async(self._ctl.clear(partition))
+        await self._io.run_async(self._ctl.call(m.Clear(partition=partition)))
 
     async def stats(self) -> dict[str, Any]:
         """Controller state (rows, tasks, leases) and every unit's storage."""
         return await self._io.run_async(self._stats())
 
     async def _stats(self) -> dict[str, Any]:
-        ctl = await self._ctl.stats()
+        ctl = await self._ctl.call(m.Stats())
         units = await asyncio.gather(*(u.stats() for u in self._units.values()))
         return {"controller": ctl, "units": list(units)}
 
@@ -502,9 +541,29 @@ def as_format(cols: dict[str, Column], format: str) -> dict[str, Column] | pa.Ta
     return cols
 
 
-def _header(value: Any, n: int, name: str) -> np.ndarray | int | None:
-    if value is None or isinstance(value, int | np.integer):
-        return None if value is None else int(value)
+def _lease(lease_s: float) -> float:
+    """A lease time: finite seconds > 0 (the controller also bounds it by its max_lease_s)."""
+    if not isinstance(lease_s, int | float) or not 0 < lease_s < float("inf"):
+        raise BadRequestError(f"lease_s must be finite seconds > 0, got {lease_s!r}")
+    return float(lease_s)
+
+
+def _timeout(timeout_s: float | None) -> float | None:
+    """A wait bound: None or infinity (no bound), else finite seconds >= 0."""
+    if timeout_s is None or timeout_s == float("inf"):
+        return None
+    if not isinstance(timeout_s, int | float) or not 0 <= timeout_s < float("inf"):
+        raise BadRequestError(f"timeout_s must be seconds >= 0 or None, got {timeout_s!r}")
+    return float(timeout_s)
+
+
+def _header(value: Any, n: int, name: str) -> np.ndarray | None:
+    if value is None:
+        return None
+    if isinstance(value, int | np.integer):
+        if not -(2**63) <= int(value) < 2**63:
+            raise SchemaError(f"{name}={value} does not fit int64")
+        return np.asarray(int(value), dtype=np.int64)  # (0-d: one value for every row)
     arr = value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
     if arr.shape != (n,):
         raise SchemaError(f"{name}= has shape {arr.shape}; give one int, or one per row ({n},)")

@@ -26,7 +26,9 @@ from typing import Any
 import numpy as np
 
 from transferqueue.errors import (
+    BadRequestError,
     CapacityError,
+    FinishedError,
     SchemaError,
     UnknownFieldError,
     UnknownLeaseError,
@@ -34,7 +36,9 @@ from transferqueue.errors import (
     UnknownTaskError,
 )
 from transferqueue.leases import Lease, LeaseTable
+from transferqueue.limits import MAX_FIELDS, MAX_LEASE_S, MAX_ROWS, MAX_TASKS
 from transferqueue.meta import BatchMeta
+from transferqueue.placement import SPREAD_BYTES, Placement
 from transferqueue.samplers import get_sampler
 from transferqueue.schema import FieldSpec
 from transferqueue.slots import ExtentAllocator, SlotMap
@@ -50,13 +54,7 @@ from transferqueue.state import (
     header_column,
 )
 
-__all__ = ["Changes", "Controller"]
-
-
-SPREAD_BYTES = 16 << 20
-"""Bytes of a put per storage unit it spreads over (see ``Controller._place``)."""
-_MAX_PRODUCERS = 4096
-"""Producers whose sticky unit the controller remembers (the least recently seen go)."""
+__all__ = ["SPREAD_BYTES", "Changes", "Controller"]
 
 
 class Controller:
@@ -69,6 +67,7 @@ class Controller:
         capacity_rows: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         spread_bytes: int = SPREAD_BYTES,
+        max_lease_s: float = MAX_LEASE_S,
     ) -> None:
         if num_units < 1:
             raise ValueError(f"num_units must be >= 1, got {num_units}")
@@ -78,7 +77,7 @@ class Controller:
         self.spread_bytes = spread_bytes
         self.capacity_rows = capacity_rows
         self.clock = clock
-        self.leases = LeaseTable(clock)
+        self.leases = LeaseTable(clock, max_lease_s)
         self._map = SlotMap()
         self._alloc = ExtentAllocator(0)
         self._h: dict[str, np.ndarray] = {
@@ -89,11 +88,7 @@ class Controller:
         self._partitions: dict[str, PartitionState] = {}
         self._by_id: dict[int, PartitionState] = {}
         self._next_index = 0
-        self._next_unit = 0
-        # producer -> the unit of its small puts; in order of last use
-        self._sticky: dict[str, int] = {}
-        # bytes of the live rows on each unit, as their puts reported them
-        self._unit_bytes = np.zeros(num_units, dtype=np.int64)
+        self.placement = Placement(num_units, spread_bytes)
         self._rows_live = 0
 
     # -- schema ------------------------------------------------------------------------------
@@ -103,6 +98,8 @@ class Controller:
 
     def register_fields(self, specs: Mapping[str, FieldSpec]) -> dict[str, FieldSpec]:
         """Register new fields; a spec that disagrees with a registered one is an error."""
+        if len(set(self._ready) | set(specs)) > MAX_FIELDS:
+            raise CapacityError(f"this controller keeps at most {MAX_FIELDS} fields")
         for name, spec in specs.items():
             known = self._specs.get(name)
             if known is not None and known != spec:
@@ -118,6 +115,8 @@ class Controller:
     def _ready_of(self, name: str) -> np.ndarray:
         arr = self._ready.get(name)
         if arr is None:
+            if len(self._ready) >= MAX_FIELDS:  # (a bitmap per field name: bounded)
+                raise CapacityError(f"this controller keeps at most {MAX_FIELDS} fields")
             arr = self._ready[name] = np.zeros(self._alloc.capacity, dtype=bool)
         return arr
 
@@ -172,16 +171,11 @@ class Controller:
 
         ``nbytes`` (the payload's size, if the writer knows it) decides over how many units
         the rows spread; ``producer`` (a name the writer keeps for all its puts) lets its
-        small puts stay on one unit for a while."""
-        if n < 0:
-            raise ValueError(f"cannot allocate {n} rows")
+        small puts stay on one unit for a while. Everything is checked before any state
+        changes, so a failed allocate leaves the controller as it was."""
+        self.check_allocate(n, partition)
         if producer is not None and not isinstance(producer, str):
             raise TypeError(f"producer must be a string naming the writer, got {producer!r}")
-        if self.capacity_rows is not None and n > self.capacity_rows:
-            raise CapacityError(
-                f"a put of {n} rows exceeds capacity_rows={self.capacity_rows}; "
-                "split the put or raise capacity_rows"
-            )
         if not self.can_allocate(n):
             raise CapacityError(
                 f"TransferQueue holds {self._rows_live} rows; {n} more exceed "
@@ -192,17 +186,16 @@ class Controller:
         v = header_column("version", versions, n, default=-1)
         ln = header_column("length", lengths, n, default=-1)
         part = self.partition(partition)
-        slots = self._alloc.allocate(n)
-        if slots is None:
+        if self._alloc.free_count < n:
             cap = self._alloc.capacity
             self._grow(cap + max(n - self._alloc.free_count, cap // 2, 1024))
-            slots = self._alloc.allocate(n)
-            assert slots is not None
+        slots = self._alloc.allocate(n)
+        assert slots is not None
         indexes = np.arange(self._next_index, self._next_index + n, dtype=np.int64)
         self._next_index += n
         g = indexes.copy() if g_given is None else g_given
         self._map.insert(indexes, slots)
-        units = self._place(n, nbytes, producer)
+        units = self.placement.place(n, nbytes, producer)
         h = self._h
         h["index"][slots] = indexes
         h["partition"][slots] = part.id
@@ -216,76 +209,46 @@ class Controller:
             share = np.full(n, nbytes // n, dtype=np.int64)
             share[: nbytes % n] += 1
             h["nbytes"][slots] = share
-            self._unit_bytes += np.bincount(units, weights=share, minlength=self.num_units).astype(
-                np.int64
-            )
+            self.placement.add_bytes(units, share)
         part.rows_put += n
         part.rows_live += n
         self._rows_live += n
         return BatchMeta(indexes, units, g, v, ln, partition=part.name)
 
-    def _place(self, n: int, nbytes: int | None = None, producer: str | None = None) -> np.ndarray:
-        """Balanced contiguous chunks over as many units as the payload is worth.
-
-        A put of ``nbytes`` spreads over ``nbytes // spread_bytes`` units (at least one, at
-        most all): a unit's share of a large put moves in parallel with the others', while a
-        small put costs one round trip to one unit instead of one per unit (on a loopback or
-        a fast network, a few MB are cheaper in one message than in four). Without ``nbytes``
-        every put spreads over all units.
-
-        Small (one-unit) puts of a named ``producer`` are sticky: they go to the unit its
-        last one went to while that unit holds less than ``spread_bytes`` more live payload
-        than the least loaded unit, and otherwise to the least loaded unit. So memory stays
-        balanced (for sticky puts, the units' live bytes differ by less than three
-        ``spread_bytes``), and a producer whose rows are consumed as fast as they come keeps
-        writing where the client's and the unit's buffers are warm in the caches. Measured
-        on one host, 4.4 MB put+get cycles over 4 units: 8.0 ms when every put went to the
-        next unit, 6.2-6.5 ms when a producer moved on after every ``spread_bytes`` of puts,
-        5.1-5.2 ms staying on one unit (5.2-5.4 ms with a single unit). Producers start on
-        different units. Puts without a producer, and larger puts, rotate their first unit
-        by the units used.
-        """
-        u = self.num_units
-        use = u
-        if nbytes is not None and self.spread_bytes > 0:
-            use = int(min(u, max(1, nbytes // self.spread_bytes)))
-        if use == 1 and u > 1 and producer is not None and nbytes is not None:
-            return np.full(n, self._sticky_unit(producer), dtype=np.int32)
-        sizes = np.full(use, n // use, dtype=np.int64)
-        sizes[: n % use] += 1
-        order = (np.arange(use) + self._next_unit) % u
-        step = use if use < u else max(n % u, 1 if n < u else 0)
-        self._next_unit = (self._next_unit + step) % u
-        return np.repeat(order.astype(np.int32), sizes)
-
-    def _sticky_unit(self, producer: str) -> int:
-        """The unit of ``producer``'s next small put (see :meth:`_place`)."""
-        sticky = self._sticky
-        unit = sticky.pop(producer, None)
-        if unit is None:  # a new producer starts where the rotation is
-            unit = self._next_unit
-            self._next_unit = (self._next_unit + 1) % self.num_units
-        load = self._unit_bytes
-        least = int(load.min())
-        if int(load[unit]) - least >= self.spread_bytes:  # on to the least loaded unit
-            order = (np.arange(self.num_units) + unit + 1) % self.num_units
-            unit = int(order[np.argmax(load[order] == least)])
-        sticky[producer] = unit
-        while len(sticky) > _MAX_PRODUCERS:  # forget the least recently seen producers
-            del sticky[next(iter(sticky))]
-        return unit
+    def check_allocate(self, n: int, partition: str) -> None:
+        """Raise the errors no wait for capacity can cure: a bad row count, a put larger than
+        capacity, a finished partition."""
+        if not isinstance(n, int) or not 0 <= n <= MAX_ROWS:
+            raise BadRequestError(f"a put allocates 0..{MAX_ROWS} rows, got n={n!r}; split it")
+        if self.capacity_rows is not None and n > self.capacity_rows:
+            raise CapacityError(
+                f"a put of {n} rows exceeds capacity_rows={self.capacity_rows}; "
+                "split the put or raise capacity_rows"
+            )
+        part = self._partitions.get(partition)
+        if part is not None and part.finished:
+            raise FinishedError(
+                f"partition {partition!r} is finished: its consumers may have ended and would "
+                "never see new rows; put into another partition, or clear this one first"
+            )
 
     def _grow(self, capacity: int) -> None:
-        old = self._alloc.capacity
+        """Every per-slot array grown to ``capacity``: all built first, then swapped in, so a
+        MemoryError half way leaves every array (and the allocator) as it was."""
+        extra = capacity - self._alloc.capacity
+        header = {
+            k: np.concatenate([self._h[k], np.full(extra, fill, dtype=dt)])
+            for k, (dt, fill) in HEADER.items()
+        }
+        ready = {
+            n: np.concatenate([a, np.zeros(extra, dtype=bool)]) for n, a in self._ready.items()
+        }
+        tasks = [t for p in self._partitions.values() for t in p.tasks.values()]
+        grown = [t.grown(capacity) for t in tasks]
+        self._h, self._ready = header, ready
+        for task, arrays in zip(tasks, grown, strict=True):
+            task.state, task.lease = arrays
         self._alloc.grow(capacity)
-        extra = capacity - old
-        for k, (dt, fill) in HEADER.items():
-            self._h[k] = np.concatenate([self._h[k], np.full(extra, fill, dtype=dt)])
-        for name, arr in self._ready.items():
-            self._ready[name] = np.concatenate([arr, np.zeros(extra, dtype=bool)])
-        for part in self._partitions.values():
-            for task in part.tasks.values():
-                task.grow(capacity)
 
     def commit(
         self,
@@ -295,6 +258,7 @@ class Controller:
         versions: np.ndarray | int | None = None,
         lengths: np.ndarray | int | None = None,
         lease_id: int | None = None,
+        owner: str | None = None,
     ) -> Changes:
         """Fields of these rows are stored: update headers, mark ready, enqueue, ack a lease.
 
@@ -310,7 +274,7 @@ class Controller:
         n = indexes.size
         v = None if versions is None else header_column("version", versions, n, default=-1)
         ln = None if lengths is None else header_column("length", lengths, n, default=-1)
-        lease = self._held(lease_id, indexes, slots) if lease_id is not None else None
+        lease = self._held(lease_id, indexes, slots, owner) if lease_id is not None else None
         if v is not None:
             self._h["version"][slots] = v
         if ln is not None:
@@ -387,6 +351,8 @@ class Controller:
                 f"{part.declared}); add it to declare_tasks so its rows are not freed under it"
             )
         task = part.tasks.get(name)
+        if task is None and sum(len(p.tasks) for p in self._partitions.values()) >= MAX_TASKS:
+            raise CapacityError(f"this controller keeps at most {MAX_TASKS} tasks")
         if task is not None:
             if fields is not None and tuple(fields) != task.fields:
                 raise ValueError(
@@ -429,9 +395,12 @@ class Controller:
         min_version: int | None = None,
         max_group: int | None = None,
         short_ok: bool = False,
+        owner: str | None = None,
     ) -> tuple[BatchMeta | None, Changes]:
         """Hand out a batch if one is due: full, end of stream, or (``short_ok``) whatever is
-        queued. Returns (None, changes) when the caller should wait."""
+        queued. Returns (None, changes) when the caller should wait. The lease is ``owner``'s
+        (the client's key). A wait that can never end is an error (see :meth:`_never`)."""
+        self.leases.check_lease_s(lease_s)
         part = self.partition(partition)
         t = self._task(part, task, fields, sampler, sampler_options or {})
         t.sampler.check_batch_size(batch_size)
@@ -452,6 +421,8 @@ class Controller:
         queued = avail if max_group is None else t.sampler.available()
         drained = part.finished and t.done + t.leased + queued == part.rows_put
         if not (full or short_ok or (drained and (avail > 0 or t.leased == 0))):
+            if part.finished and avail == 0 and t.leased == 0:
+                self._never(part, t)
             return None, changes
         sel = t.sampler.sample(batch_size, max_group)
         slots = self._slots(sel.indexes)
@@ -463,7 +434,7 @@ class Controller:
             reason = "drain" if drained else "timeout"
         lease_id = None
         if sel.indexes.size:
-            lease = self.leases.open(t.key, sel.indexes, lease_s)
+            lease = self.leases.open(t.key, sel.indexes, lease_s, owner)
             lease_id = lease.lease_id
             t.state[slots] = LEASED
             t.lease[slots] = lease_id
@@ -485,9 +456,33 @@ class Controller:
         )
         return meta, changes
 
+    def _never(self, part: PartitionState, task: TaskState) -> None:
+        """Raise when ``task`` waits for fields nobody ever wrote while nothing in its finished
+        partition is still being processed (a misspelt field: no row will ever get them).
+        Another task with rows left, or a declared task not started yet, may write them."""
+        missing = [f for f in task.fields if f not in self._specs]
+        if not missing or task.done == part.rows_put:
+            return
+        if part.declared is not None and set(part.declared) - set(part.tasks):
+            return  # a declared task has not started yet
+        for other in part.tasks.values():
+            if other is not task and other.done < part.rows_put:
+                return
+        raise UnknownFieldError(
+            f"task {task.key[1]!r} waits for fields {missing} of partition {part.name!r}, "
+            "which no producer has written; the partition is finished and no other task has "
+            f"rows left, so they will never come. Known fields: {sorted(self._specs)}"
+        )
+
     # -- leases ------------------------------------------------------------------------------
-    def _held(self, lease_id: int, indexes: np.ndarray | None, slots: np.ndarray | None) -> Lease:
-        lease = self.leases.get(lease_id)
+    def _held(
+        self,
+        lease_id: int,
+        indexes: np.ndarray | None,
+        slots: np.ndarray | None,
+        owner: str | None = None,
+    ) -> Lease:
+        lease = self.leases.get(lease_id, owner)
         if indexes is not None and slots is not None:
             task = self._task_of(lease)
             held = (task.lease[slots] == lease_id) & (task.state[slots] == LEASED)
@@ -511,27 +506,38 @@ class Controller:
             return slots[(task.lease[slots] == lease.lease_id) & (task.state[slots] == LEASED)]
         indexes = np.asarray(indexes, dtype=np.int64)
         slots = self._slots(indexes)
-        self._held(lease.lease_id, indexes, slots)
+        self._held(lease.lease_id, indexes, slots, lease.owner)
         return slots
 
-    def ack(self, lease_id: int, indexes: np.ndarray | None = None) -> Changes:
+    def ack(
+        self, lease_id: int, indexes: np.ndarray | None = None, owner: str | None = None
+    ) -> Changes:
         """Consume the lease's rows (all, or ``indexes`` of them). Acking a lease that was
         fully acknowledged already is a no-op."""
         if indexes is None and self.leases.closed_reason(lease_id) == "acked":
             return Changes()
-        lease = self.leases.get(lease_id)
+        lease = self.leases.get(lease_id, owner)
         return self._finish_rows(lease, self._lease_slots(lease, indexes), acked=True)
 
-    def release(self, lease_id: int, indexes: np.ndarray | None = None) -> Changes:
+    def release(
+        self, lease_id: int, indexes: np.ndarray | None = None, owner: str | None = None
+    ) -> Changes:
         """Give rows back unconsumed (a consumer that cannot process them); no-op if acked."""
         if indexes is None and self.leases.closed_reason(lease_id) in ("acked", "released"):
             return Changes()
-        lease = self.leases.get(lease_id)
+        lease = self.leases.get(lease_id, owner)
         return self._finish_rows(lease, self._lease_slots(lease, indexes), acked=False)
 
-    def renew(self, lease_id: int, lease_s: float, indexes: np.ndarray | None = None) -> None:
+    def renew(
+        self,
+        lease_id: int,
+        lease_s: float,
+        indexes: np.ndarray | None = None,
+        owner: str | None = None,
+    ) -> None:
         """Extend the deadline (a producer about to write results for the lease's rows)."""
-        lease = self.leases.get(lease_id)
+        self.leases.check_lease_s(lease_s)
+        lease = self.leases.get(lease_id, owner)
         if indexes is not None:
             self._lease_slots(lease, indexes)
         self.leases.renew(lease, lease_s)
@@ -581,6 +587,8 @@ class Controller:
         if dropped:
             task.dropped += int(slots.size)
         changes = Changes()
+        if part.finished:  # other tasks' waits may now end (see _never)
+            changes.woken |= {t.key for t in part.tasks.values()}
         if part.declared is not None and task.key[1] in part.declared:
             done = self._h["done"]
             done[slots] += 1
@@ -595,9 +603,7 @@ class Controller:
         changes.freed.append(indexes)
         changes.freed_units.append(h["unit"][slots].copy())
         changes.space = True
-        self._unit_bytes -= np.bincount(
-            h["unit"][slots], weights=h["nbytes"][slots], minlength=self.num_units
-        ).astype(np.int64)
+        self.placement.add_bytes(h["unit"][slots], -h["nbytes"][slots])
         for arr in self._ready.values():
             arr[slots] = False
         for task in part.tasks.values():
@@ -689,7 +695,7 @@ class Controller:
             "capacity_rows": self.capacity_rows,
             "next_index": self._next_index,
             "active_leases": len(self.leases),
-            "unit_bytes": self._unit_bytes.tolist(),
+            "unit_bytes": self.placement.unit_bytes.tolist(),
             "fields": {n: s.describe() for n, s in self._specs.items()},
             "partitions": parts,
         }

@@ -7,10 +7,14 @@ adds what needs time:
   is ready, the stream ends, or ``timeout_s`` passes;
 - ``allocate`` waits for capacity (back-pressure) up to ``timeout_s``;
 - a timer returns the rows of expired leases to their tasks;
-- rows freed by the controller are dropped from the storage units through ``free_rows``.
+- rows freed by the controller are dropped from the storage units through ``free_rows``;
+- new rows get grants (:mod:`transferqueue.grants`) for the units they are placed on.
 
-Its async methods are the controller's whole RPC surface: the embedded client awaits them
-directly, the ZeroMQ server dispatches messages to them.
+Its handlers are the controller's message kinds (:mod:`transferqueue.messages`): one method
+per kind, named after it, taking ``(message, caller)`` and returning the reply, or an
+awaitable of it when the request must wait. The embedded client calls them in-process
+(:func:`~transferqueue.messages.dispatch`), the ZeroMQ server dispatches decoded messages to
+them; a server answers the non-awaitable ones inline, without a task per request.
 """
 
 from __future__ import annotations
@@ -18,23 +22,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
 
+from transferqueue import messages as m
 from transferqueue.controller import Changes, Controller
 from transferqueue.errors import CapacityError, ClosedError
+from transferqueue.grants import Grants
 from transferqueue.leases import TaskKey
+from transferqueue.messages import Caller
 from transferqueue.meta import BatchMeta
 from transferqueue.schema import FieldSpec
+from transferqueue.wire import PROTOCOL_VERSION
 
 __all__ = ["ControllerService", "FreeRows"]
 
 log = logging.getLogger(__name__)
 
-FreeRows = Callable[[int, np.ndarray], Coroutine[Any, Any, None]]
-"""Drops freed rows (indexes) from one storage unit (unit id)."""
+FreeRows = Callable[[int, np.ndarray], Awaitable[None]]
+"""Drops freed rows (indexes) from one storage unit (unit id). A server sends the request
+before returning (the awaitable is its reply), so that the free reaches the unit before any
+write a client sends after the reply to the ack that freed the rows: the unit reuses them."""
 
 _MAX_TIMER_SLEEP_S = 0.5
 
@@ -42,15 +52,18 @@ _MAX_TIMER_SLEEP_S = 0.5
 class ControllerService:
     """Blocking get_meta, lease expiry and capacity waits on top of a Controller."""
 
-    def __init__(self, controller: Controller, free_rows: FreeRows) -> None:
+    def __init__(
+        self, controller: Controller, free_rows: FreeRows, *, grants: Grants | None = None
+    ) -> None:
         self.controller = controller
         self._free_rows = free_rows
+        self._grants = grants  # None: units in this process, nothing to sign
         self._waiters: dict[TaskKey, set[asyncio.Future[None]]] = {}
         self._space_waiters: set[asyncio.Future[None]] = set()
-        self._timer: asyncio.Task[None] | None = None
+        self._timer: asyncio.Future[None] | None = None
         self._poke = asyncio.Event()
         self._wake_at = 0.0  # loop time the lease timer wakes at next (unless poked)
-        self._pending_frees: set[asyncio.Task[None]] = set()
+        self._pending_frees: set[asyncio.Future[None]] = set()
 
     async def start(self) -> None:
         """Start the lease timer on the running loop."""
@@ -70,7 +83,7 @@ class ControllerService:
             await asyncio.gather(*self._pending_frees, return_exceptions=True)
 
     # -- plumbing ----------------------------------------------------------------------------
-    def _apply(self, changes: Changes) -> list[asyncio.Task[None]]:
+    def _apply(self, changes: Changes) -> list[asyncio.Future[None]]:
         for key in changes.woken:
             for fut in self._waiters.pop(key, ()):
                 if not fut.done():
@@ -80,19 +93,21 @@ class ControllerService:
                 if not fut.done():
                     fut.set_result(None)
             self._space_waiters.clear()
-        tasks = []
+        tasks: list[asyncio.Future[None]] = []
         if changes.freed:
             indexes = np.concatenate(changes.freed)
             units = np.concatenate(changes.freed_units)
             loop = asyncio.get_running_loop()
             for u in np.unique(units).tolist():
-                task = loop.create_task(self._free_rows(int(u), indexes[units == u]))
+                task = asyncio.ensure_future(
+                    self._free_rows(int(u), indexes[units == u]), loop=loop
+                )
                 self._pending_frees.add(task)
                 task.add_done_callback(self._free_done)
                 tasks.append(task)
         return tasks
 
-    def _free_done(self, task: asyncio.Task[None]) -> None:
+    def _free_done(self, task: asyncio.Future[None]) -> None:
         """A unit failed to free rows: their memory stays held there until a clear or reset;
         say so (the controller has already forgotten the rows, so nothing is lost)."""
         self._pending_frees.discard(task)
@@ -111,12 +126,10 @@ class ControllerService:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._poke.wait(), wait)
 
-    def _leased(self, lease_s: Any) -> None:
+    def _leased(self, lease_s: float) -> None:
         """A lease was handed out: wake the timer if it ends before the timer wakes anyway
         (most leases outlast the timer's longest sleep: no wake-up per batch)."""
-        if not isinstance(lease_s, int | float) or (
-            asyncio.get_running_loop().time() + lease_s < self._wake_at
-        ):
+        if asyncio.get_running_loop().time() + lease_s < self._wake_at:
             self._poke.set()
 
     @staticmethod
@@ -125,75 +138,57 @@ class ControllerService:
             return None
         return deadline - asyncio.get_running_loop().time()
 
-    # -- RPC surface -------------------------------------------------------------------------
-    def call_now(self, kind: str, args: dict[str, Any]) -> tuple[bool, Any]:
-        """Answer a request without waiting, if it can be: ``(True, result)``; else
-        ``(False, None)`` and the caller awaits the method of that name.
+    # -- message handlers: (message, caller) -> reply, or an awaitable of it -----------------
+    def hello(self, msg: m.Hello, caller: Caller) -> m.HelloReply:
+        """(The ZeroMQ server answers with its units' addresses; in-process there are none.)"""
+        return m.HelloReply(PROTOCOL_VERSION, [])
 
-        Most requests never wait (acks, commits, a get_meta whose batch is ready); a server
-        answers them inline, without creating a task per request.
-        """
-        ctl = self.controller
-        if kind == "register_fields":
-            return True, ctl.register_fields(**args)
-        if kind == "get_specs":
-            return True, ctl.specs
-        if kind == "stats":
-            return True, ctl.stats()
-        if kind in ("commit", "ack", "release", "finish"):
-            self._apply(getattr(ctl, kind)(**args))
-            return True, None
-        if kind in ("renew", "declare_tasks"):
-            getattr(ctl, kind)(**args)
-            if kind == "renew":
-                self._poke.set()
-            return True, None
-        if kind == "allocate":
-            n = args.get("n")
-            if isinstance(n, int) and ctl.can_allocate(n):
-                extra = {k: v for k, v in args.items() if k != "timeout_s"}
-                return True, ctl.allocate(**extra)
-            return False, None
-        if kind == "get_meta":
-            timeout = args.get("timeout_s")
-            if timeout is not None and timeout <= 0:
-                return False, None  # the short batch at a timeout is the async path's job
-            self._apply(ctl.expire())
-            poll_args = {k: v for k, v in args.items() if k not in ("timeout_s", "partial")}
-            meta, changes = ctl.poll(**poll_args, short_ok=False)
-            self._apply(changes)
-            if meta is not None and meta.lease_id is not None:
-                self._leased(args.get("lease_s", 60.0))
-            return meta is not None, meta
-        return False, None
+    def register_fields(self, msg: m.RegisterFields, caller: Caller) -> dict[str, FieldSpec]:
+        return self.controller.register_fields(msg.specs)
 
-    async def register_fields(self, specs: Mapping[str, FieldSpec]) -> dict[str, FieldSpec]:
-        return self.controller.register_fields(specs)
-
-    async def get_specs(self) -> dict[str, FieldSpec]:
+    def get_specs(self, msg: m.GetSpecs, caller: Caller) -> dict[str, FieldSpec]:
         return self.controller.specs
 
-    async def allocate(
-        self,
-        n: int,
-        partition: str,
-        *,
-        groups: np.ndarray | int | None = None,
-        versions: np.ndarray | int | None = None,
-        lengths: np.ndarray | int | None = None,
-        timeout_s: float | None = None,
-        nbytes: int | None = None,
-        producer: str | None = None,
-    ) -> BatchMeta:
-        ctl = self.controller
+    def allocate(self, msg: m.Allocate, caller: Caller) -> BatchMeta | Awaitable[BatchMeta | None]:
+        """New rows, at once when capacity allows; else wait for consumers to free some."""
+        self.controller.check_allocate(msg.n, msg.partition)
+        if self.controller.can_allocate(msg.n):
+            return self._allocated(msg)
+        return self._allocate_later(msg)
+
+    def _allocated(self, msg: m.Allocate) -> BatchMeta:
+        meta = self.controller.allocate(
+            msg.n,
+            msg.partition,
+            groups=msg.groups,
+            versions=msg.versions,
+            lengths=msg.lengths,
+            nbytes=msg.nbytes,
+            producer=msg.producer,
+        )
+        if self._grants is not None and len(meta):
+            # (a put's rows on one unit are one contiguous run of indexes)
+            meta.grants = {}
+            for u in np.unique(meta.units).tolist():
+                rows = meta.indexes[meta.units == u]
+                meta.grants[u] = self._grants.sign(u, int(rows[0]), int(rows[-1]) + 1)
+        return meta
+
+    async def _allocate_later(self, msg: m.Allocate) -> BatchMeta | None:
         loop = asyncio.get_running_loop()
-        deadline = None if timeout_s is None else loop.time() + timeout_s
-        while not ctl.can_allocate(n) and (ctl.capacity_rows is None or n <= ctl.capacity_rows):
+        deadline = None if msg.timeout_s is None else loop.time() + msg.timeout_s
+        while True:
+            ctl = self.controller  # re-read: a reset replaces it
+            ctl.check_allocate(msg.n, msg.partition)
+            if ctl.can_allocate(msg.n):
+                return self._allocated(msg)
             remaining = self._remaining(deadline)
             if remaining is not None and remaining <= 0:
+                if not msg.partial:
+                    return None  # a slice of a longer wait ran out (see messages.Request)
                 raise CapacityError(
-                    f"no room for {n} rows within timeout_s={timeout_s}: TransferQueue holds "
-                    f"{ctl.stats()['rows_live']} of capacity_rows={ctl.capacity_rows}. "
+                    f"no room for {msg.n} rows within timeout_s={msg.timeout_s}: TransferQueue "
+                    f"holds {ctl.stats()['rows_live']} of capacity_rows={ctl.capacity_rows}. "
                     "Consumers must acknowledge rows (of declared tasks) or clear partitions"
                 )
             fut = loop.create_future()
@@ -202,77 +197,66 @@ class ControllerService:
                 await asyncio.wait({fut}, timeout=remaining)
             finally:
                 self._space_waiters.discard(fut)
-        return ctl.allocate(
-            n,
-            partition,
-            groups=groups,
-            versions=versions,
-            lengths=lengths,
-            nbytes=nbytes,
-            producer=producer,
-        )
+            if fut.done() and fut.exception() is not None:
+                raise fut.exception()  # type: ignore[misc]  # (a reset: ClosedError)
 
-    async def discard(self, indexes: np.ndarray) -> None:
-        await _gather(self._apply(self.controller.discard(indexes)))
+    def discard(self, msg: m.Discard, caller: Caller) -> Awaitable[None] | None:
+        return _after(self._apply(self.controller.discard(msg.indexes)))
 
-    async def commit(
-        self,
-        indexes: np.ndarray,
-        fields: Sequence[str],
-        *,
-        versions: np.ndarray | int | None = None,
-        lengths: np.ndarray | int | None = None,
-        lease_id: int | None = None,
-    ) -> None:
+    def commit(self, msg: m.Commit, caller: Caller) -> None:
         self._apply(
             self.controller.commit(
-                indexes, fields, versions=versions, lengths=lengths, lease_id=lease_id
+                msg.indexes,
+                msg.fields,
+                versions=msg.versions,
+                lengths=msg.lengths,
+                lease_id=msg.lease_id,
+                owner=caller.identity,
             )
         )
 
-    async def get_meta(
-        self,
-        *,
-        task: str,
-        partition: str,
-        fields: Sequence[str] | None,
-        batch_size: int,
-        timeout_s: float | None = None,
-        lease_s: float = 60.0,
-        sampler: str = "fifo",
-        sampler_options: Mapping[str, Any] | None = None,
-        min_version: int | None = None,
-        max_group: int | None = None,
-        partial: bool = True,
-    ) -> BatchMeta:
-        """Wait for a batch (see AsyncClient.get_meta). ``partial=False``: at the timeout,
-        return an empty batch instead of a short one (a client waiting in slices)."""
+    def get_meta(self, msg: m.GetMeta, caller: Caller) -> BatchMeta | Awaitable[BatchMeta | None]:
+        """A batch at once when one is due (most calls); else wait for one (see
+        AsyncClient.get_meta). ``partial=False``: at the timeout, answer None instead of a
+        short batch (a client waiting in slices)."""
+        if msg.timeout_s is None or msg.timeout_s > 0:
+            self._apply(self.controller.expire())
+            meta = self._poll(msg, caller, short_ok=False)
+            if meta is not None:
+                return meta
+        return self._get_meta_later(msg, caller)
+
+    def _poll(self, msg: m.GetMeta, caller: Caller, *, short_ok: bool) -> BatchMeta | None:
+        meta, changes = self.controller.poll(
+            task=msg.task,
+            partition=msg.partition,
+            fields=msg.fields,
+            batch_size=msg.batch_size,
+            lease_s=msg.lease_s,
+            sampler=msg.sampler,
+            sampler_options=msg.sampler_options,
+            min_version=msg.min_version,
+            max_group=msg.max_group,
+            short_ok=short_ok,
+            owner=caller.identity,
+        )
+        self._apply(changes)
+        if meta is not None and meta.lease_id is not None:
+            self._leased(msg.lease_s)
+        return meta
+
+    async def _get_meta_later(self, msg: m.GetMeta, caller: Caller) -> BatchMeta | None:
         loop = asyncio.get_running_loop()
-        deadline = None if timeout_s is None else loop.time() + max(0.0, timeout_s)
+        deadline = None if msg.timeout_s is None else loop.time() + msg.timeout_s
         self._apply(self.controller.expire())
         while True:
-            ctl = self.controller  # re-read: a reset replaces it
-            key: TaskKey = (ctl.partition(partition).id, task)
+            key: TaskKey = (self.controller.partition(msg.partition).id, msg.task)
             remaining = self._remaining(deadline)
             timed_out = remaining is not None and remaining <= 0
-            if timed_out and not partial:
-                return BatchMeta.empty(partition, task=task, reason="timeout")
-            meta, changes = ctl.poll(
-                task=task,
-                partition=partition,
-                fields=fields,
-                batch_size=batch_size,
-                lease_s=lease_s,
-                sampler=sampler,
-                sampler_options=sampler_options,
-                min_version=min_version,
-                max_group=max_group,
-                short_ok=timed_out,
-            )
-            self._apply(changes)
+            if timed_out and not msg.partial:
+                return self._poll(msg, caller, short_ok=False)  # a due batch, else None
+            meta = self._poll(msg, caller, short_ok=timed_out)
             if meta is not None:
-                if meta.lease_id is not None:
-                    self._leased(lease_s)
                 return meta
             fut = loop.create_future()
             self._waiters.setdefault(key, set()).add(fut)
@@ -282,34 +266,40 @@ class ControllerService:
                 waiters = self._waiters.get(key)
                 if waiters is not None:
                     waiters.discard(fut)
+            if fut.done() and fut.exception() is not None:
+                raise fut.exception()  # type: ignore[misc]  # (a reset: ClosedError)
 
-    async def ack(self, lease_id: int, indexes: np.ndarray | None = None) -> None:
-        self._apply(self.controller.ack(lease_id, indexes))
+    def ack(self, msg: m.Ack, caller: Caller) -> None:
+        self._apply(self.controller.ack(msg.lease_id, msg.indexes, caller.identity))
 
-    async def release(self, lease_id: int, indexes: np.ndarray | None = None) -> None:
-        self._apply(self.controller.release(lease_id, indexes))
+    def release(self, msg: m.Release, caller: Caller) -> None:
+        self._apply(self.controller.release(msg.lease_id, msg.indexes, caller.identity))
 
-    async def renew(self, lease_id: int, lease_s: float, indexes: np.ndarray | None = None) -> None:
-        self.controller.renew(lease_id, lease_s, indexes)
+    def renew(self, msg: m.Renew, caller: Caller) -> None:
+        self.controller.renew(msg.lease_id, msg.lease_s, msg.indexes, caller.identity)
         self._poke.set()
 
-    async def declare_tasks(self, partition: str, tasks: Sequence[str]) -> None:
-        self.controller.declare_tasks(partition, tasks)
+    def declare_tasks(self, msg: m.DeclareTasks, caller: Caller) -> None:
+        self.controller.declare_tasks(msg.partition, msg.tasks)
 
-    async def finish(self, partition: str) -> None:
-        self._apply(self.controller.finish(partition))
+    def finish(self, msg: m.Finish, caller: Caller) -> None:
+        self._apply(self.controller.finish(msg.partition))
 
-    async def clear(self, partition: str | None = None) -> None:
-        await _gather(self._apply(self.controller.clear(partition)))
+    def clear(self, msg: m.Clear, caller: Caller) -> Awaitable[None] | None:
+        return _after(self._apply(self.controller.clear(msg.partition)))
 
-    async def stats(self) -> dict[str, Any]:
+    def stats(self, msg: m.Stats, caller: Caller) -> dict[str, Any] | Awaitable[dict[str, Any]]:
         # Frees already decided are awaited first, so that a caller that reads the units'
         # stats after these sees their payload dropped (not a free still on the wire).
         if self._pending_frees:
-            await asyncio.gather(*self._pending_frees, return_exceptions=True)
+            return self._stats_later()
         return self.controller.stats()
 
-    async def reset(self) -> None:
+    async def _stats_later(self) -> dict[str, Any]:
+        await asyncio.gather(*self._pending_frees, return_exceptions=True)
+        return self.controller.stats()
+
+    async def reset(self, msg: m.Reset, caller: Caller) -> None:
         """Forget everything: rows, tasks, leases and field specs (a fresh TransferQueue).
 
         Callers blocked in ``get_meta`` or waiting for capacity get :class:`ClosedError`;
@@ -321,6 +311,7 @@ class ControllerService:
             capacity_rows=old.capacity_rows,
             clock=old.clock,
             spread_bytes=old.spread_bytes,
+            max_lease_s=old.leases.max_lease_s,
         )
         gone = ClosedError("TransferQueue was reset while this call waited")
         for fut in [f for ws in self._waiters.values() for f in ws] + list(self._space_waiters):
@@ -330,6 +321,10 @@ class ControllerService:
         self._space_waiters.clear()
 
 
-async def _gather(tasks: list[asyncio.Task[None]]) -> None:
-    if tasks:
-        await asyncio.gather(*tasks)
+def _after(tasks: list[asyncio.Future[None]]) -> Awaitable[None] | None:
+    """An awaitable of ``tasks`` (frees sent to units), or None when there are none."""
+    return _gather(tasks) if tasks else None
+
+
+async def _gather(tasks: list[asyncio.Future[None]]) -> None:
+    await asyncio.gather(*tasks)

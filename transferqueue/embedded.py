@@ -14,7 +14,7 @@ import numpy as np
 from transferqueue.controller import SPREAD_BYTES, Controller
 from transferqueue.controller_service import ControllerService
 from transferqueue.handle import TransferQueue
-from transferqueue.links import LocalUnitLink
+from transferqueue.links import LocalControllerLink, LocalUnitLink
 from transferqueue.loop import LoopThread
 from transferqueue.storage import StorageUnit
 
@@ -60,7 +60,7 @@ def start(
 
     return TransferQueue(
         io,
-        service,
+        LocalControllerLink(service),
         links,
         closers=[close_service, lambda: executor.shutdown(wait=True)],
         mode="embedded",

@@ -19,14 +19,20 @@ was expected, what was received, and what to do.
 | PeerGoneError       | peer_gone       | a server stopped answering                               |
 | ClosedError         | closed          | the client or queue was closed                           |
 | BadRequestError     | bad_request     | an argument is invalid (also a ValueError)               |
+| FinishedError       | finished        | a put of new rows into a finished partition              |
+| DeniedError         | denied          | the caller may not do this (admin key, rows not granted) |
+| AuthError           | auth            | keys are missing, unreadable, or needed to listen here   |
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "AuthError",
     "BadRequestError",
     "CapacityError",
     "ClosedError",
+    "DeniedError",
+    "FinishedError",
     "LeaseExpiredError",
     "PeerGoneError",
     "ProtocolError",
@@ -125,6 +131,27 @@ class BadRequestError(TQError, ValueError):
     code = "bad_request"
 
 
+class FinishedError(TQError):
+    """New rows were put into a partition after ``finish``: consumers that got ``end`` would
+    never see them."""
+
+    code = "finished"
+
+
+class DeniedError(TQError, PermissionError):
+    """The caller may not do this: ``clear``/``reset`` without the admin key, a write to rows
+    the controller did not allocate to the writer, a lease another client took."""
+
+    code = "denied"
+
+
+class AuthError(TQError):
+    """Keys are missing or unreadable, or a server would listen beyond loopback without
+    them."""
+
+    code = "auth"
+
+
 _BY_CODE: dict[str, type[TQError]] = {
     cls.code: cls
     for cls in (
@@ -141,6 +168,9 @@ _BY_CODE: dict[str, type[TQError]] = {
         PeerGoneError,
         ClosedError,
         BadRequestError,
+        FinishedError,
+        DeniedError,
+        AuthError,
     )
 }
 

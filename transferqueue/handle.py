@@ -1,7 +1,7 @@
 """``TransferQueue``: a handle on a running TransferQueue, embedded or remote.
 
-It owns the I/O loop and the links; clients made from it share them. ``close()`` is
-idempotent and also runs when the handle is garbage-collected.
+It owns the I/O loop and the links; clients made from it share them and keep it alive.
+``close()`` is idempotent and also runs once the handle and all its clients are gone.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from types import TracebackType
 
+from transferqueue import messages as m
 from transferqueue.buffers import ResultBuffers
 from transferqueue.client import AsyncClient
 from transferqueue.links import ControllerLink, UnitLink
@@ -52,7 +53,7 @@ class TransferQueue:
 
     def async_client(self) -> AsyncClient:
         """An asyncio client (its calls hop onto this handle's I/O loop when needed)."""
-        return AsyncClient(self._io, self._controller, self._units, self._buffers)
+        return AsyncClient(self._io, self._controller, self._units, self._buffers, owner=self)
 
     def client(self) -> Client:
         """A blocking client, safe to share across threads."""
@@ -68,7 +69,7 @@ class TransferQueue:
         self._io.run(self._reset())
 
     async def _reset(self) -> None:
-        await self._controller.reset()
+        await self._controller.call(m.Reset())
         for unit in self._units:
             await unit.reset()
 

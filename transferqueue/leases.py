@@ -5,18 +5,24 @@ A lease is what makes delivery exactly-once under consumer crashes: ``get_meta``
 the deadline passes first, the controller returns the rows to the task's queue and the lease
 id is remembered as expired, so a late ack from a consumer that was only slow gets a clear
 :class:`LeaseExpiredError` instead of silently consuming rows someone else now holds.
+
+Lease ids are random 63-bit numbers (nobody can guess another consumer's), and a lease taken
+by an authenticated client (its key: the ``owner``) answers only to that client: to anyone
+else it is a lease never issued.
 """
 
 from __future__ import annotations
 
 import heapq
+import secrets
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from transferqueue.errors import LeaseExpiredError, UnknownLeaseError
+from transferqueue.errors import BadRequestError, LeaseExpiredError, UnknownLeaseError
+from transferqueue.limits import MAX_LEASE_S
 
 __all__ = ["Lease", "LeaseTable", "TaskKey"]
 
@@ -32,33 +38,52 @@ class Lease:
     indexes: np.ndarray
     deadline: float
     remaining: int
+    owner: str | None = None  # the key of the client that took it (None: no keys in use)
 
 
 class LeaseTable:
     """Active leases, a deadline heap, and the recent history of closed ones."""
 
-    def __init__(self, clock: Callable[[], float]) -> None:
+    def __init__(self, clock: Callable[[], float], max_lease_s: float = MAX_LEASE_S) -> None:
         self._clock = clock
+        self.max_lease_s = max_lease_s
         self._active: dict[int, Lease] = {}
         self._heap: list[tuple[float, int]] = []
         self._closed: OrderedDict[int, str] = OrderedDict()
-        self._next_id = 1
 
     def __len__(self) -> int:
         return len(self._active)
 
-    def open(self, task: TaskKey, indexes: np.ndarray, lease_s: float) -> Lease:
-        if not lease_s > 0:
-            raise ValueError(f"lease_s must be > 0, got {lease_s}")
-        lease = Lease(self._next_id, task, indexes, self._clock() + lease_s, int(indexes.size))
-        self._next_id += 1
-        self._active[lease.lease_id] = lease
-        heapq.heappush(self._heap, (lease.deadline, lease.lease_id))
+    def check_lease_s(self, lease_s: float) -> float:
+        """``lease_s`` if it is a finite time in (0, max_lease_s]; else a typed error."""
+        if not isinstance(lease_s, int | float) or not 0 < lease_s <= self.max_lease_s:
+            raise BadRequestError(
+                f"lease_s must be a number of seconds in (0, {self.max_lease_s:g}] (the "
+                f"controller's max_lease_s), got {lease_s!r}"
+            )
+        return float(lease_s)
+
+    def open(
+        self, task: TaskKey, indexes: np.ndarray, lease_s: float, owner: str | None = None
+    ) -> Lease:
+        deadline = self._clock() + self.check_lease_s(lease_s)
+        lease_id = secrets.randbits(63)
+        while lease_id == 0 or lease_id in self._active or lease_id in self._closed:
+            lease_id = secrets.randbits(63)
+        lease = Lease(lease_id, task, indexes, deadline, int(indexes.size), owner)
+        self._active[lease_id] = lease
+        heapq.heappush(self._heap, (lease.deadline, lease_id))
         return lease
 
-    def get(self, lease_id: int) -> Lease:
-        """The active lease, or a typed error saying what became of it."""
+    def get(self, lease_id: int, owner: str | None = None) -> Lease:
+        """The active lease, or a typed error saying what became of it. A lease another
+        client took (``owner`` differs) is reported as never issued."""
         lease = self._active.get(lease_id)
+        if lease is not None and lease.owner is not None and lease.owner != owner:
+            raise UnknownLeaseError(
+                f"lease {lease_id} was never issued to this client; pass the BatchMeta "
+                "returned by this client's get_meta"
+            )
         if lease is not None:
             if lease.deadline > self._clock():
                 return lease
@@ -83,7 +108,7 @@ class LeaseTable:
         return self._closed.get(lease_id)
 
     def renew(self, lease: Lease, lease_s: float) -> None:
-        lease.deadline = self._clock() + lease_s
+        lease.deadline = self._clock() + self.check_lease_s(lease_s)
         heapq.heappush(self._heap, (lease.deadline, lease.lease_id))
 
     def close(self, lease: Lease, why: str) -> None:

@@ -6,7 +6,7 @@ method runs on the client's I/O loop.
 
 | link            | embedded                          | service (ZeroMQ)              |
 |-----------------|-----------------------------------|-------------------------------|
-| ControllerLink  | :class:`ControllerService` itself | RPC to the controller server  |
+| ControllerLink  | :class:`LocalControllerLink`      | RPC to the controller server  |
 | UnitLink        | :class:`LocalUnitLink`            | RPC to a storage unit server  |
 """
 
@@ -22,15 +22,23 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 import torch
 
+from transferqueue import messages as m
 from transferqueue.chunked import ChunkedTensor
-from transferqueue.meta import BatchMeta
 from transferqueue.ragged import Ragged
 from transferqueue.schema import Column, FieldSpec
 from transferqueue.storage import StorageUnit
 
-__all__ = ["ControllerLink", "LocalUnitLink", "Staged", "UnitLink", "column_nbytes"]
+__all__ = [
+    "ControllerLink",
+    "LocalControllerLink",
+    "LocalUnitLink",
+    "Staged",
+    "UnitLink",
+    "column_nbytes",
+]
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 # Payloads above this are copied on a worker thread so the I/O loop keeps serving requests.
 # Below it the copy (at most a few ms) is cheaper than the hand-off to a thread: moving the
@@ -39,69 +47,21 @@ OFFLOAD_BYTES = 16 << 20
 
 
 class ControllerLink(Protocol):
-    """The controller's RPC surface (see :class:`ControllerService` for the semantics)."""
+    """The controller: one method, ``call``, for every message kind it takes (declared in
+    :mod:`transferqueue.messages`; the reply has the kind's declared type)."""
 
-    async def register_fields(self, specs: Mapping[str, FieldSpec]) -> dict[str, FieldSpec]: ...
+    async def call(self, msg: m.ControllerRequest[R]) -> R: ...
 
-    async def get_specs(self) -> dict[str, FieldSpec]: ...
 
-    async def allocate(
-        self,
-        n: int,
-        partition: str,
-        *,
-        groups: np.ndarray | int | None = None,
-        versions: np.ndarray | int | None = None,
-        lengths: np.ndarray | int | None = None,
-        timeout_s: float | None = None,
-        nbytes: int | None = None,
-        producer: str | None = None,
-    ) -> BatchMeta: ...
+class LocalControllerLink:
+    """The controller in this process: messages go straight to the service's handlers, with
+    no encoding (the embedded deployment)."""
 
-    async def discard(self, indexes: np.ndarray) -> None: ...
+    def __init__(self, service: object) -> None:
+        self._handlers = m.handlers("controller", service)
 
-    async def commit(
-        self,
-        indexes: np.ndarray,
-        fields: Sequence[str],
-        *,
-        versions: np.ndarray | int | None = None,
-        lengths: np.ndarray | int | None = None,
-        lease_id: int | None = None,
-    ) -> None: ...
-
-    async def get_meta(
-        self,
-        *,
-        task: str,
-        partition: str,
-        fields: Sequence[str] | None,
-        batch_size: int,
-        timeout_s: float | None = None,
-        lease_s: float = 60.0,
-        sampler: str = "fifo",
-        sampler_options: Mapping[str, Any] | None = None,
-        min_version: int | None = None,
-        max_group: int | None = None,
-    ) -> BatchMeta: ...
-
-    async def ack(self, lease_id: int, indexes: np.ndarray | None = None) -> None: ...
-
-    async def release(self, lease_id: int, indexes: np.ndarray | None = None) -> None: ...
-
-    async def renew(
-        self, lease_id: int, lease_s: float, indexes: np.ndarray | None = None
-    ) -> None: ...
-
-    async def declare_tasks(self, partition: str, tasks: Sequence[str]) -> None: ...
-
-    async def finish(self, partition: str) -> None: ...
-
-    async def clear(self, partition: str | None = None) -> None: ...
-
-    async def stats(self) -> dict[str, Any]: ...
-
-    async def reset(self) -> None: ...
+    async def call(self, msg: m.ControllerRequest[R]) -> R:
+        return await m.dispatch(self._handlers, msg, m.TRUSTED)
 
 
 @dataclass
@@ -132,7 +92,10 @@ class UnitLink(ABC):
         specs: Mapping[str, FieldSpec],
         *,
         create: bool,
-    ) -> None: ...
+        grant: bytes | None = None,
+    ) -> None:
+        """Store columns of rows; ``create`` new rows, under the controller's ``grant`` for
+        this unit (from ``BatchMeta.grants``)."""
 
     def stages(self, nbytes: int) -> bool:
         """Whether :meth:`stage` may take a put of ``nbytes`` of tensors."""
@@ -145,10 +108,16 @@ class UnitLink(ABC):
         return None
 
     async def write_staged(
-        self, indexes: np.ndarray, staged: Staged, specs: Mapping[str, FieldSpec], *, create: bool
+        self,
+        indexes: np.ndarray,
+        staged: Staged,
+        specs: Mapping[str, FieldSpec],
+        *,
+        create: bool,
+        grant: bytes | None = None,
     ) -> None:
         """``write`` of the columns :meth:`stage` returned."""
-        await self.write(indexes, staged.columns, specs, create=create)
+        await self.write(indexes, staged.columns, specs, create=create, grant=grant)
 
     def unstage(self, staged: Staged) -> None:  # noqa: B027 (nothing to give back here)
         """Give back what :meth:`stage` took, unwritten."""
@@ -162,7 +131,7 @@ class UnitLink(ABC):
     ) -> dict[str, Column]: ...
 
     @abstractmethod
-    async def free(self, indexes: np.ndarray) -> None: ...
+    async def free(self, indexes: np.ndarray, grant: bytes | None = None) -> None: ...
 
     @abstractmethod
     async def clear(self) -> None: ...
@@ -210,8 +179,10 @@ class LocalUnitLink(UnitLink):
         specs: Mapping[str, FieldSpec],
         *,
         create: bool,
+        grant: bytes | None = None,
         adopt: bool | None = None,
     ) -> None:
+        # (a unit in this process trusts its caller: no grant is checked)
         # An adopting (server) unit keeps ragged frames as they are: only dense data is copied.
         # ``adopt=False`` overrides that for buffers the unit does not own (shared memory).
         keep = self.adopt if adopt is None else adopt
@@ -255,7 +226,7 @@ class LocalUnitLink(UnitLink):
 
         await self._run(0, release)
 
-    async def free(self, indexes: np.ndarray) -> None:
+    async def free(self, indexes: np.ndarray, grant: bytes | None = None) -> None:
         await self._run(0, lambda: self.unit.free(indexes))
 
     async def clear(self) -> None:

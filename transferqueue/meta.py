@@ -9,6 +9,9 @@ must be acknowledged. Columns (numpy, one entry per row)::
     groups    int64   group id (e.g. the prompt shared by the n responses of a GRPO group)
     versions  int64   policy version that produced the row (-1: none)
     lengths   int64   length hint for balancing (-1: unknown)
+
+It goes on the wire as it is (its fields are its schema, see :mod:`transferqueue.messages`);
+``__post_init__`` checks what a decoded one holds.
 """
 
 from __future__ import annotations
@@ -53,13 +56,21 @@ class BatchMeta:
     reason: str = "put"
     splits: list[np.ndarray] | None = None
     acked: bool = field(default=False, repr=False)
+    grants: dict[int, bytes] | None = field(default=None, repr=False)
+    """Of new rows (``put``): per unit, the controller's grant to create them there."""
 
     def __post_init__(self) -> None:
         n = self.indexes.size
         for name in _COLUMNS:
             arr = getattr(self, name)
-            if arr.shape != (n,):
-                raise ValueError(f"BatchMeta.{name} has shape {arr.shape}, expected ({n},)")
+            if not isinstance(arr, np.ndarray) or arr.shape != (n,) or arr.dtype.kind not in "iu":
+                got = f"{arr.dtype} {arr.shape}" if isinstance(arr, np.ndarray) else repr(arr)
+                raise ValueError(f"BatchMeta.{name} is {got:.60}, expected ({n},) integers")
+            want = np.int32 if name == "units" else np.int64
+            if arr.dtype != want:
+                setattr(self, name, arr.astype(want))
+        if self.reason not in REASONS:
+            raise ValueError(f"BatchMeta.reason must be one of {REASONS}, got {self.reason!r}")
 
     def __len__(self) -> int:
         return int(self.indexes.size)
@@ -112,37 +123,3 @@ class BatchMeta:
         if parts is None:
             raise ValueError("split() needs parts= unless the batch came with a split")
         return [self.select(p) for p in balance_lengths(self.lengths, parts)]
-
-    # -- wire form ---------------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        """Plain structure (numpy arrays stay arrays; the wire layer frames them)."""
-        d: dict[str, Any] = {c: getattr(self, c) for c in _COLUMNS}
-        d.update(
-            partition=self.partition,
-            fields=list(self.fields),
-            task=self.task,
-            lease_id=self.lease_id,
-            lease_s=self.lease_s,
-            reason=self.reason,
-            splits=self.splits,
-        )
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> BatchMeta:
-        return cls(
-            np.asarray(d["indexes"], dtype=np.int64),
-            np.asarray(d["units"], dtype=np.int32),
-            np.asarray(d["groups"], dtype=np.int64),
-            np.asarray(d["versions"], dtype=np.int64),
-            np.asarray(d["lengths"], dtype=np.int64),
-            partition=d["partition"],
-            fields=tuple(d.get("fields") or ()),
-            task=d.get("task"),
-            lease_id=d.get("lease_id"),
-            lease_s=d.get("lease_s"),
-            reason=d.get("reason", "put"),
-            splits=None
-            if d.get("splits") is None
-            else [np.asarray(s, dtype=np.int64) for s in d["splits"]],
-        )

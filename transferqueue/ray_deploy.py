@@ -11,18 +11,27 @@ classes; ``ray.remote`` is applied here, at deployment time, so nothing else imp
     client = tq.client()                        # in the driver
     address = tq.address                        # pass it to tasks: transferqueue.connect(address)
 
-Servers bind to the IP Ray uses for their node (loopback on a local cluster); pass ``host``
-to choose another interface.
+Across nodes the servers bind to the IP Ray uses for their node and speak CURVE, with the
+keys of ``keys=DIR`` (``transferqueue keygen``; or ``TRANSFERQUEUE_KEYS``): the same mechanism
+as ``transferqueue serve`` (:mod:`transferqueue.auth`); tasks connect with
+``transferqueue.connect(address, keys=DIR)``. Without keys the servers bind to 127.0.0.1, which
+only a one-node cluster can use: on several nodes :func:`start_on_ray` asks for keys. ``host``
+chooses the interface (beyond loopback it needs keys too). The servers share a fresh grant key
+(:mod:`transferqueue.grants`), given to the actors.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any
 
 import zmq.asyncio
 
+from transferqueue.auth import ClientKeys, ServerKeys, client_keys, server_keys
 from transferqueue.controller import SPREAD_BYTES
+from transferqueue.errors import AuthError
+from transferqueue.grants import new_grant_key
 from transferqueue.handle import TransferQueue
 from transferqueue.loop import LoopThread
 from transferqueue.malloc import keep_freed_memory
@@ -72,12 +81,24 @@ class _ServerActor:
 class UnitActor(_ServerActor):
     """A storage unit server (apply ``ray.remote`` to deploy)."""
 
-    def __init__(self, unit_id: int, capacity_bytes: int | None, host: str | None) -> None:
+    def __init__(
+        self,
+        unit_id: int,
+        capacity_bytes: int | None,
+        host: str | None,
+        keys: ServerKeys | None = None,
+        grant_key: bytes | None = None,
+    ) -> None:
         super().__init__()
 
         async def make() -> UnitServer:
             server = UnitServer(
-                self._ctx, unit_id, f"tcp://{self._host(host)}:0", capacity_bytes=capacity_bytes
+                self._ctx,
+                unit_id,
+                f"tcp://{self._host(host)}:0",
+                capacity_bytes=capacity_bytes,
+                keys=keys,
+                grant_key=grant_key,
             )
             server.start()
             return server
@@ -94,6 +115,8 @@ class ControllerActor(_ServerActor):
         capacity_rows: int | None,
         host: str | None,
         spread_bytes: int = SPREAD_BYTES,
+        keys: ServerKeys | None = None,
+        grant_key: bytes | None = None,
     ) -> None:
         super().__init__()
 
@@ -104,6 +127,8 @@ class ControllerActor(_ServerActor):
                 f"tcp://{self._host(host)}:0",
                 capacity_rows=capacity_rows,
                 spread_bytes=spread_bytes,
+                keys=keys,
+                grant_key=grant_key,
             )
             await server.start()
             return server
@@ -122,6 +147,7 @@ def start_on_ray(
     name_prefix: str | None = None,
     actor_options: dict[str, Any] | None = None,
     start_timeout_s: float = 300.0,
+    keys: ServerKeys | str | os.PathLike[str] | None = None,
 ) -> TransferQueue:
     """Start controller and units as Ray actors and return a connected handle.
 
@@ -132,6 +158,8 @@ def start_on_ray(
     ``{"resources": {"tq_node": 0.01}}`` to keep them on the nodes declaring ``tq_node``, or
     a ``scheduling_strategy``). ``start_timeout_s`` bounds the wait for the actors to start
     (a cluster without the resources they ask for never starts them).
+    ``keys``: a key directory or :class:`ServerKeys` (default ``TRANSFERQUEUE_KEYS``), needed
+    on a cluster of several nodes (see the module docstring).
     """
     try:
         import ray
@@ -139,6 +167,18 @@ def start_on_ray(
         raise ImportError('the Ray deployment needs ray: pip install "asyncflow[ray]"') from None
     if not ray.is_initialized():
         raise RuntimeError("call ray.init() before transferqueue.ray_deploy.start_on_ray()")
+    loaded = server_keys(keys)
+    if host is None and loaded is None:
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        if len(nodes) > 1:
+            raise AuthError(
+                f"this Ray cluster has {len(nodes)} nodes: TransferQueue's servers must listen "
+                "beyond loopback, which needs keys. Run `transferqueue keygen DIR` and pass "
+                "keys=DIR (give DIR, or TRANSFERQUEUE_KEYS=DIR, to the processes that connect)"
+            )
+        host = "127.0.0.1"  # one node: loopback, no keys needed
+    own: ClientKeys | None = keys.as_client() if isinstance(keys, ServerKeys) else client_keys(keys)
+    grant_key = new_grant_key()
     strategy = "SPREAD" if spread else "DEFAULT"
     # Any: Ray's actor-handle typing does not model .options(...).remote(...) chains.
     unit_cls: Any = ray.remote(num_cpus=0)(UnitActor)
@@ -151,18 +191,18 @@ def start_on_ray(
         return o
 
     units = [
-        unit_cls.options(**opts(f"unit{i}")).remote(i, unit_capacity_bytes, host)
+        unit_cls.options(**opts(f"unit{i}")).remote(i, unit_capacity_bytes, host, loaded, grant_key)
         for i in range(num_units)
     ]
     actors: list[Any] = list(units)
     try:
         unit_addrs = _started(ray, [u.address.remote() for u in units], start_timeout_s, "units")
         ctl = ctl_cls.options(**opts("controller")).remote(
-            unit_addrs, capacity_rows, host, spread_bytes
+            unit_addrs, capacity_rows, host, spread_bytes, loaded, grant_key
         )
         actors.append(ctl)
         address = str(_started(ray, [ctl.address.remote()], start_timeout_s, "controller")[0])
-        handle = connect(address)
+        handle = connect(address, keys=own)
     except BaseException:
         _kill(actors)
         raise

@@ -10,23 +10,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
+import msgspec
 import numpy as np
 import torch
 import zmq
 import zmq.asyncio
 
+from transferqueue import messages as m
+from transferqueue.auth import ClientKeys, client_keys
 from transferqueue.errors import ClosedError, PeerGoneError, ProtocolError, TQError
 from transferqueue.handle import TransferQueue
 from transferqueue.links import OFFLOAD_BYTES, Staged, UnitLink, column_nbytes
 from transferqueue.loop import LoopThread
-from transferqueue.meta import BatchMeta
 from transferqueue.ragged import Ragged
-from transferqueue.rpc import DEFAULT_CALL_TIMEOUT_S, RpcClient
+from transferqueue.rpc import DEFAULT_CALL_TIMEOUT_S, RpcClient, check_address
 from transferqueue.schema import Column, FieldSpec
-from transferqueue.server import PROTOCOL_VERSION
 from transferqueue.shm import (
     SHM_DIR,
     WRITE_HEADER,
@@ -39,14 +41,14 @@ from transferqueue.shm import (
     new_token,
     shm_available,
 )
-from transferqueue.wire import SHM_MIN_BYTES
+from transferqueue.wire import PROTOCOL_VERSION, SHM_MIN_BYTES
 
 __all__ = ["RemoteControllerLink", "RemoteUnitLink", "connect"]
 
 # A blocking get_meta waits on the server in slices of this length, so that a controller that
 # died is noticed within a slice plus the call timeout, never never.
 WAIT_SLICE_S = 20.0
-_FOREVER_S = 10 * 365 * 86400.0
+R = TypeVar("R")
 
 SHM_MAX_BYTES = 1 << 30  # default bound of one client's arena with one unit
 _ARENA_MIN_BYTES = 16 << 20
@@ -65,135 +67,28 @@ def _write_need(columns: Mapping[str, Column], nbytes: int) -> int:
 
 
 class RemoteControllerLink:
-    """ControllerLink over ZeroMQ."""
+    """ControllerLink over ZeroMQ. A kind that waits (``get_meta``, ``allocate``) is sent in
+    slices of at most ``WAIT_SLICE_S``, each answered with None when it runs out, so that a
+    controller that died is noticed within a slice plus the call timeout, never never."""
 
     def __init__(self, rpc: RpcClient) -> None:
         self.rpc = rpc
 
-    async def register_fields(self, specs: Mapping[str, FieldSpec]) -> dict[str, FieldSpec]:
-        result = await self.rpc.call("register_fields", {"specs": dict(specs)})
-        return _specs(result)
-
-    async def get_specs(self) -> dict[str, FieldSpec]:
-        return _specs(await self.rpc.call("get_specs"))
-
-    async def allocate(
-        self,
-        n: int,
-        partition: str,
-        *,
-        groups: np.ndarray | int | None = None,
-        versions: np.ndarray | int | None = None,
-        lengths: np.ndarray | int | None = None,
-        timeout_s: float | None = None,
-        nbytes: int | None = None,
-        producer: str | None = None,
-    ) -> BatchMeta:
-        # Waiting for capacity has no natural bound when timeout_s is None.
-        wait = _FOREVER_S if timeout_s is None else timeout_s + self.rpc.call_timeout_s
-        args = {
-            "n": n,
-            "partition": partition,
-            "groups": groups,
-            "versions": versions,
-            "lengths": lengths,
-            "timeout_s": timeout_s,
-            "nbytes": nbytes,
-            "producer": producer,
-        }
-        return _meta(await self.rpc.call("allocate", args, wait_s=wait))
-
-    async def discard(self, indexes: np.ndarray) -> None:
-        await self.rpc.call("discard", {"indexes": indexes})
-
-    async def commit(
-        self,
-        indexes: np.ndarray,
-        fields: Sequence[str],
-        *,
-        versions: np.ndarray | int | None = None,
-        lengths: np.ndarray | int | None = None,
-        lease_id: int | None = None,
-    ) -> None:
-        await self.rpc.call(
-            "commit",
-            {
-                "indexes": indexes,
-                "fields": list(fields),
-                "versions": versions,
-                "lengths": lengths,
-                "lease_id": lease_id,
-            },
-        )
-
-    async def get_meta(
-        self,
-        *,
-        task: str,
-        partition: str,
-        fields: Sequence[str] | None,
-        batch_size: int,
-        timeout_s: float | None = None,
-        lease_s: float = 60.0,
-        sampler: str = "fifo",
-        sampler_options: Mapping[str, Any] | None = None,
-        min_version: int | None = None,
-        max_group: int | None = None,
-    ) -> BatchMeta:
+    async def call(self, msg: m.ControllerRequest[R]) -> R:
+        if not msg.waits:
+            return await self.rpc.call(msg)
         loop = asyncio.get_running_loop()
+        timeout_s = getattr(msg, "timeout_s", None)
         deadline = None if timeout_s is None else loop.time() + max(0.0, timeout_s)
         while True:
             remaining = None if deadline is None else max(0.0, deadline - loop.time())
             last = remaining is not None and remaining <= WAIT_SLICE_S
             wait = remaining if last else WAIT_SLICE_S
             assert wait is not None
-            meta = _meta(
-                await self.rpc.call(
-                    "get_meta",
-                    {
-                        "task": task,
-                        "partition": partition,
-                        "fields": None if fields is None else list(fields),
-                        "batch_size": batch_size,
-                        "timeout_s": wait,
-                        "lease_s": lease_s,
-                        "sampler": sampler,
-                        "sampler_options": dict(sampler_options or {}),
-                        "min_version": min_version,
-                        "max_group": max_group,
-                        "partial": last,
-                    },
-                    wait_s=wait + self.rpc.call_timeout_s,
-                )
-            )
-            if last or len(meta) or meta.reason != "timeout":
-                return meta
-
-    async def ack(self, lease_id: int, indexes: np.ndarray | None = None) -> None:
-        await self.rpc.call("ack", {"lease_id": lease_id, "indexes": indexes})
-
-    async def release(self, lease_id: int, indexes: np.ndarray | None = None) -> None:
-        await self.rpc.call("release", {"lease_id": lease_id, "indexes": indexes})
-
-    async def renew(self, lease_id: int, lease_s: float, indexes: np.ndarray | None = None) -> None:
-        await self.rpc.call("renew", {"lease_id": lease_id, "lease_s": lease_s, "indexes": indexes})
-
-    async def declare_tasks(self, partition: str, tasks: Sequence[str]) -> None:
-        await self.rpc.call("declare_tasks", {"partition": partition, "tasks": list(tasks)})
-
-    async def finish(self, partition: str) -> None:
-        await self.rpc.call("finish", {"partition": partition})
-
-    async def clear(self, partition: str | None = None) -> None:
-        await self.rpc.call("clear", {"partition": partition})
-
-    async def stats(self) -> dict[str, Any]:
-        result = await self.rpc.call("stats")
-        assert isinstance(result, dict)
-        return result
-
-    async def reset(self) -> None:
-        await self.rpc.call("reset")
+            part = msgspec.structs.replace(msg, timeout_s=wait, partial=last)
+            result = await self.rpc.call(part, wait_s=wait + self.rpc.call_timeout_s)
+            if result is not None:
+                return result
 
 
 class RemoteUnitLink(UnitLink):
@@ -305,7 +200,7 @@ class RemoteUnitLink(UnitLink):
             log.warning("no shared memory with unit %d (%s); sending frames", self.unit_id, e)
             return None
         try:
-            await self.rpc.call("shm_attach", {"name": arena.name, "keep": keep})
+            await self.rpc.call(m.ShmAttach(name=arena.name, keep=keep))
         except TQError as e:
             arena.close()
             log.info("unit %d shares no memory with this client (%s)", self.unit_id, e)
@@ -356,7 +251,7 @@ class RemoteUnitLink(UnitLink):
     async def _detach_retired(self) -> None:
         for arena in self._reads.retired() + self._writes.retired():
             with contextlib.suppress(TQError):
-                await self.rpc.call("shm_detach", {"name": arena.name}, wait_s=2.0)
+                await self.rpc.call(m.ShmDetach(name=arena.name), wait_s=2.0)
             arena.close()
 
     def _done(self, arena: Arena, ok: bool) -> None:
@@ -373,29 +268,31 @@ class RemoteUnitLink(UnitLink):
         specs: Mapping[str, FieldSpec],
         *,
         create: bool,
+        grant: bytes | None = None,
     ) -> None:
-        args = {
-            "indexes": indexes,
-            "columns": dict(columns),
-            "specs": {k: specs[k] for k in columns},
-            "create": create,
-        }
+        msg = m.Write(
+            indexes=indexes,
+            columns=dict(columns),
+            specs={k: specs[k] for k in columns},
+            create=create,
+            grant=grant,
+        )
         nbytes = sum(column_nbytes(c) for c in columns.values())
         need = _write_need(columns, nbytes)
         if any(isinstance(c, Ragged) for c in columns.values()):
             kept = await self._lend_write(need)
             if kept is not None:
-                await self._write_kept(kept, args, nbytes)
+                await self._write_kept(kept, msg, nbytes)
                 return
         arena = await self._acquire(need)
         if arena is None:
-            await self.rpc.call("write", args)
+            await self.rpc.call(msg)
             return
         ok = False
         try:
-            args["shm"] = True
+            msg.shm = True
             place = Placer(arena.name, arena.buf)
-            await self.rpc.call("write", args, place=place, offload=nbytes >= OFFLOAD_BYTES)
+            await self.rpc.call(msg, place=place, offload=nbytes >= OFFLOAD_BYTES)
             ok = True
         except TQError as e:
             ok = _answered(e)  # the unit answered: it is done with the arena
@@ -445,35 +342,42 @@ class RemoteUnitLink(UnitLink):
         return Staged(staged, nbytes, (arena, used))
 
     async def write_staged(
-        self, indexes: np.ndarray, staged: Staged, specs: Mapping[str, FieldSpec], *, create: bool
+        self,
+        indexes: np.ndarray,
+        staged: Staged,
+        specs: Mapping[str, FieldSpec],
+        *,
+        create: bool,
+        grant: bytes | None = None,
     ) -> None:
         arena, used = staged.token
         self.staged_writes += 1
-        args = {
-            "indexes": indexes,
-            "columns": staged.columns,
-            "specs": {k: specs[k] for k in staged.columns},
-            "create": create,
-        }
-        await self._write_kept(arena, args, staged.nbytes, staged=used)
+        msg = m.Write(
+            indexes=indexes,
+            columns=staged.columns,
+            specs={k: specs[k] for k in staged.columns},
+            create=create,
+            grant=grant,
+        )
+        await self._write_kept(arena, msg, staged.nbytes, staged=used)
 
     def unstage(self, staged: Staged) -> None:
         self._writes.unlend(staged.token[0])
 
     async def _write_kept(
-        self, arena: Arena, args: dict[str, Any], nbytes: int, *, staged: int = 0
+        self, arena: Arena, msg: m.Write, nbytes: int, *, staged: int = 0
     ) -> None:
         """A write placed in a write arena; the unit clears the arena's flag once it holds
         no view of it, and only then is the arena lent again. ``staged``: bytes at the
         start of the arena's region already holding the columns' buffers (they are named
         where they lie; other buffers are placed after them)."""
-        args["shm"] = True
-        args["keep"] = arena.name
+        msg.shm = True
+        msg.keep = arena.name
         base = WRITE_HEADER + staged
         local = [(arena.name, arena.buf.ctypes.data, arena.size)] if staged else []
         place = Placer(arena.name, arena.buf[base:], base=base, local=local)
         try:
-            await self.rpc.call("write", args, place=place, offload=nbytes >= OFFLOAD_BYTES)
+            await self.rpc.call(msg, place=place, offload=nbytes >= OFFLOAD_BYTES)
         except TQError:
             # The unit may not clear the flag of a request it could not read (or that got no
             # answer): never lend this arena again.
@@ -486,27 +390,25 @@ class RemoteUnitLink(UnitLink):
         fields: Sequence[str],
         out: Mapping[str, torch.Tensor] | None = None,
     ) -> dict[str, Column]:
-        args: dict[str, Any] = {"indexes": indexes, "fields": list(fields)}
+        msg = m.Read(indexes=indexes, fields=list(fields))
         # Rows this client wrote through write arenas come back as views of them (no copy on
         # either side); the arenas stay held until the reply is in (and then by the views).
         pinned = self._writes.pin()
         if pinned:
-            args["mine"] = [a.name for a in pinned]
+            msg.mine = [a.name for a in pinned]
         try:
-            return await self._read(args, out)
+            return await self._read(msg, out)
         finally:
             self._writes.unpin(pinned)
 
-    async def _read(
-        self, args: dict[str, Any], out: Mapping[str, torch.Tensor] | None
-    ) -> dict[str, Column]:
+    async def _read(self, msg: m.Read, out: Mapping[str, torch.Tensor] | None) -> dict[str, Column]:
         want = max(sum(t.numel() * t.element_size() for t in (out or {}).values()), 0)
         loan = await self._borrow(max(want, self._read_hint))
         if loan is not None:  # the rows land in an arena lent to this read: no copy here
             answered = False
             try:
-                args["shm"] = loan.arena.name
-                result = _columns(await self.rpc.call("read", args), self.unit_id)
+                msg.shm = loan.arena.name
+                result = _columns(await self.rpc.call(msg), self.unit_id)
                 answered = True
             except TQError as e:
                 answered = _answered(e)
@@ -517,13 +419,13 @@ class RemoteUnitLink(UnitLink):
             return _into(result, out, copy=False) if out else result
         arena = await self._acquire(max(want, self._read_hint))
         if arena is None:
-            result = _columns(await self.rpc.call("read", args), self.unit_id)
+            result = _columns(await self.rpc.call(msg), self.unit_id)
             self._read_hint = _tensor_bytes(result)
             return _into(result, out, copy=False) if out else result
         ok = False
         try:
-            args["shm"] = arena.name
-            result = _columns(await self.rpc.call("read", args), self.unit_id)
+            msg.shm = arena.name
+            result = _columns(await self.rpc.call(msg), self.unit_id)
             self._read_hint = _tensor_bytes(result)
             # Views of the arena must be copied out before the arena serves another request.
             if self._read_hint >= OFFLOAD_BYTES:
@@ -543,22 +445,20 @@ class RemoteUnitLink(UnitLink):
         arenas = self._reads.close() + self._writes.close() + ([] if arena is None else [arena])
         for a in arenas:
             with contextlib.suppress(TQError):
-                await self.rpc.call("shm_detach", {"name": a.name}, wait_s=2.0)
+                await self.rpc.call(m.ShmDetach(name=a.name), wait_s=2.0)
             a.close()
 
-    async def free(self, indexes: np.ndarray) -> None:
-        await self.rpc.call("free", {"indexes": indexes})
+    async def free(self, indexes: np.ndarray, grant: bytes | None = None) -> None:
+        await self.rpc.call(m.Free(indexes=indexes, grant=grant))
 
     async def clear(self) -> None:
-        await self.rpc.call("clear")
+        await self.rpc.call(m.ClearUnit())
 
     async def stats(self) -> dict[str, Any]:
-        result = await self.rpc.call("stats")
-        assert isinstance(result, dict)
-        return result
+        return await self.rpc.call(m.UnitStats())
 
     async def reset(self) -> None:
-        await self.rpc.call("reset")
+        await self.rpc.call(m.ResetUnit())
 
 
 def _answered(e: TQError) -> bool:
@@ -598,26 +498,20 @@ def _into(
     return result
 
 
-def _specs(value: Any) -> dict[str, FieldSpec]:
-    if not isinstance(value, dict) or not all(isinstance(v, FieldSpec) for v in value.values()):
-        raise ProtocolError("expected a map of field specs")
-    return value
-
-
-def _meta(value: Any) -> BatchMeta:
-    if not isinstance(value, BatchMeta):
-        raise ProtocolError(f"expected a BatchMeta, got {type(value).__name__}")
-    return value
-
-
 def connect(
     address: str,
     *,
     call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
     connect_timeout_s: float = 10.0,
     shm_max_bytes: int = SHM_MAX_BYTES,
+    keys: ClientKeys | str | os.PathLike[str] | None = None,
 ) -> TransferQueue:
-    """Connect to a TransferQueue service (``transferqueue serve`` prints its address).
+    """Connect to a TransferQueue service (``transferqueue serve`` prints its address,
+    ``tcp://HOST:PORT``; anything else fails at once, saying so).
+
+    ``keys``: a service with keys (any service listening beyond loopback) answers only
+    clients holding one of its keys: a directory made by ``transferqueue keygen`` (or
+    ``TRANSFERQUEUE_KEYS``), see :mod:`transferqueue.auth`.
 
     Storage units on this host exchange column data with this client through shared memory
     (``/dev/shm``): per unit, a request arena of up to ``shm_max_bytes`` (default 1 GiB; 0:
@@ -625,25 +519,35 @@ def connect(
     until dropped. Units elsewhere, and larger transfers, use ZeroMQ frames. See
     :mod:`transferqueue.shm`.
     """
+    check_address(address)  # before any thread or socket exists
+    ckeys = client_keys(keys)
     io = LoopThread("transferqueue-client", always=False)
     ctx = zmq.asyncio.Context()
     rpcs: list[RpcClient] = []
     units: list[RemoteUnitLink] = []
 
     async def setup() -> tuple[RemoteControllerLink, list[RemoteUnitLink]]:
-        ctl = RpcClient(ctx, address, call_timeout_s=call_timeout_s)
+        ctl = RpcClient(ctx, address, call_timeout_s=call_timeout_s, keys=ckeys)
         rpcs.append(ctl)
         try:
-            hello = await ctl.call("hello", wait_s=connect_timeout_s)
+            hello = await ctl.call(m.Hello(), wait_s=connect_timeout_s)
         except PeerGoneError:
+            hint = (
+                "; a service beyond loopback answers only clients with its keys (keys=DIR, "
+                "see transferqueue keygen)"
+                if ckeys is None
+                else "; or these keys are not the service's"
+            )
             raise PeerGoneError(
                 f"no TransferQueue controller answered at {address} within "
-                f"{connect_timeout_s} s; start one with `transferqueue serve`"
+                f"{connect_timeout_s} s; start one with `transferqueue serve`{hint}"
             ) from None
-        if not isinstance(hello, dict) or hello.get("protocol") != PROTOCOL_VERSION:
-            raise ProtocolError(f"{address} speaks protocol {hello!r}, expected {PROTOCOL_VERSION}")
-        for uid, addr in enumerate(hello["units"]):
-            rpc = RpcClient(ctx, addr, call_timeout_s=call_timeout_s)
+        if hello.protocol != PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"{address} speaks protocol {hello.protocol}, expected {PROTOCOL_VERSION}"
+            )
+        for uid, addr in enumerate(hello.units):
+            rpc = RpcClient(ctx, addr, call_timeout_s=call_timeout_s, keys=ckeys)
             rpcs.append(rpc)
             units.append(RemoteUnitLink(uid, rpc, shm_max_bytes=shm_max_bytes))
         return RemoteControllerLink(ctl), units
@@ -658,7 +562,7 @@ def connect(
     def close_sockets() -> None:
         if not io.closed:
             io.run(teardown(), timeout=10)
-        ctx.term()
+        ctx.term()  # (every socket is closed by now: term does not wait)
 
     try:
         ctl_link, unit_links = io.run(setup())

@@ -1,13 +1,19 @@
 """Request/reply over ZeroMQ on asyncio: one server socket, one client socket per peer.
 
-``RpcServer`` binds a ROUTER socket and answers each request on its own task, so a request
-that waits (a blocking ``get_meta``) never holds up the others. The request loop never sleeps
-and never dies: a message that cannot be decoded gets an error reply when its request id can
-be read (and is dropped otherwise), and a handler that raises becomes a typed error reply.
+``RpcServer`` binds a ROUTER socket, decodes each request into its declared message struct
+(:mod:`transferqueue.messages`) and calls the handler of its kind; a handler that must wait
+(a blocking ``get_meta``) returns an awaitable, which gets a task of its own, so it never
+holds up the others. The request loop never sleeps and never dies: a request refused by its
+schema gets an error reply (a message whose header cannot be read is dropped), and a handler
+that raises becomes a typed error reply.
 
-``RpcClient`` holds one long-lived DEALER socket to one server; requests carry ids, one
-receiver task matches replies to waiting callers, and every call has a deadline after which
-the peer is reported gone (:class:`PeerGoneError`).
+``RpcClient`` holds one long-lived DEALER socket to one server; requests carry ids, replies
+are matched to waiting callers and decoded into the kind's declared reply type, and every
+call has a deadline after which the peer is reported gone (:class:`PeerGoneError`).
+
+With keys (:mod:`transferqueue.auth`) both sides speak CURVE: the server answers only
+trusted keys and hands each handler the caller's key; without keys a server binds only to
+loopback.
 """
 
 from __future__ import annotations
@@ -19,19 +25,29 @@ import itertools
 import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
 
 from transferqueue import wire
-from transferqueue.errors import ClosedError, PeerGoneError, ProtocolError
+from transferqueue.auth import ClientKeys, ServerKeys, require_keys
+from transferqueue.errors import (
+    BadRequestError,
+    ClosedError,
+    DeniedError,
+    PeerGoneError,
+    ProtocolError,
+    TQError,
+)
+from transferqueue.limits import MAX_FRAME_BYTES
+from transferqueue.messages import TRUSTED, Caller, Handler, Request
 
-__all__ = ["RpcClient", "RpcServer", "SendThenRelease", "bind_address"]
+__all__ = ["RpcClient", "RpcServer", "SendThenRelease", "bind_address", "check_address"]
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[str, dict[str, Any]], Awaitable[Any]]
+R = TypeVar("R")
 
 
 @dataclass
@@ -63,6 +79,27 @@ def _tune(sock: zmq.Socket[Any]) -> None:
     # Unbounded queues: flow control is ours (capacity, leases), never a silent drop.
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
+
+
+def check_address(address: Any, *, bind: bool = False) -> str:
+    """``address`` if it is an endpoint TransferQueue can use; else a
+    :class:`BadRequestError` showing the expected form (checked before any socket opens)."""
+    ok = False
+    if isinstance(address, str):
+        if address.startswith("tcp://"):
+            host, sep, port = address[len("tcp://") :].rpartition(":")
+            low = 0 if bind else 1
+            ok = bool(sep and host) and (
+                (port.isdigit() and low <= int(port) <= 65535) or (bind and port == "*")
+            )
+        elif address.startswith(("ipc://", "inproc://")):
+            ok = len(address.split("://", 1)[1]) > 0
+    if not ok:
+        raise BadRequestError(
+            f"{address!r} is not a TransferQueue address; expected tcp://HOST:PORT (for "
+            "example tcp://127.0.0.1:5555, as `transferqueue serve` prints it) or ipc:///PATH"
+        )
+    return str(address)
 
 
 def bind_address(sock: zmq.Socket[Any], address: str) -> str:
@@ -128,23 +165,40 @@ class _LoopSocket:
 
 
 class RpcServer:
-    """A ROUTER socket answering requests of ``kinds`` with ``handler(kind, args)``."""
+    """A ROUTER socket answering the message kinds of ``server`` with ``handlers`` (see
+    :func:`transferqueue.messages.handlers`)."""
 
     def __init__(
         self,
         ctx: zmq.asyncio.Context,
         address: str,
-        kinds: frozenset[str],
-        handler: Handler,
+        server: str,
+        handlers: dict[type[Request[Any]], Handler],
         *,
         join: bool = True,
         resolve: wire.Resolver | None = None,
+        keys: ServerKeys | None = None,
     ) -> None:
+        check_address(address, bind=True)
+        require_keys(address, keys)
         self._io = _LoopSocket(ctx, zmq.ROUTER, self._on_message)
+        self._authenticator: Any = None
+        try:
+            # One frame above this disconnects its sender (no unbounded allocation).
+            self._io.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+            if keys is not None:
+                self._authenticator = keys.authenticator(ctx)
+                keys.apply(self._io.sock)
+            self.address = bind_address(self._io.sock, address)
+        except BaseException:
+            self._io.close()
+            if self._authenticator is not None:
+                self._authenticator.stop()
+            raise
+        self._keys = keys
         self._resolve = resolve
-        self.address = bind_address(self._io.sock, address)
-        self._kinds = kinds
-        self._handler = handler
+        self._server = server
+        self._handlers = handlers
         self._join = join  # False: large tensors reach the handler as ChunkedTensor
         self._tasks: set[asyncio.Task[None]] = set()
         self.requests = 0
@@ -153,48 +207,61 @@ class RpcServer:
     def start(self) -> None:
         self._io.attach()
 
+    def _caller(self, head: Any) -> Caller:
+        if self._keys is None:
+            return TRUSTED
+        return self._keys.caller(str(head.get("User-Id")))
+
     def _on_message(self, msg: list[Any]) -> None:
         """Answer inline when the handler can; requests that must wait get a task."""
         if len(msg) < 2:
-            self.bad_messages += 1  # no identity or no body: nobody to answer
+            self.bad_messages += 1  # no identity or no header: nobody to answer
             return
         identity, frames = msg[0], msg[1:]
-        req_id: int | None = None
         try:
-            kind, req_id, args = wire.decode_request(
-                frames, self._kinds, join=self._join, resolve=self._resolve
+            rid, m = wire.decode_request(
+                frames, self._server, join=self._join, resolve=self._resolve
             )
-            self.requests += 1
-            result = self._handler(kind, args)
+        except wire.RequestError as e:  # refused by its schema: a typed reply
+            self.bad_messages += 1
+            self._send(identity, wire.encode_error(e.rid, e.error))
+            return
+        except ProtocolError:
+            self.bad_messages += 1
+            return
+        self.requests += 1
+        try:
+            caller = self._caller(frames[0])
+            if not caller.may(m.needs):
+                raise DeniedError(
+                    f"{m.kind!r} needs the {m.needs} key of this service; this client's key "
+                    "is not one (see transferqueue keygen --admin)"
+                )
+            result = self._handlers[type(m)](m, caller)
         except Exception as e:  # every handler error is a typed reply
-            self._reply_error(identity, frames, req_id, e)
+            self._reply_error(identity, rid, e)
             return
         if inspect.isawaitable(result) or isinstance(result, SendThenRelease):
-            self._spawn(self._answer(identity, frames, req_id, result))
+            self._spawn(self._answer(identity, rid, result))
         else:
-            self._reply(identity, req_id, result)
+            self._reply(identity, rid, result)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _reply(self, identity: Any, req_id: int, result: Any) -> None:
+    def _reply(self, identity: Any, rid: int, result: Any) -> None:
         try:
-            reply = wire.encode_reply(req_id, result)
+            reply = wire.encode_reply(rid, result)
         except Exception as e:  # an unencodable result is a typed reply too
-            reply = wire.encode_error(req_id, e)
+            reply = wire.encode_error(rid, e)
         self._send(identity, reply)
 
-    def _reply_error(
-        self, identity: Any, frames: list[Any], req_id: int | None, e: BaseException
-    ) -> None:
-        if isinstance(e, ProtocolError):
-            self.bad_messages += 1
-            req_id = wire.peek_request_id(frames) if req_id is None else req_id
-        elif not isinstance(e, ValueError | TypeError) and not hasattr(e, "code"):
+    def _reply_error(self, identity: Any, rid: int, e: BaseException) -> None:
+        if not isinstance(e, TQError | ValueError | TypeError):
             log.error("handler of a request failed", exc_info=e)
-        self._send(identity, wire.encode_error(req_id, e))
+        self._send(identity, wire.encode_error(rid, e))
 
     def _send(self, identity: Any, reply: list[Any]) -> None:
         try:
@@ -202,20 +269,20 @@ class RpcServer:
         except (zmq.ZMQError, ValueError, TypeError) as e:
             log.warning("reply not sent: %s", e)
 
-    async def _answer(self, identity: Any, frames: list[Any], req_id: int, pending: Any) -> None:
+    async def _answer(self, identity: Any, rid: int, pending: Any) -> None:
         try:
             result = await pending if inspect.isawaitable(pending) else pending
         except asyncio.CancelledError:
             raise
         except Exception as e:  # every handler error is a typed reply
-            self._reply_error(identity, frames, req_id, e)
+            self._reply_error(identity, rid, e)
             return
         if not isinstance(result, SendThenRelease):
-            self._reply(identity, req_id, result)
+            self._reply(identity, rid, result)
             return
         try:
             reply = await _encode(
-                wire.encode_reply, req_id, result.value, result.place, offload=result.offload
+                wire.encode_reply, rid, result.value, result.place, offload=result.offload
             )
             if len(reply) == 1:  # every buffer went into shared memory: no frame to wait for
                 self._io.send([identity, *reply])
@@ -230,7 +297,7 @@ class RpcServer:
             if isinstance(e, zmq.ZMQError):
                 log.warning("reply not sent: %s", e)
             else:
-                self._reply_error(identity, frames, req_id, e)
+                self._reply_error(identity, rid, e)
         finally:
             if result.release is not None:
                 await result.release()
@@ -241,6 +308,9 @@ class RpcServer:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         self._io.close()
+        if self._authenticator is not None:
+            self._authenticator.stop()
+            self._authenticator = None
 
 
 class RpcClient:
@@ -252,79 +322,104 @@ class RpcClient:
         address: str,
         *,
         call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
+        keys: ClientKeys | None = None,
     ) -> None:
-        self.address = address
+        self.address = check_address(address)
         self.call_timeout_s = call_timeout_s
         # Finds shared-memory buffers in replies (set by the unit link that owns the arena).
         self.resolve: wire.Resolver | None = None
         self._io = _LoopSocket(ctx, zmq.DEALER, self._on_message)
-        self._io.sock.connect(address)
+        try:
+            if keys is not None:
+                keys.apply(self._io.sock)
+            self._io.sock.connect(address)
+        except BaseException as e:
+            self._io.close()  # (a socket left open would hold up the context's term)
+            if isinstance(e, zmq.ZMQError):
+                raise BadRequestError(f"cannot connect to {address!r}: {e}") from None
+            raise
         self._ids = itertools.count(1)
-        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._pending: dict[int, tuple[asyncio.Future[Any], Request[Any]]] = {}
         self._attached = False
         self._closed = False
 
     def _on_message(self, frames: list[Any]) -> None:
+        rid = wire.reply_id(frames)
+        entry = self._pending.pop(rid, None) if rid is not None else None
+        if entry is None:
+            log.warning("a reply from %s that answers no pending request was dropped", self.address)
+            return
+        fut, msg = entry
         try:
-            req_id, result = wire.decode_reply(frames, self.resolve)
-        except wire.ReplyError as e:
-            fut = self._pending.pop(e.req_id, None)
-            if fut is not None and not fut.done():
-                fut.set_exception(e.error)
-            return
-        except ProtocolError as e:
-            rid = wire.peek_request_id(frames)
-            fut = self._pending.pop(rid, None) if rid is not None else None
-            if fut is not None and not fut.done():
+            result = wire.decode_reply(frames, msg.wire_reply, self.resolve)
+        except TQError as e:
+            if not fut.done():
                 fut.set_exception(e)
-            else:
-                log.warning("undecodable reply from %s dropped: %s", self.address, e)
             return
-        fut = self._pending.pop(req_id, None)
-        if fut is not None and not fut.done():
+        if not fut.done():
             fut.set_result(result)
 
     async def call(
         self,
-        kind: str,
-        args: dict[str, Any] | None = None,
+        msg: Request[R],
         *,
         wait_s: float | None = None,
         place: wire.Placer | None = None,
         offload: bool = False,
-    ) -> Any:
+    ) -> R:
         """Send one request and wait for its reply (``wait_s`` overrides the call timeout).
 
         ``place`` puts the request's buffers into a shared-memory arena where they fit;
         ``offload`` encodes (and so copies) on a worker thread."""
+        self._check_open()
+        rid = next(self._ids)
+        frames = await _encode(wire.encode_request, rid, msg, place, offload=offload)
+        return await self._send(rid, msg, frames, wait_s)
+
+    def request(self, msg: Request[R], *, wait_s: float | None = None) -> Awaitable[R]:
+        """Send ``msg`` now, before this returns (on the loop's thread); await the result for
+        the reply. (The controller frees rows on units this way: the free leaves before the
+        reply to the ack that caused it.)"""
+        self._check_open()
+        rid = next(self._ids)
+        return self._send(rid, msg, wire.encode_request(rid, msg), wait_s)
+
+    def _check_open(self) -> None:
         if self._closed:
             raise ClosedError(f"the connection to {self.address} is closed")
         if not self._attached:
             self._io.attach()
             self._attached = True
-        req_id = next(self._ids)
-        frames = await _encode(
-            wire.encode_request, kind, req_id, args or {}, place, offload=offload
-        )
+
+    def _send(
+        self, rid: int, msg: Request[R], frames: list[Any], wait_s: float | None
+    ) -> asyncio.Future[R]:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
-        self._pending[req_id] = fut
+        self._pending[rid] = (fut, msg)
         wait = self.call_timeout_s if wait_s is None else wait_s
         # A timer handle, not asyncio.wait_for: that wraps every call in another task.
-        timer = loop.call_later(wait, self._expire, fut, kind, wait)
+        timer = loop.call_later(wait, self._expire, fut, msg.kind, wait)
+
+        def done(_: asyncio.Future[Any]) -> None:
+            timer.cancel()
+            self._pending.pop(rid, None)
+
+        fut.add_done_callback(done)
         try:
             self._io.send(frames)
-            return await fut
-        finally:
-            timer.cancel()
-            self._pending.pop(req_id, None)
+        except BaseException:
+            fut.cancel()
+            raise
+        return fut
 
     def _expire(self, fut: asyncio.Future[Any], kind: str, wait: float) -> None:
         if not fut.done():
             fut.set_exception(
                 PeerGoneError(
                     f"{self.address} did not answer {kind!r} within {wait:.0f} s; is the "
-                    "TransferQueue service running and reachable?"
+                    "TransferQueue service running and reachable (and, if it uses keys, "
+                    "does this client have them)?"
                 )
             )
 
@@ -332,7 +427,7 @@ class RpcClient:
         if self._closed:
             return
         self._closed = True
-        for fut in self._pending.values():
+        for fut, _ in self._pending.values():
             if not fut.done():
                 fut.set_exception(ClosedError(f"the connection to {self.address} was closed"))
         self._io.close()

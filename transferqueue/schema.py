@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from transferqueue.errors import SchemaError
+from transferqueue.limits import MAX_DIM, MAX_DIMS, MAX_OBJECT_DEPTH, MAX_ROW_BYTES
 from transferqueue.ragged import Ragged
 
 __all__ = [
@@ -51,7 +52,6 @@ DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
 }
 _NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
-_MAX_OBJECT_DEPTH = 32
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
@@ -85,8 +85,16 @@ class FieldSpec:
                 raise SchemaError(f"{self.kind} fields need a dtype")
             object.__setattr__(self, "dtype", dtype_name(self.dtype))
             object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
-            if any(d < 0 for d in self.shape):
-                raise SchemaError(f"shape must be non-negative, got {self.shape}")
+            if len(self.shape) > MAX_DIMS or any(not 0 <= d <= MAX_DIM for d in self.shape):
+                raise SchemaError(
+                    f"shape must have at most {MAX_DIMS} dimensions of 0..{MAX_DIM}, "
+                    f"got {self.shape}"
+                )
+            if self.row_nbytes > MAX_ROW_BYTES:
+                raise SchemaError(
+                    f"a row of {self.describe()} takes {self.row_nbytes} bytes, more than "
+                    f"{MAX_ROW_BYTES}; split the field"
+                )
 
     @classmethod
     def dense(cls, dtype: torch.dtype | str, shape: Sequence[int] = ()) -> FieldSpec:
@@ -112,23 +120,15 @@ class FieldSpec:
     @property
     def row_nbytes(self) -> int:
         """Bytes per row of a dense field (per element of a ragged one)."""
-        n = int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        n = 1
+        for d in self.shape:  # (Python ints: no overflow before the bound is checked)
+            n *= d
         return n * self.torch_dtype.itemsize
 
     def describe(self) -> str:
         if self.kind == "object":
             return "object"
         return f"{self.kind} {self.dtype} {list(self.shape)}"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "dtype": self.dtype, "shape": list(self.shape)}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> FieldSpec:
-        try:
-            return cls(d["kind"], d.get("dtype"), tuple(d.get("shape", ())))
-        except (KeyError, TypeError) as e:
-            raise SchemaError(f"malformed field spec {d!r}: {e}") from None
 
 
 # -- input normalization -----------------------------------------------------------------------
@@ -302,8 +302,8 @@ def _plain(name: str, row: int, value: Any, depth: int) -> Any:
         if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**64:
             raise SchemaError(f"field {name!r} row {row}: integer {value} does not fit 64 bits")
         return value
-    if depth >= _MAX_OBJECT_DEPTH:
-        raise SchemaError(f"field {name!r} row {row}: nesting deeper than {_MAX_OBJECT_DEPTH}")
+    if depth >= MAX_OBJECT_DEPTH:
+        raise SchemaError(f"field {name!r} row {row}: nesting deeper than {MAX_OBJECT_DEPTH}")
     if isinstance(value, list | tuple):
         return [_plain(name, row, v, depth + 1) for v in value]
     if isinstance(value, dict):

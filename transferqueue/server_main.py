@@ -4,7 +4,8 @@
     python -m transferqueue.server_main controller --units A,B --address ADDR --parent PID
 
 It prints ``READY <bound address>`` once serving, stops on SIGTERM/SIGINT, and stops on its
-own when its parent process is gone.
+own when its parent process is gone. Keys come from ``--keys DIR`` (or the environment), the
+grant key shared with the other servers from the environment (see :mod:`transferqueue.auth`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from typing import Any
 
 import zmq.asyncio
 
+from transferqueue.auth import ServerKeys, grant_key_from_env, server_keys
+from transferqueue.limits import MAX_LEASE_S
 from transferqueue.malloc import keep_freed_memory
 from transferqueue.server import ControllerServer, UnitServer
 from transferqueue.service import READY
@@ -41,9 +44,22 @@ async def _serve_until_stopped(server: Any, parent: int) -> None:
     await server.close()
 
 
-async def _run_unit(unit_id: int, address: str, capacity_bytes: int | None, parent: int) -> None:
+async def _run_unit(
+    unit_id: int,
+    address: str,
+    capacity_bytes: int | None,
+    parent: int,
+    keys: ServerKeys | None,
+) -> None:
     ctx = zmq.asyncio.Context()
-    server = UnitServer(ctx, unit_id, address, capacity_bytes=capacity_bytes)
+    server = UnitServer(
+        ctx,
+        unit_id,
+        address,
+        capacity_bytes=capacity_bytes,
+        keys=keys,
+        grant_key=grant_key_from_env(),
+    )
     server.start()
     await _serve_until_stopped(server, parent)
     ctx.term()
@@ -54,11 +70,22 @@ async def _run_controller(
     address: str,
     capacity_rows: int | None,
     spread_bytes: int | None,
+    max_lease_s: float,
     parent: int,
+    keys: ServerKeys | None,
 ) -> None:
     ctx = zmq.asyncio.Context()
     extra = {} if spread_bytes is None else {"spread_bytes": spread_bytes}
-    server = ControllerServer(ctx, units, address, capacity_rows=capacity_rows, **extra)
+    server = ControllerServer(
+        ctx,
+        units,
+        address,
+        capacity_rows=capacity_rows,
+        max_lease_s=max_lease_s,
+        keys=keys,
+        grant_key=grant_key_from_env(),
+        **extra,
+    )
     await server.start()
     await _serve_until_stopped(server, parent)
     ctx.term()
@@ -74,13 +101,24 @@ def _child_main(argv: list[str]) -> None:
     ap.add_argument("--capacity", type=int, default=None)
     ap.add_argument("--spread-bytes", type=int, default=None)
     ap.add_argument("--units", default="")
+    ap.add_argument("--max-lease-s", type=float, default=MAX_LEASE_S)
+    ap.add_argument("--keys", default=None)
     a = ap.parse_args(argv)
     keep_freed_memory()  # reuse freed payload buffers instead of faulting in fresh pages
+    keys = server_keys(a.keys)
     if a.role == "unit":
-        asyncio.run(_run_unit(a.unit_id, a.address, a.capacity, a.parent))
+        asyncio.run(_run_unit(a.unit_id, a.address, a.capacity, a.parent, keys))
     else:
         asyncio.run(
-            _run_controller(a.units.split(","), a.address, a.capacity, a.spread_bytes, a.parent)
+            _run_controller(
+                a.units.split(","),
+                a.address,
+                a.capacity,
+                a.spread_bytes,
+                a.max_lease_s,
+                a.parent,
+                keys,
+            )
         )
 
 

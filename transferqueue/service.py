@@ -3,8 +3,11 @@
 ``serve()`` (or ``transferqueue serve``) starts them, waits until each has bound its socket,
 and returns the controller's address; any process connects with
 ``transferqueue.connect(address)``. Servers bind to loopback unless told otherwise; binding
-other interfaces is an explicit choice (``host="0.0.0.0"``), and the address handed to clients
-is then ``advertise_host`` (default: this host's name).
+other interfaces is an explicit choice (``host="0.0.0.0"``) that needs keys (``keys=DIR``,
+see :mod:`transferqueue.auth`; without them the service refuses to start), and the address
+handed to clients is then ``advertise_host`` (default: the address this host reaches others
+from). The servers share a fresh grant key (:mod:`transferqueue.grants`), handed to them in
+their environment.
 
 Children stop on SIGTERM/SIGINT, and on their own when the parent that started them is gone.
 """
@@ -14,7 +17,6 @@ from __future__ import annotations
 import os
 import select
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,19 +25,20 @@ import weakref
 from types import TracebackType
 from typing import Any
 
+from transferqueue.auth import ENV_GRANT_KEY, advertised_host, require_keys, server_keys
 from transferqueue.errors import PeerGoneError
+from transferqueue.grants import new_grant_key
 
 __all__ = ["READY", "LocalService", "serve"]
 
 READY = "TRANSFERQUEUE-READY "  # a server process prints this, then its bound address
 
 
-def _advertised(address: str, advertise_host: str | None) -> str:
-    if not address.startswith("tcp://"):
+def _advertised(address: str, host: str | None) -> str:
+    """``address`` with its host replaced by ``host`` (the one clients use), if any."""
+    if host is None or not address.startswith("tcp://"):
         return address
-    host, port = address[len("tcp://") :].rsplit(":", 1)
-    if host in ("0.0.0.0", "*", "::"):
-        host = advertise_host or socket.gethostbyname(socket.gethostname())
+    port = address.rsplit(":", 1)[1]
     return f"tcp://{host}:{port}"
 
 
@@ -45,6 +48,8 @@ class LocalService:
     ``capacity_rows`` and ``unit_capacity_bytes`` bound what is held (see
     :func:`transferqueue.start`); ``spread_bytes`` is the payload per unit a put spreads over
     (default 16 MiB; 0: every put over all units); ``transport`` is ``tcp`` or ``ipc``.
+    ``keys``: a key directory (``transferqueue keygen``; default ``TRANSFERQUEUE_KEYS``),
+    needed to listen beyond loopback. ``max_lease_s`` bounds the leases consumers may take.
     """
 
     def __init__(
@@ -59,11 +64,19 @@ class LocalService:
         spread_bytes: int | None = None,
         advertise_host: str | None = None,
         start_timeout_s: float = 120.0,
+        keys: str | os.PathLike[str] | None = None,
+        max_lease_s: float | None = None,
     ) -> None:
         if num_units < 1:
             raise ValueError(f"num_units must be >= 1, got {num_units}")
         if transport not in ("tcp", "ipc"):
             raise ValueError(f"transport must be 'tcp' or 'ipc', got {transport!r}")
+        loaded = server_keys(keys)  # (checks the files now, not in every child)
+        if transport == "tcp":
+            require_keys(host, loaded)
+        public = advertised_host(host, advertise_host) if transport == "tcp" else None
+        self._env = dict(os.environ, **{ENV_GRANT_KEY: new_grant_key().hex()})
+        self._keys = None if keys is None else os.fspath(keys)
         self._procs: list[subprocess.Popen[str]] = []
         self._rundir = tempfile.mkdtemp(prefix="transferqueue-") if transport == "ipc" else None
         self._finalizer = weakref.finalize(self, _stop, self._procs, self._rundir)
@@ -73,17 +86,17 @@ class LocalService:
                 if unit_capacity_bytes is not None:
                     args += ["--capacity", str(unit_capacity_bytes)]
                 self._spawn(args)
-            units = [
-                _advertised(self._wait(p, start_timeout_s), advertise_host) for p in self._procs
-            ]
+            units = [_advertised(self._wait(p, start_timeout_s), public) for p in self._procs]
             args = ["controller", "--units", ",".join(units)]
             args += ["--address", self._bind(transport, host, port, None)]
             if capacity_rows is not None:
                 args += ["--capacity", str(capacity_rows)]
             if spread_bytes is not None:
                 args += ["--spread-bytes", str(spread_bytes)]
+            if max_lease_s is not None:
+                args += ["--max-lease-s", str(max_lease_s)]
             ctl = self._spawn(args)
-            self.address = _advertised(self._wait(ctl, start_timeout_s), advertise_host)
+            self.address = _advertised(self._wait(ctl, start_timeout_s), public)
             self.unit_addresses = units
         except BaseException:
             self.close()
@@ -104,8 +117,9 @@ class LocalService:
             *args,
             "--parent",
             str(os.getpid()),
+            *(["--keys", self._keys] if self._keys is not None else []),
         ]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=self._env)
         self._procs.append(proc)
         return proc
 

@@ -73,10 +73,13 @@ class TaskState:
         self.done = 0
         self.dropped = 0
 
-    def grow(self, capacity: int) -> None:
+    def grown(self, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+        """``state`` and ``lease`` grown to ``capacity`` (new arrays; the caller swaps them
+        in once every array of the controller has been grown)."""
         extra = capacity - self.state.size
-        self.state = np.concatenate([self.state, np.zeros(extra, dtype=np.uint8)])
-        self.lease = np.concatenate([self.lease, np.full(extra, -1, dtype=np.int64)])
+        state = np.concatenate([self.state, np.zeros(extra, dtype=np.uint8)])
+        lease = np.concatenate([self.lease, np.full(extra, -1, dtype=np.int64)])
+        return state, lease
 
 
 class PartitionState:

@@ -9,7 +9,9 @@ or readiness (that is the controller's job). Layout::
 
 Writes are all-or-nothing: every column is checked against its spec, every row is looked up
 and the capacity is checked before the first byte is copied, so a bad write leaves what is
-stored intact.
+stored intact. Growth beyond what a write needs is bounded in bytes (``GROW_SLACK_BYTES``),
+so a field of huge rows never makes a small write allocate dozens of them; a read names each
+row once, so its reply is never larger than what the unit holds.
 
 This is a plain class with no locking and no I/O; deployments (embedded, ZeroMQ server, Ray
 actor) wrap it and serialize access.
@@ -36,7 +38,10 @@ from transferqueue.ragged import Ragged
 from transferqueue.schema import Column, FieldSpec, column_rows
 from transferqueue.slots import ExtentAllocator, SlotMap
 
-__all__ = ["StorageUnit"]
+__all__ = ["GROW_SLACK_BYTES", "StorageUnit"]
+
+GROW_SLACK_BYTES = 64 << 20
+"""Dense bytes a unit may allocate beyond what a write needs (room for the next writes)."""
 
 
 def _check_data(name: str, spec: FieldSpec, data: object) -> None:
@@ -147,7 +152,11 @@ class StorageUnit:
         target = 0
         if new_rows > free:
             cap = self._alloc.capacity
-            target = cap + max(new_rows - free, cap // 2, 64)
+            slack = max(cap // 2, 64)
+            row_bytes = self._dense_bytes(1, specs)
+            if row_bytes:  # room for later writes, bounded in bytes
+                slack = min(slack, max(1, GROW_SLACK_BYTES // row_bytes))
+            target = cap + max(new_rows - free, slack)
         if self.capacity_bytes is not None:
             cap_after = max(target, self._alloc.capacity)
             added = self._dense_bytes(cap_after, specs) - self._dense_bytes(
@@ -197,6 +206,9 @@ class StorageUnit:
         """
         indexes = np.asarray(indexes, dtype=np.int64)
         slots = self._slots(indexes)
+        ascending = indexes.size < 2 or bool((np.diff(indexes) > 0).all())
+        if not ascending and np.unique(indexes).size != indexes.size:
+            raise SchemaError("a read names the same row twice")
         cols = []
         for name in fields:
             col = self._columns.get(name)

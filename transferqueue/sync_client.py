@@ -1,26 +1,41 @@
 """``Client``: the blocking facade over :class:`AsyncClient`, for threads and scripts.
 
-Each call runs the async implementation on the handle's I/O loop and waits for it; errors
-raised there are re-raised here. Use ``tq.async_client()`` inside async code instead: a
-blocking call would stall your event loop.
+Each method is the async method of the same name, run on the handle's I/O loop until done
+(:func:`_blocking` derives it, signature and docstring included, so the API is written once,
+in :class:`AsyncClient`); errors raised there are re-raised here. Use ``tq.async_client()``
+inside async code instead: a blocking call would stall your event loop.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, overload
-
-import numpy as np
+import contextlib
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, TypeVar, overload
 
 from transferqueue.client import AsyncClient, as_format, check_format
+from transferqueue.errors import ClosedError
 from transferqueue.loop import LoopThread
 from transferqueue.meta import BatchMeta
-from transferqueue.schema import Column, FieldSpec
+from transferqueue.schema import Column
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
 __all__ = ["Client"]
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def _blocking(
+    fn: Callable[Concatenate[AsyncClient, P], Coroutine[Any, Any, T]],
+) -> Callable[Concatenate[Client, P], T]:
+    def call(self: Client, *args: P.args, **kwargs: P.kwargs) -> T:
+        return self._io.run(fn(self._a, *args, **kwargs))
+
+    call.__name__ = call.__qualname__ = fn.__name__
+    call.__doc__ = f"Blocking :meth:`AsyncClient.{fn.__name__}`.\n\n{fn.__doc__ or ''}"
+    return call
 
 
 class Client:
@@ -34,65 +49,14 @@ class Client:
     def async_client(self) -> AsyncClient:
         return self._a
 
-    def put(
-        self,
-        data: Mapping[str, Any],
-        *,
-        meta: BatchMeta | None = None,
-        partition: str = "default",
-        group: np.ndarray | Sequence[int] | int | None = None,
-        version: np.ndarray | Sequence[int] | int | None = None,
-        length: np.ndarray | Sequence[int] | int | None = None,
-        specs: Mapping[str, FieldSpec] | None = None,
-        ack: bool = True,
-        lease_s: float = 60.0,
-        timeout_s: float | None = None,
-    ) -> BatchMeta:
-        """See :meth:`AsyncClient.put`."""
-        return self._io.run(
-            self._a.put(
-                data,
-                meta=meta,
-                partition=partition,
-                group=group,
-                version=version,
-                length=length,
-                specs=specs,
-                ack=ack,
-                lease_s=lease_s,
-                timeout_s=timeout_s,
-            )
-        )
-
-    def get_meta(
-        self,
-        task: str,
-        fields: Sequence[str] | None = None,
-        batch_size: int = 1,
-        *,
-        partition: str = "default",
-        timeout_s: float | None = None,
-        lease_s: float = 60.0,
-        sampler: str = "fifo",
-        min_version: int | None = None,
-        max_group: int | None = None,
-        **sampler_options: Any,
-    ) -> BatchMeta:
-        """See :meth:`AsyncClient.get_meta`."""
-        return self._io.run(
-            self._a.get_meta(
-                task,
-                fields,
-                batch_size,
-                partition=partition,
-                timeout_s=timeout_s,
-                lease_s=lease_s,
-                sampler=sampler,
-                min_version=min_version,
-                max_group=max_group,
-                **sampler_options,
-            )
-        )
+    put = _blocking(AsyncClient.put)
+    get_meta = _blocking(AsyncClient.get_meta)
+    ack = _blocking(AsyncClient.ack)
+    release = _blocking(AsyncClient.release)
+    declare_tasks = _blocking(AsyncClient.declare_tasks)
+    finish = _blocking(AsyncClient.finish)
+    clear = _blocking(AsyncClient.clear)
+    stats = _blocking(AsyncClient.stats)
 
     @overload
     def get_data(
@@ -115,59 +79,23 @@ class Client:
         check_format(format)
         return as_format(self._io.run(self._a.get_data(meta, fields)), format)
 
-    def ack(self, meta: BatchMeta) -> None:
-        """See :meth:`AsyncClient.ack`."""
-        self._io.run(self._a.ack(meta))
-
-    def release(self, meta: BatchMeta) -> None:
-        """See :meth:`AsyncClient.release`."""
-        self._io.run(self._a.release(meta))
-
     def stream(
-        self,
-        task: str,
-        fields: Sequence[str],
-        batch_size: int,
-        *,
-        partition: str = "default",
-        timeout_s: float | None = None,
-        lease_s: float = 60.0,
-        sampler: str = "fifo",
-        **sampler_options: Any,
+        self, task: str, fields: Sequence[str], batch_size: int, **options: Any
     ) -> Iterator[tuple[BatchMeta, dict[str, Column]]]:
-        """See :meth:`AsyncClient.stream`: batches until the task's stream ends, each acked
-        when the loop body is done with it."""
-        while True:
-            meta = self.get_meta(
-                task,
-                fields,
-                batch_size,
-                partition=partition,
-                timeout_s=timeout_s,
-                lease_s=lease_s,
-                sampler=sampler,
-                **sampler_options,
-            )
-            if len(meta):
-                cols = self.get_data(meta)
-                yield meta, cols
-                if not meta.acked:
-                    self.ack(meta)
-            if meta.is_end:
-                return
+        """Blocking :meth:`AsyncClient.stream` (same keywords): batches until the task's
+        stream ends, each acked when the loop body is done with it."""
+        batches = self._a.stream(task, fields, batch_size, **options)
+        try:
+            while True:
+                try:
+                    item = self._io.run(_next(batches))
+                except StopAsyncIteration:
+                    return
+                yield item
+        finally:
+            with contextlib.suppress(ClosedError):
+                self._io.run(batches.aclose())
 
-    def declare_tasks(self, tasks: Sequence[str], *, partition: str = "default") -> None:
-        """See :meth:`AsyncClient.declare_tasks`."""
-        self._io.run(self._a.declare_tasks(tasks, partition=partition))
 
-    def finish(self, partition: str = "default") -> None:
-        """See :meth:`AsyncClient.finish`."""
-        self._io.run(self._a.finish(partition))
-
-    def clear(self, partition: str | None = None) -> None:
-        """See :meth:`AsyncClient.clear`."""
-        self._io.run(self._a.clear(partition))
-
-    def stats(self) -> dict[str, Any]:
-        """See :meth:`AsyncClient.stats`."""
-        return self._io.run(self._a.stats())
+async def _next(batches: AsyncIterator[T]) -> T:
+    return await anext(batches)

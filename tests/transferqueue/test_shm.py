@@ -13,14 +13,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import numpy as np
 import pytest
+import rawwire as raw
 import torch
 import zmq
 
 import transferqueue
 from transferqueue import FieldSpec, ProtocolError, Ragged, TransferQueue, wire
+from transferqueue import messages as m
 from transferqueue.errors import PeerGoneError, UnknownRowError
 from transferqueue.remote import RemoteUnitLink
 from transferqueue.shm import (
@@ -197,59 +198,38 @@ def test_bad_shared_memory_references_get_errors_and_the_unit_keeps_serving(
     arena_name = arena.name
     address = service.unit_addresses[0]
 
-    idx = np.arange(16, dtype=np.int64).tobytes()
-
-    def request(spec: list, kind: str = "write") -> dict:
-        body = msgpack.ExtType(1, msgpack.packb(["float32", [16, 4096], spec]))
-        header = msgpack.packb(
-            {
-                "k": kind,
-                "i": 7,
-                "a": {
-                    "indexes": msgpack.ExtType(2, msgpack.packb(["<i8", [16], idx])),
-                    "columns": {"x": body},
-                    "specs": {},
-                    "create": True,
-                    "shm": True,
-                },
-            }
-        )
-        sock.send_multipart([header])
-        assert sock.poll(5000)
-        return msgpack.unpackb(sock.recv_multipart()[0])
+    def request(ref: bytes) -> tuple[int, object] | None:
+        column = raw.tensor("float32", [16, 4096], ref)
+        # Write: indexes, columns, specs, create, grant, shm
+        body = [raw.int64s(list(range(16))), {"x": column}, {}, True, None, True]
+        return raw.ask(sock, raw.request("write", body, rid=7))
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address)
     try:
-        for spec in (
-            ["tq-0123456789abcdef-1", 0],  # never attached
-            [arena_name, 1 << 40],  # past the end of an attached arena
-            [arena_name, -64],
-            ["../../etc/passwd", 0],
-            [arena_name, "0"],
+        for ref in (
+            raw.shm("tq-0123456789abcdef-1", 0),  # never attached
+            raw.shm(arena_name, 1 << 40),  # past the end of an attached arena
+            raw.shm(arena_name, (1 << 64) - 64),
+            raw.shm("../../etc/passwd", 0),
+            raw.shm(arena_name, 0)[:-3],  # a name cut short
         ):
-            reply = request(spec)
-            assert reply["e"][0] == "protocol", reply
-        # the same request with a good reference decodes; it fails later (no spec for x)
-        assert request([arena_name, 0])["e"][0] != "protocol"
-        sock.send_multipart(
-            [msgpack.packb({"k": "shm_attach", "i": 8, "a": {"name": "/etc/passwd"}})]
-        )
-        assert sock.poll(5000)
-        assert msgpack.unpackb(sock.recv_multipart()[0])["e"][0] == "protocol"
+            assert raw.error_code(request(ref)) == "protocol"
+        # the same request with a good reference decodes; it fails later (no grant)
+        assert raw.error_code(request(raw.shm(arena_name, 0))) not in (None, "protocol")
+        reply = raw.ask(sock, raw.request("shm_attach", ["/etc/passwd"], rid=8))
+        assert raw.error_code(reply) == "protocol"
 
-        def read(mine: object) -> dict:
-            rows = msgpack.ExtType(2, msgpack.packb(["<i8", [1], np.arange(1).tobytes()]))
-            args = {"indexes": rows, "fields": ["ids"], "mine": mine}
-            sock.send_multipart([msgpack.packb({"k": "read", "i": 9, "a": args})])
-            assert sock.poll(5000)
-            return msgpack.unpackb(sock.recv_multipart()[0])
+        def read(mine: object) -> tuple[int, object] | None:
+            body = [raw.int64s([0]), ["ids"], None, mine]  # Read: indexes, fields, shm, mine
+            return raw.ask(sock, raw.request("read", body, rid=9))
 
-        assert read(5)["e"][0] == "protocol"  # 'mine' must name arenas
-        assert read([7, "x"])["e"][0] == "protocol"
-        assert "r" in read(["tq-0123456789abcdef-1", arena_name])  # not write arenas: ignored
+        assert raw.error_code(read(5)) == "protocol"  # 'mine' must name arenas
+        assert raw.error_code(read([7, "x"])) == "protocol"
+        ok = read(["tq-0123456789abcdef-1", arena_name])  # not write arenas: ignored
+        assert ok is not None and ok[0] == 0
     finally:
         sock.close()
         ctx.term()
@@ -433,13 +413,13 @@ class _SilentUnit:
         self.resolve = None
         self.detached: list[str] = []
 
-    async def call(self, kind: str, args: dict | None = None, **_: object) -> object:
-        if kind == "shm_attach":
+    async def call(self, msg: m.Request, **_: object) -> object:
+        if isinstance(msg, m.ShmAttach):
             return 1
-        if kind == "shm_detach":
-            self.detached.append(args["name"])  # type: ignore[index]
+        if isinstance(msg, m.ShmDetach):
+            self.detached.append(msg.name)
             return None
-        raise PeerGoneError(f"no answer to {kind!r}")
+        raise PeerGoneError(f"no answer to {msg.kind!r}")
 
 
 def test_a_request_that_got_no_answer_never_reuses_its_arena() -> None:
@@ -660,48 +640,56 @@ def test_a_put_whose_staging_fails_undoes_its_rows_and_gives_the_arena_back(
         _wait_released(link)
 
 
+def _on_allocate(client: transferqueue.Client, hook: Any) -> Any:
+    """Wrap the controller link's calls so that ``await hook(reply)`` runs on every
+    allocation's reply before the put sees it; returns the real ``call`` to restore."""
+    ctl = client.async_client._ctl
+    real_call = ctl.call
+
+    async def call(msg: Any) -> Any:
+        reply = await real_call(msg)
+        if isinstance(msg, m.Allocate):
+            await hook(reply)
+        return reply
+
+    ctl.call = call  # type: ignore[method-assign]
+    return real_call
+
+
 def _watch_allocations(client: transferqueue.Client) -> asyncio.Event:
     """An event set once the client holds the rows of its next allocation."""
-    ctl = client.async_client._ctl
-    real_allocate = ctl.allocate
     allocated = asyncio.Event()
 
-    async def allocate(*args: Any, **kwargs: Any) -> Any:
-        meta = await real_allocate(*args, **kwargs)
+    async def hook(_: Any) -> None:
         allocated.set()
-        return meta
 
-    ctl.allocate = allocate  # type: ignore[method-assign]
+    _on_allocate(client, hook)
     return allocated
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="AsyncClient._allocate_staging cancels its wait for an allocation already sent when "
-    "staging fails first: the controller allocates the rows anyway and nothing discards them",
-)
 def test_a_put_whose_staging_fails_before_its_rows_are_allocated_leaves_none(
     one_unit: transferqueue.LocalService,
 ) -> None:
+    """The allocation's reply comes only after staging failed: the put waits for it and
+    gives the rows back (it used to cancel its wait, and the rows stayed allocated)."""
     with _session(one_unit, "sf2") as (_, client, link):
         want = _payload(96, 7)
         _check(_cycle(client, want, "sf2"), want)
-        ctl = client.async_client._ctl
-        real_allocate, real_stage = ctl.allocate, link.stage
+        real_stage = link.stage
         reply = asyncio.Event()  # the allocation's reply reaches the put only once this is set
 
-        async def late_allocate(*args: Any, **kwargs: Any) -> Any:
-            meta = await real_allocate(*args, **kwargs)
+        async def late(_: Any) -> None:
             await reply.wait()
-            return meta
 
         async def failing_stage(columns: dict) -> object:
             link.unstage(await real_stage(columns))  # type: ignore[arg-type]
             asyncio.get_running_loop().call_soon(reply.set)  # just after the failure
             raise RuntimeError("staging failed")
 
-        ctl.allocate, link.stage = late_allocate, failing_stage  # type: ignore[method-assign]
+        ctl = client.async_client._ctl
+        real_call = _on_allocate(client, late)
+        link.stage = failing_stage  # type: ignore[method-assign]
         with pytest.raises(RuntimeError, match="staging failed"):
             client.put(want, group=0, partition="sf2")
-        ctl.allocate, link.stage = real_allocate, real_stage  # type: ignore[method-assign]
+        ctl.call, link.stage = real_call, real_stage  # type: ignore[method-assign]
         assert client.stats()["controller"]["partitions"]["sf2"]["rows_live"] == 0

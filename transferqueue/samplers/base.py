@@ -17,6 +17,8 @@ from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
+from transferqueue.limits import MAX_ROWS
+
 __all__ = ["HeaderView", "Sampler", "Selection"]
 
 
@@ -81,5 +83,5 @@ class Sampler(ABC):
 
     def check_batch_size(self, batch_size: int) -> None:
         """Raise ValueError when ``batch_size`` cannot work with this sampler."""
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if not isinstance(batch_size, int) or not 1 <= batch_size <= MAX_ROWS:
+            raise ValueError(f"batch_size must be 1..{MAX_ROWS}, got {batch_size!r}")

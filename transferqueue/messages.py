@@ -1,0 +1,482 @@
+"""Every message kind of the TransferQueue protocol, declared once.
+
+A message kind is one typed struct (``msgspec.Struct``): its fields and their bounds are the
+request's schema, its base class names the server that answers it and the type of the reply.
+From this one declaration come
+
+- the wire form (:mod:`transferqueue.wire` encodes the struct; a server decodes straight into
+  it, so a request that does not match its schema is a typed error before anything acts on
+  it),
+- the server's dispatch (:func:`handlers`: the handler method named after the kind),
+- the client's call (``await link.call(GetMeta(...))`` returns the declared reply type).
+
+Bounds come from :mod:`transferqueue.limits`; checks msgspec cannot express (integer arrays,
+column values) are :class:`Check` objects in the field's ``Annotated`` metadata, applied in
+``__post_init__`` (after decoding, and when a client builds the message).
+
+| server     | kinds                                                                          |
+|------------|--------------------------------------------------------------------------------|
+| controller | hello, register_fields, get_specs, allocate, discard, commit, get_meta, ack,   |
+|            | release, renew, declare_tasks, finish, clear*, stats, reset*                   |
+| unit       | write, read, free, clear*, stats, reset*, shm_attach, shm_detach               |
+
+``*``: needs an admin key when the service has one (see :mod:`transferqueue.auth`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Generic, Literal, TypeVar, get_args, get_origin
+from typing import get_type_hints as _hints
+
+import msgspec
+import numpy as np
+import torch
+from msgspec import Meta
+
+from transferqueue.chunked import ChunkedTensor
+from transferqueue.errors import DeniedError
+from transferqueue.limits import (
+    MAX_INDEX,
+    MAX_NAME_CHARS,
+    MAX_NAMES,
+    MAX_OBJECT_DEPTH,
+    MAX_OPTIONS,
+    MAX_ROWS,
+    MAX_WAIT_S,
+)
+from transferqueue.meta import BatchMeta
+from transferqueue.ragged import Ragged
+from transferqueue.schema import FieldSpec
+
+__all__ = [
+    "KINDS",
+    "TRUSTED",
+    "Caller",
+    "ControllerRequest",
+    "Request",
+    "UnitRequest",
+    "handlers",
+]
+
+R = TypeVar("R")
+Server = Literal["controller", "unit"]
+Role = Literal["client", "admin", "service"]
+_RANK = {"client": 0, "admin": 1, "service": 2}
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request. ``identity``: the client's CURVE public key (z85), None when the
+    service runs without keys. ``role``: ``client`` < ``admin`` < ``service`` (the servers of
+    the service itself); without keys every caller is trusted as ``service``."""
+
+    identity: str | None = None
+    role: Role = "service"
+
+    def may(self, needs: Role) -> bool:
+        return _RANK[self.role] >= _RANK[needs]
+
+
+TRUSTED = Caller()
+"""The caller of an embedded deployment, and of a service without keys."""
+
+
+# -- checks msgspec cannot express ---------------------------------------------------------------
+class Check:
+    """A field constraint applied after decoding (``Annotated[T, Meta(...), SomeCheck()]``)."""
+
+    def __call__(self, value: Any, field: str) -> Any:
+        return value
+
+
+class Ints(Check):
+    """A numpy integer array of ``ndim`` dimensions (0: one value for every row), as int64."""
+
+    def __init__(self, *ndims: int) -> None:
+        self.ndims = ndims or (1,)
+
+    def __call__(self, value: Any, field: str) -> Any:
+        if value is None:
+            return None
+        if (
+            not isinstance(value, np.ndarray)
+            or value.ndim not in self.ndims
+            or value.dtype.kind not in "iu"
+        ):
+            got = f"{value.dtype} {value.ndim}-D array" if isinstance(value, np.ndarray) else value
+            raise ValueError(f"{field} must be a {self.ndims}-D integer array, got {got!r:.80}")
+        if value.size > MAX_ROWS:
+            raise ValueError(f"{field} has {value.size} rows, more than {MAX_ROWS} in one request")
+        return value if value.dtype == np.int64 else value.astype(np.int64)
+
+
+class Columns(Check):
+    """Column values: a tensor (dense), a :class:`Ragged`, or a list of plain msgpack values
+    nested at most ``MAX_OBJECT_DEPTH`` deep (object)."""
+
+    def __call__(self, value: Any, field: str) -> Any:
+        for name, col in value.items():
+            if isinstance(col, torch.Tensor | ChunkedTensor | Ragged):
+                continue
+            if not isinstance(col, list):
+                raise ValueError(f"{field}[{name!r}] is a {type(col).__name__}, not a column")
+            for row, v in enumerate(col):
+                check_plain(v, f"{field}[{name!r}] row {row}")
+        return value
+
+
+_SCALARS = (type(None), bool, int, float, str, bytes)
+
+
+def check_plain(value: Any, where: str, depth: int = 0) -> None:
+    """Raise ValueError unless ``value`` is msgpack data (str-keyed maps) nested at most
+    ``MAX_OBJECT_DEPTH`` deep: what an object field may hold."""
+    if isinstance(value, _SCALARS):
+        return
+    if depth >= MAX_OBJECT_DEPTH:
+        raise ValueError(f"{where}: nested deeper than {MAX_OBJECT_DEPTH}")
+    if isinstance(value, list):
+        for v in value:
+            check_plain(v, where, depth + 1)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ValueError(f"{where}: map keys must be strings, got {k!r:.40}")
+            check_plain(v, where, depth + 1)
+    else:
+        raise ValueError(f"{where}: a {type(value).__name__} is not an object value")
+
+
+# -- field types ---------------------------------------------------------------------------------
+Name = Annotated[str, Meta(min_length=1, max_length=MAX_NAME_CHARS)]
+Names = Annotated[list[Name], Meta(max_length=MAX_NAMES)]
+Specs = Annotated[dict[Name, FieldSpec], Meta(max_length=MAX_NAMES)]
+Count = Annotated[int, Meta(ge=0, le=MAX_ROWS)]
+Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+LeaseId = Annotated[int, Meta(ge=1, le=2**63 - 1)]
+Bytes = Annotated[int, Meta(ge=0, le=MAX_INDEX)]
+WaitS = Annotated[float, Meta(ge=0.0, le=MAX_WAIT_S)]  # (NaN fails every bound)
+LeaseS = Annotated[float, Meta(gt=0.0, le=MAX_WAIT_S)]
+Rows = Annotated[np.ndarray, Ints(1)]
+PerRow = Annotated[np.ndarray, Ints(0, 1)]  # one value per row, or one for all rows
+Options = Annotated[
+    dict[Annotated[str, Meta(max_length=64)], int | float | str | bool | None],
+    Meta(max_length=MAX_OPTIONS),
+]
+ArenaName = Annotated[str, Meta(max_length=64)]
+Grant = Annotated[bytes, Meta(max_length=64)]
+ColumnMap = Annotated[dict[Name, Any], Meta(max_length=MAX_NAMES), Columns()]
+
+
+# -- the base of every kind ----------------------------------------------------------------------
+class Request(msgspec.Struct, Generic[R], array_like=True, forbid_unknown_fields=True):
+    """Base of every message kind. A kind sets ``kind`` (its name on the wire, and the name of
+    its handler method) and subclasses :class:`ControllerRequest` or :class:`UnitRequest`
+    parametrized with its reply type."""
+
+    kind: ClassVar[str]
+    server: ClassVar[Server]
+    needs: ClassVar[Role] = "client"
+    """The least role that may send it (see :class:`Caller`)."""
+    waits: ClassVar[bool] = False
+    """Whether the server may hold it up to its ``timeout_s`` field. A client sends such a
+    request in slices (``partial=False`` and a short ``timeout_s``: at the end of a slice the
+    server answers None), so a server that dies is noticed within a slice."""
+    reply: ClassVar[Any]
+    """The type the reply decodes into (set from the class's ``Request[...]`` parameter)."""
+    wire_reply: ClassVar[Any]
+    """``reply``, or ``reply | None`` for a kind that ``waits`` (a slice that ran out)."""
+    _checks: ClassVar[tuple[tuple[str, Check], ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        kind = cls.__dict__.get("kind")
+        if kind is None:
+            return  # an intermediate base
+        table = KINDS[cls.server]
+        if kind in table:
+            raise TypeError(f"message kind {kind!r} of the {cls.server} is declared twice")
+        table[kind] = cls
+        cls.reply = _reply_type(cls)
+        cls.wire_reply = cls.reply | None if cls.waits and cls.reply is not None else cls.reply
+        cls._checks = _Pending  # resolved on first use (annotations are strings until then)
+
+    def __post_init__(self) -> None:
+        checks = type(self)._checks
+        if checks is _Pending:
+            checks = type(self)._checks = _collect_checks(type(self))
+        for name, check in checks:
+            setattr(self, name, check(getattr(self, name), name))
+
+
+_Pending: Any = object()
+KINDS: dict[str, dict[str, type[Request[Any]]]] = {"controller": {}, "unit": {}}
+"""Every declared kind, per server: ``KINDS["controller"]["get_meta"] is GetMeta``."""
+
+
+def _reply_type(cls: type) -> Any:
+    for base in getattr(cls, "__orig_bases__", ()):
+        origin = get_origin(base)
+        if isinstance(origin, type) and issubclass(origin, Request):
+            (reply,) = get_args(base)
+            return None if reply is type(None) else reply
+    raise TypeError(f"{cls.__name__} must subclass ControllerRequest[R] or UnitRequest[R]")
+
+
+def _collect_checks(cls: type) -> tuple[tuple[str, Check], ...]:
+    out = []
+    for name, hint in _hints(cls, include_extras=True).items():
+        for part in (hint, *get_args(hint)):  # (X | None) wraps the Annotated
+            if get_origin(part) is Annotated:
+                out += [(name, m) for m in part.__metadata__ if isinstance(m, Check)]
+    return tuple(out)
+
+
+class ControllerRequest(Request[R]):
+    server = "controller"
+
+
+class UnitRequest(Request[R]):
+    server = "unit"
+
+
+# -- controller ----------------------------------------------------------------------------------
+class HelloReply(msgspec.Struct, array_like=True):
+    protocol: int
+    units: Annotated[list[Annotated[str, Meta(max_length=1024)]], Meta(max_length=4096)]
+
+
+class Hello(ControllerRequest[HelloReply]):
+    """A client connecting: the protocol version and the storage units' addresses."""
+
+    kind = "hello"
+
+
+class RegisterFields(ControllerRequest[dict[str, FieldSpec]]):
+    """A producer's first put of these fields: their specs (a disagreeing spec is an error)."""
+
+    kind = "register_fields"
+    specs: Specs
+
+
+class GetSpecs(ControllerRequest[dict[str, FieldSpec]]):
+    """Every registered field's spec (a reader meeting a field it has not seen)."""
+
+    kind = "get_specs"
+
+
+class Allocate(ControllerRequest[BatchMeta]):
+    """New rows for a put: indexes, units, headers, and the grants to create them on the
+    units. Waits up to ``timeout_s`` for capacity (None: without bound)."""
+
+    kind = "allocate"
+    waits = True
+    n: Count
+    partition: Name
+    groups: PerRow | None = None
+    versions: PerRow | None = None
+    lengths: PerRow | None = None
+    nbytes: Bytes | None = None
+    producer: Annotated[str, Meta(max_length=64)] | None = None
+    timeout_s: WaitS | None = None
+    partial: bool = True
+
+
+class Discard(ControllerRequest[None]):
+    """Undo an allocate whose payload never arrived (a put that failed half way)."""
+
+    kind = "discard"
+    indexes: Rows
+
+
+class Commit(ControllerRequest[None]):
+    """Fields of these rows are stored: consumers may now see them; acks ``lease_id``."""
+
+    kind = "commit"
+    indexes: Rows
+    fields: Names
+    versions: PerRow | None = None
+    lengths: PerRow | None = None
+    lease_id: LeaseId | None = None
+
+
+class GetMeta(ControllerRequest[BatchMeta]):
+    """Lease up to ``batch_size`` rows ready for ``task`` (see ``AsyncClient.get_meta``)."""
+
+    kind = "get_meta"
+    waits = True
+    task: Name
+    partition: Name
+    fields: Names | None
+    batch_size: Annotated[int, Meta(ge=1, le=MAX_ROWS)]
+    lease_s: LeaseS = 60.0
+    sampler: Annotated[str, Meta(max_length=64)] = "fifo"
+    sampler_options: Options = {}
+    min_version: Int64 | None = None
+    max_group: Int64 | None = None
+    timeout_s: WaitS | None = None
+    partial: bool = True
+
+
+class Ack(ControllerRequest[None]):
+    """Consume a lease's rows (all, or ``indexes`` of them)."""
+
+    kind = "ack"
+    lease_id: LeaseId
+    indexes: Rows | None = None
+
+
+class Release(ControllerRequest[None]):
+    """Give a lease's rows back unconsumed."""
+
+    kind = "release"
+    lease_id: LeaseId
+    indexes: Rows | None = None
+
+
+class Renew(ControllerRequest[None]):
+    """Extend a lease by ``lease_s`` from now (a producer about to write its results)."""
+
+    kind = "renew"
+    lease_id: LeaseId
+    lease_s: LeaseS
+    indexes: Rows | None = None
+
+
+class DeclareTasks(ControllerRequest[None]):
+    """Every consumer task of a partition: rows are freed once all have acknowledged them."""
+
+    kind = "declare_tasks"
+    partition: Name
+    tasks: Names
+
+
+class Finish(ControllerRequest[None]):
+    """No more rows will be put into the partition."""
+
+    kind = "finish"
+    partition: Name
+
+
+class Clear(ControllerRequest[None]):
+    """Drop every row of the partition (all partitions if None)."""
+
+    kind = "clear"
+    needs = "admin"
+    partition: Name | None = None
+
+
+class Stats(ControllerRequest[dict[str, Any]]):
+    """Rows, tasks, leases and fields, as plain data."""
+
+    kind = "stats"
+
+
+class Reset(ControllerRequest[None]):
+    """Forget everything, on the controller and every unit."""
+
+    kind = "reset"
+    needs = "admin"
+
+
+# -- storage unit --------------------------------------------------------------------------------
+class Write(UnitRequest[None]):
+    """Store columns of rows. ``create``: new rows (under the controller's ``grant``).
+    ``shm``: buffers lie in the writer's arena; ``keep``: in its write arena ``keep``."""
+
+    kind = "write"
+    indexes: Rows
+    columns: ColumnMap
+    specs: Specs
+    create: bool = False
+    grant: Grant | None = None
+    shm: bool = False
+    keep: ArenaName | None = None
+
+
+class Read(UnitRequest[dict[str, Any]]):
+    """Gather ``fields`` of rows, in order: one buffer per field. ``shm``: into the reader's
+    arena; ``mine``: its write arenas, where rows it wrote may be named instead of copied."""
+
+    kind = "read"
+    indexes: Rows
+    fields: Names
+    shm: ArenaName | None = None
+    mine: Annotated[list[ArenaName], Meta(max_length=MAX_NAMES)] = []
+
+
+class Free(UnitRequest[None]):
+    """Drop rows (the controller, once consumed; a writer, under its grant, after a failed
+    put)."""
+
+    kind = "free"
+    indexes: Rows
+    grant: Grant | None = None
+
+
+class ClearUnit(UnitRequest[None]):
+    """Drop every row of the unit."""
+
+    kind = "clear"
+    needs = "admin"
+
+
+class UnitStats(UnitRequest[dict[str, Any]]):
+    """Rows, bytes and fields the unit holds."""
+
+    kind = "stats"
+
+
+class ResetUnit(UnitRequest[None]):
+    """Forget every row and field of the unit."""
+
+    kind = "reset"
+    needs = "admin"
+
+
+class ShmAttach(UnitRequest[int]):
+    """Map the client's shared-memory arena ``name`` (``keep``: a write arena); its size."""
+
+    kind = "shm_attach"
+    name: ArenaName
+    keep: bool = False
+
+
+class ShmDetach(UnitRequest[None]):
+    """Drop the mapping of arena ``name``."""
+
+    kind = "shm_detach"
+    name: ArenaName
+
+
+# -- dispatch ------------------------------------------------------------------------------------
+Handler = Callable[[Any, Caller], Any]
+
+
+def handlers(server: Server, *objects: object) -> dict[type[Request[Any]], Handler]:
+    """Each declared kind of ``server`` -> the method named after it on the first of
+    ``objects`` that has one: ``method(message, caller)`` returns the reply, or an awaitable
+    of it. A kind without a handler is an error here, when the server is built."""
+    table: dict[type[Request[Any]], Handler] = {}
+    for kind, cls in KINDS[server].items():
+        for obj in objects:
+            method = getattr(obj, kind, None)
+            if callable(method):
+                table[cls] = method
+                break
+        else:
+            raise TypeError(f"no handler for the {server} message kind {kind!r}")
+    return table
+
+
+async def dispatch(table: dict[type[Request[Any]], Handler], msg: Request[R], caller: Caller) -> R:
+    """Run ``msg``'s handler in this process (the embedded deployment's link)."""
+    if not caller.may(msg.needs):
+        raise DeniedError(f"{msg.kind!r} needs the {msg.needs} key")
+    result = table[type(msg)](msg, caller)
+    if inspect.isawaitable(result):
+        result = await result
+    return result
