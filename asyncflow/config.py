@@ -401,6 +401,11 @@ class TQConfig:
     or ``auto``: embedded with ``deploy.mode=local``, ray with ``deploy.mode=ray``."""
     address: str | None = None
     """Address of the running service (``tcp://host:port``) for mode ``connect``."""
+    keys: str | None = None
+    """Key directory of a keyed service (``transferqueue keygen DIR``), read by the driver
+    only: mode ``connect`` uses its client key, mode ``ray`` starts the servers with it.
+    With ``mode=ray`` on a cluster of several nodes and no directory, the run makes keys of
+    its own in memory (the servers then listen beyond loopback, CURVE only)."""
     num_units: int = 2
     """Storage units to start (modes ``embedded``, ``service`` and ``ray``)."""
     placement: PlacementConfig = field(default_factory=lambda: PlacementConfig(num_cpus=0))

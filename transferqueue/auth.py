@@ -54,6 +54,7 @@ __all__ = [
     "keygen",
     "require_keys",
     "server_keys",
+    "session_keys",
 ]
 
 ENV_KEYS = "TRANSFERQUEUE_KEYS"
@@ -140,6 +141,18 @@ def keygen(
             os.chmod(sec, 0o600)
             written += [Path(pub), Path(sec)]
     return written
+
+
+def session_keys() -> tuple[ServerKeys, ClientKeys]:
+    """A fresh service keypair and one client keypair, in memory (nothing written): for a
+    deployment that starts the service and hands the client keys to its own processes, e.g.
+    over Ray's control plane. The client is the only trusted key, and so an admin."""
+    if not zmq.has("curve"):
+        raise AuthError("this libzmq was built without CURVE; install pyzmq's wheels")
+    server_public, server_secret = zmq.curve_keypair()
+    client_public, client_secret = zmq.curve_keypair()
+    server = ServerKeys(server_public, server_secret, frozenset({client_public}))
+    return server, ClientKeys(server_public, client_public, client_secret)
 
 
 def _load(path: Path) -> tuple[bytes, bytes | None]:

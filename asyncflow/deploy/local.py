@@ -60,7 +60,7 @@ def open_transferqueue(
             service.close()
             raise
     assert tqc.address is not None
-    return transferqueue.connect(tqc.address), None
+    return transferqueue.connect(tqc.address, keys=tqc.keys), None
 
 
 class LocalDeployment(Deployment):

@@ -64,11 +64,18 @@ from asyncflow.build import EngineFactories
 from asyncflow.checkpoint import CheckpointPlan, ResumePoint
 from asyncflow.config import PlacementConfig, RunConfig
 from asyncflow.deploy.base import Deployment, Job
-from asyncflow.deploy.ray_hosts import GeneratorActor, RolloutActor, TrainerActor, WorkerActor
+from asyncflow.deploy.ray_hosts import (
+    GeneratorActor,
+    RolloutActor,
+    TQAccess,
+    TrainerActor,
+    WorkerActor,
+)
 from asyncflow.deploy.ray_weights import ObjectStoreWeights
 from asyncflow.deploy.remote import Coordinator, RemoteRegistry, remote_cause
 from asyncflow.metrics import Timeline
 from asyncflow.stage import StageError
+from transferqueue.auth import ClientKeys
 
 __all__ = ["RayDeployment", "actor_options"]
 
@@ -125,6 +132,7 @@ class RayDeployment(Deployment):
         self._adapters = adapters
         self._started_ray = False
         self._tq: transferqueue.TransferQueue | None = None
+        self._tq_keys: ClientKeys | None = None
         self._service: transferqueue.LocalService | None = None
         self._tq_names: list[str] = []
         self._actors: list[Any] = []
@@ -170,19 +178,34 @@ class RayDeployment(Deployment):
         return total
 
     def _open_tq(self, prefix: str) -> transferqueue.TransferQueue:
+        """TransferQueue for the run, and the keys its stage hosts connect with
+        (``self._tq_keys``): those of ``transferqueue.keys``, or, when the servers start on a
+        cluster of several nodes without a key directory, keys made for this run (the servers
+        must listen beyond loopback, and only this run's processes may reach them)."""
+        import ray
+
+        from transferqueue.auth import client_keys, server_keys, session_keys
+
         tqc = self.cfg.transferqueue
         if tqc.mode in ("ray", "auto"):
             from transferqueue.ray_deploy import start_on_ray
 
+            keys = server_keys(tqc.keys) if tqc.keys else None
+            self._tq_keys = client_keys(tqc.keys) if tqc.keys else None
+            if keys is None and len([n for n in ray.nodes() if n.get("Alive")]) > 1:
+                keys, self._tq_keys = session_keys()
             opts = actor_options(tqc.placement)
             self._tq_names = [f"{prefix}-tq-unit{i}" for i in range(tqc.num_units)]
             self._tq_names.append(f"{prefix}-tq-controller")
-            return start_on_ray(tqc.num_units, actor_options=opts, name_prefix=f"{prefix}-tq")
+            return start_on_ray(
+                tqc.num_units, actor_options=opts, name_prefix=f"{prefix}-tq", keys=keys
+            )
         if tqc.mode == "service":
             self._service = transferqueue.serve(num_units=tqc.num_units)
             return transferqueue.connect(self._service.address)
         assert tqc.address is not None
-        return transferqueue.connect(tqc.address)
+        self._tq_keys = client_keys(tqc.keys) if tqc.keys else None
+        return transferqueue.connect(tqc.address, keys=self._tq_keys)
 
     def _placed(self, p: PlacementConfig, n: int) -> list[dict[str, Any]]:
         """Actor options for the ``n`` instances of a stage (with a placement group reserved
@@ -210,8 +233,8 @@ class RayDeployment(Deployment):
         self._tq = await asyncio.to_thread(self._open_tq, prefix)
         self.client = self._tq.async_client()
         t2 = time.perf_counter()
-        address = self._tq.address
-        assert address is not None
+        assert self._tq.address is not None
+        address = TQAccess(self._tq.address, self._tq_keys)
         origin = self.timeline.origin
         restart = {"max_restarts": cfg.deploy.max_restarts, "max_task_retries": 0}
         # Hosts find each other by name, never by a handle in their constructor arguments:

@@ -37,6 +37,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,7 @@ from asyncflow.metrics import Timeline
 from asyncflow.stage import StageRunner
 from engines.protocols import Generation, SamplingParams, ScoringEngine, TrainingEngine
 from transferqueue import AsyncClient, BatchMeta
+from transferqueue.auth import ClientKeys
 from transferqueue.schema import Column
 
 __all__ = ["GeneratorActor", "RolloutActor", "TrainerActor", "WorkerActor"]
@@ -94,10 +96,20 @@ def actor(name: str, timeout_s: float = 60.0) -> Any:
             time.sleep(0.1)
 
 
+@dataclass(frozen=True)
+class TQAccess:
+    """How a stage host reaches the run's TransferQueue: its address, and the CURVE keys
+    (None on one node's loopback). Sent in the actor's arguments, so a restarted actor
+    connects again the same way."""
+
+    address: str
+    keys: ClientKeys | None = None
+
+
 class _Host:
     """What every stage host has: where it runs, its TransferQueue client, its timeline."""
 
-    def __init__(self, cfg: RunConfig, tq_address: str | None, origin: float) -> None:
+    def __init__(self, cfg: RunConfig, tq: TQAccess | None, origin: float) -> None:
         _quiet_hf()
         if cfg.torch_threads is not None:
             torch.set_num_threads(cfg.torch_threads)
@@ -105,8 +117,8 @@ class _Host:
         self.timeline = Timeline(origin)
         self._tq: transferqueue.TransferQueue | None = None
         self.client: AsyncClient | None = None
-        if tq_address is not None:
-            self._tq = transferqueue.connect(tq_address)
+        if tq is not None:
+            self._tq = transferqueue.connect(tq.address, keys=tq.keys)
             self.client = self._tq.async_client()
         self.runners: list[StageRunner] = []
 
@@ -197,12 +209,12 @@ class RolloutActor(_Host):
         self,
         cfg: RunConfig,
         adapters: dict[str, type[Adapter]] | None,
-        tq_address: str,
+        tq: TQAccess,
         coordinator: str,
         generators: list[tuple[str, str]],
         origin: float,
     ) -> None:
-        super().__init__(cfg, tq_address, origin)
+        super().__init__(cfg, tq, origin)
         self.registry = RemoteRegistry(actor(coordinator))
         self.view = GeneratorView(self.registry)
         self.instances = [RemoteGenerator(n, actor(h), self.view) for n, h in generators]
@@ -272,10 +284,10 @@ class WorkerActor(_Host):
         model: Path,
         factories: EngineFactories,
         adapters: dict[str, type[Adapter]] | None,
-        tq_address: str,
+        tq: TQAccess,
         origin: float,
     ) -> None:
-        super().__init__(cfg, tq_address, origin)
+        super().__init__(cfg, tq, origin)
         cls = stages.adapter_classes(adapters)[role]
         adapter: Adapter
         assert self.client is not None
@@ -377,11 +389,11 @@ class TrainerActor(_Host):
         model: Path,
         factories: EngineFactories,
         adapters: dict[str, type[Adapter]] | None,
-        tq_address: str,
+        tq: TQAccess,
         coordinator: str,
         origin: float,
     ) -> None:
-        super().__init__(cfg, tq_address, origin)
+        super().__init__(cfg, tq, origin)
         self.rank = rank
         self.engine: TrainingEngine = factories.trainer(cfg, model, rank)
         check_engine(self.engine, TrainingEngine, "train")
