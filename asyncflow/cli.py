@@ -21,9 +21,9 @@ import sys
 
 import yaml
 
-from asyncflow.config import config_to_dict
 from asyncflow.config_check import resolve_config
 from asyncflow.config_help import fields_help
+from asyncflow.config_load import config_to_dict
 
 BAD_CONFIG_EXIT = 2
 

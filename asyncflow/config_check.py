@@ -1,6 +1,6 @@
 """Checks of a loaded config that import or open something: what a run would trip on first.
 
-:func:`asyncflow.config.load_config` checks types, ranges and names; :func:`check_config`
+:func:`asyncflow.config_load.load_config` checks types, ranges and names; :func:`check_config`
 then checks what needs the machine: the model folder, the engine's package, every reward
 (import paths imported), the task (built: its options checked, its data file read), whether
 a finite task holds the run's groups, and the trackers' packages. ``asyncflow run`` and
@@ -19,7 +19,8 @@ import importlib.util
 from pathlib import Path
 
 from asyncflow import checkpoint
-from asyncflow.config import ConfigError, RunConfig, config_to_dict, load_config
+from asyncflow.config import ConfigError, RunConfig
+from asyncflow.config_load import config_to_dict, load_config
 from asyncflow.loggers import missing_packages
 from engines.rewards import make_reward
 from engines.tasks import Task, make_task

@@ -41,7 +41,8 @@ from adapters import Adapter, StepReport
 from asyncflow import checkpoint, stages
 from asyncflow.build import Components, EngineFactories
 from asyncflow.checkpoint import CheckpointPlan, DriverState, ResumePoint
-from asyncflow.config import RunConfig, config_to_dict
+from asyncflow.config import RunConfig
+from asyncflow.config_load import config_to_dict
 from asyncflow.deploy.base import Deployment
 from asyncflow.deploy.local import LocalDeployment
 from asyncflow.evaluation import Evaluator
