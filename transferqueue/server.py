@@ -42,7 +42,7 @@ from transferqueue.limits import MAX_LEASE_S
 from transferqueue.links import OFFLOAD_BYTES, LocalUnitLink, column_nbytes
 from transferqueue.liveness import DEFAULT_LIVENESS, Liveness, new_incarnation
 from transferqueue.messages import Caller
-from transferqueue.rpc import RpcClient, RpcServer, SendThenRelease
+from transferqueue.rpc import RpcClient, RpcServer, SendThenRelease, check_address
 from transferqueue.shm import SHM_DIR, Placer, Segments
 from transferqueue.storage import StorageUnit
 from transferqueue.wire import PROTOCOL_VERSION
@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 
 _SWEEP_S = 1.0  # how often a unit looks for arenas of clients that are gone
 _REGISTER_TRIES_S = 30.0  # how long a restarted unit tries to reach its controller
+_VERIFY_S = 1.5  # how long the controller waits for a registering unit's ping (it retries)
 
 
 def grant_key_for(keys: ServerKeys | None, grant_key: bytes | None) -> bytes:
@@ -352,12 +353,27 @@ class ControllerServer:
                 f"register_unit: unit_id {unit} is not one of this controller's units "
                 f"(0..{len(self._units) - 1})"
             )
-        if msg.address != self.unit_addresses[unit]:
+        # Believed only once the unit at that address answers with that incarnation: a
+        # request that named another would otherwise cost the unit its rows.
+        moved = msg.address != self.unit_addresses[unit]
+        rpc = self._unit_client(unit, check_address(msg.address)) if moved else self._units[unit]
+        try:
+            answer = await rpc.call(m.UnitPing(), wait_s=_VERIFY_S)
+        except TQError:
+            answer = None
+        if answer != msg.incarnation:
+            if moved:
+                await rpc.close()
+            raise BadRequestError(
+                f"register_unit: the unit at {msg.address} did not answer as incarnation "
+                f"{msg.incarnation!r} within {_VERIFY_S} s"
+            )
+        if moved:
             old = self._units[unit]
-            self._units[unit] = self._unit_client(unit, msg.address)
+            self._units[unit] = rpc
             self.unit_addresses[unit] = msg.address
             if self._started:
-                self._units[unit].start_watch()
+                rpc.start_watch()
             await old.close()
         self._heard(unit, msg.incarnation)
 
