@@ -23,6 +23,7 @@ from transferqueue.errors import (
     LeaseExpiredError,
     PeerGoneError,
     ProtocolError,
+    RowsLostError,
     SchemaError,
     TQError,
     TQTimeoutError,
@@ -32,6 +33,7 @@ from transferqueue.errors import (
     UnknownTaskError,
 )
 from transferqueue.handle import TransferQueue
+from transferqueue.liveness import Liveness
 from transferqueue.meta import BatchMeta
 from transferqueue.ragged import Ragged
 from transferqueue.remote import connect
@@ -51,10 +53,12 @@ __all__ = [
     "FieldSpec",
     "FinishedError",
     "LeaseExpiredError",
+    "Liveness",
     "LocalService",
     "PeerGoneError",
     "ProtocolError",
     "Ragged",
+    "RowsLostError",
     "Sampler",
     "SchemaError",
     "TQError",

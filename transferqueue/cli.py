@@ -15,6 +15,9 @@ import sys
 import threading
 
 from transferqueue.errors import TQError
+from transferqueue.health import ALLOCATION_S
+from transferqueue.liveness import DEFAULT_LIVENESS, Liveness
+from transferqueue.service import MAX_RESTARTS
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -34,6 +37,9 @@ def _serve(args: argparse.Namespace) -> int:
         advertise_host=args.advertise_host,
         keys=args.keys,
         max_lease_s=args.max_lease_s,
+        liveness=Liveness(heartbeat_s=args.heartbeat_s, dead_after_s=args.dead_after_s),
+        allocation_s=args.allocation_s,
+        max_restarts=args.max_restarts,
     )
     print(service.address, flush=True)
     print(
@@ -43,8 +49,13 @@ def _serve(args: argparse.Namespace) -> int:
     )
     try:
         while not stop.wait(0.5):
+            # (a unit that exits is restarted by the service; the others keep serving)
             if not service.alive():
-                print("transferqueue: a server process exited; stopping", file=sys.stderr)
+                print(
+                    "transferqueue: the controller exited, or every storage unit did and has no "
+                    "restart left; stopping",
+                    file=sys.stderr,
+                )
                 return 1
     finally:
         service.close()
@@ -108,6 +119,32 @@ def main(argv: list[str] | None = None) -> int:
         "for any --host but 127.0.0.1",
     )
     s.add_argument("--max-lease-s", type=float, default=None, help="longest lease (default 1 day)")
+    s.add_argument(
+        "--heartbeat-s",
+        type=float,
+        default=DEFAULT_LIVENESS.heartbeat_s,
+        help=f"controller pings a silent unit after this (default {DEFAULT_LIVENESS.heartbeat_s})",
+    )
+    s.add_argument(
+        "--dead-after-s",
+        type=float,
+        default=DEFAULT_LIVENESS.dead_after_s,
+        help="a unit silent this long is dead: its rows are lost and it is restarted "
+        f"(default {DEFAULT_LIVENESS.dead_after_s})",
+    )
+    s.add_argument(
+        "--allocation-s",
+        type=float,
+        default=ALLOCATION_S,
+        help="rows a put allocated but did not commit by then are reclaimed "
+        f"(default {ALLOCATION_S:g})",
+    )
+    s.add_argument(
+        "--max-restarts",
+        type=int,
+        default=MAX_RESTARTS,
+        help=f"restarts of each storage unit process (default {MAX_RESTARTS})",
+    )
     s.set_defaults(fn=_serve)
     st = sub.add_parser("stats", help="print a running service's state as JSON")
     st.add_argument("address", help="tcp://HOST:PORT, as `transferqueue serve` prints it")

@@ -28,7 +28,15 @@ import torch
 
 from transferqueue import messages as m
 from transferqueue.buffers import ResultBuffers
-from transferqueue.errors import BadRequestError, SchemaError, UnknownFieldError
+from transferqueue.errors import (
+    BadRequestError,
+    PeerGoneError,
+    RowsLostError,
+    SchemaError,
+    TQError,
+    UnknownFieldError,
+    UnknownRowError,
+)
 from transferqueue.links import OFFLOAD_BYTES, ControllerLink, Staged, UnitLink
 from transferqueue.loop import LoopThread
 from transferqueue.memcpy import copy_rows, gather_rows
@@ -48,6 +56,9 @@ FORMATS = ("torch", "arrow")
 
 _MAX_RUNS_FOR_DIRECT_READ = 8
 _UNDO_WAIT_S = 30.0
+# A read that failed on a unit asks the controller which rows were lost for this long: the
+# controller may declare the unit dead a little after this client gave up on it.
+_LOST_WAIT_S = 6.0
 """How long a failed put waits for the reply to its allocation, to discard the rows."""
 
 
@@ -190,13 +201,20 @@ class AsyncClient:
                 else:
                     await self._write_units(new, cols, col_specs, create=True)
                 await self._ctl.call(m.Commit(indexes=new.indexes, fields=list(cols)))
-            except BaseException:
+            except BaseException as e:
                 # Nothing of the put may stay half-written: free what units hold, undo rows.
                 await asyncio.gather(
                     *(u.free(new.indexes, grants.get(u.unit_id)) for u in self._units.values()),
                     return_exceptions=True,
                 )
+                lost = await self._lost(new.indexes, e)
                 await self._ctl.call(m.Discard(indexes=new.indexes))
+                if lost is not None:
+                    raise RowsLostError(
+                        f"the put's rows {lost[:5].tolist()} were lost with a storage unit "
+                        "that died while the put wrote them; put the data again",
+                        lost,
+                    ) from e
                 raise
             new.fields = tuple(cols)
             return new
@@ -374,8 +392,44 @@ class AsyncClient:
         ``pyarrow.Table`` of the same columns over the same memory (ragged: ``large_list``,
         dense: primitive or fixed-size lists; see :mod:`transferqueue.arrow`)."""
         check_format(format)
-        cols = await self._io.run_async(self._get_data(meta, fields))
+        cols = await self._io.run_async(self._get_data_or_lost(meta, fields))
         return as_format(cols, format)
+
+    async def _get_data_or_lost(
+        self, meta: BatchMeta, fields: Sequence[str] | None
+    ) -> dict[str, Column]:
+        """A read that fails because rows were lost with a unit raises RowsLostError."""
+        try:
+            return await self._get_data(meta, fields)
+        except (PeerGoneError, UnknownRowError) as e:
+            lost = await self._lost(meta.indexes, e)
+            if lost is None:
+                raise
+            raise RowsLostError(
+                f"rows {lost[:5].tolist()} ({lost.size} of the batch's {len(meta)}) were lost "
+                "with a storage unit that died; they left every task's queue and lease. "
+                "Acknowledge the batch (ack skips lost rows), or read the others: "
+                "meta.select(positions)",
+                lost,
+            ) from e
+
+    async def _lost(self, indexes: np.ndarray, error: BaseException) -> np.ndarray | None:
+        """The rows of ``indexes`` lost with a unit, when ``error`` (of a unit) may be due to
+        that; None when none is (then ``error`` stands)."""
+        if not isinstance(error, PeerGoneError | UnknownRowError):
+            return None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (_LOST_WAIT_S if isinstance(error, PeerGoneError) else 0.0)
+        while True:
+            try:
+                lost: np.ndarray = await self._ctl.call(m.Lost(indexes=indexes))
+            except Exception:  # the controller is gone too: the unit's error stands
+                return None
+            if lost.size:
+                return lost
+            if loop.time() >= deadline:
+                return None
+            await asyncio.sleep(0.25)
 
     async def _get_data(self, meta: BatchMeta, fields: Sequence[str] | None) -> dict[str, Column]:
         names = list(meta.fields if fields is None else fields)
@@ -523,8 +577,17 @@ class AsyncClient:
 
     async def _stats(self) -> dict[str, Any]:
         ctl = await self._ctl.call(m.Stats())
-        units = await asyncio.gather(*(u.stats() for u in self._units.values()))
-        return {"controller": ctl, "units": list(units)}
+        got = await asyncio.gather(
+            *(u.stats() for u in self._units.values()), return_exceptions=True
+        )
+        # (a unit that is down reports its error: the stats of a degraded service still come)
+        units = [
+            {"error": f"{type(u).__name__}: {u}"} if isinstance(u, TQError) else u for u in got
+        ]
+        for u in got:
+            if isinstance(u, BaseException) and not isinstance(u, TQError):
+                raise u
+        return {"controller": ctl, "units": units}
 
 
 def check_format(format: str) -> None:

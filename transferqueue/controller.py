@@ -32,9 +32,9 @@ from transferqueue.errors import (
     SchemaError,
     UnknownFieldError,
     UnknownLeaseError,
-    UnknownRowError,
     UnknownTaskError,
 )
+from transferqueue.health import ALLOCATION_S, UnitHealth
 from transferqueue.leases import Lease, LeaseTable
 from transferqueue.limits import MAX_FIELDS, MAX_LEASE_S, MAX_ROWS, MAX_TASKS
 from transferqueue.meta import BatchMeta
@@ -57,8 +57,10 @@ from transferqueue.state import (
 __all__ = ["SPREAD_BYTES", "Changes", "Controller"]
 
 
-class Controller:
-    """Row metadata, readiness, per-task queues and leases. Not thread-safe by design."""
+class Controller(UnitHealth):
+    """Row metadata, readiness, per-task queues and leases. Not thread-safe by design.
+    What happens when a unit or a producer dies, and ``stats``: :mod:`transferqueue.health`.
+    """
 
     def __init__(
         self,
@@ -68,6 +70,7 @@ class Controller:
         clock: Callable[[], float] = time.monotonic,
         spread_bytes: int = SPREAD_BYTES,
         max_lease_s: float = MAX_LEASE_S,
+        allocation_s: float = ALLOCATION_S,
     ) -> None:
         if num_units < 1:
             raise ValueError(f"num_units must be >= 1, got {num_units}")
@@ -90,6 +93,12 @@ class Controller:
         self._next_index = 0
         self.placement = Placement(num_units, spread_bytes)
         self._rows_live = 0
+        if not isinstance(allocation_s, int | float) or not 0 < allocation_s < float("inf"):
+            raise ValueError(
+                f"allocation_s must be a positive number of seconds, got {allocation_s!r}"
+            )
+        self.allocation_s = float(allocation_s)
+        self._init_health()
 
     # -- schema ------------------------------------------------------------------------------
     @property
@@ -124,11 +133,7 @@ class Controller:
     def _slots(self, indexes: np.ndarray) -> np.ndarray:
         slots = self._map.lookup(indexes)
         if (slots < 0).any():
-            rows = indexes[slots < 0][:5].tolist()
-            raise UnknownRowError(
-                f"rows {rows} are not in TransferQueue (never allocated, freed after every "
-                "declared task acknowledged them, or cleared)"
-            )
+            raise self._missing(indexes[slots < 0])  # (lost with a unit, or never there)
         return slots
 
     def groups(self, indexes: np.ndarray) -> np.ndarray:
@@ -275,6 +280,7 @@ class Controller:
         v = None if versions is None else header_column("version", versions, n, default=-1)
         ln = None if lengths is None else header_column("length", lengths, n, default=-1)
         lease = self._held(lease_id, indexes, slots, owner) if lease_id is not None else None
+        self._h["committed"][slots] = True
         if v is not None:
             self._h["version"][slots] = v
         if ln is not None:
@@ -419,7 +425,7 @@ class Controller:
         full = avail >= t.sampler.batch_rows(batch_size)
         # Finished and nothing still waiting for upstream fields: no wait can fill the batch.
         queued = avail if max_group is None else t.sampler.available()
-        drained = part.finished and t.done + t.leased + queued == part.rows_put
+        drained = part.finished and t.done + t.lost + t.leased + queued == part.rows_put
         if not (full or short_ok or (drained and (avail > 0 or t.leased == 0))):
             if part.finished and avail == 0 and t.leased == 0:
                 self._never(part, t)
@@ -461,12 +467,12 @@ class Controller:
         partition is still being processed (a misspelt field: no row will ever get them).
         Another task with rows left, or a declared task not started yet, may write them."""
         missing = [f for f in task.fields if f not in self._specs]
-        if not missing or task.done == part.rows_put:
+        if not missing or task.done + task.lost == part.rows_put:
             return
         if part.declared is not None and set(part.declared) - set(part.tasks):
             return  # a declared task has not started yet
         for other in part.tasks.values():
-            if other is not task and other.done < part.rows_put:
+            if other is not task and other.done + other.lost < part.rows_put:
                 return
         raise UnknownFieldError(
             f"task {task.key[1]!r} waits for fields {missing} of partition {part.name!r}, "
@@ -504,7 +510,7 @@ class Controller:
             slots = self._map.lookup(lease.indexes)
             slots = slots[slots >= 0]
             return slots[(task.lease[slots] == lease.lease_id) & (task.state[slots] == LEASED)]
-        indexes = np.asarray(indexes, dtype=np.int64)
+        indexes = self._without_lost(np.asarray(indexes, dtype=np.int64))
         slots = self._slots(indexes)
         self._held(lease.lease_id, indexes, slots, lease.owner)
         return slots
@@ -514,8 +520,10 @@ class Controller:
     ) -> Changes:
         """Consume the lease's rows (all, or ``indexes`` of them). Acking a lease that was
         fully acknowledged already is a no-op."""
-        if indexes is None and self.leases.closed_reason(lease_id) == "acked":
-            return Changes()
+        if self.leases.closed_reason(lease_id) == "lost" or (
+            indexes is None and self.leases.closed_reason(lease_id) == "acked"
+        ):
+            return Changes()  # (a lease whose rows were all lost with a unit: nothing left)
         lease = self.leases.get(lease_id, owner)
         return self._finish_rows(lease, self._lease_slots(lease, indexes), acked=True)
 
@@ -523,7 +531,9 @@ class Controller:
         self, lease_id: int, indexes: np.ndarray | None = None, owner: str | None = None
     ) -> Changes:
         """Give rows back unconsumed (a consumer that cannot process them); no-op if acked."""
-        if indexes is None and self.leases.closed_reason(lease_id) in ("acked", "released"):
+        if self.leases.closed_reason(lease_id) == "lost" or (
+            indexes is None and self.leases.closed_reason(lease_id) in ("acked", "released")
+        ):
             return Changes()
         lease = self.leases.get(lease_id, owner)
         return self._finish_rows(lease, self._lease_slots(lease, indexes), acked=False)
@@ -537,6 +547,8 @@ class Controller:
     ) -> None:
         """Extend the deadline (a producer about to write results for the lease's rows)."""
         self.leases.check_lease_s(lease_s)
+        if self.leases.closed_reason(lease_id) == "lost":
+            return  # (its rows were lost with a unit: a commit says so)
         lease = self.leases.get(lease_id, owner)
         if indexes is not None:
             self._lease_slots(lease, indexes)
@@ -660,42 +672,8 @@ class Controller:
                 self._free(part, live, changes)
             for task in part.tasks.values():
                 task.sampler.clear()
-                task.leased = task.done = task.dropped = 0
+                task.leased = task.done = task.dropped = task.lost = 0
                 changes.woken.add(task.key)
-            part.rows_put = part.rows_freed = 0
+            part.rows_put = part.rows_freed = part.rows_lost = 0
             part.finished = False
         return changes
-
-    # -- introspection -----------------------------------------------------------------------
-    def stats(self) -> dict[str, Any]:
-        parts = {}
-        for part in self._partitions.values():
-            tasks = {}
-            for name, t in part.tasks.items():
-                queued = t.sampler.available()
-                tasks[name] = {
-                    "fields": list(t.fields),
-                    "sampler": t.sampler_name,
-                    "queued": queued,
-                    "leased": t.leased,
-                    "done": t.done,
-                    "dropped": t.dropped,
-                    "waiting": part.rows_put - t.done - t.leased - queued,
-                }
-            parts[part.name] = {
-                "rows_put": part.rows_put,
-                "rows_live": part.rows_live,
-                "rows_freed": part.rows_freed,
-                "finished": part.finished,
-                "declared_tasks": part.declared,
-                "tasks": tasks,
-            }
-        return {
-            "rows_live": self._rows_live,
-            "capacity_rows": self.capacity_rows,
-            "next_index": self._next_index,
-            "active_leases": len(self.leases),
-            "unit_bytes": self.placement.unit_bytes.tolist(),
-            "fields": {n: s.describe() for n, s in self._specs.items()},
-            "partitions": parts,
-        }

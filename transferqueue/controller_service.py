@@ -6,7 +6,9 @@ adds what needs time:
 - ``get_meta`` blocks (as a coroutine: other requests keep being served) until a full batch
   is ready, the stream ends, or ``timeout_s`` passes;
 - ``allocate`` waits for capacity (back-pressure) up to ``timeout_s``;
-- a timer returns the rows of expired leases to their tasks;
+- a timer returns the rows of expired leases to their tasks, and discards the rows of
+  allocations no commit touched before their deadline (a producer that died mid-put);
+- a storage unit that died (its server tells :meth:`lose_unit`) loses its rows at once;
 - rows freed by the controller are dropped from the storage units through ``free_rows``;
 - new rows get grants (:mod:`transferqueue.grants`) for the units they are placed on.
 
@@ -29,9 +31,10 @@ import numpy as np
 
 from transferqueue import messages as m
 from transferqueue.controller import Changes, Controller
-from transferqueue.errors import CapacityError, ClosedError
+from transferqueue.errors import BadRequestError, CapacityError, ClosedError
 from transferqueue.grants import Grants
 from transferqueue.leases import TaskKey
+from transferqueue.liveness import new_incarnation
 from transferqueue.messages import Caller
 from transferqueue.meta import BatchMeta
 from transferqueue.schema import FieldSpec
@@ -64,6 +67,7 @@ class ControllerService:
         self._poke = asyncio.Event()
         self._wake_at = 0.0  # loop time the lease timer wakes at next (unless poked)
         self._pending_frees: set[asyncio.Future[None]] = set()
+        self.incarnation = new_incarnation()
 
     async def start(self) -> None:
         """Start the lease timer on the running loop."""
@@ -118,6 +122,7 @@ class ControllerService:
         loop = asyncio.get_running_loop()
         while True:
             self._apply(self.controller.expire())
+            self._apply(self.controller.reclaim())
             deadline = self.controller.next_deadline()
             wait = _MAX_TIMER_SLEEP_S if deadline is None else deadline - loop.time()
             wait = max(0.0, min(wait, _MAX_TIMER_SLEEP_S))
@@ -138,10 +143,36 @@ class ControllerService:
             return None
         return deadline - asyncio.get_running_loop().time()
 
+    # -- storage units that die and come back (told by the server that watches them) -------
+    def lose_unit(self, unit: int) -> None:
+        """Unit ``unit`` died: its rows are lost (see :mod:`transferqueue.health`); waiters
+        of the tasks that held them re-check (a drained task may now end)."""
+        changes = self.controller.lose_unit(unit)
+        log.warning(
+            "storage unit %d is gone; rows lost so far: %d", unit, self.controller.rows_lost
+        )
+        self._apply(changes)
+
+    def unit_back(self, unit: int) -> None:
+        """Unit ``unit`` serves again (empty): new rows may be placed on it."""
+        self.controller.unit_back(unit)
+        log.warning("storage unit %d is back and takes new rows", unit)
+        self._apply(Changes(space=True))
+
     # -- message handlers: (message, caller) -> reply, or an awaitable of it -----------------
     def hello(self, msg: m.Hello, caller: Caller) -> m.HelloReply:
         """(The ZeroMQ server answers with its units' addresses; in-process there are none.)"""
         return m.HelloReply(PROTOCOL_VERSION, [])
+
+    def ping(self, msg: m.Ping, caller: Caller) -> str:
+        return self.incarnation
+
+    def register_unit(self, msg: m.RegisterUnit, caller: Caller) -> None:
+        """(The ZeroMQ server takes it; in-process units never restart.)"""
+        raise BadRequestError("register_unit: this controller has no storage unit servers")
+
+    def lost(self, msg: m.Lost, caller: Caller) -> np.ndarray:
+        return self.controller.lost(msg.indexes)
 
     def register_fields(self, msg: m.RegisterFields, caller: Caller) -> dict[str, FieldSpec]:
         return self.controller.register_fields(msg.specs)
@@ -312,7 +343,10 @@ class ControllerService:
             clock=old.clock,
             spread_bytes=old.spread_bytes,
             max_lease_s=old.leases.max_lease_s,
+            allocation_s=old.allocation_s,
         )
+        for unit in np.flatnonzero(~old.placement.alive).tolist():  # (still dead)
+            self.controller.placement.set_alive(unit, False)
         gone = ClosedError("TransferQueue was reset while this call waited")
         for fut in [f for ws in self._waiters.values() for f in ws] + list(self._space_waiters):
             if not fut.done():

@@ -10,6 +10,8 @@ was expected, what was received, and what to do.
 | SchemaError         | schema          | a write disagrees with a field's spec, or is malformed   |
 | UnknownFieldError   | unknown_field   | a read or task names a field nobody has written          |
 | UnknownRowError     | unknown_row     | rows are not (or no longer) stored                       |
+| RowsLostError       | rows_lost       | rows were lost with a storage unit that died, or their   |
+|                     |                 | allocation expired before the put committed them         |
 | UnknownLeaseError   | unknown_lease   | an ack/put names a lease the controller never issued     |
 | LeaseExpiredError   | lease_expired   | the lease ran out; its rows went back to the task        |
 | UnknownTaskError    | unknown_task    | a task was not declared for a partition that has tasks   |
@@ -36,6 +38,7 @@ __all__ = [
     "LeaseExpiredError",
     "PeerGoneError",
     "ProtocolError",
+    "RowsLostError",
     "SchemaError",
     "TQError",
     "TQTimeoutError",
@@ -75,6 +78,19 @@ class UnknownRowError(TQError, KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
+
+
+class RowsLostError(TQError):
+    """Rows are gone for good: the storage unit holding them died (they left every task's
+    queue and lease, and ``stats()`` counts them), or a put did not commit them before its
+    allocation's deadline. A producer puts them again; a consumer acknowledges the rest of
+    its batch (``ack`` skips lost rows). ``indexes``: the lost rows, where known."""
+
+    code = "rows_lost"
+
+    def __init__(self, message: str, indexes: object = None) -> None:
+        super().__init__(message)
+        self.indexes = indexes
 
 
 class UnknownLeaseError(TQError):
@@ -159,6 +175,7 @@ _BY_CODE: dict[str, type[TQError]] = {
         SchemaError,
         UnknownFieldError,
         UnknownRowError,
+        RowsLostError,
         UnknownLeaseError,
         LeaseExpiredError,
         UnknownTaskError,

@@ -104,6 +104,10 @@ class LeaseTable:
             "returned by get_meta"
         )
 
+    def active(self, lease_id: int) -> Lease | None:
+        """The lease if it is active (whatever its deadline), else None."""
+        return self._active.get(lease_id)
+
     def closed_reason(self, lease_id: int) -> str | None:
         return self._closed.get(lease_id)
 

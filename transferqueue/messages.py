@@ -16,11 +16,13 @@ column values) are :class:`Check` objects in the field's ``Annotated`` metadata,
 
 | server     | kinds                                                                          |
 |------------|--------------------------------------------------------------------------------|
-| controller | hello, register_fields, get_specs, allocate, discard, commit, get_meta, ack,   |
-|            | release, renew, declare_tasks, finish, clear*, stats, reset*                   |
-| unit       | write, read, free, clear*, stats, reset*, shm_attach, shm_detach               |
+| controller | hello, ping, register_unit**, lost, register_fields, get_specs, allocate,      |
+|            | discard, commit, get_meta, ack, release, renew, declare_tasks, finish, clear*, |
+|            | stats, reset*                                                                  |
+| unit       | write, read, free, ping, clear*, stats, reset*, shm_attach, shm_detach         |
 
-``*``: needs an admin key when the service has one (see :mod:`transferqueue.auth`).
+``*``: needs an admin key when the service has one (see :mod:`transferqueue.auth`);
+``**``: the service's own key (its servers).
 """
 
 from __future__ import annotations
@@ -255,6 +257,32 @@ class Hello(ControllerRequest[HelloReply]):
     kind = "hello"
 
 
+class Ping(ControllerRequest[str]):
+    """Are you alive? The answer is the server's incarnation (see
+    :mod:`transferqueue.liveness`); answered inline, never queued behind other work."""
+
+    kind = "ping"
+
+
+class RegisterUnit(ControllerRequest[None]):
+    """A storage unit process that (re)started: where it listens and its incarnation. The
+    controller places new rows on it again (a unit of this service: its key, if any)."""
+
+    kind = "register_unit"
+    needs = "service"
+    unit_id: Annotated[int, Meta(ge=0, le=4095)]
+    address: Annotated[str, Meta(max_length=1024)]
+    incarnation: Annotated[str, Meta(max_length=64)]
+
+
+class Lost(ControllerRequest[np.ndarray]):
+    """Which of these rows were lost with a storage unit that died (a reader whose read
+    failed asks)."""
+
+    kind = "lost"
+    indexes: Rows
+
+
 class RegisterFields(ControllerRequest[dict[str, FieldSpec]]):
     """A producer's first put of these fields: their specs (a disagreeing spec is an error)."""
 
@@ -417,6 +445,12 @@ class Free(UnitRequest[None]):
     grant: Grant | None = None
 
 
+class UnitPing(UnitRequest[str]):
+    """Are you alive? The answer is the unit's incarnation (see :class:`Ping`)."""
+
+    kind = "ping"
+
+
 class ClearUnit(UnitRequest[None]):
     """Drop every row of the unit."""
 
@@ -443,6 +477,8 @@ class ShmAttach(UnitRequest[int]):
     kind = "shm_attach"
     name: ArenaName
     keep: bool = False
+    pid: Annotated[int, Meta(ge=0, le=2**31)] | None = None
+    """The client's process id: the unit drops the client's arenas once it is gone."""
 
 
 class ShmDetach(UnitRequest[None]):

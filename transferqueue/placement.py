@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from transferqueue.errors import PeerGoneError
+
 __all__ = ["SPREAD_BYTES", "Placement"]
 
 SPREAD_BYTES = 16 << 20
@@ -28,6 +30,13 @@ class Placement:
         self._sticky: dict[str, int] = {}
         # bytes of the live rows on each unit, as their puts reported them
         self.unit_bytes = np.zeros(num_units, dtype=np.int64)
+        # units that serve (a unit that died takes no rows until it is back)
+        self.alive = np.ones(num_units, dtype=bool)
+        self._live = np.arange(num_units, dtype=np.int32)
+
+    def set_alive(self, unit: int, alive: bool) -> None:
+        self.alive[unit] = alive
+        self._live = np.flatnonzero(self.alive).astype(np.int32)
 
     def add_bytes(self, units: np.ndarray, nbytes: np.ndarray) -> None:
         """Rows on ``units`` came (``nbytes`` > 0) or went (< 0)."""
@@ -56,7 +65,13 @@ class Placement:
         different units. Puts without a producer, and larger puts, rotate their first unit
         by the units used.
         """
-        u = self.num_units
+        live = self._live
+        u = int(live.size)
+        if u == 0:
+            raise PeerGoneError(
+                "no storage unit is alive to take new rows; the service restarts dead units "
+                "(transferqueue serve): retry the put"
+            )
         use = u
         if nbytes is not None and self.spread_bytes > 0:
             use = int(min(u, max(1, nbytes // self.spread_bytes)))
@@ -67,19 +82,21 @@ class Placement:
         order = (np.arange(use) + self._next_unit) % u
         step = use if use < u else max(n % u, 1 if n < u else 0)
         self._next_unit = (self._next_unit + step) % u
-        return np.repeat(order.astype(np.int32), sizes)
+        return np.repeat(live[order], sizes)
 
     def _sticky_unit(self, producer: str) -> int:
         """The unit of ``producer``'s next small put (see :meth:`place`)."""
         sticky = self._sticky
+        live = self._live
         unit = sticky.pop(producer, None)
-        if unit is None:  # a new producer starts where the rotation is
-            unit = self._next_unit
-            self._next_unit = (self._next_unit + 1) % self.num_units
+        if unit is None or not self.alive[unit]:  # a new producer starts where the rotation is
+            unit = int(live[self._next_unit % live.size])
+            self._next_unit = (self._next_unit + 1) % live.size
         load = self.unit_bytes
-        least = int(load.min())
-        if int(load[unit]) - least >= self.spread_bytes:  # on to the least loaded unit
+        least = int(load[live].min())
+        if int(load[unit]) - least >= self.spread_bytes:  # on to the least loaded live unit
             order = (np.arange(self.num_units) + unit + 1) % self.num_units
+            order = order[self.alive[order]]
             unit = int(order[np.argmax(load[order] == least)])
         sticky[producer] = unit
         while len(sticky) > _MAX_PRODUCERS:  # forget the least recently seen producers

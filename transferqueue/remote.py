@@ -25,6 +25,7 @@ from transferqueue.auth import ClientKeys, client_keys
 from transferqueue.errors import ClosedError, PeerGoneError, ProtocolError, TQError
 from transferqueue.handle import TransferQueue
 from transferqueue.links import OFFLOAD_BYTES, Staged, UnitLink, column_nbytes
+from transferqueue.liveness import DEFAULT_LIVENESS, Liveness
 from transferqueue.loop import LoopThread
 from transferqueue.ragged import Ragged
 from transferqueue.rpc import DEFAULT_CALL_TIMEOUT_S, RpcClient, check_address
@@ -200,7 +201,7 @@ class RemoteUnitLink(UnitLink):
             log.warning("no shared memory with unit %d (%s); sending frames", self.unit_id, e)
             return None
         try:
-            await self.rpc.call(m.ShmAttach(name=arena.name, keep=keep))
+            await self.rpc.call(m.ShmAttach(name=arena.name, keep=keep, pid=os.getpid()))
         except TQError as e:
             arena.close()
             log.info("unit %d shares no memory with this client (%s)", self.unit_id, e)
@@ -505,6 +506,7 @@ def connect(
     connect_timeout_s: float = 10.0,
     shm_max_bytes: int = SHM_MAX_BYTES,
     keys: ClientKeys | str | os.PathLike[str] | None = None,
+    liveness: Liveness = DEFAULT_LIVENESS,
 ) -> TransferQueue:
     """Connect to a TransferQueue service (``transferqueue serve`` prints its address,
     ``tcp://HOST:PORT``; anything else fails at once, saying so).
@@ -518,6 +520,10 @@ def connect(
     frames only) and as much again in arenas lent to reads, whose results are views of them
     until dropped. Units elsewhere, and larger transfers, use ZeroMQ frames. See
     :mod:`transferqueue.shm`.
+
+    ``liveness``: a call waiting on a server that died fails with :class:`PeerGoneError`
+    within ``liveness.bound_s`` (default 4.5 s; see :mod:`transferqueue.liveness`), whatever
+    ``call_timeout_s`` says.
     """
     check_address(address)  # before any thread or socket exists
     ckeys = client_keys(keys)
@@ -527,7 +533,14 @@ def connect(
     units: list[RemoteUnitLink] = []
 
     async def setup() -> tuple[RemoteControllerLink, list[RemoteUnitLink]]:
-        ctl = RpcClient(ctx, address, call_timeout_s=call_timeout_s, keys=ckeys)
+        ctl = RpcClient(
+            ctx,
+            address,
+            call_timeout_s=call_timeout_s,
+            keys=ckeys,
+            ping=m.Ping(),
+            liveness=liveness,
+        )
         rpcs.append(ctl)
         try:
             hello = await ctl.call(m.Hello(), wait_s=connect_timeout_s)
@@ -547,7 +560,14 @@ def connect(
                 f"{address} speaks protocol {hello.protocol}, expected {PROTOCOL_VERSION}"
             )
         for uid, addr in enumerate(hello.units):
-            rpc = RpcClient(ctx, addr, call_timeout_s=call_timeout_s, keys=ckeys)
+            rpc = RpcClient(
+                ctx,
+                addr,
+                call_timeout_s=call_timeout_s,
+                keys=ckeys,
+                ping=m.UnitPing(),
+                liveness=liveness,
+            )
             rpcs.append(rpc)
             units.append(RemoteUnitLink(uid, rpc, shm_max_bytes=shm_max_bytes))
         return RemoteControllerLink(ctl), units

@@ -9,7 +9,9 @@ that raises becomes a typed error reply.
 
 ``RpcClient`` holds one long-lived DEALER socket to one server; requests carry ids, replies
 are matched to waiting callers and decoded into the kind's declared reply type, and every
-call has a deadline after which the peer is reported gone (:class:`PeerGoneError`).
+call has a deadline after which the peer is reported gone (:class:`PeerGoneError`). While
+calls wait, the client pings a silent peer and fails them once it has been silent for the
+liveness bound (:mod:`transferqueue.liveness`), long before their deadline.
 
 With keys (:mod:`transferqueue.auth`) both sides speak CURVE: the server answers only
 trusted keys and hands each handler the caller's key; without keys a server binds only to
@@ -23,6 +25,7 @@ import contextlib
 import inspect
 import itertools
 import logging
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -41,6 +44,7 @@ from transferqueue.errors import (
     TQError,
 )
 from transferqueue.limits import MAX_FRAME_BYTES
+from transferqueue.liveness import DEFAULT_LIVENESS, Liveness
 from transferqueue.messages import TRUSTED, Caller, Handler, Request
 
 __all__ = ["RpcClient", "RpcServer", "SendThenRelease", "bind_address", "check_address"]
@@ -323,9 +327,30 @@ class RpcClient:
         *,
         call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
         keys: ClientKeys | None = None,
+        ping: Request[str] | None = None,
+        liveness: Liveness = DEFAULT_LIVENESS,
+        keepalive: bool = False,
+        on_pong: Callable[[str], None] | None = None,
+        on_silent: Callable[[], None] | None = None,
     ) -> None:
+        """``ping``: the peer's ping kind (None: the peer is not watched). ``keepalive``:
+        watch it all the time, not only while calls wait; ``on_pong`` gets each ping's answer
+        (the peer's incarnation), ``on_silent`` is called once when the peer falls silent
+        (again after it was heard from)."""
         self.address = check_address(address)
         self.call_timeout_s = call_timeout_s
+        self._ping = ping
+        self._liveness = liveness
+        self._keepalive = keepalive
+        self._on_pong = on_pong
+        self._on_silent = on_silent
+        self._pings: set[int] = set()
+        self.heard_at = 0.0  # monotonic time of the last message from the peer
+        self._since = 0.0  # when the current wait on the peer began
+        self._last_ping = 0.0
+        self._tick: asyncio.TimerHandle | None = None
+        self.silent = False  # the peer was declared gone and has not been heard from since
+        self._mon: zmq.Socket[Any] | None = None
         # Finds shared-memory buffers in replies (set by the unit link that owns the arena).
         self.resolve: wire.Resolver | None = None
         self._io = _LoopSocket(ctx, zmq.DEALER, self._on_message)
@@ -344,7 +369,13 @@ class RpcClient:
         self._closed = False
 
     def _on_message(self, frames: list[Any]) -> None:
+        self.heard_at = time.monotonic()
+        self.silent = False
         rid = wire.reply_id(frames)
+        if rid in self._pings:
+            self._pings.discard(rid)
+            self._pong(frames)
+            return
         entry = self._pending.pop(rid, None) if rid is not None else None
         if entry is None:
             log.warning("a reply from %s that answers no pending request was dropped", self.address)
@@ -390,12 +421,19 @@ class RpcClient:
         if not self._attached:
             self._io.attach()
             self._attached = True
+            self._monitor()
+            if self._keepalive:
+                self._since = time.monotonic()
+                self._watch()
 
     def _send(
         self, rid: int, msg: Request[R], frames: list[Any], wait_s: float | None
     ) -> asyncio.Future[R]:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
+        if not self._pending and not self._keepalive:
+            self._since = time.monotonic()  # a wait on the peer begins
+            self._watch()
         self._pending[rid] = (fut, msg)
         wait = self.call_timeout_s if wait_s is None else wait_s
         # A timer handle, not asyncio.wait_for: that wraps every call in another task.
@@ -423,10 +461,132 @@ class RpcClient:
                 )
             )
 
+    # -- liveness (see transferqueue.liveness) ------------------------------------------------
+    def _monitor(self) -> None:
+        """Watch the connection: when it drops (the server process died or restarted), no
+        request sent on it can be answered any more (a ROUTER answers on the connection a
+        request came by), so the calls waiting fail at once."""
+        if self._ping is None:
+            return
+        self._mon = self._io.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        loop = asyncio.get_running_loop()
+        loop.add_reader(int(self._mon.getsockopt(zmq.FD)), self._on_monitor)
+        loop.call_soon(self._on_monitor)
+
+    def _on_monitor(self) -> None:
+        mon = self._mon
+        if mon is None:
+            return
+        dropped = False
+        while True:
+            try:
+                mon.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            except zmq.ZMQError:
+                return
+            dropped = True
+        if dropped:
+            for fut, msg in list(self._pending.values()):
+                if not fut.done():
+                    fut.set_exception(
+                        PeerGoneError(
+                            f"the connection to {self.address} dropped while {msg.kind!r} "
+                            "waited on it: the server died or restarted"
+                        )
+                    )
+
+    def _close_monitor(self) -> None:
+        mon, self._mon = self._mon, None
+        if mon is None:
+            return
+        with contextlib.suppress(Exception):
+            asyncio.get_running_loop().remove_reader(int(mon.getsockopt(zmq.FD)))
+        with contextlib.suppress(zmq.ZMQError):
+            self._io.sock.disable_monitor()
+        mon.close(0)
+
+    def start_watch(self) -> None:
+        """Start watching the peer now (``keepalive``; on the running loop)."""
+        self._check_open()
+
+    def _watch(self) -> None:
+        """Arm the watch's next tick (a timer, not a task: a client's loop that has nothing
+        left to do stops, see :class:`~transferqueue.loop.LoopThread`)."""
+        if self._ping is None or self._tick is not None or self._closed:
+            return
+        loop = asyncio.get_running_loop()
+        self._tick = loop.call_later(self._liveness.heartbeat_s, self._check)
+
+    def _check(self) -> None:
+        self._tick = None
+        if self._closed or not (self._pending or self._keepalive):
+            return  # nothing waits on the peer: the next call arms the watch again
+        lv = self._liveness
+        now = time.monotonic()
+        silent_s = now - max(self.heard_at, self._since)
+        if silent_s >= lv.dead_after_s:
+            self._io.drain()  # (answers a busy loop has not read yet count)
+            silent_s = now - max(self.heard_at, self._since)
+        if silent_s >= lv.dead_after_s:
+            self._gone(silent_s)
+        elif silent_s >= lv.heartbeat_s and now - self._last_ping >= lv.heartbeat_s:
+            self._send_ping(now)
+        if self.silent and self._keepalive:
+            self._send_ping(now)  # a restarted peer answers one, whenever it is back
+        self._watch()
+
+    def _send_ping(self, now: float) -> None:
+        assert self._ping is not None
+        if len(self._pings) > 64:  # a peer that answers none: do not pile them up
+            self._pings.clear()
+        rid = next(self._ids)
+        self._last_ping = now
+        try:
+            self._io.send(wire.encode_request(rid, self._ping))
+        except (zmq.ZMQError, ValueError) as e:
+            log.warning("ping to %s not sent: %s", self.address, e)
+            return
+        self._pings.add(rid)
+
+    def _pong(self, frames: list[Any]) -> None:
+        if self._on_pong is None:
+            return
+        try:
+            incarnation = wire.decode_reply(frames, str)
+        except TQError as e:  # a peer that does not know the kind is alive all the same
+            log.debug("ping to %s answered %r", self.address, e)
+            return
+        self._on_pong(incarnation)
+
+    def _gone(self, silent_s: float) -> None:
+        """The peer has been silent too long: fail every call waiting on it (and tell
+        ``on_silent``, once per silence)."""
+        first, self.silent = not self.silent, True
+        lv = self._liveness
+        for fut, msg in list(self._pending.values()):
+            if not fut.done():
+                fut.set_exception(
+                    PeerGoneError(
+                        f"{self.address} has not answered for {silent_s:.1f} s (pings "
+                        f"included; dead_after_s={lv.dead_after_s:g}) while {msg.kind!r} "
+                        "waited on it: the server died or is stuck"
+                    )
+                )
+        if first and self._on_silent is not None:
+            try:
+                self._on_silent()
+            except Exception:  # the watch keeps running whatever the callback does
+                log.exception("on_silent of %s failed", self.address)
+
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self._tick is not None:
+            self._tick.cancel()
+            self._tick = None
+        self._close_monitor()
         for fut, _ in self._pending.values():
             if not fut.done():
                 fut.set_exception(ClosedError(f"the connection to {self.address} was closed"))

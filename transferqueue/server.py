@@ -9,12 +9,21 @@ Requests reach the handlers below already decoded into their declared message st
 checked against their schema (:mod:`transferqueue.messages`); a handler method is named after
 its kind. A storage unit creates rows only under the controller's grant
 (:mod:`transferqueue.grants`); controller and units share the grant key.
+
+The controller watches its units with heartbeats (:mod:`transferqueue.liveness`): a unit
+silent for ``dead_after_s`` loses its rows at once (:mod:`transferqueue.health`) and takes no
+new ones until it answers again, from a new incarnation (restarted: it re-registers, on the
+same address or a new one) or the old one (it was only unreachable: it is cleared first).
+A unit drops the shared-memory arenas of clients whose process is gone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import hashlib
+import logging
 from collections.abc import Awaitable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -26,16 +35,25 @@ from transferqueue import messages as m
 from transferqueue.auth import ServerKeys
 from transferqueue.controller import SPREAD_BYTES, Controller
 from transferqueue.controller_service import ControllerService
+from transferqueue.errors import BadRequestError, TQError
 from transferqueue.grants import Grants
+from transferqueue.health import ALLOCATION_S
 from transferqueue.limits import MAX_LEASE_S
 from transferqueue.links import OFFLOAD_BYTES, LocalUnitLink, column_nbytes
+from transferqueue.liveness import DEFAULT_LIVENESS, Liveness, new_incarnation
 from transferqueue.messages import Caller
-from transferqueue.rpc import RpcClient, RpcServer, SendThenRelease
+from transferqueue.rpc import RpcClient, RpcServer, SendThenRelease, check_address
 from transferqueue.shm import SHM_DIR, Placer, Segments
 from transferqueue.storage import StorageUnit
 from transferqueue.wire import PROTOCOL_VERSION
 
 __all__ = ["ControllerServer", "UnitServer", "grant_key_for"]
+
+log = logging.getLogger(__name__)
+
+_SWEEP_S = 1.0  # how often a unit looks for arenas of clients that are gone
+_REGISTER_TRIES_S = 30.0  # how long a restarted unit tries to reach its controller
+_VERIFY_S = 1.5  # how long the controller waits for a registering unit's ping (it retries)
 
 
 def grant_key_for(keys: ServerKeys | None, grant_key: bytes | None) -> bytes:
@@ -64,8 +82,16 @@ class UnitServer:
         shm_dir: str = SHM_DIR,
         keys: ServerKeys | None = None,
         grant_key: bytes | None = None,
+        controller: str | None = None,
     ) -> None:
+        """``controller``: the address of the controller to register with once serving (a
+        unit restarted by its supervisor; the first units are named to the controller)."""
         self.unit = StorageUnit(unit_id, capacity_bytes=capacity_bytes)
+        self.incarnation = new_incarnation()
+        self._controller = controller
+        self._keys = keys
+        self._ctx = ctx
+        self._background: list[asyncio.Task[None]] = []
         self.grants = Grants(grant_key_for(keys, grant_key))
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"tq-unit{unit_id}")
         # Ragged values received as frames are owned by the server: adopt them, no copy.
@@ -87,6 +113,46 @@ class UnitServer:
 
     def start(self) -> None:
         self.rpc.start()
+        loop = asyncio.get_running_loop()
+        self._background.append(loop.create_task(self._sweep()))
+        if self._controller is not None:
+            self._background.append(loop.create_task(self._register(self._controller)))
+
+    def ping(self, msg: m.UnitPing, caller: Caller) -> str:
+        return self.incarnation
+
+    async def _register(self, address: str) -> None:
+        """Tell the controller where this (restarted) unit listens; retried until it
+        answers (bounded): it places rows here again once it knows."""
+        own = None if self._keys is None else self._keys.as_client()
+        rpc = RpcClient(self._ctx, address, keys=own, call_timeout_s=5.0)
+        msg = m.RegisterUnit(
+            unit_id=self.unit.unit_id, address=self.address, incarnation=self.incarnation
+        )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _REGISTER_TRIES_S
+        try:
+            while True:
+                try:
+                    await rpc.call(msg)
+                    return
+                except TQError as e:
+                    if loop.time() > deadline:
+                        log.error("unit %d could not register: %s", self.unit.unit_id, e)
+                        return
+                await asyncio.sleep(0.2)
+        finally:
+            await rpc.close()
+
+    async def _sweep(self) -> None:
+        """Drop the arenas of clients whose process is gone (a producer killed mid-put):
+        their memory is released once no row holds a view of it."""
+        while True:
+            await asyncio.sleep(_SWEEP_S)
+            try:
+                self.segments.drop_dead()
+            except Exception:  # the sweep keeps running whatever one pass meets
+                log.exception("unit %d: sweeping arenas failed", self.unit.unit_id)
 
     async def write(self, msg: m.Write, caller: Caller) -> None:
         if msg.create:  # new rows: only those the controller allocated here, to this writer
@@ -133,7 +199,7 @@ class UnitServer:
         return SendThenRelease(cols, release, place=place, offload=big)
 
     def shm_attach(self, msg: m.ShmAttach, caller: Caller) -> int:
-        return self.segments.attach(msg.name, keep=msg.keep)
+        return self.segments.attach(msg.name, keep=msg.keep, pid=msg.pid)
 
     def shm_detach(self, msg: m.ShmDetach, caller: Caller) -> None:
         self.segments.detach(msg.name)
@@ -159,6 +225,11 @@ class UnitServer:
         return stats
 
     async def close(self) -> None:
+        for task in self._background:
+            task.cancel()
+        for task in self._background:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await self.rpc.close()
         self._executor.shutdown(wait=False)
 
@@ -177,21 +248,30 @@ class ControllerServer:
         max_lease_s: float = MAX_LEASE_S,
         keys: ServerKeys | None = None,
         grant_key: bytes | None = None,
+        liveness: Liveness = DEFAULT_LIVENESS,
+        allocation_s: float = ALLOCATION_S,
     ) -> None:
         if not unit_addresses:
             raise ValueError("a controller needs at least one storage unit address")
         self.unit_addresses = list(unit_addresses)
         grants = Grants(grant_key_for(keys, grant_key))
-        own = None if keys is None else keys.as_client()  # (units know it as the service)
+        self._ctx = ctx
+        self._own = None if keys is None else keys.as_client()  # (units know it as the service)
+        self.liveness = liveness
         self._units: list[RpcClient] = []
+        # per unit: its incarnation as last heard (None: not yet), and a revival under way
+        self._incarnations: list[str | None] = [None] * len(self.unit_addresses)
+        self._reviving: set[int] = set()
+        self._started = False
         try:
-            for a in self.unit_addresses:
-                self._units.append(RpcClient(ctx, a, keys=own))
+            for i, a in enumerate(self.unit_addresses):
+                self._units.append(self._unit_client(i, a))
             controller = Controller(
                 len(self._units),
                 capacity_rows=capacity_rows,
                 spread_bytes=spread_bytes,
                 max_lease_s=max_lease_s,
+                allocation_s=allocation_s,
             )
             self.service = ControllerService(controller, self._free_rows, grants=grants)
             self.rpc = RpcServer(
@@ -203,22 +283,116 @@ class ControllerServer:
             raise
         self.address = self.rpc.address
 
+    def _unit_client(self, unit: int, address: str) -> RpcClient:
+        return RpcClient(
+            self._ctx,
+            address,
+            keys=self._own,
+            ping=m.UnitPing(),
+            liveness=self.liveness,
+            keepalive=True,
+            on_pong=functools.partial(self._heard, unit),
+            on_silent=functools.partial(self._silent, unit),
+        )
+
     async def start(self) -> None:
+        """Learn each unit's incarnation (so that a unit restarted from now on is told from
+        the one that held rows), then serve."""
+        wait_s = self.liveness.bound_s * 4
+        self._incarnations = list(
+            await asyncio.gather(*(u.call(m.UnitPing(), wait_s=wait_s) for u in self._units))
+        )
         await self.service.start()
         self.rpc.start()
+        for u in self._units:
+            u.start_watch()
+        self._started = True
 
     def _free_rows(self, unit_id: int, indexes: np.ndarray) -> Awaitable[None]:
+        if not self.service.controller.placement.alive[unit_id]:
+            return _nothing()  # (its memory died with it; a revived unit is cleared)
         return self._units[unit_id].request(m.Free(indexes=indexes))
+
+    # -- unit health -------------------------------------------------------------------------
+    def _silent(self, unit: int) -> None:
+        """Unit ``unit`` stopped answering: its rows are lost (see transferqueue.health)."""
+        if self.service.controller.placement.alive[unit]:
+            self.service.lose_unit(unit)
+
+    def _heard(self, unit: int, incarnation: str) -> None:
+        """A ping's answer (or a registration): a new incarnation is a restarted unit."""
+        known = self._incarnations[unit]
+        alive = bool(self.service.controller.placement.alive[unit])
+        if known is None or (known == incarnation and alive):
+            self._incarnations[unit] = incarnation
+            return
+        if known != incarnation and alive:  # restarted faster than it was missed
+            self.service.lose_unit(unit)
+        if unit not in self._reviving:
+            self._reviving.add(unit)
+            task = asyncio.get_running_loop().create_task(self._revive(unit, incarnation))
+            task.add_done_callback(lambda t, u=unit: self._revived(u, t))  # type: ignore[misc]
+
+    async def _revive(self, unit: int, incarnation: str) -> None:
+        """Clear the unit (it may hold rows the controller declared lost: it was only
+        unreachable), then place rows on it again."""
+        await self._units[unit].call(m.ClearUnit(), wait_s=self.liveness.dead_after_s * 2)
+        self._incarnations[unit] = incarnation
+        self.service.unit_back(unit)
+
+    def _revived(self, unit: int, task: asyncio.Task[None]) -> None:
+        self._reviving.discard(unit)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("storage unit %d did not come back: %r", unit, task.exception())
+
+    async def register_unit(self, msg: m.RegisterUnit, caller: Caller) -> None:
+        """A restarted unit: where it listens now, and its incarnation."""
+        unit = msg.unit_id
+        if unit >= len(self._units):
+            raise BadRequestError(
+                f"register_unit: unit_id {unit} is not one of this controller's units "
+                f"(0..{len(self._units) - 1})"
+            )
+        # Believed only once the unit at that address answers with that incarnation: a
+        # request that named another would otherwise cost the unit its rows.
+        moved = msg.address != self.unit_addresses[unit]
+        rpc = self._unit_client(unit, check_address(msg.address)) if moved else self._units[unit]
+        try:
+            answer = await rpc.call(m.UnitPing(), wait_s=_VERIFY_S)
+        except TQError:
+            answer = None
+        if answer != msg.incarnation:
+            if moved:
+                await rpc.close()
+            raise BadRequestError(
+                f"register_unit: the unit at {msg.address} did not answer as incarnation "
+                f"{msg.incarnation!r} within {_VERIFY_S} s"
+            )
+        if moved:
+            old = self._units[unit]
+            self._units[unit] = rpc
+            self.unit_addresses[unit] = msg.address
+            if self._started:
+                rpc.start_watch()
+            await old.close()
+        self._heard(unit, msg.incarnation)
 
     def hello(self, msg: m.Hello, caller: Caller) -> m.HelloReply:
         return m.HelloReply(PROTOCOL_VERSION, self.unit_addresses)
 
     async def reset(self, msg: m.Reset, caller: Caller) -> None:
         await self.service.reset(msg, caller)
-        await asyncio.gather(*(u.call(m.ResetUnit()) for u in self._units))
+        alive = self.service.controller.placement.alive
+        await asyncio.gather(
+            *(u.call(m.ResetUnit()) for i, u in enumerate(self._units) if alive[i])
+        )
 
     async def close(self) -> None:
         await self.rpc.close()
         await self.service.close()
         for u in self._units:
             await u.close()
+
+
+async def _nothing() -> None:
+    return None

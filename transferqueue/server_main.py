@@ -3,6 +3,8 @@
     python -m transferqueue.server_main unit --unit-id 0 --address tcp://127.0.0.1:0 --parent PID
     python -m transferqueue.server_main controller --units A,B --address ADDR --parent PID
 
+A unit restarted by its supervisor gets ``--controller ADDR`` and registers there.
+
 It prints ``READY <bound address>`` once serving, stops on SIGTERM/SIGINT, and stops on its
 own when its parent process is gone. Keys come from ``--keys DIR`` (or the environment), the
 grant key shared with the other servers from the environment (see :mod:`transferqueue.auth`).
@@ -22,7 +24,9 @@ from typing import Any
 import zmq.asyncio
 
 from transferqueue.auth import ServerKeys, grant_key_from_env, server_keys
+from transferqueue.health import ALLOCATION_S
 from transferqueue.limits import MAX_LEASE_S
+from transferqueue.liveness import DEFAULT_LIVENESS, Liveness
 from transferqueue.malloc import keep_freed_memory
 from transferqueue.server import ControllerServer, UnitServer
 from transferqueue.service import READY
@@ -50,6 +54,7 @@ async def _run_unit(
     capacity_bytes: int | None,
     parent: int,
     keys: ServerKeys | None,
+    controller: str | None,
 ) -> None:
     ctx = zmq.asyncio.Context()
     server = UnitServer(
@@ -59,6 +64,7 @@ async def _run_unit(
         capacity_bytes=capacity_bytes,
         keys=keys,
         grant_key=grant_key_from_env(),
+        controller=controller,
     )
     server.start()
     await _serve_until_stopped(server, parent)
@@ -73,6 +79,8 @@ async def _run_controller(
     max_lease_s: float,
     parent: int,
     keys: ServerKeys | None,
+    liveness: Liveness,
+    allocation_s: float,
 ) -> None:
     ctx = zmq.asyncio.Context()
     extra = {} if spread_bytes is None else {"spread_bytes": spread_bytes}
@@ -84,6 +92,8 @@ async def _run_controller(
         max_lease_s=max_lease_s,
         keys=keys,
         grant_key=grant_key_from_env(),
+        liveness=liveness,
+        allocation_s=allocation_s,
         **extra,
     )
     await server.start()
@@ -103,11 +113,15 @@ def _child_main(argv: list[str]) -> None:
     ap.add_argument("--units", default="")
     ap.add_argument("--max-lease-s", type=float, default=MAX_LEASE_S)
     ap.add_argument("--keys", default=None)
+    ap.add_argument("--controller", default=None)
+    ap.add_argument("--heartbeat-s", type=float, default=DEFAULT_LIVENESS.heartbeat_s)
+    ap.add_argument("--dead-after-s", type=float, default=DEFAULT_LIVENESS.dead_after_s)
+    ap.add_argument("--allocation-s", type=float, default=ALLOCATION_S)
     a = ap.parse_args(argv)
     keep_freed_memory()  # reuse freed payload buffers instead of faulting in fresh pages
     keys = server_keys(a.keys)
     if a.role == "unit":
-        asyncio.run(_run_unit(a.unit_id, a.address, a.capacity, a.parent, keys))
+        asyncio.run(_run_unit(a.unit_id, a.address, a.capacity, a.parent, keys, a.controller))
     else:
         asyncio.run(
             _run_controller(
@@ -118,6 +132,8 @@ def _child_main(argv: list[str]) -> None:
                 a.max_lease_s,
                 a.parent,
                 keys,
+                Liveness(heartbeat_s=a.heartbeat_s, dead_after_s=a.dead_after_s),
+                a.allocation_s,
             )
         )
 

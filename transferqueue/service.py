@@ -10,16 +10,23 @@ from). The servers share a fresh grant key (:mod:`transferqueue.grants`), handed
 their environment.
 
 Children stop on SIGTERM/SIGINT, and on their own when the parent that started them is gone.
+
+A supervisor thread restarts a storage unit process that exits (at most ``max_restarts``
+times per unit), on the address it had; the new process registers with the controller, which
+places new rows on it again (the rows the old one held are lost: see
+:mod:`transferqueue.health`). Meanwhile the controller and the other units keep serving.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import select
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import weakref
 from types import TracebackType
@@ -28,8 +35,16 @@ from typing import Any
 from transferqueue.auth import ENV_GRANT_KEY, advertised_host, require_keys, server_keys
 from transferqueue.errors import PeerGoneError
 from transferqueue.grants import new_grant_key
+from transferqueue.health import ALLOCATION_S
+from transferqueue.liveness import DEFAULT_LIVENESS, Liveness
 
 __all__ = ["READY", "LocalService", "serve"]
+
+log = logging.getLogger(__name__)
+
+MAX_RESTARTS = 5
+"""Default restarts of each storage unit process over a service's life."""
+_SUPERVISE_S = 0.2  # how often the supervisor looks at its processes
 
 READY = "TRANSFERQUEUE-READY "  # a server process prints this, then its bound address
 
@@ -50,6 +65,9 @@ class LocalService:
     (default 16 MiB; 0: every put over all units); ``transport`` is ``tcp`` or ``ipc``.
     ``keys``: a key directory (``transferqueue keygen``; default ``TRANSFERQUEUE_KEYS``),
     needed to listen beyond loopback. ``max_lease_s`` bounds the leases consumers may take.
+    ``liveness``: heartbeats of the controller to its units (a dead unit's rows are lost
+    within ``liveness.bound_s``); ``allocation_s``: the deadline of a put's allocation (rows
+    not committed by then are reclaimed); ``max_restarts``: restarts of each unit process.
     """
 
     def __init__(
@@ -66,7 +84,13 @@ class LocalService:
         start_timeout_s: float = 120.0,
         keys: str | os.PathLike[str] | None = None,
         max_lease_s: float | None = None,
+        liveness: Liveness = DEFAULT_LIVENESS,
+        allocation_s: float = ALLOCATION_S,
+        max_restarts: int = MAX_RESTARTS,
     ) -> None:
+        if not isinstance(max_restarts, int) or max_restarts < 0:
+            raise ValueError(f"max_restarts must be an integer >= 0, got {max_restarts!r}")
+        self._max_restarts = max_restarts
         if num_units < 1:
             raise ValueError(f"num_units must be >= 1, got {num_units}")
         if transport not in ("tcp", "ipc"):
@@ -79,15 +103,25 @@ class LocalService:
         self._keys = None if keys is None else os.fspath(keys)
         self._procs: list[subprocess.Popen[str]] = []
         self._rundir = tempfile.mkdtemp(prefix="transferqueue-") if transport == "ipc" else None
-        self._finalizer = weakref.finalize(self, _stop, self._procs, self._rundir)
+        self._stopping = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._finalizer = weakref.finalize(
+            self, _stop, self._procs, self._rundir, self._stopping, self._threads
+        )
         try:
+            unit_args = []
             for i in range(num_units):
-                args = ["unit", "--unit-id", str(i), "--address", self._bind(transport, host, 0, i)]
+                args = ["unit", "--unit-id", str(i)]
                 if unit_capacity_bytes is not None:
                     args += ["--capacity", str(unit_capacity_bytes)]
-                self._spawn(args)
-            units = [_advertised(self._wait(p, start_timeout_s), public) for p in self._procs]
+                unit_args.append(args)
+                self._spawn([*args, "--address", self._bind(transport, host, 0, i)])
+            bound = [self._wait(p, start_timeout_s) for p in self._procs]
+            units = [_advertised(a, public) for a in bound]
             args = ["controller", "--units", ",".join(units)]
+            args += ["--heartbeat-s", str(liveness.heartbeat_s)]
+            args += ["--dead-after-s", str(liveness.dead_after_s)]
+            args += ["--allocation-s", str(allocation_s)]
             args += ["--address", self._bind(transport, host, port, None)]
             if capacity_rows is not None:
                 args += ["--capacity", str(capacity_rows)]
@@ -98,6 +132,18 @@ class LocalService:
             ctl = self._spawn(args)
             self.address = _advertised(self._wait(ctl, start_timeout_s), public)
             self.unit_addresses = units
+            self.restarts = [0] * num_units  # restarts of each unit process so far
+            # (the thread holds no reference to self: the finalizer runs when self goes)
+            spawn = _Spawner(self._spawn_args, self._procs, self._env)
+            thread = threading.Thread(
+                target=_supervise,
+                args=(spawn, unit_args, bound, self.address, self.restarts, max_restarts),
+                kwargs={"stopping": self._stopping, "start_timeout_s": start_timeout_s},
+                name="transferqueue-supervisor",
+                daemon=True,
+            )
+            self._threads.append(thread)
+            thread.start()
         except BaseException:
             self.close()
             raise
@@ -109,8 +155,8 @@ class LocalService:
             return f"ipc://{os.path.join(self._rundir, name)}"
         return f"tcp://{host}:{port}"
 
-    def _spawn(self, args: list[str]) -> subprocess.Popen[str]:
-        cmd = [
+    def _spawn_args(self, args: list[str]) -> list[str]:
+        return [
             sys.executable,
             "-m",
             "transferqueue.server_main",
@@ -119,6 +165,9 @@ class LocalService:
             str(os.getpid()),
             *(["--keys", self._keys] if self._keys is not None else []),
         ]
+
+    def _spawn(self, args: list[str]) -> subprocess.Popen[str]:
+        cmd = self._spawn_args(args)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=self._env)
         self._procs.append(proc)
         return proc
@@ -147,7 +196,13 @@ class LocalService:
         return [p.pid for p in self._procs]
 
     def alive(self) -> bool:
-        return bool(self._procs) and all(p.poll() is None for p in self._procs)
+        """Whether the service serves: its controller runs and so does a unit (or one that
+        exited will be restarted)."""
+        if not self._procs or self._procs[-1].poll() is not None:
+            return False
+        units = self._procs[:-1]
+        left = [r < self._max_restarts for r in getattr(self, "restarts", [])]
+        return any(p.poll() is None or ok for p, ok in zip(units, left, strict=False))
 
     def close(self) -> None:
         """Stop every server process (SIGTERM, then SIGKILL after a grace period)."""
@@ -165,7 +220,83 @@ class LocalService:
         self.close()
 
 
-def _stop(procs: list[subprocess.Popen[str]], rundir: str | None) -> None:
+class _Spawner:
+    """Starts a replacement unit process (the supervisor's view of the service)."""
+
+    def __init__(
+        self,
+        cmd: Any,
+        procs: list[subprocess.Popen[str]],
+        env: dict[str, str],
+    ) -> None:
+        self.cmd = cmd
+        self.procs = procs
+        self.env = env
+
+    def replace(self, unit: int, args: list[str]) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(self.cmd(args), stdout=subprocess.PIPE, text=True, env=self.env)
+        old = self.procs[unit]
+        self.procs[unit] = proc
+        if old.stdout is not None:
+            old.stdout.close()
+        return proc
+
+
+def _supervise(
+    spawn: _Spawner,
+    unit_args: list[list[str]],
+    bound: list[str],
+    controller: str,
+    restarts: list[int],
+    max_restarts: int,
+    *,
+    stopping: threading.Event,
+    start_timeout_s: float,
+) -> None:
+    """Restart unit processes that exit, on the address each had (a new one if that cannot
+    be bound), at most ``max_restarts`` times each; each registers with the controller."""
+    while not stopping.wait(_SUPERVISE_S):
+        for unit, args in enumerate(unit_args):
+            proc = spawn.procs[unit]
+            if proc.poll() is None or restarts[unit] >= max_restarts or stopping.is_set():
+                continue
+            restarts[unit] += 1
+            log.warning(
+                "storage unit %d exited (code %s); restart %d of %d",
+                unit,
+                proc.returncode,
+                restarts[unit],
+                max_restarts,
+            )
+            for address in (bound[unit], _any_port(bound[unit])):
+                new = spawn.replace(unit, [*args, "--address", address, "--controller", controller])
+                try:
+                    LocalService._wait(new, start_timeout_s)
+                    break
+                except PeerGoneError as e:
+                    log.warning("storage unit %d did not restart on %s: %s", unit, address, e)
+                    if new.poll() is None:
+                        new.kill()
+                        new.wait(timeout=5)
+
+
+def _any_port(address: str) -> str:
+    """``address`` on any free port (tcp), or itself (ipc)."""
+    if not address.startswith("tcp://"):
+        return address
+    return address.rsplit(":", 1)[0] + ":0"
+
+
+def _stop(
+    procs: list[subprocess.Popen[str]],
+    rundir: str | None,
+    stopping: threading.Event | None = None,
+    threads: list[threading.Thread] | None = None,
+) -> None:
+    if stopping is not None:
+        stopping.set()
+    for t in threads or []:
+        t.join(timeout=30)
     for p in procs:
         if p.poll() is None:
             p.terminate()

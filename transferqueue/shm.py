@@ -210,6 +210,22 @@ class Placer:
         return [self.name, self.base + start]
 
 
+def _process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (on this host: a client that shares memory with a
+    unit is on its host). A zombie counts as gone."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # (another user's process)
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
+    except OSError:
+        return True  # (no /proc: trust kill)
+
+
 def new_token() -> str:
     return secrets.token_hex(8)
 
@@ -222,11 +238,13 @@ class Segments:
         self.max_clients = max_clients
         self._by_token: OrderedDict[str, tuple[str, np.ndarray]] = OrderedDict()
         self._kept: dict[str, Kept] = {}  # write arenas whose buffers this unit may keep
+        self._pids: dict[str, int] = {}  # client token -> its process (when it said)
 
-    def attach(self, name: str, keep: bool = False) -> int:
+    def attach(self, name: str, keep: bool = False, pid: int | None = None) -> int:
         """Map the client's arena ``name`` and remove its file; returns its size. ``keep``:
         a write arena (see :class:`WriteArenas`): rows written from it may stay views of it,
-        and its flag tells the client when none is left."""
+        and its flag tells the client when none is left. ``pid``: the client's process, whose
+        arenas :meth:`drop_dead` drops once it is gone."""
         m = _NAME.fullmatch(name) if isinstance(name, str) else None
         if m is None:
             raise ProtocolError(f"{name!r} is not a TransferQueue arena name")
@@ -255,12 +273,26 @@ class Segments:
             self._kept.pop(old[0], None)
         buf = np.frombuffer(mapped, dtype=np.uint8)
         self._by_token[token] = (name, buf)
+        if pid is not None:
+            self._pids[token] = pid
         if keep:
             self._kept[name] = Kept(buf)
         while len(self._by_token) > self.max_clients:
-            gone, _ = self._by_token.popitem(last=False)[1]
+            old_token, (gone, _) = self._by_token.popitem(last=False)
             self._kept.pop(gone, None)
+            self._pids.pop(old_token, None)
         return size
+
+    def drop_dead(self) -> int:
+        """Drop the arenas of clients whose process is gone (they will never detach them);
+        their memory is unmapped once no row holds a view of it. Returns how many."""
+        dead = [t for t, pid in self._pids.items() if not _process_alive(pid)]
+        for token in dead:
+            del self._pids[token]
+            entry = self._by_token.pop(token, None)
+            if entry is not None:
+                self._kept.pop(entry[0], None)
+        return len(dead)
 
     def detach(self, name: str) -> None:
         m = _NAME.fullmatch(name) if isinstance(name, str) else None
@@ -268,6 +300,7 @@ class Segments:
             entry = self._by_token.get(m.group(1))
             if entry is not None and entry[0] == name:
                 del self._by_token[m.group(1)]
+                self._pids.pop(m.group(1), None)
                 self._kept.pop(name, None)  # views still held keep the memory mapped
 
     def region(self, name: str, offset: int = 0, nbytes: int | None = None) -> np.ndarray:

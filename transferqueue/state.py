@@ -72,6 +72,7 @@ class TaskState:
         self.leased = 0
         self.done = 0
         self.dropped = 0
+        self.lost = 0  # rows lost with a dead unit before this task consumed them
 
     def grown(self, capacity: int) -> tuple[np.ndarray, np.ndarray]:
         """``state`` and ``lease`` grown to ``capacity`` (new arrays; the caller swaps them
@@ -91,6 +92,7 @@ class PartitionState:
         self.rows_put = 0
         self.rows_live = 0
         self.rows_freed = 0
+        self.rows_lost = 0
         self.finished = False
 
 
@@ -104,6 +106,7 @@ HEADER: dict[str, tuple[type, int]] = {
     "done": (np.int16, 0),
     "live": (np.bool_, False),
     "nbytes": (np.int64, 0),  # the row's share of the payload its put reported (placement)
+    "committed": (np.bool_, False),  # a commit landed (else reclaimed after allocation_s)
 }
 
 

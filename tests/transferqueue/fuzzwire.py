@@ -45,6 +45,11 @@ def _nested_ext(code: int, depth: int) -> Raw:
 
 EXAMPLES: dict[tuple[str, str], m.Request[Any]] = {
     ("controller", "hello"): m.Hello(),
+    ("controller", "ping"): m.Ping(),
+    ("controller", "register_unit"): m.RegisterUnit(
+        unit_id=4000, address="tcp://127.0.0.1:1", incarnation="fuzz"
+    ),
+    ("controller", "lost"): m.Lost(indexes=np.array([10**9])),
     ("controller", "register_fields"): m.RegisterFields(specs={"fz": FieldSpec.dense("float32")}),
     ("controller", "get_specs"): m.GetSpecs(),
     ("controller", "allocate"): m.Allocate(
@@ -74,6 +79,7 @@ EXAMPLES: dict[tuple[str, str], m.Request[Any]] = {
     ("unit", "free"): m.Free(indexes=np.array([2**27])),
     ("unit", "clear"): m.ClearUnit(),
     ("unit", "stats"): m.UnitStats(),
+    ("unit", "ping"): m.UnitPing(),
     ("unit", "reset"): m.ResetUnit(),
     ("unit", "shm_attach"): m.ShmAttach(name="tq-0123456789abcdef-1"),
     ("unit", "shm_detach"): m.ShmDetach(name="tq-0123456789abcdef-1"),

@@ -1,0 +1,310 @@
+"""Servers and producers that die: a dead storage unit is noticed within the liveness bound,
+its rows are reported lost (never served, never poisoning batches), the other unit keeps
+serving, the supervisor restarts the unit and new puts land on it; calls waiting on a dead
+server fail with a typed error instead of at their minute-long timeout; a producer killed
+mid-put leaves no live rows and no shared memory behind once its allocation's deadline passes.
+
+Every wait here is on an event (a stats counter, a process state) with a generous bound: the
+machine may be loaded, so no duration is asserted tighter than several seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import transferqueue
+from transferqueue import Liveness, PeerGoneError, RowsLostError
+from transferqueue.controller import Controller
+
+pytestmark = pytest.mark.service
+
+LIVENESS = Liveness()  # the defaults: what users get
+SLACK_S = 15.0  # added to every bound: a loaded 2-core machine may stall a process for seconds
+
+
+def _until(what: Callable[[], Any], timeout_s: float, label: str) -> Any:
+    """Poll ``what`` until it returns something truthy (bounded)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        got = what()
+        if got:
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"{label}: not within {timeout_s} s")
+
+
+def _ctl(client: transferqueue.Client) -> dict[str, Any]:
+    return client.stats()["controller"]  # type: ignore[no-any-return]
+
+
+def _put_over_both(client: transferqueue.Client, start: int, n: int = 1000) -> Any:
+    meta = client.put({"x": torch.arange(start, start + n).view(n, 1)})
+    assert sorted(np.unique(meta.units).tolist()) == [0, 1]  # (spread_bytes=0)
+    return meta
+
+
+# -- the controller core ---------------------------------------------------------------------
+def test_lose_unit_takes_its_rows_out_of_queues_and_leases_and_counts_them() -> None:
+    ctl = Controller(2, spread_bytes=0)
+    ctl.register_fields({"x": transferqueue.FieldSpec.dense("int64", ())})
+    meta = ctl.allocate(8, "p")
+    ctl.commit(meta.indexes, ["x"])
+    on1 = meta.indexes[meta.units == 1]
+    leased, _ = ctl.poll(task="a", partition="p", fields=["x"], batch_size=4, lease_s=60)
+    ctl.poll(task="b", partition="p", fields=["x"], batch_size=1, lease_s=60)  # b: queued
+    assert leased is not None and leased.lease_id is not None
+    ctl.lose_unit(1)
+    st = ctl.stats()
+    assert st["rows_lost"] == on1.size == 4 and st["rows_live"] == 4
+    assert st["units_alive"] == [True, False]
+    a, b = st["partitions"]["p"]["tasks"]["a"], st["partitions"]["p"]["tasks"]["b"]
+    assert a["lost"] == 4 and a["leased"] + a["queued"] == 4 and a["waiting"] == 0
+    assert b["lost"] == 4 and b["waiting"] == 0
+    # the lease acks what is left of it; lost rows are named as lost, not unknown
+    ctl.ack(leased.lease_id, leased.indexes)
+    with pytest.raises(RowsLostError, match="lost"):
+        ctl.commit(on1, ["x"])
+    assert ctl.lost(meta.indexes).tolist() == on1.tolist()
+    # new rows go to the live unit only, until the dead one is back
+    assert set(ctl.allocate(6, "p").units.tolist()) == {0}
+    ctl.unit_back(1)
+    assert set(ctl.allocate(6, "p").units.tolist()) == {0, 1}
+    # every batch handed out from now on holds only rows that exist
+    for task in ("a", "b"):
+        got, _ = ctl.poll(
+            task=task, partition="p", fields=["x"], batch_size=64, lease_s=60, short_ok=True
+        )
+        assert got is not None and not np.isin(got.indexes, on1).any()
+
+
+def test_uncommitted_allocations_are_reclaimed_after_their_deadline() -> None:
+    now = [0.0]
+    ctl = Controller(2, allocation_s=10.0, clock=lambda: now[0])
+    ctl.register_fields({"x": transferqueue.FieldSpec.dense("int64", ())})
+    dead = ctl.allocate(5, "p")  # a producer that dies before it commits
+    ok = ctl.allocate(3, "p")
+    ctl.commit(ok.indexes, ["x"])
+    assert ctl.reclaim().freed == []
+    now[0] = 5.0
+    late = ctl.allocate(2, "p")  # allocated later: its deadline is later
+    assert ctl.reclaim().freed == []
+    now[0] = 10.5
+    changes = ctl.reclaim()
+    assert np.concatenate(changes.freed).tolist() == dead.indexes.tolist()  # freed on units
+    st = ctl.stats()
+    assert st["rows_reclaimed"] == 5 and st["rows_live"] == 5
+    with pytest.raises(RowsLostError):  # a producer that was only slow learns it
+        ctl.commit(dead.indexes, ["x"])
+    now[0] = 16.0
+    assert np.concatenate(ctl.reclaim().freed).tolist() == late.indexes.tolist()
+    assert ctl.stats()["rows_live"] == 3
+
+
+# -- the local service -----------------------------------------------------------------------
+def test_a_unit_killed_under_serve_loses_only_its_rows_and_is_restarted() -> None:
+    with (
+        transferqueue.serve(num_units=2, spread_bytes=0) as svc,
+        transferqueue.connect(svc.address) as tq,
+    ):
+        c = tq.client()
+        meta = _put_over_both(c, 0)
+        on1 = meta.indexes[meta.units == 1]
+        held = c.get_meta("t", ["x"], 1000, lease_s=600)  # a consumer holds every row
+        os.kill(svc.pids[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        _until(lambda: _ctl(c)["rows_lost"] == on1.size, LIVENESS.bound_s + SLACK_S, "lost")
+        detected_s = time.monotonic() - t0
+        assert detected_s < LIVENESS.bound_s + SLACK_S
+        with pytest.raises(RowsLostError, match="lost") as err:
+            c.get_data(held)
+        assert sorted(np.asarray(err.value.indexes).tolist()) == on1.tolist()
+        c.ack(held)  # the rest is acknowledged; the lost rows are gone
+        task = _ctl(c)["partitions"]["default"]["tasks"]["t"]
+        assert (task["done"], task["lost"], task["leased"], task["queued"]) == (500, 500, 0, 0)
+        # the supervisor restarts the unit; it registers and takes new rows
+        _until(
+            lambda: svc.restarts[1] == 1 and _ctl(c)["units_alive"] == [True, True],
+            LIVENESS.bound_s + SLACK_S + 30,
+            "restart",
+        )
+        new = _put_over_both(c, 5000)
+        got = c.get_meta("t", ["x"], 1000, timeout_s=30)
+        assert got.indexes.tolist() == new.indexes.tolist()  # no lost row comes back
+        assert c.get_data(got)["x"].view(-1).tolist() == list(range(5000, 6000))
+        c.ack(got)
+        assert svc.alive()
+
+
+def test_with_a_unit_dead_the_other_keeps_serving_and_blocked_calls_fail_fast() -> None:
+    with (
+        transferqueue.serve(num_units=2, spread_bytes=0, max_restarts=0) as svc,
+        transferqueue.connect(svc.address) as tq,
+    ):
+        c = tq.client()
+        meta = _put_over_both(c, 0)
+        on0 = meta.indexes[meta.units == 0]
+        os.kill(svc.pids[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        # a read of rows on the dead unit fails with a typed error, not at the call timeout
+        whole = c.get_meta("t", ["x"], 1000)
+        with pytest.raises(RowsLostError):
+            c.get_data(whole)
+        assert time.monotonic() - t0 < LIVENESS.bound_s + SLACK_S
+        c.release(whole)
+        # the healthy unit's rows are served, every one, and nothing else
+        seen: list[int] = []
+        while True:
+            b = c.get_meta("t", ["x"], 128, timeout_s=2)
+            if not len(b):
+                break
+            seen += c.get_data(b)["x"].view(-1).tolist()
+            c.ack(b)
+        assert sorted(seen) == on0.tolist()
+        # new puts go to the live unit
+        new = c.put({"x": torch.arange(10).view(10, 1)})
+        assert set(new.units.tolist()) == {0}
+        assert _ctl(c)["units_alive"] == [True, False]
+        assert svc.alive()  # one unit still serves
+
+
+def test_a_call_blocked_on_a_killed_controller_fails_within_the_bound() -> None:
+    with (
+        transferqueue.serve(num_units=1) as svc,
+        transferqueue.connect(svc.address) as tq,
+    ):
+        c = tq.client()
+        c.put({"x": torch.ones(2, 1)})
+        os.kill(svc.pids[-1], signal.SIGKILL)  # the controller
+        t0 = time.monotonic()
+        with pytest.raises(PeerGoneError, match=r"has not answered|dropped"):
+            c.get_meta("t", ["x"], 10)  # would wait for ever on a live controller
+        assert time.monotonic() - t0 < LIVENESS.bound_s + SLACK_S
+        with pytest.raises(PeerGoneError):
+            c.put({"x": torch.ones(2, 1)})  # the default timeout waits as long as it lives
+
+
+def _children(pid: int) -> list[tuple[int, str]]:
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            for child in f.read().split():
+                with open(f"/proc/{child}/cmdline", "rb") as g:
+                    out.append((int(child), g.read().replace(b"\0", b" ").decode()))
+    return out
+
+
+def _unit_pid(cli_pid: int, unit: int) -> int:
+    found = [p for p, cmd in _children(cli_pid) if f" unit --unit-id {unit} " in cmd]
+    assert len(found) == 1, _children(cli_pid)
+    return found[0]
+
+
+def test_a_unit_killed_under_the_cli_leaves_the_service_serving() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "transferqueue.cli", "serve", "--units", "2", "--spread-bytes", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        address = proc.stdout.readline().strip()
+        with transferqueue.connect(address) as tq:
+            c = tq.client()
+            meta = _put_over_both(c, 0)
+            on0, on1 = meta.indexes[meta.units == 0], meta.indexes[meta.units == 1]
+            victim = _unit_pid(proc.pid, 1)
+            os.kill(victim, signal.SIGKILL)
+            _until(lambda: _ctl(c)["rows_lost"] == on1.size, LIVENESS.bound_s + SLACK_S, "lost")
+            seen: list[int] = []
+            while True:  # no batch fails: the lost rows left the queue
+                b = c.get_meta("t", ["x"], 128, timeout_s=2)
+                if not len(b):
+                    break
+                seen += c.get_data(b)["x"].view(-1).tolist()
+                c.ack(b)
+            assert sorted(seen) == on0.tolist()
+            _until(lambda: _ctl(c)["units_alive"] == [True, True], SLACK_S + 30, "restart")
+            assert _unit_pid(proc.pid, 1) != victim
+            new = _put_over_both(c, 7000)
+            got = c.get_meta("t", ["x"], 1000, timeout_s=30)
+            assert c.get_data(got)["x"].view(-1).tolist() == list(range(7000, 8000))
+            assert got.indexes.tolist() == new.indexes.tolist()
+        assert proc.poll() is None  # the CLI still serves
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+PRODUCER = textwrap.dedent(
+    """
+    import asyncio, sys, torch, transferqueue
+    from transferqueue import messages as m
+    tq = transferqueue.connect(sys.argv[1])
+    link = tq._controller
+    call = link.call
+    async def stalled(msg):
+        if isinstance(msg, m.Commit):  # written to the units: die here, before the commit
+            print("WRITTEN", flush=True)
+            await asyncio.sleep(3600)
+        return await call(msg)
+    link.call = stalled
+    rows = [torch.full((1 << 18,), float(i)) for i in range(64)]  # 64 MiB ragged
+    dense = torch.ones(64, 1 << 18)  # 64 MiB dense
+    tq.client().put({"r": rows, "d": dense})
+    """
+)
+
+
+def _shm_mapped_bytes(pid: int) -> int:
+    """Bytes of TransferQueue arenas process ``pid`` maps."""
+    total = 0
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            if "/dev/shm/tq-" in line:
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                total += hi - lo
+    return total
+
+
+def test_a_producer_killed_mid_put_leaves_no_rows_and_no_shared_memory() -> None:
+    with (
+        transferqueue.serve(num_units=1, allocation_s=2.0) as svc,
+        transferqueue.connect(svc.address) as tq,
+    ):
+        c = tq.client()
+        unit = svc.pids[0]
+        before = _shm_mapped_bytes(unit)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", PRODUCER, svc.address], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert proc.stdout is not None
+            assert proc.stdout.readline().strip() == "WRITTEN"
+            assert _shm_mapped_bytes(unit) > before + (64 << 20)  # the put's arenas
+            assert c.stats()["units"][0]["rows"] == 64  # written, never committed
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        _until(lambda: _ctl(c)["rows_reclaimed"] == 64, 2.0 + SLACK_S, "reclaimed")
+        st = c.stats()
+        assert st["controller"]["rows_live"] == 0 and st["units"][0]["rows"] == 0
+        _until(lambda: _shm_mapped_bytes(unit) <= before, SLACK_S, "arenas released")
+        assert len(c.get_meta("t", ["r"], 1, timeout_s=1)) == 0  # consumers never see them
