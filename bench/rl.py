@@ -3,6 +3,8 @@
     python -m bench.rl                      # the schedule matrix + the real sync/async pair
     python -m bench.rl --quick              # fewer steps (smoke test)
     python -m bench.rl --workload measured  # SmolLM2's measured lengths instead of long-tail
+    python -m bench.rl --deploy both --quick --gpus 12 --gen-gpus 4 --real-steps 0
+                                            # every stage instance a Ray actor vs one process
 
 Every schedule runs the real asyncflow workflow (TransferQueue, adapters, stage runners,
 admission control, weight sync) on the same resources and the same prompt stream; only the
@@ -29,6 +31,11 @@ tails the best split depends on the schedule, and each is compared at its own be
 skew-aware schedules dedicate a quarter of their generation instances (at least one) to the
 long tail, at most 8 sequences each; samples still decoding after the workload's 90th
 percentile length migrate there (``rollout.migrate_after``).
+
+``--deploy ray`` runs each schedule with every stage instance a Ray actor (the engines built
+in the actors, ``bench/rl_engines.py``; a local cluster of its own, ``bench/rl_ray.py``);
+``--deploy both`` runs both deployments alternately on every split and prints ray / local per
+schedule (also in ``rl.json`` under ``deploy``, and the plot ``rl_deploy.png``).
 
 Writes ``bench/results/rl.json`` and the plots ``rl_throughput.png``, ``rl_gantt.png`` and
 ``rl_real_reward.png``, and prints a table: samples/s and tokens/s (modelled time), ratio to
