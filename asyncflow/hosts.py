@@ -10,6 +10,14 @@ Ray actor with ``deploy=ray``) and is the only thing that reads the engine's sta
   transport) and calls ``engine.update_weights`` (the engine lands them at its next
   micro-batch boundary).
 
+With a registry in another process (``deploy=ray``) the registry decides on reported loads,
+which lag the engine: a change between idle and busy goes out at once, other load changes at
+most every ``report_s``; and an update decided while the engine was reported idle is declined
+(handed back, its load reported) if the engine is busy again by the time the weights are
+fetched, because loading them then would make it drain its running requests, which is what
+``on_demand`` updates of idle engines are there to avoid. A registry in this process reads
+the engine live and decides on exact values; nothing is declined there.
+
 The rollout adapter calls :meth:`GeneratorHost.generate` as it would call the engine. Errors of
 the follower are not swallowed: :meth:`GeneratorHost.run` raises them, and the deployment
 supervises it like a stage.
@@ -20,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import math
 import time
 from collections.abc import Mapping, Sequence
 from typing import Protocol
@@ -111,7 +120,7 @@ class GeneratorHost:
         registry: RegistryAPI,
         weights: WeightSource,
         *,
-        report_s: float = 0.05,
+        report_s: float = 0.1,
         poll_s: float = 5.0,
     ) -> None:
         check_engine(engine, GenerationEngine, "rollout")
@@ -123,7 +132,10 @@ class GeneratorHost:
         self.poll_s = poll_s
         self._calls = 0  # samples of generate calls in flight (engines without in_flight)
         self._dirty = asyncio.Event()
+        self._reported: tuple[int, int, int] | None = None  # what a remote registry last got
         self.updates = 0
+        self.declined = 0
+        """Updates handed back because the engine was busy again (remote registries only)."""
 
     @property
     def version(self) -> int:
@@ -171,21 +183,53 @@ class GeneratorHost:
         except ExceptionGroup as eg:  # one part failed (cancellation propagates as is)
             raise eg.exceptions[0] from None
 
+    def _remote_load(self) -> tuple[int, int, int]:
+        """:meth:`_load` as reported to a registry elsewhere: a call counts as in flight from
+        the moment it reaches this host (an engine may await something before it queues the
+        call's requests), so the registry never sees an idle engine that is about to run."""
+        version, in_flight, drain = self._load()
+        if getattr(self.engine, "in_flight", None) is not None:
+            in_flight = max(in_flight, self._calls)
+        return version, in_flight, drain
+
+    async def _send(self, load: tuple[int, int, int]) -> None:
+        await self.registry.report(
+            self.name, version=load[0], in_flight=load[1], drain_tokens=load[2]
+        )
+        self._reported = load
+
     async def _report(self) -> None:
-        """Send the load to a registry in another process when it changed (at most every
-        ``report_s``; while sequences run, their drain estimate changes too)."""
-        last: tuple[int, int, int] | None = None
+        """Send the load to a registry in another process when it changed.
+
+        A new version, or a change between idle and busy, goes at once: the weight-update
+        policy decides on them (``on_demand`` updates idle engines at once), and a decision on
+        a stale "idle" costs a declined update, a stale "busy" a missed chance to update while
+        idle. Other changes (how many sequences run, the drain estimate, which moves while
+        they decode) go at most every ``report_s``: the policy only ranks busy engines by them.
+        """
+        loop = asyncio.get_running_loop()
+        sent_at = -math.inf
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._dirty.wait(), self.report_s)
             self._dirty.clear()
-            now = self._load()
+            now, last = self._remote_load(), self._reported
+            timeout = self.report_s
             if now != last:
-                await self.registry.report(
-                    self.name, version=now[0], in_flight=now[1], drain_tokens=now[2]
-                )
-                last = now
-            await asyncio.sleep(self.report_s)
+                urgent = last is None or now[0] != last[0] or (now[1] > 0) != (last[1] > 0)
+                wait = sent_at + self.report_s - loop.time()
+                if urgent or wait <= 0:
+                    await self._send(now)
+                    sent_at = loop.time()
+                    continue
+                timeout = wait
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._dirty.wait(), timeout)
+
+    def _busy_again(self) -> bool:
+        """The registry (in another process) last heard this engine was idle, and it is busy
+        now: an update decided on that report would drain the running requests."""
+        if getattr(self.registry, "set_live", None) is not None or self._reported is None:
+            return False
+        return self._reported[1] == 0 and self._remote_load()[1] > 0
 
     async def _follow(self) -> None:
         while True:
@@ -197,6 +241,11 @@ class GeneratorHost:
                 version = await asyncio.to_thread(self._fetchable, target)
                 state = await asyncio.to_thread(self.weights.get, version)
                 try:
+                    if self._busy_again():  # hand it back; the registry decides again
+                        self.declined += 1
+                        await self._send(self._remote_load())
+                        await self.registry.update_failed(self.name)
+                        continue
                     await self.engine.update_weights(state, version)
                 finally:
                     self.weights.release(version)

@@ -3,6 +3,8 @@
     python -m bench.rl                      # the schedule matrix + the real sync/async pair
     python -m bench.rl --quick              # fewer steps (smoke test)
     python -m bench.rl --workload measured  # SmolLM2's measured lengths instead of long-tail
+    python -m bench.rl --deploy both --quick --gpus 12 --gen-gpus 4 --real-steps 0
+                                            # every stage instance a Ray actor vs one process
 
 Every schedule runs the real asyncflow workflow (TransferQueue, adapters, stage runners,
 admission control, weight sync) on the same resources and the same prompt stream; only the
@@ -30,6 +32,11 @@ skew-aware schedules dedicate a quarter of their generation instances (at least 
 long tail, at most 8 sequences each; samples still decoding after the workload's 90th
 percentile length migrate there (``rollout.migrate_after``).
 
+``--deploy ray`` runs each schedule with every stage instance a Ray actor (the engines built
+in the actors, ``bench/rl_engines.py``; a local cluster of its own, ``bench/rl_ray.py``);
+``--deploy both`` runs both deployments alternately on every split and prints ray / local per
+schedule (also in ``rl.json`` under ``deploy``, and the plot ``rl_deploy.png``).
+
 Writes ``bench/results/rl.json`` and the plots ``rl_throughput.png``, ``rl_gantt.png`` and
 ``rl_real_reward.png``, and prints a table: samples/s and tokens/s (modelled time), ratio to
 colocated-sync, idle fraction per stage, and the generation GPUs' idle time split into the
@@ -48,16 +55,12 @@ from typing import Any
 
 import numpy as np
 
-from asyncflow import Components, RunResult, load_config, run
+from asyncflow import RunResult, load_config, run
 from asyncflow.metrics import merge_intervals
 from bench.common import RESULTS_DIR, line, write_json
-from engines.simulated import (
-    Calibration,
-    LognormalLengths,
-    SimulatedGenerationEngine,
-    SimulatedReward,
-    calibrated,
-)
+from bench.rl_engines import SimulatedRun, local_components, ray_factories
+from bench.rl_ray import deploy_plot, ray_samples, start_ray, stop_ray
+from engines.simulated import Calibration, LognormalLengths, calibrated
 from engines.tasks import make_task
 from engines.tiny import build_tokenizer
 
@@ -143,8 +146,15 @@ def split_gpus(setup: Setup, cal: Calibration, mean_len: float, prompt_len: floa
 
 
 def run_schedule(
-    sched: Schedule, setup: Setup, cal: Calibration, out: Path, gen_gpus: int
+    sched: Schedule,
+    setup: Setup,
+    cal: Calibration,
+    out: Path,
+    gen_gpus: int,
+    deploy: str = "local",
 ) -> RunResult:
+    """One schedule on one split, its stages in this process (``local``) or each stage
+    instance a Ray actor (``ray``: the cluster :func:`bench.rl_ray.start_ray` started)."""
     tokenizer = build_tokenizer()
     task = make_task("countdown", seed=setup.seed)
     from engines.hf.text import encode_prompts
@@ -153,32 +163,20 @@ def run_schedule(
     lengths = _lengths(setup, cal, sample_prompts)
     n_gen = setup.gpus if sched.colocated else gen_gpus
     n_train = setup.gpus if sched.colocated else setup.gpus - gen_gpus
-    counts: dict[bytes, int] = {}  # same samples whatever the routing
-    cuts: dict[bytes, Any] = {}
     long = (setup.long_instances or max(1, n_gen // 4)) if sched.skew_aware else 0
     cap = setup.max_batch or cal.latency.max_batch
-    generators = [
-        SimulatedGenerationEngine(
-            replace(cal.latency, max_batch=setup.long_max_batch if i < long else cap),
-            lengths,
-            time_scale=setup.time_scale,
-            sync_s=cal.sync_s,
-            vocab_size=len(tokenizer),
-            eos_token_id=tokenizer.eos_token_id,
-            seed=setup.seed + i,
-            version=0,
-            shared_counts=counts,
-            continuations=cuts,
-        )
-        for i in range(n_gen)
-    ]
-    comps = Components(
-        task=task,
-        tokenizer=tokenizer,
-        trainer=cal.training_engine(time_scale=setup.time_scale, gpus=n_train, version=0),
-        generators=list(generators),
-        reward_fn=SimulatedReward(0.01, time_scale=setup.time_scale, success_rate=0.5),
-        closers=[g.close for g in generators],
+    spec = SimulatedRun(
+        latency=replace(cal.latency, max_batch=cap),
+        lengths=lengths,
+        long_instances=long,
+        long_max_batch=setup.long_max_batch,
+        training=cal.training,
+        train_gpus=n_train,
+        time_scale=setup.time_scale,
+        sync_s=cal.sync_s,
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        seed=setup.seed,
     )
     b, n = setup.groups_per_step, setup.group_size
     # groups in flight per instance: enough to fill its batch and to hand out every admitted
@@ -211,7 +209,12 @@ def run_schedule(
             f"rollout.long_capacity={setup.long_max_batch}",
             f"rollout.migrate_after={setup.migrate_after}",
         ]
-    return run(load_config(overrides=overrides), comps)
+    if deploy == "local":
+        return run(load_config(overrides=overrides), local_components(spec, n_gen))
+    overrides += ["deploy.mode=ray", "deploy.start_timeout_s=900"]
+    with ray_samples() as samples:
+        factories = ray_factories(replace(spec, samples=samples))
+        return run(load_config(overrides=overrides), factories=factories)
 
 
 def analyse(result: RunResult, setup: Setup, n_gen: int, n_train: int) -> dict[str, Any]:
@@ -345,6 +348,62 @@ def real_pair(steps: int, out: Path) -> dict[str, Any]:
     return summary
 
 
+def _print_line(name: str, stats: dict[str, Any], base: float, tried: dict[int, float]) -> None:
+    line(
+        name,
+        stats["samples_per_s"],
+        "samples/s",
+        ratio=stats["samples_per_s"] / base,
+        gen=stats["gen_gpus"],
+        tok_s=round(stats["tokens_per_s"]),
+        gen_busy=round(stats["gen_busy"], 3),
+        pipeline=round(stats["pipeline_bubble"], 3),
+        skew=round(stats["skew_bubble"], 3),
+        train_idle=round(1 - stats["train_busy"], 3),
+        stale=stats["staleness_max"],
+        splits=" ".join(f"{g}:{v:.2f}" for g, v in tried.items()),
+    )
+
+
+def _print_table(table: dict[str, dict[str, Any]]) -> None:
+    base = next(iter(table.values()))["samples_per_s"]
+    print(
+        "\n| schedule | samples/s | tokens/s | vs colocated-sync | gen busy | pipeline "
+        "bubble | skew bubble | train idle |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for name, s in table.items():
+        print(
+            f"| {name} | {s['samples_per_s']:.2f} | {s['tokens_per_s']:.0f} | "
+            f"{s['samples_per_s'] / base:.2f}x | {s['gen_busy']:.2f} | "
+            f"{s['pipeline_bubble']:.2f} | {s['skew_bubble']:.2f} | {1 - s['train_busy']:.2f} |"
+        )
+
+
+def _compare(tables: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, float]]:
+    """Per schedule: ray / local samples/s (each at its best split), and the same ratio at
+    every split both modes ran."""
+    local, ray = tables["local"], tables["ray"]
+    out: dict[str, dict[str, float]] = {}
+    print("\n| schedule | local samples/s | ray samples/s | ray / local | ray / local per split |")
+    print("|---|---|---|---|---|")
+    for name in local:
+        if name not in ray:
+            continue
+        ratio = ray[name]["samples_per_s"] / local[name]["samples_per_s"]
+        per_split = {
+            g: ray[name]["splits_tried"][g] / v
+            for g, v in local[name]["splits_tried"].items()
+            if g in ray[name]["splits_tried"] and v > 0
+        }
+        out[name] = {"ray_over_local": ratio, **{f"split_{g}": r for g, r in per_split.items()}}
+        print(
+            f"| {name} | {local[name]['samples_per_s']:.2f} | {ray[name]['samples_per_s']:.2f} | "
+            f"{ratio:.2f}x | {' '.join(f'{g}:{r:.2f}' for g, r in per_split.items())} |"
+        )
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer steps and groups")
@@ -359,6 +418,12 @@ def main() -> None:
     ap.add_argument("--migrate-after", type=int, default=-1, help="-1: p90 of the lengths")
     ap.add_argument("--weight-sync", choices=["eager", "on_demand"], default="on_demand")
     ap.add_argument("--real-steps", type=int, default=300, help="0 skips the real pair")
+    ap.add_argument(
+        "--deploy",
+        choices=["local", "ray", "both"],
+        default="local",
+        help="stages in this process, each stage instance a Ray actor, or both alternately",
+    )
     args = ap.parse_args()
     setup = Setup(
         gpus=args.gpus,
@@ -386,70 +451,70 @@ def main() -> None:
     splits = sorted({g for g in splits if 0 < g < setup.gpus})
     if setup.migrate_after < 0:  # the long tail: past where 90% of the responses have ended
         setup = replace(setup, migrate_after=int(np.ceil(np.percentile(draws, 90) / 128) * 128))
+    modes = ["local", "ray"] if args.deploy == "both" else [args.deploy]
     print(
         f"calibration {cal.profile} ({cal.source}); workload {setup.workload}: mean response "
         f"{mean_len:.0f} tokens, p90 {np.percentile(draws, 90):.0f}, p99 "
         f"{np.percentile(draws, 99):.0f}, max {max(draws)}; {setup.gpus} GPUs; disaggregated "
         f"schedules run on each of the splits {splits} generation GPUs (balanced decode vs "
-        f"training: {balanced}) and keep their best; migration after {setup.migrate_after} tokens"
+        f"training: {balanced}) and keep their best; migration after {setup.migrate_after} "
+        f"tokens; deploy {' and '.join(modes)}"
     )
     chosen = [s for s in SCHEDULES if not args.schedules or s.name in args.schedules.split(",")]
-    results: dict[str, tuple[RunResult, dict[str, Any]]] = {}
-    with tempfile.TemporaryDirectory(prefix="asyncflow-bench-") as tmp:
-        for sched in chosen:
-            tried: dict[int, float] = {}
-            best: tuple[RunResult, dict[str, Any]] | None = None
-            for g in [setup.gpus] if sched.colocated else splits:
-                n_train = setup.gpus if sched.colocated else setup.gpus - g
-                res = run_schedule(sched, setup, cal, Path(tmp) / f"{sched.name}-{g}", g)
-                stats = analyse(res, setup, g, n_train)
-                tried[g] = stats["samples_per_s"]
-                if best is None or stats["samples_per_s"] > best[1]["samples_per_s"]:
-                    best = (res, stats)
-            assert best is not None
-            best[1]["splits_tried"] = tried
-            results[sched.name] = best
-            stats = best[1]
-            base = next(iter(results.values()))[1]["samples_per_s"]
-            line(
-                sched.name,
-                stats["samples_per_s"],
-                "samples/s",
-                ratio=stats["samples_per_s"] / base,
-                gen=stats["gen_gpus"],
-                tok_s=round(stats["tokens_per_s"]),
-                gen_busy=round(stats["gen_busy"], 3),
-                pipeline=round(stats["pipeline_bubble"], 3),
-                skew=round(stats["skew_bubble"], 3),
-                train_idle=round(1 - stats["train_busy"], 3),
-                stale=stats["staleness_max"],
-                splits=" ".join(f"{g}:{v:.2f}" for g, v in tried.items()),
-            )
-        table = {k: v[1] for k, v in results.items()}
-        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-        if len(table) > 1:
-            bars(table, RESULTS_DIR / "rl_throughput.png")
-            gantt(results, RESULTS_DIR / "rl_gantt.png", setup.time_scale)
-        real = real_pair(args.real_steps, Path(tmp)) if args.real_steps else {}
-    base = next(iter(table.values()))["samples_per_s"]
-    print(
-        "\n| schedule | samples/s | tokens/s | vs colocated-sync | gen busy | pipeline "
-        "bubble | skew bubble | train idle |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
-    for name, s in table.items():
-        print(
-            f"| {name} | {s['samples_per_s']:.2f} | {s['tokens_per_s']:.0f} | "
-            f"{s['samples_per_s'] / base:.2f}x | {s['gen_busy']:.2f} | "
-            f"{s['pipeline_bubble']:.2f} | {s['skew_bubble']:.2f} | {1 - s['train_busy']:.2f} |"
-        )
+    results: dict[str, dict[str, tuple[RunResult, dict[str, Any]]]] = {m: {} for m in modes}
+    if "ray" in modes:  # slots for the largest schedule's actors: generators, trainer, reward
+        start_ray(num_cpus=setup.gpus + 8)
+    try:
+        with tempfile.TemporaryDirectory(prefix="asyncflow-bench-") as tmp:
+            for sched in chosen:
+                tried: dict[str, dict[int, float]] = {m: {} for m in modes}
+                best: dict[str, tuple[RunResult, dict[str, Any]]] = {}
+                for g in [setup.gpus] if sched.colocated else splits:
+                    n_train = setup.gpus if sched.colocated else setup.gpus - g
+                    for mode in modes:  # alternately, so that both see the same machine load
+                        out = Path(tmp) / f"{sched.name}-{g}-{mode}"
+                        res = run_schedule(sched, setup, cal, out, g, deploy=mode)
+                        stats = analyse(res, setup, g, n_train)
+                        tried[mode][g] = stats["samples_per_s"]
+                        if (
+                            mode not in best
+                            or stats["samples_per_s"] > best[mode][1]["samples_per_s"]
+                        ):
+                            best[mode] = (res, stats)
+                for mode in modes:
+                    best[mode][1]["splits_tried"] = tried[mode]
+                    results[mode][sched.name] = best[mode]
+                    base = next(iter(results[mode].values()))[1]["samples_per_s"]
+                    name = sched.name if len(modes) == 1 else f"{sched.name} [{mode}]"
+                    _print_line(name, best[mode][1], base, tried[mode])
+                if len(modes) > 1:
+                    r = best["ray"][1]["samples_per_s"] / best["local"][1]["samples_per_s"]
+                    line(f"{sched.name} ray/local", r, "x")
+            tables = {m: {k: v[1] for k, v in results[m].items()} for m in modes}
+            first = modes[0]
+            RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+            if len(tables[first]) > 1:
+                bars(tables[first], RESULTS_DIR / "rl_throughput.png")
+                gantt(results[first], RESULTS_DIR / "rl_gantt.png", setup.time_scale)
+            if len(modes) > 1:
+                deploy_plot(tables, RESULTS_DIR / "rl_deploy.png")
+            real = real_pair(args.real_steps, Path(tmp)) if args.real_steps else {}
+    finally:
+        if "ray" in modes:
+            stop_ray()
+    for mode in modes:
+        if len(modes) > 1:
+            print(f"\ndeploy={mode}:")
+        _print_table(tables[mode])
+    compared = _compare(tables) if len(modes) > 1 else {}
     write_json(
         "rl",
         {
             "setup": setup.__dict__,
             "calibration": {"profile": cal.profile, "source": cal.source},
             "workload": {"mean_len": mean_len, "prompt_len": prompt_len, "max": max(draws)},
-            "schedules": table,
+            "schedules": tables[first],
+            "deploy": {"modes": modes, "tables": tables, "ray_over_local": compared},
             "real": real,
         },
     )

@@ -484,7 +484,12 @@ class RayDeployment(Deployment):
         return predict
 
     async def save_policy(self, directory: Path) -> None:
-        await self._trainers[0].save_policy.remote(str(directory.resolve()))
+        import ray
+
+        try:
+            await self._trainers[0].save_policy.remote(str(directory.resolve()))
+        except ray.exceptions.RayTaskError as e:  # the trainer's own error, not Ray's wrapper
+            raise remote_cause(e) from None
 
     async def summary(self) -> dict[str, Any]:
         stats = await self._registry.stats()

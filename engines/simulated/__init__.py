@@ -13,6 +13,8 @@ use almost no CPU, so dozens of virtual accelerators fit on two cores.
 | :class:`EmpiricalLengths`          |                              | tail, prompt-predictable   |
 | :class:`SimulatedTrainingEngine`   | TrainingEngine               | time per token/sample/step |
 | :class:`SimulatedReward`           | RewardFn                     | time per sample            |
+| :class:`LocalSamples`,             | (shared state)               | which sample a request is, |
+| :class:`RaySamples`                |                              | across instances/processes |
 | :func:`from_calibration`           | builds the above             | ``bench/calibrate.py``     |
 
 Example::
@@ -37,16 +39,29 @@ from engines.simulated.lengths import (
     LognormalLengths,
     content_score,
 )
+from engines.simulated.samples import (
+    Cut,
+    LocalSamples,
+    RaySamples,
+    SampleBook,
+    SampleStore,
+    start_ray_samples,
+)
 from engines.simulated.training import SimulatedReward, SimulatedTrainingEngine, TrainingCost
 
 __all__ = [
     "BUILTIN",
     "Calibration",
+    "Cut",
     "DecodeLatency",
     "EmpiricalLengths",
     "GenerationStats",
     "LengthModel",
+    "LocalSamples",
     "LognormalLengths",
+    "RaySamples",
+    "SampleBook",
+    "SampleStore",
     "SimulatedGenerationEngine",
     "SimulatedReward",
     "SimulatedTrainingEngine",
@@ -54,4 +69,5 @@ __all__ = [
     "calibrated",
     "content_score",
     "from_calibration",
+    "start_ray_samples",
 ]

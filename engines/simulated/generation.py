@@ -40,6 +40,9 @@ depend only on its prompt and index, never on timing or weights version): with
 (mixed with the engine seed) or, with ``shared_counts``, across all the engines sharing that
 dict. The same prompts then get the same samples whatever the micro-batch split, and with a
 shared count whatever the routing, so schedules compared on one prompt stream do the same work.
+Engines in several processes share the count (and the cut samples that continuations resume)
+through a :class:`~engines.simulated.samples.SampleStore` (``samples=``): one lookup per
+``generate`` call, before its requests are scheduled (:mod:`engines.simulated.samples`).
 """
 
 from __future__ import annotations
@@ -56,11 +59,11 @@ import torch
 from engines.protocols import Generation, SamplingParams
 from engines.simulated.hashing import hash64, prompt_key
 from engines.simulated.lengths import LengthModel, LognormalLengths
+from engines.simulated.samples import Claim, Cut, LocalSamples, SampleStore
 
 __all__ = ["DecodeLatency", "GenerationStats", "SimulatedGenerationEngine"]
 
 _MASK63 = (1 << 63) - 1
-_MAX_CUTS = 1 << 16
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,16 +144,6 @@ class GenerationStats:
     """Real seconds lost to late wake-ups beyond ``max_lag_s`` (nonzero: machine overloaded)."""
 
 
-@dataclass(frozen=True)
-class _Cut:
-    """A sample cut short by ``max_new_tokens``: what its continuation resumes."""
-
-    key: bytes
-    index: int
-    natural: int
-    offset: int
-
-
 @dataclass(eq=False)
 class _Request:
     prompt_len: int
@@ -202,6 +195,9 @@ class SimulatedGenerationEngine:
             ``max_new_tokens`` are recorded, so that a request whose prompt is such a sample's
             prompt followed by its tokens continues that sample (on any instance sharing the
             dict) as a language model would; None records per engine.
+        samples: instead of the two dicts, a store of both that instances in other processes
+            share (:class:`~engines.simulated.samples.RaySamples`); sample numbers then count
+            across its instances, as with ``shared_counts``.
         max_lag_s: real seconds the scheduler may fall behind its ideal clock and still catch
             up; beyond it resynchronizes (counted in ``stats.lag_s``).
     """
@@ -219,6 +215,7 @@ class SimulatedGenerationEngine:
         version: int = -1,
         shared_counts: dict[bytes, int] | None = None,
         continuations: dict[bytes, Any] | None = None,
+        samples: SampleStore | None = None,
         max_lag_s: float = 0.02,
     ) -> None:
         if time_scale <= 0 or sync_s < 0 or max_lag_s < 0:
@@ -241,11 +238,15 @@ class SimulatedGenerationEngine:
         self.max_lag_s = max_lag_s
         self.stats = GenerationStats()
         self._version = version
-        self._shared = shared_counts is not None
-        # prompt digest -> requests of it without a call seed so far
-        self._seen: dict[bytes, int] = shared_counts if shared_counts is not None else {}
-        # digest of (prompt + tokens so far) -> the cut sample a continuation resumes
-        self._cuts: dict[bytes, Any] = continuations if continuations is not None else {}
+        if samples is not None and (shared_counts is not None or continuations is not None):
+            raise ValueError(
+                "give samples= (a store shared across processes) or shared_counts=/"
+                "continuations= (dicts shared in this process), not both"
+            )
+        self._shared = shared_counts is not None or samples is not None
+        # prompt digest -> requests of it without a call seed so far, and digest of (prompt +
+        # tokens so far) -> the cut sample a continuation resumes
+        self._samples: SampleStore = samples or LocalSamples(shared_counts, continuations)
         self._state: _State | None = None
         self._closed = False
 
@@ -259,18 +260,37 @@ class SimulatedGenerationEngine:
     async def generate(
         self, prompts: Sequence[torch.Tensor], params: SamplingParams
     ) -> list[Generation]:
-        """One response per prompt, returned when the last of them has finished decoding."""
+        """One response per prompt, returned when the last of them has finished decoding.
+
+        The call's sample identities come from the sample store in one lookup before any of
+        its requests is scheduled (with an in-process store the lookup never suspends, so
+        scheduling is as without one); the samples it will cut are recorded there while they
+        decode, and the call returns only once they are (their continuations may then be
+        requested on any instance).
+        """
         st = self._bind()
-        requests = [self._request(st, i, p, params) for i, p in enumerate(prompts)]
+        keys = [self._key(i, p) for i, p in enumerate(prompts)]
+        claims = await self._samples.claim(keys, params.seed is None)
+        cuts: list[tuple[bytes, Cut]] = []
+        requests = [
+            self._request(st, i, p, k, c, params, cuts)
+            for i, (p, k, c) in enumerate(zip(prompts, keys, claims, strict=True))
+        ]
+        recording = asyncio.ensure_future(self._samples.record(cuts)) if cuts else None
         st.waiting.extend(requests)
         self._kick(st)
         try:
-            return list(await asyncio.gather(*(r.future for r in requests)))
+            out = list(await asyncio.gather(*(r.future for r in requests)))
+            if recording is not None:
+                await recording  # a continuation may be requested as soon as this returns
+            return out
         except BaseException:
             for r in requests:  # the scheduler drops them at the next iteration boundary
                 r.cancelled = True
             if st.waiter is not None and not st.waiter.done():
                 st.waiter.set_result(True)
+            if recording is not None and not recording.done():
+                recording.cancel()
             raise
 
     async def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
@@ -356,17 +376,28 @@ class SimulatedGenerationEngine:
             st = self._state = _State(loop=loop)
         return st
 
-    def _request(
-        self, st: _State, position: int, prompt: torch.Tensor, params: SamplingParams
-    ) -> _Request:
+    @staticmethod
+    def _key(position: int, prompt: torch.Tensor) -> bytes:
         if prompt.dim() != 1 or prompt.numel() == 0:
             raise ValueError(
                 f"prompt {position} must be a non-empty 1-D token tensor, got shape "
                 f"{tuple(prompt.shape)}"
             )
-        key = prompt_key(prompt)
-        cut = self._cuts.pop(key, None)
-        if cut is not None:  # the continuation of a sample cut short: same sample, same tokens
+        return prompt_key(prompt)
+
+    def _request(
+        self,
+        st: _State,
+        position: int,
+        prompt: torch.Tensor,
+        key: bytes,
+        claim: Claim,
+        params: SamplingParams,
+        cuts: list[tuple[bytes, Cut]],
+    ) -> _Request:
+        """The request for one prompt; appends to ``cuts`` the sample it will cut, if any."""
+        if isinstance(claim, Cut):  # the continuation of a sample cut short: same sample
+            cut = claim
             remaining = cut.natural - cut.offset
             target = min(remaining, params.max_new_tokens)
             return self._new_request(
@@ -379,17 +410,18 @@ class SimulatedGenerationEngine:
                 target,
                 remaining,
                 params.max_new_tokens,
+                cuts,
             )
         if params.seed is not None:
             index = hash64("call", params.seed, position)
+        elif self._shared:
+            index = hash64("seen", claim)
         else:
-            seen = self._seen.get(key, 0)
-            self._seen[key] = seen + 1
-            index = hash64("seen", seen) if self._shared else hash64("seen", self.seed, seen)
+            index = hash64("seen", self.seed, claim)
         natural = self.lengths.length(prompt, index)
         target = min(natural, params.max_new_tokens)
         return self._new_request(
-            st, prompt, key, index, natural, 0, target, natural, params.max_new_tokens
+            st, prompt, key, index, natural, 0, target, natural, params.max_new_tokens, cuts
         )
 
     def _new_request(
@@ -403,15 +435,14 @@ class SimulatedGenerationEngine:
         target: int,
         remaining: int,
         budget: int,
+        cuts: list[tuple[bytes, Cut]],
     ) -> _Request:
         target = max(target, 1)
         cut_short = remaining > target
         if cut_short:  # record where a continuation (prompt + these tokens) resumes
             g = self._tokens(key, index, natural, offset, target)[0]
             cont = prompt_key(torch.cat([prompt.reshape(-1).to(torch.int64), g]))
-            self._cuts[cont] = _Cut(key, index, natural, offset + target)
-            while len(self._cuts) > _MAX_CUTS:  # never continued: forget the oldest
-                del self._cuts[next(iter(self._cuts))]
+            cuts.append((cont, Cut(key, index, natural, offset + target)))
         return _Request(
             prompt_len=int(prompt.numel()),
             key=key,

@@ -1,0 +1,177 @@
+"""A generator host reporting to a registry in another process (``deploy=ray``): which load
+changes go out at once, which wait for ``report_s``, and an update decided on a stale "idle"
+handed back. Report times on virtual time (``tests.virtual_time``: exact); the hand-back on
+the real clock (the follower fetches weights in a thread), ordered by events."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from asyncflow.hosts import GeneratorHost
+from asyncflow.transport import make_transport
+from engines import Generation, SamplingParams
+from tests.virtual_time import run_virtual
+
+BOUND_S = 60.0  # a bound on waits that end on events, not a duration being measured
+PROMPTS = [torch.tensor([1, 2, 3])] * 2
+PARAMS = SamplingParams(max_new_tokens=4)
+
+
+class _Engine:
+    """A generator that counts a call in flight only once the test lets it queue (as an
+    engine that awaits something first would), and ends calls when the test says."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.in_flight = 0
+        self.drain_tokens = 0
+        self.queue = asyncio.Event()
+        self.finish = asyncio.Event()
+        self.updated: list[int] = []
+
+    async def generate(
+        self, prompts: Sequence[torch.Tensor], params: SamplingParams
+    ) -> list[Generation]:
+        await self.queue.wait()
+        self.in_flight += len(prompts)
+        try:
+            await self.finish.wait()
+        finally:
+            self.in_flight -= len(prompts)
+        return []
+
+    async def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        self.version = version
+        self.updated.append(version)
+
+
+class _Elsewhere:
+    """A registry in another process as the host sees it (no ``set_live``): records each
+    report with the loop time it arrived; ``wait_update`` hands out what the test queues;
+    while ``lag`` is clear a report of a busy engine is held in flight."""
+
+    def __init__(self) -> None:
+        self.reports: list[tuple[float, int, int, int]] = []
+        self.arrived = asyncio.Event()
+        self.lag = asyncio.Event()
+        self.lag.set()
+        self.held = 0  # busy reports held in flight while ``lag`` is clear
+        self.holding = asyncio.Event()
+        self.decide: asyncio.Queue[int] = asyncio.Queue()
+        self.failed = asyncio.Event()
+        self.done: list[int] = []
+        self.updated_ev = asyncio.Event()
+
+    async def register(self, name: str, version: int) -> int:
+        return 0
+
+    async def report(
+        self,
+        name: str,
+        *,
+        version: int | None = None,
+        in_flight: int | None = None,
+        drain_tokens: int | None = None,
+    ) -> None:
+        assert version is not None and in_flight is not None and drain_tokens is not None
+        if in_flight and not self.lag.is_set():
+            self.held += 1
+            self.holding.set()
+            await self.lag.wait()
+        self.reports.append((asyncio.get_running_loop().time(), version, in_flight, drain_tokens))
+        self.arrived.set()
+
+    async def wait_update(self, name: str, timeout_s: float) -> int | None:
+        try:
+            return await asyncio.wait_for(self.decide.get(), timeout_s)
+        except TimeoutError:
+            return None
+
+    async def updated(self, name: str, version: int, seconds: float) -> None:
+        self.done.append(version)
+        self.updated_ev.set()
+
+    async def update_failed(self, name: str) -> None:
+        self.failed.set()
+
+    async def until_held(self, n: int) -> None:
+        while self.held < n:
+            self.holding.clear()
+            await asyncio.wait_for(self.holding.wait(), BOUND_S)
+
+    async def next_report(self) -> tuple[float, int, int, int]:
+        self.arrived.clear()
+        await asyncio.wait_for(self.arrived.wait(), BOUND_S)
+        return self.reports[-1]
+
+
+def _host(engine: _Engine, registry: _Elsewhere) -> tuple[GeneratorHost, object]:
+    transport = make_transport("inprocess")
+    sender = transport.sender()
+    host = GeneratorHost("g0", engine, registry, transport.receiver("g0"), report_s=1.0)
+    return host, sender
+
+
+def test_idle_busy_changes_go_at_once_other_changes_at_most_every_report_s() -> None:
+    async def go() -> None:
+        engine, registry = _Engine(), _Elsewhere()
+        host, _ = _host(engine, registry)
+        await host.start()
+        runner = asyncio.ensure_future(host.run())
+        assert await registry.next_report() == (0.0, 0, 0, 0)
+        await asyncio.sleep(0.25)
+        call = asyncio.ensure_future(host.generate(PROMPTS, PARAMS))
+        # busy from the moment the call reaches the host (the engine has not queued it yet),
+        # sent at once although the last report went out less than report_s ago
+        assert await registry.next_report() == (0.25, 0, 2, 0)
+        engine.queue.set()
+        await asyncio.sleep(0.25)
+        engine.drain_tokens = 40  # only the drain estimate moved: waits for report_s
+        assert await registry.next_report() == (1.25, 0, 2, 40)
+        await asyncio.sleep(0.25)
+        engine.finish.set()
+        await call
+        assert await registry.next_report() == (1.5, 0, 0, 40)  # busy -> idle: at once
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+
+    run_virtual(go())
+
+
+def test_an_update_decided_on_a_stale_idle_is_handed_back_then_taken_when_idle() -> None:
+    """The registry still believes the engine idle (the busy report is in flight) and tells
+    it to update: the host declines (loading now would drain the running call), reports its
+    load and hands the update back; once idle again it takes the next one."""
+
+    async def go() -> None:
+        engine, registry = _Engine(), _Elsewhere()
+        host, sender = _host(engine, registry)
+        await host.start()
+        runner = asyncio.ensure_future(host.run())
+        await registry.next_report()  # idle
+        registry.lag.clear()
+        engine.queue.set()
+        call = asyncio.ensure_future(host.generate(PROMPTS, PARAMS))
+        await registry.until_held(1)  # the busy report, in flight
+        assert registry.reports[-1][2] == 0  # the registry has only heard "idle"
+        sender.publish({"w": torch.ones(2)}, 1)  # type: ignore[attr-defined]
+        registry.decide.put_nowait(1)  # decided on that stale "idle"
+        await registry.until_held(2)  # the decline reports the load before handing back
+        assert (engine.updated, host.declined) == ([], 1)
+        registry.lag.set()
+        await asyncio.wait_for(registry.failed.wait(), BOUND_S)
+        assert (engine.updated, host.declined, registry.done) == ([], 1, [])
+        assert registry.reports[-1][2] == 2  # it hears "busy" before the update comes back
+        engine.finish.set()
+        await call
+        await registry.next_report()  # idle again
+        registry.decide.put_nowait(1)
+        await asyncio.wait_for(registry.updated_ev.wait(), BOUND_S)
+        assert (engine.updated, registry.done, host.declined) == ([1], [1], 1)
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+
+    asyncio.run(go())  # real time: the follower fetches in a thread, which virtual time skips
