@@ -53,6 +53,8 @@ class RegistryAPI(Protocol):
         version: int | None = None,
         in_flight: int | None = None,
         drain_tokens: int | None = None,
+        running: int | None = None,
+        received: int | None = None,
     ) -> None: ...
 
     async def wait_update(self, name: str, timeout_s: float) -> int | None: ...
@@ -132,7 +134,8 @@ class GeneratorHost:
         self.poll_s = poll_s
         self._calls = 0  # samples of generate calls in flight (engines without in_flight)
         self._dirty = asyncio.Event()
-        self._reported: tuple[int, int, int] | None = None  # what a remote registry last got
+        self._reported: tuple[int, int, int, int, int] | None = None  # a remote registry's
+        self._received = 0  # samples of generate calls received so far (reported for routing)
         self.updates = 0
         self.declined = 0
         """Updates handed back because the engine was busy again (remote registries only)."""
@@ -165,6 +168,7 @@ class GeneratorHost:
         self, prompts: Sequence[torch.Tensor], params: SamplingParams
     ) -> list[Generation]:
         self._calls += len(prompts)
+        self._received += len(prompts)
         self._dirty.set()
         try:
             return list(await self.engine.generate(prompts, params))
@@ -183,18 +187,29 @@ class GeneratorHost:
         except ExceptionGroup as eg:  # one part failed (cancellation propagates as is)
             raise eg.exceptions[0] from None
 
-    def _remote_load(self) -> tuple[int, int, int]:
-        """:meth:`_load` as reported to a registry elsewhere: a call counts as in flight from
-        the moment it reaches this host (an engine may await something before it queues the
-        call's requests), so the registry never sees an idle engine that is about to run."""
+    def _remote_load(self) -> tuple[int, int, int, int, int]:
+        """:meth:`_load` as reported to a registry elsewhere, then what the rollout routes by.
+
+        ``in_flight`` (the weight-update policy's): a call counts from the moment it reaches
+        this host (an engine may await something before it queues the call's requests), so the
+        registry never sees an idle engine that is about to run. ``running``: the sequences
+        the engine runs (else the samples of the calls here), and ``received``: the samples
+        received so far, so the rollout can add what it dispatched after this report."""
         version, in_flight, drain = self._load()
+        running = self.in_flight
         if getattr(self.engine, "in_flight", None) is not None:
             in_flight = max(in_flight, self._calls)
-        return version, in_flight, drain
+        return version, in_flight, drain, running, self._received
 
-    async def _send(self, load: tuple[int, int, int]) -> None:
+    async def _send(self, load: tuple[int, int, int, int, int]) -> None:
+        version, in_flight, drain, running, received = load
         await self.registry.report(
-            self.name, version=load[0], in_flight=load[1], drain_tokens=load[2]
+            self.name,
+            version=version,
+            in_flight=in_flight,
+            drain_tokens=drain,
+            running=running,
+            received=received,
         )
         self._reported = load
 

@@ -65,6 +65,17 @@ class GeneratorStatus:
     drain_tokens: int = 0
     incarnation: int = 0
     """Registrations so far minus one: how often this generator was restarted."""
+    running: int = 0
+    """Sequences the engine itself runs (a call's finished samples no longer count), for
+    routing; reported by hosts in another process only."""
+    received: int = 0
+    """Samples of generate calls the host had received when it reported (for routing: what
+    was dispatched after that is not in ``running`` yet)."""
+
+
+Snapshot = tuple[int, int, int, int, int]
+"""One generator in :meth:`Registry.watch`: ``(version, in_flight, incarnation, running,
+received)``."""
 
 
 class Registry:
@@ -126,9 +137,15 @@ class Registry:
         version: int | None = None,
         in_flight: int | None = None,
         drain_tokens: int | None = None,
+        running: int | None = None,
+        received: int | None = None,
     ) -> None:
         """New values for a registered generator (omitted ones are kept)."""
         st = self._status(name)
+        if running is not None:
+            st.running = running
+        if received is not None:
+            st.received = received
         if version is not None:
             st.version = version
         if in_flight is not None:
@@ -230,17 +247,17 @@ class Registry:
                 await asyncio.wait_for(self._changed.wait(), left)
         return self._changes
 
-    async def watch(
-        self, seq: int, timeout_s: float
-    ) -> tuple[int, dict[str, tuple[int, int, int]]]:
+    async def watch(self, seq: int, timeout_s: float) -> tuple[int, dict[str, Snapshot]]:
         """Long poll: once the state differs from the one numbered ``seq`` (or ``timeout_s``
-        passed), the new number and ``{name: (version, in_flight, incarnation)}``."""
+        passed), the new number and ``{name: (version, in_flight, incarnation, running,
+        received)}`` (the last two: see :class:`GeneratorStatus`)."""
         async with self._watch:
             if self._seq == seq:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._watch.wait(), timeout_s)
             return self._seq, {
-                n: (*self._current(n)[:2], st.incarnation) for n, st in self._gens.items()
+                n: (*self._current(n)[:2], st.incarnation, st.running, st.received)
+                for n, st in self._gens.items()
             }
 
     async def stats(self) -> dict[str, object]:

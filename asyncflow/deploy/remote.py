@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from adapters import InstanceLostError, StepReport
-from asyncflow.registry import Registry
+from asyncflow.registry import Registry, Snapshot
 from engines.protocols import Generation, SamplingParams
 
 __all__ = ["Coordinator", "GeneratorView", "RemoteGenerator", "RemoteRegistry"]
@@ -96,9 +96,16 @@ class RemoteRegistry:
         version: int | None = None,
         in_flight: int | None = None,
         drain_tokens: int | None = None,
+        running: int | None = None,
+        received: int | None = None,
     ) -> None:
         await self._h.report.remote(
-            name, version=version, in_flight=in_flight, drain_tokens=drain_tokens
+            name,
+            version=version,
+            in_flight=in_flight,
+            drain_tokens=drain_tokens,
+            running=running,
+            received=received,
         )
 
     async def wait_update(self, name: str, timeout_s: float) -> int | None:
@@ -125,12 +132,8 @@ class RemoteRegistry:
     async def wait_changed(self, seen: int, timeout_s: float) -> int:
         return int(await self._h.wait_changed.remote(seen, timeout_s))
 
-    async def watch(
-        self, seq: int, timeout_s: float
-    ) -> tuple[int, dict[str, tuple[int, int, int]]]:
-        result: tuple[int, dict[str, tuple[int, int, int]]] = await self._h.watch.remote(
-            seq, timeout_s
-        )
+    async def watch(self, seq: int, timeout_s: float) -> tuple[int, dict[str, Snapshot]]:
+        result: tuple[int, dict[str, Snapshot]] = await self._h.watch.remote(seq, timeout_s)
         return result
 
     async def step_done(self, report: StepReport) -> None:
@@ -154,15 +157,20 @@ class GeneratorView:
     def __init__(self, registry: RemoteRegistry, poll_s: float = 5.0) -> None:
         self.registry = registry
         self.poll_s = poll_s
-        self._snap: dict[str, tuple[int, int, int]] = {}
+        self._snap: dict[str, Snapshot] = {}
         self._lost: dict[str, int] = {}  # name -> incarnation that died
         self._seq = -1
 
     def version(self, name: str) -> int:
-        version, _, incarnation = self._snap.get(name, (-1, 0, -1))
+        version, _, incarnation, _, _ = self._snap.get(name, (-1, 0, -1, 0, 0))
         if self._lost.get(name) == incarnation:
             return -1
         return version
+
+    def routing(self, name: str) -> tuple[int, int] | None:
+        """``(running, received)`` as the generator last reported them (None before)."""
+        snap = self._snap.get(name)
+        return None if snap is None else (snap[3], snap[4])
 
     def lost(self, name: str) -> None:
         if name in self._snap:
@@ -182,27 +190,42 @@ class RemoteGenerator:
 
     ``version`` is what the instance last registered or reported (never newer than what it
     holds, so routing by it never breaks the staleness bound; the adapter still checks every
-    sample's version). ``in_flight`` counts the samples of this proxy's calls in flight: the
-    rollout is the only caller, so that is the instance's load as dispatched.
+    sample's version). ``in_flight`` is the instance's load as the rollout routes by it: the
+    sequences its engine last reported running, plus the samples dispatched since that report
+    (the host counts the samples it received), never more than this proxy's calls in flight
+    (the rollout is the only caller). In one process the rollout reads the engine's own count
+    (a call's finished samples no longer load it); counting whole calls here instead made an
+    instance finishing a long-tail group look full, and skew-aware dispatch left it idle.
     """
 
     def __init__(self, name: str, handle: Any, view: GeneratorView) -> None:
         self.name = name
         self._h = handle
         self._view = view
-        self.in_flight = 0
+        self._outstanding = 0  # samples of this proxy's calls in flight
+        self._sent = 0  # samples dispatched so far (what the host's ``received`` counts)
         self.lost = 0
 
     @property
     def version(self) -> int:
         return self._view.version(self.name)
 
+    @property
+    def in_flight(self) -> int:
+        reported = self._view.routing(self.name)
+        if reported is None:
+            return self._outstanding
+        running, received = reported
+        unseen = max(0, self._sent - received)  # dispatched after the report
+        return min(self._outstanding, running + unseen)
+
     async def generate(
         self, prompts: Sequence[torch.Tensor], params: SamplingParams
     ) -> list[Generation]:
         import ray
 
-        self.in_flight += len(prompts)
+        self._outstanding += len(prompts)
+        self._sent += len(prompts)
         try:
             gens: list[Generation] = await self._h.generate.remote(list(prompts), params)
             return gens
@@ -213,7 +236,7 @@ class RemoteGenerator:
             self._view.lost(self.name)  # not routable until it registers again
             raise InstanceLostError(f"generation instance {self.name!r} died: {e}") from e
         finally:
-            self.in_flight -= len(prompts)
+            self._outstanding -= len(prompts)
 
 
 def remote_cause(error: Any) -> BaseException:

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from asyncflow.deploy.remote import RemoteGenerator
 from asyncflow.hosts import GeneratorHost
 from asyncflow.transport import make_transport
 from engines import Generation, SamplingParams
@@ -55,6 +56,7 @@ class _Elsewhere:
 
     def __init__(self) -> None:
         self.reports: list[tuple[float, int, int, int]] = []
+        self.routing: list[tuple[int, int]] = []  # (running, received) of each report
         self.arrived = asyncio.Event()
         self.lag = asyncio.Event()
         self.lag.set()
@@ -75,8 +77,12 @@ class _Elsewhere:
         version: int | None = None,
         in_flight: int | None = None,
         drain_tokens: int | None = None,
+        running: int | None = None,
+        received: int | None = None,
     ) -> None:
         assert version is not None and in_flight is not None and drain_tokens is not None
+        assert running is not None and received is not None
+        self.routing.append((running, received))
         if in_flight and not self.lag.is_set():
             self.held += 1
             self.holding.set()
@@ -131,6 +137,8 @@ def test_idle_busy_changes_go_at_once_other_changes_at_most_every_report_s() -> 
         await asyncio.sleep(0.25)
         engine.drain_tokens = 40  # only the drain estimate moved: waits for report_s
         assert await registry.next_report() == (1.25, 0, 2, 40)
+        # for routing: the engine runs both now, and the host has received both samples
+        assert registry.routing[0] == (0, 0) and registry.routing[-1] == (2, 2)
         await asyncio.sleep(0.25)
         engine.finish.set()
         await call
@@ -175,3 +183,48 @@ def test_an_update_decided_on_a_stale_idle_is_handed_back_then_taken_when_idle()
         await asyncio.gather(runner, return_exceptions=True)
 
     asyncio.run(go())  # real time: the follower fetches in a thread, which virtual time skips
+
+
+def test_the_rollout_routes_by_the_engines_count_plus_what_it_sent_since_the_report() -> None:
+    """``RemoteGenerator.in_flight``: the sequences the engine last reported running plus the
+    samples dispatched after that report, never more than the calls in flight. Counting whole
+    calls made an instance finishing one long-tail sample of a group look as loaded as the
+    group (skew-aware dispatch then left it idle)."""
+
+    class _View:
+        snap: tuple[int, int] | None = None
+
+        def routing(self, name: str) -> tuple[int, int] | None:
+            return self.snap
+
+        def version(self, name: str) -> int:
+            return 0
+
+    class _Actor:  # the generator actor's handle: ``generate.remote(...)`` ends on ``end``
+        def __init__(self) -> None:
+            self.generate = self
+            self.end = asyncio.Event()
+
+        async def remote(self, prompts: Sequence[torch.Tensor], params: SamplingParams) -> list:
+            await self.end.wait()
+            return []
+
+    async def go() -> None:
+        view, actor = _View(), _Actor()
+        proxy = RemoteGenerator("g0", actor, view)  # type: ignore[arg-type]
+        group = [torch.tensor([1, 2])] * 8
+        calls = [asyncio.ensure_future(proxy.generate(group, PARAMS)) for _ in range(2)]
+        await asyncio.sleep(0)
+        assert proxy.in_flight == 16  # nothing reported yet: whole calls
+        view.snap = (1, 16)  # both calls received, one sequence of them still runs
+        assert proxy.in_flight == 1
+        calls.append(asyncio.ensure_future(proxy.generate(group, PARAMS)))
+        await asyncio.sleep(0)
+        assert proxy.in_flight == 1 + 8  # the third call is not in that report yet
+        view.snap = (5, 24)
+        assert proxy.in_flight == 5
+        actor.end.set()
+        await asyncio.gather(*calls)
+        assert proxy.in_flight == 0  # no call in flight, whatever the last report said
+
+    asyncio.run(go())

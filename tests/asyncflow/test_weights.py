@@ -191,12 +191,12 @@ def test_registry_watch_returns_new_state_after_a_report() -> None:
         reg = Registry(0)
         await reg.register("g0", 0)
         seq, snap = await reg.watch(-1, timeout_s=1.0)
-        assert snap == {"g0": (0, 0, 0)}
+        assert snap == {"g0": (0, 0, 0, 0, 0)}
         waiter = asyncio.ensure_future(reg.watch(seq, timeout_s=60.0))
         await asyncio.sleep(0)
-        await reg.report("g0", version=3, in_flight=7)
+        await reg.report("g0", version=3, in_flight=7, running=5, received=9)
         seq2, snap2 = await waiter
-        assert seq2 > seq and snap2 == {"g0": (3, 7, 0)}
+        assert seq2 > seq and snap2 == {"g0": (3, 7, 0, 5, 9)}
         assert asyncio.get_running_loop().time() == 0.0  # at once, not at the timeout
 
     run_virtual(go())  # virtual time: the loop clock moves only when every task waits
