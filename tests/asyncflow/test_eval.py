@@ -13,7 +13,7 @@ import pytest
 from asyncflow import load_config, run
 from asyncflow.config_check import resolve_config
 from asyncflow.evaluation import eval_prompt_count, make_eval_task, pass_at_k
-from tests.asyncflow.conftest import small_config
+from tests.asyncflow.conftest import RAY_TEST_TIMEOUT_S, small_config
 
 ROOT = Path(__file__).resolve().parents[2]
 VAL = ROOT / "examples" / "data" / "arithmetic_val.jsonl"
@@ -54,6 +54,7 @@ def test_eval_is_recorded_at_its_steps_and_never_trained(out_dir: Path, k: int, 
 
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.timeout(RAY_TEST_TIMEOUT_S)  # a whole run of Ray stage hosts (the suite's is 300 s)
 def test_eval_through_ray_stage_hosts(out_dir: Path, ray_cluster: None) -> None:
     """Two generator hosts, two reward workers (each with an eval/reward stage), DP of two."""
     deploy = [
