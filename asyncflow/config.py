@@ -202,7 +202,7 @@ class RolloutConfig:
     """Resources of each generation instance's actor (``deploy.mode=ray``)."""
     engine_options: dict[str, Any] = field(default_factory=dict)
     """Options of the engine, over what the builder derives from the rest of the config.
-    ``vllm``: fields of ``engines.vllm_engine.VLLMEngineConfig`` (derived: ``dtype`` =
+    ``vllm``: fields of ``engines.vllm_config.VLLMEngineConfig`` (derived: ``dtype`` =
     ``model.dtype``, so that behaviour log-probs match the trainer's; ``max_model_len`` = the
     model's context, at most 2048), e.g. ``{dtype: bfloat16, max_num_seqs: 128,
     kv_cache_gib: 2}``. ``hf``: keyword arguments of ``HFGenerationEngine``, e.g.

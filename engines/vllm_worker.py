@@ -13,7 +13,7 @@ backends (``nccl``, ``ipc``, packed) need CUDA. This module adds one that runs e
 |                  |                                  | mapped by every worker zero-copy           |
 
 Where it runs: only in vLLM's worker processes. vLLM imports the ``worker_extension_cls``
-(:class:`VLLMWorkerExtension`, named by :meth:`engines.vllm_engine.VLLMEngineConfig.engine_args`)
+(:class:`VLLMWorkerExtension`, named by :meth:`engines.vllm_config.VLLMEngineConfig.engine_args`)
 in each worker before it loads the model and builds its weight-transfer engine; importing this
 module there is what registers the backend in that process's ``WeightTransferEngineFactory``
 (the registry is per process). The caller's process never imports it.

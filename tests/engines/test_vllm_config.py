@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines import vllm_engine
+from engines.vllm_config import WORKER_EXTENSION
 from engines.vllm_engine import VLLMEngineConfig, VLLMGenerationEngine, VLLMUnavailableError
 from engines.weights_io import (
     TensorSpec,
@@ -66,7 +66,7 @@ def test_missing_vllm_is_a_typed_error(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_importing_the_module_does_not_import_vllm() -> None:
     code = "import sys, engines.vllm_engine; assert 'vllm' not in sys.modules, 'imported vllm'"
     subprocess.run([sys.executable, "-c", code], check=True)
-    module, _, name = vllm_engine.WORKER_EXTENSION.rpartition(".")
+    module, _, name = WORKER_EXTENSION.rpartition(".")
     spec = importlib.util.find_spec(module)  # resolved by name in vLLM's workers
     assert spec is not None and spec.origin is not None
     assert f"class {name}:" in Path(spec.origin).read_text()
