@@ -329,6 +329,24 @@ def resume_problems(config: dict[str, Any], saved: dict[str, Any]) -> list[str]:
     return problems
 
 
+def check_resumable(config: dict[str, Any], resume: str, found: Path, state: DriverState) -> None:
+    """Raise ``ValueError`` (one line: what and the fix) if a run with ``config`` (as a dict)
+    cannot continue the checkpoint ``found`` (named by ``resume``) whose driver saved
+    ``state``: a key it must keep changed, or it already trained ``train.steps``."""
+    problems = resume_problems(config, state.config)
+    if problems:
+        raise ValueError(
+            f"resume={resume}: {'; '.join(problems)}; a resumed run keeps these (they decide "
+            "which prompts each step trains): drop those overrides"
+        )
+    steps = int(_get(config, "train.steps"))
+    if state.steps >= steps:
+        raise ValueError(
+            f"resume={resume}: the checkpoint {found.name} has trained {state.steps} steps "
+            f"of train.steps={steps}; set train.steps > {state.steps} to train further"
+        )
+
+
 # -- files -------------------------------------------------------------------------------------
 def _complete(p: Path) -> bool:
     return bool(STEP_DIR.match(p.name)) and (p / "driver.json").is_file()

@@ -50,25 +50,19 @@ def resolve_config(path: str | Path | None, overrides: list[str]) -> RunConfig:
 
 def _resumed(cfg: RunConfig, path: str | Path | None, overrides: list[str]) -> RunConfig:
     """The config of a resumed run: the checkpoint's (unless a file is given), overridden."""
-    assert cfg.resume is not None
+    resume = cfg.resume
+    assert resume is not None
     try:
-        found = checkpoint.find_checkpoint(cfg.resume)
+        found = checkpoint.find_checkpoint(resume)
     except FileNotFoundError as e:
         raise ConfigError(str(e)) from None
     if path is None:
         cfg = load_config(found / "config.yaml", overrides)
     saved = checkpoint.read_driver_state(found)
-    problems = checkpoint.resume_problems(config_to_dict(cfg), saved.config)
-    if problems:
-        raise ConfigError(
-            f"resume={cfg.resume}: {'; '.join(problems)}; a resumed run keeps these (they decide "
-            "which prompts each step trains): drop those overrides"
-        )
-    if saved.steps >= cfg.train.steps:
-        raise ConfigError(
-            f"resume={cfg.resume}: the checkpoint {found.name} has trained {saved.steps} steps "
-            f"of train.steps={cfg.train.steps}; set train.steps > {saved.steps} to train further"
-        )
+    try:
+        checkpoint.check_resumable(config_to_dict(cfg), resume, found, saved)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     return cfg
 
 

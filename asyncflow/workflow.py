@@ -308,17 +308,7 @@ def _resume_state(cfg: RunConfig) -> tuple[Path, DriverState] | None:
         return None
     found = checkpoint.find_checkpoint(cfg.resume)
     state = checkpoint.read_driver_state(found)
-    problems = checkpoint.resume_problems(config_to_dict(cfg), state.config)
-    if problems:
-        raise ValueError(
-            f"resume={cfg.resume!r}: {'; '.join(problems)}; a resumed run keeps these (they "
-            "decide which prompts each step trains): drop those overrides"
-        )
-    if state.steps >= cfg.train.steps:
-        raise ValueError(
-            f"resume={cfg.resume!r}: the checkpoint has trained {state.steps} steps, "
-            f"train.steps={cfg.train.steps}; set train.steps > {state.steps} to train further"
-        )
+    checkpoint.check_resumable(config_to_dict(cfg), cfg.resume, found, state)
     return found, state
 
 
