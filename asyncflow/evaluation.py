@@ -45,6 +45,7 @@ from asyncflow.stages import EVAL_PARTITION
 from engines.hf.text import encode_prompts
 from engines.tasks import Task, make_task
 from transferqueue import AsyncClient
+from transferqueue.aio import within
 
 __all__ = ["Evaluator", "eval_prompt_count", "make_eval_task", "pass_at_k"]
 
@@ -146,7 +147,7 @@ class Evaluator:
         """A round's metrics, or ``TimeoutError`` naming the step after ``eval.timeout_s``."""
         timeout = self.cfg.eval.timeout_s
         try:
-            return await asyncio.wait_for(asyncio.shield(done), timeout)
+            return await within(asyncio.shield(done), timeout)
         except TimeoutError:
             raise TimeoutError(
                 f"the evaluation after step {step} did not finish within eval.timeout_s="

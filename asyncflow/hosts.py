@@ -36,6 +36,7 @@ from typing import Protocol
 import torch
 
 from engines.protocols import Generation, GenerationEngine, SamplingParams
+from transferqueue.aio import wait_event
 
 __all__ = ["GeneratorHost", "RegistryAPI", "WeightSource", "check_engine"]
 
@@ -236,8 +237,7 @@ class GeneratorHost:
                     sent_at = loop.time()
                     continue
                 timeout = wait
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._dirty.wait(), timeout)
+            await wait_event(self._dirty, timeout)
 
     def _busy_again(self) -> bool:
         """The registry (in another process) last heard this engine was idle, and it is busy

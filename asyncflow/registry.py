@@ -47,6 +47,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from transferqueue.aio import wait_event, within
+
 __all__ = ["POLICIES", "GeneratorStatus", "Registry"]
 
 POLICIES = ("eager", "on_demand")
@@ -168,8 +170,7 @@ class Registry:
             if left <= 0:
                 return None
             wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wake.wait(), min(left, self.poll_s))
+            await wait_event(wake, min(left, self.poll_s))
 
     async def updated(self, name: str, version: int, seconds: float) -> None:
         """Generator ``name`` now holds ``version`` (its update took ``seconds``)."""
@@ -243,8 +244,7 @@ class Registry:
             if left <= 0:
                 break
             self._changed.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), left)
+            await wait_event(self._changed, left)
         return self._changes
 
     async def watch(self, seq: int, timeout_s: float) -> tuple[int, dict[str, Snapshot]]:
@@ -254,7 +254,7 @@ class Registry:
         async with self._watch:
             if self._seq == seq:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._watch.wait(), timeout_s)
+                    await within(self._watch.wait(), timeout_s)
             return self._seq, {
                 n: (*self._current(n)[:2], st.incarnation, st.running, st.received)
                 for n, st in self._gens.items()

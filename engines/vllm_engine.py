@@ -410,7 +410,8 @@ class VLLMGenerationEngine:
         is unknown (an RPC cannot be taken back), so the engine is closed."""
         timeout_s = self.config.update_timeout_s
         try:
-            return await asyncio.wait_for(call, timeout_s)
+            async with asyncio.timeout(timeout_s):  # never wait_for: see transferqueue.aio
+                return await call
         except TimeoutError as exc:
             self.close()
             raise EngineClosedError(

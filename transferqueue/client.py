@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from transferqueue import messages as m
+from transferqueue.aio import within
 from transferqueue.buffers import ResultBuffers
 from transferqueue.errors import (
     BadRequestError,
@@ -247,7 +248,7 @@ class AsyncClient:
         request is already out, so the controller allocates them whether or not anybody waits
         for the reply: wait for it (bounded), then give the rows back."""
         try:
-            new = await asyncio.wait_for(asyncio.shield(pending), _UNDO_WAIT_S)
+            new = await within(asyncio.shield(pending), _UNDO_WAIT_S)
         except BaseException:  # no reply in time (or the put is cancelled again): give up
             pending.cancel()
             return

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from transferqueue import messages as m
+from transferqueue.aio import wait_event
 from transferqueue.controller import Changes, Controller
 from transferqueue.errors import BadRequestError, CapacityError, ClosedError
 from transferqueue.grants import Grants
@@ -128,8 +129,7 @@ class ControllerService:
             wait = max(0.0, min(wait, _MAX_TIMER_SLEEP_S))
             self._poke.clear()
             self._wake_at = loop.time() + wait
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._poke.wait(), wait)
+            await wait_event(self._poke, wait)
 
     def _leased(self, lease_s: float) -> None:
         """A lease was handed out: wake the timer if it ends before the timer wakes anyway

@@ -28,6 +28,7 @@ import weakref
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from transferqueue.aio import within
 from transferqueue.errors import ClosedError
 
 __all__ = ["LoopThread"]
@@ -146,7 +147,7 @@ class LoopThread:
                 if self.closed:
                     coro.close()
                     raise ClosedError("the TransferQueue handle is closed")
-                main = coro if timeout is None else asyncio.wait_for(coro, timeout)
+                main = coro if timeout is None else within(coro, timeout)
                 try:
                     return self.loop.run_until_complete(main)
                 except RuntimeError:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import signal
 import sys
@@ -23,6 +22,7 @@ from typing import Any
 
 import zmq.asyncio
 
+from transferqueue.aio import wait_event
 from transferqueue.auth import ServerKeys, grant_key_from_env, server_keys
 from transferqueue.health import ALLOCATION_S
 from transferqueue.limits import MAX_LEASE_S
@@ -41,8 +41,7 @@ async def _serve_until_stopped(server: Any, parent: int) -> None:
         loop.add_signal_handler(sig, stop.set)
     print(READY + server.address, flush=True)
     while not stop.is_set():
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), _PARENT_POLL_S)
+        await wait_event(stop, _PARENT_POLL_S)
         if os.getppid() != parent:  # orphaned: whoever started us is gone
             break
     await server.close()

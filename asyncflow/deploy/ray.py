@@ -75,6 +75,7 @@ from asyncflow.deploy.ray_weights import ObjectStoreWeights
 from asyncflow.deploy.remote import Coordinator, RemoteRegistry, remote_cause
 from asyncflow.metrics import Timeline
 from asyncflow.stage import StageError
+from transferqueue.aio import within
 from transferqueue.auth import ClientKeys
 
 __all__ = ["RayDeployment", "actor_options"]
@@ -527,7 +528,7 @@ class RayDeployment(Deployment):
 
         for a in self._actors:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(a.close.remote(), 10.0)
+                await within(a.close.remote(), 10.0)
         for a in self._actors:
             with contextlib.suppress(Exception):
                 ray.kill(a)

@@ -63,6 +63,7 @@ from asyncflow.metrics import Timeline
 from asyncflow.stage import StageRunner
 from engines.protocols import Generation, SamplingParams, ScoringEngine, TrainingEngine
 from transferqueue import AsyncClient, BatchMeta
+from transferqueue.aio import within
 from transferqueue.auth import ClientKeys
 from transferqueue.schema import Column
 
@@ -189,7 +190,7 @@ class GeneratorActor(_Host):
         self, prompts: Sequence[torch.Tensor], params: SamplingParams
     ) -> list[Generation]:
         # A fresh incarnation serves only once registered: its version is then known
-        await asyncio.wait_for(self._registered.wait(), 120.0)
+        await within(self._registered.wait(), 120.0)
         assert self.host is not None
         return await self.host.generate(prompts, params)
 

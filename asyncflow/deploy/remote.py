@@ -16,7 +16,6 @@ is a long poll with its own ``timeout_s``: none can hang.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -26,6 +25,7 @@ import torch
 from adapters import InstanceLostError, StepReport
 from asyncflow.registry import Registry, Snapshot
 from engines.protocols import Generation, SamplingParams
+from transferqueue.aio import wait_event, within
 
 __all__ = ["Coordinator", "GeneratorView", "RemoteGenerator", "RemoteRegistry"]
 
@@ -57,8 +57,7 @@ class Coordinator(Registry):
             if left <= 0:
                 break
             self._weights_changed.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._weights_changed.wait(), left)
+            await wait_event(self._weights_changed, left)
         return self._weights
 
     async def step_done(self, report: StepReport) -> None:
@@ -68,7 +67,7 @@ class Coordinator(Registry):
     async def next_report(self, timeout_s: float) -> StepReport | None:
         """The next finished step, or None after ``timeout_s``."""
         try:
-            return await asyncio.wait_for(self._reports.get(), timeout_s)
+            return await within(self._reports.get(), timeout_s)
         except TimeoutError:
             return None
 

@@ -175,13 +175,15 @@ class RaySamples:
         import asyncio
 
         ref = self._actor().claim.remote(list(keys), count)
-        out: list[Claim] = await asyncio.wait_for(ref, self.timeout_s)
+        async with asyncio.timeout(self.timeout_s):
+            out: list[Claim] = await ref
         return out
 
     async def record(self, cuts: Sequence[tuple[bytes, Cut]]) -> None:
         import asyncio
 
-        await asyncio.wait_for(self._actor().record.remote(list(cuts)), self.timeout_s)
+        async with asyncio.timeout(self.timeout_s):
+            await self._actor().record.remote(list(cuts))
 
 
 def start_ray_samples(name: str, *, namespace: str | None = None) -> tuple[RaySamples, Any]:

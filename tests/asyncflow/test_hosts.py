@@ -15,6 +15,7 @@ from asyncflow.hosts import GeneratorHost
 from asyncflow.transport import make_transport
 from engines import Generation, SamplingParams
 from tests.virtual_time import run_virtual
+from transferqueue.aio import within
 
 BOUND_S = 60.0  # a bound on waits that end on events, not a duration being measured
 PROMPTS = [torch.tensor([1, 2, 3])] * 2
@@ -58,6 +59,7 @@ class _Elsewhere:
         self.reports: list[tuple[float, int, int, int]] = []
         self.routing: list[tuple[int, int]] = []  # (running, received) of each report
         self.arrived = asyncio.Event()
+        self.taken = 0  # reports returned by next_report so far
         self.lag = asyncio.Event()
         self.lag.set()
         self.held = 0  # busy reports held in flight while ``lag`` is clear
@@ -92,7 +94,7 @@ class _Elsewhere:
 
     async def wait_update(self, name: str, timeout_s: float) -> int | None:
         try:
-            return await asyncio.wait_for(self.decide.get(), timeout_s)
+            return await within(self.decide.get(), timeout_s)
         except TimeoutError:
             return None
 
@@ -106,12 +108,16 @@ class _Elsewhere:
     async def until_held(self, n: int) -> None:
         while self.held < n:
             self.holding.clear()
-            await asyncio.wait_for(self.holding.wait(), BOUND_S)
+            await within(self.holding.wait(), BOUND_S)
 
     async def next_report(self) -> tuple[float, int, int, int]:
-        self.arrived.clear()
-        await asyncio.wait_for(self.arrived.wait(), BOUND_S)
-        return self.reports[-1]
+        """The first report not yet taken (in order: one sent while the test was busy
+        elsewhere is not missed)."""
+        while len(self.reports) <= self.taken:
+            self.arrived.clear()
+            await within(self.arrived.wait(), BOUND_S)
+        self.taken += 1
+        return self.reports[self.taken - 1]
 
 
 def _host(engine: _Engine, registry: _Elsewhere) -> tuple[GeneratorHost, object]:
@@ -170,14 +176,14 @@ def test_an_update_decided_on_a_stale_idle_is_handed_back_then_taken_when_idle()
         await registry.until_held(2)  # the decline reports the load before handing back
         assert (engine.updated, host.declined) == ([], 1)
         registry.lag.set()
-        await asyncio.wait_for(registry.failed.wait(), BOUND_S)
+        await within(registry.failed.wait(), BOUND_S)
         assert (engine.updated, host.declined, registry.done) == ([], 1, [])
         assert registry.reports[-1][2] == 2  # it hears "busy" before the update comes back
         engine.finish.set()
         await call
         await registry.next_report()  # idle again
         registry.decide.put_nowait(1)
-        await asyncio.wait_for(registry.updated_ev.wait(), BOUND_S)
+        await within(registry.updated_ev.wait(), BOUND_S)
         assert (engine.updated, registry.done, host.declined) == ([1], [1], 1)
         runner.cancel()
         await asyncio.gather(runner, return_exceptions=True)

@@ -16,6 +16,7 @@ from adapters import Adapter, StageOutput
 from asyncflow.metrics import Timeline
 from asyncflow.stage import StageError, StageRunner
 from transferqueue import BatchMeta
+from transferqueue.aio import within
 from transferqueue.schema import Column
 
 ROWS = 7
@@ -60,7 +61,7 @@ def _run(tq: transferqueue.TransferQueue, adapter: Adapter) -> StageRunner:
     runner = StageRunner("double", adapter, tq.async_client(), Timeline(), partition="p")
 
     async def go() -> None:
-        await asyncio.wait_for(runner.run(), BOUND_S)
+        await within(runner.run(), BOUND_S)
 
     asyncio.run(go())
     return runner

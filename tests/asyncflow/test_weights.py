@@ -18,6 +18,7 @@ from asyncflow.registry import Registry
 from asyncflow.transport import make_transport
 from engines import Generation, GenerationEngine, SamplingParams
 from tests.virtual_time import run_virtual
+from transferqueue.aio import within
 
 BOUND_S = 60.0  # a bound on waits that end on events, not a duration being measured
 
@@ -214,7 +215,7 @@ def test_an_update_that_raises_ends_the_host_with_that_error() -> None:
         async with _Run([_BrokenUpdate()], "eager") as run:
             await run.publish(1)
             with pytest.raises(RuntimeError, match="weights do not fit"):
-                await asyncio.wait_for(run.tasks[0], BOUND_S)
+                await within(run.tasks[0], BOUND_S)
 
     asyncio.run(go())
 

@@ -22,6 +22,7 @@ import zmq
 import transferqueue
 from transferqueue import FieldSpec, ProtocolError, Ragged, TransferQueue, wire
 from transferqueue import messages as m
+from transferqueue.aio import within
 from transferqueue.errors import PeerGoneError, UnknownRowError
 from transferqueue.remote import RemoteUnitLink
 from transferqueue.shm import (
@@ -625,7 +626,7 @@ def test_a_put_whose_staging_fails_undoes_its_rows_and_gives_the_arena_back(
 
         async def failing_stage(columns: dict) -> object:
             staged = await real_stage(columns)
-            await asyncio.wait_for(allocated.wait(), 60)  # the rows are allocated meanwhile
+            await within(allocated.wait(), 60)  # the rows are allocated meanwhile
             link.unstage(staged)  # type: ignore[arg-type]
             raise RuntimeError("staging failed")
 
