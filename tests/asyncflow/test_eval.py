@@ -13,7 +13,7 @@ import pytest
 from asyncflow import load_config, run
 from asyncflow.config_check import resolve_config
 from asyncflow.evaluation import eval_prompt_count, make_eval_task, pass_at_k
-from tests.asyncflow.conftest import RAY_TEST_TIMEOUT_S, small_config
+from tests.asyncflow.conftest import RAY_START, RAY_TEST_TIMEOUT_S, small_config
 
 ROOT = Path(__file__).resolve().parents[2]
 VAL = ROOT / "examples" / "data" / "arithmetic_val.jsonl"
@@ -62,7 +62,7 @@ def test_eval_through_ray_stage_hosts(out_dir: Path, ray_cluster: None) -> None:
         "rollout.instances=2",
         "reward.instances=2",
         "train.dp_size=2",
-        "deploy.start_timeout_s=300",
+        RAY_START,
     ]
     _check_eval_run(out_dir, 1, "on_demand", deploy)
 

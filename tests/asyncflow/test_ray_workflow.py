@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from asyncflow import EngineFactories, StageError, run
-from tests.asyncflow.conftest import RAY_TEST_TIMEOUT_S, small_config
+from tests.asyncflow.conftest import RAY_START, RAY_TEST_TIMEOUT_S, small_config
 from tests.asyncflow.faulty import slow_reward_factory
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(RAY_TEST_TIMEOUT_S)]
@@ -78,7 +78,7 @@ def test_killed_generator_and_reward_hosts_are_recovered(ray_cluster: None, tmp_
         f"train.steps={steps}",
         f"train.max_staleness={k}",
         "transferqueue.lease_s=5",
-        "deploy.start_timeout_s=300",
+        RAY_START,
     )
     killed: list[str] = []
     killer = threading.Thread(
@@ -106,9 +106,7 @@ def test_a_dead_trainer_rank_ends_the_run_naming_it(ray_cluster: None, tmp_path:
     """A trainer rank is not restarted (its optimizer state is gone): its death must end the
     run at once with an error that names it, never leave rank 0 waiting in a collective."""
     out = tmp_path / "run"
-    cfg = small_config(
-        out, "deploy.mode=ray", "train.dp_size=2", "train.steps=40", "deploy.start_timeout_s=300"
-    )
+    cfg = small_config(out, "deploy.mode=ray", "train.dp_size=2", "train.steps=40", RAY_START)
     killed: list[str] = []
     killer = threading.Thread(
         target=_kill_when, args=(out, 2, ["-train-rank1"], killed), daemon=True
