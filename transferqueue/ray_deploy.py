@@ -18,12 +18,20 @@ as ``transferqueue serve`` (:mod:`transferqueue.auth`); tasks connect with
 only a one-node cluster can use: on several nodes :func:`start_on_ray` asks for keys. ``host``
 chooses the interface (beyond loopback it needs keys too). The servers share a fresh grant key
 (:mod:`transferqueue.grants`), given to the actors.
+
+A storage unit whose actor dies is restarted by Ray (``unit_max_restarts``, default 5), as
+the supervisor of ``transferqueue serve`` restarts a unit process: the dead incarnation's rows
+are lost (the controller reports them, :mod:`transferqueue.health`); the new one asks the
+controller actor (found by name) where the unit listened, binds there again when it can (so
+that connected clients reach it without reconnecting), and registers, after which it takes new
+rows. The controller is not restarted: its metadata lives in its process.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import uuid
 from typing import Any
 
 import zmq.asyncio
@@ -39,6 +47,8 @@ from transferqueue.remote import connect
 from transferqueue.server import ControllerServer, UnitServer
 
 __all__ = ["ControllerActor", "UnitActor", "start_on_ray"]
+
+_LOOKUP_S = 60.0  # a restarted unit's wait for the controller actor's answers
 
 
 class _ServerActor:
@@ -64,6 +74,10 @@ class _ServerActor:
     def ping(self) -> bool:
         return True
 
+    def pid(self) -> int:
+        """The actor's process id (fault tests kill it)."""
+        return os.getpid()
+
     def node_id(self) -> str:
         """The Ray node this server runs on (hex id)."""
         import ray
@@ -79,7 +93,8 @@ class _ServerActor:
 
 
 class UnitActor(_ServerActor):
-    """A storage unit server (apply ``ray.remote`` to deploy)."""
+    """A storage unit server (apply ``ray.remote`` to deploy). ``controller_name``: the
+    controller actor's name, which a restarted unit looks up to come back (module docstring)."""
 
     def __init__(
         self,
@@ -88,22 +103,53 @@ class UnitActor(_ServerActor):
         host: str | None,
         keys: ServerKeys | None = None,
         grant_key: bytes | None = None,
+        controller_name: str | None = None,
     ) -> None:
         super().__init__()
+        bind_host = self._host(host)
+        address, controller = f"tcp://{bind_host}:0", None
+        if controller_name is not None and _reconstructed():
+            found, old = _controller_of(controller_name, unit_id)
+            controller = found
+            if old.startswith(f"tcp://{bind_host}:"):
+                address = old
 
-        async def make() -> UnitServer:
+        async def make(at: str) -> UnitServer:
             server = UnitServer(
                 self._ctx,
                 unit_id,
-                f"tcp://{self._host(host)}:0",
+                at,
                 capacity_bytes=capacity_bytes,
                 keys=keys,
                 grant_key=grant_key,
+                controller=controller,
             )
             server.start()
             return server
 
-        self._server = self._io.run(make())
+        try:
+            self._server = self._io.run(make(address))
+        except zmq.ZMQError:  # the old port was taken meanwhile: anywhere, then register
+            self._server = self._io.run(make(f"tcp://{bind_host}:0"))
+
+
+def _reconstructed() -> bool:
+    """Whether this actor is a restart of one that died (Ray re-ran its constructor)."""
+    import ray
+
+    return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+
+
+def _controller_of(name: str, unit_id: int) -> tuple[str, str]:
+    """(the controller's address, the address unit ``unit_id`` had), from the controller
+    actor called ``name`` (bounded: a restart that cannot find it fails, and Ray retries)."""
+    import ray
+
+    ctl = ray.get_actor(name)
+    answers: list[Any] = ray.get(
+        [ctl.address.remote(), ctl.unit_address.remote(unit_id)], timeout=_LOOKUP_S
+    )
+    return str(answers[0]), str(answers[1])
 
 
 class ControllerActor(_ServerActor):
@@ -135,6 +181,10 @@ class ControllerActor(_ServerActor):
 
         self._server = self._io.run(make())
 
+    def unit_address(self, unit_id: int) -> str:
+        """Where storage unit ``unit_id`` listens, as this controller knows it."""
+        return str(self._server.unit_addresses[unit_id])
+
 
 def start_on_ray(
     num_units: int = 2,
@@ -148,6 +198,7 @@ def start_on_ray(
     actor_options: dict[str, Any] | None = None,
     start_timeout_s: float = 300.0,
     keys: ServerKeys | str | os.PathLike[str] | None = None,
+    unit_max_restarts: int = 5,
 ) -> TransferQueue:
     """Start controller and units as Ray actors and return a connected handle.
 
@@ -159,8 +210,11 @@ def start_on_ray(
     a ``scheduling_strategy``). ``start_timeout_s`` bounds the wait for the actors to start
     (a cluster without the resources they ask for never starts them).
     ``keys``: a key directory or :class:`ServerKeys` (default ``TRANSFERQUEUE_KEYS``), needed
-    on a cluster of several nodes (see the module docstring).
+    on a cluster of several nodes (see the module docstring). ``unit_max_restarts``: how
+    many times Ray restarts each storage unit actor that dies (0: never).
     """
+    if not isinstance(unit_max_restarts, int) or unit_max_restarts < 0:
+        raise ValueError(f"unit_max_restarts must be an integer >= 0, got {unit_max_restarts!r}")
     try:
         import ray
     except ImportError:
@@ -184,14 +238,20 @@ def start_on_ray(
     unit_cls: Any = ray.remote(num_cpus=0)(UnitActor)
     ctl_cls: Any = ray.remote(num_cpus=0)(ControllerActor)
 
+    # named always: a restarted unit finds the controller by its name
+    prefix = name_prefix or f"transferqueue-{uuid.uuid4().hex[:12]}"
+
     def opts(role: str) -> dict[str, Any]:
-        o: dict[str, Any] = {"scheduling_strategy": strategy, **(actor_options or {})}
-        if name_prefix:
-            o["name"] = f"{name_prefix}-{role}"
-        return o
+        return {
+            "scheduling_strategy": strategy,
+            "name": f"{prefix}-{role}",
+            **(actor_options or {}),
+        }
 
     units = [
-        unit_cls.options(**opts(f"unit{i}")).remote(i, unit_capacity_bytes, host, loaded, grant_key)
+        unit_cls.options(max_restarts=unit_max_restarts, **opts(f"unit{i}")).remote(
+            i, unit_capacity_bytes, host, loaded, grant_key, f"{prefix}-controller"
+        )
         for i in range(num_units)
     ]
     actors: list[Any] = list(units)

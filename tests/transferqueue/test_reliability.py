@@ -146,6 +146,39 @@ def test_a_unit_killed_under_serve_loses_only_its_rows_and_is_restarted() -> Non
         assert svc.alive()
 
 
+@pytest.mark.ray
+def test_a_unit_actor_killed_on_ray_is_restarted_where_it_listened(ray_cluster: None) -> None:
+    """The Ray deployment's supervisor is Ray (max_restarts): the restarted unit binds the
+    address it had, so the handle's clients reach it again without reconnecting."""
+    import ray
+
+    from transferqueue.ray_deploy import start_on_ray
+
+    prefix = f"tq-restart-{os.getpid()}"
+    with start_on_ray(num_units=2, spread_bytes=0, name_prefix=prefix) as tq:
+        c = tq.client()
+        unit = ray.get_actor(f"{prefix}-unit1")
+        ctl = ray.get_actor(f"{prefix}-controller")
+        address, pid = ray.get([unit.address.remote(), unit.pid.remote()], timeout=60)
+        meta = _put_over_both(c, 0)
+        on1 = meta.indexes[meta.units == 1]
+        held = c.get_meta("t", ["x"], 1000, lease_s=600)
+        os.kill(pid, signal.SIGKILL)
+        _until(lambda: _ctl(c)["rows_lost"] == on1.size, LIVENESS.bound_s + SLACK_S, "lost")
+        with pytest.raises(RowsLostError, match="lost"):
+            c.get_data(held)
+        c.ack(held)
+        _until(lambda: _ctl(c)["units_alive"] == [True, True], 120 + SLACK_S, "restart")
+        again, new_pid = ray.get([unit.address.remote(), unit.pid.remote()], timeout=60)
+        assert new_pid != pid  # a new process ...
+        assert again == address == ray.get(ctl.unit_address.remote(1), timeout=60)  # same place
+        new = _put_over_both(c, 5000)
+        got = c.get_meta("t", ["x"], 1000, timeout_s=30)
+        assert got.indexes.tolist() == new.indexes.tolist()  # no lost row comes back
+        assert c.get_data(got)["x"].view(-1).tolist() == list(range(5000, 6000))
+        c.ack(got)
+
+
 def test_with_a_unit_dead_the_other_keeps_serving_and_blocked_calls_fail_fast() -> None:
     with (
         transferqueue.serve(num_units=2, spread_bytes=0, max_restarts=0) as svc,
