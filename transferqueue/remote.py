@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -49,6 +50,7 @@ __all__ = ["RemoteControllerLink", "RemoteUnitLink", "connect"]
 # A blocking get_meta waits on the server in slices of this length, so that a controller that
 # died is noticed within a slice plus the call timeout, never never.
 WAIT_SLICE_S = 20.0
+_RELOCATE_WAIT_S = 4.0  # a unit gone: how long a client waits for the controller to say where
 R = TypeVar("R")
 
 SHM_MAX_BYTES = 1 << 30  # default bound of one client's arena with one unit
@@ -559,6 +561,12 @@ def connect(
             raise ProtocolError(
                 f"{address} speaks protocol {hello.protocol}, expected {PROTOCOL_VERSION}"
             )
+
+        async def unit_address(uid: int) -> str:
+            """Where unit ``uid`` listens as the controller knows it now (a restarted unit
+            that could not bind its old address registers its new one)."""
+            return (await ctl.call(m.Hello(), wait_s=_RELOCATE_WAIT_S)).units[uid]
+
         for uid, addr in enumerate(hello.units):
             rpc = RpcClient(
                 ctx,
@@ -567,6 +575,7 @@ def connect(
                 keys=ckeys,
                 ping=m.UnitPing(),
                 liveness=liveness,
+                relocate=functools.partial(unit_address, uid),
             )
             rpcs.append(rpc)
             units.append(RemoteUnitLink(uid, rpc, shm_max_bytes=shm_max_bytes))

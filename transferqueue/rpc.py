@@ -76,6 +76,7 @@ async def _encode(fn: Callable[..., list[Any]], *args: Any, offload: bool = Fals
 
 
 DEFAULT_CALL_TIMEOUT_S = 60.0
+_RELOCATE_S = 5.0  # bound on asking the controller where a unit that went away listens now
 
 
 def _tune(sock: zmq.Socket[Any]) -> None:
@@ -332,12 +333,16 @@ class RpcClient:
         keepalive: bool = False,
         on_pong: Callable[[str], None] | None = None,
         on_silent: Callable[[], None] | None = None,
+        relocate: Callable[[], Awaitable[str]] | None = None,
     ) -> None:
         """``ping``: the peer's ping kind (None: the peer is not watched). ``keepalive``:
         watch it all the time, not only while calls wait; ``on_pong`` gets each ping's answer
         (the peer's incarnation), ``on_silent`` is called once when the peer falls silent
-        (again after it was heard from)."""
+        (again after it was heard from). ``relocate``: where the peer listens now, asked after
+        a call found it gone (a storage unit restarted on a new address: see
+        :meth:`repoint`)."""
         self.address = check_address(address)
+        self._relocate = relocate
         self.call_timeout_s = call_timeout_s
         self._ping = ping
         self._liveness = liveness
@@ -405,7 +410,37 @@ class RpcClient:
         self._check_open()
         rid = next(self._ids)
         frames = await _encode(wire.encode_request, rid, msg, place, offload=offload)
-        return await self._send(rid, msg, frames, wait_s)
+        try:
+            return await self._send(rid, msg, frames, wait_s)
+        except PeerGoneError:
+            await self._relocated()
+            raise  # this call's request went to the old peer; the next one goes to the new
+
+    async def _relocated(self) -> None:
+        """After a call found the peer gone: ask where it listens now (bounded) and repoint
+        there if it moved. A failed lookup is only logged: the call's error is what counts."""
+        if self._relocate is None or self._closed:
+            return
+        try:
+            async with asyncio.timeout(_RELOCATE_S):
+                address = await self._relocate()
+        except Exception as e:
+            log.info("could not look up where %s listens now: %r", self.address, e)
+            return
+        if address != self.address:
+            self.repoint(address)
+
+    def repoint(self, address: str) -> None:
+        """Send from now on to the peer at ``address`` (it moved); requests still waiting on
+        the old one fail as they would have (the liveness watch)."""
+        self._check_open()
+        address = check_address(address)
+        log.info("%s moved to %s", self.address, address)
+        with contextlib.suppress(zmq.ZMQError):
+            self._io.sock.disconnect(self.address)
+        self._io.sock.connect(address)
+        self.address = address
+        self.silent = False
 
     def request(self, msg: Request[R], *, wait_s: float | None = None) -> Awaitable[R]:
         """Send ``msg`` now, before this returns (on the loop's thread); await the result for

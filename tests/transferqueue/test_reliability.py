@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -177,6 +178,65 @@ def test_a_unit_actor_killed_on_ray_is_restarted_where_it_listened(ray_cluster: 
         assert got.indexes.tolist() == new.indexes.tolist()  # no lost row comes back
         assert c.get_data(got)["x"].view(-1).tolist() == list(range(5000, 6000))
         c.ack(got)
+
+
+@pytest.mark.ray
+def test_a_unit_restarted_on_a_new_address_is_found_by_connected_clients(
+    ray_cluster: None,
+) -> None:
+    """The old port is taken when Ray restarts the unit: it listens elsewhere and registers
+    there; a client connected before learns the new address from the controller at its first
+    call that finds the unit gone, and the next call reaches it."""
+    import ray
+
+    from transferqueue.ray_deploy import start_on_ray
+
+    prefix = f"tq-moved-{os.getpid()}"
+    with start_on_ray(num_units=2, spread_bytes=0, name_prefix=prefix) as tq:
+        c = tq.client()
+        unit = ray.get_actor(f"{prefix}-unit1")
+        old, pid = ray.get([unit.address.remote(), unit.pid.remote()], timeout=60)
+        before = _put_over_both(c, 0, 10)
+        squatter = socket.socket()
+        try:
+            os.kill(pid, signal.SIGKILL)
+            host, port = old.removeprefix("tcp://").rsplit(":", 1)
+            _until(lambda: _bound(squatter, host, int(port)), 30, "old port taken")
+            lost = int((before.units == 1).sum())
+            _until(lambda: _ctl(c)["rows_lost"] == lost, LIVENESS.bound_s + SLACK_S, "lost")
+            _until(lambda: _ctl(c)["units_alive"] == [True, True], 120 + SLACK_S, "restart")
+            new = ray.get(unit.address.remote(), timeout=60)
+            assert new != old
+            assert ray.get(ray.get_actor(f"{prefix}-controller").unit_address.remote(1)) == new
+            failures = 0
+            for attempt in range(3):  # the first call may still go to the old address
+                first = 100 + attempt * 10
+                try:
+                    meta = _put_over_both(c, first, 10)
+                    break
+                except (PeerGoneError, RowsLostError):
+                    failures += 1
+            else:
+                raise AssertionError("the client never reached the unit at its new address")
+            assert failures <= 1
+            got = c.get_meta("t", ["x"], 100, timeout_s=30)
+            values = c.get_data(got)["x"].view(-1).tolist()
+            value = dict(zip(got.indexes.tolist(), values, strict=True))
+            assert [value[i] for i in meta.indexes.tolist()] == list(range(first, first + 10))
+        finally:
+            squatter.close()
+
+
+def _bound(sock: socket.socket, host: str, port: int) -> bool:
+    """Take ``host:port`` for ``sock`` (False while something still listens there). Reuse:
+    the dead unit's closed connections hold the port in TIME_WAIT (ZeroMQ binds so too)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        return False
+    sock.listen(1)
+    return True
 
 
 def test_with_a_unit_dead_the_other_keeps_serving_and_blocked_calls_fail_fast() -> None:
