@@ -21,7 +21,7 @@ from typing import Any
 
 from adapters.base import Adapter
 from asyncflow.metrics import Timeline
-from transferqueue import AsyncClient
+from transferqueue import AsyncClient, PeerGoneError, RowsLostError
 
 __all__ = ["StageError", "StageRunner"]
 
@@ -40,7 +40,17 @@ class StageError(RuntimeError):
 
     def __str__(self) -> str:
         cause = self.args[1]
-        return f"stage {self.stage!r} failed: {type(cause).__name__}: {cause}"
+        text = f"stage {self.stage!r} failed: {type(cause).__name__}: {cause}"
+        if isinstance(cause, PeerGoneError | RowsLostError):
+            text += f" ({LOST_SERVER_HINT})"
+        return text
+
+
+LOST_SERVER_HINT = (
+    "a TransferQueue server died: rows it held are lost and their groups can never be trained "
+    "whole, so the run stops; resume from the last checkpoint (asyncflow run --resume DIR; set "
+    "checkpoint.every_steps)"
+)
 
 
 class StageRunner:

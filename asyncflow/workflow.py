@@ -55,8 +55,9 @@ from asyncflow.metrics import (
     staleness_histogram,
     write_timeline,
 )
-from asyncflow.stage import StageError
+from asyncflow.stage import LOST_SERVER_HINT, StageError
 from asyncflow.stages import EVAL_PARTITION, PARTITION
+from transferqueue import AsyncClient
 
 __all__ = ["RunResult", "Workflow", "run"]
 
@@ -259,6 +260,7 @@ class Workflow:
             jobs[loop.create_task(evaluator.collect())] = "eval"
         for name, job in dep.jobs().items():
             jobs[loop.create_task(job())] = name
+        jobs[loop.create_task(_watch_lost_rows(client, PARTITION))] = "transferqueue"
         finished = loop.create_task(recording())
         try:
             pending_tasks: set[asyncio.Task[Any]] = {*jobs, finished}
@@ -299,6 +301,23 @@ class Workflow:
         if cfg.output.plot and writer.records:
             plot_rewards({"reward": writer.records}, out_dir / "reward.png", _title(cfg))
         return result
+
+
+LOST_ROWS_POLL_S = 2.0  # how often the driver looks for rows lost with a storage unit
+
+
+async def _watch_lost_rows(client: AsyncClient, partition: str) -> None:
+    """End the run with an error naming the fix once rows of the training partition are lost
+    with a dead TransferQueue storage unit. The groups they belonged to can never be complete,
+    so the train step waiting for them would wait forever (regenerating them is not built
+    yet); a checkpoint holds everything a resumed run needs."""
+    while True:
+        await asyncio.sleep(LOST_ROWS_POLL_S)
+        stats = await client.stats()
+        part = stats["controller"]["partitions"].get(partition, {})
+        lost = int(part.get("rows_lost", 0))
+        if lost:
+            raise RuntimeError(f"{lost} rows of partition {partition!r} lost; {LOST_SERVER_HINT}")
 
 
 def _resume_state(cfg: RunConfig) -> tuple[Path, DriverState] | None:
