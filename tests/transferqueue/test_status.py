@@ -112,6 +112,20 @@ def test_reset_replays_every_live_row_once_and_leaves_other_tasks_alone(client: 
     assert sorted(_drain(client, "b", ["x"])) == rows[3:]
 
 
+def test_a_reset_task_with_a_group_sampler_gets_whole_groups_again(client: Client) -> None:
+    rows = client.put({"x": torch.arange(6)}, group=[0, 0, 1, 1, 2, 2]).indexes.tolist()
+    opts = {"sampler": "group", "group_size": 2, "timeout_s": WAIT_S}
+    client.ack(client.get_meta("g", ["x"], 4, **opts))  # two groups consumed
+    held = client.get_meta("g", ["x"], 2, lease_s=HOLD_S, **opts)  # the third leased
+    assert client.reset_consumption("g") == 6
+    batches = [client.get_meta("g", ["x"], 2, **opts) for _ in range(3)]
+    assert sorted(i for b in batches for i in b.indexes.tolist()) == rows
+    assert all(len(set(b.groups.tolist())) == 1 and len(b) == 2 for b in batches)
+    assert len(client.get_meta("g", ["x"], 2, sampler="group", group_size=2, timeout_s=0)) == 0
+    with pytest.raises(UnknownLeaseError):
+        client.ack(held)
+
+
 def test_reset_closes_a_lease_so_a_put_with_it_writes_nothing(client: Client) -> None:
     client.put({"x": torch.arange(2)})
     held = client.get_meta("a", ["x"], 2, timeout_s=WAIT_S, lease_s=HOLD_S)
