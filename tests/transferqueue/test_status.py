@@ -16,17 +16,22 @@ import pytest
 import rawwire as raw
 import torch
 import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import transferqueue
 from transferqueue import (
     Client,
+    LeaseExpiredError,
     UnknownFieldError,
     UnknownLeaseError,
     UnknownRowError,
     UnknownTaskError,
 )
+from transferqueue.controller import Controller
 from transferqueue.errors import BadRequestError
 from transferqueue.limits import MAX_META_BYTES
+from transferqueue.schema import FieldSpec
 from transferqueue.status import STATES
 
 HOLD_S = 30.0
@@ -255,3 +260,85 @@ def test_hostile_status_requests_on_the_wire_get_typed_errors_then_normal_calls_
         assert client.get_custom_meta(meta) == [{"a": 1}, {"b": [2]}]
         assert client.status(fields=["x"]).ready["x"].tolist() == [True, True]
         assert np.array_equal(client.status().indexes, meta.indexes)
+
+
+# -- the controller alone: random interleavings, counters and rounds checked after each step ---
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["put", "poll", "poll", "ack", "ack", "release", "expire", "reset"]),
+        st.sampled_from(["a", "a", "b"]),  # (mostly one task: its poll, ack, reset meet)
+        st.integers(1, 4),
+    ),
+    min_size=8,
+    max_size=60,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=OPS, declared=st.booleans())
+def test_reset_keeps_counters_true_and_each_round_exactly_once(
+    ops: list[tuple[str, str, int]], declared: bool
+) -> None:
+    """After every step, each task's counters agree with the per-row states ``status``
+    reports (rows freed count as done); within one round (between resets) a task never
+    consumes a row twice; a row is freed only once every declared task consumed it in its
+    current round (a reset task's acks count again)."""
+    clock = _Clock()
+    ctl = Controller(1, clock=clock)
+    ctl.register_fields({"x": FieldSpec.dense("int64")})
+    if declared:
+        ctl.declare_tasks("p", ["a", "b"])
+    held: dict[str, list[tuple[int, list[int]]]] = {"a": [], "b": []}
+    consumed: dict[str, set[int]] = {"a": set(), "b": set()}  # this round's acks
+    live: set[int] = set()
+    for op, task, k in ops:
+        if op == "put":
+            ctl.commit(ctl.allocate(k, "p").indexes, ["x"])
+        elif op == "poll":
+            meta, _ = ctl.poll(
+                task=task, partition="p", fields=["x"], batch_size=k, lease_s=15, short_ok=True
+            )
+            if meta is not None and meta.lease_id is not None:
+                held[task].append((meta.lease_id, meta.indexes.tolist()))
+        elif op in ("ack", "release") and held[task]:
+            lease_id, rows = held[task].pop(0)
+            try:
+                getattr(ctl, op)(lease_id, np.array(rows))
+            except (UnknownLeaseError, LeaseExpiredError):
+                continue  # (closed by a reset or expired: nothing was consumed)
+            if op == "ack":
+                assert not consumed[task] & set(rows), "a row consumed twice in one round"
+                consumed[task] |= set(rows)
+        elif op == "expire":  # (a lease outlives one expire, not two)
+            clock.now += 10
+            ctl.expire()
+        elif op == "reset" and "p" in ctl.stats()["partitions"]:
+            try:
+                ctl.reset_consumption("p", task)
+            except UnknownTaskError:
+                assert not declared  # (a task that never asked, undeclared)
+                continue
+            consumed[task].clear()
+        stats = ctl.stats()["partitions"].get("p")
+        if stats is None:
+            continue
+        now = set(ctl.status("p").indexes.tolist())
+        gone = live - now
+        live = now
+        # a row is freed only once every declared task consumed it in its current round
+        assert gone <= (consumed["a"] & consumed["b"] if declared else set())
+        for name, t in stats["tasks"].items():
+            codes = ctl.status("p", task=name).states
+            assert codes is not None
+            counts = np.bincount(codes, minlength=4)
+            assert t["queued"] == counts[1] and t["leased"] == counts[2]
+            assert t["done"] == counts[3] + stats["rows_freed"]
+            assert t["waiting"] == counts[0] == 0
