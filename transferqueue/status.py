@@ -98,7 +98,9 @@ class RowStatus:
     _partitions: dict[str, PartitionState]
 
     def _init_status(self) -> None:
-        self._custom: dict[int, bytes] = {}  # row index -> msgpack map (rows that have one)
+        # Row index -> msgpack map, for the rows that have one. Not a column like the header:
+        # free-form and usually absent, so a per-slot column would cost every row for few.
+        self._custom: dict[int, bytes] = {}
         self._custom_bytes = 0
 
     def _live_slots(self, part: PartitionState) -> np.ndarray:
