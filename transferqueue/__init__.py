@@ -40,6 +40,7 @@ from transferqueue.remote import connect
 from transferqueue.samplers import Sampler, register_sampler
 from transferqueue.schema import FieldSpec
 from transferqueue.service import LocalService, serve
+from transferqueue.status import PartitionStatus
 from transferqueue.sync_client import Client
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "LeaseExpiredError",
     "Liveness",
     "LocalService",
+    "PartitionStatus",
     "PeerGoneError",
     "ProtocolError",
     "Ragged",

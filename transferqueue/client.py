@@ -45,6 +45,7 @@ from transferqueue.meta import BatchMeta
 from transferqueue.ragged import Ragged
 from transferqueue.schema import Column, FieldSpec, normalize_columns
 from transferqueue.slots import runs
+from transferqueue.status_client import StatusCalls
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -99,8 +100,9 @@ def _by_unit(units: np.ndarray) -> dict[int, np.ndarray]:
     return {int(u): np.flatnonzero(units == u) for u in np.unique(units).tolist()}
 
 
-class AsyncClient:
-    """Async TransferQueue client. Get one from ``tq.async_client()``."""
+class AsyncClient(StatusCalls):
+    """Async TransferQueue client. Get one from ``tq.async_client()``. Status queries,
+    consumption resets and custom metadata: :mod:`transferqueue.status_client`."""
 
     def __init__(
         self,

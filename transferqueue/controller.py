@@ -53,13 +53,15 @@ from transferqueue.state import (
     TaskState,
     header_column,
 )
+from transferqueue.status import RowStatus
 
 __all__ = ["SPREAD_BYTES", "Changes", "Controller"]
 
 
-class Controller(UnitHealth):
+class Controller(UnitHealth, RowStatus):
     """Row metadata, readiness, per-task queues and leases. Not thread-safe by design.
-    What happens when a unit or a producer dies, and ``stats``: :mod:`transferqueue.health`.
+    What happens when a unit or a producer dies, and ``stats``: :mod:`transferqueue.health`;
+    status queries, consumption resets and custom metadata: :mod:`transferqueue.status`.
     """
 
     def __init__(
@@ -99,6 +101,7 @@ class Controller(UnitHealth):
             )
         self.allocation_s = float(allocation_s)
         self._init_health()
+        self._init_status()
 
     # -- schema ------------------------------------------------------------------------------
     @property
@@ -624,6 +627,7 @@ class Controller(UnitHealth):
         for k, (_, fill) in HEADER.items():
             h[k][slots] = fill
         self._map.remove(indexes)
+        self._drop_custom_meta(indexes)
         self._alloc.free(slots)
         n = int(slots.size)
         part.rows_live -= n

@@ -39,6 +39,7 @@ from transferqueue.liveness import new_incarnation
 from transferqueue.messages import Caller
 from transferqueue.meta import BatchMeta
 from transferqueue.schema import FieldSpec
+from transferqueue.status import PartitionStatus
 from transferqueue.wire import PROTOCOL_VERSION
 
 __all__ = ["ControllerService", "FreeRows"]
@@ -329,6 +330,20 @@ class ControllerService:
     async def _stats_later(self) -> dict[str, Any]:
         await asyncio.gather(*self._pending_frees, return_exceptions=True)
         return self.controller.stats()
+
+    def status(self, msg: m.Status, caller: Caller) -> PartitionStatus:
+        return self.controller.status(msg.partition, msg.fields, msg.task)
+
+    def reset_consumption(self, msg: m.ResetConsumption, caller: Caller) -> int:
+        rows, changes = self.controller.reset_consumption(msg.partition, msg.task)
+        self._apply(changes)
+        return rows
+
+    def set_custom_meta(self, msg: m.SetCustomMeta, caller: Caller) -> None:
+        self.controller.set_custom_meta(msg.indexes, msg.metas)
+
+    def get_custom_meta(self, msg: m.GetCustomMeta, caller: Caller) -> list[bytes]:
+        return self.controller.get_custom_meta(msg.indexes)
 
     async def reset(self, msg: m.Reset, caller: Caller) -> None:
         """Forget everything: rows, tasks, leases and field specs (a fresh TransferQueue).

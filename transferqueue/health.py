@@ -62,6 +62,8 @@ class UnitHealth:
     _alloc: ExtentAllocator
     _next_index: int
     _rows_live: int
+    _custom: dict[int, bytes]  # (custom metadata by row, see transferqueue.status)
+    _custom_bytes: int
 
     def _init_health(self) -> None:
         self._gone: deque[np.ndarray] = deque()  # lost and reclaimed indexes, oldest first
@@ -248,6 +250,8 @@ class UnitHealth:
             "units_lost": self.units_lost,
             "rows_lost": self.rows_lost,
             "rows_reclaimed": self.rows_reclaimed,
+            "custom_meta_rows": len(self._custom),
+            "custom_meta_bytes": self._custom_bytes,
             "allocation_s": self.allocation_s,
             "fields": {n: s.describe() for n, s in self._specs.items()},
             "partitions": parts,

@@ -97,6 +97,11 @@ class LeaseTable:
                 f"lease {lease_id} expired and its rows were handed out again; "
                 "ask for a longer lease_s or acknowledge sooner"
             )
+        if why == "reset":
+            raise UnknownLeaseError(
+                f"lease {lease_id} was closed by reset_consumption: its rows went back to "
+                "the task's queue and will be handed out again; drop this batch"
+            )
         if why is not None:
             raise UnknownLeaseError(f"lease {lease_id} is no longer active ({why})")
         raise UnknownLeaseError(

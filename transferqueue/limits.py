@@ -21,6 +21,8 @@ workloads (an RL batch is thousands of rows) and far below what would hurt a ser
 | MAX_TASKS          | 1,024         | consumer tasks a controller keeps (all partitions)          |
 | MAX_FIELDS         | 1,024         | fields a controller keeps track of                          |
 | MAX_FRAME_BYTES    | 1 GiB         | one ZeroMQ frame a server accepts (larger: disconnected)    |
+| MAX_META_BYTES     | 4,096         | one row's custom metadata, msgpack-encoded                  |
+| MAX_META_REQUEST_BYTES | 64 MiB    | custom metadata set or returned by one request              |
 
 Times must be finite: NaN, infinity and negatives are refused where a time is expected.
 Storage units accept new rows only under a grant the controller signed for them (see
@@ -36,6 +38,8 @@ __all__ = [
     "MAX_FRAME_BYTES",
     "MAX_INDEX",
     "MAX_LEASE_S",
+    "MAX_META_BYTES",
+    "MAX_META_REQUEST_BYTES",
     "MAX_NAMES",
     "MAX_NAME_CHARS",
     "MAX_OBJECT_DEPTH",
@@ -60,3 +64,5 @@ MAX_LEASE_S = 86400.0
 MAX_TASKS = 1024
 MAX_FIELDS = 1024
 MAX_FRAME_BYTES = 1 << 30
+MAX_META_BYTES = 4096
+MAX_META_REQUEST_BYTES = 64 << 20

@@ -18,7 +18,7 @@ column values) are :class:`Check` objects in the field's ``Annotated`` metadata,
 |------------|--------------------------------------------------------------------------------|
 | controller | hello, ping, register_unit**, lost, register_fields, get_specs, allocate,      |
 |            | discard, commit, get_meta, ack, release, renew, declare_tasks, finish, clear*, |
-|            | stats, reset*                                                                  |
+|            | stats, reset*, status, reset_consumption, set_custom_meta, get_custom_meta     |
 | unit       | write, read, free, ping, clear*, stats, reset*, shm_attach, shm_detach         |
 
 ``*``: needs an admin key when the service has one (see :mod:`transferqueue.auth`);
@@ -39,9 +39,11 @@ import torch
 from msgspec import Meta
 
 from transferqueue.chunked import ChunkedTensor
-from transferqueue.errors import DeniedError
+from transferqueue.errors import BadRequestError, DeniedError
 from transferqueue.limits import (
     MAX_INDEX,
+    MAX_META_BYTES,
+    MAX_META_REQUEST_BYTES,
     MAX_NAME_CHARS,
     MAX_NAMES,
     MAX_OBJECT_DEPTH,
@@ -52,6 +54,7 @@ from transferqueue.limits import (
 from transferqueue.meta import BatchMeta
 from transferqueue.ragged import Ragged
 from transferqueue.schema import FieldSpec
+from transferqueue.status import PartitionStatus
 
 __all__ = [
     "KINDS",
@@ -60,6 +63,7 @@ __all__ = [
     "ControllerRequest",
     "Request",
     "UnitRequest",
+    "encode_meta",
     "handlers",
 ]
 
@@ -152,6 +156,46 @@ def check_plain(value: Any, where: str, depth: int = 0) -> None:
         raise ValueError(f"{where}: a {type(value).__name__} is not an object value")
 
 
+def encode_meta(meta: Any, where: str) -> bytes:
+    """One row's custom metadata as msgpack, checked: a map with string keys of msgpack
+    values, at most ``MAX_META_BYTES`` encoded (else :class:`BadRequestError`)."""
+    if not isinstance(meta, dict):
+        raise BadRequestError(f"{where}: custom meta must be a dict, got {type(meta).__name__}")
+    try:
+        check_plain(meta, where)
+        raw = msgspec.msgpack.encode(meta)
+    except (ValueError, TypeError, OverflowError) as e:
+        raise BadRequestError(f"{where}: custom meta must be msgpack data: {e}") from None
+    if len(raw) > MAX_META_BYTES:
+        raise BadRequestError(
+            f"{where}: custom meta is {len(raw)} bytes as msgpack, more than MAX_META_BYTES="
+            f"{MAX_META_BYTES}; keep payload in fields (put), metadata small"
+        )
+    return raw
+
+
+class MetaMaps(Check):
+    """Custom metadata of rows: msgpack maps (see :func:`encode_meta`), at most
+    ``MAX_META_REQUEST_BYTES`` in all; each must decode to a map of msgpack values."""
+
+    def __call__(self, value: Any, field: str) -> Any:
+        total = sum(len(raw) for raw in value)
+        if total > MAX_META_REQUEST_BYTES:
+            raise BadRequestError(
+                f"{field}: {total} bytes of custom meta in one request, more than "
+                f"MAX_META_REQUEST_BYTES={MAX_META_REQUEST_BYTES}; split the call"
+            )
+        for row, raw in enumerate(value):
+            try:
+                meta = msgspec.msgpack.decode(raw)
+            except (msgspec.DecodeError, RecursionError):
+                raise BadRequestError(f"{field} row {row}: not msgpack") from None
+            if not isinstance(meta, dict):
+                raise BadRequestError(f"{field} row {row}: custom meta must be a map")
+            check_plain(meta, f"{field} row {row}")
+        return value
+
+
 # -- field types ---------------------------------------------------------------------------------
 Name = Annotated[str, Meta(min_length=1, max_length=MAX_NAME_CHARS)]
 Names = Annotated[list[Name], Meta(max_length=MAX_NAMES)]
@@ -171,6 +215,9 @@ Options = Annotated[
 ArenaName = Annotated[str, Meta(max_length=64)]
 Grant = Annotated[bytes, Meta(max_length=64)]
 ColumnMap = Annotated[dict[Name, Any], Meta(max_length=MAX_NAMES), Columns()]
+MetaList = Annotated[
+    list[Annotated[bytes, Meta(max_length=MAX_META_BYTES)]], Meta(max_length=MAX_ROWS), MetaMaps()
+]
 
 
 # -- the base of every kind ----------------------------------------------------------------------
@@ -408,6 +455,40 @@ class Reset(ControllerRequest[None]):
 
     kind = "reset"
     needs = "admin"
+
+
+class Status(ControllerRequest[PartitionStatus]):
+    """The live rows of a partition, which of ``fields`` they have, ``task``'s state of each
+    (see :mod:`transferqueue.status`)."""
+
+    kind = "status"
+    partition: Name
+    fields: Names | None = None
+    task: Name | None = None
+
+
+class ResetConsumption(ControllerRequest[int]):
+    """Give every live row of the partition that ``task`` leased or consumed back to its
+    queue; the task's open leases there close. Replies with the number of rows given back."""
+
+    kind = "reset_consumption"
+    partition: Name
+    task: Name
+
+
+class SetCustomMeta(ControllerRequest[None]):
+    """Attach custom metadata (one msgpack map per row; empty: none) to live rows."""
+
+    kind = "set_custom_meta"
+    indexes: Rows
+    metas: MetaList
+
+
+class GetCustomMeta(ControllerRequest[list[bytes]]):
+    """The custom metadata of live rows, one msgpack map per row."""
+
+    kind = "get_custom_meta"
+    indexes: Rows
 
 
 # -- storage unit --------------------------------------------------------------------------------

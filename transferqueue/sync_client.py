@@ -57,6 +57,10 @@ class Client:
     finish = _blocking(AsyncClient.finish)
     clear = _blocking(AsyncClient.clear)
     stats = _blocking(AsyncClient.stats)
+    status = _blocking(AsyncClient.status)
+    reset_consumption = _blocking(AsyncClient.reset_consumption)
+    set_custom_meta = _blocking(AsyncClient.set_custom_meta)
+    get_custom_meta = _blocking(AsyncClient.get_custom_meta)
 
     @overload
     def get_data(

@@ -68,6 +68,12 @@ EXAMPLES: dict[tuple[str, str], m.Request[Any]] = {
     ("controller", "clear"): m.Clear(partition="fuzz"),
     ("controller", "stats"): m.Stats(),
     ("controller", "reset"): m.Reset(),
+    ("controller", "status"): m.Status(partition="fuzz", fields=["fz"], task="ft"),
+    ("controller", "reset_consumption"): m.ResetConsumption(partition="fuzz", task="ft"),
+    ("controller", "set_custom_meta"): m.SetCustomMeta(
+        indexes=np.array([10**9]), metas=[m.encode_meta({"k": [1, "v"]}, "fuzz")]
+    ),
+    ("controller", "get_custom_meta"): m.GetCustomMeta(indexes=np.array([10**9])),
     ("unit", "write"): m.Write(
         indexes=np.array([2**27]),
         columns={"fz": torch.zeros(1, 300), "o": ["a"]},

@@ -1,0 +1,98 @@
+"""The client calls of :mod:`transferqueue.status`: status queries, consumption resets and
+custom metadata. A mixin of :class:`~transferqueue.client.AsyncClient` (the blocking
+``Client`` derives the same methods from it); each sends one controller message kind and
+works unchanged over every deployment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from transferqueue import messages as m
+from transferqueue.errors import BadRequestError
+from transferqueue.links import ControllerLink
+from transferqueue.loop import LoopThread
+from transferqueue.meta import BatchMeta
+from transferqueue.status import PartitionStatus
+
+__all__ = ["StatusCalls"]
+
+Indexes = BatchMeta | np.ndarray | Sequence[int]
+"""Rows named by a ``BatchMeta`` (of ``put`` or ``get_meta``) or by their global indexes."""
+
+
+def _indexes(rows: Indexes) -> np.ndarray:
+    if isinstance(rows, BatchMeta):
+        return rows.indexes
+    arr = np.asarray(rows)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise BadRequestError(
+            f"indexes must be a BatchMeta or a 1-D sequence of row indexes, got "
+            f"{arr.dtype} of shape {arr.shape}"
+        )
+    return arr.astype(np.int64, copy=False)
+
+
+class StatusCalls:
+    """``status``, ``reset_consumption``, ``set_custom_meta``, ``get_custom_meta``."""
+
+    # (the AsyncClient's links this mixin sends through)
+    _io: LoopThread
+    _ctl: ControllerLink
+
+    async def status(
+        self,
+        partition: str = "default",
+        *,
+        fields: Sequence[str] | None = None,
+        task: str | None = None,
+    ) -> PartitionStatus:
+        """The live rows of ``partition`` (put, not yet freed or cleared), in index order.
+
+        With ``fields``: per field, a bool array saying which rows have it written
+        (production status). With ``task``: ``states``, the task's state of each row, a code
+        of :data:`~transferqueue.status.STATES` (``waiting``, ``queued``, ``leased``,
+        ``done``; ``rows("done")`` lists the rows it consumed). An unknown partition, field
+        or task is an error naming the known ones.
+        """
+        msg = m.Status(
+            partition=partition, fields=None if fields is None else list(fields), task=task
+        )
+        return await self._io.run_async(self._ctl.call(msg))
+
+    async def reset_consumption(self, task: str, partition: str = "default") -> int:
+        """Replay ``partition`` to ``task``: every live row the task leased or consumed goes
+        back to its queue and is handed out once more, once. The task's open leases on the
+        partition close first: acking (or putting with) one of them afterwards raises
+        :class:`~transferqueue.errors.UnknownLeaseError` and consumes nothing. Rows already
+        freed (every declared task acknowledged them) are gone; see
+        :mod:`transferqueue.status`. Other tasks are untouched. Returns the rows given back.
+        """
+        msg = m.ResetConsumption(partition=partition, task=task)
+        return await self._io.run_async(self._ctl.call(msg))
+
+    async def set_custom_meta(self, indexes: Indexes, metas: Sequence[Mapping[str, Any]]) -> None:
+        """Attach a small dict of msgpack values to each row (one per index; ``{}`` removes
+        a row's), kept without payload until the row is freed or cleared. At most
+        ``MAX_META_BYTES`` per row as msgpack (:mod:`transferqueue.limits`); larger is a
+        :class:`~transferqueue.errors.BadRequestError` naming the limit."""
+        rows = _indexes(indexes)
+        if isinstance(metas, Mapping) or len(metas) != rows.size:
+            got = "a single dict" if isinstance(metas, Mapping) else f"{len(metas)} metas"
+            raise BadRequestError(f"set_custom_meta: {rows.size} rows but {got}; one per row")
+        raw = [
+            m.encode_meta(dict(d) if isinstance(d, Mapping) else d, f"metas[{i}]")
+            for i, d in enumerate(metas)
+        ]
+        msg = m.SetCustomMeta(indexes=rows, metas=raw)
+        await self._io.run_async(self._ctl.call(msg))
+
+    async def get_custom_meta(self, indexes: Indexes) -> list[dict[str, Any]]:
+        """The custom metadata of each row (``{}`` where none was set), fresh dicts."""
+        msg = m.GetCustomMeta(indexes=_indexes(indexes))
+        raw = await self._io.run_async(self._ctl.call(msg))
+        return [msgspec.msgpack.decode(r) for r in raw]
