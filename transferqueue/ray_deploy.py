@@ -35,6 +35,7 @@ from transferqueue.grants import new_grant_key
 from transferqueue.handle import TransferQueue
 from transferqueue.loop import LoopThread
 from transferqueue.malloc import keep_freed_memory
+from transferqueue.metrics import check_metrics_port
 from transferqueue.remote import connect
 from transferqueue.server import ControllerServer, UnitServer
 
@@ -60,6 +61,11 @@ class _ServerActor:
 
     def address(self) -> str:
         return str(self._server.address)
+
+    def metrics_address(self) -> str | None:
+        """The URL of this server's Prometheus endpoint (None: off)."""
+        url = self._server.metrics_address
+        return None if url is None else str(url)
 
     def ping(self) -> bool:
         return True
@@ -88,6 +94,7 @@ class UnitActor(_ServerActor):
         host: str | None,
         keys: ServerKeys | None = None,
         grant_key: bytes | None = None,
+        metrics: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
 
@@ -99,6 +106,7 @@ class UnitActor(_ServerActor):
                 capacity_bytes=capacity_bytes,
                 keys=keys,
                 grant_key=grant_key,
+                **(metrics or {}),
             )
             server.start()
             return server
@@ -117,6 +125,7 @@ class ControllerActor(_ServerActor):
         spread_bytes: int = SPREAD_BYTES,
         keys: ServerKeys | None = None,
         grant_key: bytes | None = None,
+        metrics: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
 
@@ -129,6 +138,7 @@ class ControllerActor(_ServerActor):
                 spread_bytes=spread_bytes,
                 keys=keys,
                 grant_key=grant_key,
+                **(metrics or {}),
             )
             await server.start()
             return server
@@ -148,6 +158,8 @@ def start_on_ray(
     actor_options: dict[str, Any] | None = None,
     start_timeout_s: float = 300.0,
     keys: ServerKeys | str | os.PathLike[str] | None = None,
+    metrics_port: int | None = None,
+    metrics_host: str = "127.0.0.1",
 ) -> TransferQueue:
     """Start controller and units as Ray actors and return a connected handle.
 
@@ -160,6 +172,10 @@ def start_on_ray(
     (a cluster without the resources they ask for never starts them).
     ``keys``: a key directory or :class:`ServerKeys` (default ``TRANSFERQUEUE_KEYS``), needed
     on a cluster of several nodes (see the module docstring).
+    ``metrics_port``: Prometheus endpoints (:mod:`transferqueue.metrics`; None: none), as
+    :class:`~transferqueue.service.LocalService` has them (0: free ports; P: the controller on
+    P, unit i on P+1+i), on ``metrics_host`` of each actor's node (default loopback: scrape
+    from that node, or widen it); their URLs are in ``stats()`` (``metrics_address``).
     """
     try:
         import ray
@@ -167,6 +183,7 @@ def start_on_ray(
         raise ImportError('the Ray deployment needs ray: pip install "asyncflow[ray]"') from None
     if not ray.is_initialized():
         raise RuntimeError("call ray.init() before transferqueue.ray_deploy.start_on_ray()")
+    check_metrics_port(metrics_port)
     loaded = server_keys(keys)
     if host is None and loaded is None:
         nodes = [n for n in ray.nodes() if n.get("Alive")]
@@ -190,15 +207,23 @@ def start_on_ray(
             o["name"] = f"{name_prefix}-{role}"
         return o
 
+    def metrics(unit: int | None) -> dict[str, Any] | None:
+        if metrics_port is None:
+            return None
+        port = 0 if metrics_port == 0 else metrics_port + (0 if unit is None else 1 + unit)
+        return {"metrics_port": port, "metrics_host": metrics_host}
+
     units = [
-        unit_cls.options(**opts(f"unit{i}")).remote(i, unit_capacity_bytes, host, loaded, grant_key)
+        unit_cls.options(**opts(f"unit{i}")).remote(
+            i, unit_capacity_bytes, host, loaded, grant_key, metrics(i)
+        )
         for i in range(num_units)
     ]
     actors: list[Any] = list(units)
     try:
         unit_addrs = _started(ray, [u.address.remote() for u in units], start_timeout_s, "units")
         ctl = ctl_cls.options(**opts("controller")).remote(
-            unit_addrs, capacity_rows, host, spread_bytes, loaded, grant_key
+            unit_addrs, capacity_rows, host, spread_bytes, loaded, grant_key, metrics(None)
         )
         actors.append(ctl)
         address = str(_started(ray, [ctl.address.remote()], start_timeout_s, "controller")[0])
