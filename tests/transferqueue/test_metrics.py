@@ -4,6 +4,10 @@ message kind, rows and leases are right, scrapes never hang; ``transferqueue top
 from __future__ import annotations
 
 import asyncio
+import re
+import signal
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -208,6 +212,35 @@ def test_top_once(
     out = capsys.readouterr().out
     assert out.count("toptask") == 2  # two views; the second has rates
     assert "req/s" in out
+
+
+def test_serve_cli_prints_its_metrics_endpoints() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "transferqueue.cli", "serve", "--units", "1", "--metrics-port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        assert proc.stdout.readline().startswith("tcp://127.0.0.1:")
+        proc.stderr.readline()  # "controller at ..."
+        line = proc.stderr.readline()
+        urls = re.findall(r"http://127\.0\.0\.1:\d+/metrics", line)
+        assert len(urls) == 2, line  # the controller's and the unit's, on loopback
+        for url, server in zip(urls, ("controller", "unit"), strict=True):
+            s = scrape(url)
+            assert value(s, "transferqueue_scrape_ok") == 1
+            assert (
+                "transferqueue_requests_total",
+                frozenset({("server", server), ("kind", "stats")}),
+            ) in s
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
 
 
 def test_metrics_port_checked() -> None:
