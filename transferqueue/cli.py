@@ -2,6 +2,8 @@
 
 transferqueue serve --units 4              # prints tcp://127.0.0.1:PORT, serves until ^C
 transferqueue stats tcp://127.0.0.1:PORT   # JSON of the controller and units
+transferqueue top tcp://127.0.0.1:PORT     # live view: rows, tasks, leases, rates, memory
+transferqueue serve --metrics-port 0       # also Prometheus endpoints (URLs on stderr)
 transferqueue keygen DIR [--admin]         # keys for a service beyond loopback
 transferqueue serve --host 0.0.0.0 --keys DIR [--advertise-host NAME]
 """
@@ -40,6 +42,8 @@ def _serve(args: argparse.Namespace) -> int:
         liveness=Liveness(heartbeat_s=args.heartbeat_s, dead_after_s=args.dead_after_s),
         allocation_s=args.allocation_s,
         max_restarts=args.max_restarts,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
     )
     print(service.address, flush=True)
     print(
@@ -47,6 +51,13 @@ def _serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
+    if service.metrics_address is not None:
+        units = " ".join(str(u) for u in service.unit_metrics_addresses)
+        print(
+            f"transferqueue: metrics at {service.metrics_address} (controller), {units} (units)",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         while not stop.wait(0.5):
             # (a unit that exits is restarted by the service; the others keep serving)
@@ -70,6 +81,23 @@ def _stats(args: argparse.Namespace) -> int:
     ) as tq:
         print(json.dumps(tq.client().stats(), indent=2, default=str))
     return 0
+
+
+def _top(args: argparse.Namespace) -> int:
+    from transferqueue.remote import connect
+    from transferqueue.top import run_top
+
+    iterations = 1 if args.once else args.iterations
+    with connect(
+        args.address, keys=args.keys, connect_timeout_s=args.timeout, call_timeout_s=args.timeout
+    ) as tq:
+        client = tq.client()
+        return run_top(
+            client.stats,
+            interval_s=args.interval,
+            iterations=iterations,
+            clear=iterations != 1 and sys.stdout.isatty(),
+        )
 
 
 def _keygen(args: argparse.Namespace) -> int:
@@ -145,12 +173,32 @@ def main(argv: list[str] | None = None) -> int:
         default=MAX_RESTARTS,
         help=f"restarts of each storage unit process (default {MAX_RESTARTS})",
     )
+    s.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics: the controller on this port, unit i on port+1+i "
+        "(0: free ports; default: off)",
+    )
+    s.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="interface the metrics endpoints listen on (default loopback)",
+    )
     s.set_defaults(fn=_serve)
     st = sub.add_parser("stats", help="print a running service's state as JSON")
     st.add_argument("address", help="tcp://HOST:PORT, as `transferqueue serve` prints it")
     st.add_argument("--keys", default=None, help="key directory (default $TRANSFERQUEUE_KEYS)")
     st.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer")
     st.set_defaults(fn=_stats)
+    t = sub.add_parser("top", help="live view of a running service (from its stats)")
+    t.add_argument("address", help="tcp://HOST:PORT, as `transferqueue serve` prints it")
+    t.add_argument("--interval", type=float, default=2.0, help="seconds between views")
+    t.add_argument("--iterations", type=int, default=None, help="views to draw (default: ^C)")
+    t.add_argument("--once", action="store_true", help="draw one view and exit")
+    t.add_argument("--keys", default=None, help="key directory (default $TRANSFERQUEUE_KEYS)")
+    t.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer")
+    t.set_defaults(fn=_top)
     k = sub.add_parser("keygen", help="write CURVE keys for a service and its clients")
     k.add_argument("directory")
     k.add_argument("--client", action="append", help="client key name (repeatable; default client)")

@@ -245,6 +245,7 @@ class UnitHealth:
             "capacity_rows": self.capacity_rows,
             "next_index": self._next_index,
             "active_leases": len(self.leases),
+            "expired_leases": self.leases.expired,
             "unit_bytes": self.placement.unit_bytes.tolist(),
             "units_alive": self.placement.alive.tolist(),
             "units_lost": self.units_lost,

@@ -50,6 +50,7 @@ class LeaseTable:
         self._active: dict[int, Lease] = {}
         self._heap: list[tuple[float, int]] = []
         self._closed: OrderedDict[int, str] = OrderedDict()
+        self.expired = 0  # leases whose deadline passed before their rows were acknowledged
 
     def __len__(self) -> int:
         return len(self._active)
@@ -135,6 +136,7 @@ class LeaseTable:
             lease = self._active.get(lid)
             if lease is not None and lease.deadline == deadline:
                 self.close(lease, "expired")
+                self.expired += 1
                 out.append(lease)
         return out
 

@@ -43,6 +43,7 @@ from transferqueue.grants import new_grant_key
 from transferqueue.handle import TransferQueue
 from transferqueue.loop import LoopThread
 from transferqueue.malloc import keep_freed_memory
+from transferqueue.metrics import check_metrics_port
 from transferqueue.remote import connect
 from transferqueue.server import ControllerServer, UnitServer
 
@@ -70,6 +71,11 @@ class _ServerActor:
 
     def address(self) -> str:
         return str(self._server.address)
+
+    def metrics_address(self) -> str | None:
+        """The URL of this server's Prometheus endpoint (None: off)."""
+        url = self._server.metrics_address
+        return None if url is None else str(url)
 
     def ping(self) -> bool:
         return True
@@ -104,6 +110,7 @@ class UnitActor(_ServerActor):
         keys: ServerKeys | None = None,
         grant_key: bytes | None = None,
         controller_name: str | None = None,
+        metrics: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         bind_host = self._host(host)
@@ -123,6 +130,7 @@ class UnitActor(_ServerActor):
                 keys=keys,
                 grant_key=grant_key,
                 controller=controller,
+                **(metrics or {}),
             )
             server.start()
             return server
@@ -163,6 +171,7 @@ class ControllerActor(_ServerActor):
         spread_bytes: int = SPREAD_BYTES,
         keys: ServerKeys | None = None,
         grant_key: bytes | None = None,
+        metrics: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
 
@@ -175,6 +184,7 @@ class ControllerActor(_ServerActor):
                 spread_bytes=spread_bytes,
                 keys=keys,
                 grant_key=grant_key,
+                **(metrics or {}),
             )
             await server.start()
             return server
@@ -199,6 +209,8 @@ def start_on_ray(
     start_timeout_s: float = 300.0,
     keys: ServerKeys | str | os.PathLike[str] | None = None,
     unit_max_restarts: int = 5,
+    metrics_port: int | None = None,
+    metrics_host: str = "127.0.0.1",
 ) -> TransferQueue:
     """Start controller and units as Ray actors and return a connected handle.
 
@@ -212,6 +224,10 @@ def start_on_ray(
     ``keys``: a key directory or :class:`ServerKeys` (default ``TRANSFERQUEUE_KEYS``), needed
     on a cluster of several nodes (see the module docstring). ``unit_max_restarts``: how
     many times Ray restarts each storage unit actor that dies (0: never).
+    ``metrics_port``: Prometheus endpoints (:mod:`transferqueue.metrics`; None: none), as
+    :class:`~transferqueue.service.LocalService` has them (0: free ports; P: the controller on
+    P, unit i on P+1+i), on ``metrics_host`` of each actor's node (default loopback: scrape
+    from that node, or widen it); their URLs are in ``stats()`` (``metrics_address``).
     """
     if not isinstance(unit_max_restarts, int) or unit_max_restarts < 0:
         raise ValueError(f"unit_max_restarts must be an integer >= 0, got {unit_max_restarts!r}")
@@ -221,6 +237,7 @@ def start_on_ray(
         raise ImportError('the Ray deployment needs ray: pip install "asyncflow[ray]"') from None
     if not ray.is_initialized():
         raise RuntimeError("call ray.init() before transferqueue.ray_deploy.start_on_ray()")
+    check_metrics_port(metrics_port)
     loaded = server_keys(keys)
     if host is None and loaded is None:
         nodes = [n for n in ray.nodes() if n.get("Alive")]
@@ -248,9 +265,15 @@ def start_on_ray(
             **(actor_options or {}),
         }
 
+    def metrics(unit: int | None) -> dict[str, Any] | None:
+        if metrics_port is None:
+            return None
+        port = 0 if metrics_port == 0 else metrics_port + (0 if unit is None else 1 + unit)
+        return {"metrics_port": port, "metrics_host": metrics_host}
+
     units = [
         unit_cls.options(max_restarts=unit_max_restarts, **opts(f"unit{i}")).remote(
-            i, unit_capacity_bytes, host, loaded, grant_key, f"{prefix}-controller"
+            i, unit_capacity_bytes, host, loaded, grant_key, f"{prefix}-controller", metrics(i)
         )
         for i in range(num_units)
     ]
@@ -258,7 +281,7 @@ def start_on_ray(
     try:
         unit_addrs = _started(ray, [u.address.remote() for u in units], start_timeout_s, "units")
         ctl = ctl_cls.options(**opts("controller")).remote(
-            unit_addrs, capacity_rows, host, spread_bytes, loaded, grant_key
+            unit_addrs, capacity_rows, host, spread_bytes, loaded, grant_key, metrics(None)
         )
         actors.append(ctl)
         address = str(_started(ray, [ctl.address.remote()], start_timeout_s, "controller")[0])

@@ -35,6 +35,7 @@ import zmq.asyncio
 
 from transferqueue import wire
 from transferqueue.auth import ClientKeys, ServerKeys, require_keys
+from transferqueue.counters import KindCounters, RequestCounters, frames_nbytes
 from transferqueue.errors import (
     BadRequestError,
     ClosedError,
@@ -203,11 +204,20 @@ class RpcServer:
         self._keys = keys
         self._resolve = resolve
         self._server = server
-        self._handlers = handlers
+        # Every request is counted by kind (see transferqueue.counters): the handler and
+        # the counters of a kind come from one lookup.
+        self.counters = RequestCounters(cls.kind for cls in handlers)
+        self._handlers: dict[type[Request[Any]], tuple[Handler, KindCounters]] = {
+            cls: (h, self.counters.by_kind[cls.kind]) for cls, h in handlers.items()
+        }
         self._join = join  # False: large tensors reach the handler as ChunkedTensor
         self._tasks: set[asyncio.Task[None]] = set()
         self.requests = 0
-        self.bad_messages = 0
+
+    @property
+    def bad_messages(self) -> int:
+        """Messages dropped or refused by their schema (never reached a handler)."""
+        return self.counters.bad_messages
 
     def start(self) -> None:
         self._io.attach()
@@ -219,8 +229,9 @@ class RpcServer:
 
     def _on_message(self, msg: list[Any]) -> None:
         """Answer inline when the handler can; requests that must wait get a task."""
+        t0 = time.perf_counter()
         if len(msg) < 2:
-            self.bad_messages += 1  # no identity or no header: nobody to answer
+            self.counters.bad_messages += 1  # no identity or no header: nobody to answer
             return
         identity, frames = msg[0], msg[1:]
         try:
@@ -228,13 +239,19 @@ class RpcServer:
                 frames, self._server, join=self._join, resolve=self._resolve
             )
         except wire.RequestError as e:  # refused by its schema: a typed reply
-            self.bad_messages += 1
+            self.counters.bad_messages += 1
             self._send(identity, wire.encode_error(e.rid, e.error))
             return
         except ProtocolError:
-            self.bad_messages += 1
+            self.counters.bad_messages += 1
             return
         self.requests += 1
+        handler, counts = self._handlers[type(m)]
+        counts.requests += 1
+        nbytes = 0
+        for f in frames:
+            nbytes += len(f)
+        counts.bytes_in += nbytes
         try:
             caller = self._caller(frames[0])
             if not caller.may(m.needs):
@@ -242,53 +259,71 @@ class RpcServer:
                     f"{m.kind!r} needs the {m.needs} key of this service; this client's key "
                     "is not one (see transferqueue keygen --admin)"
                 )
-            result = self._handlers[type(m)](m, caller)
+            result = handler(m, caller)
         except Exception as e:  # every handler error is a typed reply
-            self._reply_error(identity, rid, e)
+            counts.errors += 1
+            counts.bytes_out += self._reply_error(identity, rid, e)
+            counts.observe(time.perf_counter() - t0)
             return
         if inspect.isawaitable(result) or isinstance(result, SendThenRelease):
-            self._spawn(self._answer(identity, rid, result))
+            self._spawn(self._answer(identity, rid, result, counts, t0))
         else:
-            self._reply(identity, rid, result)
+            counts.bytes_out += self._reply(identity, rid, result)
+            counts.observe(time.perf_counter() - t0)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _reply(self, identity: Any, rid: int, result: Any) -> None:
+    def _reply(self, identity: Any, rid: int, result: Any) -> int:
+        """Send ``result``; returns the bytes sent (0: not sent)."""
         try:
             reply = wire.encode_reply(rid, result)
         except Exception as e:  # an unencodable result is a typed reply too
             reply = wire.encode_error(rid, e)
-        self._send(identity, reply)
+        return self._send(identity, reply)
 
-    def _reply_error(self, identity: Any, rid: int, e: BaseException) -> None:
+    def _reply_error(self, identity: Any, rid: int, e: BaseException) -> int:
         if not isinstance(e, TQError | ValueError | TypeError):
             log.error("handler of a request failed", exc_info=e)
-        self._send(identity, wire.encode_error(rid, e))
+        return self._send(identity, wire.encode_error(rid, e))
 
-    def _send(self, identity: Any, reply: list[Any]) -> None:
+    def _send(self, identity: Any, reply: list[Any]) -> int:
         try:
             self._io.send([identity, *reply])
         except (zmq.ZMQError, ValueError, TypeError) as e:
             log.warning("reply not sent: %s", e)
+            return 0
+        return frames_nbytes(reply)
 
-    async def _answer(self, identity: Any, rid: int, pending: Any) -> None:
+    async def _answer(
+        self, identity: Any, rid: int, pending: Any, counts: KindCounters, t0: float
+    ) -> None:
+        try:
+            await self._answer_counted(identity, rid, pending, counts)
+        finally:  # (a request cancelled at close is counted too: it got no reply)
+            counts.observe(time.perf_counter() - t0)
+
+    async def _answer_counted(
+        self, identity: Any, rid: int, pending: Any, counts: KindCounters
+    ) -> None:
         try:
             result = await pending if inspect.isawaitable(pending) else pending
         except asyncio.CancelledError:
             raise
         except Exception as e:  # every handler error is a typed reply
-            self._reply_error(identity, rid, e)
+            counts.errors += 1
+            counts.bytes_out += self._reply_error(identity, rid, e)
             return
         if not isinstance(result, SendThenRelease):
-            self._reply(identity, rid, result)
+            counts.bytes_out += self._reply(identity, rid, result)
             return
         try:
             reply = await _encode(
                 wire.encode_reply, rid, result.value, result.place, offload=result.offload
             )
+            counts.bytes_out += frames_nbytes(reply)
             if len(reply) == 1:  # every buffer went into shared memory: no frame to wait for
                 self._io.send([identity, *reply])
                 return
@@ -302,7 +337,8 @@ class RpcServer:
             if isinstance(e, zmq.ZMQError):
                 log.warning("reply not sent: %s", e)
             else:
-                self._reply_error(identity, rid, e)
+                counts.errors += 1
+                counts.bytes_out += self._reply_error(identity, rid, e)
         finally:
             if result.release is not None:
                 await result.release()

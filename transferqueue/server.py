@@ -42,6 +42,7 @@ from transferqueue.limits import MAX_LEASE_S
 from transferqueue.links import OFFLOAD_BYTES, LocalUnitLink, column_nbytes
 from transferqueue.liveness import DEFAULT_LIVENESS, Liveness, new_incarnation
 from transferqueue.messages import Caller
+from transferqueue.metrics import MetricsEndpoint, check_metrics_port, process_memory
 from transferqueue.rpc import RpcClient, RpcServer, SendThenRelease, check_address
 from transferqueue.shm import SHM_DIR, Placer, Segments
 from transferqueue.storage import StorageUnit
@@ -83,9 +84,16 @@ class UnitServer:
         keys: ServerKeys | None = None,
         grant_key: bytes | None = None,
         controller: str | None = None,
+        metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
     ) -> None:
         """``controller``: the address of the controller to register with once serving (a
-        unit restarted by its supervisor; the first units are named to the controller)."""
+        unit restarted by its supervisor; the first units are named to the controller).
+        ``metrics_port``: serve Prometheus metrics there once started (0: any free port;
+        None: no endpoint; see :mod:`transferqueue.metrics`), on ``metrics_host``."""
+        self._metrics_port = check_metrics_port(metrics_port)
+        self._metrics_host = metrics_host
+        self.metrics: MetricsEndpoint | None = None
         self.unit = StorageUnit(unit_id, capacity_bytes=capacity_bytes)
         self.incarnation = new_incarnation()
         self._controller = controller
@@ -113,6 +121,10 @@ class UnitServer:
 
     def start(self) -> None:
         self.rpc.start()
+        if self._metrics_port is not None:
+            self.metrics = MetricsEndpoint(
+                self.metrics_snapshot, self._metrics_port, self._metrics_host
+            )
         loop = asyncio.get_running_loop()
         self._background.append(loop.create_task(self._sweep()))
         if self._controller is not None:
@@ -217,14 +229,42 @@ class UnitServer:
         self.shm_writes = self.shm_reads = 0
         await self.link.reset()
 
-    async def stats(self, msg: m.UnitStats, caller: Caller) -> dict[str, Any]:
-        stats = await self.link.stats()
+    @property
+    def metrics_address(self) -> str | None:
+        """The URL of this unit's Prometheus endpoint (None: off)."""
+        return None if self.metrics is None else self.metrics.url
+
+    def _unit_stats(self, stats: dict[str, Any]) -> dict[str, Any]:
         stats.update(
-            shm_arenas=len(self.segments), shm_writes=self.shm_writes, shm_reads=self.shm_reads
+            shm_arenas=len(self.segments),
+            shm_attached_bytes=self.segments.nbytes,
+            shm_writes=self.shm_writes,
+            shm_reads=self.shm_reads,
         )
         return stats
 
+    async def stats(self, msg: m.UnitStats, caller: Caller) -> dict[str, Any]:
+        stats = self._unit_stats(await self.link.stats())
+        stats.update(
+            requests=self.rpc.counters.snapshot(),
+            memory=process_memory(self.segments.directory),
+            metrics_address=self.metrics_address,
+        )
+        return stats
+
+    async def metrics_snapshot(self) -> dict[str, Any]:
+        """What a scrape exposes (on the loop; the unit's stats under its link's lock: its
+        copies run on worker threads)."""
+        return {
+            "server": "unit",
+            "requests": self.rpc.counters.snapshot(),
+            "memory": process_memory(self.segments.directory),
+            "unit": self._unit_stats(await self.link.stats()),
+        }
+
     async def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
         for task in self._background:
             task.cancel()
         for task in self._background:
@@ -250,9 +290,16 @@ class ControllerServer:
         grant_key: bytes | None = None,
         liveness: Liveness = DEFAULT_LIVENESS,
         allocation_s: float = ALLOCATION_S,
+        metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
     ) -> None:
+        """``metrics_port``: serve Prometheus metrics there once started (0: any free port;
+        None: no endpoint; see :mod:`transferqueue.metrics`), on ``metrics_host``."""
         if not unit_addresses:
             raise ValueError("a controller needs at least one storage unit address")
+        self._metrics_port = check_metrics_port(metrics_port)
+        self._metrics_host = metrics_host
+        self.metrics: MetricsEndpoint | None = None
         self.unit_addresses = list(unit_addresses)
         grants = Grants(grant_key_for(keys, grant_key))
         self._ctx = ctx
@@ -306,7 +353,43 @@ class ControllerServer:
         self.rpc.start()
         for u in self._units:
             u.start_watch()
+        if self._metrics_port is not None:
+            self.metrics = MetricsEndpoint(
+                self.metrics_snapshot, self._metrics_port, self._metrics_host
+            )
         self._started = True
+
+    @property
+    def metrics_address(self) -> str | None:
+        """The URL of the controller's Prometheus endpoint (None: off)."""
+        return None if self.metrics is None else self.metrics.url
+
+    async def metrics_snapshot(self) -> dict[str, Any]:
+        """What a scrape exposes (on the loop)."""
+        return {
+            "server": "controller",
+            "requests": self.rpc.counters.snapshot(),
+            "memory": process_memory(SHM_DIR),
+            "controller": self.service.controller.stats(),
+        }
+
+    def stats(self, msg: m.Stats, caller: Caller) -> dict[str, Any] | Awaitable[dict[str, Any]]:
+        """The core's stats, with this server's request counters, memory and metrics URL."""
+        stats = self.service.stats(msg, caller)
+        if isinstance(stats, dict):
+            return self._server_stats(stats)
+        return self._server_stats_later(stats)
+
+    async def _server_stats_later(self, stats: Awaitable[dict[str, Any]]) -> dict[str, Any]:
+        return self._server_stats(await stats)
+
+    def _server_stats(self, stats: dict[str, Any]) -> dict[str, Any]:
+        stats.update(
+            requests=self.rpc.counters.snapshot(),
+            memory=process_memory(SHM_DIR),
+            metrics_address=self.metrics_address,
+        )
+        return stats
 
     def _free_rows(self, unit_id: int, indexes: np.ndarray) -> Awaitable[None]:
         if not self.service.controller.placement.alive[unit_id]:
@@ -388,6 +471,8 @@ class ControllerServer:
         )
 
     async def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
         await self.rpc.close()
         await self.service.close()
         for u in self._units:

@@ -5,9 +5,11 @@
 
 A unit restarted by its supervisor gets ``--controller ADDR`` and registers there.
 
-It prints ``READY <bound address>`` once serving, stops on SIGTERM/SIGINT, and stops on its
-own when its parent process is gone. Keys come from ``--keys DIR`` (or the environment), the
-grant key shared with the other servers from the environment (see :mod:`transferqueue.auth`).
+It prints ``READY <bound address>`` once serving (with ``--metrics-port``, which serves
+Prometheus metrics, see :mod:`transferqueue.metrics`: ``READY <address> <metrics url>``),
+stops on SIGTERM/SIGINT, and stops on its own when its parent process is gone. Keys come
+from ``--keys DIR`` (or the environment), the grant key shared with the other servers from
+the environment (see :mod:`transferqueue.auth`).
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ async def _serve_until_stopped(server: Any, parent: int) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    print(READY + server.address, flush=True)
+    # (one line: the parent reads it with select, which sees no second buffered line)
+    metrics = "" if server.metrics_address is None else " " + server.metrics_address
+    print(READY + server.address + metrics, flush=True)
     while not stop.is_set():
         await wait_event(stop, _PARENT_POLL_S)
         if os.getppid() != parent:  # orphaned: whoever started us is gone
@@ -54,6 +58,7 @@ async def _run_unit(
     parent: int,
     keys: ServerKeys | None,
     controller: str | None,
+    metrics: dict[str, Any],
 ) -> None:
     ctx = zmq.asyncio.Context()
     server = UnitServer(
@@ -64,6 +69,7 @@ async def _run_unit(
         keys=keys,
         grant_key=grant_key_from_env(),
         controller=controller,
+        **metrics,
     )
     server.start()
     await _serve_until_stopped(server, parent)
@@ -80,9 +86,10 @@ async def _run_controller(
     keys: ServerKeys | None,
     liveness: Liveness,
     allocation_s: float,
+    metrics: dict[str, Any],
 ) -> None:
     ctx = zmq.asyncio.Context()
-    extra = {} if spread_bytes is None else {"spread_bytes": spread_bytes}
+    extra: dict[str, Any] = {} if spread_bytes is None else {"spread_bytes": spread_bytes}
     server = ControllerServer(
         ctx,
         units,
@@ -93,6 +100,7 @@ async def _run_controller(
         grant_key=grant_key_from_env(),
         liveness=liveness,
         allocation_s=allocation_s,
+        **metrics,
         **extra,
     )
     await server.start()
@@ -116,11 +124,16 @@ def _child_main(argv: list[str]) -> None:
     ap.add_argument("--heartbeat-s", type=float, default=DEFAULT_LIVENESS.heartbeat_s)
     ap.add_argument("--dead-after-s", type=float, default=DEFAULT_LIVENESS.dead_after_s)
     ap.add_argument("--allocation-s", type=float, default=ALLOCATION_S)
+    ap.add_argument("--metrics-port", type=int, default=None)
+    ap.add_argument("--metrics-host", default="127.0.0.1")
     a = ap.parse_args(argv)
+    metrics = {"metrics_port": a.metrics_port, "metrics_host": a.metrics_host}
     keep_freed_memory()  # reuse freed payload buffers instead of faulting in fresh pages
     keys = server_keys(a.keys)
     if a.role == "unit":
-        asyncio.run(_run_unit(a.unit_id, a.address, a.capacity, a.parent, keys, a.controller))
+        asyncio.run(
+            _run_unit(a.unit_id, a.address, a.capacity, a.parent, keys, a.controller, metrics)
+        )
     else:
         asyncio.run(
             _run_controller(
@@ -133,6 +146,7 @@ def _child_main(argv: list[str]) -> None:
                 keys,
                 Liveness(heartbeat_s=a.heartbeat_s, dead_after_s=a.dead_after_s),
                 a.allocation_s,
+                metrics,
             )
         )
 

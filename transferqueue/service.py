@@ -37,6 +37,7 @@ from transferqueue.errors import PeerGoneError
 from transferqueue.grants import new_grant_key
 from transferqueue.health import ALLOCATION_S
 from transferqueue.liveness import DEFAULT_LIVENESS, Liveness
+from transferqueue.metrics import check_metrics_port
 
 __all__ = ["READY", "LocalService", "serve"]
 
@@ -46,7 +47,8 @@ MAX_RESTARTS = 5
 """Default restarts of each storage unit process over a service's life."""
 _SUPERVISE_S = 0.2  # how often the supervisor looks at its processes
 
-READY = "TRANSFERQUEUE-READY "  # a server process prints this, then its bound address
+# A server process prints this, then its bound address (and its metrics URL, if any).
+READY = "TRANSFERQUEUE-READY "
 
 
 def _advertised(address: str, host: str | None) -> str:
@@ -68,6 +70,11 @@ class LocalService:
     ``liveness``: heartbeats of the controller to its units (a dead unit's rows are lost
     within ``liveness.bound_s``); ``allocation_s``: the deadline of a put's allocation (rows
     not committed by then are reclaimed); ``max_restarts``: restarts of each unit process.
+    ``metrics_port``: Prometheus endpoints (:mod:`transferqueue.metrics`; None: none): 0 puts
+    each server on a free port, a port P the controller on P and unit i on P+1+i; they listen
+    on ``metrics_host`` (default loopback). Their URLs: ``metrics_address`` (controller) and
+    ``unit_metrics_addresses``, also in ``stats()`` (a restarted unit's on a free port may
+    have moved: stats says where).
     """
 
     def __init__(
@@ -87,7 +94,10 @@ class LocalService:
         liveness: Liveness = DEFAULT_LIVENESS,
         allocation_s: float = ALLOCATION_S,
         max_restarts: int = MAX_RESTARTS,
+        metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
     ) -> None:
+        check_metrics_port(metrics_port)
         if not isinstance(max_restarts, int) or max_restarts < 0:
             raise ValueError(f"max_restarts must be an integer >= 0, got {max_restarts!r}")
         self._max_restarts = max_restarts
@@ -108,15 +118,22 @@ class LocalService:
         self._finalizer = weakref.finalize(
             self, _stop, self._procs, self._rundir, self._stopping, self._threads
         )
+        self.metrics_address: str | None = None
+        self.unit_metrics_addresses: list[str | None] = []
         try:
             unit_args = []
             for i in range(num_units):
                 args = ["unit", "--unit-id", str(i)]
                 if unit_capacity_bytes is not None:
                     args += ["--capacity", str(unit_capacity_bytes)]
+                if metrics_port is not None:
+                    port_i = 0 if metrics_port == 0 else metrics_port + 1 + i
+                    args += ["--metrics-port", str(port_i), "--metrics-host", metrics_host]
                 unit_args.append(args)
                 self._spawn([*args, "--address", self._bind(transport, host, 0, i)])
-            bound = [self._wait(p, start_timeout_s) for p in self._procs]
+            started = [self._wait_ready(p, start_timeout_s) for p in self._procs]
+            bound = [address for address, _ in started]
+            self.unit_metrics_addresses = [url for _, url in started]
             units = [_advertised(a, public) for a in bound]
             args = ["controller", "--units", ",".join(units)]
             args += ["--heartbeat-s", str(liveness.heartbeat_s)]
@@ -129,8 +146,11 @@ class LocalService:
                 args += ["--spread-bytes", str(spread_bytes)]
             if max_lease_s is not None:
                 args += ["--max-lease-s", str(max_lease_s)]
+            if metrics_port is not None:
+                args += ["--metrics-port", str(metrics_port), "--metrics-host", metrics_host]
             ctl = self._spawn(args)
-            self.address = _advertised(self._wait(ctl, start_timeout_s), public)
+            ctl_address, self.metrics_address = self._wait_ready(ctl, start_timeout_s)
+            self.address = _advertised(ctl_address, public)
             self.unit_addresses = units
             self.restarts = [0] * num_units  # restarts of each unit process so far
             # (the thread holds no reference to self: the finalizer runs when self goes)
@@ -174,6 +194,11 @@ class LocalService:
 
     @staticmethod
     def _wait(proc: subprocess.Popen[str], timeout_s: float) -> str:
+        return LocalService._wait_ready(proc, timeout_s)[0]
+
+    @staticmethod
+    def _wait_ready(proc: subprocess.Popen[str], timeout_s: float) -> tuple[str, str | None]:
+        """The server's bound address and its metrics URL (None: no endpoint), once ready."""
         assert proc.stdout is not None
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -181,7 +206,8 @@ class LocalService:
             if ready:
                 line = proc.stdout.readline()
                 if line.startswith(READY):
-                    return line[len(READY) :].strip()
+                    address, *metrics = line[len(READY) :].split()
+                    return address, (metrics[0] if metrics else None)
                 if not line and proc.poll() is not None:
                     break
         if proc.poll() is not None:

@@ -283,6 +283,11 @@ class Segments:
             self._pids.pop(old_token, None)
         return size
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the arenas attached (mapped by this unit)."""
+        return sum(int(buf.nbytes) for _, buf in self._by_token.values())
+
     def drop_dead(self) -> int:
         """Drop the arenas of clients whose process is gone (they will never detach them);
         their memory is unmapped once no row holds a view of it. Returns how many."""
