@@ -260,7 +260,8 @@ class Workflow:
             jobs[loop.create_task(evaluator.collect())] = "eval"
         for name, job in dep.jobs().items():
             jobs[loop.create_task(job())] = name
-        jobs[loop.create_task(_watch_lost_rows(client, PARTITION))] = "transferqueue"
+        watch = loop.create_task(_watch_lost_rows(client, PARTITION))
+        jobs[watch] = "transferqueue"
         finished = loop.create_task(recording())
         try:
             pending_tasks: set[asyncio.Task[Any]] = {*jobs, finished}
@@ -276,7 +277,7 @@ class Workflow:
                         if isinstance(exc, StageError):
                             raise exc
                         raise StageError(jobs.get(t, "driver"), exc) from exc
-                if not finished.done() and not (pending_tasks - {finished}):
+                if not finished.done() and not (pending_tasks - {finished, watch}):  # never ends
                     raise RuntimeError("every stage ended before the last train step")
         finally:
             for t in [*jobs, finished]:
