@@ -100,6 +100,11 @@ def _by_unit(units: np.ndarray) -> dict[int, np.ndarray]:
     return {int(u): np.flatnonzero(units == u) for u in np.unique(units).tolist()}
 
 
+def _unit_ids(units: np.ndarray) -> list[int]:
+    """The distinct units of a batch's rows."""
+    return [int(u) for u in np.unique(units).tolist()]
+
+
 class AsyncClient(StatusCalls):
     """Async TransferQueue client. Get one from ``tq.async_client()``. Status queries,
     consumption resets and custom metadata: :mod:`transferqueue.status_client`."""
@@ -210,7 +215,7 @@ class AsyncClient(StatusCalls):
                     *(u.free(new.indexes, grants.get(u.unit_id)) for u in self._units.values()),
                     return_exceptions=True,
                 )
-                lost = await self._lost(new.indexes, e)
+                lost = await self._lost(new.indexes, e, _unit_ids(new.units))
                 await self._ctl.call(m.Discard(indexes=new.indexes))
                 if lost is not None:
                     raise RowsLostError(
@@ -227,7 +232,18 @@ class AsyncClient(StatusCalls):
         if lease is not None:
             msg = m.Renew(lease_id=lease, lease_s=_lease(lease_s), indexes=meta.indexes)
             await self._ctl.call(msg)
-        await self._write_units(meta, cols, col_specs, create=False)
+        try:
+            await self._write_units(meta, cols, col_specs, create=False)
+        except (PeerGoneError, UnknownRowError) as e:
+            lost = await self._lost(meta.indexes, e, _unit_ids(meta.units))
+            if lost is None:
+                raise
+            raise RowsLostError(
+                f"rows {lost[:5].tolist()} ({lost.size} of the batch's {len(meta)}) were lost "
+                "with a storage unit that died; they left every task's queue and lease. "
+                "Put the others: meta.select(positions)",
+                lost,
+            ) from e
         await self._ctl.call(
             m.Commit(
                 indexes=meta.indexes,
@@ -405,7 +421,7 @@ class AsyncClient(StatusCalls):
         try:
             return await self._get_data(meta, fields)
         except (PeerGoneError, UnknownRowError) as e:
-            lost = await self._lost(meta.indexes, e)
+            lost = await self._lost(meta.indexes, e, _unit_ids(meta.units))
             if lost is None:
                 raise
             raise RowsLostError(
@@ -416,16 +432,18 @@ class AsyncClient(StatusCalls):
                 lost,
             ) from e
 
-    async def _lost(self, indexes: np.ndarray, error: BaseException) -> np.ndarray | None:
+    async def _lost(
+        self, indexes: np.ndarray, error: BaseException, units: list[int]
+    ) -> np.ndarray | None:
         """The rows of ``indexes`` lost with a unit, when ``error`` (of a unit) may be due to
-        that; None when none is (then ``error`` stands)."""
+        that; None when none is (then ``error`` stands). ``units``: those the read used."""
         if not isinstance(error, PeerGoneError | UnknownRowError):
             return None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (_LOST_WAIT_S if isinstance(error, PeerGoneError) else 0.0)
         while True:
             try:
-                lost: np.ndarray = await self._ctl.call(m.Lost(indexes=indexes))
+                lost: np.ndarray = await self._ctl.call(m.Lost(indexes=indexes, units=units))
             except Exception:  # the controller is gone too: the unit's error stands
                 return None
             if lost.size:

@@ -324,10 +324,13 @@ class RegisterUnit(ControllerRequest[None]):
 
 class Lost(ControllerRequest[np.ndarray]):
     """Which of these rows were lost with a storage unit that died (a reader whose read
-    failed asks)."""
+    failed asks). ``units``: the units whose read failed; the controller asks each for its
+    incarnation first, so that a unit restarted faster than its heartbeat missed a beat is
+    known as restarted (its rows lost) before the answer."""
 
     kind = "lost"
     indexes: Rows
+    units: Annotated[list[Annotated[int, Meta(ge=0, le=4095)]], Meta(max_length=4096)] = []
 
 
 class RegisterFields(ControllerRequest[dict[str, FieldSpec]]):

@@ -428,6 +428,23 @@ class ControllerServer:
         if not task.cancelled() and task.exception() is not None:
             log.warning("storage unit %d did not come back: %r", unit, task.exception())
 
+    async def lost(self, msg: m.Lost, caller: Caller) -> np.ndarray:
+        """Which rows were lost, once the units of the failed read said who they are: a
+        unit that restarted between two heartbeats answers a read of its old rows with
+        UnknownRowError, which without this check would pass for a reader's mistake."""
+        units = [u for u in set(msg.units) if u < len(self._units)]
+        await asyncio.gather(*(self._check_incarnation(u) for u in units))
+        return self.service.lost(msg, caller)
+
+    async def _check_incarnation(self, unit: int) -> None:
+        if not self.service.controller.placement.alive[unit] or unit in self._reviving:
+            return  # (already lost)
+        try:
+            answer = await self._units[unit].call(m.UnitPing(), wait_s=_VERIFY_S)
+        except TQError:
+            return  # (silent: the heartbeat declares it lost within its bound)
+        self._heard(unit, answer)
+
     async def register_unit(self, msg: m.RegisterUnit, caller: Caller) -> None:
         """A restarted unit: where it listens now, and its incarnation."""
         unit = msg.unit_id

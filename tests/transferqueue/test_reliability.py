@@ -239,6 +239,44 @@ def _bound(sock: socket.socket, host: str, port: int) -> bool:
     return True
 
 
+def test_a_unit_back_before_any_heartbeat_missed_it_still_reports_its_rows_lost() -> None:
+    # A unit restarted between two heartbeats, not registered yet: reads and writes of its
+    # old rows meet an empty unit. They must fail as lost rows (the controller asks the
+    # unit who it is), not as UnknownRowError, which reads as the caller's mistake.
+    slow = Liveness(heartbeat_s=60.0, dead_after_s=120.0)  # no heartbeat within the test
+    with (
+        transferqueue.serve(num_units=2, spread_bytes=0, max_restarts=0, liveness=slow) as svc,
+        transferqueue.connect(svc.address) as tq,
+    ):
+        c = tq.client()
+        meta = _put_over_both(c, 0)
+        on1 = meta.indexes[meta.units == 1]
+        held = c.get_meta("t", ["x"], 1000, lease_s=600)
+        os.kill(svc.pids[1], signal.SIGKILL)
+        _until(lambda: svc._procs[1].poll() is not None, SLACK_S, "killed")
+        # the same unit on the same address, as a supervisor starts it, less the
+        # registration that would tell the controller at once
+        args = ["unit", "--unit-id", "1", "--address", svc.unit_addresses[1]]
+        cmd = svc._spawn_args(args)
+        twin = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=svc._env)
+        try:
+            transferqueue.LocalService._wait(twin, SLACK_S + 30)
+            assert _ctl(c)["units_alive"] == [True, True]  # nobody noticed
+            with pytest.raises(RowsLostError, match="lost") as err:  # a write ...
+                c.put({"y": torch.zeros(1000, 1)}, meta=held)
+            assert sorted(np.asarray(err.value.indexes).tolist()) == on1.tolist()
+            assert _ctl(c)["rows_lost"] == on1.size
+            with pytest.raises(RowsLostError, match="lost") as err:  # ... and a read
+                c.get_data(held)
+            assert sorted(np.asarray(err.value.indexes).tolist()) == on1.tolist()
+            c.ack(held)
+            task = _ctl(c)["partitions"]["default"]["tasks"]["t"]
+            assert (task["done"], task["lost"]) == (500, 500)
+        finally:
+            twin.kill()
+            twin.wait(10)
+
+
 def test_with_a_unit_dead_the_other_keeps_serving_and_blocked_calls_fail_fast() -> None:
     with (
         transferqueue.serve(num_units=2, spread_bytes=0, max_restarts=0) as svc,
