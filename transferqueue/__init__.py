@@ -37,6 +37,7 @@ from transferqueue.liveness import Liveness
 from transferqueue.meta import BatchMeta
 from transferqueue.ragged import Ragged
 from transferqueue.remote import connect
+from transferqueue.retire import LostRows, Retired
 from transferqueue.samplers import Sampler, register_sampler
 from transferqueue.schema import FieldSpec
 from transferqueue.service import LocalService, serve
@@ -56,10 +57,12 @@ __all__ = [
     "LeaseExpiredError",
     "Liveness",
     "LocalService",
+    "LostRows",
     "PartitionStatus",
     "PeerGoneError",
     "ProtocolError",
     "Ragged",
+    "Retired",
     "RowsLostError",
     "Sampler",
     "SchemaError",

@@ -39,6 +39,7 @@ from transferqueue.leases import Lease, LeaseTable
 from transferqueue.limits import MAX_FIELDS, MAX_LEASE_S, MAX_ROWS, MAX_TASKS
 from transferqueue.meta import BatchMeta
 from transferqueue.placement import SPREAD_BYTES, Placement
+from transferqueue.retire import Retirement
 from transferqueue.samplers import get_sampler
 from transferqueue.schema import FieldSpec
 from transferqueue.slots import ExtentAllocator, SlotMap
@@ -58,9 +59,10 @@ from transferqueue.status import RowStatus
 __all__ = ["SPREAD_BYTES", "Changes", "Controller"]
 
 
-class Controller(UnitHealth, RowStatus):
+class Controller(UnitHealth, Retirement, RowStatus):
     """Row metadata, readiness, per-task queues and leases. Not thread-safe by design.
     What happens when a unit or a producer dies, and ``stats``: :mod:`transferqueue.health`;
+    loss logs per task and retiring groups to put them again: :mod:`transferqueue.retire`;
     status queries, consumption resets and custom metadata: :mod:`transferqueue.status`.
     """
 
@@ -101,6 +103,7 @@ class Controller(UnitHealth, RowStatus):
             )
         self.allocation_s = float(allocation_s)
         self._init_health()
+        self._init_retirement()
         self._init_status()
 
     # -- schema ------------------------------------------------------------------------------

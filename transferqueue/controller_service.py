@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -38,9 +38,12 @@ from transferqueue.leases import TaskKey
 from transferqueue.liveness import new_incarnation
 from transferqueue.messages import Caller
 from transferqueue.meta import BatchMeta
+from transferqueue.retire import LostRows, Retired
 from transferqueue.schema import FieldSpec
 from transferqueue.status import PartitionStatus
 from transferqueue.wire import PROTOCOL_VERSION
+
+T = TypeVar("T")
 
 __all__ = ["ControllerService", "FreeRows"]
 
@@ -334,6 +337,17 @@ class ControllerService:
     def status(self, msg: m.Status, caller: Caller) -> PartitionStatus:
         return self.controller.status(msg.partition, msg.fields, msg.task)
 
+    def lost_rows(self, msg: m.GetLostRows, caller: Caller) -> LostRows:
+        return self.controller.lost_rows(msg.partition, msg.task, msg.after, msg.limit)
+
+    def retire_groups(self, msg: m.RetireGroups, caller: Caller) -> Retired | Awaitable[Retired]:
+        """Retire the groups; replies once their payload is freed on the units."""
+        retired, changes = self.controller.retire_groups(
+            msg.partition, msg.groups, msg.unless_leased_by
+        )
+        frees = self._apply(changes)
+        return _then(frees, retired) if frees else retired
+
     def reset_consumption(self, msg: m.ResetConsumption, caller: Caller) -> int:
         rows, changes = self.controller.reset_consumption(msg.partition, msg.task)
         self._apply(changes)
@@ -368,6 +382,11 @@ class ControllerService:
                 fut.set_exception(gone)
         self._waiters.clear()
         self._space_waiters.clear()
+
+
+async def _then(tasks: list[asyncio.Future[None]], value: T) -> T:
+    await asyncio.gather(*tasks)
+    return value
 
 
 def _after(tasks: list[asyncio.Future[None]]) -> Awaitable[None] | None:

@@ -64,6 +64,8 @@ class UnitHealth:
     _rows_live: int
     _custom: dict[int, bytes]  # (custom metadata by row, see transferqueue.status)
     _custom_bytes: int
+    rows_retired: int  # (transferqueue.retire's)
+    _lost_for_task: Callable[[Any, np.ndarray], None]  # (transferqueue.retire's)
 
     def _init_health(self) -> None:
         self._gone: deque[np.ndarray] = deque()  # lost and reclaimed indexes, oldest first
@@ -109,8 +111,9 @@ class UnitHealth:
         lost = self.lost(indexes)
         if lost.size:
             return RowsLostError(
-                f"rows {lost[:5].tolist()} were lost: the storage unit holding them died, or "
-                "their put did not commit them before its allocation's deadline "
+                f"rows {lost[:5].tolist()} were lost: the storage unit holding them died, "
+                "their group was retired to be put again, or their put did not commit them "
+                "before its allocation's deadline "
                 f"(allocation_s={self.allocation_s:g}); put them again",
                 lost,
             )
@@ -140,6 +143,7 @@ class UnitHealth:
             for task in part.tasks.values():
                 state = task.state[mine]
                 task.lost += int((state != DONE).sum())
+                self._lost_for_task(task, mine)  # (before the leases drop them)
                 self._drop_leased(task.lease[mine[state == LEASED]])
                 task.leased -= int((state == LEASED).sum())
                 if (state == QUEUED).any():
@@ -161,7 +165,9 @@ class UnitHealth:
         return changes
 
     def _drop_leased(self, lease_ids: np.ndarray) -> None:
-        """Lost rows leave the leases holding them; a lease left empty closes."""
+        """Lost rows leave the leases holding them; a lease left empty closes, unless it
+        must learn whether its holder consumed them (see transferqueue.retire): then it stays
+        open until acknowledged, released or expired."""
         if lease_ids.size == 0:
             return
         ids, counts = np.unique(lease_ids, return_counts=True)
@@ -169,7 +175,7 @@ class UnitHealth:
             lease = self.leases.active(lid)
             if lease is not None:
                 lease.remaining -= count
-                if lease.remaining <= 0:
+                if lease.remaining <= 0 and not lease.lost:
                     self.leases.close(lease, "lost")
 
     def unit_back(self, unit: int) -> None:
@@ -229,13 +235,15 @@ class UnitHealth:
                     "done": t.done,
                     "dropped": t.dropped,
                     "lost": t.lost,
-                    "waiting": part.rows_put - t.done - t.leased - queued - t.lost,
+                    "retired": t.retired,
+                    "waiting": part.rows_put - t.done - t.leased - queued - t.lost - t.retired,
                 }
             parts[part.name] = {
                 "rows_put": part.rows_put,
                 "rows_live": part.rows_live,
                 "rows_freed": part.rows_freed,
                 "rows_lost": part.rows_lost,
+                "rows_retired": part.rows_retired,
                 "finished": part.finished,
                 "declared_tasks": part.declared,
                 "tasks": tasks,
@@ -251,6 +259,7 @@ class UnitHealth:
             "units_lost": self.units_lost,
             "rows_lost": self.rows_lost,
             "rows_reclaimed": self.rows_reclaimed,
+            "rows_retired": self.rows_retired,
             "custom_meta_rows": len(self._custom),
             "custom_meta_bytes": self._custom_bytes,
             "allocation_s": self.allocation_s,

@@ -17,7 +17,7 @@ import heapq
 import secrets
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -39,6 +39,9 @@ class Lease:
     deadline: float
     remaining: int
     owner: str | None = None  # the key of the client that took it (None: no keys in use)
+    # rows lost with a unit while leased, (indexes, groups): consumed if the lease is acked,
+    # else logged as lost for its task when it ends (see transferqueue.retire)
+    lost: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
 
 
 class LeaseTable:
@@ -51,6 +54,8 @@ class LeaseTable:
         self._heap: list[tuple[float, int]] = []
         self._closed: OrderedDict[int, str] = OrderedDict()
         self.expired = 0  # leases whose deadline passed before their rows were acknowledged
+        # called with (lease, why) as each lease closes (the controller's loss log)
+        self.on_close: Callable[[Lease, str], None] | None = None
 
     def __len__(self) -> int:
         return len(self._active)
@@ -124,6 +129,8 @@ class LeaseTable:
     def close(self, lease: Lease, why: str) -> None:
         self._active.pop(lease.lease_id, None)
         self._closed[lease.lease_id] = why
+        if self.on_close is not None:
+            self.on_close(lease, why)
         while len(self._closed) > _CLOSED_MEMORY:
             self._closed.popitem(last=False)
 

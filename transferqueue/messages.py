@@ -18,7 +18,8 @@ column values) are :class:`Check` objects in the field's ``Annotated`` metadata,
 |------------|--------------------------------------------------------------------------------|
 | controller | hello, ping, register_unit**, lost, register_fields, get_specs, allocate,      |
 |            | discard, commit, get_meta, ack, release, renew, declare_tasks, finish, clear*, |
-|            | stats, reset*, status, reset_consumption, set_custom_meta, get_custom_meta     |
+|            | stats, reset*, status, reset_consumption, set_custom_meta, get_custom_meta,    |
+|            | lost_rows, retire_groups                                                       |
 | unit       | write, read, free, ping, clear*, stats, reset*, shm_attach, shm_detach         |
 
 ``*``: needs an admin key when the service has one (see :mod:`transferqueue.auth`);
@@ -53,6 +54,7 @@ from transferqueue.limits import (
 )
 from transferqueue.meta import BatchMeta
 from transferqueue.ragged import Ragged
+from transferqueue.retire import LostRows, Retired
 from transferqueue.schema import FieldSpec
 from transferqueue.status import PartitionStatus
 
@@ -492,6 +494,27 @@ class GetCustomMeta(ControllerRequest[list[bytes]]):
 
     kind = "get_custom_meta"
     indexes: Rows
+
+
+class GetLostRows(ControllerRequest[LostRows]):
+    """Rows of the partition lost before ``task`` consumed them, logged after cursor
+    ``after``, with their group ids (see :mod:`transferqueue.retire`)."""
+
+    kind = "lost_rows"
+    partition: Name
+    task: Name
+    after: Annotated[int, Meta(ge=0, le=2**62)] = 0
+    limit: Annotated[int, Meta(ge=1, le=MAX_ROWS)] = 1 << 16
+
+
+class RetireGroups(ControllerRequest[Retired]):
+    """Free every live row of these groups before putting them again; groups a row of
+    which ``unless_leased_by`` holds leased are left alone and named busy."""
+
+    kind = "retire_groups"
+    partition: Name
+    groups: Rows
+    unless_leased_by: Name | None = None
 
 
 # -- storage unit --------------------------------------------------------------------------------

@@ -73,6 +73,7 @@ class TaskState:
         self.done = 0
         self.dropped = 0
         self.lost = 0  # rows lost with a dead unit before this task consumed them
+        self.retired = 0  # rows retired (transferqueue.retire) before this task consumed them
 
     def grown(self, capacity: int) -> tuple[np.ndarray, np.ndarray]:
         """``state`` and ``lease`` grown to ``capacity`` (new arrays; the caller swaps them
@@ -93,6 +94,7 @@ class PartitionState:
         self.rows_live = 0
         self.rows_freed = 0
         self.rows_lost = 0
+        self.rows_retired = 0
         self.finished = False
 
 

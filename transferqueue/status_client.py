@@ -1,5 +1,6 @@
 """The client calls of :mod:`transferqueue.status`: status queries, consumption resets and
-custom metadata. A mixin of :class:`~transferqueue.client.AsyncClient` (the blocking
+custom metadata; and of :mod:`transferqueue.retire`: loss logs and retiring groups. A mixin of
+:class:`~transferqueue.client.AsyncClient` (the blocking
 ``Client`` derives the same methods from it); each sends one controller message kind and
 works unchanged over every deployment.
 """
@@ -17,6 +18,7 @@ from transferqueue.errors import BadRequestError
 from transferqueue.links import ControllerLink
 from transferqueue.loop import LoopThread
 from transferqueue.meta import BatchMeta
+from transferqueue.retire import LostRows, Retired
 from transferqueue.status import PartitionStatus
 
 __all__ = ["StatusCalls"]
@@ -38,7 +40,8 @@ def _indexes(rows: Indexes) -> np.ndarray:
 
 
 class StatusCalls:
-    """``status``, ``reset_consumption``, ``set_custom_meta``, ``get_custom_meta``."""
+    """``status``, ``reset_consumption``, ``set_custom_meta``, ``get_custom_meta``,
+    ``lost_rows``, ``retire_groups``."""
 
     # (the AsyncClient's links this mixin sends through)
     _io: LoopThread
@@ -96,3 +99,28 @@ class StatusCalls:
         msg = m.GetCustomMeta(indexes=_indexes(indexes))
         raw = await self._io.run_async(self._ctl.call(msg))
         return [msgspec.msgpack.decode(r) for r in raw]
+
+    async def lost_rows(self, task: str, partition: str = "default", after: int = 0) -> LostRows:
+        """Rows of ``partition`` lost with a dead storage unit before ``task`` consumed them,
+        with their group ids, logged after cursor ``after`` (0: from the start); pass the
+        reply's ``next`` next time. A row the task held leased counts only if the lease ended
+        unacknowledged: an acked batch was consumed. ``missed`` > 0: rows the log no longer
+        holds (the reader fell more than ``LOSS_LOG_ROWS`` behind). See
+        :mod:`transferqueue.retire`."""
+        msg = m.GetLostRows(partition=partition, task=task, after=after)
+        return await self._io.run_async(self._ctl.call(msg))
+
+    async def retire_groups(
+        self,
+        groups: Sequence[int] | np.ndarray,
+        partition: str = "default",
+        *,
+        unless_leased_by: str | None = None,
+    ) -> Retired:
+        """Free every live row of ``groups`` (in every task's queue and lease) so that they
+        can be put again whole; late writes to them raise ``RowsLostError``. Groups a row of
+        which task ``unless_leased_by`` holds leased are left alone and returned in ``busy``
+        (ask again once that lease ends). See :mod:`transferqueue.retire`."""
+        arr = np.asarray(groups, dtype=np.int64).reshape(-1)
+        msg = m.RetireGroups(partition=partition, groups=arr, unless_leased_by=unless_leased_by)
+        return await self._io.run_async(self._ctl.call(msg))

@@ -74,6 +74,10 @@ EXAMPLES: dict[tuple[str, str], m.Request[Any]] = {
         indexes=np.array([10**9]), metas=[m.encode_meta({"k": [1, "v"]}, "fuzz")]
     ),
     ("controller", "get_custom_meta"): m.GetCustomMeta(indexes=np.array([10**9])),
+    ("controller", "lost_rows"): m.GetLostRows(partition="fuzz", task="ft", after=0),
+    ("controller", "retire_groups"): m.RetireGroups(
+        partition="fuzz", groups=np.array([10**9]), unless_leased_by="ft"
+    ),
     ("unit", "write"): m.Write(
         indexes=np.array([2**27]),
         columns={"fz": torch.zeros(1, 300), "o": ["a"]},
