@@ -20,6 +20,11 @@ predicted response length: what length-aware samplers and routers order and spli
 
 A resumed run (``asyncflow.checkpoint``) starts the feeder at ``start``, the first group no
 step trained before the checkpoint, with the admission log of the groups before it.
+
+Groups whose rows a dead TransferQueue storage unit took are put again by :meth:`readmit`
+(same group id, same ``min_gen_version``: generated afresh under the same staleness rule; the
+driver retires the old group's survivors first, see ``asyncflow.workflow``). So the partition
+is never finished while the run lasts: a group may need putting again until its step trained.
 """
 
 from __future__ import annotations
@@ -34,9 +39,12 @@ from transformers import PreTrainedTokenizerBase
 
 from engines.hf.text import encode_prompts
 from engines.tasks import Task
-from transferqueue import AsyncClient
+from transferqueue import AsyncClient, RowsLostError
 
 __all__ = ["AdmissionState", "PromptFeeder"]
+
+PUT_TRIES = 5  # puts of a group tried while storage units die under them
+PUT_RETRY_S = 1.0
 
 Predictor = Callable[[Sequence[torch.Tensor]], Awaitable[np.ndarray]]
 """Predicted response length per prompt (the rollout's length ranker, wherever it runs)."""
@@ -87,6 +95,7 @@ class PromptFeeder:
         self.admitted = start
         # (group, generator version at admission)
         self.admission_log: list[tuple[int, int]] = list(admission_log or [])
+        self.readmitted: list[int] = []  # groups put again, in order
 
     def limit(self, v_gen: int) -> int:
         """Groups that may have been admitted by now, with ``v_gen`` the newest generator
@@ -104,18 +113,26 @@ class PromptFeeder:
                 await reg.wait_changed(seen, timeout_s=1.0)
                 continue
             count = min(limit - self.admitted, self.max_groups_per_put)
-            await self._put(self.admitted, count)
+            await self._put(range(self.admitted, self.admitted + count))
             # the version admission counted from (a generator may have adopted newer since:
             # the log records what the bound was checked against)
             v = newest
             self.admission_log += [(j, v) for j in range(self.admitted, self.admitted + count)]
             self.admitted += count
             await asyncio.sleep(0)
-        await self.client.finish(self.partition)
 
-    async def _put(self, first: int, count: int) -> None:
+    async def readmit(self, groups: Sequence[int]) -> None:
+        """Put ``groups`` (admitted before, their old rows retired) again, whole."""
+        late = [g for g in groups if not 0 <= g < self.admitted]
+        if late:
+            raise ValueError(f"readmit: groups {late} were never admitted (0..{self.admitted - 1})")
+        for i in range(0, len(groups), self.max_groups_per_put):
+            await self._put(groups[i : i + self.max_groups_per_put])
+        self.readmitted += list(groups)
+
+    async def _put(self, group_ids: Sequence[int]) -> None:
         n = self.group_size
-        items = [self.task.item(j) for j in range(first, first + count)]
+        items = [self.task.item(j) for j in group_ids]
         prompts = await asyncio.to_thread(
             encode_prompts, self.tokenizer, [it.prompt for it in items]
         )
@@ -125,16 +142,23 @@ class PromptFeeder:
             ids += [p.to(torch.int32)] * n
             for k, v in item.row().items():
                 rows.setdefault(k, []).extend([v] * n)
-        groups = np.repeat(np.arange(first, first + count, dtype=np.int64), n)
+        groups = np.repeat(np.asarray(group_ids, dtype=np.int64), n)
         required = groups // self.groups_per_step - self.max_staleness
         expected = np.array([int(p.numel()) for p in prompts], dtype=np.float64)
         if self.predict is not None:
             expected += await self.predict(prompts)
         lengths = np.repeat(expected.round().astype(np.int64), n)
-        await self.client.put(
-            {"prompt_ids": ids, "min_gen_version": torch.from_numpy(required), **rows},
-            group=groups,
-            version=-1,
-            length=lengths,
-            partition=self.partition,
-        )
+        for attempt in range(1, PUT_TRIES + 1):
+            try:
+                await self.client.put(
+                    {"prompt_ids": ids, "min_gen_version": torch.from_numpy(required), **rows},
+                    group=groups,
+                    version=-1,
+                    length=lengths,
+                    partition=self.partition,
+                )
+                return
+            except RowsLostError:  # a unit died mid-put: nothing of it was stored; again
+                if attempt == PUT_TRIES:
+                    raise
+                await asyncio.sleep(PUT_RETRY_S)

@@ -7,6 +7,11 @@ adapter with no output just acknowledges). A worker that fails leaves its lease 
 rows go back to the task when the lease runs out, and the error propagates to the workflow,
 which stops every stage.
 
+A batch that loses rows with a dead TransferQueue storage unit while the worker reads or
+writes it (``RowsLostError``) is not a failure: the worker gives the rest of the batch back to
+the task (``release``: they are handed out again) and goes on. The lost rows are in the task's
+loss log, from which the driver regenerates their groups (``asyncflow.workflow``).
+
 Every batch is recorded on the :class:`Timeline` (busy intervals per worker), so per-stage
 busy/idle time, samples/s and tokens/s come from the same source as the Gantt charts.
 """
@@ -14,16 +19,19 @@ busy/idle time, samples/s and tokens/s come from the same source as the Gantt ch
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections.abc import Mapping
 from typing import Any
 
-from adapters.base import Adapter
+from adapters.base import Adapter, StageOutput
 from asyncflow.metrics import Timeline
-from transferqueue import AsyncClient, PeerGoneError, RowsLostError
+from transferqueue import AsyncClient, BatchMeta, PeerGoneError, RowsLostError
 
 __all__ = ["StageError", "StageRunner"]
+
+log = logging.getLogger(__name__)
 
 
 class StageError(RuntimeError):
@@ -47,9 +55,9 @@ class StageError(RuntimeError):
 
 
 LOST_SERVER_HINT = (
-    "a TransferQueue server died: rows it held are lost and their groups can never be trained "
-    "whole, so the run stops; resume from the last checkpoint (asyncflow run --resume DIR; set "
-    "checkpoint.every_steps)"
+    "a TransferQueue server died and the run could not recover on its own (lost groups are "
+    "regenerated while the controller serves); resume from the last checkpoint (asyncflow run "
+    "--resume DIR; set checkpoint.every_steps)"
 )
 
 
@@ -79,6 +87,7 @@ class StageRunner:
         self.batches = 0
         self.samples = 0
         self.tokens = 0
+        self.lost_batches = 0  # batches given back because rows of them were lost
         self._metrics: dict[str, list[float]] = {}  # name -> [sum weighted by rows, rows]
 
     def drain_metrics(self) -> dict[str, float]:
@@ -115,20 +124,19 @@ class StageRunner:
             )
             if len(meta):
                 t0 = time.perf_counter()
-                fields = None if a.read_fields is None else list(a.read_fields)
-                cols = await self.client.get_data(meta, fields)
-                out = await a.process(meta, cols)
-                _check_outputs(a, out.columns)
-                if out.columns:
-                    await self.client.put(
-                        out.columns,
-                        meta=meta,
-                        version=out.version,
-                        length=out.length,
-                        lease_s=self.lease_s,
+                try:
+                    out = await self._process(meta)
+                except RowsLostError as lost:
+                    self.lost_batches += 1
+                    log.warning(
+                        "%s: rows of a batch of %d were lost with a storage unit (%s); the "
+                        "rest go back to the task",
+                        self.name,
+                        len(meta),
+                        lost,
                     )
-                else:
-                    await self.client.ack(meta)
+                    await self.client.release(meta)
+                    continue
                 t1 = time.perf_counter()
                 if out.spans:
                     *parts, last = out.spans
@@ -152,6 +160,25 @@ class StageRunner:
                 await a.after_batch()
             if meta.is_end:
                 return
+
+    async def _process(self, meta: BatchMeta) -> StageOutput:
+        """Read the batch, run the adapter, write its output (or ack)."""
+        a = self.adapter
+        fields = None if a.read_fields is None else list(a.read_fields)
+        cols = await self.client.get_data(meta, fields)
+        out = await a.process(meta, cols)
+        _check_outputs(a, out.columns)
+        if out.columns:
+            await self.client.put(
+                out.columns,
+                meta=meta,
+                version=out.version,
+                length=out.length,
+                lease_s=self.lease_s,
+            )
+        else:
+            await self.client.ack(meta)
+        return out
 
 
 def _check_outputs(adapter: Adapter, columns: Mapping[str, Any]) -> None:

@@ -13,7 +13,8 @@ business (``asyncflow.deploy``: this process, or Ray actors); this process stays
 single controller either way: it runs the feeder, takes the step reports and writes the
 records. The run ends after ``train.steps`` optimizer steps. If any part fails, every stage is
 stopped, TransferQueue is closed and the error is raised (as :class:`StageError` naming the
-stage).
+stage). Rows a dead TransferQueue storage unit takes are not a failure: their groups are
+regenerated (:func:`_regenerate_lost`) and each is trained once, whole.
 
 Around the steps, the driver also: evaluates the policy on held-out prompts every
 ``eval.every_steps`` steps (``asyncflow.evaluation``), writes each step's record once its
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import yaml
 
@@ -260,7 +262,7 @@ class Workflow:
             jobs[loop.create_task(evaluator.collect())] = "eval"
         for name, job in dep.jobs().items():
             jobs[loop.create_task(job())] = name
-        watch = loop.create_task(_watch_lost_rows(client, PARTITION))
+        watch = loop.create_task(_regenerate_lost(client, feeder, PARTITION))
         jobs[watch] = "transferqueue"
         finished = loop.create_task(recording())
         try:
@@ -296,7 +298,7 @@ class Workflow:
             timeline=timeline,
             output_dir=out_dir,
             wall_s=wall,
-            extra=await dep.summary(),
+            extra={**await dep.summary(), "regenerated_groups": list(feeder.readmitted)},
             policy_dir=policy_dir,
         )
         if cfg.output.plot and writer.records:
@@ -307,18 +309,42 @@ class Workflow:
 LOST_ROWS_POLL_S = 2.0  # how often the driver looks for rows lost with a storage unit
 
 
-async def _watch_lost_rows(client: AsyncClient, partition: str) -> None:
-    """End the run with an error naming the fix once rows of the training partition are lost
-    with a dead TransferQueue storage unit. The groups they belonged to can never be complete,
-    so the train step waiting for them would wait forever (regenerating them is not built
-    yet); a checkpoint holds everything a resumed run needs."""
+async def _regenerate_lost(client: AsyncClient, feeder: PromptFeeder, partition: str) -> None:
+    """Put again every group that lost rows with a dead TransferQueue storage unit before
+    the train stage consumed it (its loss log, see ``transferqueue.retire``): first retire the
+    group's surviving rows (wherever they are in the graph), then admit it afresh under the
+    same id and staleness rule. A group the train stage holds leased right now waits for that
+    lease to end (acked: it was trained; released: it comes back in the log). So every group
+    is trained exactly once and never partially, whatever the unit took."""
+    cursor = 0
+    waiting: set[int] = set()
     while True:
         await asyncio.sleep(LOST_ROWS_POLL_S)
-        stats = await client.stats()
-        part = stats["controller"]["partitions"].get(partition, {})
-        lost = int(part.get("rows_lost", 0))
-        if lost:
-            raise RuntimeError(f"{lost} rows of partition {partition!r} lost; {LOST_SERVER_HINT}")
+        while True:
+            page = await client.lost_rows("train", partition, after=cursor)
+            if page.missed:
+                raise RuntimeError(
+                    f"{page.missed} rows of partition {partition!r} were lost faster than the "
+                    f"driver could regenerate their groups; {LOST_SERVER_HINT}"
+                )
+            if page.indexes.size == 0:
+                break
+            cursor = page.next
+            waiting.update(int(g) for g in np.unique(page.groups).tolist())
+        if not waiting:
+            continue
+        retired = await client.retire_groups(sorted(waiting), partition, unless_leased_by="train")
+        busy = {int(g) for g in retired.busy.tolist()}
+        again = sorted(waiting - busy)
+        if again:
+            log.warning(
+                "groups %s lost rows with a TransferQueue storage unit: %d surviving rows "
+                "retired, the groups put again",
+                again,
+                retired.rows,
+            )
+            await feeder.readmit(again)
+        waiting = busy
 
 
 def _resume_state(cfg: RunConfig) -> tuple[Path, DriverState] | None:

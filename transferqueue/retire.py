@@ -4,12 +4,13 @@ regenerate what a dead storage unit took with it.
 A mixin of :class:`~transferqueue.controller.Controller` (next to :mod:`transferqueue.health`,
 which marks the rows of a dead unit lost):
 
-- **the loss log of a task** (:meth:`Retirement.lost_rows`): every row lost *before the task
-  consumed it*, with its group id, in the order the losses became definite. A row that was
-  waiting or queued for the task is logged when it is lost. A row that the task held leased
-  is logged only if the lease ends without an ack (released, expired, reset, cleared): a
-  consumer that acknowledges a batch says it consumed it, lost rows included (it read them
-  before the unit died; ``ack`` skips the rows that are gone). So a group in a task's log is
+- **the loss log of a task** (:meth:`Retirement.lost_rows`): every committed row lost
+  *before the task consumed it*, with its group id, in the order the losses became definite.
+  A row that was waiting or queued for the task is logged when it is lost. A row that the
+  task held leased is logged only if the lease ends without an ack (released, expired,
+  reset): a consumer that acknowledges a batch says it consumed it, lost rows included (it
+  read them before the unit died; ``ack`` skips the rows that are gone). So a group in a
+  task's log is
   a group the task did not get whole, and one it did get whole never is: an RL driver that
   regenerates the groups in the train task's log trains each group exactly once. The log is
   read with a cursor; the most recent ``LOSS_LOG_ROWS`` rows per task are kept (a reader that
@@ -123,8 +124,10 @@ class Retirement:
     # -- rows lost with a unit (called by UnitHealth.lose_unit) --------------------------------
     def _lost_for_task(self, task: TaskState, slots: np.ndarray) -> None:
         """``slots`` (of ``task``'s partition) are lost now: log those the task had not
-        consumed and did not hold; leave those it held with their lease until it ends."""
+        consumed and did not hold; leave those it held with their lease until it ends. Rows
+        no commit reached are not logged: their put fails and its producer puts them again."""
         h = self._h
+        slots = slots[h["committed"][slots]]
         state = task.state[slots]
         unheld = slots[state < LEASED]  # waiting or queued
         self._loss_log(task).append(h["index"][unheld], h["group"][unheld])

@@ -1,10 +1,12 @@
-"""A TransferQueue storage unit dies under a running workflow: the rows it held can never
-reach training whole, so the run must end with an error that says so and names the fix,
-never wait forever for groups that lost a row. (A stage whose call meets the dead unit fails
-first, as a rule; the driver's watch of ``rows_lost`` covers the rows no call touches again.)"""
+"""A TransferQueue storage unit dies under a running workflow: the run goes on. The groups
+that lost rows before training consumed them are retired and admitted again (same group id,
+same staleness rule), so every step still trains exactly its window of groups, each group
+once and whole, and the staleness bound holds for every trained sample. A stage whose batch
+meets the dead unit gives the rest of the batch back and goes on."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -12,10 +14,17 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import transferqueue
-from asyncflow import StageError, run
+from adapters import Adapter, StageOutput
+from asyncflow import run
+from asyncflow.metrics import Timeline
+from asyncflow.stage import StageRunner
 from tests.asyncflow.conftest import small_config
+from transferqueue import BatchMeta
+from transferqueue.aio import within
+from transferqueue.schema import Column
 
 pytestmark = pytest.mark.service
 
@@ -31,56 +40,82 @@ def _kill_after_first_step(out: Path, pid: int, killed: list[int]) -> None:
         time.sleep(0.1)
 
 
-def test_rows_lost_with_a_unit_end_the_run_with_an_error_naming_the_fix(tmp_path: Path) -> None:
+def test_groups_a_dead_unit_took_are_regenerated_and_each_trained_once(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    with transferqueue.serve(num_units=2, spread_bytes=0) as svc:  # every put on both units
+    steps, per_step, staleness = 10, 2, 1
+    with (
+        transferqueue.serve(num_units=2, spread_bytes=0) as svc,  # every put on both units
+        transferqueue.connect(svc.address) as tq,
+    ):
         cfg = small_config(
             out,
             "deploy.mode=local",
             "transferqueue.mode=connect",
             f"transferqueue.address={svc.address}",
-            "train.steps=400",  # far more than run before the kill is noticed
+            f"train.steps={steps}",
+            f"train.groups_per_step={per_step}",
+            f"train.max_staleness={staleness}",
         )
         killed: list[int] = []
         killer = threading.Thread(
             target=_kill_after_first_step, args=(out, svc.pids[1], killed), daemon=True
         )
         killer.start()
-        t0 = time.monotonic()
-        with pytest.raises(StageError, match="a TransferQueue server died") as e:
-            run(cfg)
+        result = run(cfg)
         killer.join(timeout=10)
         assert killed, "the run ended before a step was recorded"
-        assert "--resume" in str(e.value)
-        assert time.monotonic() - t0 < 240  # ended, did not wait for the lost groups
+        stats = tq.client().stats()["controller"]
+    assert stats["rows_lost"] > 0  # the kill took rows the run still needed ...
+    regenerated = result.extra["regenerated_groups"]
+    assert regenerated, "no group was put again"  # ... and they were regenerated
+    assert len(regenerated) == len(set(regenerated))  # each once
+    assert [r.step for r in result.reports] == list(range(steps))
+    for r in result.reports:  # each step trained its own window, every group whole
+        assert r.groups == list(range(r.step * per_step, (r.step + 1) * per_step))
+        assert r.samples == per_step * cfg.rollout.group_size
+        assert max(r.staleness) <= staleness
 
 
-def test_the_driver_watch_ends_the_run_once_training_rows_are_lost() -> None:
-    """Rows lost while they sat queued (no call of any stage touches them again): the watch
-    raises once the controller reports them, naming the training partition's count only."""
-    import asyncio
+class _KillsUnitOnce(Adapter):
+    """Writes ``y = 2 x``; on its first batch, kills storage unit ``pid`` before writing."""
 
-    import torch
+    task = "double"
+    input_fields = ("x",)
+    output_fields = ("y",)
+    batch_size = 8
 
-    from asyncflow.workflow import LOST_ROWS_POLL_S, _watch_lost_rows
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.seen: list[int] = []
 
-    bound_s = transferqueue.Liveness().bound_s + LOST_ROWS_POLL_S + 30  # loaded machine slack
+    async def process(self, meta: BatchMeta, cols: dict[str, Column]) -> StageOutput:
+        if not self.seen:
+            os.kill(self.pid, signal.SIGKILL)
+        self.seen += meta.indexes.tolist()
+        x = cols["x"]
+        assert isinstance(x, torch.Tensor)
+        return StageOutput(columns={"y": x * 2})
+
+
+def test_a_stage_whose_batch_loses_rows_gives_the_rest_back_and_goes_on() -> None:
     with (
-        transferqueue.serve(num_units=2, spread_bytes=0) as svc,
+        transferqueue.serve(num_units=2, spread_bytes=0, max_restarts=0) as svc,
         transferqueue.connect(svc.address) as tq,
     ):
         c = tq.client()
-        train = c.put({"x": torch.arange(10).view(10, 1)}, partition="train")
-        c.put({"x": torch.arange(6).view(6, 1)}, partition="eval")
-        on_dead = int((train.units == 1).sum())
-        assert 0 < on_dead < 10  # spread over both units
+        meta = c.put({"x": torch.arange(8)}, partition="p")
+        c.finish("p")
+        survivors = meta.indexes[meta.units == 0].tolist()
+        adapter = _KillsUnitOnce(svc.pids[1])
+        runner = StageRunner("double", adapter, tq.async_client(), Timeline(), partition="p")
 
         async def go() -> None:
-            client = tq.async_client()
-            os.kill(svc.pids[1], signal.SIGKILL)
-            expected = rf"{on_dead} rows of partition 'train' lost.*--resume"
-            with pytest.raises(RuntimeError, match=expected):
-                async with asyncio.timeout(bound_s):
-                    await _watch_lost_rows(client, "train")
+            await within(runner.run(), 120.0)  # ends: the partition drains (lost rows count)
 
         asyncio.run(go())
+        assert runner.lost_batches == 1  # the write met the dead unit: batch given back
+        assert adapter.seen == meta.indexes.tolist() + survivors  # the rest processed again
+        done = c.get_meta("check", ["y"], 8, partition="p", timeout_s=5)
+        assert done.indexes.tolist() == survivors
+        positions = (meta.units == 0).nonzero()[0].tolist()  # x at position i is i
+        assert c.get_data(done)["y"].tolist() == [2 * i for i in positions]
