@@ -73,7 +73,9 @@ class Controller(UnitHealth, RowStatus):
         spread_bytes: int = SPREAD_BYTES,
         max_lease_s: float = MAX_LEASE_S,
         allocation_s: float = ALLOCATION_S,
+        replicas: int = 1,
     ) -> None:
+        """``replicas=2``: each row is written to two units (see :mod:`transferqueue.health`)."""
         if num_units < 1:
             raise ValueError(f"num_units must be >= 1, got {num_units}")
         if spread_bytes < 0:
@@ -93,7 +95,7 @@ class Controller(UnitHealth, RowStatus):
         self._partitions: dict[str, PartitionState] = {}
         self._by_id: dict[int, PartitionState] = {}
         self._next_index = 0
-        self.placement = Placement(num_units, spread_bytes)
+        self.placement = Placement(num_units, spread_bytes, replicas)
         self._rows_live = 0
         if not isinstance(allocation_s, int | float) or not 0 < allocation_s < float("inf"):
             raise ValueError(
@@ -204,6 +206,7 @@ class Controller(UnitHealth, RowStatus):
         g = indexes.copy() if g_given is None else g_given
         self._map.insert(indexes, slots)
         units = self.placement.place(n, nbytes, producer)
+        copies = self.placement.replicas_of(units)  # (None with replicas=1)
         h = self._h
         h["index"][slots] = indexes
         h["partition"][slots] = part.id
@@ -218,10 +221,14 @@ class Controller(UnitHealth, RowStatus):
             share[: nbytes % n] += 1
             h["nbytes"][slots] = share
             self.placement.add_bytes(units, share)
+            if copies is not None:
+                self.placement.add_bytes(copies[copies >= 0], share[copies >= 0])
+        if copies is not None:
+            h["replica"][slots] = copies
         part.rows_put += n
         part.rows_live += n
         self._rows_live += n
-        return BatchMeta(indexes, units, g, v, ln, partition=part.name)
+        return BatchMeta(indexes, units, g, v, ln, partition=part.name, replica_units=copies)
 
     def check_allocate(self, n: int, partition: str) -> None:
         """Raise the errors no wait for capacity can cure: a bad row count, a put larger than
@@ -462,6 +469,7 @@ class Controller(UnitHealth, RowStatus):
             lease_s=lease_s if lease_id is not None else None,
             reason=reason,
             splits=sel.splits,
+            replica_units=self._copies(slots),
         )
         return meta, changes
 
@@ -619,6 +627,7 @@ class Controller(UnitHealth, RowStatus):
         changes.freed_units.append(h["unit"][slots].copy())
         changes.space = True
         self.placement.add_bytes(h["unit"][slots], -h["nbytes"][slots])
+        self._free_copies(slots, indexes, changes)
         for arr in self._ready.values():
             arr[slots] = False
         for task in part.tasks.values():
