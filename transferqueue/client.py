@@ -206,6 +206,7 @@ class AsyncClient(StatusCalls):
             )
             new, staged = await self._allocate_staging(allocating, cols, nbytes)
             grants = new.grants or {}
+            dropped: list[int] = []  # (units that a copy of each row missed, see replicas)
             try:
                 if staged is not None:
                     link, token = staged
@@ -213,8 +214,10 @@ class AsyncClient(StatusCalls):
                         new.indexes, token, col_specs, create=True, grant=grants.get(link.unit_id)
                     )
                 else:
-                    await self._write_units(new, cols, col_specs, create=True)
-                await self._ctl.call(m.Commit(indexes=new.indexes, fields=list(cols)))
+                    dropped = await self._write_units(new, cols, col_specs, create=True)
+                await self._ctl.call(
+                    m.Commit(indexes=new.indexes, fields=list(cols), dropped=dropped)
+                )
             except BaseException as e:
                 # Nothing of the put may stay half-written: free what units hold, undo rows.
                 await asyncio.gather(
@@ -239,7 +242,7 @@ class AsyncClient(StatusCalls):
             msg = m.Renew(lease_id=lease, lease_s=_lease(lease_s), indexes=meta.indexes)
             await self._ctl.call(msg)
         try:
-            await self._write_units(meta, cols, col_specs, create=False)
+            dropped = await self._write_units(meta, cols, col_specs, create=False)
         except (PeerGoneError, UnknownRowError) as e:
             lost = await self._lost(meta.indexes, e, meta_units(meta))
             if lost is None:
@@ -257,6 +260,7 @@ class AsyncClient(StatusCalls):
                 versions=versions,
                 lengths=lengths,
                 lease_id=lease if ack else None,
+                dropped=dropped,
             )
         )
         if lease is not None and ack:
@@ -337,7 +341,9 @@ class AsyncClient(StatusCalls):
         specs: Mapping[str, FieldSpec],
         *,
         create: bool,
-    ) -> None:
+    ) -> list[int]:
+        """Write the rows to their units; returns the units that a copy of each row missed
+        (two copies: gone, while each row got its other one; else none)."""
         jobs = []
         grants = meta.grants or {}
         copies = meta.replica_units is not None
@@ -349,9 +355,9 @@ class AsyncClient(StatusCalls):
             )
             jobs.append(write)
         if copies:  # (a copy on a unit that is gone is fine while the row has another)
-            await gather_copies(write_groups(meta), jobs, len(meta))
-            return
+            return await gather_copies(write_groups(meta), jobs, len(meta))
         await asyncio.gather(*jobs)
+        return []
 
     def _unit(self, unit_id: int) -> UnitLink:
         try:

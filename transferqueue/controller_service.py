@@ -242,6 +242,8 @@ class ControllerService:
         return _after(self._apply(self.controller.discard(msg.indexes)))
 
     def commit(self, msg: m.Commit, caller: Caller) -> None:
+        if msg.dropped:  # (two copies of each row: a unit the writer found gone)
+            self._apply(self.controller.drop_copies(msg.indexes, msg.dropped))
         self._apply(
             self.controller.commit(
                 msg.indexes,

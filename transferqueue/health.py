@@ -186,17 +186,38 @@ class UnitHealth:
             changes.freed_units.append(copies[has].copy())
             self.placement.add_bytes(copies[has], -self._h["nbytes"][slots[has]])
 
-    def _drop_copies(self, unit: int) -> None:
-        """Unit ``unit`` died: the rows with a copy there and another elsewhere keep the
-        other one only (a row whose first copy died is now on its second's unit)."""
+    def _drop_copies(self, unit: int, slots: np.ndarray | None = None) -> np.ndarray:
+        """The rows (of ``slots``; default: every live row) with a copy on ``unit`` and
+        another elsewhere keep the other one only (a row whose first copy is dropped is now
+        on its second's unit). Returns the slots whose copy was dropped."""
         h = self._h
-        live = h["live"]
-        second = np.flatnonzero(live & (h["replica"] == unit))
-        first = np.flatnonzero(live & (h["unit"] == unit) & (h["replica"] >= 0))
+        if slots is None:
+            slots = np.flatnonzero(h["live"])
+        second = slots[h["replica"][slots] == unit]
+        first = slots[(h["unit"][slots] == unit) & (h["replica"][slots] >= 0)]
         gone = np.concatenate([second, first])
         self.placement.add_bytes(np.full(gone.size, unit, dtype=np.int32), -h["nbytes"][gone])
         h["unit"][first] = h["replica"][first]
         h["replica"][gone] = -1
+        return gone
+
+    def drop_copies(self, indexes: np.ndarray, units: list[int]) -> Changes:
+        """A writer could not write the copies of rows ``indexes`` on ``units`` (it found
+        them gone; ``Commit.dropped``): those copies are forgotten where the row keeps
+        another (a row whose only copy is there keeps it: it is lost with the unit, if the
+        unit died), and freed on the unit in case the write landed after all."""
+        changes = Changes()
+        if self.placement.replicas == 1:
+            return changes
+        slots = self._map.lookup(np.asarray(indexes, dtype=np.int64))
+        slots = slots[slots >= 0]
+        for unit in sorted(set(units)):
+            if 0 <= unit < self.num_units:
+                gone = self._drop_copies(unit, slots)
+                if gone.size:
+                    changes.freed.append(self._h["index"][gone].copy())
+                    changes.freed_units.append(np.full(gone.size, unit, dtype=np.int32))
+        return changes
 
     def _drop_leased(self, lease_ids: np.ndarray) -> None:
         """Lost rows leave the leases holding them; a lease left empty closes."""

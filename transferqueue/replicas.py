@@ -9,8 +9,10 @@ controller keeps a row as long as one of its copies is on a live unit (see
   units, under the controller's grants (one per unit, covering the rows of both copies). A
   write that fails because a unit is gone (:class:`PeerGoneError`, or
   :class:`UnknownRowError` from a unit restarted since) is fine as long as every row got one
-  copy written: the controller drops the dead unit's copies when it declares the unit dead
-  (or, restarted, when it hears its new incarnation), so readers never rely on them;
+  copy written: the commit names the units found gone (``Commit.dropped``) and the controller
+  forgets the rows' copies there (and frees them there, should the unit be alive after all:
+  a client can lose sight of a unit the controller still hears), as it does for every copy
+  of a unit it declares dead (or, restarted, hears with a new incarnation);
 - **reads** (:func:`fall_back`): rows are read from their first unit; when that unit's read
   fails so (it died, or restarted empty), those rows are read again from their second unit.
   Only when no copy answers does the read take the lost-rows path (``RowsLostError`` for the
@@ -67,21 +69,25 @@ def write_groups(meta: BatchMeta) -> list[tuple[int, np.ndarray]]:
 
 async def gather_copies(
     groups: Sequence[tuple[int, np.ndarray]], writes: Sequence[Awaitable[None]], n: int
-) -> None:
+) -> list[int]:
     """Run the writes of both copies; fail only when a row got no copy written, or a write
-    failed for another reason than its unit being gone (see the module)."""
+    failed for another reason than its unit being gone (see the module). Returns the units
+    found gone (for ``Commit.dropped``: the controller forgets the copies there)."""
     results = await asyncio.gather(*writes, return_exceptions=True)
     written = np.zeros(n, dtype=bool)
     gone: BaseException | None = None
-    for (_, pos), result in zip(groups, results, strict=True):
+    dropped: set[int] = set()
+    for (unit, pos), result in zip(groups, results, strict=True):
         if result is None:
             written[pos] = True
         elif isinstance(result, PeerGoneError | UnknownRowError):
             gone = gone or result
+            dropped.add(unit)
         else:
             raise result
     if gone is not None and not written.all():
         raise gone
+    return sorted(dropped)
 
 
 def fall_back(meta: BatchMeta, units: np.ndarray, dead: set[int]) -> np.ndarray | None:

@@ -289,3 +289,52 @@ def test_a_unit_killed_under_the_cli_with_replicas_loses_no_row() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_a_copy_the_writer_found_gone_is_dropped_and_the_rows_keep_the_other() -> None:
+    # A client may lose sight of a unit the controller still hears (it stalled, or the
+    # network between them did): the put lands on each row's other copy, and the commit
+    # tells the controller, which forgets (and frees) the copies there.
+    with transferqueue.start(num_units=3, spread_bytes=0, replicas=2) as tq:
+        c = tq.client()
+        link = tq._units[1]
+        write = link.write
+
+        async def gone(*args: Any, **kwargs: Any) -> None:
+            raise transferqueue.PeerGoneError("unit 1 has not answered (simulated)")
+
+        link.write = gone  # type: ignore[method-assign]
+        want = Expected()
+        meta = want.put(c, 0, 90)
+        assert meta.replica_units is not None
+        on1 = (meta.units == 1) | (meta.replica_units == 1)
+        stats = _ctl(c)
+        assert (stats["rows_lost"], stats["rows_one_copy"]) == (0, int(on1.sum()))
+        assert c.stats()["units"][1]["rows"] == 0
+        got = c.get_meta("t", ["x", "r"], 90, partition="p")
+        assert got.replica_units is not None
+        assert 1 not in got.units.tolist() and 1 not in got.replica_units.tolist()
+        want.check(got, c.get_data(got))
+        # a field added while the unit is out of sight: the same
+        link.write = write  # type: ignore[method-assign]
+        fresh = want.put(c, 100, 90)
+        assert fresh.replica_units is not None
+        held = c.get_meta("t", ["x", "r"], 90, partition="p")
+        assert held.indexes.tolist() == fresh.indexes.tolist()
+        link.write = gone  # type: ignore[method-assign]
+        c.put({"y": torch.arange(90.0)}, meta=held)
+        assert _ctl(c)["rows_one_copy"] == int(on1.sum()) * 2
+        read = c.get_meta("u", ["y"], 90, partition="p", timeout_s=5)
+        assert read.indexes.tolist() == fresh.indexes.tolist()
+        assert read.replica_units is not None and 1 not in read.units.tolist()
+        assert torch.equal(c.get_data(read)["y"], torch.arange(90.0))
+        # a put whose only unit left for some rows is gone fails, as with one copy
+        link.write = gone  # type: ignore[method-assign]
+        tq._units[2].write = gone  # type: ignore[method-assign]
+        with pytest.raises(transferqueue.PeerGoneError):
+            c.put(
+                {
+                    "x": torch.zeros(30, 4, dtype=torch.float64),
+                    "r": [torch.ones(1, dtype=torch.int32)] * 30,
+                }
+            )
