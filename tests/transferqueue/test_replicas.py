@@ -338,3 +338,25 @@ def test_a_copy_the_writer_found_gone_is_dropped_and_the_rows_keep_the_other() -
                     "r": [torch.ones(1, dtype=torch.int32)] * 30,
                 }
             )
+
+
+@pytest.mark.ray
+def test_a_unit_actor_killed_on_ray_with_replicas_loses_no_row(ray_cluster: None) -> None:
+    import ray
+
+    from transferqueue.ray_deploy import start_on_ray
+
+    prefix = f"tq-replicas-{os.getpid()}"
+    with start_on_ray(num_units=2, spread_bytes=0, name_prefix=prefix, replicas=2) as tq:
+        c = tq.client()
+        assert _ctl(c)["replicas"] == 2
+        unit = ray.get_actor(f"{prefix}-unit1")
+        pid = ray.get(unit.pid.remote(), timeout=60)
+
+        def restarted() -> bool:
+            try:
+                return bool(ray.get(unit.pid.remote(), timeout=5) != pid)
+            except Exception:  # (restarting)
+                return False
+
+        _kill_and_recover(c, lambda: os.kill(pid, signal.SIGKILL), restarted, 2)
