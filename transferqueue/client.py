@@ -347,7 +347,7 @@ class AsyncClient(StatusCalls):
         jobs = []
         grants = meta.grants or {}
         copies = meta.replica_units is not None
-        groups = write_groups(meta) if copies else _by_unit(meta.units).items()
+        groups = write_groups(meta) if copies else list(_by_unit(meta.units).items())
         for u, pos in groups:
             part = {name: take_rows(col, pos) for name, col in cols.items()}
             write = self._unit(u).write(
@@ -355,7 +355,7 @@ class AsyncClient(StatusCalls):
             )
             jobs.append(write)
         if copies:  # (a copy on a unit that is gone is fine while the row has another)
-            return await gather_copies(write_groups(meta), jobs, len(meta))
+            return await gather_copies(groups, jobs, len(meta))
         await asyncio.gather(*jobs)
         return []
 
