@@ -3,6 +3,7 @@
     python -m bench.throughput              # full sizes (~4-6 min on 2 cores)
     python -m bench.throughput --quick      # small sizes, smoke test
     python -m bench.throughput --no-ray     # skip the Ray baseline
+    python -m bench.throughput --replicas   # only the cost of replicas=2 (4 units, ~1 min)
 
 Every system moves the same bytes out of this process into a server process and back
 (put + get), measured after a warm-up, best of several runs:
@@ -23,6 +24,8 @@ packed (``ragged``: values + offsets, the tensors Ray gets are the packed ones) 
 one tensor per sequence (``ragged-seqs``: what a user holds; TransferQueue packs on put and
 hands back per-sequence views, Ray pickles every tensor).
 Also: controller ``get_meta`` + ``ack`` over the wire at batch 64 (samples/s).
+``--replicas`` measures only TransferQueue with 4 units keeping one and two copies of each
+row (``replicas=2``: every put writes twice), shared memory and frames, and prints the ratio.
 Prints one line per case and the ratios; writes ``bench/results/throughput.json`` and a plot.
 """
 
@@ -156,11 +159,16 @@ def raw_zmq(cases: dict[str, dict[str, Any]], repeat: int) -> dict[str, float]:
 
 # -- TransferQueue -----------------------------------------------------------------------------
 def tq_service(
-    units: int, cases: dict[str, dict[str, Any]], repeat: int, *, shm: bool = True
+    units: int,
+    cases: dict[str, dict[str, Any]],
+    repeat: int,
+    *,
+    shm: bool = True,
+    replicas: int = 1,
 ) -> dict[str, float]:
     out = {}
     with (
-        transferqueue.serve(num_units=units) as svc,
+        transferqueue.serve(num_units=units, replicas=replicas) as svc,
         transferqueue.connect(svc.address, shm_max_bytes=SHM_MAX_BYTES if shm else 0) as tq,
     ):
         client = tq.client()
@@ -275,10 +283,32 @@ def plot(results: dict[str, Any], path: str) -> None:
     print(f"wrote {path}")
 
 
+def replicas_cost(cases: dict[str, dict[str, Any]], repeat: int) -> None:
+    """put+get GB/s with one and with two copies of each row (4 units), in one run."""
+    sizes = {k: nbytes(v) for k, v in cases.items()}
+    gbps: dict[str, dict[str, float]] = {}
+    for variant, shm in (("", True), (" frames", False)):
+        for copies in (1, 2):
+            name = f"transferqueue 4 units replicas={copies}{variant}"
+            times = tq_service(4, cases, repeat, shm=shm, replicas=copies)
+            gbps[name] = {c: sizes[c] / t / 1e9 for c, t in times.items()}
+            for case, v in gbps[name].items():
+                line(f"{name}: {case} ({sizes[case] / 1e6:.0f} MB)", v, "GB/s")
+    ratios = {}
+    for variant in ("", " frames"):
+        one, two = (gbps[f"transferqueue 4 units replicas={k}{variant}"] for k in (1, 2))
+        for c in cases:
+            ratios[f"replicas=2 vs 1{variant}: {c}"] = two[c] / one[c]
+    for k, v in ratios.items():
+        line(f"ratio {k}", v, "x")
+    write_json("throughput_replicas", {"bytes": sizes, "GBps": gbps, "ratios": ratios})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-ray", action="store_true")
+    ap.add_argument("--replicas", action="store_true", help="only the cost of replicas=2")
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
     if args.quick:
@@ -286,6 +316,9 @@ def main() -> None:
     else:
         cases = {"dense": dense_case(1024, 8192, 9), "ragged": ragged_case(256, 128, 4096)}
     cases["ragged-seqs"] = as_sequences(cases["ragged"])
+    if args.replicas:
+        replicas_cost(cases, args.repeat)
+        return
     sizes = {k: nbytes(v) for k, v in cases.items()}
     times: dict[str, dict[str, float] | None] = {}
     runs: list[tuple[str, Callable[[], dict[str, float] | None]]] = [

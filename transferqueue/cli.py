@@ -1,6 +1,7 @@
 """``transferqueue`` command line: run a local service, inspect a running one, make keys.
 
 transferqueue serve --units 4              # prints tcp://127.0.0.1:PORT, serves until ^C
+transferqueue serve --units 3 --replicas 2 # each row on two units: one may die
 transferqueue stats tcp://127.0.0.1:PORT   # JSON of the controller and units
 transferqueue top tcp://127.0.0.1:PORT     # live view: rows, tasks, leases, rates, memory
 transferqueue serve --metrics-port 0       # also Prometheus endpoints (URLs on stderr)
@@ -44,10 +45,12 @@ def _serve(args: argparse.Namespace) -> int:
         max_restarts=args.max_restarts,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
+        replicas=args.replicas,
     )
     print(service.address, flush=True)
     print(
-        f"transferqueue: controller at {service.address}, {args.units} storage units; Ctrl-C stops",
+        f"transferqueue: controller at {service.address}, {args.units} storage units, "
+        f"{args.replicas} cop{'y' if args.replicas == 1 else 'ies'} of each row; Ctrl-C stops",
         file=sys.stderr,
         flush=True,
     )
@@ -184,6 +187,12 @@ def main(argv: list[str] | None = None) -> int:
         "--metrics-host",
         default="127.0.0.1",
         help="interface the metrics endpoints listen on (default loopback)",
+    )
+    s.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="copies of each row, on different units (default 1; 2: a unit that dies loses no row)",
     )
     s.set_defaults(fn=_serve)
     st = sub.add_parser("stats", help="print a running service's state as JSON")

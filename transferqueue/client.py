@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-from collections.abc import AsyncGenerator, Coroutine, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
@@ -28,6 +28,9 @@ import torch
 
 from transferqueue import messages as m
 from transferqueue.aio import within
+from transferqueue.assemble import empty_column as _empty
+from transferqueue.assemble import merge_ragged as _merge_ragged
+from transferqueue.assemble import place_dense as _place_dense
 from transferqueue.buffers import ResultBuffers
 from transferqueue.errors import (
     BadRequestError,
@@ -40,9 +43,17 @@ from transferqueue.errors import (
 )
 from transferqueue.links import OFFLOAD_BYTES, ControllerLink, Staged, UnitLink
 from transferqueue.loop import LoopThread
-from transferqueue.memcpy import copy_rows, gather_rows
+from transferqueue.memcpy import gather_rows
 from transferqueue.meta import BatchMeta
 from transferqueue.ragged import Ragged
+from transferqueue.replicas import (
+    UnitReadError,
+    fall_back,
+    gather_copies,
+    meta_units,
+    tag,
+    write_groups,
+)
 from transferqueue.schema import Column, FieldSpec, normalize_columns
 from transferqueue.slots import runs
 from transferqueue.status_client import StatusCalls
@@ -98,11 +109,6 @@ def _by_unit(units: np.ndarray) -> dict[int, np.ndarray]:
     if units.size and bool((units == units[0]).all()):
         return {int(units[0]): np.arange(units.size, dtype=np.int64)}
     return {int(u): np.flatnonzero(units == u) for u in np.unique(units).tolist()}
-
-
-def _unit_ids(units: np.ndarray) -> list[int]:
-    """The distinct units of a batch's rows."""
-    return [int(u) for u in np.unique(units).tolist()]
 
 
 class AsyncClient(StatusCalls):
@@ -200,6 +206,7 @@ class AsyncClient(StatusCalls):
             )
             new, staged = await self._allocate_staging(allocating, cols, nbytes)
             grants = new.grants or {}
+            dropped: list[int] = []  # (units that a copy of each row missed, see replicas)
             try:
                 if staged is not None:
                     link, token = staged
@@ -207,15 +214,17 @@ class AsyncClient(StatusCalls):
                         new.indexes, token, col_specs, create=True, grant=grants.get(link.unit_id)
                     )
                 else:
-                    await self._write_units(new, cols, col_specs, create=True)
-                await self._ctl.call(m.Commit(indexes=new.indexes, fields=list(cols)))
+                    dropped = await self._write_units(new, cols, col_specs, create=True)
+                await self._ctl.call(
+                    m.Commit(indexes=new.indexes, fields=list(cols), dropped=dropped)
+                )
             except BaseException as e:
                 # Nothing of the put may stay half-written: free what units hold, undo rows.
                 await asyncio.gather(
                     *(u.free(new.indexes, grants.get(u.unit_id)) for u in self._units.values()),
                     return_exceptions=True,
                 )
-                lost = await self._lost(new.indexes, e, _unit_ids(new.units))
+                lost = await self._lost(new.indexes, e, meta_units(new))
                 await self._ctl.call(m.Discard(indexes=new.indexes))
                 if lost is not None:
                     raise RowsLostError(
@@ -233,9 +242,9 @@ class AsyncClient(StatusCalls):
             msg = m.Renew(lease_id=lease, lease_s=_lease(lease_s), indexes=meta.indexes)
             await self._ctl.call(msg)
         try:
-            await self._write_units(meta, cols, col_specs, create=False)
+            dropped = await self._write_units(meta, cols, col_specs, create=False)
         except (PeerGoneError, UnknownRowError) as e:
-            lost = await self._lost(meta.indexes, e, _unit_ids(meta.units))
+            lost = await self._lost(meta.indexes, e, meta_units(meta))
             if lost is None:
                 raise
             raise RowsLostError(
@@ -251,6 +260,7 @@ class AsyncClient(StatusCalls):
                 versions=versions,
                 lengths=lengths,
                 lease_id=lease if ack else None,
+                dropped=dropped,
             )
         )
         if lease is not None and ack:
@@ -311,7 +321,8 @@ class AsyncClient(StatusCalls):
     def _placed(self, new: BatchMeta, nbytes: int) -> None:
         """Remember where the controller put this client's rows (see _allocate_staging)."""
         units = new.units
-        if units.size and bool((units == units[0]).all()):
+        # (a put of two copies writes two units: nothing to stage for one, see replicas)
+        if units.size and new.replica_units is None and bool((units == units[0]).all()):
             self._last_unit = int(units[0])
             self._whole_bytes = max(self._whole_bytes, nbytes)
         else:
@@ -330,16 +341,23 @@ class AsyncClient(StatusCalls):
         specs: Mapping[str, FieldSpec],
         *,
         create: bool,
-    ) -> None:
+    ) -> list[int]:
+        """Write the rows to their units; returns the units that a copy of each row missed
+        (two copies: gone, while each row got its other one; else none)."""
         jobs = []
         grants = meta.grants or {}
-        for u, pos in _by_unit(meta.units).items():
+        copies = meta.replica_units is not None
+        groups = write_groups(meta) if copies else list(_by_unit(meta.units).items())
+        for u, pos in groups:
             part = {name: take_rows(col, pos) for name, col in cols.items()}
             write = self._unit(u).write(
                 meta.indexes[pos], part, specs, create=create, grant=grants.get(u)
             )
             jobs.append(write)
+        if copies:  # (a copy on a unit that is gone is fine while the row has another)
+            return await gather_copies(groups, jobs, len(meta))
         await asyncio.gather(*jobs)
+        return []
 
     def _unit(self, unit_id: int) -> UnitLink:
         try:
@@ -417,20 +435,32 @@ class AsyncClient(StatusCalls):
     async def _get_data_or_lost(
         self, meta: BatchMeta, fields: Sequence[str] | None
     ) -> dict[str, Column]:
-        """A read that fails because rows were lost with a unit raises RowsLostError."""
-        try:
-            return await self._get_data(meta, fields)
-        except (PeerGoneError, UnknownRowError) as e:
-            lost = await self._lost(meta.indexes, e, _unit_ids(meta.units))
+        """A read that fails because rows were lost with a unit raises RowsLostError. With
+        two copies of each row, the rows of a unit that fails are read from their other
+        copies (see :mod:`transferqueue.replicas`)."""
+        units, dead = meta.units, set[int]()
+        while True:
+            try:
+                return await self._get_data(meta, fields, units)
+            except (PeerGoneError, UnknownRowError) as e:
+                error: PeerGoneError | UnknownRowError = e
+            except UnitReadError as e:
+                dead.add(e.unit)
+                moved = fall_back(meta, units, dead)
+                if moved is not None:
+                    units = moved
+                    continue
+                error = e.error
+            lost = await self._lost(meta.indexes, error, meta_units(meta))
             if lost is None:
-                raise
+                raise error
             raise RowsLostError(
                 f"rows {lost[:5].tolist()} ({lost.size} of the batch's {len(meta)}) were lost "
                 "with a storage unit that died; they left every task's queue and lease. "
                 "Acknowledge the batch (ack skips lost rows), or read the others: "
                 "meta.select(positions)",
                 lost,
-            ) from e
+            ) from error
 
     async def _lost(
         self, indexes: np.ndarray, error: BaseException, units: list[int]
@@ -452,7 +482,12 @@ class AsyncClient(StatusCalls):
                 return None
             await asyncio.sleep(0.25)
 
-    async def _get_data(self, meta: BatchMeta, fields: Sequence[str] | None) -> dict[str, Column]:
+    async def _get_data(
+        self, meta: BatchMeta, fields: Sequence[str] | None, units: np.ndarray | None = None
+    ) -> dict[str, Column]:
+        """``units``: the unit to read each row from (default ``meta.units``; a replicated
+        read that fell back: some rows from their second copies). With two copies, a unit's
+        failure is a UnitReadError naming it."""
         names = list(meta.fields if fields is None else fields)
         if not names:
             raise ValueError("get_data needs fields: the meta names none; pass fields=[...]")
@@ -469,11 +504,14 @@ class AsyncClient(StatusCalls):
         n = len(meta)
         if n == 0:
             return {f: _empty(specs[f]) for f in names}
-        groups = _by_unit(meta.units)
+        copies = meta.replica_units is not None
+        groups = _by_unit(meta.units if units is None else units)
         if len(groups) == 1:
             ((u, _),) = groups.items()
             link = self._unit(u)
             if not link.supports_out or link.lends_reads:
+                if copies:
+                    return await tag(u, link.read(meta.indexes, names))  # type: ignore[return-value]
                 return await link.read(meta.indexes, names)
         shapes = {f: ((n, *s.shape), s.torch_dtype) for f, s in specs.items() if s.kind == "dense"}
         out = self._buffers.tensors(shapes) or {
@@ -503,7 +541,10 @@ class AsyncClient(StatusCalls):
                 _place_dense(out, pos, got)
             pieces.append((pos, got))
 
-        await asyncio.gather(*(read_unit(u, pos) for u, pos in groups.items()))
+        reads: list[Awaitable[object]] = [read_unit(u, pos) for u, pos in groups.items()]
+        if copies:
+            reads = [tag(u, r) for u, r in zip(groups, reads, strict=True)]
+        await asyncio.gather(*reads)
         pieces.sort(key=lambda p: int(p[0][0]))
         result: dict[str, Column] = {}
         for f in names:
@@ -654,58 +695,3 @@ def _header(value: Any, n: int, name: str) -> np.ndarray | None:
     if arr.dtype.kind not in "iu":
         raise SchemaError(f"{name}= must be integers, got dtype {arr.dtype}")
     return arr.astype(np.int64)
-
-
-def _place_dense(out: Mapping[str, torch.Tensor], pos: np.ndarray, got: dict[str, Column]) -> None:
-    """Copy one unit's dense columns (its rows at batch positions ``pos``) into the batch's
-    tensors, and drop them from ``got``: views of a lent arena give it back once gone.
-
-    ``np.copyto`` (:func:`copy_rows`), not ``Tensor.copy_``: torch's intra-op threads wait
-    on each other when the cores are busy (here with the units' own copies), and a 4-unit
-    read of the 302 MB batch spent 0.6 s in ``copy_`` that numpy does in about 0.05 s.
-    """
-    for f, dst in out.items():
-        src = got.pop(f)
-        assert isinstance(src, torch.Tensor)
-        if src.data_ptr() == dst[int(pos[0]) :].data_ptr() and src.shape[0] == pos.size:
-            continue  # read straight into place
-        k = 0
-        for a, b in runs(pos):
-            copy_rows(dst[a:b], src[k : k + b - a])
-            k += b - a
-
-
-def _empty(spec: FieldSpec) -> Column:
-    if spec.kind == "dense":
-        return torch.empty((0, *spec.shape), dtype=spec.torch_dtype)
-    if spec.kind == "ragged":
-        return Ragged(
-            torch.empty((0, *spec.shape), dtype=spec.torch_dtype), torch.zeros(1, dtype=torch.int64)
-        )
-    return []
-
-
-def _merge_ragged(parts: list[tuple[np.ndarray, Column]], n: int, spec: FieldSpec) -> Ragged:
-    """Assemble per-unit Ragged pieces (positions, rows) into one in batch order."""
-    if len(parts) == 1:
-        col = parts[0][1]
-        assert isinstance(col, Ragged)
-        return col
-    lengths = np.zeros(n, dtype=np.int64)
-    for pos, col in parts:
-        assert isinstance(col, Ragged)
-        lengths[pos] = col.lengths.numpy()
-    offsets = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    values = torch.empty((int(offsets[-1]), *spec.shape), dtype=spec.torch_dtype)
-    for pos, col in parts:
-        assert isinstance(col, Ragged)
-        src_off = col.offsets.numpy()
-        for a, b in runs(pos):
-            k0 = int(np.searchsorted(pos, a))
-            k1 = k0 + (b - a)
-            copy_rows(
-                values[int(offsets[a]) : int(offsets[b])],
-                col.values[int(src_off[k0]) : int(src_off[k1])],
-            )
-    return Ragged(values, torch.from_numpy(offsets))

@@ -75,7 +75,9 @@ class Controller(UnitHealth, Retirement, RowStatus):
         spread_bytes: int = SPREAD_BYTES,
         max_lease_s: float = MAX_LEASE_S,
         allocation_s: float = ALLOCATION_S,
+        replicas: int = 1,
     ) -> None:
+        """``replicas=2``: each row is written to two units (see :mod:`transferqueue.health`)."""
         if num_units < 1:
             raise ValueError(f"num_units must be >= 1, got {num_units}")
         if spread_bytes < 0:
@@ -95,7 +97,7 @@ class Controller(UnitHealth, Retirement, RowStatus):
         self._partitions: dict[str, PartitionState] = {}
         self._by_id: dict[int, PartitionState] = {}
         self._next_index = 0
-        self.placement = Placement(num_units, spread_bytes)
+        self.placement = Placement(num_units, spread_bytes, replicas)
         self._rows_live = 0
         if not isinstance(allocation_s, int | float) or not 0 < allocation_s < float("inf"):
             raise ValueError(
@@ -207,6 +209,7 @@ class Controller(UnitHealth, Retirement, RowStatus):
         g = indexes.copy() if g_given is None else g_given
         self._map.insert(indexes, slots)
         units = self.placement.place(n, nbytes, producer)
+        copies = self.placement.replicas_of(units)  # (None with replicas=1)
         h = self._h
         h["index"][slots] = indexes
         h["partition"][slots] = part.id
@@ -221,10 +224,14 @@ class Controller(UnitHealth, Retirement, RowStatus):
             share[: nbytes % n] += 1
             h["nbytes"][slots] = share
             self.placement.add_bytes(units, share)
+            if copies is not None:
+                self.placement.add_bytes(copies[copies >= 0], share[copies >= 0])
+        if copies is not None:
+            h["replica"][slots] = copies
         part.rows_put += n
         part.rows_live += n
         self._rows_live += n
-        return BatchMeta(indexes, units, g, v, ln, partition=part.name)
+        return BatchMeta(indexes, units, g, v, ln, partition=part.name, replica_units=copies)
 
     def check_allocate(self, n: int, partition: str) -> None:
         """Raise the errors no wait for capacity can cure: a bad row count, a put larger than
@@ -465,6 +472,7 @@ class Controller(UnitHealth, Retirement, RowStatus):
             lease_s=lease_s if lease_id is not None else None,
             reason=reason,
             splits=sel.splits,
+            replica_units=self._copies(slots),
         )
         return meta, changes
 
@@ -622,6 +630,7 @@ class Controller(UnitHealth, Retirement, RowStatus):
         changes.freed_units.append(h["unit"][slots].copy())
         changes.space = True
         self.placement.add_bytes(h["unit"][slots], -h["nbytes"][slots])
+        self._free_copies(slots, indexes, changes)
         for arr in self._ready.values():
             arr[slots] = False
         for task in part.tasks.values():

@@ -202,10 +202,16 @@ class ControllerService:
             producer=msg.producer,
         )
         if self._grants is not None and len(meta):
-            # (a put's rows on one unit are one contiguous run of indexes)
+            # (a put's rows on one unit are one contiguous run of indexes; with a second copy
+            # of each row, a unit's first and second copies may be two runs: the grant spans
+            # both, rows of this one allocation either way)
             meta.grants = {}
-            for u in np.unique(meta.units).tolist():
-                rows = meta.indexes[meta.units == u]
+            units, copies = meta.units, meta.replica_units
+            for u in np.unique(units if copies is None else np.r_[units, copies]).tolist():
+                if u < 0:
+                    continue
+                on = units == u if copies is None else (units == u) | (copies == u)
+                rows = meta.indexes[on]
                 meta.grants[u] = self._grants.sign(u, int(rows[0]), int(rows[-1]) + 1)
         return meta
 
@@ -239,6 +245,8 @@ class ControllerService:
         return _after(self._apply(self.controller.discard(msg.indexes)))
 
     def commit(self, msg: m.Commit, caller: Caller) -> None:
+        if msg.dropped:  # (two copies of each row: a unit the writer found gone)
+            self._apply(self.controller.drop_copies(msg.indexes, msg.dropped))
         self._apply(
             self.controller.commit(
                 msg.indexes,
@@ -373,9 +381,12 @@ class ControllerService:
             spread_bytes=old.spread_bytes,
             max_lease_s=old.leases.max_lease_s,
             allocation_s=old.allocation_s,
+            replicas=old.placement.replicas,
         )
         for unit in np.flatnonzero(~old.placement.alive).tolist():  # (still dead)
             self.controller.placement.set_alive(unit, False)
+        for unit, host in enumerate(old.placement.hosts):
+            self.controller.placement.set_host(unit, host)
         gone = ClosedError("TransferQueue was reset while this call waited")
         for fut in [f for ws in self._waiters.values() for f in ws] + list(self._space_waiters):
             if not fut.done():

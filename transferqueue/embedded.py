@@ -16,6 +16,7 @@ from transferqueue.controller_service import ControllerService
 from transferqueue.handle import TransferQueue
 from transferqueue.links import LocalControllerLink, LocalUnitLink
 from transferqueue.loop import LoopThread
+from transferqueue.placement import check_replicas
 from transferqueue.storage import StorageUnit
 
 __all__ = ["start"]
@@ -27,15 +28,20 @@ def start(
     capacity_rows: int | None = None,
     unit_capacity_bytes: int | None = None,
     spread_bytes: int = SPREAD_BYTES,
+    replicas: int = 1,
 ) -> TransferQueue:
     """Start an in-process TransferQueue with ``num_units`` storage units.
 
     ``capacity_rows`` bounds the rows held at once: a put that would exceed it waits for
     consumers to free rows (back-pressure). ``unit_capacity_bytes`` bounds each unit's memory.
     A put spreads over one unit per ``spread_bytes`` of payload (0: always over all units).
+    ``replicas=2`` writes each row to two units, as a service does (in one process no unit
+    dies alone: it costs a second copy and buys nothing, but behaves the same; see
+    :mod:`transferqueue.replicas`).
     """
     if num_units < 1:
         raise ValueError(f"num_units must be >= 1, got {num_units}")
+    check_replicas(replicas)
     io = LoopThread("transferqueue-embedded")
     executor = ThreadPoolExecutor(max_workers=max(2, num_units), thread_name_prefix="tq-copy")
     units = [StorageUnit(i, capacity_bytes=unit_capacity_bytes) for i in range(num_units)]
@@ -46,7 +52,12 @@ def start(
 
     async def make() -> ControllerService:
         service = ControllerService(
-            Controller(num_units, capacity_rows=capacity_rows, spread_bytes=spread_bytes),
+            Controller(
+                num_units,
+                capacity_rows=capacity_rows,
+                spread_bytes=spread_bytes,
+                replicas=replicas,
+            ),
             free_rows,
         )
         await service.start()

@@ -11,6 +11,14 @@ module holds the row bookkeeping and this one the failure handling):
   unit until it is back (:meth:`UnitHealth.unit_back`). Who touches a lost row learns it
   through :class:`~transferqueue.errors.RowsLostError`: a commit (a producer's put: put
   again), a read (``get_data``: acknowledge the rest; ``ack`` skips lost rows);
+- **a storage unit died, with replicas=2**: every row was written to two units (its
+  ``unit`` and its ``replica``, see :meth:`~transferqueue.placement.Placement.replicas_of`).
+  A row with a copy on another unit is not lost: that copy becomes the row's only one (its
+  ``unit``), and readers that still name the dead unit fall back to it (the client). Only
+  rows with no other copy left (both units died, or the row was put while a single unit was
+  alive) are lost as above. A unit that comes back is empty and takes new rows; the rows that
+  had a copy on it keep **one copy** until they are freed (they are not copied again):
+  ``stats()["rows_one_copy"]`` counts them, and losing their remaining unit loses them;
 - **a producer died** between allocating rows and committing them: every allocation has a
   deadline (``allocation_s``); rows still uncommitted after it are discarded and freed on
   their units (:meth:`UnitHealth.reclaim`), counted as ``rows_reclaimed``.
@@ -131,6 +139,8 @@ class UnitHealth:
             self.units_lost += 1
         self.placement.set_alive(unit, False)
         h = self._h
+        if self.placement.replicas > 1:
+            self._drop_copies(unit)
         slots = np.flatnonzero(h["live"] & (h["unit"] == unit))
         if slots.size == 0:
             return changes
@@ -162,6 +172,55 @@ class UnitHealth:
                 queued = live[task.state[live] == QUEUED]
                 if queued.size:
                     task.sampler.add(h["index"][queued])
+        return changes
+
+    # -- second copies (replicas=2) ----------------------------------------------------------
+    def _copies(self, slots: np.ndarray) -> np.ndarray | None:
+        """The units of the rows' second copies (for a BatchMeta); None with replicas=1."""
+        return None if self.placement.replicas == 1 else self._h["replica"][slots]
+
+    def _free_copies(self, slots: np.ndarray, indexes: np.ndarray, changes: Changes) -> None:
+        """Rows are freed: their second copies are freed too (from ``Controller._free``)."""
+        if self.placement.replicas == 1:
+            return
+        copies = self._h["replica"][slots]
+        has = copies >= 0
+        if has.any():
+            changes.freed.append(indexes[has])
+            changes.freed_units.append(copies[has].copy())
+            self.placement.add_bytes(copies[has], -self._h["nbytes"][slots[has]])
+
+    def _drop_copies(self, unit: int, slots: np.ndarray | None = None) -> np.ndarray:
+        """The rows (of ``slots``; default: every live row) with a copy on ``unit`` and
+        another elsewhere keep the other one only (a row whose first copy is dropped is now
+        on its second's unit). Returns the slots whose copy was dropped."""
+        h = self._h
+        if slots is None:
+            slots = np.flatnonzero(h["live"])
+        second = slots[h["replica"][slots] == unit]
+        first = slots[(h["unit"][slots] == unit) & (h["replica"][slots] >= 0)]
+        gone = np.concatenate([second, first])
+        self.placement.add_bytes(np.full(gone.size, unit, dtype=np.int32), -h["nbytes"][gone])
+        h["unit"][first] = h["replica"][first]
+        h["replica"][gone] = -1
+        return gone
+
+    def drop_copies(self, indexes: np.ndarray, units: list[int]) -> Changes:
+        """A writer could not write the copies of rows ``indexes`` on ``units`` (it found
+        them gone; ``Commit.dropped``): those copies are forgotten where the row keeps
+        another (a row whose only copy is there keeps it: it is lost with the unit, if the
+        unit died), and freed on the unit in case the write landed after all."""
+        changes = Changes()
+        if self.placement.replicas == 1:
+            return changes
+        slots = self._map.lookup(np.asarray(indexes, dtype=np.int64))
+        slots = slots[slots >= 0]
+        for unit in sorted(set(units)):
+            if 0 <= unit < self.num_units:
+                gone = self._drop_copies(unit, slots)
+                if gone.size:
+                    changes.freed.append(self._h["index"][gone].copy())
+                    changes.freed_units.append(np.full(gone.size, unit, dtype=np.int32))
         return changes
 
     def _drop_leased(self, lease_ids: np.ndarray) -> None:
@@ -221,6 +280,13 @@ class UnitHealth:
         return changes
 
     # -- introspection -----------------------------------------------------------------------
+    def _one_copy(self) -> int:
+        """Live rows with a single copy although the service keeps two (0 with replicas=1)."""
+        if self.placement.replicas == 1:
+            return 0
+        h = self._h
+        return int((h["live"] & (h["replica"] < 0)).sum())
+
     def stats(self) -> dict[str, Any]:
         parts = {}
         for part in self._partitions.values():
@@ -260,6 +326,8 @@ class UnitHealth:
             "rows_lost": self.rows_lost,
             "rows_reclaimed": self.rows_reclaimed,
             "rows_retired": self.rows_retired,
+            "replicas": self.placement.replicas,
+            "rows_one_copy": self._one_copy(),
             "custom_meta_rows": len(self._custom),
             "custom_meta_bytes": self._custom_bytes,
             "allocation_s": self.allocation_s,

@@ -373,7 +373,10 @@ class Discard(ControllerRequest[None]):
 
 
 class Commit(ControllerRequest[None]):
-    """Fields of these rows are stored: consumers may now see them; acks ``lease_id``."""
+    """Fields of these rows are stored: consumers may now see them; acks ``lease_id``.
+    ``dropped`` (two copies of each row): units the writer could not write its copies to
+    (gone, as it saw them; each row got its other copy): the controller forgets the rows'
+    copies there and frees them there, in case the write landed after all."""
 
     kind = "commit"
     indexes: Rows
@@ -381,6 +384,7 @@ class Commit(ControllerRequest[None]):
     versions: PerRow | None = None
     lengths: PerRow | None = None
     lease_id: LeaseId | None = None
+    dropped: Annotated[list[Annotated[int, Meta(ge=0, le=4095)]], Meta(max_length=4096)] = []
 
 
 class GetMeta(ControllerRequest[BatchMeta]):

@@ -10,6 +10,9 @@ must be acknowledged. Columns (numpy, one entry per row)::
     versions  int64   policy version that produced the row (-1: none)
     lengths   int64   length hint for balancing (-1: unknown)
 
+and, from a service keeping two copies of each row (``replicas=2``), ``replica_units``
+(int32, the unit of each row's second copy, -1: none left); None otherwise.
+
 It goes on the wire as it is (its fields are its schema, see :mod:`transferqueue.messages`);
 ``__post_init__`` checks what a decoded one holds.
 """
@@ -58,6 +61,8 @@ class BatchMeta:
     acked: bool = field(default=False, repr=False)
     grants: dict[int, bytes] | None = field(default=None, repr=False)
     """Of new rows (``put``): per unit, the controller's grant to create them there."""
+    replica_units: np.ndarray | None = field(default=None, repr=False)
+    """Per row, the unit holding its second copy (-1: none); None: one copy is kept."""
 
     def __post_init__(self) -> None:
         n = self.indexes.size
@@ -69,6 +74,13 @@ class BatchMeta:
             want = np.int32 if name == "units" else np.int64
             if arr.dtype != want:
                 setattr(self, name, arr.astype(want))
+        rep = self.replica_units
+        if rep is not None:
+            if not isinstance(rep, np.ndarray) or rep.shape != (n,) or rep.dtype.kind not in "iu":
+                got = f"{rep.dtype} {rep.shape}" if isinstance(rep, np.ndarray) else repr(rep)
+                raise ValueError(f"BatchMeta.replica_units is {got:.60}, expected ({n},) integers")
+            if rep.dtype != np.int32:
+                self.replica_units = rep.astype(np.int32)
         if self.reason not in REASONS:
             raise ValueError(f"BatchMeta.reason must be one of {REASONS}, got {self.reason!r}")
 
@@ -110,6 +122,7 @@ class BatchMeta:
             lease_id=self.lease_id,
             lease_s=self.lease_s,
             reason=self.reason,
+            replica_units=None if self.replica_units is None else self.replica_units[pos],
         )
 
     def split(self, parts: int | None = None) -> list[BatchMeta]:

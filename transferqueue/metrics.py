@@ -215,6 +215,12 @@ def _controller_families(stats: dict[str, Any]) -> Iterator[Any]:
     )
     expired.add_metric([], stats["expired_leases"])
     yield expired
+    one = GaugeMetricFamily(
+        "transferqueue_rows_one_copy",
+        "live rows with one copy left although the service keeps two (replicas=2)",
+    )
+    one.add_metric([], stats.get("rows_one_copy", 0))
+    yield one
     alive = GaugeMetricFamily("transferqueue_unit_alive", "1: the unit serves", labels=["unit"])
     placed = GaugeMetricFamily(
         "transferqueue_unit_placed_bytes", "payload bytes placed per unit", labels=["unit"]

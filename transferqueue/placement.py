@@ -3,6 +3,13 @@
 Part of the controller's state (it calls :meth:`Placement.place` from ``allocate`` and keeps
 the live bytes per unit up to date as rows come and go); kept apart so that the controller
 module holds the row bookkeeping and this one the placement policy.
+
+With ``replicas=2`` every row also gets a second unit (:meth:`Placement.replicas_of`): its
+primary unit's *partner*, always another live unit, on another host when one is alive (the
+hosts are what the controller's server knows of the units' addresses). Partners are spread:
+a host's k-th unit pairs with the k-th live unit of the other hosts (modulo their number), so
+the copies of one unit's rows do not all pile up on one other unit; on a single host unit i
+pairs with the next live unit. With one live unit there is no partner: rows get one copy.
 """
 
 from __future__ import annotations
@@ -11,7 +18,23 @@ import numpy as np
 
 from transferqueue.errors import PeerGoneError
 
-__all__ = ["SPREAD_BYTES", "Placement"]
+__all__ = ["MAX_REPLICAS", "SPREAD_BYTES", "Placement", "check_replicas"]
+
+MAX_REPLICAS = 2
+"""Copies of a row the controller keeps at most (1: none beyond the row itself)."""
+
+
+def check_replicas(replicas: object) -> int:
+    """``replicas`` as an int in 1..MAX_REPLICAS, else a ValueError naming the option."""
+    if not isinstance(replicas, int) or isinstance(replicas, bool):
+        raise ValueError(f"replicas must be an integer 1..{MAX_REPLICAS}, got {replicas!r}")
+    if not 1 <= replicas <= MAX_REPLICAS:
+        raise ValueError(
+            f"replicas must be 1 (one copy of each row) or {MAX_REPLICAS} (a second copy on "
+            f"another unit), got {replicas}"
+        )
+    return replicas
+
 
 SPREAD_BYTES = 16 << 20
 """Bytes of a put per storage unit it spreads over (see :meth:`Placement.place`)."""
@@ -22,9 +45,18 @@ _MAX_PRODUCERS = 4096
 class Placement:
     """Places puts on units, balancing the live payload the units hold."""
 
-    def __init__(self, num_units: int, spread_bytes: int = SPREAD_BYTES) -> None:
+    def __init__(self, num_units: int, spread_bytes: int = SPREAD_BYTES, replicas: int = 1) -> None:
         self.num_units = num_units
         self.spread_bytes = spread_bytes
+        self.replicas = check_replicas(replicas)
+        if replicas > num_units:
+            raise ValueError(
+                f"replicas={replicas} needs at least {replicas} storage units, got "
+                f"num_units={num_units}"
+            )
+        # per unit: a name of its host (units on one host share it); "" for all: unknown
+        self.hosts: list[str] = [""] * num_units
+        self._partner: np.ndarray | None = None  # per unit, its rows' second unit (-1: none)
         self._next_unit = 0
         # producer -> the unit of its small puts; in order of last use
         self._sticky: dict[str, int] = {}
@@ -37,6 +69,36 @@ class Placement:
     def set_alive(self, unit: int, alive: bool) -> None:
         self.alive[unit] = alive
         self._live = np.flatnonzero(self.alive).astype(np.int32)
+        self._partner = None
+
+    def set_host(self, unit: int, host: str) -> None:
+        """Unit ``unit`` runs on ``host`` (a replica goes to another host where it can)."""
+        self.hosts[unit] = host
+        self._partner = None
+
+    def replicas_of(self, units: np.ndarray) -> np.ndarray | None:
+        """The second unit of rows placed on ``units`` (-1: no other unit is alive), or None
+        when the controller keeps one copy (``replicas=1``: nothing is computed)."""
+        if self.replicas == 1:
+            return None
+        if self._partner is None:
+            self._partner = self._partners()
+        return self._partner[units]
+
+    def _partners(self) -> np.ndarray:
+        """Per unit, the live unit its rows' second copies go to (see the module)."""
+        partner = np.full(self.num_units, -1, dtype=np.int32)
+        live = self._live.tolist()
+        hosts = self.hosts
+        for k, p in enumerate(live):
+            after = live[k + 1 :] + live[:k]  # (the other live units, from p on)
+            far = [q for q in after if hosts[q] != hosts[p]]
+            if far:
+                rank = sum(1 for q in live[:k] if hosts[q] == hosts[p])
+                partner[p] = far[rank % len(far)]
+            elif after:
+                partner[p] = after[0]
+        return partner
 
     def add_bytes(self, units: np.ndarray, nbytes: np.ndarray) -> None:
         """Rows on ``units`` came (``nbytes`` > 0) or went (< 0)."""

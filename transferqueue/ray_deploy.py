@@ -44,6 +44,7 @@ from transferqueue.handle import TransferQueue
 from transferqueue.loop import LoopThread
 from transferqueue.malloc import keep_freed_memory
 from transferqueue.metrics import check_metrics_port
+from transferqueue.placement import check_replicas
 from transferqueue.remote import connect
 from transferqueue.server import ControllerServer, UnitServer
 
@@ -172,6 +173,7 @@ class ControllerActor(_ServerActor):
         keys: ServerKeys | None = None,
         grant_key: bytes | None = None,
         metrics: dict[str, Any] | None = None,
+        replicas: int = 1,
     ) -> None:
         super().__init__()
 
@@ -184,6 +186,7 @@ class ControllerActor(_ServerActor):
                 spread_bytes=spread_bytes,
                 keys=keys,
                 grant_key=grant_key,
+                replicas=replicas,
                 **(metrics or {}),
             )
             await server.start()
@@ -211,6 +214,7 @@ def start_on_ray(
     unit_max_restarts: int = 5,
     metrics_port: int | None = None,
     metrics_host: str = "127.0.0.1",
+    replicas: int = 1,
 ) -> TransferQueue:
     """Start controller and units as Ray actors and return a connected handle.
 
@@ -228,6 +232,9 @@ def start_on_ray(
     :class:`~transferqueue.service.LocalService` has them (0: free ports; P: the controller on
     P, unit i on P+1+i), on ``metrics_host`` of each actor's node (default loopback: scrape
     from that node, or widen it); their URLs are in ``stats()`` (``metrics_address``).
+    ``replicas=2``: each row is written to two unit actors, on two nodes where the units
+    spread over several (:mod:`transferqueue.placement`): an actor that dies loses no row
+    whose other copy lives, and Ray restarts it empty (:mod:`transferqueue.replicas`).
     """
     if not isinstance(unit_max_restarts, int) or unit_max_restarts < 0:
         raise ValueError(f"unit_max_restarts must be an integer >= 0, got {unit_max_restarts!r}")
@@ -238,6 +245,9 @@ def start_on_ray(
     if not ray.is_initialized():
         raise RuntimeError("call ray.init() before transferqueue.ray_deploy.start_on_ray()")
     check_metrics_port(metrics_port)
+    check_replicas(replicas)
+    if replicas > num_units:
+        raise ValueError(f"replicas={replicas} needs at least as many units, got {num_units}")
     loaded = server_keys(keys)
     if host is None and loaded is None:
         nodes = [n for n in ray.nodes() if n.get("Alive")]
@@ -281,7 +291,14 @@ def start_on_ray(
     try:
         unit_addrs = _started(ray, [u.address.remote() for u in units], start_timeout_s, "units")
         ctl = ctl_cls.options(**opts("controller")).remote(
-            unit_addrs, capacity_rows, host, spread_bytes, loaded, grant_key, metrics(None)
+            unit_addrs,
+            capacity_rows,
+            host,
+            spread_bytes,
+            loaded,
+            grant_key,
+            metrics(None),
+            replicas,
         )
         actors.append(ctl)
         address = str(_started(ray, [ctl.address.remote()], start_timeout_s, "controller")[0])

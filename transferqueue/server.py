@@ -292,9 +292,12 @@ class ControllerServer:
         allocation_s: float = ALLOCATION_S,
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
+        replicas: int = 1,
     ) -> None:
         """``metrics_port``: serve Prometheus metrics there once started (0: any free port;
-        None: no endpoint; see :mod:`transferqueue.metrics`), on ``metrics_host``."""
+        None: no endpoint; see :mod:`transferqueue.metrics`), on ``metrics_host``.
+        ``replicas=2``: each row on two units, on two hosts where the units' addresses name
+        several (see :mod:`transferqueue.placement`)."""
         if not unit_addresses:
             raise ValueError("a controller needs at least one storage unit address")
         self._metrics_port = check_metrics_port(metrics_port)
@@ -319,7 +322,10 @@ class ControllerServer:
                 spread_bytes=spread_bytes,
                 max_lease_s=max_lease_s,
                 allocation_s=allocation_s,
+                replicas=replicas,
             )
+            for i, a in enumerate(self.unit_addresses):
+                controller.placement.set_host(i, _host_of(a))
             self.service = ControllerService(controller, self._free_rows, grants=grants)
             self.rpc = RpcServer(
                 ctx, address, "controller", m.handlers("controller", self, self.service), keys=keys
@@ -472,6 +478,7 @@ class ControllerServer:
             old = self._units[unit]
             self._units[unit] = rpc
             self.unit_addresses[unit] = msg.address
+            self.service.controller.placement.set_host(unit, _host_of(msg.address))
             if self._started:
                 rpc.start_watch()
             await old.close()
@@ -498,3 +505,11 @@ class ControllerServer:
 
 async def _nothing() -> None:
     return None
+
+
+def _host_of(address: str) -> str:
+    """The host part of a unit's address (``tcp://HOST:PORT``; every ``ipc://`` path is on
+    this host): units that share it share a machine, as far as the controller can tell."""
+    if address.startswith("tcp://"):
+        return address[len("tcp://") :].rsplit(":", 1)[0]
+    return "local"

@@ -87,6 +87,7 @@ async def _run_controller(
     liveness: Liveness,
     allocation_s: float,
     metrics: dict[str, Any],
+    replicas: int = 1,
 ) -> None:
     ctx = zmq.asyncio.Context()
     extra: dict[str, Any] = {} if spread_bytes is None else {"spread_bytes": spread_bytes}
@@ -100,6 +101,7 @@ async def _run_controller(
         grant_key=grant_key_from_env(),
         liveness=liveness,
         allocation_s=allocation_s,
+        replicas=replicas,
         **metrics,
         **extra,
     )
@@ -126,6 +128,7 @@ def _child_main(argv: list[str]) -> None:
     ap.add_argument("--allocation-s", type=float, default=ALLOCATION_S)
     ap.add_argument("--metrics-port", type=int, default=None)
     ap.add_argument("--metrics-host", default="127.0.0.1")
+    ap.add_argument("--replicas", type=int, default=1)
     a = ap.parse_args(argv)
     metrics = {"metrics_port": a.metrics_port, "metrics_host": a.metrics_host}
     keep_freed_memory()  # reuse freed payload buffers instead of faulting in fresh pages
@@ -147,6 +150,7 @@ def _child_main(argv: list[str]) -> None:
                 Liveness(heartbeat_s=a.heartbeat_s, dead_after_s=a.dead_after_s),
                 a.allocation_s,
                 metrics,
+                a.replicas,
             )
         )
 

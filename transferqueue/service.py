@@ -38,6 +38,7 @@ from transferqueue.grants import new_grant_key
 from transferqueue.health import ALLOCATION_S
 from transferqueue.liveness import DEFAULT_LIVENESS, Liveness
 from transferqueue.metrics import check_metrics_port
+from transferqueue.placement import check_replicas
 
 __all__ = ["READY", "LocalService", "serve"]
 
@@ -74,7 +75,9 @@ class LocalService:
     each server on a free port, a port P the controller on P and unit i on P+1+i; they listen
     on ``metrics_host`` (default loopback). Their URLs: ``metrics_address`` (controller) and
     ``unit_metrics_addresses``, also in ``stats()`` (a restarted unit's on a free port may
-    have moved: stats says where).
+    have moved: stats says where). ``replicas=2``: each row is written to two units, and a
+    unit that dies loses no row that has its other copy alive (see
+    :mod:`transferqueue.replicas`; needs two units).
     """
 
     def __init__(
@@ -96,8 +99,15 @@ class LocalService:
         max_restarts: int = MAX_RESTARTS,
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
+        replicas: int = 1,
     ) -> None:
         check_metrics_port(metrics_port)
+        check_replicas(replicas)
+        if replicas > num_units:
+            raise ValueError(
+                f"replicas={replicas} needs at least as many storage units, got "
+                f"num_units={num_units}"
+            )
         if not isinstance(max_restarts, int) or max_restarts < 0:
             raise ValueError(f"max_restarts must be an integer >= 0, got {max_restarts!r}")
         self._max_restarts = max_restarts
@@ -139,6 +149,7 @@ class LocalService:
             args += ["--heartbeat-s", str(liveness.heartbeat_s)]
             args += ["--dead-after-s", str(liveness.dead_after_s)]
             args += ["--allocation-s", str(allocation_s)]
+            args += ["--replicas", str(replicas)]
             args += ["--address", self._bind(transport, host, port, None)]
             if capacity_rows is not None:
                 args += ["--capacity", str(capacity_rows)]

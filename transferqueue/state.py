@@ -102,6 +102,7 @@ HEADER: dict[str, tuple[type, int]] = {
     "index": (np.int64, -1),
     "partition": (np.int16, -1),
     "unit": (np.int32, -1),
+    "replica": (np.int32, -1),  # the unit of the row's second copy (replicas=2; -1: none)
     "group": (np.int64, -1),
     "version": (np.int64, -1),
     "length": (np.int64, -1),

@@ -1,8 +1,9 @@
 """Fixtures shared by the TransferQueue behaviour tests.
 
 ``tq`` is parametrized over deployments, so every behaviour test runs unchanged against each
-way of running TransferQueue: in-process (``embedded``), controller and units as local
-processes over ZeroMQ (``service``), and as Ray actors (``ray``, needs the ray extra). Service
+way of running TransferQueue: in-process (``embedded``; ``replicas``: the same keeping two
+copies of each row, which must behave alike), controller and units as local processes over
+ZeroMQ (``service``), and as Ray actors (``ray``, needs the ray extra). Service
 and Ray servers are started once per session and reset between tests.
 """
 
@@ -17,6 +18,7 @@ from transferqueue import Client, TransferQueue
 
 DEPLOYMENTS = [
     "embedded",
+    pytest.param("replicas", marks=pytest.mark.replicas),
     pytest.param("service", marks=pytest.mark.service),
     pytest.param("ray", marks=pytest.mark.ray),
 ]
@@ -53,8 +55,9 @@ def deploy(request: pytest.FixtureRequest) -> Iterator[Deploy]:
     def make(**options: object) -> TransferQueue:
         # every put over both units, so that the multi-unit paths are what the tests exercise
         options.setdefault("spread_bytes", 0)
-        if kind == "embedded":
-            h = transferqueue.start(num_units=2, **options)  # type: ignore[arg-type]
+        if kind in ("embedded", "replicas"):
+            copies = 2 if kind == "replicas" else 1
+            h = transferqueue.start(num_units=2, replicas=copies, **options)  # type: ignore[arg-type]
         elif set(options) - {"spread_bytes"}:
             if kind == "ray":
                 request.getfixturevalue("ray_cluster")  # (skips without ray; starts it once)
