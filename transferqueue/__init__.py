@@ -20,6 +20,7 @@ from transferqueue.errors import (
     ClosedError,
     DeniedError,
     FinishedError,
+    KeyLeasedError,
     LeaseExpiredError,
     PeerGoneError,
     ProtocolError,
@@ -28,11 +29,13 @@ from transferqueue.errors import (
     TQError,
     TQTimeoutError,
     UnknownFieldError,
+    UnknownKeyError,
     UnknownLeaseError,
     UnknownRowError,
     UnknownTaskError,
 )
 from transferqueue.handle import TransferQueue
+from transferqueue.keys import KeyListing
 from transferqueue.liveness import Liveness
 from transferqueue.meta import BatchMeta
 from transferqueue.ragged import Ragged
@@ -53,6 +56,8 @@ __all__ = [
     "DeniedError",
     "FieldSpec",
     "FinishedError",
+    "KeyLeasedError",
+    "KeyListing",
     "LeaseExpiredError",
     "Liveness",
     "LocalService",
@@ -67,6 +72,7 @@ __all__ = [
     "TQTimeoutError",
     "TransferQueue",
     "UnknownFieldError",
+    "UnknownKeyError",
     "UnknownLeaseError",
     "UnknownRowError",
     "UnknownTaskError",

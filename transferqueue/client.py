@@ -38,6 +38,7 @@ from transferqueue.errors import (
     UnknownFieldError,
     UnknownRowError,
 )
+from transferqueue.kv_client import KVCalls
 from transferqueue.links import OFFLOAD_BYTES, ControllerLink, Staged, UnitLink
 from transferqueue.loop import LoopThread
 from transferqueue.memcpy import copy_rows, gather_rows
@@ -105,9 +106,10 @@ def _unit_ids(units: np.ndarray) -> list[int]:
     return [int(u) for u in np.unique(units).tolist()]
 
 
-class AsyncClient(StatusCalls):
+class AsyncClient(StatusCalls, KVCalls):
     """Async TransferQueue client. Get one from ``tq.async_client()``. Status queries,
-    consumption resets and custom metadata: :mod:`transferqueue.status_client`."""
+    consumption resets and custom metadata: :mod:`transferqueue.status_client`; rows named
+    by string keys (``kv_put``, ``kv_batch_get`` ...): :mod:`transferqueue.kv_client`."""
 
     def __init__(
         self,

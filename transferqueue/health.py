@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from transferqueue.errors import RowsLostError, UnknownRowError
+from transferqueue.keys import KeyMap
 from transferqueue.leases import LeaseTable
 from transferqueue.placement import Placement
 from transferqueue.schema import FieldSpec
@@ -64,6 +65,7 @@ class UnitHealth:
     _rows_live: int
     _custom: dict[int, bytes]  # (custom metadata by row, see transferqueue.status)
     _custom_bytes: int
+    _keys: dict[int, KeyMap]  # (keys of rows by partition id, see transferqueue.keys)
 
     def _init_health(self) -> None:
         self._gone: deque[np.ndarray] = deque()  # lost and reclaimed indexes, oldest first
@@ -236,6 +238,7 @@ class UnitHealth:
                 "rows_live": part.rows_live,
                 "rows_freed": part.rows_freed,
                 "rows_lost": part.rows_lost,
+                "keys": len(self._keys.get(part.id) or ()),
                 "finished": part.finished,
                 "declared_tasks": part.declared,
                 "tasks": tasks,

@@ -74,6 +74,17 @@ EXAMPLES: dict[tuple[str, str], m.Request[Any]] = {
         indexes=np.array([10**9]), metas=[m.encode_meta({"k": [1, "v"]}, "fuzz")]
     ),
     ("controller", "get_custom_meta"): m.GetCustomMeta(indexes=np.array([10**9])),
+    ("controller", "kv_rows"): m.KvRows(
+        partition="fuzz",
+        keys=["k1", "ü-2"],
+        create=True,
+        groups=np.arange(2),
+        nbytes=16,
+        producer="p",
+        timeout_s=0.0,
+    ),
+    ("controller", "kv_delete"): m.KvDelete(partition="fuzz", keys=["k1"]),
+    ("controller", "kv_list"): m.KvList(partition="fuzz", fields=["fz"], all_fields=True),
     ("unit", "write"): m.Write(
         indexes=np.array([2**27]),
         columns={"fz": torch.zeros(1, 300), "o": ["a"]},
