@@ -176,7 +176,8 @@ class KeyedRows:
     def new_keys(self, partition: str, keys: list[str]) -> int:
         """How many of ``keys`` have no row yet; raises what no wait for capacity cures."""
         n = int((self._lookup(partition, keys) < 0).sum())
-        self.check_allocate(n, partition)
+        if n:  # (updates of known keys go into a finished partition too)
+            self.check_allocate(n, partition)
         return n
 
     # -- rows of keys ------------------------------------------------------------------------
