@@ -20,6 +20,7 @@ from transferqueue.errors import (
     ClosedError,
     DeniedError,
     FinishedError,
+    KeyLeasedError,
     LeaseExpiredError,
     PeerGoneError,
     ProtocolError,
@@ -28,11 +29,13 @@ from transferqueue.errors import (
     TQError,
     TQTimeoutError,
     UnknownFieldError,
+    UnknownKeyError,
     UnknownLeaseError,
     UnknownRowError,
     UnknownTaskError,
 )
 from transferqueue.handle import TransferQueue
+from transferqueue.keys import KeyListing
 from transferqueue.liveness import Liveness
 from transferqueue.meta import BatchMeta
 from transferqueue.ragged import Ragged
@@ -54,6 +57,8 @@ __all__ = [
     "DeniedError",
     "FieldSpec",
     "FinishedError",
+    "KeyLeasedError",
+    "KeyListing",
     "LeaseExpiredError",
     "Liveness",
     "LocalService",
@@ -70,6 +75,7 @@ __all__ = [
     "TQTimeoutError",
     "TransferQueue",
     "UnknownFieldError",
+    "UnknownKeyError",
     "UnknownLeaseError",
     "UnknownRowError",
     "UnknownTaskError",

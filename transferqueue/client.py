@@ -41,6 +41,7 @@ from transferqueue.errors import (
     UnknownFieldError,
     UnknownRowError,
 )
+from transferqueue.kv_client import KVCalls
 from transferqueue.links import OFFLOAD_BYTES, ControllerLink, Staged, UnitLink
 from transferqueue.loop import LoopThread
 from transferqueue.memcpy import gather_rows
@@ -111,9 +112,10 @@ def _by_unit(units: np.ndarray) -> dict[int, np.ndarray]:
     return {int(u): np.flatnonzero(units == u) for u in np.unique(units).tolist()}
 
 
-class AsyncClient(StatusCalls):
+class AsyncClient(StatusCalls, KVCalls):
     """Async TransferQueue client. Get one from ``tq.async_client()``. Status queries,
-    consumption resets and custom metadata: :mod:`transferqueue.status_client`."""
+    consumption resets and custom metadata: :mod:`transferqueue.status_client`; rows named
+    by string keys (``kv_put``, ``kv_batch_get`` ...): :mod:`transferqueue.kv_client`."""
 
     def __init__(
         self,

@@ -35,6 +35,7 @@ from transferqueue.errors import (
     UnknownTaskError,
 )
 from transferqueue.health import ALLOCATION_S, UnitHealth
+from transferqueue.keys import KeyedRows
 from transferqueue.leases import Lease, LeaseTable
 from transferqueue.limits import MAX_FIELDS, MAX_LEASE_S, MAX_ROWS, MAX_TASKS
 from transferqueue.meta import BatchMeta
@@ -59,11 +60,12 @@ from transferqueue.status import RowStatus
 __all__ = ["SPREAD_BYTES", "Changes", "Controller"]
 
 
-class Controller(UnitHealth, Retirement, RowStatus):
+class Controller(UnitHealth, Retirement, RowStatus, KeyedRows):
     """Row metadata, readiness, per-task queues and leases. Not thread-safe by design.
     What happens when a unit or a producer dies, and ``stats``: :mod:`transferqueue.health`;
     loss logs per task and retiring groups to put them again: :mod:`transferqueue.retire`;
-    status queries, consumption resets and custom metadata: :mod:`transferqueue.status`.
+    status queries, consumption resets and custom metadata: :mod:`transferqueue.status`;
+    string keys of rows (the key-value calls): :mod:`transferqueue.keys`.
     """
 
     def __init__(
@@ -107,6 +109,7 @@ class Controller(UnitHealth, Retirement, RowStatus):
         self._init_health()
         self._init_retirement()
         self._init_status()
+        self._init_keys()
 
     # -- schema ------------------------------------------------------------------------------
     @property
@@ -640,6 +643,7 @@ class Controller(UnitHealth, Retirement, RowStatus):
             h[k][slots] = fill
         self._map.remove(indexes)
         self._drop_custom_meta(indexes)
+        self._drop_keys(part, indexes)
         self._alloc.free(slots)
         n = int(slots.size)
         part.rows_live -= n

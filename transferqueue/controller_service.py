@@ -34,6 +34,7 @@ from transferqueue.aio import wait_event
 from transferqueue.controller import Changes, Controller
 from transferqueue.errors import BadRequestError, CapacityError, ClosedError
 from transferqueue.grants import Grants
+from transferqueue.keys import KeyListing, KeyRows
 from transferqueue.leases import TaskKey
 from transferqueue.liveness import new_incarnation
 from transferqueue.messages import Caller
@@ -189,7 +190,12 @@ class ControllerService:
         self.controller.check_allocate(msg.n, msg.partition)
         if self.controller.can_allocate(msg.n):
             return self._allocated(msg)
-        return self._allocate_later(msg)
+
+        def need(ctl: Controller) -> int:
+            ctl.check_allocate(msg.n, msg.partition)
+            return msg.n
+
+        return self._when_room(need, msg, lambda: self._allocated(msg))
 
     def _allocated(self, msg: m.Allocate) -> BatchMeta:
         meta = self.controller.allocate(
@@ -201,34 +207,46 @@ class ControllerService:
             nbytes=msg.nbytes,
             producer=msg.producer,
         )
-        if self._grants is not None and len(meta):
+        return self._granted(meta, meta)
+
+    def _granted(self, meta: BatchMeta, new: BatchMeta) -> BatchMeta:
+        """``meta`` with grants to create the rows of ``new`` (new rows among meta's)."""
+        if self._grants is not None and len(new):
             # (a put's rows on one unit are one contiguous run of indexes; with a second copy
             # of each row, a unit's first and second copies may be two runs: the grant spans
             # both, rows of this one allocation either way)
             meta.grants = {}
-            units, copies = meta.units, meta.replica_units
+            units, copies = new.units, new.replica_units
             for u in np.unique(units if copies is None else np.r_[units, copies]).tolist():
                 if u < 0:
                     continue
                 on = units == u if copies is None else (units == u) | (copies == u)
-                rows = meta.indexes[on]
+                rows = new.indexes[on]
                 meta.grants[u] = self._grants.sign(u, int(rows[0]), int(rows[-1]) + 1)
         return meta
 
-    async def _allocate_later(self, msg: m.Allocate) -> BatchMeta | None:
+    async def _when_room(
+        self,
+        need: Callable[[Controller], int],
+        msg: m.Allocate | m.KvRows,
+        make: Callable[[], T],
+    ) -> T | None:
+        """``make()`` once the controller has room for ``need(controller)`` more rows (which
+        also raises what no wait cures); waits up to ``msg.timeout_s`` for consumers to free
+        rows, then raises CapacityError (or, a slice of a longer wait, answers None)."""
         loop = asyncio.get_running_loop()
         deadline = None if msg.timeout_s is None else loop.time() + msg.timeout_s
         while True:
             ctl = self.controller  # re-read: a reset replaces it
-            ctl.check_allocate(msg.n, msg.partition)
-            if ctl.can_allocate(msg.n):
-                return self._allocated(msg)
+            n = need(ctl)
+            if ctl.can_allocate(n):
+                return make()
             remaining = self._remaining(deadline)
             if remaining is not None and remaining <= 0:
                 if not msg.partial:
                     return None  # a slice of a longer wait ran out (see messages.Request)
                 raise CapacityError(
-                    f"no room for {msg.n} rows within timeout_s={msg.timeout_s}: TransferQueue "
+                    f"no room for {n} rows within timeout_s={msg.timeout_s}: TransferQueue "
                     f"holds {ctl.stats()['rows_live']} of capacity_rows={ctl.capacity_rows}. "
                     "Consumers must acknowledge rows (of declared tasks) or clear partitions"
                 )
@@ -366,6 +384,36 @@ class ControllerService:
 
     def get_custom_meta(self, msg: m.GetCustomMeta, caller: Caller) -> list[bytes]:
         return self.controller.get_custom_meta(msg.indexes)
+
+    # -- keys (see transferqueue.keys) -------------------------------------------------------
+    def kv_rows(self, msg: m.KvRows, caller: Caller) -> KeyRows | Awaitable[KeyRows | None]:
+        """The rows of keys; with ``create``, new rows for new keys once there is room."""
+        if not msg.create:
+            return self.controller.key_rows(msg.partition, msg.keys, fields=msg.fields)
+        if self.controller.can_allocate(self.controller.new_keys(msg.partition, msg.keys)):
+            return self._key_rows(msg)
+        return self._when_room(
+            lambda ctl: ctl.new_keys(msg.partition, msg.keys), msg, lambda: self._key_rows(msg)
+        )
+
+    def _key_rows(self, msg: m.KvRows) -> KeyRows:
+        got = self.controller.key_rows(
+            msg.partition,
+            msg.keys,
+            create=True,
+            groups=msg.groups,
+            nbytes=msg.nbytes,
+            producer=msg.producer,
+        )
+        self._granted(got.meta, got.meta.select(got.created))
+        return got
+
+    def kv_delete(self, msg: m.KvDelete, caller: Caller) -> Awaitable[None] | None:
+        # (the reply waits for the units' frees: stats read after it see the memory freed)
+        return _after(self._apply(self.controller.delete_keys(msg.partition, msg.keys)))
+
+    def kv_list(self, msg: m.KvList, caller: Caller) -> KeyListing:
+        return self.controller.list_keys(msg.partition, msg.fields, msg.all_fields)
 
     async def reset(self, msg: m.Reset, caller: Caller) -> None:
         """Forget everything: rows, tasks, leases and field specs (a fresh TransferQueue).

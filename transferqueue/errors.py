@@ -10,6 +10,8 @@ was expected, what was received, and what to do.
 | SchemaError         | schema          | a write disagrees with a field's spec, or is malformed   |
 | UnknownFieldError   | unknown_field   | a read or task names a field nobody has written          |
 | UnknownRowError     | unknown_row     | rows are not (or no longer) stored                       |
+| UnknownKeyError     | unknown_key     | a key-value call names keys a partition does not hold    |
+| KeyLeasedError      | key_leased      | a delete names keys whose rows a task holds leased       |
 | RowsLostError       | rows_lost       | rows were lost with a storage unit that died, or their   |
 |                     |                 | allocation expired before the put committed them         |
 | UnknownLeaseError   | unknown_lease   | an ack/put names a lease the controller never issued     |
@@ -35,6 +37,7 @@ __all__ = [
     "ClosedError",
     "DeniedError",
     "FinishedError",
+    "KeyLeasedError",
     "LeaseExpiredError",
     "PeerGoneError",
     "ProtocolError",
@@ -43,6 +46,7 @@ __all__ = [
     "TQError",
     "TQTimeoutError",
     "UnknownFieldError",
+    "UnknownKeyError",
     "UnknownLeaseError",
     "UnknownRowError",
     "UnknownTaskError",
@@ -78,6 +82,23 @@ class UnknownRowError(TQError, KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
+
+
+class UnknownKeyError(TQError, KeyError):
+    """Keys that a partition does not hold (never put, deleted, cleared, or freed with their
+    row); the message names them and says how to put them."""
+
+    code = "unknown_key"
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class KeyLeasedError(TQError):
+    """A delete of keys whose rows a consumer task holds leased: nothing was deleted; delete
+    again once the task acknowledges or releases them (or the lease runs out)."""
+
+    code = "key_leased"
 
 
 class RowsLostError(TQError):
@@ -175,6 +196,8 @@ _BY_CODE: dict[str, type[TQError]] = {
         SchemaError,
         UnknownFieldError,
         UnknownRowError,
+        UnknownKeyError,
+        KeyLeasedError,
         RowsLostError,
         UnknownLeaseError,
         LeaseExpiredError,

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from transferqueue.errors import RowsLostError, UnknownRowError
+from transferqueue.keys import KeyMap
 from transferqueue.leases import LeaseTable
 from transferqueue.placement import Placement
 from transferqueue.schema import FieldSpec
@@ -74,6 +75,7 @@ class UnitHealth:
     _custom_bytes: int
     rows_retired: int  # (transferqueue.retire's)
     _lost_for_task: Callable[[Any, np.ndarray], None]  # (transferqueue.retire's)
+    _keys: dict[int, KeyMap]  # (keys of rows by partition id, see transferqueue.keys)
 
     def _init_health(self) -> None:
         self._gone: deque[np.ndarray] = deque()  # lost and reclaimed indexes, oldest first
@@ -310,6 +312,7 @@ class UnitHealth:
                 "rows_freed": part.rows_freed,
                 "rows_lost": part.rows_lost,
                 "rows_retired": part.rows_retired,
+                "keys": len(self._keys.get(part.id) or ()),
                 "finished": part.finished,
                 "declared_tasks": part.declared,
                 "tasks": tasks,

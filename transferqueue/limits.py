@@ -23,6 +23,8 @@ workloads (an RL batch is thousands of rows) and far below what would hurt a ser
 | MAX_FRAME_BYTES    | 1 GiB         | one ZeroMQ frame a server accepts (larger: disconnected)    |
 | MAX_META_BYTES     | 4,096         | one row's custom metadata, msgpack-encoded                  |
 | MAX_META_REQUEST_BYTES | 64 MiB    | custom metadata set or returned by one request              |
+| MAX_KEY_CHARS      | 512           | one key of the key-value calls (a non-empty string)         |
+| MAX_KEYS           | 65,536        | keys in one key-value request (put, get, delete)            |
 
 Times must be finite: NaN, infinity and negatives are refused where a time is expected.
 Storage units accept new rows only under a grant the controller signed for them (see
@@ -37,6 +39,8 @@ __all__ = [
     "MAX_FIELDS",
     "MAX_FRAME_BYTES",
     "MAX_INDEX",
+    "MAX_KEYS",
+    "MAX_KEY_CHARS",
     "MAX_LEASE_S",
     "MAX_META_BYTES",
     "MAX_META_REQUEST_BYTES",
@@ -66,3 +70,5 @@ MAX_FIELDS = 1024
 MAX_FRAME_BYTES = 1 << 30
 MAX_META_BYTES = 4096
 MAX_META_REQUEST_BYTES = 64 << 20
+MAX_KEY_CHARS = 512
+MAX_KEYS = 1 << 16

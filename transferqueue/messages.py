@@ -19,7 +19,7 @@ column values) are :class:`Check` objects in the field's ``Annotated`` metadata,
 | controller | hello, ping, register_unit**, lost, register_fields, get_specs, allocate,      |
 |            | discard, commit, get_meta, ack, release, renew, declare_tasks, finish, clear*, |
 |            | stats, reset*, status, reset_consumption, set_custom_meta, get_custom_meta,    |
-|            | lost_rows, retire_groups                                                       |
+|            | lost_rows, retire_groups, kv_rows, kv_delete, kv_list                          |
 | unit       | write, read, free, ping, clear*, stats, reset*, shm_attach, shm_detach         |
 
 ``*``: needs an admin key when the service has one (see :mod:`transferqueue.auth`);
@@ -29,6 +29,7 @@ column values) are :class:`Check` objects in the field's ``Annotated`` metadata,
 from __future__ import annotations
 
 import inspect
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Generic, Literal, TypeVar, get_args, get_origin
@@ -41,8 +42,11 @@ from msgspec import Meta
 
 from transferqueue.chunked import ChunkedTensor
 from transferqueue.errors import BadRequestError, DeniedError
+from transferqueue.keys import KeyListing, KeyRows
 from transferqueue.limits import (
     MAX_INDEX,
+    MAX_KEY_CHARS,
+    MAX_KEYS,
     MAX_META_BYTES,
     MAX_META_REQUEST_BYTES,
     MAX_NAME_CHARS,
@@ -198,6 +202,33 @@ class MetaMaps(Check):
         return value
 
 
+class KeyList(Check):
+    """Keys of the key-value calls: 1 to ``MAX_KEYS`` distinct non-empty strings of at most
+    ``MAX_KEY_CHARS`` characters (msgspec bounds the decoded form; this also checks what a
+    client builds in-process)."""
+
+    def __call__(self, value: Any, field: str) -> Any:
+        if value is None:  # (where a kind allows None: every key)
+            return None
+        if not isinstance(value, list) or not value or len(value) > MAX_KEYS:
+            got = f"{len(value)} keys" if isinstance(value, list) else type(value).__name__
+            raise BadRequestError(
+                f"{field}: expected a list of 1..{MAX_KEYS} keys (MAX_KEYS), got {got}; "
+                "split larger calls"
+            )
+        for i, key in enumerate(value):
+            if not isinstance(key, str) or not 0 < len(key) <= MAX_KEY_CHARS:
+                got = f"{len(key)} characters" if isinstance(key, str) else type(key).__name__
+                raise BadRequestError(
+                    f"{field}[{i}]: a key is a non-empty str of at most {MAX_KEY_CHARS} "
+                    f"characters (MAX_KEY_CHARS), got {got}: {key!r:.60}"
+                )
+        if len(set(value)) != len(value):
+            twice = [k for k, c in Counter(value).items() if c > 1][:5]
+            raise BadRequestError(f"{field}: keys {twice} appear more than once; name each once")
+        return value
+
+
 # -- field types ---------------------------------------------------------------------------------
 Name = Annotated[str, Meta(min_length=1, max_length=MAX_NAME_CHARS)]
 Names = Annotated[list[Name], Meta(max_length=MAX_NAMES)]
@@ -216,6 +247,8 @@ Options = Annotated[
 ]
 ArenaName = Annotated[str, Meta(max_length=64)]
 Grant = Annotated[bytes, Meta(max_length=64)]
+Key = Annotated[str, Meta(min_length=1, max_length=MAX_KEY_CHARS)]
+Keys = Annotated[list[Key], Meta(min_length=1, max_length=MAX_KEYS), KeyList()]
 ColumnMap = Annotated[dict[Name, Any], Meta(max_length=MAX_NAMES), Columns()]
 MetaList = Annotated[
     list[Annotated[bytes, Meta(max_length=MAX_META_BYTES)]], Meta(max_length=MAX_ROWS), MetaMaps()
@@ -519,6 +552,47 @@ class RetireGroups(ControllerRequest[Retired]):
     partition: Name
     groups: Rows
     unless_leased_by: Name | None = None
+
+
+class KvRows(ControllerRequest[KeyRows]):
+    """The rows of ``keys`` in ``partition``, in the keys' order (an unknown key is an
+    ``UnknownKeyError``). A read names ``fields`` (every row must have them written), or
+    None (the reply names the fields every row has). ``create``: keys without a row get new
+    rows (a key-value put; the reply says which, their grants come with the meta), waiting
+    up to ``timeout_s`` for capacity; ``groups`` (one per key, or one for all) are the new
+    rows' groups, ``nbytes`` the payload of all keys (see :mod:`transferqueue.keys`)."""
+
+    kind = "kv_rows"
+    waits = True
+    partition: Name
+    keys: Keys
+    create: bool = False
+    fields: Names | None = None
+    groups: PerRow | None = None
+    nbytes: Bytes | None = None
+    producer: Annotated[str, Meta(max_length=64)] | None = None
+    timeout_s: WaitS | None = None
+    partial: bool = True
+
+
+class KvDelete(ControllerRequest[None]):
+    """Delete the rows of ``keys`` (None: every key of the partition), all or nothing: a
+    row a task holds leased refuses the call with ``KeyLeasedError``. Their payload is
+    freed on the units before the reply."""
+
+    kind = "kv_delete"
+    partition: Name
+    keys: Keys | None = None
+
+
+class KvList(ControllerRequest[KeyListing]):
+    """The keys of ``partition`` in row order; per field of ``fields`` (every field some
+    key's row has, with ``all_fields``) which keys' rows have it."""
+
+    kind = "kv_list"
+    partition: Name
+    fields: Names | None = None
+    all_fields: bool = False
 
 
 # -- storage unit --------------------------------------------------------------------------------

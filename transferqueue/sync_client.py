@@ -63,6 +63,14 @@ class Client:
     get_custom_meta = _blocking(AsyncClient.get_custom_meta)
     lost_rows = _blocking(AsyncClient.lost_rows)
     retire_groups = _blocking(AsyncClient.retire_groups)
+    kv_put = _blocking(AsyncClient.kv_put)
+    kv_batch_put = _blocking(AsyncClient.kv_batch_put)
+    kv_get = _blocking(AsyncClient.kv_get)
+    kv_batch_get = _blocking(AsyncClient.kv_batch_get)
+    kv_meta = _blocking(AsyncClient.kv_meta)
+    kv_list = _blocking(AsyncClient.kv_list)
+    kv_delete = _blocking(AsyncClient.kv_delete)
+    kv_clear = _blocking(AsyncClient.kv_clear)
 
     @overload
     def get_data(

@@ -78,6 +78,17 @@ EXAMPLES: dict[tuple[str, str], m.Request[Any]] = {
     ("controller", "retire_groups"): m.RetireGroups(
         partition="fuzz", groups=np.array([10**9]), unless_leased_by="ft"
     ),
+    ("controller", "kv_rows"): m.KvRows(
+        partition="fuzz",
+        keys=["k1", "ü-2"],
+        create=True,
+        groups=np.arange(2),
+        nbytes=16,
+        producer="p",
+        timeout_s=0.0,
+    ),
+    ("controller", "kv_delete"): m.KvDelete(partition="fuzz", keys=["k1"]),
+    ("controller", "kv_list"): m.KvList(partition="fuzz", fields=["fz"], all_fields=True),
     ("unit", "write"): m.Write(
         indexes=np.array([2**27]),
         columns={"fz": torch.zeros(1, 300), "o": ["a"]},

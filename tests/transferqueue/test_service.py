@@ -67,6 +67,7 @@ def _fuzz(sock: zmq.Socket, server: str, pids: list[int], rss0: list[int]) -> tu
 ERROR_CODES = {
     "protocol", "bad_request", "schema", "unknown_field", "unknown_row", "unknown_lease",
     "lease_expired", "unknown_task", "capacity", "denied", "finished", "closed",
+    "unknown_key", "key_leased",
 }  # fmt: skip
 
 
