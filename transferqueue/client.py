@@ -29,6 +29,7 @@ import torch
 from transferqueue import messages as m
 from transferqueue.aio import within
 from transferqueue.buffers import ResultBuffers
+from transferqueue.checkpoint import CheckpointCalls
 from transferqueue.errors import (
     BadRequestError,
     PeerGoneError,
@@ -105,9 +106,10 @@ def _unit_ids(units: np.ndarray) -> list[int]:
     return [int(u) for u in np.unique(units).tolist()]
 
 
-class AsyncClient(StatusCalls):
+class AsyncClient(StatusCalls, CheckpointCalls):
     """Async TransferQueue client. Get one from ``tq.async_client()``. Status queries,
-    consumption resets and custom metadata: :mod:`transferqueue.status_client`."""
+    consumption resets and custom metadata: :mod:`transferqueue.status_client`; ``save``
+    and ``load`` of partitions: :mod:`transferqueue.checkpoint`."""
 
     def __init__(
         self,

@@ -18,7 +18,8 @@ column values) are :class:`Check` objects in the field's ``Annotated`` metadata,
 |------------|--------------------------------------------------------------------------------|
 | controller | hello, ping, register_unit**, lost, register_fields, get_specs, allocate,      |
 |            | discard, commit, get_meta, ack, release, renew, declare_tasks, finish, clear*, |
-|            | stats, reset*, status, reset_consumption, set_custom_meta, get_custom_meta     |
+|            | stats, reset*, status, reset_consumption, set_custom_meta, get_custom_meta,    |
+|            | export_state, hold_export, import_rows, import_tasks                           |
 | unit       | write, read, free, ping, clear*, stats, reset*, shm_attach, shm_detach         |
 
 ``*``: needs an admin key when the service has one (see :mod:`transferqueue.auth`);
@@ -54,6 +55,7 @@ from transferqueue.limits import (
 from transferqueue.meta import BatchMeta
 from transferqueue.ragged import Ragged
 from transferqueue.schema import FieldSpec
+from transferqueue.snapshot import StoreExport, TaskImports
 from transferqueue.status import PartitionStatus
 
 __all__ = [
@@ -492,6 +494,47 @@ class GetCustomMeta(ControllerRequest[list[bytes]]):
 
     kind = "get_custom_meta"
     indexes: Rows
+
+
+class ExportState(ControllerRequest[StoreExport]):
+    """A snapshot of partitions (all if None) at this instant, as plain data (see
+    :mod:`transferqueue.snapshot`); their rows' payload stays on the units for ``hold_s``
+    (renewed by ``hold_export``) so that the saver can read it."""
+
+    kind = "export_state"
+    partitions: Names | None = None
+    hold_s: LeaseS = 600.0
+
+
+class HoldExport(ControllerRequest[None]):
+    """Keep a snapshot's rows ``hold_s`` longer; ``hold_s=0`` ends the hold."""
+
+    kind = "hold_export"
+    snapshot_id: LeaseId
+    hold_s: WaitS
+
+
+class ImportRows(ControllerRequest[BatchMeta]):
+    """Rows of a partition being loaded, with their headers and no field ready (``first``:
+    the partition must be new). Replies with the rows and the grants to write them."""
+
+    kind = "import_rows"
+    partition: Name
+    groups: Rows
+    versions: Rows
+    lengths: Rows
+    first: bool = True
+
+
+class ImportTasks(ControllerRequest[None]):
+    """The end of a partition's load: its tasks (consumed rows, queue order), declared task
+    names and finished flag; the partition opens to consumers."""
+
+    kind = "import_tasks"
+    partition: Name
+    tasks: TaskImports
+    declared: Names | None = None
+    finished: bool = False
 
 
 # -- storage unit --------------------------------------------------------------------------------

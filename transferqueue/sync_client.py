@@ -61,6 +61,8 @@ class Client:
     reset_consumption = _blocking(AsyncClient.reset_consumption)
     set_custom_meta = _blocking(AsyncClient.set_custom_meta)
     get_custom_meta = _blocking(AsyncClient.get_custom_meta)
+    save = _blocking(AsyncClient.save)
+    load = _blocking(AsyncClient.load)
 
     @overload
     def get_data(
