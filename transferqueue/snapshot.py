@@ -113,6 +113,18 @@ class TaskImport(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
                 raise BadRequestError(f"task {self.name!r}: {what} must be a 1-D integer array")
             setattr(self, what, arr.astype(np.int64, copy=False))
 
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TaskImport):
+            return NotImplemented
+        return all(
+            np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b
+            for a, b in zip(
+                msgspec.structs.astuple(self), msgspec.structs.astuple(other), strict=True
+            )
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # (mutable arrays: not hashable)
+
 
 TaskImports = Annotated[list[TaskImport], Meta(max_length=MAX_TASKS)]
 
