@@ -80,7 +80,12 @@ class Writers:
         w.write_batch(batch)
 
     def write_rows(
-        self, lo: int, hi: int, consumed: dict[str, np.ndarray], ranks: dict[str, np.ndarray]
+        self,
+        lo: int,
+        hi: int,
+        consumed: dict[str, np.ndarray],
+        queue: dict[str, np.ndarray],
+        leased: dict[str, np.ndarray],
     ) -> None:
         p = self._part
         arrays: dict[str, pa.Array] = {
@@ -98,7 +103,8 @@ class Writers:
             arrays[f"ready:{f}"] = pa.array(ready[lo:hi], type=pa.bool_())
         for col in self._tasks:
             arrays[f"consumed:{col}"] = pa.array(consumed[col], type=pa.bool_())
-            arrays[f"queue:{col}"] = pa.array(ranks[col], type=pa.int64())
+            arrays[f"queue:{col}"] = pa.array(queue[col], type=pa.int64())
+            arrays[f"leased:{col}"] = pa.array(leased[col], type=pa.int64())
         self._write("rows", "rows.arrow", pa.RecordBatch.from_pydict(arrays))
 
     def write_field(self, field: str, pos: np.ndarray, col: Column | None) -> None:
@@ -121,6 +127,7 @@ class RowBatch:
     custom: list[bytes]
     consumed: dict[str, np.ndarray]  # task column -> bool per row
     queue: dict[str, np.ndarray]  # task column -> serve rank (-1: not queued)
+    leased: dict[str, np.ndarray]  # task column -> rank in the open leases (-1: none)
 
 
 class Readers:
@@ -174,6 +181,7 @@ class Readers:
                 for c in self._tasks
             },
             {c: ints(f"queue:{c}") for c in self._tasks},
+            {c: ints(f"leased:{c}") for c in self._tasks},
         )
 
     def field(self, name: str, k: int, spec: FieldSpec) -> tuple[np.ndarray, Column]:

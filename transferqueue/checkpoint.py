@@ -28,7 +28,8 @@ Layout (format version 1)::
                           [k*batch_rows, (k+1)*batch_rows): index (in the saved store), group,
                           version, length int64 | custom binary (msgpack map; null: none) |
                           ready:FIELD bool | consumed:tN bool | queue:tN int64 (serve rank,
-                          -1: not queued)
+                          -1: not queued) | leased:tN int64 (rank in the task's open leases
+                          at save time, lease by lease; the manifest has their sizes)
     DIR/pNNNN/fNNNN.arrow one field, record batch k = that field's rows in row batch k: row
                           int64 (position in rows.arrow) | value (dense: primitive or
                           fixed-size lists; ragged: large_list; object: msgpack binary;
@@ -60,8 +61,8 @@ from transferqueue.loop import LoopThread
 from transferqueue.meta import BatchMeta
 from transferqueue.ragged import Ragged
 from transferqueue.schema import Column, FieldSpec
-from transferqueue.snapshot import PartitionExport, StoreExport, TaskImport
-from transferqueue.state import DONE, LEASED, QUEUED
+from transferqueue.snapshot import PartitionExport, StoreExport, TaskExport, TaskImport
+from transferqueue.state import DONE, QUEUED
 
 __all__ = ["FEATURES", "FORMAT", "FORMAT_VERSION", "CheckpointCalls", "Progress"]
 
@@ -188,7 +189,13 @@ class CheckpointCalls:
             for b in range(batches):
                 lo, hi = b * batch_rows, min(n, (b + 1) * batch_rows)
                 consumed = {col: t.states[lo:hi] == DONE for col, t in tasks}
-                out.write_rows(lo, hi, consumed, {c: r[lo:hi] for c, r in ranks.items()})
+                out.write_rows(
+                    lo,
+                    hi,
+                    consumed,
+                    {c: r[0][lo:hi] for c, r in ranks.items()},
+                    {c: r[1][lo:hi] for c, r in ranks.items()},
+                )
                 for f in fields:
                     pos = lo + np.flatnonzero(part.ready[f][lo:hi])
                     cols: dict[str, Column] = {}
@@ -221,6 +228,7 @@ class CheckpointCalls:
                     "sampler": t.sampler,
                     "options": t.options,
                     "consumed": int((t.states == DONE).sum()),
+                    "leases": [int(rows.size) for rows in t.leases],
                 }
                 for col, t in tasks
             ],
@@ -246,6 +254,7 @@ class CheckpointCalls:
             with af.Readers(path / entry["dir"], entry) as src:
                 new = np.empty(int(entry["rows"]), dtype=np.int64)  # saved position -> index
                 queues: dict[str, list[np.ndarray]] = {t["column"]: [] for t in entry["tasks"]}
+                leased: dict[str, list[np.ndarray]] = {t["column"]: [] for t in entry["tasks"]}
                 consumed: dict[str, list[np.ndarray]] = {t["column"]: [] for t in entry["tasks"]}
                 done = 0
                 for b in range(int(entry["batches"])):
@@ -274,7 +283,8 @@ class CheckpointCalls:
                         )
                         await self._ctl.call(msg)
                     for col_name in queues:
-                        queues[col_name].append(rows.queue[col_name] + lo)
+                        queues[col_name].append(rows.queue[col_name])
+                        leased[col_name].append(rows.leased[col_name])
                         consumed[col_name].append(lo + np.flatnonzero(rows.consumed[col_name]))
                     done += len(meta)
                     if progress is not None:
@@ -282,10 +292,8 @@ class CheckpointCalls:
             tasks = []
             for t in entry["tasks"]:
                 c = t["column"]
-                rank = np.concatenate(queues[c]) if queues[c] else np.empty(0, np.int64)
-                queued = np.flatnonzero(rank >= 0)
-                order = queued[np.argsort(rank[queued], kind="stable")]
                 took = np.concatenate(consumed[c]) if consumed[c] else np.empty(0, np.int64)
+                cuts = np.cumsum(t.get("leases", []))[:-1]
                 tasks.append(
                     TaskImport(
                         name=t["name"],
@@ -293,7 +301,8 @@ class CheckpointCalls:
                         sampler=t["sampler"],
                         options=dict(t["options"]),
                         consumed=new[took],
-                        queue=new[order],
+                        queue=new[_order(queues[c])],
+                        leases=[new[p] for p in np.split(_order(leased[c]), cuts) if p.size],
                     )
                 )
             await self._ctl.call(
@@ -308,21 +317,26 @@ class CheckpointCalls:
         return loaded
 
 
-def _ranks(task: Any, n: int) -> np.ndarray:
-    """Each row's place in the task's queue after a load (-1: not queued): rows leased at
-    save time first (as if their lease had expired), then the queue in serve order, then
-    queued rows the sampler did not order, by index."""
-    rank = np.full(n, -1, dtype=np.int64)
-    order = [np.flatnonzero(task.states == LEASED)]
-    if task.queue is not None:
-        order.append(task.queue)
+def _ranks(task: TaskExport, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's place (-1: none) in the task's queue (serve order; queued rows the
+    sampler did not order follow, by index) and in its open leases (lease by lease)."""
     queued = np.flatnonzero(task.states == QUEUED)
     if task.queue is not None:
-        queued = np.setdiff1d(queued, task.queue, assume_unique=True)
-    order.append(queued)
-    flat = np.concatenate(order)
-    rank[flat] = np.arange(flat.size, dtype=np.int64)
-    return rank
+        queued = np.concatenate([task.queue, np.setdiff1d(queued, task.queue)])
+    leased = np.concatenate(task.leases) if task.leases else np.empty(0, dtype=np.int64)
+    out = []
+    for rows in (queued, leased):
+        rank = np.full(n, -1, dtype=np.int64)
+        rank[rows] = np.arange(rows.size, dtype=np.int64)
+        out.append(rank)
+    return out[0], out[1]
+
+
+def _order(ranks: list[np.ndarray]) -> np.ndarray:
+    """Positions of the rows with a rank (>= 0), by rank."""
+    rank = np.concatenate(ranks) if ranks else np.empty(0, dtype=np.int64)
+    has = np.flatnonzero(rank >= 0)
+    return has[np.argsort(rank[has], kind="stable")]
 
 
 def read_manifest(path: Path) -> dict[str, Any]:

@@ -11,7 +11,8 @@ columns, as the mixins of :mod:`transferqueue.health` and :mod:`transferqueue.st
                      (positions + msgpack maps) | tasks
     TaskExport       name | fields | sampler | options | states uint8[N] (waiting, queued,
                      leased, done: status.STATES) | queue: positions of the queued rows in
-                     the order the sampler hands them out (None: the sampler cannot say)
+                     the order the sampler hands them out (None: the sampler cannot say) |
+                     leases: positions of each open lease's rows, in lease order
     ExportHolds      rows of a snapshot whose payload must stay on the units until the
                      snapshot's reader is done (frees the controller decides meanwhile wait)
 
@@ -34,11 +35,12 @@ import numpy as np
 from msgspec import Meta
 
 from transferqueue.errors import BadRequestError, PartitionExistsError
-from transferqueue.limits import MAX_NAME_CHARS, MAX_NAMES, MAX_OPTIONS, MAX_TASKS
+from transferqueue.leases import Lease
+from transferqueue.limits import MAX_NAME_CHARS, MAX_NAMES, MAX_OPTIONS, MAX_ROWS, MAX_TASKS
 from transferqueue.meta import BatchMeta
 from transferqueue.samplers import get_sampler
 from transferqueue.schema import FieldSpec
-from transferqueue.state import DONE, Changes, PartitionState, TaskState
+from transferqueue.state import DONE, LEASED, QUEUED, WAITING, Changes, PartitionState, TaskState
 
 if TYPE_CHECKING:
     from transferqueue.controller import Controller
@@ -69,6 +71,7 @@ class TaskExport(msgspec.Struct, array_like=True):
     options: dict[str, Any]
     states: np.ndarray  # uint8 [N]: the task's state of each row (status.STATES codes)
     queue: np.ndarray | None  # int64: positions of queued rows in serve order, or None
+    leases: list[np.ndarray]  # int64: positions of each open lease's rows, leases in order
 
 
 class PartitionExport(msgspec.Struct, array_like=True):
@@ -105,13 +108,13 @@ class TaskImport(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     options: _Options
     consumed: np.ndarray
     queue: np.ndarray
+    leases: Annotated[list[np.ndarray], Meta(max_length=MAX_ROWS)] = []
+    """Rows leased at save time, per lease: they come back as from an expired lease."""
 
     def __post_init__(self) -> None:
-        for what in ("consumed", "queue"):
-            arr = getattr(self, what)
-            if not isinstance(arr, np.ndarray) or arr.ndim != 1 or arr.dtype.kind not in "iu":
-                raise BadRequestError(f"task {self.name!r}: {what} must be a 1-D integer array")
-            setattr(self, what, arr.astype(np.int64, copy=False))
+        self.consumed = _ints(self.consumed, self.name, "consumed")
+        self.queue = _ints(self.queue, self.name, "queue")
+        self.leases = [_ints(a, self.name, "leases") for a in self.leases]
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, TaskImport):
@@ -124,6 +127,12 @@ class TaskImport(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
         )
 
     __hash__ = None  # type: ignore[assignment]  # (mutable arrays: not hashable)
+
+
+def _ints(arr: Any, task: str, what: str) -> np.ndarray:
+    if not isinstance(arr, np.ndarray) or arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise BadRequestError(f"task {task!r}: {what} must be 1-D integer arrays")
+    return arr.astype(np.int64, copy=False)
 
 
 TaskImports = Annotated[list[TaskImport], Meta(max_length=MAX_TASKS)]
@@ -141,7 +150,8 @@ def export_partition(ctl: Controller, name: str) -> PartitionExport:
     ready = {f: arr[slots].copy() for f, arr in ctl._ready.items() if f in ctl._specs}
     custom_pos = [k for k, i in enumerate(indexes.tolist()) if i in ctl._custom]
     custom = [ctl._custom[int(indexes[k])] for k in custom_pos]
-    tasks = [_export_task(t, indexes, slots) for t in part.tasks.values()]
+    leases = ctl.leases.of_partition(part.id)
+    tasks = [_export_task(t, indexes, slots, leases) for t in part.tasks.values()]
     return PartitionExport(
         part.name,
         None if part.declared is None else list(part.declared),
@@ -158,19 +168,33 @@ def export_partition(ctl: Controller, name: str) -> PartitionExport:
     )
 
 
-def _export_task(task: TaskState, indexes: np.ndarray, slots: np.ndarray) -> TaskExport:
+def _export_task(
+    task: TaskState, indexes: np.ndarray, slots: np.ndarray, leases: list[Lease]
+) -> TaskExport:
+    states = task.state[slots]
     queued = task.sampler.queued()
     queue = None
     if queued is not None:
         # (the queue holds only exported rows: queued rows are committed and live)
         queue = np.searchsorted(indexes, queued).astype(np.int64)
+    held = []
+    for lease in leases:  # (in the order they were opened)
+        if lease.task != task.key:
+            continue
+        pos = np.searchsorted(indexes, lease.indexes).clip(max=max(indexes.size - 1, 0))
+        mine = (indexes[pos] == lease.indexes) if indexes.size else np.zeros(0, dtype=bool)
+        pos = pos[mine]
+        pos = pos[(states[pos] == LEASED) & (task.lease[slots[pos]] == lease.lease_id)]
+        if pos.size:
+            held.append(pos.astype(np.int64))
     return TaskExport(
         task.key[1],
         list(task.fields),
         task.sampler_name,
         dict(task.options),
-        task.state[slots].copy(),
+        states.copy(),
         queue,
+        held,
     )
 
 
@@ -223,8 +247,8 @@ def import_tasks(
         raise BadRequestError(f"partition {partition!r} got tasks while it loaded")
     live = ctl._live_slots(part)
     for t in tasks:
-        ctl._slots(t.consumed)  # (rows that are not the partition's live rows: an error)
-        ctl._slots(t.queue)
+        for rows in (t.consumed, t.queue, *t.leases):
+            ctl._slots(rows)  # (rows that are not the partition's live rows: an error)
         get_sampler(t.sampler)  # (an unknown sampler: an error before anything changes)
     changes = Changes()
     for t in tasks:
@@ -242,8 +266,14 @@ def import_tasks(
         done = ctl._slots(t.consumed)
         task.state[done] = DONE
         task.done = int(done.size)
-        # The saved queue first, in its order; then ready rows it does not name, by index.
+        # The saved queue first, in its order; then the rows leased at save time, given
+        # back as an expired lease gives them back; then ready rows none names, by index.
         ctl._enqueue_ready(task, ctl._slots(t.queue))
+        for rows in t.leases:
+            back = ctl._slots(rows)
+            back = back[task.state[back] == WAITING]
+            task.state[back] = QUEUED
+            task.sampler.add(ctl._h["index"][back], returned=True)
         ctl._enqueue_ready(task, live)
         changes.woken.add(task.key)
     part.loading = False
