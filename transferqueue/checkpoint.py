@@ -83,13 +83,11 @@ class CheckpointCalls:
     # (the AsyncClient's parts this mixin uses)
     _io: LoopThread
     _ctl: ControllerLink
+    _schema: dict[str, FieldSpec]
 
     async def _get_data_or_lost(
         self, meta: BatchMeta, fields: Sequence[str] | None
     ) -> dict[str, Column]:
-        raise NotImplementedError  # (the AsyncClient's)
-
-    async def _register(self, specs: dict[str, FieldSpec]) -> None:
         raise NotImplementedError  # (the AsyncClient's)
 
     async def _write_units(
@@ -247,7 +245,9 @@ class CheckpointCalls:
         manifest = read_manifest(path)
         specs = {f: msgspec.convert(s, FieldSpec) for f, s in manifest["fields"].items()}
         if specs:
-            await self._register(specs)
+            # (always sent: this client's cache of specs may predate a reset of the store)
+            registered = await self._ctl.call(m.RegisterFields(specs=specs))
+            self._schema.update(registered)
         loaded = {}
         for entry in manifest["partitions"]:
             name = entry["name"]
