@@ -143,6 +143,7 @@ def export_partition(ctl: Controller, name: str) -> PartitionExport:
     """``name``'s committed live rows, headers, readiness, custom metadata and tasks, copied
     (the controller goes on changing; the export does not)."""
     part = ctl._known_partition(name)
+    check_not_loading(ctl, name)  # (half loaded: its tasks are not there yet)
     h = ctl._h
     live = ctl._live_slots(part)
     slots = live[h["committed"][live]]

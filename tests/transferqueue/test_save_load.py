@@ -190,6 +190,8 @@ def test_a_loading_partition_refuses_puts_and_consumers() -> None:
         svc.get_meta(m.GetMeta(task="t", partition="p", fields=["x"], batch_size=1), TRUSTED)
     with pytest.raises(BadRequestError, match="'p' is being loaded"):
         svc.allocate(m.Allocate(n=1, partition="p"), TRUSTED)
+    with pytest.raises(BadRequestError, match="'p' is being loaded"):
+        svc.export_state(m.ExportState(partitions=["p"]), TRUSTED)
     with pytest.raises(PartitionExistsError, match="'p' already exists"):
         svc.import_rows(m.ImportRows(partition="p", groups=ids, versions=ids, lengths=ids), TRUSTED)
     svc.import_tasks(m.ImportTasks(partition="p", tasks=[]), TRUSTED)
