@@ -119,7 +119,10 @@ class CheckpointCalls:
         """Put every partition of the save at ``path`` into this store, with its tasks'
         consumption state. A partition the store has already is a
         :class:`~transferqueue.errors.PartitionExistsError` (nothing of it is loaded).
-        Returns the rows loaded per partition."""
+        A load that fails half way leaves the partition it was loading refusing puts and
+        consumers (:class:`~transferqueue.errors.BadRequestError` saying so) until it is
+        cleared (``clear(partition)``, then load again). Returns the rows loaded per
+        partition."""
         return await self._io.run_async(self._load(Path(path), progress))
 
     # -- save --------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from transferqueue.snapshot import (
     ExportHolds,
     StoreExport,
     check_not_loading,
+    end_loading,
     export_partition,
     import_rows,
     import_tasks,
@@ -343,7 +344,9 @@ class ControllerService:
         self._apply(self.controller.finish(msg.partition))
 
     def clear(self, msg: m.Clear, caller: Caller) -> Awaitable[None] | None:
-        return _after(self._apply(self.controller.clear(msg.partition)))
+        changes = self.controller.clear(msg.partition)
+        end_loading(self.controller, msg.partition)  # (a load that failed half way)
+        return _after(self._apply(changes))
 
     def stats(self, msg: m.Stats, caller: Caller) -> dict[str, Any] | Awaitable[dict[str, Any]]:
         # Frees already decided are awaited first, so that a caller that reads the units'

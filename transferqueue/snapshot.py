@@ -52,6 +52,7 @@ __all__ = [
     "TaskExport",
     "TaskImport",
     "check_not_loading",
+    "end_loading",
     "export_partition",
     "import_rows",
     "import_tasks",
@@ -292,6 +293,14 @@ def check_not_loading(ctl: Controller, partition: str) -> None:
             f"partition {partition!r} is being loaded from a save; consume or put into it "
             "once the load has finished"
         )
+
+
+def end_loading(ctl: Controller, partition: str | None) -> None:
+    """A cleared partition (all if None) is no longer loading: a load that failed half way
+    leaves it so until then."""
+    for part in ctl._partitions.values():
+        if partition is None or part.name == partition:
+            part.loading = False
 
 
 # -- holds ---------------------------------------------------------------------------------------

@@ -194,6 +194,17 @@ def test_a_loading_partition_refuses_puts_and_consumers() -> None:
         svc.export_state(m.ExportState(partitions=["p"]), TRUSTED)
     with pytest.raises(PartitionExistsError, match="'p' already exists"):
         svc.import_rows(m.ImportRows(partition="p", groups=ids, versions=ids, lengths=ids), TRUSTED)
+
+    async def clear() -> None:  # (a load that failed half way: clear it)
+        done = svc.clear(m.Clear(partition="p"), TRUSTED)
+        if done is not None:
+            await done
+
+    asyncio.run(clear())
+    assert svc.controller.status("p").indexes.size == 0
+    assert len(svc.allocate(m.Allocate(n=1, partition="p"), TRUSTED)) == 1  # type: ignore[arg-type]
+    svc.controller.clear("p")
+    svc.import_rows(m.ImportRows(partition="p", groups=ids, versions=ids, lengths=ids), TRUSTED)
     svc.import_tasks(m.ImportTasks(partition="p", tasks=[]), TRUSTED)
     assert len(svc.allocate(m.Allocate(n=1, partition="p"), TRUSTED)) == 1  # type: ignore[arg-type]
 
