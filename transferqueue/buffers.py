@@ -110,7 +110,7 @@ class ResultBuffers:
             fits = [b for b in self._free if b.nbytes >= nbytes]
             if fits:
                 buf = min(fits, key=lambda b: b.nbytes)
-                self._free.remove(buf)
+                self._drop_free(buf)
                 self._lent_bytes += buf.nbytes
                 self.reused += 1
                 return buf
@@ -118,12 +118,17 @@ class ResultBuffers:
             for b in sorted(self._free, key=lambda b: b.nbytes):
                 if used + nbytes <= self.max_bytes:
                     break
-                self._free.remove(b)
+                self._drop_free(b)
                 used -= b.nbytes
             if used + nbytes > self.max_bytes:
                 return None
             self._lent_bytes += nbytes
         return np.empty(nbytes, dtype=np.uint8)
+
+    def _drop_free(self, buf: np.ndarray) -> None:
+        """Remove ``buf`` itself from the free list (``list.remove`` would compare arrays
+        element-wise: an error for buffers of other sizes)."""
+        self._free = [b for b in self._free if b is not buf]
 
     def _give_back(self, lent: _Lent) -> None:
         with self._lock:

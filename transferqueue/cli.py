@@ -5,6 +5,8 @@ transferqueue serve --units 3 --replicas 2 # each row on two units: one may die
 transferqueue stats tcp://127.0.0.1:PORT   # JSON of the controller and units
 transferqueue top tcp://127.0.0.1:PORT     # live view: rows, tasks, leases, rates, memory
 transferqueue serve --metrics-port 0       # also Prometheus endpoints (URLs on stderr)
+transferqueue save tcp://127.0.0.1:PORT DIR  # partitions to Arrow IPC files (progress on stderr)
+transferqueue load tcp://127.0.0.1:PORT DIR  # into a store without those partitions
 transferqueue keygen DIR [--admin]         # keys for a service beyond loopback
 transferqueue serve --host 0.0.0.0 --keys DIR [--advertise-host NAME]
 """
@@ -16,6 +18,8 @@ import json
 import signal
 import sys
 import threading
+import time
+from collections.abc import Callable
 
 from transferqueue.errors import TQError
 from transferqueue.health import ALLOCATION_S
@@ -101,6 +105,50 @@ def _top(args: argparse.Namespace) -> int:
             iterations=iterations,
             clear=iterations != 1 and sys.stdout.isatty(),
         )
+
+
+def _progress(verb: str) -> Callable[[str, int, int], None]:
+    """Rows done per partition on stderr, at most about twice a second (and at the end)."""
+    last = [0.0]
+
+    def show(partition: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        if done < total and now - last[0] < 0.5:
+            return
+        last[0] = now
+        end = "\n" if done >= total else ""
+        print(f"\r{verb} {partition}: {done}/{total} rows", end=end, file=sys.stderr, flush=True)
+
+    return show
+
+
+def _save(args: argparse.Namespace) -> int:
+    from transferqueue.remote import connect
+
+    with connect(
+        args.address, keys=args.keys, connect_timeout_s=args.timeout, call_timeout_s=args.timeout
+    ) as tq:
+        rows = tq.client().save(
+            args.directory,
+            args.partition,
+            batch_rows=args.batch_rows,
+            progress=None if args.quiet else _progress("saving"),
+        )
+    print(json.dumps({"saved": args.directory, "rows": rows}))
+    return 0
+
+
+def _load(args: argparse.Namespace) -> int:
+    from transferqueue.remote import connect
+
+    with connect(
+        args.address, keys=args.keys, connect_timeout_s=args.timeout, call_timeout_s=args.timeout
+    ) as tq:
+        rows = tq.client().load(
+            args.directory, progress=None if args.quiet else _progress("loading")
+        )
+    print(json.dumps({"loaded": args.directory, "rows": rows}))
+    return 0
 
 
 def _keygen(args: argparse.Namespace) -> int:
@@ -208,6 +256,24 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--keys", default=None, help="key directory (default $TRANSFERQUEUE_KEYS)")
     t.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer")
     t.set_defaults(fn=_top)
+    for name, fn, what in (
+        ("save", _save, "write partitions of a running service to a directory (Arrow IPC)"),
+        ("load", _load, "load a directory written by save into a running service"),
+    ):
+        c = sub.add_parser(name, help=what)
+        c.add_argument("address", help="tcp://HOST:PORT, as `transferqueue serve` prints it")
+        c.add_argument("directory", help="the save's directory (save: new or empty)")
+        if name == "save":
+            c.add_argument(
+                "--partition", action="append", help="partition to save (repeatable; default all)"
+            )
+            c.add_argument(
+                "--batch-rows", type=int, default=8192, help="rows read and written at a time"
+            )
+        c.add_argument("--quiet", action="store_true", help="no progress on stderr")
+        c.add_argument("--keys", default=None, help="key directory (default $TRANSFERQUEUE_KEYS)")
+        c.add_argument("--timeout", type=float, default=60.0, help="seconds to wait per call")
+        c.set_defaults(fn=fn)
     k = sub.add_parser("keygen", help="write CURVE keys for a service and its clients")
     k.add_argument("directory")
     k.add_argument("--client", action="append", help="client key name (repeatable; default client)")

@@ -32,6 +32,7 @@ from transferqueue.assemble import empty_column as _empty
 from transferqueue.assemble import merge_ragged as _merge_ragged
 from transferqueue.assemble import place_dense as _place_dense
 from transferqueue.buffers import ResultBuffers
+from transferqueue.checkpoint import CheckpointCalls
 from transferqueue.errors import (
     BadRequestError,
     PeerGoneError,
@@ -112,10 +113,11 @@ def _by_unit(units: np.ndarray) -> dict[int, np.ndarray]:
     return {int(u): np.flatnonzero(units == u) for u in np.unique(units).tolist()}
 
 
-class AsyncClient(StatusCalls, KVCalls):
+class AsyncClient(StatusCalls, KVCalls, CheckpointCalls):
     """Async TransferQueue client. Get one from ``tq.async_client()``. Status queries,
     consumption resets and custom metadata: :mod:`transferqueue.status_client`; rows named
-    by string keys (``kv_put``, ``kv_batch_get`` ...): :mod:`transferqueue.kv_client`."""
+    by string keys (``kv_put``, ``kv_batch_get`` ...): :mod:`transferqueue.kv_client`;
+    ``save`` and ``load`` of partitions: :mod:`transferqueue.checkpoint`."""
 
     def __init__(
         self,

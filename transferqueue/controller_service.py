@@ -41,6 +41,15 @@ from transferqueue.messages import Caller
 from transferqueue.meta import BatchMeta
 from transferqueue.retire import LostRows, Retired
 from transferqueue.schema import FieldSpec
+from transferqueue.snapshot import (
+    ExportHolds,
+    StoreExport,
+    check_not_loading,
+    end_loading,
+    export_partition,
+    import_rows,
+    import_tasks,
+)
 from transferqueue.status import PartitionStatus
 from transferqueue.wire import PROTOCOL_VERSION
 
@@ -74,6 +83,7 @@ class ControllerService:
         self._wake_at = 0.0  # loop time the lease timer wakes at next (unless poked)
         self._pending_frees: set[asyncio.Future[None]] = set()
         self.incarnation = new_incarnation()
+        self._holds = ExportHolds(controller.clock)
 
     async def start(self) -> None:
         """Start the lease timer on the running loop."""
@@ -103,11 +113,17 @@ class ControllerService:
                 if not fut.done():
                     fut.set_result(None)
             self._space_waiters.clear()
+        if not changes.freed:
+            return []
+        # (rows a save is reading stay on their units until its snapshot's hold ends)
+        freed = self._holds.hold(np.concatenate(changes.freed), np.concatenate(changes.freed_units))
+        return self._send_frees([freed])
+
+    def _send_frees(self, freed: list[tuple[np.ndarray, np.ndarray]]) -> list[asyncio.Future[None]]:
+        """Drop rows (indexes, units) from their units, one request per unit."""
         tasks: list[asyncio.Future[None]] = []
-        if changes.freed:
-            indexes = np.concatenate(changes.freed)
-            units = np.concatenate(changes.freed_units)
-            loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
+        for indexes, units in freed:
             for u in np.unique(units).tolist():
                 task = asyncio.ensure_future(
                     self._free_rows(int(u), indexes[units == u]), loop=loop
@@ -129,6 +145,7 @@ class ControllerService:
         while True:
             self._apply(self.controller.expire())
             self._apply(self.controller.reclaim())
+            self._send_frees(self._holds.expire())
             deadline = self.controller.next_deadline()
             wait = _MAX_TIMER_SLEEP_S if deadline is None else deadline - loop.time()
             wait = max(0.0, min(wait, _MAX_TIMER_SLEEP_S))
@@ -188,6 +205,7 @@ class ControllerService:
     def allocate(self, msg: m.Allocate, caller: Caller) -> BatchMeta | Awaitable[BatchMeta | None]:
         """New rows, at once when capacity allows; else wait for consumers to free some."""
         self.controller.check_allocate(msg.n, msg.partition)
+        self._not_loading(msg.partition)
         if self.controller.can_allocate(msg.n):
             return self._allocated(msg)
 
@@ -224,6 +242,9 @@ class ControllerService:
                 rows = new.indexes[on]
                 meta.grants[u] = self._grants.sign(u, int(rows[0]), int(rows[-1]) + 1)
         return meta
+
+    def _not_loading(self, partition: str) -> None:
+        check_not_loading(self.controller, partition)
 
     async def _when_room(
         self,
@@ -280,6 +301,7 @@ class ControllerService:
         """A batch at once when one is due (most calls); else wait for one (see
         AsyncClient.get_meta). ``partial=False``: at the timeout, answer None instead of a
         short batch (a client waiting in slices)."""
+        self._not_loading(msg.partition)
         if msg.timeout_s is None or msg.timeout_s > 0:
             self._apply(self.controller.expire())
             meta = self._poll(msg, caller, short_ok=False)
@@ -347,7 +369,9 @@ class ControllerService:
         self._apply(self.controller.finish(msg.partition))
 
     def clear(self, msg: m.Clear, caller: Caller) -> Awaitable[None] | None:
-        return _after(self._apply(self.controller.clear(msg.partition)))
+        changes = self.controller.clear(msg.partition)
+        end_loading(self.controller, msg.partition)  # (a load that failed half way)
+        return _after(self._apply(changes))
 
     def stats(self, msg: m.Stats, caller: Caller) -> dict[str, Any] | Awaitable[dict[str, Any]]:
         # Frees already decided are awaited first, so that a caller that reads the units'
@@ -414,6 +438,32 @@ class ControllerService:
 
     def kv_list(self, msg: m.KvList, caller: Caller) -> KeyListing:
         return self.controller.list_keys(msg.partition, msg.fields, msg.all_fields)
+
+    # -- snapshots (store checkpoints, see transferqueue.checkpoint) -------------------------
+    def export_state(self, msg: m.ExportState, caller: Caller) -> StoreExport:
+        """Every asked partition at this one instant; their rows held on the units."""
+        ctl = self.controller
+        names = list(ctl._partitions) if msg.partitions is None else msg.partitions
+        parts = [export_partition(ctl, name) for name in dict.fromkeys(names)]
+        rows = [p.indexes for p in parts]
+        indexes = np.concatenate(rows) if rows else np.empty(0, dtype=np.int64)
+        hold = self._holds.open(indexes, msg.hold_s) if indexes.size else 0
+        return StoreExport(hold, ctl.specs, parts)
+
+    def hold_export(self, msg: m.HoldExport, caller: Caller) -> Awaitable[None] | None:
+        return _after(self._send_frees(self._holds.renew(msg.snapshot_id, msg.hold_s)))
+
+    def import_rows(self, msg: m.ImportRows, caller: Caller) -> BatchMeta:
+        meta = import_rows(
+            self.controller, msg.partition, msg.groups, msg.versions, msg.lengths, first=msg.first
+        )
+        return self._granted(meta, meta)
+
+    def import_tasks(self, msg: m.ImportTasks, caller: Caller) -> None:
+        changes = import_tasks(
+            self.controller, msg.partition, msg.tasks, msg.declared, msg.finished
+        )
+        self._apply(changes)
 
     async def reset(self, msg: m.Reset, caller: Caller) -> None:
         """Forget everything: rows, tasks, leases and field specs (a fresh TransferQueue).

@@ -26,6 +26,9 @@ was expected, what was received, and what to do.
 | FinishedError       | finished        | a put of new rows into a finished partition              |
 | DeniedError         | denied          | the caller may not do this (admin key, rows not granted) |
 | AuthError           | auth            | keys are missing, unreadable, or needed to listen here   |
+| PartitionExistsError| partition_exists| a load names a partition the store already has           |
+| CheckpointError     | checkpoint      | a save directory is missing, incomplete or of a newer    |
+|                     |                 | format version                                           |
 """
 
 from __future__ import annotations
@@ -34,11 +37,13 @@ __all__ = [
     "AuthError",
     "BadRequestError",
     "CapacityError",
+    "CheckpointError",
     "ClosedError",
     "DeniedError",
     "FinishedError",
     "KeyLeasedError",
     "LeaseExpiredError",
+    "PartitionExistsError",
     "PeerGoneError",
     "ProtocolError",
     "RowsLostError",
@@ -182,6 +187,19 @@ class DeniedError(TQError, PermissionError):
     code = "denied"
 
 
+class PartitionExistsError(TQError):
+    """A load from a save names a partition the store already has."""
+
+    code = "partition_exists"
+
+
+class CheckpointError(TQError):
+    """A save directory is missing, incomplete, of another format version, or does not match
+    the store (see :mod:`transferqueue.checkpoint`)."""
+
+    code = "checkpoint"
+
+
 class AuthError(TQError):
     """Keys are missing or unreadable, or a server would listen beyond loopback without
     them."""
@@ -211,6 +229,8 @@ _BY_CODE: dict[str, type[TQError]] = {
         FinishedError,
         DeniedError,
         AuthError,
+        PartitionExistsError,
+        CheckpointError,
     )
 }
 

@@ -19,7 +19,8 @@ column values) are :class:`Check` objects in the field's ``Annotated`` metadata,
 | controller | hello, ping, register_unit**, lost, register_fields, get_specs, allocate,      |
 |            | discard, commit, get_meta, ack, release, renew, declare_tasks, finish, clear*, |
 |            | stats, reset*, status, reset_consumption, set_custom_meta, get_custom_meta,    |
-|            | lost_rows, retire_groups, kv_rows, kv_delete, kv_list                          |
+|            | lost_rows, retire_groups, kv_rows, kv_delete, kv_list, export_state,           |
+|            | hold_export, import_rows, import_tasks                                         |
 | unit       | write, read, free, ping, clear*, stats, reset*, shm_attach, shm_detach         |
 
 ``*``: needs an admin key when the service has one (see :mod:`transferqueue.auth`);
@@ -60,6 +61,7 @@ from transferqueue.meta import BatchMeta
 from transferqueue.ragged import Ragged
 from transferqueue.retire import LostRows, Retired
 from transferqueue.schema import FieldSpec
+from transferqueue.snapshot import StoreExport, TaskImports
 from transferqueue.status import PartitionStatus
 
 __all__ = [
@@ -595,82 +597,45 @@ class KvList(ControllerRequest[KeyListing]):
     all_fields: bool = False
 
 
-# -- storage unit --------------------------------------------------------------------------------
-class Write(UnitRequest[None]):
-    """Store columns of rows. ``create``: new rows (under the controller's ``grant``).
-    ``shm``: buffers lie in the writer's arena; ``keep``: in its write arena ``keep``."""
+class ExportState(ControllerRequest[StoreExport]):
+    """A snapshot of partitions (all if None) at this instant, as plain data (see
+    :mod:`transferqueue.snapshot`); their rows' payload stays on the units for ``hold_s``
+    (renewed by ``hold_export``) so that the saver can read it."""
 
-    kind = "write"
-    indexes: Rows
-    columns: ColumnMap
-    specs: Specs
-    create: bool = False
-    grant: Grant | None = None
-    shm: bool = False
-    keep: ArenaName | None = None
+    kind = "export_state"
+    partitions: Names | None = None
+    hold_s: LeaseS = 600.0
 
 
-class Read(UnitRequest[dict[str, Any]]):
-    """Gather ``fields`` of rows, in order: one buffer per field. ``shm``: into the reader's
-    arena; ``mine``: its write arenas, where rows it wrote may be named instead of copied."""
+class HoldExport(ControllerRequest[None]):
+    """Keep a snapshot's rows ``hold_s`` longer; ``hold_s=0`` ends the hold."""
 
-    kind = "read"
-    indexes: Rows
-    fields: Names
-    shm: ArenaName | None = None
-    mine: Annotated[list[ArenaName], Meta(max_length=MAX_NAMES)] = []
+    kind = "hold_export"
+    snapshot_id: LeaseId
+    hold_s: WaitS
 
 
-class Free(UnitRequest[None]):
-    """Drop rows (the controller, once consumed; a writer, under its grant, after a failed
-    put)."""
+class ImportRows(ControllerRequest[BatchMeta]):
+    """Rows of a partition being loaded, with their headers and no field ready (``first``:
+    the partition must be new). Replies with the rows and the grants to write them."""
 
-    kind = "free"
-    indexes: Rows
-    grant: Grant | None = None
-
-
-class UnitPing(UnitRequest[str]):
-    """Are you alive? The answer is the unit's incarnation (see :class:`Ping`)."""
-
-    kind = "ping"
+    kind = "import_rows"
+    partition: Name
+    groups: Rows
+    versions: Rows
+    lengths: Rows
+    first: bool = True
 
 
-class ClearUnit(UnitRequest[None]):
-    """Drop every row of the unit."""
+class ImportTasks(ControllerRequest[None]):
+    """The end of a partition's load: its tasks (consumed rows, queue order), declared task
+    names and finished flag; the partition opens to consumers."""
 
-    kind = "clear"
-    needs = "admin"
-
-
-class UnitStats(UnitRequest[dict[str, Any]]):
-    """Rows, bytes and fields the unit holds."""
-
-    kind = "stats"
-
-
-class ResetUnit(UnitRequest[None]):
-    """Forget every row and field of the unit."""
-
-    kind = "reset"
-    needs = "admin"
-
-
-class ShmAttach(UnitRequest[int]):
-    """Map the client's shared-memory arena ``name`` (``keep``: a write arena); its size."""
-
-    kind = "shm_attach"
-    name: ArenaName
-    keep: bool = False
-    pid: Annotated[int, Meta(ge=0, le=2**31)] | None = None
-    """The client's process id: the unit drops the client's arenas once it is gone."""
-
-
-class ShmDetach(UnitRequest[None]):
-    """Drop the mapping of arena ``name``."""
-
-    kind = "shm_detach"
-    name: ArenaName
+    kind = "import_tasks"
+    partition: Name
+    tasks: TaskImports
+    declared: Names | None = None
+    finished: bool = False
 
 
 # -- dispatch ------------------------------------------------------------------------------------
@@ -701,3 +666,30 @@ async def dispatch(table: dict[type[Request[Any]], Handler], msg: Request[R], ca
     if inspect.isawaitable(result):
         result = await result
     return result
+
+
+# The storage unit's kinds live in their own module (this one is long enough); imported here,
+# once every name they use exists, so that ``messages.Write`` & co. are where callers look.
+from transferqueue.unit_messages import (  # noqa: E402
+    ClearUnit,
+    Free,
+    Read,
+    ResetUnit,
+    ShmAttach,
+    ShmDetach,
+    UnitPing,
+    UnitStats,
+    Write,
+)
+
+__all__ += [
+    "ClearUnit",
+    "Free",
+    "Read",
+    "ResetUnit",
+    "ShmAttach",
+    "ShmDetach",
+    "UnitPing",
+    "UnitStats",
+    "Write",
+]

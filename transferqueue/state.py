@@ -5,7 +5,7 @@ operations and this one the records they update::
 
     TaskState       fields it consumes, its sampler, per-slot state (waiting / queued /
                     leased / done) and lease id, counters
-    PartitionState  declared tasks, tasks by name, row counters, finished flag
+    PartitionState  declared tasks, tasks by name, row counters, finished and loading flags
     HEADER          the controller's per-slot header columns: dtype and fill value
 """
 
@@ -96,6 +96,7 @@ class PartitionState:
         self.rows_lost = 0
         self.rows_retired = 0
         self.finished = False
+        self.loading = False  # rows being loaded from a save: no task may consume them yet
 
 
 HEADER: dict[str, tuple[type, int]] = {

@@ -71,6 +71,8 @@ class Client:
     kv_list = _blocking(AsyncClient.kv_list)
     kv_delete = _blocking(AsyncClient.kv_delete)
     kv_clear = _blocking(AsyncClient.kv_clear)
+    save = _blocking(AsyncClient.save)
+    load = _blocking(AsyncClient.load)
 
     @overload
     def get_data(

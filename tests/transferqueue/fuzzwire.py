@@ -23,6 +23,7 @@ import torch
 
 from transferqueue import FieldSpec, wire
 from transferqueue import messages as m
+from transferqueue.snapshot import TaskImport
 
 
 class Raw:
@@ -89,6 +90,29 @@ EXAMPLES: dict[tuple[str, str], m.Request[Any]] = {
     ),
     ("controller", "kv_delete"): m.KvDelete(partition="fuzz", keys=["k1"]),
     ("controller", "kv_list"): m.KvList(partition="fuzz", fields=["fz"], all_fields=True),
+    ("controller", "export_state"): m.ExportState(partitions=["fuzz"], hold_s=1.0),
+    ("controller", "hold_export"): m.HoldExport(snapshot_id=7, hold_s=0.0),
+    ("controller", "import_rows"): m.ImportRows(
+        partition="fuzz",
+        groups=np.arange(2),
+        versions=np.zeros(2, np.int64),
+        lengths=np.full(2, -1),
+        first=False,
+    ),
+    ("controller", "import_tasks"): m.ImportTasks(
+        partition="fuzz",
+        tasks=[
+            TaskImport(
+                name="t",
+                fields=["fz"],
+                sampler="fifo",
+                options={},
+                consumed=np.array([10**9]),
+                queue=np.array([], dtype=np.int64),
+            )
+        ],
+        declared=["t"],
+    ),
     ("unit", "write"): m.Write(
         indexes=np.array([2**27]),
         columns={"fz": torch.zeros(1, 300), "o": ["a"]},

@@ -93,5 +93,8 @@ class BalancedSampler(Sampler):
     def drop_below(self, min_version: int) -> np.ndarray:
         return self._base.drop_below(min_version)
 
+    def queued(self) -> np.ndarray | None:
+        return self._base.queued()
+
     def clear(self) -> None:
         self._base.clear()

@@ -77,6 +77,12 @@ class Sampler(ABC):
     def clear(self) -> None:
         """Forget every queued row."""
 
+    def queued(self) -> np.ndarray | None:
+        """The queued rows in the order ``sample`` would hand them out, or None when the
+        sampler cannot say (a save then records index order; see :mod:`transferqueue.snapshot`).
+        Called when a snapshot of the controller is taken; it changes nothing."""
+        return None
+
     def batch_rows(self, batch_size: int) -> int:
         """Rows in a full batch of ``batch_size`` (a group sampler rounds down to groups)."""
         return batch_size

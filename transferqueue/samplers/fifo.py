@@ -103,6 +103,11 @@ class VersionQueue:
                 self.items -= 1
                 dropped.append(item)
 
+    def ordered(self) -> np.ndarray:
+        """Every queued row, in the order ``take`` would hand them out."""
+        parts = [item for v in sorted(self._buckets) for item in self._buckets[v]]
+        return _concat(parts)
+
     def clear(self) -> None:
         self._buckets.clear()
         self._heap.clear()
@@ -129,6 +134,9 @@ class FifoSampler(Sampler):
 
     def drop_below(self, min_version: int) -> np.ndarray:
         return _concat(self._queue.drop_below(min_version))
+
+    def queued(self) -> np.ndarray:
+        return self._queue.ordered()
 
     def clear(self) -> None:
         self._queue.clear()

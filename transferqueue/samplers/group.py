@@ -127,6 +127,12 @@ class GroupSampler(Sampler):
             return _concat(self._complete.drop_if(lambda rows: self._stale(rows, min_version)))
         return _concat(self._complete.drop_below(min_version))
 
+    def queued(self) -> np.ndarray:
+        # Complete groups in serve order, then the rows of incomplete groups as they came:
+        # added again in this order, the groups complete in the same order.
+        partial = [np.asarray(m, dtype=np.int64) for m in self._partial.values()]
+        return _concat([self._complete.ordered(), *partial])
+
     def _stale(self, rows: np.ndarray, min_version: int) -> bool:
         return bool(int(self.header.versions(rows).min()) < min_version)
 
@@ -181,6 +187,10 @@ class KeyedGroupQueue:
             need -= int(rows.size)
             self.rows -= int(rows.size)
         return out
+
+    def ordered(self) -> np.ndarray:
+        """Every queued row, in the order ``take`` would hand them out."""
+        return _concat([rows for key in self._keys for rows in self._rows[key]])
 
     def drop_if(self, stale: Any) -> list[np.ndarray]:
         dropped = []
