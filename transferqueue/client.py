@@ -114,10 +114,9 @@ def _by_unit(units: np.ndarray) -> dict[int, np.ndarray]:
 
 
 class AsyncClient(StatusCalls, KVCalls, CheckpointCalls):
-    """Async TransferQueue client. Get one from ``tq.async_client()``. Status queries,
-    consumption resets and custom metadata: :mod:`transferqueue.status_client`; rows named
-    by string keys (``kv_put``, ``kv_batch_get`` ...): :mod:`transferqueue.kv_client`;
-    ``save`` and ``load`` of partitions: :mod:`transferqueue.checkpoint`."""
+    """Async TransferQueue client, from ``tq.async_client()``. Status, consumption resets,
+    custom metadata, loss logs: :mod:`transferqueue.status_client`; key-value calls:
+    :mod:`transferqueue.kv_client`; ``save``/``load``: :mod:`transferqueue.checkpoint`."""
 
     def __init__(
         self,
