@@ -31,6 +31,7 @@ acknowledging it, a unit dying with it, a put that failed before committing it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,6 +122,7 @@ class KeyedRows:
     # (the Controller's state this mixin works on)
     leases: LeaseTable
     _h: dict[str, np.ndarray]
+    _copies: Callable[[np.ndarray], np.ndarray | None]  # (UnitHealth's: second copies)
     _ready: dict[str, np.ndarray]
     _specs: dict[str, FieldSpec]
     _partitions: dict[str, PartitionState]
@@ -235,6 +237,7 @@ class KeyedRows:
             h["version"][slots],
             h["length"][slots],
             partition=partition,
+            replica_units=self._copies(slots),
         )
 
     def _fields(
