@@ -168,13 +168,18 @@ class UnitHealth:
             part.rows_freed -= n
             part.rows_lost += n
             self.rows_lost += n
-            for task in requeue:  # its queue, rebuilt without the lost rows
-                task.sampler.clear()
-                live = self._live_slots(part)
-                queued = live[task.state[live] == QUEUED]
-                if queued.size:
-                    task.sampler.add(h["index"][queued])
+            self._requeue(part, requeue)  # (without the lost rows)
         return changes
+
+    def _requeue(self, part: PartitionState, tasks: list[Any]) -> None:
+        """Rebuild the queues of ``tasks`` from their live queued rows (rows just left)."""
+        h = self._h
+        for task in tasks:
+            task.sampler.clear()
+            live = self._live_slots(part)
+            queued = live[task.state[live] == QUEUED]
+            if queued.size:
+                task.sampler.add(h["index"][queued])
 
     # -- second copies (replicas=2) ----------------------------------------------------------
     def _copies(self, slots: np.ndarray) -> np.ndarray | None:

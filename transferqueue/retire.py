@@ -109,6 +109,7 @@ class Retirement:
     _free: Callable[[PartitionState, np.ndarray, Changes], None]
     _remember: Callable[[np.ndarray], None]  # (UnitHealth's)
     _drop_leased: Callable[[np.ndarray], None]  # (UnitHealth's)
+    _requeue: Callable[[PartitionState, list[TaskState]], None]  # (UnitHealth's)
 
     def _init_retirement(self) -> None:
         self._loss_logs: dict[tuple[int, str], LossLog] = {}
@@ -209,10 +210,5 @@ class Retirement:
         part.rows_freed -= n
         part.rows_retired += n
         self.rows_retired += n
-        for task in requeue:  # its queue, rebuilt without the retired rows
-            task.sampler.clear()
-            rest = self._live_slots(part)
-            queued = rest[task.state[rest] == QUEUED]
-            if queued.size:
-                task.sampler.add(h["index"][queued])
+        self._requeue(part, requeue)  # (without the retired rows)
         return Retired(n, busy), changes
