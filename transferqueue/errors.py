@@ -50,6 +50,7 @@ __all__ = [
     "SchemaError",
     "TQError",
     "TQTimeoutError",
+    "UnknownArenaError",
     "UnknownFieldError",
     "UnknownKeyError",
     "UnknownLeaseError",
@@ -155,6 +156,14 @@ class ProtocolError(TQError):
     code = "protocol"
 
 
+class UnknownArenaError(ProtocolError):
+    """A request named a shared-memory arena the storage unit has not attached: the unit
+    restarted since the client attached it (or dropped it among too many clients). The
+    client's unit link then makes new arenas and sends the request again, once."""
+
+    code = "unknown_arena"
+
+
 class PeerGoneError(TQError, ConnectionError):
     """A server did not answer within the deadline, or its connection closed."""
 
@@ -223,6 +232,7 @@ _BY_CODE: dict[str, type[TQError]] = {
         CapacityError,
         TQTimeoutError,
         ProtocolError,
+        UnknownArenaError,
         PeerGoneError,
         ClosedError,
         BadRequestError,

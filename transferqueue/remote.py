@@ -23,7 +23,13 @@ import zmq.asyncio
 
 from transferqueue import messages as m
 from transferqueue.auth import ClientKeys, client_keys
-from transferqueue.errors import ClosedError, PeerGoneError, ProtocolError, TQError
+from transferqueue.errors import (
+    ClosedError,
+    PeerGoneError,
+    ProtocolError,
+    TQError,
+    UnknownArenaError,
+)
 from transferqueue.handle import TransferQueue
 from transferqueue.links import OFFLOAD_BYTES, Staged, UnitLink, column_nbytes
 from transferqueue.liveness import DEFAULT_LIVENESS, Liveness
@@ -128,6 +134,7 @@ class RemoteUnitLink(UnitLink):
         self._writes = WriteArenas(self.shm_max_bytes)
         self._creating = asyncio.Lock()
         self.staged_writes = 0  # puts copied into a write arena while being allocated
+        self.arenas_forgotten = 0  # times the unit no longer knew this client's arenas
         rpc.resolve = self._resolve
 
     @property
@@ -264,7 +271,34 @@ class RemoteUnitLink(UnitLink):
             self._arena = None
             arena.close()
 
+    def _forget_arenas(self) -> None:
+        """The unit does not know this client's arenas (it restarted since they were
+        attached): drop them all; the next transfers attach new ones. Results and staged
+        puts that view them keep their own mappings."""
+        arena, self._arena = self._arena, None
+        dropped = self._reads.reset() + self._writes.reset()
+        if arena is not None and not arena.busy:  # (a busy one closes when its request ends)
+            dropped.append(arena)
+        for a in dropped:
+            a.close()
+        self.arenas_forgotten += 1
+
     async def write(
+        self,
+        indexes: np.ndarray,
+        columns: Mapping[str, Column],
+        specs: Mapping[str, FieldSpec],
+        *,
+        create: bool,
+        grant: bytes | None = None,
+    ) -> None:
+        try:
+            await self._write(indexes, columns, specs, create=create, grant=grant)
+        except UnknownArenaError:  # (the unit applied nothing)
+            self._forget_arenas()
+            await self._write(indexes, columns, specs, create=create, grant=grant)
+
+    async def _write(
         self,
         indexes: np.ndarray,
         columns: Mapping[str, Column],
@@ -362,7 +396,11 @@ class RemoteUnitLink(UnitLink):
             create=create,
             grant=grant,
         )
-        await self._write_kept(arena, msg, staged.nbytes, staged=used)
+        try:
+            await self._write_kept(arena, msg, staged.nbytes, staged=used)
+        except UnknownArenaError:  # (the staged columns still view the arena's memory)
+            self._forget_arenas()
+            await self._write(indexes, staged.columns, specs, create=create, grant=grant)
 
     def unstage(self, staged: Staged) -> None:
         self._writes.unlend(staged.token[0])
@@ -400,7 +438,12 @@ class RemoteUnitLink(UnitLink):
         if pinned:
             msg.mine = [a.name for a in pinned]
         try:
-            return await self._read(msg, out)
+            try:
+                return await self._read(msg, out)
+            except UnknownArenaError:
+                self._forget_arenas()
+                msg.mine = []
+                return await self._read(msg, out)
         finally:
             self._writes.unpin(pinned)
 

@@ -52,7 +52,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from transferqueue.errors import ProtocolError
+from transferqueue.errors import ProtocolError, UnknownArenaError
 
 __all__ = [
     "SHM_DIR",
@@ -341,10 +341,15 @@ class Segments:
 
     def _buffer(self, name: str) -> np.ndarray:
         m = _NAME.fullmatch(name) if isinstance(name, str) else None
-        entry = self._by_token.get(m.group(1)) if m is not None else None
+        if m is None:
+            raise ProtocolError(f"{name!r} is not a TransferQueue arena name")
+        entry = self._by_token.get(m.group(1))
         if entry is None or entry[0] != name:
-            raise ProtocolError(f"shared-memory arena {name!r} is not attached to this unit")
-        self._by_token.move_to_end(m.group(1))  # type: ignore[union-attr]
+            raise UnknownArenaError(
+                f"shared-memory arena {name!r} is not attached to this unit (it restarted, or "
+                "dropped the arena): the client attaches a new one"
+            )
+        self._by_token.move_to_end(m.group(1))
         return entry[1]
 
     def __len__(self) -> int:
@@ -512,13 +517,19 @@ class WriteArenas:
             else:
                 self._holds.pop(name, None)
 
-    def close(self) -> list[Arena]:
+    def reset(self) -> list[Arena]:
+        """Forget every arena (the unit no longer knows them: it restarted); the caller
+        closes them. Views already handed out keep their own mappings."""
         with self._lock:
             out = self._arenas + self._retired
             self._arenas, self._retired = [], []
             self._by_name.clear()
-            self.max_bytes = 0
             return out
+
+    def close(self) -> list[Arena]:
+        with self._lock:
+            self.max_bytes = 0
+            return self.reset()
 
 
 class Loan:
@@ -629,14 +640,19 @@ class ReadArenas:
             out, self._retired = self._retired, []
             return out
 
-    def close(self) -> list[Arena]:
-        """Every arena, for the caller to detach; loans still out keep their mappings until
-        their results are gone."""
+    def reset(self) -> list[Arena]:
+        """Every arena, for the caller to detach or close; loans still out keep their
+        mappings until their results are gone, and never come back."""
         with self._lock:
             out = self._free + [loan.arena for loan in self._loans.values()] + self._retired
             self._free, self._loans, self._retired = [], {}, []
-            self.max_bytes = 0
             return out
+
+    def close(self) -> list[Arena]:
+        """:meth:`reset`, and no arena is made from now on."""
+        with self._lock:
+            self.max_bytes = 0
+            return self.reset()
 
     def _ended(self, loan: Loan) -> None:
         with self._lock:

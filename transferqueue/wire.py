@@ -434,7 +434,7 @@ def decode_request(
     try:
         msg = _decode_body(cls, head[start:], frames[1:], join=join, resolve=resolve)
     except ProtocolError as e:
-        raise RequestError(rid, ProtocolError(f"{kind}: {e}")) from None
+        raise RequestError(rid, type(e)(f"{kind}: {e}")) from None
     return rid, msg
 
 

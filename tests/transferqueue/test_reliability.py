@@ -25,8 +25,10 @@ import pytest
 import torch
 
 import transferqueue
-from transferqueue import Liveness, PeerGoneError, RowsLostError
+from transferqueue import Liveness, PeerGoneError, Ragged, RowsLostError
 from transferqueue.controller import Controller
+from transferqueue.remote import RemoteUnitLink
+from transferqueue.shm import shm_available
 
 pytestmark = pytest.mark.service
 
@@ -145,6 +147,50 @@ def test_a_unit_killed_under_serve_loses_only_its_rows_and_is_restarted() -> Non
         assert c.get_data(got)["x"].view(-1).tolist() == list(range(5000, 6000))
         c.ack(got)
         assert svc.alive()
+
+
+@pytest.mark.skipif(not shm_available(), reason="no writable /dev/shm on this host")
+def test_a_client_sharing_memory_with_a_unit_goes_on_after_the_unit_restarts() -> None:
+    """The restarted unit has none of this client's shared-memory arenas (request, read and
+    write arenas): the client's first transfers meet ``UnknownArenaError``, attach new
+    arenas and go through; nothing fails and every byte is read back as written."""
+
+    def put_and_read(c: transferqueue.Client, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        dense = torch.randn(64, 8192, generator=g)  # 2 MiB: the request arena
+        lengths = torch.randint(2000, 6000, (64,), generator=g)
+        values = torch.randint(0, 50_000, (int(lengths.sum()),), generator=g)
+        ragged = Ragged.from_lengths(values, lengths)  # > 1 MiB: a write arena
+        dmeta = c.put({"dense": dense}, partition="d")
+        rmeta = c.put({"ids": ragged}, partition="r")
+        assert torch.equal(c.get_data(dmeta)["dense"], dense)  # a read arena
+        got = c.get_data(rmeta)["ids"]  # views of the write arena
+        assert torch.equal(got.values, values)
+        assert torch.equal(got.offsets, ragged.offsets)
+
+    def shared(link: RemoteUnitLink) -> tuple[int, int, int]:
+        """Bytes of the request arena, the read arenas and the write arenas."""
+        return link.arena_bytes, link._reads.bytes, link._writes.bytes
+
+    with (
+        transferqueue.serve(num_units=1) as svc,
+        transferqueue.connect(svc.address) as tq,
+    ):
+        c = tq.client()
+        put_and_read(c, 0)
+        (link,) = tq._units
+        assert isinstance(link, RemoteUnitLink)
+        assert all(shared(link)), shared(link)  # memory is shared every way
+        os.kill(svc.pids[0], signal.SIGKILL)
+        _until(
+            lambda: svc.restarts[0] == 1 and _ctl(c)["units_alive"] == [True],
+            LIVENESS.bound_s + SLACK_S + 30,
+            "restart",
+        )
+        for seed in (1, 2, 3):
+            put_and_read(c, seed)
+        assert link.arenas_forgotten >= 1  # the old arenas met the new unit, and were dropped
+        assert all(shared(link)), shared(link)  # ... new ones attached: memory is still shared
 
 
 @pytest.mark.ray
