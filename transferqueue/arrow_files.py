@@ -99,6 +99,12 @@ class Writers:
         for k in np.flatnonzero(sel).tolist():
             custom[int(p.custom_rows[k]) - lo] = p.custom[k]
         arrays["custom"] = pa.array(custom, type=pa.binary())
+        if p.keys:  # (only a partition with string keys has the column)
+            keys: list[str | None] = [None] * (hi - lo)
+            assert p.key_rows is not None
+            for k in np.flatnonzero((p.key_rows >= lo) & (p.key_rows < hi)).tolist():
+                keys[int(p.key_rows[k]) - lo] = p.keys[k]
+            arrays["key"] = pa.array(keys, type=pa.large_string())
         for f, ready in p.ready.items():
             arrays[f"ready:{f}"] = pa.array(ready[lo:hi], type=pa.bool_())
         for col in self._tasks:
@@ -125,6 +131,8 @@ class RowBatch:
     lengths: np.ndarray
     custom_pos: np.ndarray  # positions within the batch of rows with custom metadata
     custom: list[bytes]
+    key_pos: np.ndarray  # positions within the batch of rows with a string key
+    keys: list[str]
     consumed: dict[str, np.ndarray]  # task column -> bool per row
     queue: dict[str, np.ndarray]  # task column -> serve rank (-1: not queued)
     leased: dict[str, np.ndarray]  # task column -> rank in the open leases (-1: none)
@@ -167,15 +175,16 @@ class Readers:
         def ints(name: str) -> np.ndarray:
             return b.column(name).to_numpy(zero_copy_only=False).astype(np.int64)
 
-        custom = b.column("custom")
-        has = np.flatnonzero(custom.is_valid().to_numpy(zero_copy_only=False))
-        values = custom.to_pylist()
+        custom_pos, custom = _present(b, "custom")
+        key_pos, keys = _present(b, "key")
         return RowBatch(
             ints("group"),
             ints("version"),
             ints("length"),
-            has.astype(np.int64),
-            [values[i] for i in has.tolist()],
+            custom_pos,
+            custom,
+            key_pos,
+            keys,
             {
                 c: b.column(f"consumed:{c}").to_numpy(zero_copy_only=False).astype(bool)
                 for c in self._tasks
@@ -194,3 +203,13 @@ class Readers:
         if len(value) == 0:
             return pos, _empty(spec)
         return pos, from_arrow_tensor(column_from_arrow(value), spec)
+
+
+def _present(batch: pa.RecordBatch, name: str) -> tuple[np.ndarray, list[Any]]:
+    """(positions, values) of the non-null entries of column ``name`` (none: no column)."""
+    if name not in batch.schema.names:
+        return np.empty(0, dtype=np.int64), []
+    col = batch.column(name)
+    has = np.flatnonzero(col.is_valid().to_numpy(zero_copy_only=False))
+    values = col.to_pylist()
+    return has.astype(np.int64), [values[i] for i in has.tolist()]

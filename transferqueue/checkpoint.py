@@ -27,9 +27,11 @@ Layout (format version 1)::
     DIR/pNNNN/rows.arrow  one row per saved row, in index order, record batch k = rows
                           [k*batch_rows, (k+1)*batch_rows): index (in the saved store), group,
                           version, length int64 | custom binary (msgpack map; null: none) |
-                          ready:FIELD bool | consumed:tN bool | queue:tN int64 (serve rank,
-                          -1: not queued) | leased:tN int64 (rank in the task's open leases
-                          at save time, lease by lease; the manifest has their sizes)
+                          key large_string (the row's string key, null: none; only in a
+                          partition with keys: feature ``keys``) | ready:FIELD bool |
+                          consumed:tN bool | queue:tN int64 (serve rank, -1: not queued) |
+                          leased:tN int64 (rank in the task's open leases at save time,
+                          lease by lease; the manifest has their sizes)
     DIR/pNNNN/fNNNN.arrow one field, record batch k = that field's rows in row batch k: row
                           int64 (position in rows.arrow) | value (dense: primitive or
                           fixed-size lists; ragged: large_list; object: msgpack binary;
@@ -37,8 +39,9 @@ Layout (format version 1)::
 
 The manifest is written last: a directory without one is an incomplete save. A loader
 refuses a higher ``version`` and any ``features`` entry it does not know
-(:class:`~transferqueue.errors.CheckpointError`), so later additions (e.g. string keys of
-rows) extend the format without older loaders misreading it.
+(:class:`~transferqueue.errors.CheckpointError`), so later additions extend the format
+without older loaders misreading it (``keys``: string keys of rows, see the key-value calls;
+a save lists it only when a partition has keys, so older loaders read the rest).
 """
 
 from __future__ import annotations
@@ -68,7 +71,9 @@ __all__ = ["FEATURES", "FORMAT", "FORMAT_VERSION", "CheckpointCalls", "Progress"
 
 FORMAT = "transferqueue-store"
 FORMAT_VERSION = 1
-FEATURES: frozenset[str] = frozenset()
+FEATURES: frozenset[str] = frozenset({"keys"})
+"""What this version can load; a save lists those it uses (``keys``: rows with string keys,
+the ``key`` column of ``rows.arrow``)."""
 """Optional parts of the format this loader understands (none yet)."""
 BATCH_ROWS = 8192
 HOLD_S = 600.0
@@ -152,7 +157,7 @@ class CheckpointCalls:
             manifest = {
                 "format": FORMAT,
                 "version": FORMAT_VERSION,
-                "features": sorted(FEATURES),
+                "features": ["keys"] if any(p.keys for p in snap.partitions) else [],
                 "created_unix_s": time.time(),
                 "batch_rows": batch_rows,
                 "fields": {f: msgspec.to_builtins(s) for f, s in snap.specs.items()},
@@ -269,6 +274,8 @@ class CheckpointCalls:
                             versions=rows.versions,
                             lengths=rows.lengths,
                             first=b == 0,
+                            keys=rows.keys,
+                            key_rows=rows.key_pos,
                         )
                     )
                     lo = done

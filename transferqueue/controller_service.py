@@ -455,7 +455,14 @@ class ControllerService:
 
     def import_rows(self, msg: m.ImportRows, caller: Caller) -> BatchMeta:
         meta = import_rows(
-            self.controller, msg.partition, msg.groups, msg.versions, msg.lengths, first=msg.first
+            self.controller,
+            msg.partition,
+            msg.groups,
+            msg.versions,
+            msg.lengths,
+            first=msg.first,
+            keys=msg.keys,
+            key_rows=msg.key_rows,
         )
         return self._granted(meta, meta)
 

@@ -364,20 +364,32 @@ class KeyedRows:
         gave, with indexes mapped to the rows as restored). Everything is checked first: the
         rows live in the partition, neither the keys nor the rows have a key yet."""
         indexes = np.asarray(indexes, dtype=np.int64)
-        if indexes.shape != (len(keys),) or len(set(keys)) != len(keys):
+        if indexes.shape != (len(keys),):
             raise BadRequestError(
-                f"restore_keys: {len(keys)} distinct keys need as many indexes, got shape "
-                f"{indexes.shape}"
+                f"restore_keys: {len(keys)} keys need as many indexes, got shape {indexes.shape}"
             )
+        self.check_new_keys(partition, keys)
         part = self._partitions.get(partition)
         slots = self._slots(indexes)
         if part is None or (self._h["partition"][slots] != part.id).any():
             raise BadRequestError(f"restore_keys: rows not all in partition {partition!r}")
         km = self._keys.setdefault(part.id, KeyMap())
-        taken = [k for k in keys if k in km.index_of][:10]
-        if taken or any(i in km.key_of for i in indexes.tolist()):
+        if any(i in km.key_of for i in indexes.tolist()):
             raise BadRequestError(
-                f"restore_keys: keys {taken} or their rows already have a binding in "
-                f"partition {partition!r}; restore into a cleared partition"
+                f"restore_keys: rows already have a key in partition {partition!r}; restore "
+                "into a cleared partition"
             )
         km.bind(keys, indexes)
+
+    def check_new_keys(self, partition: str, keys: list[str]) -> None:
+        """Raise unless ``keys`` are distinct and none is bound in ``partition`` yet."""
+        if len(set(keys)) != len(keys):
+            raise BadRequestError(f"restore_keys: {len(keys)} keys, not all distinct")
+        part = self._partitions.get(partition)
+        km = None if part is None else self._keys.get(part.id)
+        taken = [] if km is None else [k for k in keys if k in km.index_of][:10]
+        if taken:
+            raise BadRequestError(
+                f"restore_keys: keys {taken} already have a row in partition {partition!r}; "
+                "restore into a cleared partition"
+            )

@@ -625,6 +625,9 @@ class ImportRows(ControllerRequest[BatchMeta]):
     versions: Rows
     lengths: Rows
     first: bool = True
+    keys: Annotated[list[Key], Meta(max_length=MAX_ROWS)] = []
+    """String keys of some of these rows (see the key-value calls), for rows ``key_rows``."""
+    key_rows: Rows | None = None  # positions among these rows
 
 
 class ImportTasks(ControllerRequest[None]):

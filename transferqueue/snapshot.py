@@ -88,6 +88,8 @@ class PartitionExport(msgspec.Struct, array_like=True):
     custom_rows: np.ndarray  # int64: positions of the rows that carry custom metadata
     custom: list[bytes]  # their msgpack maps
     tasks: list[TaskExport]
+    key_rows: np.ndarray | None = None  # int64: positions of the rows with a string key
+    keys: list[str] = msgspec.field(default_factory=list)  # their keys
 
 
 class StoreExport(msgspec.Struct, array_like=True):
@@ -154,6 +156,7 @@ def export_partition(ctl: Controller, name: str) -> PartitionExport:
     custom = [ctl._custom[int(indexes[k])] for k in custom_pos]
     leases = ctl.leases.of_partition(part.id)
     tasks = [_export_task(t, indexes, slots, leases) for t in part.tasks.values()]
+    key_rows, keys = _export_keys(ctl, name, indexes)
     return PartitionExport(
         part.name,
         None if part.declared is None else list(part.declared),
@@ -167,7 +170,21 @@ def export_partition(ctl: Controller, name: str) -> PartitionExport:
         np.asarray(custom_pos, dtype=np.int64),
         custom,
         tasks,
+        key_rows,
+        keys,
     )
+
+
+def _export_keys(ctl: Controller, name: str, indexes: np.ndarray) -> tuple[np.ndarray, list[str]]:
+    """(positions among ``indexes``, keys) of the exported rows that have a string key."""
+    bound = ctl.export_keys(name).get(name)
+    if bound is None:
+        return np.empty(0, dtype=np.int64), []
+    rows = bound["indexes"]
+    pos = np.searchsorted(indexes, rows).clip(max=max(indexes.size - 1, 0))
+    exported = (indexes[pos] == rows) if indexes.size else np.zeros(rows.size, dtype=bool)
+    keys = [k for k, e in zip(bound["keys"], exported.tolist(), strict=True) if e]
+    return pos[exported].astype(np.int64), keys
 
 
 def _export_task(
@@ -209,10 +226,13 @@ def import_rows(
     lengths: np.ndarray,
     *,
     first: bool,
+    keys: Sequence[str] = (),
+    key_rows: np.ndarray | None = None,
 ) -> BatchMeta:
     """New committed rows with these headers in ``partition``, no field ready yet. ``first``:
     the partition must be new (else :class:`PartitionExistsError`) and becomes *loading*;
-    later calls add rows to a partition that is loading."""
+    later calls add rows to a partition that is loading. ``keys``: string keys of the rows
+    at positions ``key_rows`` (checked before any row is made)."""
     part = ctl._partitions.get(partition)
     if first:
         if part is not None and (part.rows_live or part.tasks or part.declared is not None):
@@ -226,10 +246,22 @@ def import_rows(
     n = int(groups.size)
     if versions.size != n or lengths.size != n:
         raise BadRequestError("import_rows: groups, versions and lengths need one value per row")
+    key_pos = np.empty(0, dtype=np.int64) if key_rows is None else np.asarray(key_rows)
+    if key_pos.shape != (len(keys),) or (
+        key_pos.size and not 0 <= key_pos.min() <= key_pos.max() < n
+    ):
+        raise BadRequestError(
+            f"import_rows: {len(keys)} keys need as many positions among the {n} rows, got "
+            f"key_rows of shape {key_pos.shape}"
+        )
+    if keys:
+        ctl.check_new_keys(partition, list(keys))
     meta = ctl.allocate(n, partition, groups=groups, versions=versions, lengths=lengths)
     ctl.partition(partition).loading = True
     # Committed now, so that the reclaim of abandoned puts never takes rows a long load holds.
     ctl._h["committed"][ctl._slots(meta.indexes)] = True
+    if keys:
+        ctl.restore_keys(partition, list(keys), meta.indexes[key_pos])
     return meta
 
 

@@ -116,3 +116,57 @@ def test_a_dead_trainer_rank_ends_the_run_naming_it(ray_cluster: None, tmp_path:
         run(cfg, factories=EngineFactories(reward=slow_reward_factory))
     killer.join(timeout=60)
     assert killed == ["-train-rank1"]
+
+
+def test_groups_a_dead_unit_actor_took_are_regenerated_on_the_ray_workflow(
+    ray_cluster: None, tmp_path: Path
+) -> None:
+    """The Ray workflow over TransferQueue's Ray deployment: a storage unit actor SIGKILLed
+    after the first step (Ray restarts it empty). The groups whose rows it took are retired
+    and admitted again by the driver, the stage hosts give back batches that lost rows, and
+    every step still trains exactly its window, each group once and whole, within the
+    staleness bound."""
+    import ray
+
+    from transferqueue.ray_deploy import start_on_ray
+
+    out = tmp_path / "run"
+    steps, per_step, k = 8, 2, 1
+    prefix = f"tq-regen-{os.getpid()}"
+    with start_on_ray(num_units=2, spread_bytes=0, name_prefix=prefix) as tq:  # rows on both
+        cfg = small_config(
+            out,
+            "deploy.mode=ray",
+            "transferqueue.mode=connect",
+            f"transferqueue.address={tq.address}",
+            f"train.steps={steps}",
+            f"train.groups_per_step={per_step}",
+            f"train.max_staleness={k}",
+            RAY_START,
+        )
+        pid = ray.get(ray.get_actor(f"{prefix}-unit1").pid.remote(), timeout=60)
+        killed: list[str] = []
+
+        def kill_after_first_step() -> None:
+            metrics = out / "metrics.jsonl"
+            deadline = time.monotonic() + RAY_TEST_TIMEOUT_S
+            while time.monotonic() < deadline:
+                if metrics.exists() and metrics.read_text().strip():
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append("unit1")
+                    return
+                time.sleep(0.1)
+
+        killer = threading.Thread(target=kill_after_first_step, daemon=True)
+        killer.start()
+        result = run(cfg)
+        killer.join(timeout=60)
+        assert killed == ["unit1"], "the run ended before a step was recorded"
+        assert tq.client().stats()["controller"]["rows_lost"] > 0  # it took rows of the run
+    regenerated = result.extra["regenerated_groups"]
+    assert regenerated and len(regenerated) == len(set(regenerated))  # put again, each once
+    assert [r.step for r in result.reports] == list(range(steps))
+    for r in result.reports:
+        assert r.groups == list(range(r.step * per_step, (r.step + 1) * per_step))
+        assert r.samples == per_step * cfg.rollout.group_size
+        assert min(r.staleness) >= 0 and max(r.staleness) <= k

@@ -9,7 +9,9 @@ and Ray servers are started once per session and reset between tests.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -91,3 +93,15 @@ def tq(deploy: Deploy) -> TransferQueue:
 @pytest.fixture
 def client(tq: TransferQueue) -> Client:
     return tq.client()
+
+
+def until(what: Callable[[], Any], timeout_s: float, label: str) -> Any:
+    """Poll ``what`` until it returns something truthy (bounded: an AssertionError naming
+    ``label`` after ``timeout_s``)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        got = what()
+        if got:
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"{label}: not within {timeout_s} s")

@@ -374,7 +374,11 @@ def test_the_key_map_exports_as_plain_data_and_restores_onto_rows() -> None:
     rows = fresh.allocate(2, "p").indexes[::-1].copy()  # restored rows: other indexes
     fresh.restore_keys("p", saved["p"]["keys"], rows)
     assert fresh.key_rows("p", ["b", "a"]).meta.indexes.tolist() == [0, 1]
-    with pytest.raises(BadRequestError, match="already have a binding"):
+    with pytest.raises(BadRequestError, match=r"keys \['a'\] already have a row"):
         fresh.restore_keys("p", ["a"], rows[:1])
+    with pytest.raises(BadRequestError, match="rows already have a key"):
+        fresh.restore_keys("p", ["new"], rows[:1])
+    with pytest.raises(BadRequestError, match="not all distinct"):
+        fresh.restore_keys("p", ["x", "x"], rows)
     with pytest.raises(BadRequestError, match="not all in partition 'q'"):
         fresh.restore_keys("q", ["z"], rows[:1])

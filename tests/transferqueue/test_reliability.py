@@ -17,12 +17,12 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from conftest import until
 
 import transferqueue
 from transferqueue import Liveness, PeerGoneError, Ragged, RowsLostError
@@ -34,17 +34,6 @@ pytestmark = pytest.mark.service
 
 LIVENESS = Liveness()  # the defaults: what users get
 SLACK_S = 15.0  # added to every bound: a loaded 2-core machine may stall a process for seconds
-
-
-def _until(what: Callable[[], Any], timeout_s: float, label: str) -> Any:
-    """Poll ``what`` until it returns something truthy (bounded)."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        got = what()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"{label}: not within {timeout_s} s")
 
 
 def _ctl(client: transferqueue.Client) -> dict[str, Any]:
@@ -126,7 +115,7 @@ def test_a_unit_killed_under_serve_loses_only_its_rows_and_is_restarted() -> Non
         held = c.get_meta("t", ["x"], 1000, lease_s=600)  # a consumer holds every row
         os.kill(svc.pids[1], signal.SIGKILL)
         t0 = time.monotonic()
-        _until(lambda: _ctl(c)["rows_lost"] == on1.size, LIVENESS.bound_s + SLACK_S, "lost")
+        until(lambda: _ctl(c)["rows_lost"] == on1.size, LIVENESS.bound_s + SLACK_S, "lost")
         detected_s = time.monotonic() - t0
         assert detected_s < LIVENESS.bound_s + SLACK_S
         with pytest.raises(RowsLostError, match="lost") as err:
@@ -136,7 +125,7 @@ def test_a_unit_killed_under_serve_loses_only_its_rows_and_is_restarted() -> Non
         task = _ctl(c)["partitions"]["default"]["tasks"]["t"]
         assert (task["done"], task["lost"], task["leased"], task["queued"]) == (500, 500, 0, 0)
         # the supervisor restarts the unit; it registers and takes new rows
-        _until(
+        until(
             lambda: svc.restarts[1] == 1 and _ctl(c)["units_alive"] == [True, True],
             LIVENESS.bound_s + SLACK_S + 30,
             "restart",
@@ -184,7 +173,7 @@ def test_a_client_sharing_memory_with_a_unit_goes_on_after_the_unit_restarts() -
         os.kill(svc.pids[0], signal.SIGKILL)
         # Until the controller has heard of the restart, rows it gives the unit may still be
         # counted with the dead incarnation's (a put then raises RowsLostError): wait for it.
-        _until(
+        until(
             lambda: (
                 svc.restarts[0] == 1
                 and _ctl(c)["units_alive"] == [True]
@@ -217,11 +206,11 @@ def test_a_unit_actor_killed_on_ray_is_restarted_where_it_listened(ray_cluster: 
         on1 = meta.indexes[meta.units == 1]
         held = c.get_meta("t", ["x"], 1000, lease_s=600)
         os.kill(pid, signal.SIGKILL)
-        _until(lambda: _ctl(c)["rows_lost"] == on1.size, LIVENESS.bound_s + SLACK_S, "lost")
+        until(lambda: _ctl(c)["rows_lost"] == on1.size, LIVENESS.bound_s + SLACK_S, "lost")
         with pytest.raises(RowsLostError, match="lost"):
             c.get_data(held)
         c.ack(held)
-        _until(lambda: _ctl(c)["units_alive"] == [True, True], 120 + SLACK_S, "restart")
+        until(lambda: _ctl(c)["units_alive"] == [True, True], 120 + SLACK_S, "restart")
         again, new_pid = ray.get([unit.address.remote(), unit.pid.remote()], timeout=60)
         assert new_pid != pid  # a new process ...
         assert again == address == ray.get(ctl.unit_address.remote(1), timeout=60)  # same place
@@ -253,10 +242,10 @@ def test_a_unit_restarted_on_a_new_address_is_found_by_connected_clients(
         try:
             os.kill(pid, signal.SIGKILL)
             host, port = old.removeprefix("tcp://").rsplit(":", 1)
-            _until(lambda: _bound(squatter, host, int(port)), 30, "old port taken")
+            until(lambda: _bound(squatter, host, int(port)), 30, "old port taken")
             lost = int((before.units == 1).sum())
-            _until(lambda: _ctl(c)["rows_lost"] == lost, LIVENESS.bound_s + SLACK_S, "lost")
-            _until(lambda: _ctl(c)["units_alive"] == [True, True], 120 + SLACK_S, "restart")
+            until(lambda: _ctl(c)["rows_lost"] == lost, LIVENESS.bound_s + SLACK_S, "lost")
+            until(lambda: _ctl(c)["units_alive"] == [True, True], 120 + SLACK_S, "restart")
             new = ray.get(unit.address.remote(), timeout=60)
             assert new != old
             assert ray.get(ray.get_actor(f"{prefix}-controller").unit_address.remote(1)) == new
@@ -305,7 +294,7 @@ def test_a_unit_back_before_any_heartbeat_missed_it_still_reports_its_rows_lost(
         on1 = meta.indexes[meta.units == 1]
         held = c.get_meta("t", ["x"], 1000, lease_s=600)
         os.kill(svc.pids[1], signal.SIGKILL)
-        _until(lambda: svc._procs[1].poll() is not None, SLACK_S, "killed")
+        until(lambda: svc._procs[1].poll() is not None, SLACK_S, "killed")
         # the same unit on the same address, as a supervisor starts it, less the
         # registration that would tell the controller at once
         args = ["unit", "--unit-id", "1", "--address", svc.unit_addresses[1]]
@@ -409,7 +398,7 @@ def test_a_unit_killed_under_the_cli_leaves_the_service_serving() -> None:
             on0, on1 = meta.indexes[meta.units == 0], meta.indexes[meta.units == 1]
             victim = _unit_pid(proc.pid, 1)
             os.kill(victim, signal.SIGKILL)
-            _until(lambda: _ctl(c)["rows_lost"] == on1.size, LIVENESS.bound_s + SLACK_S, "lost")
+            until(lambda: _ctl(c)["rows_lost"] == on1.size, LIVENESS.bound_s + SLACK_S, "lost")
             seen: list[int] = []
             while True:  # no batch fails: the lost rows left the queue
                 b = c.get_meta("t", ["x"], 128, timeout_s=2)
@@ -418,7 +407,7 @@ def test_a_unit_killed_under_the_cli_leaves_the_service_serving() -> None:
                 seen += c.get_data(b)["x"].view(-1).tolist()
                 c.ack(b)
             assert sorted(seen) == on0.tolist()
-            _until(lambda: _ctl(c)["units_alive"] == [True, True], SLACK_S + 30, "restart")
+            until(lambda: _ctl(c)["units_alive"] == [True, True], SLACK_S + 30, "restart")
             assert _unit_pid(proc.pid, 1) != victim
             new = _put_over_both(c, 7000)
             got = c.get_meta("t", ["x"], 1000, timeout_s=30)
@@ -486,8 +475,8 @@ def test_a_producer_killed_mid_put_leaves_no_rows_and_no_shared_memory() -> None
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
-        _until(lambda: _ctl(c)["rows_reclaimed"] == 64, 2.0 + SLACK_S, "reclaimed")
+        until(lambda: _ctl(c)["rows_reclaimed"] == 64, 2.0 + SLACK_S, "reclaimed")
         st = c.stats()
         assert st["controller"]["rows_live"] == 0 and st["units"][0]["rows"] == 0
-        _until(lambda: _shm_mapped_bytes(unit) <= before, SLACK_S, "arenas released")
+        until(lambda: _shm_mapped_bytes(unit) <= before, SLACK_S, "arenas released")
         assert len(c.get_meta("t", ["r"], 1, timeout_s=1)) == 0  # consumers never see them

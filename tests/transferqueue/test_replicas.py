@@ -15,13 +15,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from conftest import until
 
 import transferqueue
 from transferqueue import Liveness
@@ -32,16 +32,6 @@ from transferqueue.grants import Grants, new_grant_key
 
 LIVENESS = Liveness()
 SLACK_S = 30.0  # a loaded 2-core machine may stall a process for seconds
-
-
-def _until(what: Callable[[], Any], timeout_s: float, label: str) -> Any:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        got = what()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"{label}: not within {timeout_s} s")
 
 
 # -- the controller core ---------------------------------------------------------------------
@@ -214,10 +204,10 @@ def _kill_and_recover(
     during = want.put(c, 1000, 300)  # the unit is dead, not yet declared so
     want.check(held, c.get_data(held))  # its rows come from their other copies
     c.ack(held)
-    _until(lambda: _ctl(c)["units_lost"] == 1, LIVENESS.bound_s + SLACK_S, "unit lost")
+    until(lambda: _ctl(c)["units_lost"] == 1, LIVENESS.bound_s + SLACK_S, "unit lost")
     down = want.put(c, 2000, 300)  # (with 2 units: one copy each, on the live one)
-    _until(restarted, LIVENESS.bound_s + SLACK_S + 30, "restart")
-    _until(lambda: all(_ctl(c)["units_alive"]), SLACK_S, "unit back")
+    until(restarted, LIVENESS.bound_s + SLACK_S + 30, "restart")
+    until(lambda: all(_ctl(c)["units_alive"]), SLACK_S, "unit back")
     after = want.put(c, 3000, 300)
     assert after.replica_units is not None and (after.replica_units >= 0).all()
     c.finish("p")

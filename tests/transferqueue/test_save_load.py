@@ -122,6 +122,37 @@ def test_save_new_store_load_serves_same_reads_and_consumption(
     assert len(_all(d, "b", ["p"], "val")[0]) == 6
 
 
+def test_string_keys_survive_save_and_load(deploy: Deploy, tmp_path: Path) -> None:
+    """Keyed rows (the key-value calls) come back under their keys, bit-exact, beside rows
+    without keys, with the consumption state of a task; a save without keys lists no
+    feature (older loaders read it), one with keys lists ``keys``."""
+    src = deploy()
+    c = src.client()
+    keys = [f"prompt-{i:03d}" for i in range(12)]
+    vals = torch.randn(12, 5)
+    toks = [torch.arange(i % 4 + 1) for i in range(12)]
+    head, tail = Ragged.from_tensors(toks[:8]), Ragged.from_tensors(toks[8:])
+    c.kv_batch_put(keys[:8], {"v": vals[:8], "tok": head}, partition="kv")
+    c.put({"v": vals[8:], "tok": tail}, partition="kv")  # rows without keys
+    c.kv_batch_put(keys[8:], {"v": vals[8:], "tok": tail}, partition="kv")
+    c.kv_delete(["prompt-003"], partition="kv")
+    c.ack(c.get_meta("t", ["v"], batch_size=5, partition="kv"))  # "t" took 5 of the 15 rows
+    c.save(tmp_path / "plain", partitions=[])  # (nothing saved: no feature)
+    assert json.loads((tmp_path / "plain" / "manifest.json").read_text())["features"] == []
+    c.save(tmp_path / "ck", batch_rows=4)  # keys spread over 4 row batches
+    assert json.loads((tmp_path / "ck" / "manifest.json").read_text())["features"] == ["keys"]
+
+    d = deploy(capacity_rows=1 << 16).client()
+    d.load(tmp_path / "ck")
+    want = c.kv_list("kv")
+    got = d.kv_list("kv")
+    assert got.keys == want.keys and len(got.keys) == 11 and "prompt-003" not in got.keys
+    _same(d.kv_batch_get(got.keys, partition="kv"), c.kv_batch_get(want.keys, partition="kv"))
+    assert torch.equal(d.kv_get("prompt-011", partition="kv")["v"], vals[11])
+    loaded, saved = (sorted(_all(x, "t", ["v"], "kv")[1]["v"][:, 0].tolist()) for x in (d, c))
+    assert loaded == saved and len(loaded) == 10  # "t" goes on where it was
+
+
 def test_loading_a_partition_the_store_has_is_refused(deploy: Deploy, tmp_path: Path) -> None:
     tq = deploy()
     c = tq.client()
@@ -174,9 +205,9 @@ def test_bad_save_directories_are_typed_errors(tmp_path: Path) -> None:
         (tmp_path / "ck" / "manifest.json").write_text(json.dumps(manifest))
         with pytest.raises(CheckpointError, match=r"version 99.*reads versions 1\.\.1"):
             c.load(tmp_path / "ck")
-        manifest["version"], manifest["features"] = 1, ["keys"]
+        manifest["version"], manifest["features"] = 1, ["keys", "zstd-fields"]
         (tmp_path / "ck" / "manifest.json").write_text(json.dumps(manifest))
-        with pytest.raises(CheckpointError, match="features \\['keys'\\]"):
+        with pytest.raises(CheckpointError, match="features \\['zstd-fields'\\]"):
             c.load(tmp_path / "ck")
 
 
