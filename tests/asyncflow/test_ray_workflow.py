@@ -159,7 +159,9 @@ def test_groups_a_dead_unit_actor_took_are_regenerated_on_the_ray_workflow(
 
         killer = threading.Thread(target=kill_after_first_step, daemon=True)
         killer.start()
-        result = run(cfg)
+        # a reward with latency: when the unit dies, generated groups wait for their reward,
+        # so rows the train stage has not consumed yet are lost
+        result = run(cfg, factories=EngineFactories(reward=slow_reward_factory))
         killer.join(timeout=60)
         assert killed == ["unit1"], "the run ended before a step was recorded"
         assert tq.client().stats()["controller"]["rows_lost"] > 0  # it took rows of the run
