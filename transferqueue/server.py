@@ -35,7 +35,7 @@ from transferqueue import messages as m
 from transferqueue.auth import ServerKeys
 from transferqueue.controller import SPREAD_BYTES, Controller
 from transferqueue.controller_service import ControllerService
-from transferqueue.errors import BadRequestError, TQError
+from transferqueue.errors import BadRequestError, PeerGoneError, TQError
 from transferqueue.grants import Grants
 from transferqueue.health import ALLOCATION_S
 from transferqueue.limits import MAX_LEASE_S
@@ -97,6 +97,9 @@ class UnitServer:
         self.unit = StorageUnit(unit_id, capacity_bytes=capacity_bytes)
         self.incarnation = new_incarnation()
         self._controller = controller
+        # A restarted unit (one that registers) takes new rows once the controller answered
+        # its registration: rows written before then could count with its dead incarnation's.
+        self._registered = controller is None
         self._keys = keys
         self._ctx = ctx
         self._background: list[asyncio.Task[None]] = []
@@ -151,9 +154,10 @@ class UnitServer:
                 except TQError as e:
                     if loop.time() > deadline:
                         log.error("unit %d could not register: %s", self.unit.unit_id, e)
-                        return
+                        return  # (new rows are taken all the same: the heartbeat tells it)
                 await asyncio.sleep(0.2)
         finally:
+            self._registered = True
             await rpc.close()
 
     async def _sweep(self) -> None:
@@ -169,6 +173,12 @@ class UnitServer:
     async def write(self, msg: m.Write, caller: Caller) -> None:
         if msg.create:  # new rows: only those the controller allocated here, to this writer
             self.grants.check(msg.grant, self.unit.unit_id, msg.indexes)
+            if not self._registered:  # (as if the old incarnation answered: it is gone)
+                raise PeerGoneError(
+                    f"storage unit {self.unit.unit_id} restarted and the controller has not "
+                    "answered its registration yet: rows it allocated here before are lost "
+                    "(the client asks the controller, and puts again)"
+                )
         # Views of the client's arena are copied, never adopted ... unless it is a write arena
         # (the client reuses it only when the unit holds no view of it): then ragged values
         # stay views of it, no copy.
@@ -311,7 +321,7 @@ class ControllerServer:
         self._units: list[RpcClient] = []
         # per unit: its incarnation as last heard (None: not yet), and a revival under way
         self._incarnations: list[str | None] = [None] * len(self.unit_addresses)
-        self._reviving: set[int] = set()
+        self._reviving: dict[int, asyncio.Task[None]] = {}
         self._started = False
         try:
             for i, a in enumerate(self.unit_addresses):
@@ -344,7 +354,7 @@ class ControllerServer:
             ping=m.UnitPing(),
             liveness=self.liveness,
             keepalive=True,
-            on_pong=functools.partial(self._heard, unit),
+            on_pong=functools.partial(self._pong, unit),
             on_silent=functools.partial(self._silent, unit),
         )
 
@@ -408,19 +418,25 @@ class ControllerServer:
         if self.service.controller.placement.alive[unit]:
             self.service.lose_unit(unit)
 
-    def _heard(self, unit: int, incarnation: str) -> None:
-        """A ping's answer (or a registration): a new incarnation is a restarted unit."""
+    def _pong(self, unit: int, incarnation: str) -> None:
+        self._heard(unit, incarnation)
+
+    def _heard(self, unit: int, incarnation: str) -> asyncio.Task[None] | None:
+        """A ping's answer (or a registration): a new incarnation is a restarted unit. Returns
+        the unit's revival under way (None: nothing to revive)."""
         known = self._incarnations[unit]
         alive = bool(self.service.controller.placement.alive[unit])
         if known is None or (known == incarnation and alive):
             self._incarnations[unit] = incarnation
-            return
+            return None
         if known != incarnation and alive:  # restarted faster than it was missed
             self.service.lose_unit(unit)
-        if unit not in self._reviving:
-            self._reviving.add(unit)
+        task = self._reviving.get(unit)
+        if task is None:
             task = asyncio.get_running_loop().create_task(self._revive(unit, incarnation))
+            self._reviving[unit] = task
             task.add_done_callback(lambda t, u=unit: self._revived(u, t))  # type: ignore[misc]
+        return task
 
     async def _revive(self, unit: int, incarnation: str) -> None:
         """Clear the unit (it may hold rows the controller declared lost: it was only
@@ -430,7 +446,7 @@ class ControllerServer:
         self.service.unit_back(unit)
 
     def _revived(self, unit: int, task: asyncio.Task[None]) -> None:
-        self._reviving.discard(unit)
+        self._reviving.pop(unit, None)
         if not task.cancelled() and task.exception() is not None:
             log.warning("storage unit %d did not come back: %r", unit, task.exception())
 
@@ -482,7 +498,11 @@ class ControllerServer:
             if self._started:
                 rpc.start_watch()
             await old.close()
-        self._heard(unit, msg.incarnation)
+        # Answered once the unit's old rows are lost and it is cleared: the unit takes new
+        # rows only after this reply, so none written to it can be counted with the old ones.
+        revival = self._heard(unit, msg.incarnation)
+        if revival is not None:
+            await asyncio.shield(revival)
 
     def hello(self, msg: m.Hello, caller: Caller) -> m.HelloReply:
         return m.HelloReply(PROTOCOL_VERSION, self.unit_addresses)

@@ -188,6 +188,88 @@ def test_a_client_sharing_memory_with_a_unit_goes_on_after_the_unit_restarts() -
         assert all(shared(link)), shared(link)  # ... new ones attached: memory is still shared
 
 
+def test_a_restarted_unit_takes_new_rows_only_once_its_registration_is_answered() -> None:
+    """Rows written to a restarted unit before the controller knows of the restart would be
+    counted with its dead incarnation's and cleared: the unit refuses them (``PeerGoneError``:
+    the client asks the controller, which reports them lost) until its registration has been
+    answered. Here the "controller" reads the registration and never answers."""
+    import asyncio
+
+    import zmq.asyncio
+
+    from transferqueue import messages as m
+    from transferqueue.grants import Grants
+    from transferqueue.rpc import RpcClient
+    from transferqueue.server import UnitServer
+
+    key = b"k" * 32
+    write = m.Write(
+        indexes=np.arange(4, dtype=np.int64),
+        columns={"x": torch.arange(4).view(4, 1)},
+        specs={"x": transferqueue.FieldSpec.dense(torch.int64, (1,))},
+        create=True,
+        grant=Grants(key).sign(0, 0, 4),
+    )
+
+    async def scenario() -> tuple[BaseException | None, BaseException | None]:
+        ctx = zmq.asyncio.Context()
+        silent = ctx.socket(zmq.ROUTER)  # a controller that has not answered yet
+        port = silent.bind_to_random_port("tcp://127.0.0.1")
+        outcomes: list[BaseException | None] = []
+        for controller in (f"tcp://127.0.0.1:{port}", None):  # restarted; first start
+            unit = UnitServer(ctx, 0, grant_key=key, controller=controller)
+            unit.start()
+            client = RpcClient(ctx, unit.address, call_timeout_s=10)
+            try:
+                await client.call(write)
+                outcomes.append(None)
+            except Exception as e:
+                outcomes.append(e)
+            finally:
+                await client.close()
+                await unit.close()
+        silent.close(linger=0)
+        ctx.term()
+        return outcomes[0], outcomes[1]
+
+    restarted, first = asyncio.run(scenario())
+    assert isinstance(restarted, PeerGoneError) and "registration" in str(restarted)
+    assert first is None  # a unit the controller was started with takes rows at once
+
+
+def test_a_put_that_returned_after_a_unit_restart_is_never_lost_later() -> None:
+    """Puts keep going while a unit is killed and restarted: each either raises
+    ``RowsLostError`` (put again) or returns, and then its rows stay readable. A restarted
+    unit takes new rows only once the controller has answered its registration (it lost the
+    old incarnation's rows by then), so rows written to it are never counted with those."""
+    with (
+        transferqueue.serve(num_units=2, spread_bytes=0) as svc,
+        transferqueue.connect(svc.address) as tq,
+    ):
+        c = tq.client()
+        units_lost0 = _ctl(c)["units_lost"]
+        os.kill(svc.pids[1], signal.SIGKILL)
+        returned, refused, k = [], 0, 0
+        deadline = time.monotonic() + LIVENESS.bound_s + SLACK_S + 60
+        while time.monotonic() < deadline:  # until the controller took the unit back
+            stats = _ctl(c)
+            if stats["units_lost"] > units_lost0 and all(stats["units_alive"]):
+                break
+            try:
+                returned.append(c.put({"x": torch.arange(k, k + 8).view(8, 1)}, partition="p"))
+            except (RowsLostError, PeerGoneError):
+                refused += 1
+            k += 8
+        else:
+            raise AssertionError("the unit was not taken back")
+        returned += [_put_over_both(c, 10**6 + i * 1000) for i in range(3)]  # after: both units
+        assert refused > 0  # puts met the dead unit (and were told) ...
+        for meta in returned:  # ... and every put that returned is whole
+            got = c.get_data(meta)["x"].view(-1)
+            first = int(got[0])
+            assert got.tolist() == list(range(first, first + len(meta)))
+
+
 @pytest.mark.ray
 def test_a_unit_actor_killed_on_ray_is_restarted_where_it_listened(ray_cluster: None) -> None:
     """The Ray deployment's supervisor is Ray (max_restarts): the restarted unit binds the
