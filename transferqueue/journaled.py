@@ -33,7 +33,7 @@ from transferqueue.journal import Journal, JournalSettings, Record, read_records
 from transferqueue.leases import random_lease_id
 from transferqueue.snapshot import end_loading, import_rows, import_tasks
 
-__all__ = ["JournalClock", "JournaledController", "open_controller"]
+__all__ = ["JournalClock", "JournaledController", "call_function", "open_controller"]
 
 
 class JournalClock:
@@ -243,6 +243,13 @@ class JournaledController(Controller):
         journal.sync()
         if journal.snapshot_due():
             journal.snapshot(self)
+
+
+def call_function(ctl: Controller, function: str, *args: Any, **kwargs: Any) -> Any:
+    """``function`` of :mod:`transferqueue.snapshot` on ``ctl`` (journaled when it is)."""
+    if isinstance(ctl, JournaledController):
+        return ctl.apply(function, *args, **kwargs)
+    return _FUNCTIONS[function](ctl, *args, **kwargs)
 
 
 def _make_method(name: str) -> Callable[..., Any]:
