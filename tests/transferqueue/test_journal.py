@@ -104,7 +104,7 @@ class Driver:
                     ctl.commit(meta.indexes, fields, versions=int(r.integers(0, 3)))
             elif op <= 8:
                 task, fields = [("a", ["x"]), ("b", ["x", "y"])][int(r.integers(0, 2))]
-                meta, _ = ctl.poll(
+                got, _ = ctl.poll(
                     task=task,
                     partition=part,
                     fields=fields,
@@ -113,8 +113,8 @@ class Driver:
                     short_ok=bool(r.random() < 0.5),
                     min_version=1 if r.random() < 0.1 else None,
                 )
-                if meta is not None and meta.lease_id is not None:
-                    self.leases.append(meta.lease_id)
+                if got is not None and got.lease_id is not None:
+                    self.leases.append(got.lease_id)
             elif op <= 11 and self.leases:
                 lid = self.leases.pop(int(r.integers(0, len(self.leases))))
                 lease = ctl.leases.active(lid)
@@ -134,9 +134,9 @@ class Driver:
                 ctl.reclaim()
             elif op == 13:
                 keys = [f"k{int(k)}" for k in r.integers(0, 12, size=3)]
-                got = ctl.key_rows("kv", sorted(set(keys)), create=True)
-                if got.created.size:
-                    ctl.commit(got.meta.indexes[got.created], ["x"])
+                rows = ctl.key_rows("kv", sorted(set(keys)), create=True)
+                if rows.created.size:
+                    ctl.commit(rows.meta.indexes[rows.created], ["x"])
                 if r.random() < 0.3:
                     ctl.delete_keys("kv", [keys[0]])
             elif op == 14:
@@ -230,9 +230,10 @@ def test_a_lease_taken_before_the_restart_acks_after_it(tmp_path: Path) -> None:
     meta = ctl.allocate(10, "p")
     ctl.commit(meta.indexes, ["x"])
     first, _ = ctl.poll(task="t", partition="p", fields=["x"], batch_size=4, lease_s=30)
+    assert first is not None and first.lease_id is not None
     ctl.ack(first.lease_id)
     held, _ = ctl.poll(task="t", partition="p", fields=["x"], batch_size=4, lease_s=30)
-    assert first is not None and held is not None and held.lease_id is not None
+    assert held is not None and held.lease_id is not None
     back = _recovered(tmp_path / "d", tmp_path / "copy", clock)
     back.ack(held.lease_id, owner=None)  # the same lease id, still open
     rest, _ = back.poll(
@@ -250,7 +251,7 @@ def test_deadlines_from_a_clock_that_went_back_are_clamped(tmp_path: Path) -> No
     meta = ctl.allocate(3, "p")
     ctl.commit(meta.indexes, ["x"])
     got, _ = ctl.poll(task="t", partition="p", fields=["x"], batch_size=3, lease_s=30)
-    assert got is not None
+    assert got is not None and got.lease_id is not None
     clock.t = 10.0  # (another boot: monotonic time starts again)
     back = _recovered(tmp_path / "d", tmp_path / "copy", clock)
     lease = back.leases.active(got.lease_id)
