@@ -48,6 +48,7 @@ import numpy as np
 
 from transferqueue.errors import CheckpointError
 from transferqueue.schema import FieldSpec
+from transferqueue.snapshot import TaskImport
 
 __all__ = [
     "FORMAT_VERSION",
@@ -92,26 +93,33 @@ class JournalSettings:
 
 
 # -- records ---------------------------------------------------------------------------------
-def _pre(value: Any) -> Any:
-    """``value`` with arrays, field specs and task imports as msgpack extensions."""
-    from transferqueue.snapshot import TaskImport  # (snapshot imports the controller)
+def _array(arr: np.ndarray) -> msgspec.msgpack.Ext:
+    arr = np.ascontiguousarray(arr)
+    return msgspec.msgpack.Ext(_EXT_ARRAY, _enc.encode([arr.dtype.str, list(arr.shape), arr.data]))
 
+
+def _hook(value: Any) -> Any:
+    """msgpack for what it has no type of: numpy arrays and scalars."""
     if isinstance(value, np.ndarray):
-        arr = np.ascontiguousarray(value)
-        body = _enc.encode([arr.dtype.str, list(arr.shape), arr.tobytes()])
-        return msgspec.msgpack.Ext(_EXT_ARRAY, body)
+        return _array(value)
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"a journal record cannot hold {type(value).__name__}")
+
+
+def _pre(value: Any) -> Any:
+    """``value`` with field specs and task imports as msgpack extensions (msgpack would
+    write them as plain maps and lists; only register_fields and loads carry them)."""
     if isinstance(value, FieldSpec):
         spec = [value.kind, value.dtype, list(value.shape)]
         return msgspec.msgpack.Ext(_EXT_SPEC, _enc.encode(spec))
     if isinstance(value, TaskImport):
         parts = [getattr(value, f) for f in value.__struct_fields__]
-        return msgspec.msgpack.Ext(_EXT_TASK, _enc.encode(_pre(parts)))
+        return msgspec.msgpack.Ext(_EXT_TASK, _enc.encode(parts))
     if isinstance(value, dict):
         return {k: _pre(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [_pre(v) for v in value]
-    if isinstance(value, np.generic):
-        return value.item()
     return value
 
 
@@ -123,19 +131,18 @@ def _ext(code: int, data: memoryview) -> Any:
         kind, dtype, shape = _dec.decode(data)
         return FieldSpec(kind, dtype, tuple(shape))
     if code == _EXT_TASK:
-        from transferqueue.snapshot import TaskImport
-
         return TaskImport(*_dec.decode(data))
     raise CheckpointError(f"a journal record holds an unknown extension type {code}")
 
 
-_enc = msgspec.msgpack.Encoder()
+_enc = msgspec.msgpack.Encoder(enc_hook=_hook)
+_TYPED = ("register_fields", "apply")  # (the calls whose arguments need _pre)
 _dec = msgspec.msgpack.Decoder(ext_hook=_ext)
 
 
 def encode_record(rec: Record) -> bytes:
     """One record as it is appended: length, crc32, msgpack."""
-    body = _enc.encode(_pre(list(rec)))
+    body = _enc.encode(_pre(list(rec)) if rec[0] in _TYPED else rec)
     return _REC_HEAD.pack(len(body), zlib.crc32(body)) + body
 
 

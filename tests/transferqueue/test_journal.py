@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 
 from transferqueue.errors import CheckpointError, TQError
 from transferqueue.journal import SNAPSHOT, JournalSettings, read_records
-from transferqueue.journaled import JournaledController, open_controller
+from transferqueue.journaled import JournaledController, call_function, open_controller
 from transferqueue.schema import FieldSpec
-from transferqueue.snapshot import export_partition
+from transferqueue.snapshot import TaskImport, export_partition
 
 PARTS = ["p0", "p1", "kv"]
 
@@ -306,3 +306,21 @@ def test_any_cut_recovers_the_same_state(
     shutil.copytree(base / "d", base / "copy")
     back, _ = open_controller(base / "copy", lambda: _make(clock, replicas))
     assert state(back) == state(ctl)
+
+
+def test_a_load_from_a_save_is_journaled_too(tmp_path: Path) -> None:
+    clock = FakeClock()
+    ctl, _ = open_controller(tmp_path / "d", lambda: _make(clock), JournalSettings(fsync="never"))
+    ctl.register_fields({"x": FieldSpec.dense("float32", (2,))})
+    n = np.int64
+    meta = call_function(
+        ctl, "import_rows", "L", np.arange(6), np.zeros(6, dtype=n), np.full(6, -1), first=True
+    )
+    ctl.commit(meta.indexes, ["x"])
+    idx = meta.indexes
+    task = TaskImport("t", ["x"], "fifo", {}, idx[:2], idx[2:4][::-1].copy(), [idx[4:5]])
+    call_function(ctl, "import_tasks", "L", [task], ["t"], True)
+    assert ctl.stats()["partitions"]["L"]["tasks"]["t"]["done"] == 2
+    back = _recovered(tmp_path / "d", tmp_path / "copy", clock)
+    assert state(back) == state(ctl)
+    assert back.status("L", task="t").rows("queued").size == 4
