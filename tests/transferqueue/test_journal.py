@@ -23,6 +23,12 @@ from transferqueue.schema import FieldSpec
 from transferqueue.snapshot import TaskImport, export_partition
 
 PARTS = ["p0", "p1", "kv"]
+TASKS: list[tuple[str, list[str], str, dict[str, Any]]] = [
+    ("a", ["x"], "fifo", {}),
+    ("b", ["x", "y"], "fifo", {}),
+    ("g", ["x"], "group", {"group_size": 2, "order": "group"}),  # (p1 declares a, b only)
+    ("d", ["x"], "balanced", {"dp_size": 2}),
+]
 
 
 class FakeClock:
@@ -98,16 +104,18 @@ class Driver:
         part = PARTS[int(r.integers(0, 2))]
         try:
             if op <= 4:
-                meta = ctl.allocate(int(r.integers(1, 8)), part, groups=int(r.integers(0, 6)))
+                meta = ctl.allocate(int(r.integers(1, 8)), part, groups=int(r.integers(0, 40)))
                 if r.random() < 0.85:  # (else left uncommitted: reclaimed later)
                     fields = ["x"] if r.random() < 0.5 else ["x", "y"]
                     ctl.commit(meta.indexes, fields, versions=int(r.integers(0, 3)))
             elif op <= 8:
-                task, fields = [("a", ["x"]), ("b", ["x", "y"])][int(r.integers(0, 2))]
+                task, fields, sampler, options = TASKS[int(r.integers(0, len(TASKS)))]
                 got, _ = ctl.poll(
                     task=task,
                     partition=part,
                     fields=fields,
+                    sampler=sampler,
+                    sampler_options=options,
                     batch_size=int(r.integers(1, 6)),
                     lease_s=float(r.uniform(0.5, 4.0)),
                     short_ok=bool(r.random() < 0.5),
@@ -139,8 +147,8 @@ class Driver:
                     ctl.commit(rows.meta.indexes[rows.created], ["x"])
                 if r.random() < 0.3:
                     ctl.delete_keys("kv", [keys[0]])
-            elif op == 14:
-                ctl.retire_groups(part, [int(r.integers(0, 6))], None)
+            elif op == 14 and r.random() < 0.3:
+                ctl.retire_groups(part, [int(r.integers(0, 40))], None)
             elif op == 15 and r.random() < 0.3:
                 unit = int(r.integers(0, 3))
                 ctl.lose_unit(unit)
@@ -154,7 +162,7 @@ class Driver:
                 ctl.reset_consumption(part, "a")
             elif op == 18 and r.random() < 0.1:
                 ctl.finish(part)
-            elif op == 19 and r.random() < 0.1:
+            elif op == 19 and r.random() < 0.05:
                 ctl.clear(part)
         except (TQError, ValueError, KeyError):
             self.errors += 1
