@@ -3,6 +3,7 @@ state directory at several cut points (and across snapshots), is the same core."
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import shutil
@@ -16,6 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from transferqueue import messages as m
+from transferqueue.controller_service import ControllerService
 from transferqueue.errors import CheckpointError, TQError
 from transferqueue.journal import SNAPSHOT, JournalSettings, read_records
 from transferqueue.journaled import JournaledController, call_function, open_controller
@@ -332,3 +335,24 @@ def test_a_load_from_a_save_is_journaled_too(tmp_path: Path) -> None:
     back = _recovered(tmp_path / "d", tmp_path / "copy", clock)
     assert state(back) == state(ctl)
     assert back.status("L", task="t").rows("queued").size == 4
+
+
+def test_a_reset_service_starts_its_state_dir_afresh(tmp_path: Path) -> None:
+    clock = FakeClock()
+    ctl, _ = open_controller(tmp_path / "d", lambda: _make(clock), JournalSettings(fsync="never"))
+    Driver(ctl, clock, 3).step()
+
+    async def nothing(unit: int, indexes: np.ndarray) -> None:
+        return None
+
+    async def go() -> None:
+        service = ControllerService(ctl, nothing)
+        await service.reset(m.Reset(), m.TRUSTED)
+        fresh = service.controller
+        assert isinstance(fresh, JournaledController) and fresh.journal is not None
+        fresh.register_fields({"z": FieldSpec.object()})
+        await service.close()  # (a clean stop: a last snapshot)
+
+    asyncio.run(go())
+    back, _ = open_controller(tmp_path / "d", lambda: _make(clock))
+    assert list(back.specs) == ["z"] and back.stats()["next_index"] == 0
