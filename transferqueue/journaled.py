@@ -20,6 +20,7 @@ clamped by :meth:`JournaledController.clamp_deadlines` (the restarted controller
 from __future__ import annotations
 
 import heapq
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -34,6 +35,8 @@ from transferqueue.leases import random_lease_id
 from transferqueue.snapshot import end_loading, import_rows, import_tasks
 
 __all__ = ["JournalClock", "JournaledController", "call_function", "open_controller"]
+
+log = logging.getLogger(__name__)
 
 
 class JournalClock:
@@ -132,12 +135,14 @@ class JournaledController(Controller):
         self.journal: Journal | None = None
         self._depth = 0
         self._replaying: tuple[float, list[int]] | None = None
+        self._broken: OSError | None = None  # (the journal failed: see journal_tick)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["journal"] = None
         state["_depth"] = 0
         state["_replaying"] = None
+        state["_broken"] = None
         return state
 
     # -- calls the restart needs (journaled like the others) ----------------------------------
@@ -187,6 +192,11 @@ class JournaledController(Controller):
         method = _BASE[name]
         if self._depth:
             return method(self, *args, **kwargs)
+        if self._broken is not None and self.journal is not None:
+            raise CheckpointError(
+                f"the controller's journal in {self.journal.state_dir} could not be written "
+                f"({self._broken}); it refuses calls until a snapshot succeeds (free disk space)"
+            )
         clock, ids = self.clock, self._ids
         assert isinstance(clock, JournalClock)
         replay = self._replaying
@@ -210,7 +220,13 @@ class JournaledController(Controller):
             record = replay is None and journal is not None and now is not None
             if record and (failed or fingerprint is None or fingerprint(self) != before):
                 assert journal is not None and now is not None
-                journal.append((name, now, ids.drawn, failed, list(args), kwargs))
+                try:
+                    journal.append((name, now, ids.drawn, failed, list(args), kwargs))
+                except OSError as e:  # (the call's reply says so; the next snapshot heals)
+                    self._broken = e
+                    raise CheckpointError(
+                        f"{name}: the controller's journal could not be written ({e})"
+                    ) from e
 
     def replay(self, rec: Record) -> None:
         """Apply one record (recovery): the same call, at the same clock, with the same ids."""
@@ -236,13 +252,21 @@ class JournaledController(Controller):
             self._replaying = None
 
     def journal_tick(self) -> None:
-        """Between calls (the service's timer): sync the log, snapshot when due."""
+        """Between calls (the service's timer): sync the log, snapshot when due. A journal
+        that could not be written is healed by a snapshot (the whole state: what the failed
+        record missed included); until one succeeds every call is refused."""
         journal = self.journal
         if journal is None:
             return
-        journal.sync()
-        if journal.snapshot_due():
-            journal.snapshot(self)
+        try:
+            journal.sync()
+            if journal.snapshot_due() or self._broken is not None:
+                journal.snapshot(self)
+                self._broken = None
+        except OSError as e:
+            if self._broken is None:
+                log.error("the controller's journal in %s fails: %r", journal.state_dir, e)
+            self._broken = e
 
 
 def call_function(ctl: Controller, function: str, *args: Any, **kwargs: Any) -> Any:

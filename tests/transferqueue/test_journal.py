@@ -356,3 +356,27 @@ def test_a_reset_service_starts_its_state_dir_afresh(tmp_path: Path) -> None:
     asyncio.run(go())
     back, _ = open_controller(tmp_path / "d", lambda: _make(clock))
     assert list(back.specs) == ["z"] and back.stats()["next_index"] == 0
+
+
+def test_a_journal_that_cannot_be_written_refuses_calls_until_a_snapshot_heals_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = FakeClock()
+    ctl, _ = open_controller(tmp_path / "d", lambda: _make(clock), JournalSettings(fsync="never"))
+    ctl.register_fields({"x": FieldSpec.dense("float32", (2,))})
+    assert ctl.journal is not None
+
+    def full(rec: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ctl.journal, "append", full)
+    with pytest.raises(CheckpointError, match=r"allocate: .*could not be written"):
+        ctl.allocate(4, "p")  # (the rows exist now, unrecorded)
+    monkeypatch.undo()
+    with pytest.raises(CheckpointError, match="refuses calls until a snapshot succeeds"):
+        ctl.allocate(4, "p")
+    ctl.journal_tick()  # the disk has room again: a snapshot takes the whole state
+    meta = ctl.allocate(4, "p")
+    assert meta.indexes.tolist() == [4, 5, 6, 7]
+    back = _recovered(tmp_path / "d", tmp_path / "copy", clock)
+    assert state(back) == state(ctl)
