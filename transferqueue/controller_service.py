@@ -151,7 +151,10 @@ class ControllerService:
             self._apply(self.controller.reclaim())
             self._send_frees(self._holds.expire())
             if isinstance(self.controller, JournaledController):
-                self.controller.journal_tick()  # (fsync, snapshot when due: between calls)
+                try:
+                    self.controller.journal_tick()  # (fsync, snapshot when due: between calls)
+                except Exception:  # (the timer goes on: leases must still expire)
+                    log.exception("the controller's journal tick failed")
             deadline = self.controller.next_deadline()
             wait = _MAX_TIMER_SLEEP_S if deadline is None else deadline - loop.time()
             wait = max(0.0, min(wait, _MAX_TIMER_SLEEP_S))
