@@ -179,7 +179,7 @@ class LocalService:
             self.restarts = [0] * num_units  # restarts of each unit process so far
             self.controller_restarts = [0]  # (a list: the supervisor counts in it)
             restart = None if state_dir is None else [*args, "--address", ctl_address]
-            self._restart_controller = restart is not None
+            self._controller_restartable = restart is not None
             # (the thread holds no reference to self: the finalizer runs when self goes)
             spawn = _Spawner(self._spawn_args, self._procs, self._env)
             thread = threading.Thread(
@@ -258,7 +258,7 @@ class LocalService:
         """Whether the service serves: its controller runs and so does a unit (or one that
         exited will be restarted)."""
         restarts = getattr(self, "controller_restarts", [0])[0]
-        restartable = getattr(self, "_restart_controller", False)
+        restartable = getattr(self, "_controller_restartable", False)
         if not self._procs:
             return False
         if self._procs[-1].poll() is not None and not (
