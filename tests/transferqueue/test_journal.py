@@ -246,7 +246,8 @@ def test_a_lease_taken_before_the_restart_acks_after_it(tmp_path: Path) -> None:
     held, _ = ctl.poll(task="t", partition="p", fields=["x"], batch_size=4, lease_s=30)
     assert held is not None and held.lease_id is not None
     back = _recovered(tmp_path / "d", tmp_path / "copy", clock)
-    back.ack(held.lease_id, owner=None)  # the same lease id, still open
+    back.ack(held.lease_id, held.indexes)  # the same lease id, still open
+    back.ack(held.lease_id, held.indexes)  # (again: an ack whose reply died with the old one)
     rest, _ = back.poll(
         task="t", partition="p", fields=["x"], batch_size=10, lease_s=30, short_ok=True
     )
