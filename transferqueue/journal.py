@@ -34,6 +34,7 @@ already), and a snapshot of another format version is refused with a
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pickle
 import struct
@@ -225,6 +226,19 @@ class Journal:
         self.settings = settings
         os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
         os.chmod(self.state_dir, 0o700)  # (the controller's alone: see the module)
+        # One controller per directory: a second one appending would garble the log. The
+        # kernel drops the lock with its process, however it dies.
+        self._lock: int | None = os.open(
+            os.path.join(self.state_dir, "lock"), os.O_RDWR | os.O_CREAT, 0o600
+        )
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock)
+            raise CheckpointError(
+                f"state_dir {self.state_dir} is in use by another running controller; give "
+                "each controller its own directory"
+            ) from None
         self._fd: int | None = None
         self.seq = 0
         self.records = 0  # since the last snapshot
@@ -315,6 +329,9 @@ class Journal:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        if self._lock is not None:
+            os.close(self._lock)  # (and so the directory's lock)
+            self._lock = None
 
 
 def _fsync_dir(path: str) -> None:

@@ -299,6 +299,16 @@ def open_controller(
     """The controller of ``state_dir``: recovered from its snapshot and log (True), or made
     new by ``make`` (False) and snapshotted at once; journaling into the directory."""
     journal = Journal(state_dir, settings or JournalSettings())
+    try:
+        return _open(journal, make)
+    except BaseException:
+        journal.close()
+        raise
+
+
+def _open(
+    journal: Journal, make: Callable[[], JournaledController]
+) -> tuple[JournaledController, bool]:
     loaded = read_snapshot(journal.state_dir)
     if loaded is None:
         if journal.segments_from(0):

@@ -287,9 +287,13 @@ def test_a_snapshot_of_another_format_version_is_refused(tmp_path: Path) -> None
         open_controller(tmp_path / "e", lambda: _make(clock))
 
 
-def test_a_controller_of_other_units_is_refused(tmp_path: Path) -> None:
+def test_a_second_controller_or_one_of_other_units_is_refused(tmp_path: Path) -> None:
     clock = FakeClock()
-    open_controller(tmp_path / "d", lambda: _make(clock), JournalSettings(fsync="never"))
+    ctl, _ = open_controller(tmp_path / "d", lambda: _make(clock), JournalSettings(fsync="never"))
+    with pytest.raises(CheckpointError, match="in use by another running controller"):
+        open_controller(tmp_path / "d", lambda: _make(clock))
+    assert ctl.journal is not None
+    ctl.journal.close()
     with pytest.raises(CheckpointError, match="3 units"):
         open_controller(tmp_path / "d", lambda: JournaledController(2, clock=clock))
 
