@@ -81,7 +81,7 @@ class JournalSettings:
     snapshot replaces the log (``snapshot_records`` records or ``snapshot_s`` seconds)."""
 
     fsync: str = "batch"
-    snapshot_records: int = 200_000
+    snapshot_records: int = 100_000
     snapshot_s: float = 300.0
 
     def __post_init__(self) -> None:
