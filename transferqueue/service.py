@@ -367,10 +367,9 @@ def _supervise(
 ) -> None:
     """Restart unit processes that exit, on the address each had (a new one if that cannot
     be bound), at most ``max_restarts`` times each; each registers with the controller.
-    With ``controller_restart``, a controller that exits is restarted too."""
+    With ``controller_restart``, a controller that exits is restarted too, after the units
+    (a restarted controller waits for every unit to answer before it serves)."""
     while not stopping.wait(_SUPERVISE_S):
-        if controller_restart is not None and not stopping.is_set():
-            _restart_controller(spawn, controller_restart, max_restarts, start_timeout_s)
         for unit, args in enumerate(unit_args):
             proc = spawn.procs[unit]
             if proc.poll() is None or restarts[unit] >= max_restarts or stopping.is_set():
@@ -396,6 +395,8 @@ def _supervise(
                     if new.poll() is None:
                         new.kill()
                         new.wait(timeout=5)
+        if controller_restart is not None and not stopping.is_set():
+            _restart_controller(spawn, controller_restart, max_restarts, start_timeout_s)
 
 
 def _any_port(address: str) -> str:
