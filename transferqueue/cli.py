@@ -2,6 +2,7 @@
 
 transferqueue serve --units 4              # prints tcp://127.0.0.1:PORT, serves until ^C
 transferqueue serve --units 3 --replicas 2 # each row on two units: one may die
+transferqueue serve --state-dir DIR        # the controller keeps its state: restarted, recovers
 transferqueue stats tcp://127.0.0.1:PORT   # JSON of the controller and units
 transferqueue top tcp://127.0.0.1:PORT     # live view: rows, tasks, leases, rates, memory
 transferqueue serve --metrics-port 0       # also Prometheus endpoints (URLs on stderr)
