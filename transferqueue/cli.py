@@ -2,6 +2,7 @@
 
 transferqueue serve --units 4              # prints tcp://127.0.0.1:PORT, serves until ^C
 transferqueue serve --units 3 --replicas 2 # each row on two units: one may die
+transferqueue serve --state-dir DIR        # the controller keeps its state: restarted, recovers
 transferqueue stats tcp://127.0.0.1:PORT   # JSON of the controller and units
 transferqueue top tcp://127.0.0.1:PORT     # live view: rows, tasks, leases, rates, memory
 transferqueue serve --metrics-port 0       # also Prometheus endpoints (URLs on stderr)
@@ -23,6 +24,7 @@ from collections.abc import Callable
 
 from transferqueue.errors import TQError
 from transferqueue.health import ALLOCATION_S
+from transferqueue.journal import FSYNC_POLICIES
 from transferqueue.liveness import DEFAULT_LIVENESS, Liveness
 from transferqueue.service import MAX_RESTARTS
 
@@ -50,6 +52,8 @@ def _serve(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
         replicas=args.replicas,
+        state_dir=args.state_dir,
+        fsync=args.fsync,
     )
     print(service.address, flush=True)
     print(
@@ -241,6 +245,19 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=1,
         help="copies of each row, on different units (default 1; 2: a unit that dies loses no row)",
+    )
+    s.add_argument(
+        "--state-dir",
+        default=None,
+        help="keep the controller's state in this directory: a controller that dies is "
+        "restarted and recovers it (default: none, a dead controller ends the service)",
+    )
+    s.add_argument(
+        "--fsync",
+        choices=FSYNC_POLICIES,
+        default="batch",
+        help="with --state-dir: never, batch (default: within 0.5 s) or always (before each "
+        "reply): what a host crash keeps",
     )
     s.set_defaults(fn=_serve)
     st = sub.add_parser("stats", help="print a running service's state as JSON")

@@ -536,10 +536,8 @@ class Controller(UnitHealth, Retirement, RowStatus, KeyedRows):
         self, lease_id: int, indexes: np.ndarray | None = None, owner: str | None = None
     ) -> Changes:
         """Consume the lease's rows (all, or ``indexes`` of them). Acking a lease that was
-        fully acknowledged already is a no-op."""
-        if self.leases.closed_reason(lease_id) == "lost" or (
-            indexes is None and self.leases.closed_reason(lease_id) == "acked"
-        ):
+        fully acknowledged already is a no-op (an ack sent again: its reply was lost)."""
+        if self.leases.closed_reason(lease_id) in ("lost", "acked"):
             return Changes()  # (a lease whose rows were all lost with a unit: nothing left)
         lease = self.leases.get(lease_id, owner)
         return self._finish_rows(lease, self._lease_slots(lease, indexes), acked=True)

@@ -34,6 +34,7 @@ from transferqueue.aio import wait_event
 from transferqueue.controller import Changes, Controller
 from transferqueue.errors import BadRequestError, CapacityError, ClosedError
 from transferqueue.grants import Grants
+from transferqueue.journaled import JournaledController, call_function
 from transferqueue.keys import KeyListing, KeyRows
 from transferqueue.leases import TaskKey
 from transferqueue.liveness import new_incarnation
@@ -45,10 +46,7 @@ from transferqueue.snapshot import (
     ExportHolds,
     StoreExport,
     check_not_loading,
-    end_loading,
     export_partition,
-    import_rows,
-    import_tasks,
 )
 from transferqueue.status import PartitionStatus
 from transferqueue.wire import PROTOCOL_VERSION
@@ -91,6 +89,7 @@ class ControllerService:
             self._timer = asyncio.get_running_loop().create_task(self._expire_loop())
 
     async def close(self) -> None:
+        """Stop the timer and waiters; a journaled controller writes a last snapshot."""
         if self._timer is not None:
             self._timer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -101,6 +100,11 @@ class ControllerService:
                 fut.cancel()
         if self._pending_frees:
             await asyncio.gather(*self._pending_frees, return_exceptions=True)
+        ctl = self.controller
+        if isinstance(ctl, JournaledController) and ctl.journal is not None:
+            ctl.journal.snapshot(ctl)  # (a clean stop: the next start replays nothing)
+            ctl.journal.close()
+            ctl.journal = None
 
     # -- plumbing ----------------------------------------------------------------------------
     def _apply(self, changes: Changes) -> list[asyncio.Future[None]]:
@@ -146,6 +150,11 @@ class ControllerService:
             self._apply(self.controller.expire())
             self._apply(self.controller.reclaim())
             self._send_frees(self._holds.expire())
+            if isinstance(self.controller, JournaledController):
+                try:
+                    self.controller.journal_tick()  # (fsync, snapshot when due: between calls)
+                except Exception:  # (the timer goes on: leases must still expire)
+                    log.exception("the controller's journal tick failed")
             deadline = self.controller.next_deadline()
             wait = _MAX_TIMER_SLEEP_S if deadline is None else deadline - loop.time()
             wait = max(0.0, min(wait, _MAX_TIMER_SLEEP_S))
@@ -174,6 +183,11 @@ class ControllerService:
             "storage unit %d is gone; rows lost so far: %d", unit, self.controller.rows_lost
         )
         self._apply(changes)
+
+    def lose_rows(self, unit: int, indexes: np.ndarray) -> None:
+        """Rows ``indexes`` are missing from unit ``unit`` (a restarted controller found
+        them gone from its inventory): lost, as with :meth:`lose_unit`."""
+        self._apply(self.controller.lose_rows(unit, indexes))
 
     def unit_back(self, unit: int) -> None:
         """Unit ``unit`` serves again (empty): new rows may be placed on it."""
@@ -370,7 +384,9 @@ class ControllerService:
 
     def clear(self, msg: m.Clear, caller: Caller) -> Awaitable[None] | None:
         changes = self.controller.clear(msg.partition)
-        end_loading(self.controller, msg.partition)  # (a load that failed half way)
+        call_function(
+            self.controller, "end_loading", msg.partition
+        )  # (a load that failed half way)
         return _after(self._apply(changes))
 
     def stats(self, msg: m.Stats, caller: Caller) -> dict[str, Any] | Awaitable[dict[str, Any]]:
@@ -454,8 +470,9 @@ class ControllerService:
         return _after(self._send_frees(self._holds.renew(msg.snapshot_id, msg.hold_s)))
 
     def import_rows(self, msg: m.ImportRows, caller: Caller) -> BatchMeta:
-        meta = import_rows(
+        meta = call_function(
             self.controller,
+            "import_rows",
             msg.partition,
             msg.groups,
             msg.versions,
@@ -467,8 +484,8 @@ class ControllerService:
         return self._granted(meta, meta)
 
     def import_tasks(self, msg: m.ImportTasks, caller: Caller) -> None:
-        changes = import_tasks(
-            self.controller, msg.partition, msg.tasks, msg.declared, msg.finished
+        changes = call_function(
+            self.controller, "import_tasks", msg.partition, msg.tasks, msg.declared, msg.finished
         )
         self._apply(changes)
 
@@ -479,10 +496,10 @@ class ControllerService:
         payload is dropped from the storage units by the deployment.
         """
         old = self.controller
-        self.controller = Controller(
+        self.controller = type(old)(
             old.num_units,
             capacity_rows=old.capacity_rows,
-            clock=old.clock,
+            clock=getattr(old.clock, "base", old.clock),
             spread_bytes=old.spread_bytes,
             max_lease_s=old.leases.max_lease_s,
             allocation_s=old.allocation_s,
@@ -492,6 +509,14 @@ class ControllerService:
             self.controller.placement.set_alive(unit, False)
         for unit, host in enumerate(old.placement.hosts):
             self.controller.placement.set_host(unit, host)
+        if isinstance(old, JournaledController) and isinstance(
+            self.controller, JournaledController
+        ):
+            # (the fresh core replaces the old one on disk too: its snapshot, an empty log)
+            journal, old.journal = old.journal, None
+            self.controller.journal = journal
+            if journal is not None:
+                journal.snapshot(self.controller)
         gone = ClosedError("TransferQueue was reset while this call waited")
         for fut in [f for ws in self._waiters.values() for f in ws] + list(self._space_waiters):
             if not fut.done():

@@ -136,14 +136,29 @@ class UnitHealth:
         """Storage unit ``unit`` died: its rows are lost (see the module); no row is placed
         on it until :meth:`unit_back`. Returns what changed (tasks to wake)."""
         self._check_unit(unit)
-        changes = Changes()
         if self.placement.alive[unit]:
             self.units_lost += 1
         self.placement.set_alive(unit, False)
+        return self._lose(unit, None)
+
+    def lose_rows(self, unit: int, indexes: np.ndarray) -> Changes:
+        """Rows ``indexes`` are gone from unit ``unit``, which lives on (a controller that
+        restarted found them missing from the unit's inventory: the unit restarted while
+        the controller was down). Their copies there are lost as with :meth:`lose_unit`."""
+        self._check_unit(unit)
+        slots = self._map.lookup(np.asarray(indexes, dtype=np.int64))
+        return self._lose(unit, slots[slots >= 0])
+
+    def _lose(self, unit: int, among: np.ndarray | None) -> Changes:
+        """Lose the copies on ``unit`` of the live rows (``among`` these slots; None: all)."""
+        changes = Changes()
         h = self._h
         if self.placement.replicas > 1:
-            self._drop_copies(unit)
-        slots = np.flatnonzero(h["live"] & (h["unit"] == unit))
+            self._drop_copies(unit, among)
+        if among is None:
+            slots = np.flatnonzero(h["live"] & (h["unit"] == unit))
+        else:
+            slots = among[h["live"][among] & (h["unit"][among] == unit)]
         if slots.size == 0:
             return changes
         self._remember(h["index"][slots])

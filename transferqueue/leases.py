@@ -24,7 +24,7 @@ import numpy as np
 from transferqueue.errors import BadRequestError, LeaseExpiredError, UnknownLeaseError
 from transferqueue.limits import MAX_LEASE_S
 
-__all__ = ["Lease", "LeaseTable", "TaskKey"]
+__all__ = ["Lease", "LeaseTable", "TaskKey", "random_lease_id"]
 
 TaskKey = tuple[int, str]  # (partition id, task name)
 
@@ -44,6 +44,11 @@ class Lease:
     lost: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
 
 
+def random_lease_id() -> int:
+    """A fresh random 63-bit lease id."""
+    return secrets.randbits(63)
+
+
 class LeaseTable:
     """Active leases, a deadline heap, and the recent history of closed ones."""
 
@@ -56,6 +61,9 @@ class LeaseTable:
         self.expired = 0  # leases whose deadline passed before their rows were acknowledged
         # called with (lease, why) as each lease closes (the controller's loss log)
         self.on_close: Callable[[Lease, str], None] | None = None
+        # draws a lease id (a journaled controller records the ids drawn and replays them,
+        # see transferqueue.journal)
+        self.new_id: Callable[[], int] = random_lease_id
 
     def __len__(self) -> int:
         return len(self._active)
@@ -73,9 +81,9 @@ class LeaseTable:
         self, task: TaskKey, indexes: np.ndarray, lease_s: float, owner: str | None = None
     ) -> Lease:
         deadline = self._clock() + self.check_lease_s(lease_s)
-        lease_id = secrets.randbits(63)
+        lease_id = self.new_id()
         while lease_id == 0 or lease_id in self._active or lease_id in self._closed:
-            lease_id = secrets.randbits(63)
+            lease_id = self.new_id()
         lease = Lease(lease_id, task, indexes, deadline, int(indexes.size), owner)
         self._active[lease_id] = lease
         heapq.heappush(self._heap, (lease.deadline, lease_id))

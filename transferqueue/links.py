@@ -232,6 +232,10 @@ class LocalUnitLink(UnitLink):
     async def clear(self) -> None:
         await self._run(0, self.unit.clear)
 
+    async def inventory(self) -> np.ndarray:
+        """The indexes of every row the unit holds."""
+        return await self._run(0, self.unit.indexes)
+
     async def stats(self) -> dict[str, Any]:
         return await self._run(0, self.unit.stats)
 

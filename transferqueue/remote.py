@@ -34,6 +34,7 @@ from transferqueue.handle import TransferQueue
 from transferqueue.links import OFFLOAD_BYTES, Staged, UnitLink, column_nbytes
 from transferqueue.liveness import DEFAULT_LIVENESS, Liveness
 from transferqueue.loop import LoopThread
+from transferqueue.meta import BatchMeta
 from transferqueue.ragged import Ragged
 from transferqueue.rpc import DEFAULT_CALL_TIMEOUT_S, RpcClient, check_address
 from transferqueue.schema import Column, FieldSpec
@@ -82,6 +83,19 @@ class RemoteControllerLink:
 
     def __init__(self, rpc: RpcClient) -> None:
         self.rpc = rpc
+
+    def undo_late(self, msg: Any, result: Any) -> None:
+        """A call failed as gone, and its request reached a restarted controller all the
+        same (it was still queued): give back the batch it leased, discard the rows it
+        allocated, as the caller never learned of them (``RpcClient(on_late=...)``)."""
+        undo: m.ControllerRequest[None] | None = None
+        if isinstance(msg, m.GetMeta) and isinstance(result, BatchMeta) and result.lease_id:
+            undo = m.Release(lease_id=result.lease_id)
+        elif isinstance(msg, m.Allocate) and isinstance(result, BatchMeta) and len(result):
+            undo = m.Discard(indexes=result.indexes)
+        if undo is not None:
+            sent = self.rpc.request(undo)
+            asyncio.ensure_future(sent).add_done_callback(_quiet)
 
     async def call(self, msg: m.ControllerRequest[R]) -> R:
         if not msg.waits:
@@ -507,6 +521,12 @@ class RemoteUnitLink(UnitLink):
         await self.rpc.call(m.ResetUnit())
 
 
+def _quiet(fut: asyncio.Future[Any]) -> None:
+    """(An undo that fails is only logged: the lease expires, the allocation is reclaimed.)"""
+    if not fut.cancelled() and fut.exception() is not None:
+        log.info("undoing a late reply failed: %r", fut.exception())
+
+
 def _answered(e: TQError) -> bool:
     """Whether the unit answered the request that failed with ``e`` (and so is done with any
     arena it named). A call that timed out or was closed may still be served later."""
@@ -585,7 +605,9 @@ def connect(
             keys=ckeys,
             ping=m.Ping(),
             liveness=liveness,
+            on_late=lambda msg, result: link.undo_late(msg, result),
         )
+        link = RemoteControllerLink(ctl)
         rpcs.append(ctl)
         try:
             hello = await ctl.call(m.Hello(), wait_s=connect_timeout_s)
@@ -622,7 +644,7 @@ def connect(
             )
             rpcs.append(rpc)
             units.append(RemoteUnitLink(uid, rpc, shm_max_bytes=shm_max_bytes))
-        return RemoteControllerLink(ctl), units
+        return link, units
 
     async def teardown() -> None:
         for unit in units:

@@ -77,6 +77,7 @@ async def _encode(fn: Callable[..., list[Any]], *args: Any, offload: bool = Fals
 
 
 DEFAULT_CALL_TIMEOUT_S = 60.0
+_LATE_MEMORY = 1024  # failed calls whose late replies are still undone (see on_late)
 _RELOCATE_S = 5.0  # bound on asking the controller where a unit that went away listens now
 
 
@@ -370,14 +371,19 @@ class RpcClient:
         on_pong: Callable[[str], None] | None = None,
         on_silent: Callable[[], None] | None = None,
         relocate: Callable[[], Awaitable[str]] | None = None,
+        on_late: Callable[[Request[Any], Any], None] | None = None,
     ) -> None:
         """``ping``: the peer's ping kind (None: the peer is not watched). ``keepalive``:
         watch it all the time, not only while calls wait; ``on_pong`` gets each ping's answer
         (the peer's incarnation), ``on_silent`` is called once when the peer falls silent
         (again after it was heard from). ``relocate``: where the peer listens now, asked after
         a call found it gone (a storage unit restarted on a new address: see
-        :meth:`repoint`)."""
+        :meth:`repoint`). ``on_late`` gets the request and reply of a call that had failed
+        with PeerGoneError when its reply came all the same (a restarted server served a
+        request still queued to it): the caller may undo what it did."""
         self.address = check_address(address)
+        self._on_late = on_late
+        self._late: dict[int, Request[Any]] = {}  # (failed calls, most recent _LATE_MEMORY)
         self._relocate = relocate
         self.call_timeout_s = call_timeout_s
         self._ping = ping
@@ -418,6 +424,9 @@ class RpcClient:
             self._pong(frames)
             return
         entry = self._pending.pop(rid, None) if rid is not None else None
+        if entry is None and rid in self._late:
+            self._late_reply(self._late.pop(rid), frames)
+            return
         if entry is None:
             log.warning("a reply from %s that answers no pending request was dropped", self.address)
             return
@@ -513,6 +522,11 @@ class RpcClient:
         def done(_: asyncio.Future[Any]) -> None:
             timer.cancel()
             self._pending.pop(rid, None)
+            gone = not fut.cancelled() and isinstance(fut.exception(), PeerGoneError)
+            if self._on_late is not None and gone:
+                self._late[rid] = msg
+                if len(self._late) > _LATE_MEMORY:
+                    del self._late[next(iter(self._late))]
 
         fut.add_done_callback(done)
         try:
@@ -521,6 +535,19 @@ class RpcClient:
             fut.cancel()
             raise
         return fut
+
+    def _late_reply(self, msg: Request[Any], frames: list[Any]) -> None:
+        """The reply to a call that failed as gone: tell ``on_late`` (a reply that is an
+        error needs nothing undone)."""
+        try:
+            result = wire.decode_reply(frames, msg.wire_reply, self.resolve)
+        except TQError:
+            return
+        assert self._on_late is not None
+        try:
+            self._on_late(msg, result)
+        except Exception:  # (the socket's reader goes on whatever the callback does)
+            log.exception("undoing a late %r reply from %s failed", msg.kind, self.address)
 
     def _expire(self, fut: asyncio.Future[Any], kind: str, wait: float) -> None:
         if not fut.done():

@@ -38,11 +38,14 @@ from transferqueue.controller_service import ControllerService
 from transferqueue.errors import BadRequestError, PeerGoneError, TQError
 from transferqueue.grants import Grants
 from transferqueue.health import ALLOCATION_S
+from transferqueue.journal import JournalSettings
+from transferqueue.journaled import JournaledController, open_controller
 from transferqueue.limits import MAX_LEASE_S
 from transferqueue.links import OFFLOAD_BYTES, LocalUnitLink, column_nbytes
 from transferqueue.liveness import DEFAULT_LIVENESS, Liveness, new_incarnation
 from transferqueue.messages import Caller
 from transferqueue.metrics import MetricsEndpoint, check_metrics_port, process_memory
+from transferqueue.recovery import reconcile
 from transferqueue.rpc import RpcClient, RpcServer, SendThenRelease, check_address
 from transferqueue.shm import SHM_DIR, Placer, Segments
 from transferqueue.storage import StorageUnit
@@ -234,6 +237,10 @@ class UnitServer:
     async def clear(self, msg: m.ClearUnit, caller: Caller) -> None:
         await self.link.clear()
 
+    async def inventory(self, msg: m.UnitInventory, caller: Caller) -> np.ndarray:
+        """Every row held (a controller that restarted compares them with its own)."""
+        return await self.link.inventory()
+
     async def reset(self, msg: m.ResetUnit, caller: Caller) -> None:
         """Data and counters; attached arenas stay valid."""
         self.shm_writes = self.shm_reads = 0
@@ -303,11 +310,17 @@ class ControllerServer:
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
         replicas: int = 1,
+        state_dir: str | None = None,
+        journal: JournalSettings | None = None,
     ) -> None:
         """``metrics_port``: serve Prometheus metrics there once started (0: any free port;
         None: no endpoint; see :mod:`transferqueue.metrics`), on ``metrics_host``.
         ``replicas=2``: each row on two units, on two hosts where the units' addresses name
-        several (see :mod:`transferqueue.placement`)."""
+        several (see :mod:`transferqueue.placement`). ``state_dir``: keep the controller's
+        state there (:mod:`transferqueue.journal`, settings ``journal``); a controller
+        started on a directory with state recovers it, keeping the settings it was first
+        started with, and reconciles with its units before serving
+        (:mod:`transferqueue.recovery`)."""
         if not unit_addresses:
             raise ValueError("a controller needs at least one storage unit address")
         self._metrics_port = check_metrics_port(metrics_port)
@@ -326,16 +339,25 @@ class ControllerServer:
         try:
             for i, a in enumerate(self.unit_addresses):
                 self._units.append(self._unit_client(i, a))
-            controller = Controller(
-                len(self._units),
+            options: dict[str, Any] = dict(
                 capacity_rows=capacity_rows,
                 spread_bytes=spread_bytes,
                 max_lease_s=max_lease_s,
                 allocation_s=allocation_s,
                 replicas=replicas,
             )
-            for i, a in enumerate(self.unit_addresses):
-                controller.placement.set_host(i, _host_of(a))
+            controller: Controller
+            self.recovered = False  # (state_dir held state: reconciled with units at start)
+            if state_dir is None:
+                controller = Controller(len(self._units), **options)
+                for i, a in enumerate(self.unit_addresses):
+                    controller.placement.set_host(i, _host_of(a))
+            else:
+                controller, self.recovered = open_controller(
+                    state_dir, lambda: JournaledController(len(self._units), **options), journal
+                )
+                for i, a in enumerate(self.unit_addresses):
+                    controller.set_unit_host(i, _host_of(a))
             self.service = ControllerService(controller, self._free_rows, grants=grants)
             self.rpc = RpcServer(
                 ctx, address, "controller", m.handlers("controller", self, self.service), keys=keys
@@ -365,6 +387,11 @@ class ControllerServer:
         self._incarnations = list(
             await asyncio.gather(*(u.call(m.UnitPing(), wait_s=wait_s) for u in self._units))
         )
+        ctl = self.service.controller
+        if self.recovered and isinstance(ctl, JournaledController):
+            await reconcile(self.service, self._units, wait_s=wait_s)
+            if ctl.journal is not None:
+                ctl.journal.snapshot(ctl)  # (the next restart starts from here)
         await self.service.start()
         self.rpc.start()
         for u in self._units:
@@ -494,7 +521,11 @@ class ControllerServer:
             old = self._units[unit]
             self._units[unit] = rpc
             self.unit_addresses[unit] = msg.address
-            self.service.controller.placement.set_host(unit, _host_of(msg.address))
+            ctl = self.service.controller
+            if isinstance(ctl, JournaledController):
+                ctl.set_unit_host(unit, _host_of(msg.address))
+            else:
+                ctl.placement.set_host(unit, _host_of(msg.address))
             if self._started:
                 rpc.start_watch()
             await old.close()

@@ -3,7 +3,9 @@
     python -m transferqueue.server_main unit --unit-id 0 --address tcp://127.0.0.1:0 --parent PID
     python -m transferqueue.server_main controller --units A,B --address ADDR --parent PID
 
-A unit restarted by its supervisor gets ``--controller ADDR`` and registers there.
+A unit restarted by its supervisor gets ``--controller ADDR`` and registers there. A
+controller with ``--state-dir DIR`` keeps its state there and recovers it when restarted
+(``--fsync never|batch|always``: see :mod:`transferqueue.journal`).
 
 It prints ``READY <bound address>`` once serving (with ``--metrics-port``, which serves
 Prometheus metrics, see :mod:`transferqueue.metrics`: ``READY <address> <metrics url>``),
@@ -27,6 +29,7 @@ import zmq.asyncio
 from transferqueue.aio import wait_event
 from transferqueue.auth import ServerKeys, grant_key_from_env, server_keys
 from transferqueue.health import ALLOCATION_S
+from transferqueue.journal import FSYNC_POLICIES, JournalSettings
 from transferqueue.limits import MAX_LEASE_S
 from transferqueue.liveness import DEFAULT_LIVENESS, Liveness
 from transferqueue.malloc import keep_freed_memory
@@ -88,9 +91,13 @@ async def _run_controller(
     allocation_s: float,
     metrics: dict[str, Any],
     replicas: int = 1,
+    state_dir: str | None = None,
+    fsync: str = "batch",
 ) -> None:
     ctx = zmq.asyncio.Context()
     extra: dict[str, Any] = {} if spread_bytes is None else {"spread_bytes": spread_bytes}
+    if state_dir is not None:
+        extra.update(state_dir=state_dir, journal=JournalSettings(fsync=fsync))
     server = ControllerServer(
         ctx,
         units,
@@ -129,6 +136,8 @@ def _child_main(argv: list[str]) -> None:
     ap.add_argument("--metrics-port", type=int, default=None)
     ap.add_argument("--metrics-host", default="127.0.0.1")
     ap.add_argument("--replicas", type=int, default=1)
+    ap.add_argument("--state-dir", default=None)
+    ap.add_argument("--fsync", default="batch", choices=FSYNC_POLICIES)
     a = ap.parse_args(argv)
     metrics = {"metrics_port": a.metrics_port, "metrics_host": a.metrics_host}
     keep_freed_memory()  # reuse freed payload buffers instead of faulting in fresh pages
@@ -151,6 +160,8 @@ def _child_main(argv: list[str]) -> None:
                 a.allocation_s,
                 metrics,
                 a.replicas,
+                a.state_dir,
+                a.fsync,
             )
         )
 

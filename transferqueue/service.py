@@ -15,6 +15,10 @@ A supervisor thread restarts a storage unit process that exits (at most ``max_re
 times per unit), on the address it had; the new process registers with the controller, which
 places new rows on it again (the rows the old one held are lost: see
 :mod:`transferqueue.health`). Meanwhile the controller and the other units keep serving.
+With ``state_dir`` it restarts the controller too, on its address: the new process recovers
+the controller's state from the directory (:mod:`transferqueue.journal`) and reconciles it
+with the units (:mod:`transferqueue.recovery`); clients reconnect by themselves. Without it a
+dead controller ends the service.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from transferqueue.auth import ENV_GRANT_KEY, advertised_host, require_keys, ser
 from transferqueue.errors import PeerGoneError
 from transferqueue.grants import new_grant_key
 from transferqueue.health import ALLOCATION_S
+from transferqueue.journal import FSYNC_POLICIES
 from transferqueue.liveness import DEFAULT_LIVENESS, Liveness
 from transferqueue.metrics import check_metrics_port
 from transferqueue.placement import check_replicas
@@ -77,7 +82,10 @@ class LocalService:
     ``unit_metrics_addresses``, also in ``stats()`` (a restarted unit's on a free port may
     have moved: stats says where). ``replicas=2``: each row is written to two units, and a
     unit that dies loses no row that has its other copy alive (see
-    :mod:`transferqueue.replicas`; needs two units).
+    :mod:`transferqueue.replicas`; needs two units). ``state_dir``: the controller keeps
+    its state there and is restarted (at most ``max_restarts`` times) when it dies, on its
+    address, with its rows, tasks and leases; ``fsync`` (``never``, ``batch``, ``always``)
+    says what of it a host crash keeps (see :mod:`transferqueue.journal`).
     """
 
     def __init__(
@@ -100,8 +108,12 @@ class LocalService:
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
         replicas: int = 1,
+        state_dir: str | os.PathLike[str] | None = None,
+        fsync: str = "batch",
     ) -> None:
         check_metrics_port(metrics_port)
+        if fsync not in FSYNC_POLICIES:
+            raise ValueError(f"fsync must be one of {FSYNC_POLICIES}, got {fsync!r}")
         check_replicas(replicas)
         if replicas > num_units:
             raise ValueError(
@@ -145,12 +157,12 @@ class LocalService:
             bound = [address for address, _ in started]
             self.unit_metrics_addresses = [url for _, url in started]
             units = [_advertised(a, public) for a in bound]
-            args = ["controller", "--units", ",".join(units)]
-            args += ["--heartbeat-s", str(liveness.heartbeat_s)]
+            args = ["--heartbeat-s", str(liveness.heartbeat_s)]
             args += ["--dead-after-s", str(liveness.dead_after_s)]
             args += ["--allocation-s", str(allocation_s)]
             args += ["--replicas", str(replicas)]
-            args += ["--address", self._bind(transport, host, port, None)]
+            if state_dir is not None:
+                args += ["--state-dir", os.path.abspath(state_dir), "--fsync", fsync]
             if capacity_rows is not None:
                 args += ["--capacity", str(capacity_rows)]
             if spread_bytes is not None:
@@ -159,17 +171,27 @@ class LocalService:
                 args += ["--max-lease-s", str(max_lease_s)]
             if metrics_port is not None:
                 args += ["--metrics-port", str(metrics_port), "--metrics-host", metrics_host]
-            ctl = self._spawn(args)
+            first = ["--address", self._bind(transport, host, port, None)]
+            ctl = self._spawn(["controller", "--units", ",".join(units), *args, *first])
             ctl_address, self.metrics_address = self._wait_ready(ctl, start_timeout_s)
             self.address = _advertised(ctl_address, public)
             self.unit_addresses = units
             self.restarts = [0] * num_units  # restarts of each unit process so far
+            self.controller_restarts = [0]  # (a list: the supervisor counts in it)
+            restart = None if state_dir is None else [*args, "--address", ctl_address]
+            self._controller_restartable = restart is not None
             # (the thread holds no reference to self: the finalizer runs when self goes)
             spawn = _Spawner(self._spawn_args, self._procs, self._env)
             thread = threading.Thread(
                 target=_supervise,
                 args=(spawn, unit_args, bound, self.address, self.restarts, max_restarts),
-                kwargs={"stopping": self._stopping, "start_timeout_s": start_timeout_s},
+                kwargs={
+                    "stopping": self._stopping,
+                    "start_timeout_s": start_timeout_s,
+                    "controller_restart": _ControllerRestart(
+                        restart, units, public, self.controller_restarts
+                    ),
+                },
                 name="transferqueue-supervisor",
                 daemon=True,
             )
@@ -235,7 +257,13 @@ class LocalService:
     def alive(self) -> bool:
         """Whether the service serves: its controller runs and so does a unit (or one that
         exited will be restarted)."""
-        if not self._procs or self._procs[-1].poll() is not None:
+        restarts = getattr(self, "controller_restarts", [0])[0]
+        restartable = getattr(self, "_controller_restartable", False)
+        if not self._procs:
+            return False
+        if self._procs[-1].poll() is not None and not (
+            restartable and restarts < self._max_restarts
+        ):
             return False
         units = self._procs[:-1]
         left = [r < self._max_restarts for r in getattr(self, "restarts", [])]
@@ -279,6 +307,52 @@ class _Spawner:
         return proc
 
 
+class _ControllerRestart:
+    """How the supervisor restarts the controller (``args``: its options less ``--units``;
+    None: it is not restarted), the units' addresses as clients see them (kept up to date:
+    a unit restarted on a new port), and its restarts so far."""
+
+    def __init__(
+        self,
+        args: list[str] | None,
+        units: list[str],
+        public: str | None,
+        restarts: list[int],
+    ) -> None:
+        self.args = args
+        self.units = units
+        self.public = public
+        self.restarts = restarts
+
+    def command(self) -> list[str]:
+        assert self.args is not None
+        return ["controller", "--units", ",".join(self.units), *self.args]
+
+
+def _restart_controller(
+    spawn: _Spawner, ctl: _ControllerRestart, max_restarts: int, start_timeout_s: float
+) -> None:
+    """The controller exited: start it again on its address; it recovers its state."""
+    proc = spawn.procs[-1]
+    if ctl.args is None or proc.poll() is None or ctl.restarts[0] >= max_restarts:
+        return
+    ctl.restarts[0] += 1
+    log.warning(
+        "the controller exited (code %s); restart %d of %d from its state_dir",
+        proc.returncode,
+        ctl.restarts[0],
+        max_restarts,
+    )
+    new = spawn.replace(len(spawn.procs) - 1, ctl.command())
+    try:
+        LocalService._wait(new, start_timeout_s)
+    except PeerGoneError as e:
+        log.warning("the controller did not restart: %s", e)
+        if new.poll() is None:
+            new.kill()
+            new.wait(timeout=5)
+
+
 def _supervise(
     spawn: _Spawner,
     unit_args: list[list[str]],
@@ -289,9 +363,12 @@ def _supervise(
     *,
     stopping: threading.Event,
     start_timeout_s: float,
+    controller_restart: _ControllerRestart | None = None,
 ) -> None:
     """Restart unit processes that exit, on the address each had (a new one if that cannot
-    be bound), at most ``max_restarts`` times each; each registers with the controller."""
+    be bound), at most ``max_restarts`` times each; each registers with the controller.
+    With ``controller_restart``, a controller that exits is restarted too, after the units
+    (a restarted controller waits for every unit to answer before it serves)."""
     while not stopping.wait(_SUPERVISE_S):
         for unit, args in enumerate(unit_args):
             proc = spawn.procs[unit]
@@ -308,13 +385,18 @@ def _supervise(
             for address in (bound[unit], _any_port(bound[unit])):
                 new = spawn.replace(unit, [*args, "--address", address, "--controller", controller])
                 try:
-                    LocalService._wait(new, start_timeout_s)
+                    now = LocalService._wait(new, start_timeout_s)
+                    bound[unit] = now
+                    if controller_restart is not None:
+                        controller_restart.units[unit] = _advertised(now, controller_restart.public)
                     break
                 except PeerGoneError as e:
                     log.warning("storage unit %d did not restart on %s: %s", unit, address, e)
                     if new.poll() is None:
                         new.kill()
                         new.wait(timeout=5)
+        if controller_restart is not None and not stopping.is_set():
+            _restart_controller(spawn, controller_restart, max_restarts, start_timeout_s)
 
 
 def _any_port(address: str) -> str:

@@ -82,6 +82,12 @@ class SlotMap:
         self._ring.fill(-1)
         self._count = 0
 
+    def keys(self) -> np.ndarray:
+        """Every index present, ascending."""
+        pos = np.flatnonzero(self._ring >= 0)
+        cap = self._ring.size
+        return np.sort(self._base + ((pos - self._base) & (cap - 1))).astype(np.int64)
+
     def _rebase(self, lo: int, hi: int) -> None:
         """Make [new_base, hi] fit: drop the dead prefix of the window, grow if still short."""
         old = self._ring

@@ -298,6 +298,10 @@ class StorageUnit:
                 self._deferred.append(slots[busy])
         return int(slots.size)
 
+    def indexes(self) -> np.ndarray:
+        """The rows this unit holds, ascending (a restarted controller's inventory)."""
+        return self._map.keys()
+
     def clear(self) -> None:
         """Drop every row; columns keep their memory for reuse."""
         for col in self._columns.values():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
+import numpy as np
 from msgspec import Meta
 
 from transferqueue.limits import MAX_NAMES
@@ -27,6 +28,7 @@ __all__ = [
     "ResetUnit",
     "ShmAttach",
     "ShmDetach",
+    "UnitInventory",
     "UnitPing",
     "UnitStats",
     "Write",
@@ -84,6 +86,13 @@ class UnitStats(UnitRequest[dict[str, Any]]):
     """Rows, bytes and fields the unit holds."""
 
     kind = "stats"
+
+
+class UnitInventory(UnitRequest[np.ndarray]):
+    """The indexes of every row the unit holds (a restarted controller reconciles them)."""
+
+    kind = "inventory"
+    needs = "admin"
 
 
 class ResetUnit(UnitRequest[None]):

@@ -81,7 +81,7 @@ __all__ = [
     "encode_request",
 ]
 
-PROTOCOL_VERSION = 3  # 3: Commit.dropped, BatchMeta.replica_units
+PROTOCOL_VERSION = 4  # 3: Commit.dropped, BatchMeta.replica_units; 4: unit inventory
 CHUNK_BYTES = 64 << 20  # see the module docstring
 INLINE_BYTES = 1024
 SHM_MIN_BYTES = 64 << 10  # smaller buffers go as frames even when an arena is offered

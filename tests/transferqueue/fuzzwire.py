@@ -124,6 +124,7 @@ EXAMPLES: dict[tuple[str, str], m.Request[Any]] = {
     ("unit", "free"): m.Free(indexes=np.array([2**27])),
     ("unit", "clear"): m.ClearUnit(),
     ("unit", "stats"): m.UnitStats(),
+    ("unit", "inventory"): m.UnitInventory(),
     ("unit", "ping"): m.UnitPing(),
     ("unit", "reset"): m.ResetUnit(),
     ("unit", "shm_attach"): m.ShmAttach(name="tq-0123456789abcdef-1"),

@@ -83,3 +83,18 @@ def test_reserve_takes_slots_out_of_the_free_ranges() -> None:
     assert got is not None and sorted(got.tolist()) == [2, 3, 4, 6, 7, 8, 9]
     alloc.free(np.array([5]))
     assert alloc.allocate(1) is not None and alloc.free_count == 0
+
+
+def test_slot_map_keys_are_the_indexes_present_after_rebases() -> None:
+    sm = SlotMap(16)
+    rng = np.random.default_rng(5)
+    present: set[int] = set()
+    for lo in (1000, 3, 70000, 5):  # (windows that move down and grow)
+        idx = np.unique(rng.integers(lo, lo + 500, size=200)).astype(np.int64)
+        idx = idx[~np.isin(idx, list(present))]
+        sm.insert(idx, np.arange(idx.size, dtype=np.int64))
+        present |= set(idx.tolist())
+        gone = idx[::3]
+        sm.remove(gone)
+        present -= set(gone.tolist())
+        assert sm.keys().tolist() == sorted(present)
