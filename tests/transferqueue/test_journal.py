@@ -330,7 +330,15 @@ def test_a_load_from_a_save_is_journaled_too(tmp_path: Path) -> None:
     ctl.register_fields({"x": FieldSpec.dense("float32", (2,))})
     n = np.int64
     meta = call_function(
-        ctl, "import_rows", "L", np.arange(6), np.zeros(6, dtype=n), np.full(6, -1), first=True
+        ctl,
+        "import_rows",
+        "L",
+        np.arange(6),
+        np.zeros(6, dtype=n),
+        np.full(6, -1),
+        first=True,
+        keys=["k0", "k5"],  # string keys of two rows come back too
+        key_rows=np.array([0, 5]),
     )
     ctl.commit(meta.indexes, ["x"])
     idx = meta.indexes
@@ -340,6 +348,7 @@ def test_a_load_from_a_save_is_journaled_too(tmp_path: Path) -> None:
     back = _recovered(tmp_path / "d", tmp_path / "copy", clock)
     assert state(back) == state(ctl)
     assert back.status("L", task="t").rows("queued").size == 4
+    assert back.export_keys("L")["L"]["keys"] == ["k0", "k5"]
 
 
 def test_a_reset_service_starts_its_state_dir_afresh(tmp_path: Path) -> None:
