@@ -293,9 +293,14 @@ class UnitHealth:
         h = self._h
         idx = h["index"]
         stale = np.flatnonzero(h["live"] & ~h["committed"] & (idx < below) & (idx >= low))
+        return self._reclaim_slots(stale)
+
+    def _reclaim_slots(self, stale: np.ndarray) -> Changes:
+        """Discard the uncommitted rows in slots ``stale``, freed on their units and
+        remembered as reclaimed (a late commit learns they were lost)."""
         if stale.size == 0:
             return Changes()
-        indexes = h["index"][stale].copy()
+        indexes = self._h["index"][stale].copy()
         changes = self.discard(indexes)
         self._remember(indexes)
         self.rows_reclaimed += int(indexes.size)

@@ -160,14 +160,7 @@ class JournaledController(Controller):
         that allocated them failed with the old one); freed on their units, remembered as
         reclaimed (a late commit learns they were lost)."""
         h = self._h
-        stale = np.flatnonzero(h["live"] & ~h["committed"])
-        if stale.size == 0:
-            return Changes()
-        indexes = h["index"][stale].copy()
-        changes = self.discard(indexes)
-        self._remember(indexes)
-        self.rows_reclaimed += int(indexes.size)
-        return changes
+        return self._reclaim_slots(np.flatnonzero(h["live"] & ~h["committed"]))
 
     def advance_index(self, first: int) -> None:
         """New rows get indexes ``first`` or later (a unit holds rows up to ``first - 1``)."""

@@ -9,6 +9,7 @@ and Ray servers are started once per session and reset between tests.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -105,3 +106,14 @@ def until(what: Callable[[], Any], timeout_s: float, label: str) -> Any:
             return got
         time.sleep(0.1)
     raise AssertionError(f"{label}: not within {timeout_s} s")
+
+
+def child_processes(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of the children of process ``pid`` (Linux /proc)."""
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            for child in f.read().split():
+                with open(f"/proc/{child}/cmdline", "rb") as g:
+                    out.append((int(child), g.read().replace(b"\0", b" ").decode()))
+    return out

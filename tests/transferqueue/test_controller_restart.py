@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import numpy as np
 import pytest
 import torch
+from conftest import child_processes, until
 
 import transferqueue
 from transferqueue import messages as m
@@ -40,16 +41,6 @@ def _retry(call: Callable[[], T], timeout_s: float = SLACK_S) -> T:
             if time.monotonic() - t0 > timeout_s:
                 raise
             time.sleep(0.2)
-
-
-def _until(what: Callable[[], Any], timeout_s: float, label: str) -> Any:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        got = what()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"{label}: not within {timeout_s} s")
 
 
 def _values(start: int, n: int) -> torch.Tensor:
@@ -86,7 +77,7 @@ def _stats(client: transferqueue.Client) -> dict[str, Any]:
 def _kill_controller(svc: transferqueue.LocalService) -> None:
     old = svc.pids[-1]
     os.kill(old, signal.SIGKILL)
-    _until(lambda: svc.controller_restarts[0] == 1 and svc.pids[-1] != old, SLACK_S, "restart")
+    until(lambda: svc.controller_restarts[0] == 1 and svc.pids[-1] != old, SLACK_S, "restart")
 
 
 def test_a_killed_controller_comes_back_with_every_row_lease_and_ack(tmp_path: Path) -> None:
@@ -168,12 +159,12 @@ def test_rows_of_a_unit_that_restarted_while_the_controller_was_down_are_lost(
         ctl, unit1 = svc.pids[-1], svc.pids[1]
         os.kill(ctl, signal.SIGKILL)
         os.kill(unit1, signal.SIGKILL)
-        _until(lambda: svc.controller_restarts[0] == 1, SLACK_S, "controller restart")
-        _until(lambda: svc.restarts[1] == 1, SLACK_S, "unit restart")
+        until(lambda: svc.controller_restarts[0] == 1, SLACK_S, "controller restart")
+        until(lambda: svc.restarts[1] == 1, SLACK_S, "unit restart")
         _retry(lambda: _stats(c))
         # (the unit may come back before the controller's reconcile or after: either way its
         # rows are lost, by the inventory or by the heartbeat that sees a new incarnation)
-        _until(lambda: _stats(c)["controller"]["rows_lost"] == on1.size, SLACK_S, "lost")
+        until(lambda: _stats(c)["controller"]["rows_lost"] == on1.size, SLACK_S, "lost")
         st = _stats(c)["controller"]
         assert st["partitions"]["p"]["rows_live"] == 200 - on1.size
         got = c.get_meta("t", ["x"], 200, partition="p", timeout_s=5)
@@ -182,19 +173,9 @@ def test_rows_of_a_unit_that_restarted_while_the_controller_was_down_are_lost(
         assert torch.equal(_x(c, got), _values(0, 200)[torch.from_numpy(pos)])
 
 
-def _children(pid: int) -> list[tuple[int, str]]:
-    out = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            for child in f.read().split():
-                with open(f"/proc/{child}/cmdline", "rb") as g:
-                    out.append((int(child), g.read().replace(b"\0", b" ").decode()))
-    return out
-
-
 def _controller_pids(cli_pid: int) -> list[int]:
     try:
-        return [p for p, cmd in _children(cli_pid) if " controller " in cmd]
+        return [p for p, cmd in child_processes(cli_pid) if " controller " in cmd]
     except FileNotFoundError:  # (a child that exited while we looked)
         return []
 
@@ -211,7 +192,7 @@ def test_the_cli_with_a_state_dir_restarts_its_controller(tmp_path: Path) -> Non
             meta = c.put({"x": _values(0, 64)})
             (victim,) = _controller_pids(proc.pid)
             os.kill(victim, signal.SIGKILL)
-            _until(lambda: set(_controller_pids(proc.pid)) - {victim}, SLACK_S, "restart")
+            until(lambda: set(_controller_pids(proc.pid)) - {victim}, SLACK_S, "restart")
             # (a get_meta that failed as gone may still reach the new controller, queued in
             # the socket: the client gives back the batch it leased, or this would be empty)
             got = _retry(lambda: c.get_meta("t", ["x"], 64, timeout_s=10))

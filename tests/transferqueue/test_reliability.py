@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import until
+from conftest import child_processes, until
 
 import transferqueue
 from transferqueue import Liveness, PeerGoneError, Ragged, RowsLostError
@@ -448,19 +448,9 @@ def test_a_call_blocked_on_a_killed_controller_fails_within_the_bound() -> None:
             c.put({"x": torch.ones(2, 1)})  # the default timeout waits as long as it lives
 
 
-def _children(pid: int) -> list[tuple[int, str]]:
-    out = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            for child in f.read().split():
-                with open(f"/proc/{child}/cmdline", "rb") as g:
-                    out.append((int(child), g.read().replace(b"\0", b" ").decode()))
-    return out
-
-
 def _unit_pid(cli_pid: int, unit: int) -> int:
-    found = [p for p, cmd in _children(cli_pid) if f" unit --unit-id {unit} " in cmd]
-    assert len(found) == 1, _children(cli_pid)
+    found = [p for p, cmd in child_processes(cli_pid) if f" unit --unit-id {unit} " in cmd]
+    assert len(found) == 1, child_processes(cli_pid)
     return found[0]
 
 
