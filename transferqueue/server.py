@@ -47,7 +47,7 @@ from transferqueue.messages import Caller
 from transferqueue.metrics import MetricsEndpoint, check_metrics_port, process_memory
 from transferqueue.recovery import reconcile
 from transferqueue.rpc import RpcClient, RpcServer, SendThenRelease, check_address
-from transferqueue.shm import SHM_DIR, Placer, Segments
+from transferqueue.shm import SHM_DIR, Placer, Segments, sweep_orphans
 from transferqueue.storage import StorageUnit
 from transferqueue.wire import PROTOCOL_VERSION
 
@@ -170,6 +170,7 @@ class UnitServer:
             await asyncio.sleep(_SWEEP_S)
             try:
                 self.segments.drop_dead()
+                sweep_orphans(self.segments.directory)
             except Exception:  # the sweep keeps running whatever one pass meets
                 log.exception("unit %d: sweeping arenas failed", self.unit.unit_id)
 

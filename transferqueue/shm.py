@@ -46,6 +46,7 @@ import os
 import re
 import secrets
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -227,7 +228,39 @@ def _process_alive(pid: int) -> bool:
 
 
 def new_token() -> str:
-    return secrets.token_hex(8)
+    """An arena token: this process's id (8 hex digits), then 8 random ones. The id lets a
+    unit remove the file of an arena whose client died before any unit mapped it
+    (:func:`sweep_orphans`)."""
+    return f"{os.getpid() & 0xFFFFFFFF:08x}{secrets.token_hex(4)}"
+
+
+ORPHAN_AGE_S = 10.0
+"""An arena file no unit mapped is removed once this old, if its creator is gone."""
+
+
+def sweep_orphans(directory: str = SHM_DIR, min_age_s: float = ORPHAN_AGE_S) -> int:
+    """Remove the arena files in ``directory`` whose creator process is gone and that are
+    at least ``min_age_s`` old: a client killed between making an arena and its unit mapping
+    it (the unit removes the name once mapped) would leave the file, and its memory, for
+    good. Returns how many were removed."""
+    removed = 0
+    now = time.time()
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return 0
+    for entry in entries:
+        m = _NAME.fullmatch(entry.name)
+        if m is None:
+            continue
+        with contextlib.suppress(OSError):  # (removed or mapped meanwhile)
+            if now - entry.stat().st_mtime < min_age_s:
+                continue
+            if _process_alive(int(m.group(1)[:8], 16)):
+                continue
+            os.unlink(entry.path)
+            removed += 1
+    return removed
 
 
 class Segments:

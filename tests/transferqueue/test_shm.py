@@ -695,3 +695,25 @@ def test_a_put_whose_staging_fails_before_its_rows_are_allocated_leaves_none(
             client.put(want, group=0, partition="sf2")
         ctl.call, link.stage = real_call, real_stage  # type: ignore[method-assign]
         assert client.stats()["controller"]["partitions"]["sf2"]["rows_live"] == 0
+
+
+def test_arena_files_of_dead_clients_that_no_unit_mapped_are_swept(tmp_path: Path) -> None:
+    """A client killed between making an arena and a unit mapping it leaves the file: units
+    remove such files once their creator (named in the token) is gone and they are old."""
+    import subprocess
+    import sys
+
+    from transferqueue.shm import sweep_orphans
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    mine = Arena(new_token(), 1, 4096, str(tmp_path))  # this process: alive
+    orphan = tmp_path / f"tq-{dead.pid & 0xFFFFFFFF:08x}{'ab' * 4}-1"
+    orphan.write_bytes(b"\0" * 4096)
+    other = tmp_path / "not-an-arena"
+    other.write_bytes(b"x")
+    assert sweep_orphans(str(tmp_path), min_age_s=3600) == 0  # too young yet
+    assert sweep_orphans(str(tmp_path), min_age_s=0) == 1
+    assert not orphan.exists() and other.exists()
+    assert (tmp_path / mine.name).exists()  # its creator lives
+    mine.close()
