@@ -34,6 +34,8 @@ from typing import Any
 from asyncflow.config_sections import CheckpointConfig, EvalConfig
 from engines.rewards import REWARDS
 from engines.tasks import TASKS
+from transferqueue.journal import FSYNC_POLICIES
+from transferqueue.liveness import RIDE_THROUGH_S
 
 __all__ = [
     "LOGGER_NAMES",
@@ -403,6 +405,28 @@ class TQConfig:
     CPU slot by default), e.g. ``{resources: {tq_node: 0.01}}`` to keep them on given nodes."""
     lease_s: float = 120.0
     """Lease of a stage's batch; a stage that dies holding one gives its rows back after it."""
+    state_dir: str | None = None
+    """Modes ``service`` and ``ray``: the controller journals its state in this directory and
+    is restarted when it dies (its supervisor, or Ray: the directory must be reachable from
+    the node Ray restarts it on), with its rows, tasks and leases, and TransferQueue clients
+    reconnect: the run goes on (see ``ride_through_s``). None: the controller is not
+    restarted, and its death ends the run (resume it from a checkpoint)."""
+    fsync: str = "batch"
+    """With ``state_dir``: what of the controller's state a host crash keeps: ``never``,
+    ``batch`` (calls of the last 0.5 s are lost) or ``always``."""
+    ride_through_s: float | None = None
+    """How long the run's TransferQueue calls wait for a controller that went away to
+    answer again (restarted with its state), sending again what is safe to send twice
+    (``transferqueue.connect(ride_through_s=...)``); past it a stage fails and the run ends.
+    None: 60 s with ``state_dir``, else 0 (a dead controller ends the run at once). Set it
+    for mode ``connect`` when that service's controller has a state directory."""
+
+    @property
+    def ride_through(self) -> float:
+        """``ride_through_s`` with its default resolved."""
+        if self.ride_through_s is not None:
+            return self.ride_through_s
+        return RIDE_THROUGH_S if self.state_dir is not None else 0.0
 
     def __post_init__(self) -> None:
         if self.num_units < 1 or self.lease_s <= 0:
@@ -415,6 +439,19 @@ class TQConfig:
             raise ValueError(f"transferqueue.mode must be one of {modes}, got {self.mode!r}")
         if self.mode == "connect" and not self.address:
             raise ValueError("transferqueue.mode=connect needs transferqueue.address")
+        if self.state_dir is not None and self.mode in ("embedded", "connect"):
+            raise ValueError(
+                f"transferqueue.state_dir is for modes service and ray (the servers this run "
+                f"starts), got transferqueue.mode={self.mode}"
+            )
+        if self.fsync not in FSYNC_POLICIES:
+            raise ValueError(
+                f"transferqueue.fsync must be one of {FSYNC_POLICIES}, got {self.fsync!r}"
+            )
+        if self.ride_through_s is not None and self.ride_through_s < 0:
+            raise ValueError(
+                f"transferqueue.ride_through_s must be >= 0, got {self.ride_through_s}"
+            )
 
 
 @dataclass(kw_only=True)
@@ -526,6 +563,11 @@ class RunConfig:
         if mode == "local" and tq == "ray":
             raise ValueError(
                 "transferqueue.mode=ray needs deploy.mode=ray (or use embedded / service)"
+            )
+        if mode == "local" and tq == "auto" and self.transferqueue.state_dir is not None:
+            raise ValueError(
+                "transferqueue.state_dir needs a controller of its own: transferqueue.mode="
+                "service (or deploy.mode=ray); with deploy.mode=local, auto means embedded"
             )
         if mode == "ray" and tq == "embedded":
             raise ValueError(

@@ -39,12 +39,10 @@ from transformers import PreTrainedTokenizerBase
 
 from engines.hf.text import encode_prompts
 from engines.tasks import Task
-from transferqueue import AsyncClient, RowsLostError
+from transferqueue import AsyncClient
 
 __all__ = ["AdmissionState", "PromptFeeder"]
 
-PUT_TRIES = 5  # puts of a group tried while storage units die under them
-PUT_RETRY_S = 1.0
 
 Predictor = Callable[[Sequence[torch.Tensor]], Awaitable[np.ndarray]]
 """Predicted response length per prompt (the rollout's length ranker, wherever it runs)."""
@@ -148,17 +146,11 @@ class PromptFeeder:
         if self.predict is not None:
             expected += await self.predict(prompts)
         lengths = np.repeat(expected.round().astype(np.int64), n)
-        for attempt in range(1, PUT_TRIES + 1):
-            try:
-                await self.client.put(
-                    {"prompt_ids": ids, "min_gen_version": torch.from_numpy(required), **rows},
-                    group=groups,
-                    version=-1,
-                    length=lengths,
-                    partition=self.partition,
-                )
-                return
-            except RowsLostError:  # a unit died mid-put: nothing of it was stored; again
-                if attempt == PUT_TRIES:
-                    raise
-                await asyncio.sleep(PUT_RETRY_S)
+        # (a put that meets a storage unit dying under it is put again by the client)
+        await self.client.put(
+            {"prompt_ids": ids, "min_gen_version": torch.from_numpy(required), **rows},
+            group=groups,
+            version=-1,
+            length=lengths,
+            partition=self.partition,
+        )

@@ -56,8 +56,9 @@ class StageError(RuntimeError):
 
 LOST_SERVER_HINT = (
     "a TransferQueue server died and the run could not recover on its own (lost groups are "
-    "regenerated while the controller serves); resume from the last checkpoint (asyncflow run "
-    "--resume DIR; set checkpoint.every_steps)"
+    "regenerated while the controller serves; a controller restarted with its state, "
+    "transferqueue.state_dir, is waited for transferqueue.ride_through_s); resume from the "
+    "last checkpoint (asyncflow run --resume DIR; set checkpoint.every_steps)"
 )
 
 

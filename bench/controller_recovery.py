@@ -15,13 +15,20 @@ temporary directory, ``fsync="batch"``, whose fsyncs run at the service's tick, 
 3. the journal's cost on a get_meta(batch 64)/ack loop: a plain Controller (baseline), the
    journaled core with no journal (the wrapper alone) and with its journal (``never`` and
    ``always`` fsync), as ratios to the baseline measured in the same run (the cases take
-   turns, best of ``--repeat`` rounds).
+   turns, best of ``--repeat`` rounds);
+4. with ``--service``, the same through processes: ``transferqueue.serve(num_units=2,
+   state_dir=...)`` at its defaults, ``--rows`` rows put by a client (1000 a put, 32 bytes
+   each), task ``a`` acks a tenth, 100 leases held; then the controller is SIGKILLed and the
+   same connected client times how long until the supervisor's restart answers ``stats``
+   and until a ``get_meta`` hands out rows again (recovery, reconciliation with both units'
+   inventories included), and checks that every row, ack and lease came back.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -29,8 +36,10 @@ from typing import Any
 
 import numpy as np
 
+import transferqueue
 from bench.common import line, write_json
 from transferqueue.controller import Controller
+from transferqueue.errors import PeerGoneError
 from transferqueue.journal import JournalSettings, read_snapshot
 from transferqueue.journaled import JournaledController, open_controller
 from transferqueue.schema import FieldSpec
@@ -149,6 +158,66 @@ def journal_cost(iters: int, repeat: int, root: Path) -> dict[str, Any]:
     return out
 
 
+def _answered(call: Any, timeout_s: float = 300.0) -> Any:
+    """``call()`` once the restarted controller answers it (bounded)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return call()
+        except PeerGoneError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def service_recovery(rows: int, root: Path) -> dict[str, Any]:
+    """Step 4 of the module docstring: a SIGKILLed controller of a local service."""
+    state = root / "service-state"
+    with (
+        transferqueue.serve(num_units=2, state_dir=state) as svc,
+        transferqueue.connect(svc.address) as tq,
+    ):
+        c = tq.client()
+        c.declare_tasks(["a", "b"], partition="p")
+        t0 = time.perf_counter()
+        for start in range(0, rows, _PUT):
+            n = min(_PUT, rows - start)
+            x = np.arange(start * 8, (start + n) * 8, dtype=np.float32).reshape(n, 8)
+            c.put({"x": x}, partition="p")
+            if start % 100_000 == 0:
+                print(f"  put {start + n:,} rows", flush=True)
+        put_s = time.perf_counter() - t0
+        for _ in range(rows // 10 // 1024):
+            c.ack(c.get_meta("a", ["x"], 1024, partition="p", timeout_s=60))
+        held = [
+            c.get_meta("b", ["x"], 8, partition="p", timeout_s=60, lease_s=3600) for _ in range(100)
+        ]
+        before = c.stats()["controller"]
+        old = svc.pids[-1]
+        t0 = time.perf_counter()
+        os.kill(old, signal.SIGKILL)
+        after = _answered(lambda: c.stats())["controller"]
+        stats_s = time.perf_counter() - t0
+        got = _answered(lambda: c.get_meta("a", ["x"], 64, partition="p", timeout_s=60))
+        first_meta_s = time.perf_counter() - t0
+        assert svc.pids[-1] != old and len(got) == 64, "the controller did not come back"
+        for key in ("rows_live", "next_index", "active_leases", "rows_lost", "partitions"):
+            assert after[key] == before[key], f"{key} differs after the restart"
+        for meta in held:
+            c.ack(meta)  # (the leases came back: their acks are accepted)
+        c.ack(got)
+        line(f"service: put {rows} rows", rows / put_s, "rows/s")
+        line("service: SIGKILL -> restarted controller answers stats", stats_s, "s")
+        line("service: SIGKILL -> first get_meta served", first_meta_s, "s")
+        return {
+            "rows": rows,
+            "put_rows_per_s": rows / put_s,
+            "kill_to_stats_s": stats_s,
+            "kill_to_get_meta_s": first_meta_s,
+            "state_mb": sum(f.stat().st_size for f in state.iterdir() if f.is_file()) / 1e6,
+        }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--rows", type=int, default=1_000_000, help="committed rows (default 1M)")
@@ -156,12 +225,15 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=1000, help="get_meta+ack loops per round")
     ap.add_argument("--repeat", type=int, default=5, help="rounds of the cost cases")
     ap.add_argument("--dir", default=None, help="where the state goes (default: a temp dir)")
+    ap.add_argument("--service", action="store_true", help="also time a service's restart")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(dir=a.dir, prefix="tq-recovery-") as d:
         results = {
             "recovery": recovery(a.rows, a.tail, Path(d)),
             "journal_cost": journal_cost(a.iters, a.repeat, Path(d)),
         }
+        if a.service:
+            results["service"] = service_recovery(a.rows, Path(d))
     write_json("controller_recovery", results)
 
 

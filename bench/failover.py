@@ -16,7 +16,10 @@ the kill:
   with rows on the restarted unit commits);
 
 and with ``replicas=2`` (same layout, 2 copies of each row): ``read served by the other
-copy``, the consumer's ``get_data`` returning every row bit-exact. Medians and maxima of
+copy``, the consumer's ``get_data`` returning every row bit-exact, and ``second copies
+restored``: from the restarted unit's return until ``rows_one_copy`` is 0 again (every row
+put so far, 1000 more per kill, copied from the surviving unit; see
+:mod:`transferqueue.recopy`). Medians and maxima of
 the kills; the bound they are measured against is the liveness bound, from the same run's
 configuration. Writes ``bench/results/failover.json``.
 """
@@ -90,11 +93,16 @@ def _kill_one(svc: Any, c: transferqueue.Client, unit: int, start: int) -> dict[
     }
 
 
-def _kill_replicated(svc: Any, c: transferqueue.Client, unit: int, start: int) -> float:
-    """One kill with replicas=2: seconds from the kill until the held batch is read whole."""
+def _kill_replicated(
+    svc: Any, c: transferqueue.Client, unit: int, start: int
+) -> tuple[float, float, int]:
+    """One kill with replicas=2: seconds from the kill until the held batch is read whole;
+    seconds from the unit's return until every row has two copies again, and the rows
+    copied (the rows put so far stay: no task is declared)."""
     _put(c, start)
     held = c.get_meta("t", ["x"], ROWS, partition="p", lease_s=600)
-    units_lost0 = c.stats()["controller"]["units_lost"]
+    stats = c.stats()["controller"]
+    units_lost0, recopied0 = stats["units_lost"], stats["rows_recopied"]
     t0 = time.monotonic()
     os.kill(svc.pids[unit], signal.SIGKILL)
     got = c.get_data(held)["x"]
@@ -102,8 +110,10 @@ def _kill_replicated(svc: Any, c: transferqueue.Client, unit: int, start: int) -
     assert isinstance(got, torch.Tensor)  # every row, as put (fifo: in put order)
     assert torch.equal(got.view(-1), torch.arange(start, start + ROWS)), "rows differ"
     c.ack(held)
-    _until(lambda: _revived(c, units_lost0), 120, "restart")
-    return took
+    back = _until(lambda: _revived(c, units_lost0), 120, "restart")
+    done = _until(lambda: c.stats()["controller"]["rows_one_copy"] == 0, 120, "second copies")
+    copied = c.stats()["controller"]["rows_recopied"] - recopied0
+    return took, done - back, copied
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -128,9 +138,14 @@ def main(argv: list[str] | None = None) -> None:
     ):
         c = tq.client()
         for k in range(kills):
-            s = _kill_replicated(svc, c, k % 2, k * 10 * ROWS)
+            s, restored, copied = _kill_replicated(svc, c, k % 2, k * 10 * ROWS)
             times.setdefault("read served by the other copy (replicas=2)", []).append(s)
-            print(f"kill {k + 1}/{kills} (replicas=2) done", flush=True)
+            times.setdefault("second copies restored, from the unit's return", []).append(restored)
+            print(
+                f"kill {k + 1}/{kills} (replicas=2) done: second copy restored in "
+                f"{restored:.2f} s for {copied} rows",
+                flush=True,
+            )
     print(f"liveness bound {liveness.bound_s} s; {kills} kills each; seconds from the kill:")
     results = {}
     for name, vals in times.items():

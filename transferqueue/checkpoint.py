@@ -288,7 +288,12 @@ class CheckpointCalls:
                             missed = await self._write_units(
                                 sub, {f: col}, {f: specs[f]}, create=True
                             )
-                            commit = m.Commit(indexes=sub.indexes, fields=[f], dropped=missed)
+                            commit = m.Commit(
+                                indexes=sub.indexes,
+                                fields=[f],
+                                dropped=missed,
+                                copies=sub.replica_units,
+                            )
                             await self._ctl.call(commit)
                     if rows.custom_pos.size:
                         msg = m.SetCustomMeta(

@@ -5,58 +5,43 @@ the units in parallel and assembles columns. It works unchanged over every deplo
 it talks only to a :class:`ControllerLink` and :class:`UnitLink` objects. All of its work runs
 on the handle's I/O loop (``LoopThread``); calls from other loops or threads hop onto it.
 
-A ``put`` of new rows::
-
-    client -> controller  register_fields (first time a field is seen) , allocate(n)
-    client -> units       write(rows of that unit)              (in parallel)
-    client -> controller  commit(fields ready)                  (consumers can now see them)
-
-A ``put`` that adds fields to leased rows renews the lease first (so an expired or unknown
-lease fails before anything is written) and acknowledges it in the commit.
+Writes are :mod:`transferqueue.put_client`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 import secrets
-from collections.abc import AsyncGenerator, Awaitable, Coroutine, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
 import torch
 
+from transferqueue import assemble
 from transferqueue import messages as m
-from transferqueue.aio import within
-from transferqueue.assemble import empty_column as _empty
-from transferqueue.assemble import merge_ragged as _merge_ragged
-from transferqueue.assemble import place_dense as _place_dense
 from transferqueue.buffers import ResultBuffers
 from transferqueue.checkpoint import CheckpointCalls
 from transferqueue.errors import (
-    BadRequestError,
     PeerGoneError,
     RowsLostError,
-    SchemaError,
     TQError,
     UnknownFieldError,
     UnknownRowError,
 )
 from transferqueue.kv_client import KVCalls
-from transferqueue.links import OFFLOAD_BYTES, ControllerLink, Staged, UnitLink
+from transferqueue.links import OFFLOAD_BYTES, ControllerLink, UnitLink
 from transferqueue.loop import LoopThread
-from transferqueue.memcpy import gather_rows
 from transferqueue.meta import BatchMeta
-from transferqueue.ragged import Ragged
+from transferqueue.put_client import PutCalls, by_unit, lease_s_of, take_rows, timeout_of
 from transferqueue.replicas import (
     UnitReadError,
     fall_back,
-    gather_copies,
     meta_units,
     tag,
-    write_groups,
 )
-from transferqueue.schema import Column, FieldSpec, normalize_columns
+from transferqueue.schema import Column, FieldSpec
 from transferqueue.slots import runs
 from transferqueue.status_client import StatusCalls
 
@@ -65,56 +50,21 @@ if TYPE_CHECKING:
 
 __all__ = ["FORMATS", "AsyncClient", "take_rows"]
 
+log = logging.getLogger(__name__)
+
 FORMATS = ("torch", "arrow")
 """What ``get_data`` returns: ``torch`` (a dict of tensors, Ragged and lists) or ``arrow``
 (a ``pyarrow.Table`` over the same memory, see :mod:`transferqueue.arrow`)."""
 
 _MAX_RUNS_FOR_DIRECT_READ = 8
-_UNDO_WAIT_S = 30.0
 # A read that failed on a unit asks the controller which rows were lost for this long: the
 # controller may declare the unit dead a little after this client gave up on it.
 _LOST_WAIT_S = 6.0
-"""How long a failed put waits for the reply to its allocation, to discard the rows."""
 
 
-def take_rows(col: Column, pos: np.ndarray) -> Column:
-    """Rows ``pos`` of a column: a view when they are one ascending run, else a copy."""
-    n = pos.size
-    contiguous = n > 0 and int(pos[-1]) - int(pos[0]) + 1 == n and bool((np.diff(pos) == 1).all())
-    if isinstance(col, torch.Tensor):
-        if contiguous:
-            return col[int(pos[0]) : int(pos[-1]) + 1]
-        src = col if col.is_contiguous() else col.contiguous()
-        out = torch.empty((n, *col.shape[1:]), dtype=col.dtype)
-        gather_rows(out, src, pos)
-        return out
-    if isinstance(col, Ragged):
-        if contiguous:
-            return col.slice(int(pos[0]), int(pos[-1]) + 1)
-        return col.take(pos)
-    return [col[i] for i in pos.tolist()]
-
-
-def _payload_nbytes(cols: Mapping[str, Column]) -> int:
-    """Bytes of the tensor data of a put (object columns count as nothing)."""
-    total = 0
-    for col in cols.values():
-        if isinstance(col, torch.Tensor):
-            total += col.numel() * col.element_size()
-        elif isinstance(col, Ragged):
-            total += col.nbytes
-    return total
-
-
-def _by_unit(units: np.ndarray) -> dict[int, np.ndarray]:
-    """Positions of the rows of each unit, ascending."""
-    if units.size and bool((units == units[0]).all()):
-        return {int(units[0]): np.arange(units.size, dtype=np.int64)}
-    return {int(u): np.flatnonzero(units == u) for u in np.unique(units).tolist()}
-
-
-class AsyncClient(StatusCalls, KVCalls, CheckpointCalls):
-    """Async TransferQueue client, from ``tq.async_client()``. Status, consumption resets,
+class AsyncClient(PutCalls, StatusCalls, KVCalls, CheckpointCalls):
+    """Async TransferQueue client, from ``tq.async_client()``. Writes (``put``):
+    :mod:`transferqueue.put_client`; status, consumption resets,
     custom metadata, loss logs: :mod:`transferqueue.status_client`; key-value calls:
     :mod:`transferqueue.kv_client`; ``save``/``load``: :mod:`transferqueue.checkpoint`."""
 
@@ -141,234 +91,9 @@ class AsyncClient(StatusCalls, KVCalls, CheckpointCalls):
         self._producer = secrets.token_hex(8)
         self._last_unit: int | None = None  # the unit the last put's rows all went to
         self._whole_bytes = 0  # the largest put the controller placed on one unit
-
-    # -- writes ------------------------------------------------------------------------------
-    async def put(
-        self,
-        data: Mapping[str, Any],
-        *,
-        meta: BatchMeta | None = None,
-        partition: str = "default",
-        group: np.ndarray | Sequence[int] | int | None = None,
-        version: np.ndarray | Sequence[int] | int | None = None,
-        length: np.ndarray | Sequence[int] | int | None = None,
-        specs: Mapping[str, FieldSpec] | None = None,
-        ack: bool = True,
-        lease_s: float = 60.0,
-        timeout_s: float | None = None,
-    ) -> BatchMeta:
-        """Write columns: new rows, or (with ``meta``) new fields of existing rows.
-
-        ``data`` maps field names to columns: a tensor ``[rows, ...]`` (dense), a
-        :class:`Ragged` or a list of 1-D tensors (ragged), or a list of msgpack-able values
-        (object). ``group``/``version``/``length`` set row headers (one value, or one per row;
-        a row without ``group`` is a group of its own).
-        With ``meta`` from ``get_meta``, the lease is acknowledged when the write lands
-        (``ack=False`` keeps it open). ``timeout_s`` bounds the wait for capacity (None:
-        as long as the service is alive). New rows of a finished partition are a
-        :class:`FinishedError`. Returns the rows written.
-        """
-        return await self._io.run_async(
-            self._put(data, meta, partition, group, version, length, specs, ack, lease_s, timeout_s)
-        )
-
-    async def _put(
-        self,
-        data: Mapping[str, Any],
-        meta: BatchMeta | None,
-        partition: str,
-        group: Any,
-        version: Any,
-        length: Any,
-        specs: Mapping[str, FieldSpec] | None,
-        ack: bool,
-        lease_s: float,
-        timeout_s: float | None,
-    ) -> BatchMeta:
-        known = dict(self._schema)
-        if specs:
-            known.update(specs)
-        cols, col_specs, n = normalize_columns(data, known)
-        timeout_s = _timeout(timeout_s)
-        await self._register(col_specs)
-        versions = _header(version, n, "version")
-        lengths = _header(length, n, "length")
-        if meta is None:
-            nbytes = _payload_nbytes(cols)
-            allocating = self._ctl.call(
-                m.Allocate(
-                    n=n,
-                    partition=partition,
-                    groups=_header(group, n, "group"),
-                    versions=versions,
-                    lengths=lengths,
-                    nbytes=nbytes,
-                    producer=self._producer,
-                    timeout_s=timeout_s,
-                )
-            )
-            new, staged = await self._allocate_staging(allocating, cols, nbytes)
-            grants = new.grants or {}
-            dropped: list[int] = []  # (units that a copy of each row missed, see replicas)
-            try:
-                if staged is not None:
-                    link, token = staged
-                    await link.write_staged(
-                        new.indexes, token, col_specs, create=True, grant=grants.get(link.unit_id)
-                    )
-                else:
-                    dropped = await self._write_units(new, cols, col_specs, create=True)
-                await self._ctl.call(
-                    m.Commit(indexes=new.indexes, fields=list(cols), dropped=dropped)
-                )
-            except BaseException as e:
-                # Nothing of the put may stay half-written: free what units hold, undo rows.
-                await asyncio.gather(
-                    *(u.free(new.indexes, grants.get(u.unit_id)) for u in self._units.values()),
-                    return_exceptions=True,
-                )
-                lost = await self._lost(new.indexes, e, meta_units(new))
-                await self._ctl.call(m.Discard(indexes=new.indexes))
-                if lost is not None:
-                    raise RowsLostError(
-                        f"the put's rows {lost[:5].tolist()} were lost with a storage unit "
-                        "that died while the put wrote them; put the data again",
-                        lost,
-                    ) from e
-                raise
-            new.fields = tuple(cols)
-            return new
-        if len(meta) != n:
-            raise SchemaError(f"put with meta: the columns have {n} rows, meta has {len(meta)}")
-        lease = meta.lease_id if meta.lease_id is not None and not meta.acked else None
-        if lease is not None:
-            msg = m.Renew(lease_id=lease, lease_s=_lease(lease_s), indexes=meta.indexes)
-            await self._ctl.call(msg)
-        try:
-            dropped = await self._write_units(meta, cols, col_specs, create=False)
-        except (PeerGoneError, UnknownRowError) as e:
-            lost = await self._lost(meta.indexes, e, meta_units(meta))
-            if lost is None:
-                raise
-            raise RowsLostError(
-                f"rows {lost[:5].tolist()} ({lost.size} of the batch's {len(meta)}) were lost "
-                "with a storage unit that died; they left every task's queue and lease. "
-                "Put the others: meta.select(positions)",
-                lost,
-            ) from e
-        await self._ctl.call(
-            m.Commit(
-                indexes=meta.indexes,
-                fields=list(cols),
-                versions=versions,
-                lengths=lengths,
-                lease_id=lease if ack else None,
-                dropped=dropped,
-            )
-        )
-        if lease is not None and ack:
-            meta.acked = True
-        if versions is not None:
-            meta.versions = np.broadcast_to(np.asarray(versions, dtype=np.int64), (n,)).copy()
-        if lengths is not None:
-            meta.lengths = np.broadcast_to(np.asarray(lengths, dtype=np.int64), (n,)).copy()
-        return meta
-
-    async def _undo_allocation(self, pending: asyncio.Future[BatchMeta]) -> None:
-        """Discard the rows of an allocation whose put failed before it used them. The
-        request is already out, so the controller allocates them whether or not anybody waits
-        for the reply: wait for it (bounded), then give the rows back."""
-        try:
-            new = await within(asyncio.shield(pending), _UNDO_WAIT_S)
-        except BaseException:  # no reply in time (or the put is cancelled again): give up
-            pending.cancel()
-            return
-        with contextlib.suppress(Exception):
-            await self._ctl.call(m.Discard(indexes=new.indexes))
-
-    async def _allocate_staging(
-        self, allocating: Coroutine[Any, Any, BatchMeta], cols: Mapping[str, Column], nbytes: int
-    ) -> tuple[BatchMeta, tuple[UnitLink, Staged] | None]:
-        """The new rows, and the columns staged by the unit they went to (or None).
-
-        While the controller allocates, the columns are copied to where the unit this
-        client's last put went to will take them from (:meth:`UnitLink.stage`), when this
-        put can go there too: the controller keeps a producer's puts on its unit while the
-        units are balanced, and a put no larger than one it placed whole is placed whole.
-        """
-        last = self._last_unit
-        link = None if last is None or nbytes > self._whole_bytes else self._units.get(last)
-        if link is None or not link.stages(nbytes):
-            new = await allocating
-            self._placed(new, nbytes)
-            return new, None
-        pending = asyncio.ensure_future(allocating)
-        staged: Staged | None = None
-        try:
-            await asyncio.sleep(0)  # the allocate request goes out first
-            staged = await link.stage(cols)
-            new = await pending
-        except BaseException:
-            if staged is not None:
-                link.unstage(staged)
-            await self._undo_allocation(pending)
-            raise
-        self._placed(new, nbytes)
-        if staged is None:
-            return new, None
-        if self._last_unit != link.unit_id:  # placed elsewhere (or over several units)
-            link.unstage(staged)
-            return new, None
-        return new, (link, staged)
-
-    def _placed(self, new: BatchMeta, nbytes: int) -> None:
-        """Remember where the controller put this client's rows (see _allocate_staging)."""
-        units = new.units
-        # (a put of two copies writes two units: nothing to stage for one, see replicas)
-        if units.size and new.replica_units is None and bool((units == units[0]).all()):
-            self._last_unit = int(units[0])
-            self._whole_bytes = max(self._whole_bytes, nbytes)
-        else:
-            self._last_unit = None
-
-    async def _register(self, specs: Mapping[str, FieldSpec]) -> None:
-        new = {k: v for k, v in specs.items() if self._schema.get(k) != v}
-        if new:
-            registered: dict[str, FieldSpec] = await self._ctl.call(m.RegisterFields(specs=new))
-            self._schema.update(registered)
-
-    async def _write_units(
-        self,
-        meta: BatchMeta,
-        cols: Mapping[str, Column],
-        specs: Mapping[str, FieldSpec],
-        *,
-        create: bool,
-    ) -> list[int]:
-        """Write the rows to their units; returns the units that a copy of each row missed
-        (two copies: gone, while each row got its other one; else none)."""
-        jobs = []
-        grants = meta.grants or {}
-        copies = meta.replica_units is not None
-        groups = write_groups(meta) if copies else list(_by_unit(meta.units).items())
-        for u, pos in groups:
-            part = {name: take_rows(col, pos) for name, col in cols.items()}
-            write = self._unit(u).write(
-                meta.indexes[pos], part, specs, create=create, grant=grants.get(u)
-            )
-            jobs.append(write)
-        if copies:  # (a copy on a unit that is gone is fine while the row has another)
-            return await gather_copies(groups, jobs, len(meta))
-        await asyncio.gather(*jobs)
-        return []
-
-    def _unit(self, unit_id: int) -> UnitLink:
-        try:
-            return self._units[unit_id]
-        except KeyError:
-            raise SchemaError(
-                f"meta names storage unit {unit_id}, which this client does not know"
-            ) from None
+        self.puts_again = 0
+        """Tries of puts of new rows undone because a unit died or restarted mid-write, and
+        put again (see :meth:`put`)."""
 
     # -- reads -------------------------------------------------------------------------------
     async def get_meta(
@@ -401,12 +126,12 @@ class AsyncClient(StatusCalls, KVCalls, CheckpointCalls):
             partition=partition,
             fields=None if fields is None else list(fields),
             batch_size=batch_size,
-            lease_s=_lease(lease_s),
+            lease_s=lease_s_of(lease_s),
             sampler=sampler,
             sampler_options=sampler_options,
             min_version=min_version,
             max_group=max_group,
-            timeout_s=_timeout(timeout_s),
+            timeout_s=timeout_of(timeout_s),
         )
         return await self._io.run_async(self._ctl.call(msg))
 
@@ -506,9 +231,9 @@ class AsyncClient(StatusCalls, KVCalls, CheckpointCalls):
         specs = {f: self._schema[f] for f in names}
         n = len(meta)
         if n == 0:
-            return {f: _empty(specs[f]) for f in names}
+            return {f: assemble.empty_column(specs[f]) for f in names}
         copies = meta.replica_units is not None
-        groups = _by_unit(meta.units if units is None else units)
+        groups = by_unit(meta.units if units is None else units)
         if len(groups) == 1:
             ((u, _),) = groups.items()
             link = self._unit(u)
@@ -535,13 +260,13 @@ class AsyncClient(StatusCalls, KVCalls, CheckpointCalls):
                     views = {f: t[a:b] for f, t in out.items()}
                     got = await link.read(meta.indexes[a:b], names, views)
                     pieces.append((np.arange(a, b), got))
-                    _place_dense(out, np.arange(a, b), got)
+                    assemble.place_dense(out, np.arange(a, b), got)
                 return
             got = await link.read(meta.indexes[pos], names)
             if row_bytes * pos.size >= OFFLOAD_BYTES:  # off the I/O loop (numpy drops the GIL)
-                await asyncio.to_thread(_place_dense, out, pos, got)
+                await asyncio.to_thread(assemble.place_dense, out, pos, got)
             else:
-                _place_dense(out, pos, got)
+                assemble.place_dense(out, pos, got)
             pieces.append((pos, got))
 
         reads: list[Awaitable[object]] = [read_unit(u, pos) for u, pos in groups.items()]
@@ -555,7 +280,7 @@ class AsyncClient(StatusCalls, KVCalls, CheckpointCalls):
             if kind == "dense":
                 result[f] = out[f]
             elif kind == "ragged":
-                result[f] = _merge_ragged([(p, g[f]) for p, g in pieces], n, specs[f])
+                result[f] = assemble.merge_ragged([(p, g[f]) for p, g in pieces], n, specs[f])
             else:
                 values: list[Any] = [None] * n
                 for pos, got in pieces:
@@ -667,34 +392,3 @@ def as_format(cols: dict[str, Column], format: str) -> dict[str, Column] | pa.Ta
 
         return to_table(cols)
     return cols
-
-
-def _lease(lease_s: float) -> float:
-    """A lease time: finite seconds > 0 (the controller also bounds it by its max_lease_s)."""
-    if not isinstance(lease_s, int | float) or not 0 < lease_s < float("inf"):
-        raise BadRequestError(f"lease_s must be finite seconds > 0, got {lease_s!r}")
-    return float(lease_s)
-
-
-def _timeout(timeout_s: float | None) -> float | None:
-    """A wait bound: None or infinity (no bound), else finite seconds >= 0."""
-    if timeout_s is None or timeout_s == float("inf"):
-        return None
-    if not isinstance(timeout_s, int | float) or not 0 <= timeout_s < float("inf"):
-        raise BadRequestError(f"timeout_s must be seconds >= 0 or None, got {timeout_s!r}")
-    return float(timeout_s)
-
-
-def _header(value: Any, n: int, name: str) -> np.ndarray | None:
-    if value is None:
-        return None
-    if isinstance(value, int | np.integer):
-        if not -(2**63) <= int(value) < 2**63:
-            raise SchemaError(f"{name}={value} does not fit int64")
-        return np.asarray(int(value), dtype=np.int64)  # (0-d: one value for every row)
-    arr = value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
-    if arr.shape != (n,):
-        raise SchemaError(f"{name}= has shape {arr.shape}; give one int, or one per row ({n},)")
-    if arr.dtype.kind not in "iu":
-        raise SchemaError(f"{name}= must be integers, got dtype {arr.dtype}")
-    return arr.astype(np.int64)

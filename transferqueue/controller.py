@@ -31,12 +31,12 @@ from transferqueue.errors import (
     FinishedError,
     SchemaError,
     UnknownFieldError,
-    UnknownLeaseError,
     UnknownTaskError,
 )
 from transferqueue.health import ALLOCATION_S, UnitHealth
 from transferqueue.keys import KeyedRows
-from transferqueue.leases import Lease, LeaseTable
+from transferqueue.lease_calls import LeaseCalls
+from transferqueue.leases import LeaseTable
 from transferqueue.limits import MAX_FIELDS, MAX_LEASE_S, MAX_ROWS, MAX_TASKS
 from transferqueue.meta import BatchMeta
 from transferqueue.placement import SPREAD_BYTES, Placement
@@ -60,7 +60,7 @@ from transferqueue.status import RowStatus
 __all__ = ["SPREAD_BYTES", "Changes", "Controller"]
 
 
-class Controller(UnitHealth, Retirement, RowStatus, KeyedRows):
+class Controller(UnitHealth, Retirement, RowStatus, KeyedRows, LeaseCalls):
     """Row metadata, readiness, per-task queues and leases. Not thread-safe by design.
     What happens when a unit or a producer dies, and ``stats``: :mod:`transferqueue.health`;
     loss logs per task and retiring groups to put them again: :mod:`transferqueue.retire`;
@@ -280,12 +280,18 @@ class Controller(UnitHealth, Retirement, RowStatus, KeyedRows):
         lengths: np.ndarray | int | None = None,
         lease_id: int | None = None,
         owner: str | None = None,
+        copies: np.ndarray | None = None,
     ) -> Changes:
         """Fields of these rows are stored: update headers, mark ready, enqueue, ack a lease.
+        ``copies``: the second unit of each row the writer wrote (see _landed, rereplicate).
 
         Validates everything (rows live, fields registered, the lease) before changing state.
+        A commit sent again after its reply was lost (its lease acked by the first, its fields
+        ready on every row still live) is a no-op.
         """
         indexes = np.asarray(indexes, dtype=np.int64)
+        if lease_id is not None and self._committed_already(lease_id, indexes, fields):
+            return Changes()
         slots = self._slots(indexes)
         for name in fields:
             if name not in self._specs:
@@ -301,7 +307,7 @@ class Controller(UnitHealth, Retirement, RowStatus, KeyedRows):
             self._h["version"][slots] = v
         if ln is not None:
             self._h["length"][slots] = ln
-        changes = Changes()
+        changes = self._landed(slots, copies)
         for name in fields:
             self._ready_of(name)[slots] = True
         fset = set(fields)
@@ -316,6 +322,15 @@ class Controller(UnitHealth, Retirement, RowStatus, KeyedRows):
         if lease is not None:
             changes.merge(self._finish_rows(lease, slots, acked=True))
         return changes
+
+    def _committed_already(self, lease_id: int, indexes: np.ndarray, fields: Sequence[str]) -> bool:
+        """Whether a commit acking ``lease_id`` landed before: the lease was acked and the
+        rows still live have every field (freed rows were consumed by every task)."""
+        if self.leases.closed_reason(lease_id) != "acked":
+            return False
+        slots = self._map.lookup(indexes)
+        slots = slots[slots >= 0]
+        return all(name in self._specs and self._ready_of(name)[slots].all() for name in fields)
 
     def _enqueue_ready(self, task: TaskState, slots: np.ndarray) -> bool:
         cand = slots[task.state[slots] == WAITING]
@@ -496,114 +511,6 @@ class Controller(UnitHealth, Retirement, RowStatus, KeyedRows):
             "which no producer has written; the partition is finished and no other task has "
             f"rows left, so they will never come. Known fields: {sorted(self._specs)}"
         )
-
-    # -- leases ------------------------------------------------------------------------------
-    def _held(
-        self,
-        lease_id: int,
-        indexes: np.ndarray | None,
-        slots: np.ndarray | None,
-        owner: str | None = None,
-    ) -> Lease:
-        lease = self.leases.get(lease_id, owner)
-        if indexes is not None and slots is not None:
-            task = self._task_of(lease)
-            held = (task.lease[slots] == lease_id) & (task.state[slots] == LEASED)
-            if not held.all():
-                rows = indexes[~held][:5].tolist()
-                raise UnknownLeaseError(
-                    f"rows {rows} are not held by lease {lease_id} (acknowledged already or "
-                    "never part of it)"
-                )
-        return lease
-
-    def _task_of(self, lease: Lease) -> TaskState:
-        part = self._by_id[lease.task[0]]
-        return part.tasks[lease.task[1]]
-
-    def _lease_slots(self, lease: Lease, indexes: np.ndarray | None) -> np.ndarray:
-        if indexes is None:
-            task = self._task_of(lease)
-            slots = self._map.lookup(lease.indexes)
-            slots = slots[slots >= 0]
-            return slots[(task.lease[slots] == lease.lease_id) & (task.state[slots] == LEASED)]
-        indexes = self._without_lost(np.asarray(indexes, dtype=np.int64))
-        slots = self._slots(indexes)
-        self._held(lease.lease_id, indexes, slots, lease.owner)
-        return slots
-
-    def ack(
-        self, lease_id: int, indexes: np.ndarray | None = None, owner: str | None = None
-    ) -> Changes:
-        """Consume the lease's rows (all, or ``indexes`` of them). Acking a lease that was
-        fully acknowledged already is a no-op (an ack sent again: its reply was lost)."""
-        if self.leases.closed_reason(lease_id) in ("lost", "acked"):
-            return Changes()  # (a lease whose rows were all lost with a unit: nothing left)
-        lease = self.leases.get(lease_id, owner)
-        return self._finish_rows(lease, self._lease_slots(lease, indexes), acked=True)
-
-    def release(
-        self, lease_id: int, indexes: np.ndarray | None = None, owner: str | None = None
-    ) -> Changes:
-        """Give rows back unconsumed (a consumer that cannot process them); no-op if acked."""
-        if self.leases.closed_reason(lease_id) == "lost" or (
-            indexes is None and self.leases.closed_reason(lease_id) in ("acked", "released")
-        ):
-            return Changes()
-        lease = self.leases.get(lease_id, owner)
-        return self._finish_rows(lease, self._lease_slots(lease, indexes), acked=False)
-
-    def renew(
-        self,
-        lease_id: int,
-        lease_s: float,
-        indexes: np.ndarray | None = None,
-        owner: str | None = None,
-    ) -> None:
-        """Extend the deadline (a producer about to write results for the lease's rows)."""
-        self.leases.check_lease_s(lease_s)
-        if self.leases.closed_reason(lease_id) == "lost":
-            return  # (its rows were lost with a unit: a commit says so)
-        lease = self.leases.get(lease_id, owner)
-        if indexes is not None:
-            self._lease_slots(lease, indexes)
-        self.leases.renew(lease, lease_s)
-
-    def _finish_rows(self, lease: Lease, slots: np.ndarray, *, acked: bool) -> Changes:
-        task = self._task_of(lease)
-        part = self._by_id[lease.task[0]]
-        n = int(slots.size)
-        task.leased -= n
-        task.lease[slots] = -1
-        lease.remaining -= n
-        if lease.remaining <= 0:
-            self.leases.close(lease, "acked" if acked else "released")
-        if acked:
-            changes = self._mark_done(part, task, slots, dropped=False)
-        else:
-            task.state[slots] = QUEUED
-            task.sampler.add(self._h["index"][slots], returned=True)
-            changes = Changes()
-        changes.woken.add(task.key)
-        return changes
-
-    def expire(self) -> Changes:
-        """Return the rows of leases past their deadline to their tasks' queues."""
-        changes = Changes()
-        for lease in self.leases.due():
-            task = self._task_of(lease)
-            slots = self._map.lookup(lease.indexes)
-            slots = slots[slots >= 0]
-            slots = slots[(task.lease[slots] == lease.lease_id) & (task.state[slots] == LEASED)]
-            task.leased -= int(slots.size)
-            task.lease[slots] = -1
-            task.state[slots] = QUEUED
-            task.sampler.add(self._h["index"][slots], returned=True)
-            changes.woken.add(task.key)
-        return changes
-
-    def next_deadline(self) -> float | None:
-        return self.leases.next_deadline()
 
     # -- consumption done, freeing -----------------------------------------------------------
     def _mark_done(

@@ -308,6 +308,7 @@ class ControllerService:
                 lengths=msg.lengths,
                 lease_id=msg.lease_id,
                 owner=caller.identity,
+                copies=msg.copies,
             )
         )
 

@@ -17,8 +17,12 @@ module holds the row bookkeeping and this one the failure handling):
   ``unit``), and readers that still name the dead unit fall back to it (the client). Only
   rows with no other copy left (both units died, or the row was put while a single unit was
   alive) are lost as above. A unit that comes back is empty and takes new rows; the rows that
-  had a copy on it keep **one copy** until they are freed (they are not copied again):
-  ``stats()["rows_one_copy"]`` counts them, and losing their remaining unit loses them;
+  had a copy on it keep **one copy** (``stats()["rows_one_copy"]``) until the controller's
+  server has copied them again, unit to unit, onto another live unit
+  (:mod:`transferqueue.rereplicate`, :mod:`transferqueue.recopy`; ``rows_recopied``), in
+  bounded batches while it serves. A second unit death before that loses those of them whose
+  one copy it held; after it, none: two copies survive any one death at a time. The
+  embedded deployment does not copy again (its units die with its process);
 - **a producer died** between allocating rows and committing them: every allocation has a
   deadline (``allocation_s``); rows still uncommitted after it are discarded and freed on
   their units (:meth:`UnitHealth.reclaim`), counted as ``rows_reclaimed``.
@@ -39,6 +43,7 @@ from transferqueue.errors import RowsLostError, UnknownRowError
 from transferqueue.keys import KeyMap
 from transferqueue.leases import LeaseTable
 from transferqueue.placement import Placement
+from transferqueue.rereplicate import Rereplication
 from transferqueue.schema import FieldSpec
 from transferqueue.slots import ExtentAllocator, SlotMap
 from transferqueue.state import DONE, LEASED, QUEUED, Changes, PartitionState
@@ -52,8 +57,9 @@ LOST_MEMORY = 1 << 22
 """Lost or reclaimed row indexes remembered for error messages (the oldest are forgotten)."""
 
 
-class UnitHealth:
-    """Unit loss, allocation deadlines and stats; mixed into the Controller."""
+class UnitHealth(Rereplication):
+    """Unit loss, allocation deadlines and stats; mixed into the Controller (with the
+    re-replication of rows left with one copy, :mod:`transferqueue.rereplicate`)."""
 
     # (the Controller's state this mixin works on)
     num_units: int
@@ -86,6 +92,7 @@ class UnitHealth:
         self.rows_lost = 0
         self.rows_reclaimed = 0
         self.units_lost = 0
+        self._init_copies()
 
     def _free(self, part: PartitionState, slots: np.ndarray, changes: Changes) -> None:
         raise NotImplementedError  # (the Controller's)
@@ -138,6 +145,7 @@ class UnitHealth:
         self._check_unit(unit)
         if self.placement.alive[unit]:
             self.units_lost += 1
+        self.unit_epochs[unit] += 1  # (a copy to it under way does not count)
         self.placement.set_alive(unit, False)
         return self._lose(unit, None)
 
@@ -146,6 +154,7 @@ class UnitHealth:
         restarted found them missing from the unit's inventory: the unit restarted while
         the controller was down). Their copies there are lost as with :meth:`lose_unit`."""
         self._check_unit(unit)
+        self.unit_epochs[unit] += 1
         slots = self._map.lookup(np.asarray(indexes, dtype=np.int64))
         return self._lose(unit, slots[slots >= 0])
 
@@ -356,6 +365,8 @@ class UnitHealth:
             "rows_retired": self.rows_retired,
             "replicas": self.placement.replicas,
             "rows_one_copy": self._one_copy(),
+            "rows_recopied": self.rows_recopied,
+            "copies_refused": self.copies_refused,
             "custom_meta_rows": len(self._custom),
             "custom_meta_bytes": self._custom_bytes,
             "allocation_s": self.allocation_s,

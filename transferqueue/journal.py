@@ -63,7 +63,7 @@ __all__ = [
     "read_snapshot",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the copy plans of re-replication (header "copying", unit_epochs)
 FSYNC_POLICIES = ("never", "batch", "always")
 SNAPSHOT = "snapshot"
 _LOG = "log."
@@ -95,7 +95,8 @@ class JournalSettings:
 
 # -- records ---------------------------------------------------------------------------------
 def _array(arr: np.ndarray) -> msgspec.msgpack.Ext:
-    arr = np.ascontiguousarray(arr)
+    if not arr.flags.c_contiguous:  # (np.ascontiguousarray would make a 0-d array 1-d)
+        arr = arr.copy(order="C")
     return msgspec.msgpack.Ext(_EXT_ARRAY, _enc.encode([arr.dtype.str, list(arr.shape), arr.data]))
 
 

@@ -85,6 +85,10 @@ def _unchanged_reclaim(ctl: Any) -> Any:
             ctl._reclaimed_below)  # fmt: skip
 
 
+def _unchanged_plans(ctl: Controller) -> Any:
+    return ctl._next_plan
+
+
 def _unchanged_partition(ctl: Controller) -> Any:
     return len(ctl._partitions)
 
@@ -110,6 +114,9 @@ _JOURNALED: dict[str, Callable[[Any], Any] | None] = {
     "lose_rows": None,
     "unit_back": None,
     "drop_copies": None,
+    "plan_copies": _unchanged_plans,
+    "copies_made": None,
+    "abandon_copies": None,
     "retire_groups": None,
     "reset_consumption": None,
     "set_custom_meta": None,

@@ -42,6 +42,7 @@ from transferqueue.keys import KeyListing, KeyRows
 from transferqueue.links import ControllerLink, UnitLink
 from transferqueue.loop import LoopThread
 from transferqueue.meta import BatchMeta
+from transferqueue.put_client import header, payload_nbytes, take_rows, timeout_of
 from transferqueue.ragged import Ragged
 from transferqueue.schema import Column, FieldSpec
 
@@ -49,7 +50,7 @@ __all__ = ["KVCalls"]
 
 
 def _keys(keys: Sequence[str], where: str = "keys") -> list[str]:
-    """A list of keys (checked on the message: see ``messages.KeyList``)."""
+    """A list of keys (checked on the message: see ``checks.KeyList``)."""
     if isinstance(keys, str):
         raise BadRequestError(f"{where}: expected a sequence of str keys, got the str {keys!r:.60}")
     return list(keys)
@@ -180,8 +181,6 @@ class KVCalls:
         specs: Mapping[str, FieldSpec] | None,
         timeout_s: float | None,
     ) -> BatchMeta:
-        # (client.py imports this module: its helpers are imported when called)
-        from transferqueue.client import _header, _payload_nbytes, _timeout, take_rows
         from transferqueue.schema import normalize_columns
 
         known = dict(self._schema)
@@ -196,13 +195,13 @@ class KVCalls:
             partition=partition,
             keys=keys,
             create=True,
-            groups=_header(group, n, "group"),
-            nbytes=_payload_nbytes(cols),
+            groups=header(group, n, "group"),
+            nbytes=payload_nbytes(cols),
             producer=self._producer,
-            timeout_s=_timeout(timeout_s),
+            timeout_s=timeout_of(timeout_s),
         )
-        versions = _header(version, n, "version")
-        lengths = _header(length, n, "length")
+        versions = header(version, n, "version")
+        lengths = header(length, n, "length")
         await self._register(col_specs)
         got: KeyRows = await self._ctl.call(msg)
         meta = got.meta
@@ -228,6 +227,7 @@ class KVCalls:
                     versions=versions,
                     lengths=lengths,
                     dropped=sorted({u for units in missed for u in units}),
+                    copies=meta.replica_units,
                 )
             )
         except BaseException as e:

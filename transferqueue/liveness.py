@@ -63,3 +63,8 @@ DEFAULT_LIVENESS = Liveness()
 def new_incarnation() -> str:
     """A token naming one run of a server process (it changes when the process restarts)."""
     return secrets.token_hex(8)
+
+
+RIDE_THROUGH_S = 60.0
+"""A ``ride_through_s`` for a controller restarted with its state (3-7 s here) on a loaded
+host: what ``start_on_ray(state_dir=...)`` and asyncflow with a ``state_dir`` use."""

@@ -221,6 +221,12 @@ def _controller_families(stats: dict[str, Any]) -> Iterator[Any]:
     )
     one.add_metric([], stats.get("rows_one_copy", 0))
     yield one
+    recopied = CounterMetricFamily(
+        "transferqueue_rows_recopied",
+        "second copies made again of rows left with one copy (replicas=2)",
+    )
+    recopied.add_metric([], stats.get("rows_recopied", 0))
+    yield recopied
     alive = GaugeMetricFamily("transferqueue_unit_alive", "1: the unit serves", labels=["unit"])
     placed = GaugeMetricFamily(
         "transferqueue_unit_placed_bytes", "payload bytes placed per unit", labels=["unit"]

@@ -24,13 +24,31 @@ the supervisor of ``transferqueue serve`` restarts a unit process: the dead inca
 are lost (the controller reports them, :mod:`transferqueue.health`); the new one asks the
 controller actor (found by name) where the unit listened, binds there again when it can (so
 that connected clients reach it without reconnecting), and registers, after which it takes new
-rows. The controller is not restarted: its metadata lives in its process.
+rows.
+
+The controller actor is restarted by Ray too when it has a ``state_dir`` (``start_on_ray(
+state_dir=DIR, fsync="batch", controller_max_restarts=5)``), as ``transferqueue serve
+--state-dir`` restarts its controller process: the new incarnation recovers the state from
+the directory (:mod:`transferqueue.journal`), asks each unit actor (by name) where it listens
+now, reconciles with the units (:mod:`transferqueue.recovery`), and binds the address the
+dead one had (kept in ``DIR/address``), so clients connected by address reconnect by
+themselves. Should that port be taken for ``REBIND_S``, it listens on a free one and says so
+in its log; ``ray.get_actor(f"{name_prefix}-controller").address.remote()`` gives the new
+address, which clients must then connect to. Ray may restart an actor on another node: the
+directory must be reachable there (a shared filesystem) and the old address's host is then
+not this node's, so pin the controller to one node (``actor_options`` with a node's custom
+resource, or a ``NodeAffinitySchedulingStrategy``) unless clients re-resolve the address.
+Without ``state_dir`` the controller is not restarted (a restarted one would start empty and
+forget every row): its metadata lives in its process.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import socket
+import time
 import uuid
 from typing import Any
 
@@ -41,6 +59,8 @@ from transferqueue.controller import SPREAD_BYTES
 from transferqueue.errors import AuthError
 from transferqueue.grants import new_grant_key
 from transferqueue.handle import TransferQueue
+from transferqueue.journal import FSYNC_POLICIES, JournalSettings
+from transferqueue.liveness import RIDE_THROUGH_S
 from transferqueue.loop import LoopThread
 from transferqueue.malloc import keep_freed_memory
 from transferqueue.metrics import check_metrics_port
@@ -50,7 +70,15 @@ from transferqueue.server import ControllerServer, UnitServer
 
 __all__ = ["ControllerActor", "UnitActor", "start_on_ray"]
 
+log = logging.getLogger(__name__)
+
 _LOOKUP_S = 60.0  # a restarted unit's wait for the controller actor's answers
+_UNITS_S = 10.0  # a restarted controller's wait for the unit actors' addresses
+REBIND_S = 30.0
+"""How long a restarted controller actor waits for its old port to be free."""
+CONTROLLER_MAX_RESTARTS = 5
+"""Default restarts of a controller actor with a ``state_dir``."""
+_ADDRESS_FILE = "address"  # in state_dir: where the controller listened last
 
 
 class _ServerActor:
@@ -162,7 +190,9 @@ def _controller_of(name: str, unit_id: int) -> tuple[str, str]:
 
 
 class ControllerActor(_ServerActor):
-    """The controller server (apply ``ray.remote`` to deploy)."""
+    """The controller server (apply ``ray.remote`` to deploy). With ``state_dir`` its state
+    is journaled there and a restart by Ray recovers it (module docstring); ``unit_names``:
+    the unit actors' names, which a restarted controller asks where they listen now."""
 
     def __init__(
         self,
@@ -174,29 +204,136 @@ class ControllerActor(_ServerActor):
         grant_key: bytes | None = None,
         metrics: dict[str, Any] | None = None,
         replicas: int = 1,
+        state_dir: str | None = None,
+        fsync: str = "batch",
+        unit_names: list[str] | None = None,
     ) -> None:
         super().__init__()
+        bind_host = self._host(host)
+        address, units = f"tcp://{bind_host}:0", list(unit_addresses)
+        extra: dict[str, Any] = {}
+        restarted = state_dir is not None and _reconstructed()
+        if state_dir is not None:
+            extra = {"state_dir": state_dir, "journal": JournalSettings(fsync=fsync)}
+            if restarted:
+                units = _units_now(unit_names or [], units)
+                address = _old_address(state_dir, bind_host) or address
 
         async def make() -> ControllerServer:
-            server = ControllerServer(
+            return ControllerServer(
                 self._ctx,
-                unit_addresses,
-                f"tcp://{self._host(host)}:0",
+                units,
+                address,
                 capacity_rows=capacity_rows,
                 spread_bytes=spread_bytes,
                 keys=keys,
                 grant_key=grant_key,
                 replicas=replicas,
                 **(metrics or {}),
+                **extra,
             )
-            await server.start()
-            return server
 
-        self._server = self._io.run(make())
+        self._server = self._io.run(make())  # (recovered and bound: not yet serving)
+        if state_dir is not None:
+            _save_address(state_dir, str(self._server.address))
+        if restarted:
+            # Serve in the background: start() waits for every unit to answer, and a unit
+            # actor restarted meanwhile waits in its constructor for this actor's answers
+            # (address, unit_address), which Ray gives only once this constructor returns.
+            self._starting = self._io.submit(_start_or_exit(self._server))
+        else:
+            self._io.run(self._server.start())
 
     def unit_address(self, unit_id: int) -> str:
         """Where storage unit ``unit_id`` listens, as this controller knows it."""
         return str(self._server.unit_addresses[unit_id])
+
+
+async def _start_or_exit(server: ControllerServer) -> None:
+    """Start a restarted controller (a unit that does not answer is served without, see
+    ``ControllerServer.start``); one that cannot start ends its process, and Ray restarts it
+    again (``controller_max_restarts``)."""
+    try:
+        await server.start()
+    except Exception:
+        log.exception("the restarted controller could not start: its process exits")
+        logging.shutdown()
+        os._exit(1)
+
+
+def _units_now(names: list[str], known: list[str]) -> list[str]:
+    """Where each unit actor listens now (one restarted while the controller was down may
+    have moved); ``known`` for those that do not answer within ``_UNITS_S`` (restarting:
+    they register with the controller once it serves)."""
+    import ray
+
+    if len(names) != len(known):
+        return known
+    refs: list[Any] = []
+    for name in names:
+        try:
+            refs.append(ray.get_actor(name).address.remote())
+        except ValueError:  # (no such actor any more: dead for good)
+            refs.append(None)
+    asked = [r for r in refs if r is not None]
+    if asked:
+        ray.wait(asked, num_returns=len(asked), timeout=_UNITS_S)
+    out = []
+    for ref, old in zip(refs, known, strict=True):
+        try:
+            out.append(old if ref is None else str(ray.get(ref, timeout=0)))
+        except Exception:  # not answered (restarting) or dead: keep what was known
+            out.append(old)
+    return out
+
+
+def _old_address(state_dir: str, host: str) -> str | None:
+    """The address the dead incarnation listened on, once its port can be bound again
+    (bounded by ``REBIND_S``); None: none recorded, another host's, or the port stays taken
+    (then the restarted controller listens on a free port)."""
+    try:
+        with open(os.path.join(state_dir, _ADDRESS_FILE)) as f:
+            old = f.read().strip()
+    except FileNotFoundError:
+        return None
+    if not old.startswith(f"tcp://{host}:"):
+        log.warning("the controller listened on %s, not on this node (%s): new port", old, host)
+        return None
+    port = int(old.rsplit(":", 1)[1])
+    deadline = time.monotonic() + REBIND_S
+    while not _port_free(host, port):
+        if time.monotonic() > deadline:
+            log.warning(
+                "the controller's old address %s stayed taken for %s s: it listens on a new "
+                "port; clients connected to the old one must connect to the new one "
+                "(ControllerActor.address)",
+                old,
+                REBIND_S,
+            )
+            return None
+        time.sleep(0.2)
+    return old
+
+
+def _port_free(host: str, port: int) -> bool:
+    """Whether a listening socket could bind ``host:port`` (as ZeroMQ binds: SO_REUSEADDR,
+    so the dead incarnation's connections in TIME_WAIT do not count)."""
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host.strip("[]"), port))
+        except OSError:
+            return False
+    return True
+
+
+def _save_address(state_dir: str, address: str) -> None:
+    """Record where the controller listens (a rename: a kill leaves the old or the new)."""
+    tmp = os.path.join(state_dir, _ADDRESS_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(address)
+    os.replace(tmp, os.path.join(state_dir, _ADDRESS_FILE))
 
 
 def start_on_ray(
@@ -215,6 +352,10 @@ def start_on_ray(
     metrics_port: int | None = None,
     metrics_host: str = "127.0.0.1",
     replicas: int = 1,
+    state_dir: str | os.PathLike[str] | None = None,
+    fsync: str = "batch",
+    controller_max_restarts: int | None = None,
+    ride_through_s: float | None = None,
 ) -> TransferQueue:
     """Start controller and units as Ray actors and return a connected handle.
 
@@ -235,9 +376,33 @@ def start_on_ray(
     ``replicas=2``: each row is written to two unit actors, on two nodes where the units
     spread over several (:mod:`transferqueue.placement`): an actor that dies loses no row
     whose other copy lives, and Ray restarts it empty (:mod:`transferqueue.replicas`).
+    ``state_dir``: the controller keeps its state there (``fsync``: ``never``, ``batch``,
+    ``always``, see :mod:`transferqueue.journal`) and Ray restarts its actor when it dies, at
+    most ``controller_max_restarts`` times (default 5 with ``state_dir``, 0 without: a
+    controller restarted without its state would forget every row), on the same address, with
+    its rows, tasks and leases (module docstring: the directory must be reachable from the
+    node Ray restarts it on). ``ride_through_s``: the handle's (see
+    :func:`~transferqueue.remote.connect`; None: ``RIDE_THROUGH_S``, 60 s, with ``state_dir``,
+    else 0).
     """
     if not isinstance(unit_max_restarts, int) or unit_max_restarts < 0:
         raise ValueError(f"unit_max_restarts must be an integer >= 0, got {unit_max_restarts!r}")
+    if fsync not in FSYNC_POLICIES:
+        raise ValueError(f"fsync must be one of {FSYNC_POLICIES}, got {fsync!r}")
+    if controller_max_restarts is None:
+        controller_max_restarts = 0 if state_dir is None else CONTROLLER_MAX_RESTARTS
+    if not isinstance(controller_max_restarts, int) or controller_max_restarts < 0:
+        raise ValueError(
+            f"controller_max_restarts must be an integer >= 0, got {controller_max_restarts!r}"
+        )
+    if controller_max_restarts > 0 and state_dir is None:
+        raise ValueError(
+            f"controller_max_restarts={controller_max_restarts} needs state_dir: a controller "
+            "restarted without its state would start empty and forget every row; pass "
+            "state_dir=DIR (a directory the controller's node can reach) or "
+            "controller_max_restarts=0"
+        )
+    ctl_state = None if state_dir is None else os.path.abspath(state_dir)
     try:
         import ray
     except ImportError:
@@ -290,7 +455,7 @@ def start_on_ray(
     actors: list[Any] = list(units)
     try:
         unit_addrs = _started(ray, [u.address.remote() for u in units], start_timeout_s, "units")
-        ctl = ctl_cls.options(**opts("controller")).remote(
+        ctl = ctl_cls.options(max_restarts=controller_max_restarts, **opts("controller")).remote(
             unit_addrs,
             capacity_rows,
             host,
@@ -299,10 +464,15 @@ def start_on_ray(
             grant_key,
             metrics(None),
             replicas,
+            ctl_state,
+            fsync,
+            [f"{prefix}-unit{i}" for i in range(num_units)],
         )
         actors.append(ctl)
         address = str(_started(ray, [ctl.address.remote()], start_timeout_s, "controller")[0])
-        handle = connect(address, keys=own)
+        if ride_through_s is None:  # (the handle's calls wait for a restarted controller)
+            ride_through_s = RIDE_THROUGH_S if state_dir is not None else 0.0
+        handle = connect(address, keys=own, ride_through_s=ride_through_s)
     except BaseException:
         _kill(actors)
         raise

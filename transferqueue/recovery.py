@@ -14,7 +14,10 @@ restarted controller serves, :func:`reconcile` asks every unit for its inventory
 - frees on a unit the rows the controller does not know (discarded above, freed by the old
   process in a request that never arrived, or written under a grant it gave just before it
   died);
-- never hands out an index a unit holds: new rows start above every unit's highest.
+- never hands out an index a unit holds: new rows start above every unit's highest;
+- forgets the copies under way (re-replication, :mod:`transferqueue.rereplicate`): the
+  rows they wrote are unknown rows on their target, freed as above; the rows are planned
+  again.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ async def reconcile(
     out = Reconciled()
     before = ctl.rows_reclaimed
     ctl.reclaim_uncommitted()  # (its frees are not sent: the inventories name those rows)
+    ctl.abandon_copies()  # (copies the old process made are freed below: no row names them)
     out.reclaimed = ctl.rows_reclaimed - before
     h = ctl._h
     for u, rows in zip(asked, held, strict=True):

@@ -15,7 +15,6 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
-import msgspec
 import numpy as np
 import torch
 import zmq
@@ -23,6 +22,7 @@ import zmq.asyncio
 
 from transferqueue import messages as m
 from transferqueue.auth import ClientKeys, client_keys
+from transferqueue.controller_link import RemoteControllerLink
 from transferqueue.errors import (
     ClosedError,
     PeerGoneError,
@@ -34,7 +34,6 @@ from transferqueue.handle import TransferQueue
 from transferqueue.links import OFFLOAD_BYTES, Staged, UnitLink, column_nbytes
 from transferqueue.liveness import DEFAULT_LIVENESS, Liveness
 from transferqueue.loop import LoopThread
-from transferqueue.meta import BatchMeta
 from transferqueue.ragged import Ragged
 from transferqueue.rpc import DEFAULT_CALL_TIMEOUT_S, RpcClient, check_address
 from transferqueue.schema import Column, FieldSpec
@@ -54,9 +53,6 @@ from transferqueue.wire import PROTOCOL_VERSION, SHM_MIN_BYTES
 
 __all__ = ["RemoteControllerLink", "RemoteUnitLink", "connect"]
 
-# A blocking get_meta waits on the server in slices of this length, so that a controller that
-# died is noticed within a slice plus the call timeout, never never.
-WAIT_SLICE_S = 20.0
 _RELOCATE_WAIT_S = 4.0  # a unit gone: how long a client waits for the controller to say where
 R = TypeVar("R")
 
@@ -74,44 +70,6 @@ log = logging.getLogger(__name__)
 def _write_need(columns: Mapping[str, Column], nbytes: int) -> int:
     """Arena bytes a write of ``columns`` (``nbytes`` of tensors) may take, padding included."""
     return nbytes + _SLACK_PER_BUFFER * 2 * len(columns)
-
-
-class RemoteControllerLink:
-    """ControllerLink over ZeroMQ. A kind that waits (``get_meta``, ``allocate``) is sent in
-    slices of at most ``WAIT_SLICE_S``, each answered with None when it runs out, so that a
-    controller that died is noticed within a slice plus the call timeout, never never."""
-
-    def __init__(self, rpc: RpcClient) -> None:
-        self.rpc = rpc
-
-    def undo_late(self, msg: Any, result: Any) -> None:
-        """A call failed as gone, and its request reached a restarted controller all the
-        same (it was still queued): give back the batch it leased, discard the rows it
-        allocated, as the caller never learned of them (``RpcClient(on_late=...)``)."""
-        undo: m.ControllerRequest[None] | None = None
-        if isinstance(msg, m.GetMeta) and isinstance(result, BatchMeta) and result.lease_id:
-            undo = m.Release(lease_id=result.lease_id)
-        elif isinstance(msg, m.Allocate) and isinstance(result, BatchMeta) and len(result):
-            undo = m.Discard(indexes=result.indexes)
-        if undo is not None:
-            sent = self.rpc.request(undo)
-            asyncio.ensure_future(sent).add_done_callback(_quiet)
-
-    async def call(self, msg: m.ControllerRequest[R]) -> R:
-        if not msg.waits:
-            return await self.rpc.call(msg)
-        loop = asyncio.get_running_loop()
-        timeout_s = getattr(msg, "timeout_s", None)
-        deadline = None if timeout_s is None else loop.time() + max(0.0, timeout_s)
-        while True:
-            remaining = None if deadline is None else max(0.0, deadline - loop.time())
-            last = remaining is not None and remaining <= WAIT_SLICE_S
-            wait = remaining if last else WAIT_SLICE_S
-            assert wait is not None
-            part = msgspec.structs.replace(msg, timeout_s=wait, partial=last)
-            result = await self.rpc.call(part, wait_s=wait + self.rpc.call_timeout_s)
-            if result is not None:
-                return result
 
 
 class RemoteUnitLink(UnitLink):
@@ -521,12 +479,6 @@ class RemoteUnitLink(UnitLink):
         await self.rpc.call(m.ResetUnit())
 
 
-def _quiet(fut: asyncio.Future[Any]) -> None:
-    """(An undo that fails is only logged: the lease expires, the allocation is reclaimed.)"""
-    if not fut.cancelled() and fut.exception() is not None:
-        log.info("undoing a late reply failed: %r", fut.exception())
-
-
 def _answered(e: TQError) -> bool:
     """Whether the unit answered the request that failed with ``e`` (and so is done with any
     arena it named). A call that timed out or was closed may still be served later."""
@@ -572,6 +524,7 @@ def connect(
     shm_max_bytes: int = SHM_MAX_BYTES,
     keys: ClientKeys | str | os.PathLike[str] | None = None,
     liveness: Liveness = DEFAULT_LIVENESS,
+    ride_through_s: float = 0.0,
 ) -> TransferQueue:
     """Connect to a TransferQueue service (``transferqueue serve`` prints its address,
     ``tcp://HOST:PORT``; anything else fails at once, saying so).
@@ -589,7 +542,15 @@ def connect(
     ``liveness``: a call waiting on a server that died fails with :class:`PeerGoneError`
     within ``liveness.bound_s`` (default 4.5 s; see :mod:`transferqueue.liveness`), whatever
     ``call_timeout_s`` says.
+
+    ``ride_through_s``: for a service whose controller is restarted with its state
+    (``state_dir``): a call that finds the controller gone is sent again until the restarted
+    one answers, for at most this long, when sending it twice is safe (puts, ``get_meta``,
+    acks, reads: :data:`RESENDABLE`); a put whose commit may have landed is then neither lost
+    nor stored twice. 0 (default): such calls fail with :class:`PeerGoneError`.
     """
+    if ride_through_s < 0:
+        raise ValueError(f"ride_through_s must be >= 0, got {ride_through_s}")
     check_address(address)  # before any thread or socket exists
     ckeys = client_keys(keys)
     io = LoopThread("transferqueue-client", always=False)
@@ -607,7 +568,7 @@ def connect(
             liveness=liveness,
             on_late=lambda msg, result: link.undo_late(msg, result),
         )
-        link = RemoteControllerLink(ctl)
+        link = RemoteControllerLink(ctl, ride_through_s)
         rpcs.append(ctl)
         try:
             hello = await ctl.call(m.Hello(), wait_s=connect_timeout_s)

@@ -45,7 +45,9 @@ from transferqueue.links import OFFLOAD_BYTES, LocalUnitLink, column_nbytes
 from transferqueue.liveness import DEFAULT_LIVENESS, Liveness, new_incarnation
 from transferqueue.messages import Caller
 from transferqueue.metrics import MetricsEndpoint, check_metrics_port, process_memory
+from transferqueue.recopy import Copier
 from transferqueue.recovery import reconcile
+from transferqueue.rereplicate import CopyPlan
 from transferqueue.rpc import RpcClient, RpcServer, SendThenRelease, check_address
 from transferqueue.shm import SHM_DIR, Placer, Segments, sweep_orphans
 from transferqueue.storage import StorageUnit
@@ -58,6 +60,10 @@ log = logging.getLogger(__name__)
 _SWEEP_S = 1.0  # how often a unit looks for arenas of clients that are gone
 _REGISTER_TRIES_S = 30.0  # how long a restarted unit tries to reach its controller
 _VERIFY_S = 1.5  # how long the controller waits for a registering unit's ping (it retries)
+# How long a restarted controller asks each unit for its incarnation before serving without
+# it (its rows lost; taken back when it answers): a unit restarting too may take that long.
+_RECOVERY_UNITS_S = 30.0
+_MAX_PEERS = 64  # connections a unit keeps to other units (the targets of its copies)
 
 
 def grant_key_for(keys: ServerKeys | None, grant_key: bytes | None) -> bytes:
@@ -114,6 +120,8 @@ class UnitServer:
         self.segments = Segments(shm_dir)
         self.shm_writes = 0
         self.shm_reads = 0
+        self.rows_copied = 0  # rows this unit copied to others (re-replication)
+        self._peers: dict[str, RpcClient] = {}  # other units, by address (copies go there)
         self.rpc = RpcServer(
             ctx,
             address,
@@ -206,6 +214,25 @@ class UnitServer:
         if error is not None:
             raise error
 
+    async def copy_rows(self, msg: m.CopyRows, caller: Caller) -> int:
+        """Copy rows to another unit (the controller re-replicating, see
+        :mod:`transferqueue.recopy`): read here, written there as a put's create-write."""
+        cols = await self.link.read(msg.indexes, msg.fields)
+        rpc = self._peers.get(msg.address)
+        if rpc is None:
+            while len(self._peers) >= _MAX_PEERS:  # (units that moved: the oldest goes)
+                await self._peers.pop(next(iter(self._peers))).close()
+            own = None if self._keys is None else self._keys.as_client()
+            rpc = self._peers[msg.address] = RpcClient(
+                self._ctx, check_address(msg.address), keys=own, call_timeout_s=msg.timeout_s
+            )
+        write = m.Write(
+            indexes=msg.indexes, columns=cols, specs=msg.specs, create=True, grant=msg.grant
+        )
+        await rpc.call(write, wait_s=msg.timeout_s)
+        self.rows_copied += int(msg.indexes.size)
+        return int(msg.indexes.size)
+
     async def read(self, msg: m.Read, caller: Caller) -> Any:
         target = msg.shm  # the client's arena to place the rows in, if any
         region = None if target is None else self.segments.region(target)
@@ -258,6 +285,7 @@ class UnitServer:
             shm_attached_bytes=self.segments.nbytes,
             shm_writes=self.shm_writes,
             shm_reads=self.shm_reads,
+            rows_copied=self.rows_copied,
         )
         return stats
 
@@ -289,6 +317,8 @@ class UnitServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.rpc.close()
+        for peer in self._peers.values():
+            await peer.close()
         self._executor.shutdown(wait=False)
 
 
@@ -360,6 +390,8 @@ class ControllerServer:
                 for i, a in enumerate(self.unit_addresses):
                     controller.set_unit_host(i, _host_of(a))
             self.service = ControllerService(controller, self._free_rows, grants=grants)
+            self._grants = grants
+            self.copier = Copier(self.service, self._copy)
             self.rpc = RpcServer(
                 ctx, address, "controller", m.handlers("controller", self, self.service), keys=keys
             )
@@ -385,10 +417,27 @@ class ControllerServer:
         """Learn each unit's incarnation (so that a unit restarted from now on is told from
         the one that held rows), then serve."""
         wait_s = self.liveness.bound_s * 4
-        self._incarnations = list(
-            await asyncio.gather(*(u.call(m.UnitPing(), wait_s=wait_s) for u in self._units))
-        )
         ctl = self.service.controller
+        if self.recovered:
+            # a unit restarting along with this controller may not listen for a while (or be
+            # dead for good): serve without it, its rows lost, until it registers (_heard)
+            found = await asyncio.gather(
+                *(self._first_answer(i, _RECOVERY_UNITS_S) for i in range(len(self._units)))
+            )
+            for unit, incarnation in enumerate(found):
+                if incarnation is None and ctl.placement.alive[unit]:
+                    log.warning(
+                        "storage unit %d did not answer the restarted controller within %g s: "
+                        "its rows are lost; it is taken back when it answers",
+                        unit,
+                        _RECOVERY_UNITS_S,
+                    )
+                    self.service.lose_unit(unit)
+            self._incarnations = list(found)
+        else:
+            self._incarnations = list(
+                await asyncio.gather(*(u.call(m.UnitPing(), wait_s=wait_s) for u in self._units))
+            )
         if self.recovered and isinstance(ctl, JournaledController):
             await reconcile(self.service, self._units, wait_s=wait_s)
             if ctl.journal is not None:
@@ -397,11 +446,27 @@ class ControllerServer:
         self.rpc.start()
         for u in self._units:
             u.start_watch()
+        self.copier.start()
         if self._metrics_port is not None:
             self.metrics = MetricsEndpoint(
                 self.metrics_snapshot, self._metrics_port, self._metrics_host
             )
         self._started = True
+
+    async def _first_answer(self, unit: int, bound_s: float) -> str | None:
+        """Unit ``unit``'s incarnation, asked until it answers for at most ``bound_s``
+        (None: it did not)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + bound_s
+        while True:
+            try:
+                wait_s = max(0.1, min(self.liveness.bound_s, deadline - loop.time()))
+                answer: str = await self._units[unit].call(m.UnitPing(), wait_s=wait_s)
+                return answer
+            except TQError:
+                if loop.time() >= deadline:
+                    return None
+                await asyncio.sleep(0.2)
 
     @property
     def metrics_address(self) -> str | None:
@@ -440,6 +505,20 @@ class ControllerServer:
             return _nothing()  # (its memory died with it; a revived unit is cleared)
         return self._units[unit_id].request(m.Free(indexes=indexes))
 
+    async def _copy(self, plan: CopyPlan, timeout_s: float) -> int:
+        """Have the plan's source unit copy its rows to the target (see transferqueue.recopy)."""
+        lo, hi = int(plan.indexes.min()), int(plan.indexes.max()) + 1
+        msg = m.CopyRows(
+            indexes=plan.indexes,
+            fields=plan.fields,
+            specs={f: self.service.controller.specs[f] for f in plan.fields},
+            target=plan.target,
+            address=self.unit_addresses[plan.target],
+            grant=self._grants.sign(plan.target, lo, hi),
+            timeout_s=timeout_s,
+        )
+        return await self._units[plan.source].call(msg, wait_s=timeout_s + 2.0)
+
     # -- unit health -------------------------------------------------------------------------
     def _silent(self, unit: int) -> None:
         """Unit ``unit`` stopped answering: its rows are lost (see transferqueue.health)."""
@@ -454,7 +533,7 @@ class ControllerServer:
         the unit's revival under way (None: nothing to revive)."""
         known = self._incarnations[unit]
         alive = bool(self.service.controller.placement.alive[unit])
-        if known is None or (known == incarnation and alive):
+        if alive and known in (None, incarnation):  # (a unit lost unheard of is revived)
             self._incarnations[unit] = incarnation
             return None
         if known != incarnation and alive:  # restarted faster than it was missed
@@ -549,6 +628,7 @@ class ControllerServer:
     async def close(self) -> None:
         if self.metrics is not None:
             self.metrics.close()
+        await self.copier.close()
         await self.rpc.close()
         await self.service.close()
         for u in self._units:

@@ -111,6 +111,7 @@ HEADER: dict[str, tuple[type, int]] = {
     "live": (np.bool_, False),
     "nbytes": (np.int64, 0),  # the row's share of the payload its put reported (placement)
     "committed": (np.bool_, False),  # a commit landed (else reclaimed after allocation_s)
+    "copying": (np.int64, -1),  # the copy plan under way of the row (transferqueue.rereplicate)
 }
 
 

@@ -17,7 +17,7 @@ A mixin of :class:`~transferqueue.controller.Controller` (kept apart, as
   not consumed them;
 - **custom metadata** (:meth:`RowStatus.set_custom_meta`): a small msgpack map per row,
   without payload, kept by the controller (msgpack-encoded, at most ``MAX_META_BYTES`` a
-  row, see :func:`~transferqueue.messages.encode_meta`) until the row is freed, lost,
+  row, see :func:`~transferqueue.checks.encode_meta`) until the row is freed, lost,
   discarded or cleared.
 
 The client calls (``AsyncClient.status`` ...) send the message kinds ``status``,
@@ -186,7 +186,7 @@ class RowStatus:
     # -- custom metadata ---------------------------------------------------------------------
     def set_custom_meta(self, indexes: np.ndarray, metas: list[bytes]) -> None:
         """Attach custom metadata (msgpack maps, checked by
-        :func:`~transferqueue.messages.encode_meta`) to live rows; an
+        :func:`~transferqueue.checks.encode_meta`) to live rows; an
         empty map removes a row's. Everything is checked before anything is stored."""
         indexes = np.asarray(indexes, dtype=np.int64)
         if len(metas) != indexes.size:

@@ -19,10 +19,12 @@ from transferqueue.messages import (
     Rows,
     Specs,
     UnitRequest,
+    WaitS,
 )
 
 __all__ = [
     "ClearUnit",
+    "CopyRows",
     "Free",
     "Read",
     "ResetUnit",
@@ -117,3 +119,20 @@ class ShmDetach(UnitRequest[None]):
 
     kind = "shm_detach"
     name: ArenaName
+
+
+class CopyRows(UnitRequest[int]):
+    """Write a copy of rows ``indexes`` (their ``fields``, of ``specs``) to unit ``target``
+    at ``address``, creating them there under the controller's ``grant`` for that unit,
+    within ``timeout_s``; the answer is the rows copied (the controller re-replicating rows
+    left with one copy, see :mod:`transferqueue.recopy`; the service's own key)."""
+
+    kind = "copy_rows"
+    needs = "service"
+    indexes: Rows
+    fields: Names
+    specs: Specs
+    target: Annotated[int, Meta(ge=0, le=4095)]
+    address: Annotated[str, Meta(min_length=1, max_length=1024)]
+    grant: Grant
+    timeout_s: WaitS = 30.0

@@ -81,7 +81,8 @@ __all__ = [
     "encode_request",
 ]
 
-PROTOCOL_VERSION = 4  # 3: Commit.dropped, BatchMeta.replica_units; 4: unit inventory
+PROTOCOL_VERSION = 5  # 3: Commit.dropped, BatchMeta.replica_units; 4: unit inventory;
+# 5: Commit.copies, copy_rows (re-replication)
 CHUNK_BYTES = 64 << 20  # see the module docstring
 INLINE_BYTES = 1024
 SHM_MIN_BYTES = 64 << 10  # smaller buffers go as frames even when an arena is offered

@@ -53,14 +53,17 @@ def open_transferqueue(
     if tqc.mode in ("embedded", "auto"):
         return transferqueue.start(num_units=tqc.num_units), None
     if tqc.mode == "service":
-        service = transferqueue.serve(num_units=tqc.num_units)
+        service = transferqueue.serve(
+            num_units=tqc.num_units, state_dir=tqc.state_dir, fsync=tqc.fsync
+        )
         try:
-            return transferqueue.connect(service.address), service
+            return transferqueue.connect(service.address, ride_through_s=tqc.ride_through), service
         except BaseException:
             service.close()
             raise
     assert tqc.address is not None
-    return transferqueue.connect(tqc.address, keys=tqc.keys), None
+    tq = transferqueue.connect(tqc.address, keys=tqc.keys, ride_through_s=tqc.ride_through)
+    return tq, None
 
 
 class LocalDeployment(Deployment):

@@ -199,14 +199,23 @@ class RayDeployment(Deployment):
             self._tq_names = [f"{prefix}-tq-unit{i}" for i in range(tqc.num_units)]
             self._tq_names.append(f"{prefix}-tq-controller")
             return start_on_ray(
-                tqc.num_units, actor_options=opts, name_prefix=f"{prefix}-tq", keys=keys
+                tqc.num_units,
+                actor_options=opts,
+                name_prefix=f"{prefix}-tq",
+                keys=keys,
+                state_dir=tqc.state_dir,
+                fsync=tqc.fsync,
             )
         if tqc.mode == "service":
-            self._service = transferqueue.serve(num_units=tqc.num_units)
-            return transferqueue.connect(self._service.address)
+            self._service = transferqueue.serve(
+                num_units=tqc.num_units, state_dir=tqc.state_dir, fsync=tqc.fsync
+            )
+            return transferqueue.connect(self._service.address, ride_through_s=tqc.ride_through)
         assert tqc.address is not None
         self._tq_keys = client_keys(tqc.keys) if tqc.keys else None
-        return transferqueue.connect(tqc.address, keys=self._tq_keys)
+        return transferqueue.connect(
+            tqc.address, keys=self._tq_keys, ride_through_s=tqc.ride_through
+        )
 
     def _placed(self, p: PlacementConfig, n: int) -> list[dict[str, Any]]:
         """Actor options for the ``n`` instances of a stage (with a placement group reserved
@@ -235,7 +244,7 @@ class RayDeployment(Deployment):
         self.client = self._tq.async_client()
         t2 = time.perf_counter()
         assert self._tq.address is not None
-        address = TQAccess(self._tq.address, self._tq_keys)
+        address = TQAccess(self._tq.address, self._tq_keys, cfg.transferqueue.ride_through)
         origin = self.timeline.origin
         restart = {"max_restarts": cfg.deploy.max_restarts, "max_task_retries": 0}
         # Hosts find each other by name, never by a handle in their constructor arguments:

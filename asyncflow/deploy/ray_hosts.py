@@ -105,6 +105,7 @@ class TQAccess:
 
     address: str
     keys: ClientKeys | None = None
+    ride_through_s: float = 0.0  # (transferqueue.ride_through_s, resolved)
 
 
 class _Host:
@@ -119,7 +120,9 @@ class _Host:
         self._tq: transferqueue.TransferQueue | None = None
         self.client: AsyncClient | None = None
         if tq is not None:
-            self._tq = transferqueue.connect(tq.address, keys=tq.keys)
+            self._tq = transferqueue.connect(
+                tq.address, keys=tq.keys, ride_through_s=tq.ride_through_s
+            )
             self.client = self._tq.async_client()
         self.runners: list[StageRunner] = []
 

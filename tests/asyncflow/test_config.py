@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -81,3 +82,54 @@ def test_unknown_engine_option_is_a_clear_error(out_dir: Path) -> None:
 def test_engine_options_cannot_replace_the_model() -> None:
     with pytest.raises(ValueError, match=r"must not set \['model'\]"):
         load_config(overrides=["rollout.engine=vllm", "rollout.engine_options={model: other}"])
+
+
+def test_the_controller_state_dir_is_for_a_controller_this_run_starts(tmp_path: Path) -> None:
+    state = str(tmp_path / "state")
+    cfg = load_config(overrides=["deploy=ray", f"transferqueue.state_dir={state}"])
+    assert (cfg.transferqueue.state_dir, cfg.transferqueue.fsync) == (state, "batch")
+    with pytest.raises(ValueError, match=r"transferqueue\.state_dir is for modes service and ray"):
+        load_config(overrides=["transferqueue.mode=embedded", f"transferqueue.state_dir={state}"])
+    with pytest.raises(ValueError, match="auto means embedded"):
+        load_config(overrides=[f"transferqueue.state_dir={state}"])  # deploy=local
+    with pytest.raises(ValueError, match=r"transferqueue\.fsync must be one of"):
+        load_config(overrides=["transferqueue.mode=service", "transferqueue.fsync=often"])
+
+
+@pytest.mark.service
+def test_a_service_run_gives_its_controller_the_state_dir(tmp_path: Path) -> None:
+    from asyncflow.deploy.local import open_transferqueue
+
+    state = tmp_path / "state"
+    cfg = load_config(overrides=["transferqueue.mode=service", f"transferqueue.state_dir={state}"])
+    tq, service = open_transferqueue(cfg)
+    try:
+        assert service is not None and service._controller_restartable
+        tq.client().put({"x": [1, 2, 3]})
+        assert (state / "snapshot").exists()  # (the controller journals there)
+    finally:
+        tq.close()
+        if service is not None:
+            service.close()
+
+
+@pytest.mark.ray
+def test_a_ray_run_gives_its_controller_actor_the_state_dir(
+    ray_cluster: None, tmp_path: Path
+) -> None:
+    import ray
+
+    from asyncflow.deploy.ray import RayDeployment
+    from asyncflow.metrics import Timeline
+
+    state = tmp_path / "state"
+    cfg = load_config(overrides=["deploy=ray", f"transferqueue.state_dir={state}"])
+    prefix = f"statecfg-{os.getpid()}"
+    tq = RayDeployment(cfg, Timeline())._open_tq(prefix)
+    try:
+        ctl = ray.get_actor(f"{prefix}-tq-controller")
+        assert ray.get(ctl.address.remote(), timeout=60) == tq.address
+        assert (state / "address").read_text() == tq.address  # (kept for a restart by Ray)
+        assert (state / "snapshot").exists()
+    finally:
+        tq.close()

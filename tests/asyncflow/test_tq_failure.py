@@ -18,10 +18,11 @@ import torch
 
 import transferqueue
 from adapters import Adapter, StageOutput
-from asyncflow import run
+from asyncflow import EngineFactories, run
 from asyncflow.metrics import Timeline
 from asyncflow.stage import StageRunner
 from tests.asyncflow.conftest import small_config
+from tests.asyncflow.faulty import slow_reward_factory
 from transferqueue import BatchMeta
 from transferqueue.aio import within
 from transferqueue.schema import Column
@@ -29,15 +30,24 @@ from transferqueue.schema import Column
 pytestmark = pytest.mark.service
 
 
-def _kill_after_first_step(out: Path, pid: int, killed: list[int]) -> None:
+def _kill_after_first_step(
+    out: Path, pid: int, killed: list[int], client: transferqueue.Client, unit: int, rows: int
+) -> None:
+    """SIGKILL unit ``unit`` (process ``pid``) once a step is recorded and the unit holds at
+    least ``rows`` rows (the prompt feeder's puts stay on one unit for a while, and at most
+    one put is in flight: so the kill takes committed rows the run still needs)."""
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
-        if metrics.exists() and metrics.read_text().strip():
+        if (
+            metrics.exists()
+            and metrics.read_text().strip()
+            and client.stats()["units"][unit]["rows"] >= rows
+        ):
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
             return
-        time.sleep(0.1)
+        time.sleep(0.05)
 
 
 def test_groups_a_dead_unit_took_are_regenerated_and_each_trained_once(tmp_path: Path) -> None:
@@ -57,13 +67,18 @@ def test_groups_a_dead_unit_took_are_regenerated_and_each_trained_once(tmp_path:
             f"train.max_staleness={staleness}",
         )
         killed: list[int] = []
+        rows = 2 * cfg.rollout.group_size  # two groups: one at least committed
         killer = threading.Thread(
-            target=_kill_after_first_step, args=(out, svc.pids[1], killed), daemon=True
+            target=_kill_after_first_step,
+            args=(out, svc.pids[1], killed, tq.client(), 1, rows),
+            daemon=True,
         )
         killer.start()
-        result = run(cfg)
+        # a reward with latency: groups wait for their reward on both units, so the kill
+        # takes rows the train stage has not read yet
+        result = run(cfg, factories=EngineFactories(reward=slow_reward_factory))
         killer.join(timeout=10)
-        assert killed, "the run ended before a step was recorded"
+        assert killed, "the run ended before a step was recorded with rows on unit 1"
         stats = tq.client().stats()["controller"]
     assert stats["rows_lost"] > 0  # the kill took rows the run still needed ...
     regenerated = result.extra["regenerated_groups"]

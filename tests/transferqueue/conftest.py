@@ -9,12 +9,10 @@ and Ray servers are started once per session and reset between tests.
 
 from __future__ import annotations
 
-import os
-import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import pytest
+from tq_helpers import Deploy
 
 import transferqueue
 from transferqueue import Client, TransferQueue
@@ -25,8 +23,6 @@ DEPLOYMENTS = [
     pytest.param("service", marks=pytest.mark.service),
     pytest.param("ray", marks=pytest.mark.ray),
 ]
-
-Deploy = Callable[..., TransferQueue]
 
 
 @pytest.fixture(scope="session")
@@ -94,26 +90,3 @@ def tq(deploy: Deploy) -> TransferQueue:
 @pytest.fixture
 def client(tq: TransferQueue) -> Client:
     return tq.client()
-
-
-def until(what: Callable[[], Any], timeout_s: float, label: str) -> Any:
-    """Poll ``what`` until it returns something truthy (bounded: an AssertionError naming
-    ``label`` after ``timeout_s``)."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        got = what()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"{label}: not within {timeout_s} s")
-
-
-def child_processes(pid: int) -> list[tuple[int, str]]:
-    """(pid, command line) of the children of process ``pid`` (Linux /proc)."""
-    out = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            for child in f.read().split():
-                with open(f"/proc/{child}/cmdline", "rb") as g:
-                    out.append((int(child), g.read().replace(b"\0", b" ").decode()))
-    return out

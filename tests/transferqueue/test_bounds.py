@@ -137,9 +137,9 @@ def test_connect_then_client_without_keeping_the_handle() -> None:
 def test_a_wait_notices_a_dead_controller(monkeypatch: pytest.MonkeyPatch, call: str) -> None:
     """A get_meta or a put waiting for capacity without a timeout waits on the controller in
     slices; a controller that dies is noticed within a slice plus the call timeout."""
-    import transferqueue.remote
+    import transferqueue.controller_link
 
-    monkeypatch.setattr(transferqueue.remote, "WAIT_SLICE_S", 0.5)
+    monkeypatch.setattr(transferqueue.controller_link, "WAIT_SLICE_S", 0.5)
     with transferqueue.serve(num_units=1, capacity_rows=2) as svc:
         tq = transferqueue.connect(svc.address, call_timeout_s=2)
         client = tq.client()

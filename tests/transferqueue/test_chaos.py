@@ -4,7 +4,10 @@ it (units and the controller: the service's supervisor; the controller recovers 
 from its ``state_dir``). Bounded: ``CHAOS_S`` seconds of chaos (60 by default, what CI runs;
 set ``TQ_CHAOS_S=600`` for a longer soak), a fixed seed (``TQ_CHAOS_SEED``), then a drain.
 
-Invariants checked at the end (replicas=1, so rows on a killed unit are lost):
+Two variants: replicas=1 (2 units; rows on a killed unit are lost) and replicas=2 (3 units,
+a shorter soak: 40 s; a unit is killed only once the rows of the last one killed have two
+copies again, see :mod:`transferqueue.rereplicate`: then NO row is lost, and the soak
+checks it). Invariants checked at the end:
 
 - every row a consumer read is bit-exact (its payload is a function of its key);
 - nothing is delivered to the task twice after its ack (no key acknowledged twice);
@@ -36,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import transferqueue
 from transferqueue import Liveness
@@ -49,6 +53,10 @@ ROW_FLOATS = 4096  # 16 KiB a row: a put of 256 KiB goes through shared memory
 BATCH = 16
 CALL_BOUND_S = 30.0  # no client call may take longer (liveness bound 4.5 s, lease 10 s)
 ALLOCATION_S = 5.0  # a dead producer's allocation is reclaimed this long after
+CHAOS_REPLICAS_S = float(os.environ.get("TQ_CHAOS_S", "40"))  # (replicas=2: a shorter soak)
+REPAIR_BOUND_S = 90.0  # a unit's rows have two copies again within this (a loaded machine)
+LIVENESS = Liveness()
+BALLAST_PUT, BALLAST_PUTS = 64, 4  # (replicas=2: 256 rows of 32 KiB, kept to the end)
 
 COMMON = f"ROW, N, B = {ROW_FLOATS}, {ROWS_PER_PUT}, {BATCH}\n" + textwrap.dedent(
     """
@@ -207,37 +215,75 @@ class _Clients:
                 proc.wait(30)
 
 
-def test_chaos_soak_keeps_every_invariant(tmp_path: Path) -> None:
+def _payload(keys: torch.Tensor) -> torch.Tensor:
+    return keys.double().view(-1, 1) * 1e-3 + torch.arange(ROW_FLOATS, dtype=torch.float64)
+
+
+def _put_ballast(client: transferqueue.Client, first: int) -> transferqueue.BatchMeta:
+    keys = torch.arange(first, first + BALLAST_PUT, dtype=torch.int64)
+    return client.put({"k": keys, "v": _payload(keys)}, partition="keep")
+
+
+def _repaired(client: transferqueue.Client, last_kill: float, bound_s: float) -> float:
+    """Wait (replicas=2) until the unit killed at ``last_kill`` was seen dead, is back, and
+    every row has two copies again; the seconds waited. Another unit is killed only then:
+    two copies survive one death at a time, not two within the repair."""
+    t0 = time.monotonic()
+    time.sleep(max(0.0, last_kill + LIVENESS.bound_s + 1.0 - t0))  # (seen dead by then)
+    while True:
+        ctl = _retried(lambda: client.stats())["controller"]
+        if all(ctl["units_alive"]) and ctl["rows_one_copy"] == 0:
+            return time.monotonic() - t0
+        assert time.monotonic() - t0 < bound_s, f"second copies not restored in {bound_s} s"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_chaos_soak_keeps_every_invariant(replicas: int, tmp_path: Path) -> None:
     rng = random.Random(SEED)
     shm_before = _shm_bytes()
     kills = {"unit": 0, "controller": 0, "producer": 0, "consumer": 0}
+    chaos_s = CHAOS_S if replicas == 1 else CHAOS_REPLICAS_S
+    order = list(kills)  # (replicas=2, a shorter soak: each kind of kill comes once first)
+    rng.shuffle(order)
+    last_unit_kill = -1e9
+    repair_s: list[float] = []
     with (
         transferqueue.serve(
-            num_units=2,
+            num_units=2 if replicas == 1 else 3,
+            replicas=replicas,
             spread_bytes=0,
             max_restarts=1000,
             allocation_s=ALLOCATION_S,
-            liveness=Liveness(),
+            liveness=LIVENESS,
             state_dir=tmp_path / "state",
         ) as svc,
         transferqueue.connect(svc.address) as tq,
     ):
         client = tq.client()
         client.declare_tasks(["t"], partition="p")
+        if replicas == 2:  # rows kept all along (no task frees them): copied after each kill
+            ballast = [_put_ballast(client, k * BALLAST_PUT) for k in range(BALLAST_PUTS)]
         clients = _Clients(svc.address, tmp_path)
         names = ["producer-1", "producer-2", "consumer-1", "consumer-2"]
         try:
             for name in names:
                 clients.start(name)
-            t_end = time.monotonic() + CHAOS_S
+            t_end = time.monotonic() + chaos_s
             while time.monotonic() < t_end:
                 time.sleep(rng.uniform(2.0, 6.0))
                 victim = rng.choice(["unit", "controller", "producer", "consumer"])
+                if replicas == 2 and order:
+                    victim = order.pop()
+                if victim == "unit" and replicas == 2:
+                    repair_s.append(_repaired(client, last_unit_kill, REPAIR_BOUND_S))
                 if victim in ("unit", "controller"):
-                    pid = svc.pids[rng.randrange(2) if victim == "unit" else -1]
+                    pid = svc.pids[rng.randrange(len(svc.pids) - 1) if victim == "unit" else -1]
                     if all(_running(p) for p in svc.pids):  # (one may still be restarting)
                         os.kill(pid, signal.SIGKILL)
                         kills[victim] += 1
+                        if victim == "unit":
+                            last_unit_kill = time.monotonic()
                 else:
                     name = f"{victim}-{rng.randint(1, 2)}"
                     clients.kill(name)
@@ -251,6 +297,15 @@ def test_chaos_soak_keeps_every_invariant(tmp_path: Path) -> None:
         finally:
             clients.close()
         stats = _retried(lambda: client.stats())["controller"]
+        if replicas == 2:  # the kept rows, read back whole after every kill
+            n = BALLAST_PUT * BALLAST_PUTS
+            fresh = client.get_meta("check", ["k", "v"], n, partition="keep", timeout_s=30)
+            assert sorted(fresh.indexes.tolist()) == sorted(
+                i for meta in ballast for i in meta.indexes.tolist()
+            )
+            got = client.get_data(fresh)
+            assert torch.equal(got["v"], _payload(got["k"])), "a kept row differs"
+            assert sorted(got["k"].tolist()) == list(range(n))
         lost: list[int] = []
         after = 0
         while True:
@@ -270,10 +325,14 @@ def test_chaos_soak_keeps_every_invariant(tmp_path: Path) -> None:
     put = [i for e in produced for i in e.get("put", [])]
     acked = [i for e in consumed for i in e.get("acked", [])]
     print(
-        f"chaos {CHAOS_S:g} s seed {SEED}: kills {kills}; rows put {len(put)}, acked "
-        f"{len(acked)}, lost {len(lost)}; unit restarts {svc.restarts}; /dev/shm "
-        f"{shm_before >> 20} -> {shm_after >> 20} MiB"
+        f"chaos {chaos_s:g} s seed {SEED} replicas={replicas}: kills {kills}; rows put "
+        f"{len(put)}, acked {len(acked)}, lost {len(lost)}; unit restarts {svc.restarts}; "
+        f"/dev/shm {shm_before >> 20} -> {shm_after >> 20} MiB; rows recopied "
+        f"{stats['rows_recopied']}, waits for second copies {[round(t, 1) for t in repair_s]} s"
     )
+    if replicas == 2:  # two copies, one unit killed at a time: nothing acknowledged is lost
+        assert not lost and stats["rows_lost"] == 0, (len(lost), stats["rows_lost"])
+        assert stats["rows_recopied"] >= BALLAST_PUT  # (the kept rows were copied again)
     assert all(kills.values()), kills  # chaos happened
     assert len(put) > 10 * ROWS_PER_PUT and acked  # and work went on under it
     assert not [e for e in consumed if "corrupt" in e]  # every read bit-exact

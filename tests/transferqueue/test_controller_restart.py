@@ -8,52 +8,30 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from conftest import child_processes, until
+from tq_helpers import answered, child_processes, row_values, until
 
 import transferqueue
 from transferqueue import messages as m
-from transferqueue.errors import PeerGoneError, RowsLostError
+from transferqueue.errors import RowsLostError
 from transferqueue.meta import BatchMeta
 from transferqueue.schema import FieldSpec
 
 pytestmark = pytest.mark.service
 
 SLACK_S = 60.0  # a restart on a loaded 2-core machine: a new interpreter, recovery, units
-T = TypeVar("T")
-
-
-def _retry(call: Callable[[], T], timeout_s: float = SLACK_S) -> T:
-    """``call()`` once the restarted controller answers (calls that met the dead one fail
-    with PeerGoneError, bounded)."""
-    t0 = time.monotonic()
-    while True:
-        try:
-            return call()
-        except PeerGoneError:
-            if time.monotonic() - t0 > timeout_s:
-                raise
-            time.sleep(0.2)
-
-
-def _values(start: int, n: int) -> torch.Tensor:
-    """Rows whose every byte says which row they are (bit-exact checks)."""
-    base = torch.arange(start, start + n, dtype=torch.float64).view(n, 1)
-    return torch.cat([base, base * 0.5 + 0.25, -base, base / 3], dim=1)
 
 
 def _half_put(client: transferqueue.Client, partition: str) -> BatchMeta:
     """Rows allocated and written to their unit, never committed (a producer the controller
     died under): the client's own steps of a put, less the commit."""
     ac = client.async_client
-    cols = {"x": _values(10**6, 1)}
+    cols = {"x": row_values(10**6, 1)}
     specs = {"x": FieldSpec.dense("float64", (4,))}
 
     async def go() -> BatchMeta:
@@ -89,9 +67,9 @@ def test_a_killed_controller_comes_back_with_every_row_lease_and_ack(tmp_path: P
         c.declare_tasks(["t"], partition="p")
         value_of: dict[int, torch.Tensor] = {}
         for k in range(10):
-            meta = c.put({"x": _values(100 * k, 100)}, partition="p")
+            meta = c.put({"x": row_values(100 * k, 100)}, partition="p")
             for pos, index in enumerate(meta.indexes.tolist()):
-                value_of[index] = _values(100 * k + pos, 1)[0]
+                value_of[index] = row_values(100 * k + pos, 1)[0]
         assert len(value_of) == 1000
         acked: list[int] = []
         for _ in range(3):
@@ -107,7 +85,7 @@ def test_a_killed_controller_comes_back_with_every_row_lease_and_ack(tmp_path: P
         assert units_rows_before == 701  # (700 unconsumed, 1 written and not committed)
 
         _kill_controller(svc)
-        after = _retry(lambda: _stats(c))  # the same client, connected all along
+        after = answered(lambda: _stats(c), SLACK_S)  # the same client, connected all along
         was, now = before["controller"], after["controller"]
         assert now["rows_live"] == was["rows_live"] - 1  # (the row never committed: below)
         for key in ("next_index", "active_leases", "fields", "rows_lost", "units_alive"):
@@ -123,10 +101,10 @@ def test_a_killed_controller_comes_back_with_every_row_lease_and_ack(tmp_path: P
             )
 
         c.ack(held)  # the lease taken before the crash
-        new = c.put({"x": _values(5000, 50)}, partition="p")  # fresh indexes, no overwrite
+        new = c.put({"x": row_values(5000, 50)}, partition="p")  # fresh indexes, no overwrite
         assert int(new.indexes.min()) > max(value_of) and int(new.indexes.min()) > half.indexes[0]
         for pos, index in enumerate(new.indexes.tolist()):
-            value_of[index] = _values(5000 + pos, 1)[0]
+            value_of[index] = row_values(5000 + pos, 1)[0]
         seen: list[int] = []
         while True:
             b = c.get_meta("t", ["x"], 128, partition="p", timeout_s=5)
@@ -152,7 +130,7 @@ def test_rows_of_a_unit_that_restarted_while_the_controller_was_down_are_lost(
         transferqueue.connect(svc.address) as tq,
     ):
         c = tq.client()
-        meta = c.put({"x": _values(0, 200)}, partition="p")
+        meta = c.put({"x": row_values(0, 200)}, partition="p")
         on1 = meta.indexes[meta.units == 1]
         assert on1.size and on1.size < 200
         # the controller dies; then unit 1 dies too (restarted empty by the supervisor)
@@ -161,7 +139,7 @@ def test_rows_of_a_unit_that_restarted_while_the_controller_was_down_are_lost(
         os.kill(unit1, signal.SIGKILL)
         until(lambda: svc.controller_restarts[0] == 1, SLACK_S, "controller restart")
         until(lambda: svc.restarts[1] == 1, SLACK_S, "unit restart")
-        _retry(lambda: _stats(c))
+        answered(lambda: _stats(c), SLACK_S)
         # (the unit may come back before the controller's reconcile or after: either way its
         # rows are lost, by the inventory or by the heartbeat that sees a new incarnation)
         until(lambda: _stats(c)["controller"]["rows_lost"] == on1.size, SLACK_S, "lost")
@@ -170,7 +148,45 @@ def test_rows_of_a_unit_that_restarted_while_the_controller_was_down_are_lost(
         got = c.get_meta("t", ["x"], 200, partition="p", timeout_s=5)
         assert sorted(got.indexes.tolist()) == sorted(meta.indexes[meta.units == 0].tolist())
         pos = np.searchsorted(meta.indexes, got.indexes)
-        assert torch.equal(_x(c, got), _values(0, 200)[torch.from_numpy(pos)])
+        assert torch.equal(_x(c, got), row_values(0, 200)[torch.from_numpy(pos)])
+
+
+def test_a_restarted_controller_serves_without_a_unit_that_does_not_answer(
+    tmp_path: Path,
+) -> None:
+    """Unit 1 hangs (SIGSTOP: alive, silent, so nobody restarts it) and the controller is
+    SIGKILLed. The restarted controller asks the unit for a while, then serves without it:
+    its rows are lost and reported, unit 0's are served, puts go to unit 0. Once the unit
+    answers again it is cleared and takes new rows. (Before, the restarted controller exited
+    when a unit did not answer, and was restarted until its restarts ran out: a silent unit
+    took the whole service down.)"""
+    with (
+        transferqueue.serve(num_units=2, state_dir=tmp_path / "state", spread_bytes=0) as svc,
+        transferqueue.connect(svc.address, ride_through_s=120.0) as tq,
+    ):
+        c = tq.client()
+        meta = c.put({"x": row_values(0, 200)}, partition="p")
+        on1 = meta.indexes[meta.units == 1]
+        assert on1.size and on1.size < 200
+        unit1 = svc.pids[1]
+        os.kill(unit1, signal.SIGSTOP)
+        try:
+            os.kill(svc.pids[-1], signal.SIGKILL)
+            st = _stats(c)["controller"]  # (sent again until the restarted one serves)
+            assert svc.controller_restarts[0] == 1
+            assert st["units_alive"] == [True, False] and st["rows_lost"] == on1.size
+            got = c.get_meta("t", ["x"], 200, partition="p", timeout_s=5)
+            assert sorted(got.indexes.tolist()) == sorted(meta.indexes[meta.units == 0].tolist())
+            pos = np.searchsorted(meta.indexes, got.indexes)
+            assert torch.equal(_x(c, got), row_values(0, 200)[torch.from_numpy(pos)])
+            assert set(c.put({"x": row_values(500, 50)}, partition="p").units.tolist()) == {0}
+        finally:
+            os.kill(unit1, signal.SIGCONT)
+        until(lambda: _stats(c)["controller"]["units_alive"] == [True, True], SLACK_S, "back")
+        assert svc.controller_restarts[0] == 1 and svc.restarts[1] == 0  # the same processes
+        again = c.put({"x": row_values(1000, 200)}, partition="p")
+        assert set(again.units.tolist()) == {0, 1}
+        assert torch.equal(_x(c, again), row_values(1000, 200))
 
 
 def _controller_pids(cli_pid: int) -> list[int]:
@@ -189,15 +205,15 @@ def test_the_cli_with_a_state_dir_restarts_its_controller(tmp_path: Path) -> Non
         address = proc.stdout.readline().strip()
         with transferqueue.connect(address) as tq:
             c = tq.client()
-            meta = c.put({"x": _values(0, 64)})
+            meta = c.put({"x": row_values(0, 64)})
             (victim,) = _controller_pids(proc.pid)
             os.kill(victim, signal.SIGKILL)
             until(lambda: set(_controller_pids(proc.pid)) - {victim}, SLACK_S, "restart")
             # (a get_meta that failed as gone may still reach the new controller, queued in
             # the socket: the client gives back the batch it leased, or this would be empty)
-            got = _retry(lambda: c.get_meta("t", ["x"], 64, timeout_s=10))
+            got = answered(lambda: c.get_meta("t", ["x"], 64, timeout_s=10), SLACK_S)
             assert got.indexes.tolist() == meta.indexes.tolist()
-            assert torch.equal(_x(c, got), _values(0, 64))
+            assert torch.equal(_x(c, got), row_values(0, 64))
             assert proc.poll() is None  # the service served on
     finally:
         proc.terminate()

@@ -22,6 +22,7 @@ from transferqueue.controller_service import ControllerService
 from transferqueue.errors import CheckpointError, TQError
 from transferqueue.journal import SNAPSHOT, JournalSettings, read_records
 from transferqueue.journaled import JournaledController, call_function, open_controller
+from transferqueue.rereplicate import CopyPlan
 from transferqueue.schema import FieldSpec
 from transferqueue.snapshot import TaskImport, export_partition
 
@@ -80,6 +81,9 @@ def state(ctl: JournaledController, *, ids: bool = True) -> dict[str, Any]:
     )
     out["lost"] = ctl.lost(np.arange(ctl._next_index + 1)).tolist()
     out["custom"] = sorted(ctl._custom.items())
+    live = np.flatnonzero(ctl._h["live"])
+    out["copies"] = [ctl._h[k][live].tolist() for k in ("index", "unit", "replica", "copying")]
+    out["epochs"] = ctl.unit_epochs.tolist()
     return out
 
 
@@ -94,6 +98,7 @@ class Driver:
         self.clock = clock
         self.rng = np.random.default_rng(seed)
         self.leases: list[int] = []
+        self.plan: CopyPlan | None = None  # (a copy under way)
         self.errors = 0
         if not setup:
             return
@@ -110,7 +115,8 @@ class Driver:
                 meta = ctl.allocate(int(r.integers(1, 8)), part, groups=int(r.integers(0, 40)))
                 if r.random() < 0.85:  # (else left uncommitted: reclaimed later)
                     fields = ["x"] if r.random() < 0.5 else ["x", "y"]
-                    ctl.commit(meta.indexes, fields, versions=int(r.integers(0, 3)))
+                    copies = meta.replica_units if r.random() < 0.8 else None
+                    ctl.commit(meta.indexes, fields, versions=int(r.integers(0, 3)), copies=copies)
             elif op <= 8:
                 task, fields, sampler, options = TASKS[int(r.integers(0, len(TASKS)))]
                 got, _ = ctl.poll(
@@ -156,6 +162,13 @@ class Driver:
                 unit = int(r.integers(0, 3))
                 ctl.lose_unit(unit)
                 ctl.unit_back(unit)
+            elif op == 15:  # (re-replication: a copy planned, done or failed later)
+                if self.plan is None:
+                    self.plan = ctl.plan_copies(int(r.integers(1, 6)), 1 << 20)
+                else:
+                    plan, self.plan = self.plan, None
+                    ok = bool(r.random() < 0.8)
+                    ctl.copies_made(plan.plan_id, plan.target, plan.indexes, plan.epoch, ok)
             elif op == 16:
                 live = np.flatnonzero(ctl._h["live"])
                 if live.size:
@@ -171,19 +184,23 @@ class Driver:
             self.errors += 1
 
 
-def _recovered(src: Path, dst: Path, clock: FakeClock) -> JournaledController:
+def _recovered(src: Path, dst: Path, clock: FakeClock, replicas: int = 1) -> JournaledController:
     """The controller recovered from a copy of ``src`` (the original journal goes on)."""
     shutil.copytree(src, dst)
-    ctl, recovered = open_controller(dst, lambda: _make(clock), JournalSettings(fsync="never"))
+    ctl, recovered = open_controller(
+        dst, lambda: _make(clock, replicas), JournalSettings(fsync="never")
+    )
     assert recovered
     return ctl
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_a_recovered_controller_equals_the_one_that_journaled(seed: int, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("seed", "replicas"), [(0, 1), (1, 2), (2, 1), (3, 2)])
+def test_a_recovered_controller_equals_the_one_that_journaled(
+    seed: int, replicas: int, tmp_path: Path
+) -> None:
     clock = FakeClock()
     ctl, recovered = open_controller(
-        tmp_path / "live", lambda: _make(clock), JournalSettings(fsync="never")
+        tmp_path / "live", lambda: _make(clock, replicas), JournalSettings(fsync="never")
     )
     assert not recovered
     drive = Driver(ctl, clock, seed)
@@ -194,13 +211,14 @@ def test_a_recovered_controller_equals_the_one_that_journaled(seed: int, tmp_pat
             assert ctl.journal is not None
             ctl.journal.snapshot(ctl)  # (the log rotates: older segments go)
         if step % 150 == 0 and step < 600:
-            copy = _recovered(tmp_path / "live", tmp_path / f"cut{step}", clock)
+            copy = _recovered(tmp_path / "live", tmp_path / f"cut{step}", clock, replicas)
             assert state(copy) == state(ctl)
             checked += 1
             # the recovered one goes on as the original would: same calls, same answers
             t = clock.t
             twin = Driver(copy, clock, step, setup=False)
             twin.leases = list(drive.leases)
+            twin.plan = drive.plan
             for _ in range(30):
                 twin.step()
             clock.t = t
@@ -211,6 +229,8 @@ def test_a_recovered_controller_equals_the_one_that_journaled(seed: int, tmp_pat
     assert checked == 3
     stats = ctl.stats()
     assert stats["rows_lost"] > 0 or stats["rows_retired"] > 0  # (the mix reached them)
+    if replicas == 2:
+        assert stats["rows_recopied"] > 0 and stats["copies_refused"] > 0
     assert drive.errors > 0
 
 
@@ -254,6 +274,27 @@ def test_a_lease_taken_before_the_restart_acks_after_it(tmp_path: Path) -> None:
     assert rest is not None
     assert rest.indexes.tolist() == meta.indexes[8:].tolist()  # nothing acked comes back
     assert back.stats()["partitions"]["p"]["rows_freed"] == 8
+
+
+def test_arrays_of_every_shape_replay_as_they_were_journaled(tmp_path: Path) -> None:
+    """A put's header given as one value for every row (a 0-d array: ``group=first``), and
+    a header array that is a strided view, recover as the rows had them."""
+    clock = FakeClock()
+    ctl, _ = open_controller(tmp_path / "d", lambda: _make(clock), JournalSettings(fsync="never"))
+    ctl.register_fields({"x": FieldSpec.dense("float32", (2,))})
+    one = ctl.allocate(4, "p", groups=np.array(7), versions=np.array(3))
+    strided = ctl.allocate(3, "p", groups=np.arange(6)[::2], lengths=np.arange(10, 16)[::2])
+    ctl.commit(np.r_[one.indexes, strided.indexes], ["x"])
+    back = _recovered(tmp_path / "d", tmp_path / "copy", clock)
+    assert back.stats() == ctl.stats()
+    got, _ = back.poll(task="t", partition="p", fields=["x"], batch_size=7, lease_s=30)
+    assert got is not None
+    header = {
+        i: (g, v, n)
+        for i, g, v, n in zip(got.indexes, got.groups, got.versions, got.lengths, strict=True)
+    }
+    assert [header[i][:2] for i in one.indexes] == [(7, 3)] * 4
+    assert [(header[i][0], header[i][2]) for i in strided.indexes] == [(0, 10), (2, 12), (4, 14)]
 
 
 def test_deadlines_from_a_clock_that_went_back_are_clamped(tmp_path: Path) -> None:

@@ -155,6 +155,7 @@ def test_rows_and_leases(svc: transferqueue.LocalService, client: transferqueue.
     assert value(s, "transferqueue_rows_live", partition="rows") == 6
     assert value(s, "transferqueue_rows_freed_total", partition="rows") == 4
     assert value(s, "transferqueue_task_rows", partition="rows", task="train", state="done") == 4
+    assert value(s, "transferqueue_rows_recopied_total") == 0  # (one copy kept: none made)
 
 
 def test_expired_leases_counted(

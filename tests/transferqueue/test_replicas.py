@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import until
+from tq_helpers import until
 
 import transferqueue
 from transferqueue import Liveness

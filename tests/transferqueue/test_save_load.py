@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import Deploy
+from tq_helpers import Deploy
 
 import transferqueue
 from transferqueue import BatchMeta, CheckpointError, Client, PartitionExistsError, Ragged

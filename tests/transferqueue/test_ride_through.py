@@ -1,0 +1,182 @@
+"""Clients that ride through a controller restart (``connect(ride_through_s=...)``): a call
+that finds the controller gone is sent again once the restarted one answers, when sending it
+twice leaves the state sending it once does. The controller makes that true of the calls
+that change state (a commit or release sent again after its reply was lost is a no-op), and
+a service whose controller is SIGKILLed mid-stream loses nothing and delivers nothing twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from tq_helpers import row_values, until
+
+import transferqueue
+from transferqueue import messages as m
+from transferqueue.controller import Controller
+from transferqueue.controller_link import RESENDABLE, RemoteControllerLink
+from transferqueue.errors import PeerGoneError, UnknownLeaseError, UnknownRowError
+from transferqueue.schema import FieldSpec
+
+SLACK_S = 120.0
+
+
+def _leased(ctl: Controller, rows: int = 4) -> tuple[np.ndarray, int]:
+    """A controller with ``rows`` committed rows of ``x``, all leased by task ``t``."""
+    ctl.register_fields({"x": FieldSpec.dense("int64"), "y": FieldSpec.dense("int64")})
+    ctl.declare_tasks("p", ["t", "u"])
+    meta = ctl.allocate(rows, "p", groups=np.arange(rows))
+    ctl.commit(meta.indexes, ["x"])
+    got, _ = ctl.poll(
+        task="t", partition="p", fields=["x"], batch_size=rows, lease_s=60.0, short_ok=True
+    )
+    assert got is not None and got.lease_id is not None
+    return got.indexes, got.lease_id
+
+
+def test_a_commit_sent_again_after_it_acked_its_lease_is_a_no_op() -> None:
+    ctl = Controller(1)
+    rows, lease = _leased(ctl)
+    ctl.commit(rows, ["y"], lease_id=lease)  # lands; its reply is lost
+    ctl.commit(rows, ["y"], lease_id=lease)  # the same commit again: nothing changes
+    got, _ = ctl.poll(
+        task="u", partition="p", fields=["y"], batch_size=8, lease_s=60.0, short_ok=True
+    )
+    assert got is not None and sorted(got.indexes.tolist()) == sorted(rows.tolist())
+    # ... but a commit of a field the first did not write still needs the lease
+    ctl.register_fields({"z": FieldSpec.dense("int64")})
+    with pytest.raises(UnknownLeaseError, match="no longer active"):
+        ctl.commit(rows, ["z"], lease_id=lease)
+
+
+def test_a_release_sent_again_is_a_no_op() -> None:
+    ctl = Controller(1)
+    rows, lease = _leased(ctl)
+    ctl.release(lease, rows)
+    ctl.release(lease, rows)  # (before, UnknownLeaseError: the lease was closed)
+    got, _ = ctl.poll(
+        task="t", partition="p", fields=["x"], batch_size=8, lease_s=60.0, short_ok=True
+    )
+    assert got is not None and sorted(got.indexes.tolist()) == sorted(rows.tolist())
+
+
+class _Rpc:
+    """An RpcClient stand-in: answers each call with the next outcome of a script."""
+
+    def __init__(self, *outcomes: Any) -> None:
+        self.outcomes = list(outcomes)
+        self.sent: list[Any] = []
+        self.call_timeout_s = 1.0
+
+    async def call(self, msg: Any, wait_s: float | None = None) -> Any:
+        self.sent.append(msg)
+        out = self.outcomes.pop(0)
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+
+def _call(link: RemoteControllerLink, msg: Any) -> Any:
+    return asyncio.run(link.call(msg))
+
+
+def test_a_call_is_sent_again_until_the_controller_answers_within_the_bound() -> None:
+    gone = PeerGoneError("controller gone")
+    ack = m.Ack(lease_id=3, indexes=np.arange(2, dtype=np.int64))
+    rpc = _Rpc(gone, gone, None)
+    link = RemoteControllerLink(rpc, ride_through_s=30.0)  # type: ignore[arg-type]
+    assert _call(link, ack) is None
+    assert rpc.sent == [ack, ack, ack] and link.calls_resent == 2
+    # without ride_through_s, or past it, the first PeerGoneError stands
+    with pytest.raises(PeerGoneError):
+        _call(RemoteControllerLink(_Rpc(gone, None), ride_through_s=0.0), ack)  # type: ignore[arg-type]
+    t0 = time.monotonic()
+    with pytest.raises(PeerGoneError):
+        _call(RemoteControllerLink(_Rpc(*[gone] * 100), ride_through_s=0.5), ack)  # type: ignore[arg-type]
+    assert time.monotonic() - t0 < 5.0
+
+
+def test_only_calls_safe_to_send_twice_are_sent_again() -> None:
+    gone = PeerGoneError("controller gone")
+    clear = m.Clear(partition="p")
+    assert type(clear) not in RESENDABLE
+    rpc = _Rpc(gone, None)
+    with pytest.raises(PeerGoneError):
+        _call(RemoteControllerLink(rpc, ride_through_s=30.0), clear)  # type: ignore[arg-type]
+    assert rpc.sent == [clear]
+
+
+def test_a_commit_of_new_rows_sent_again_that_finds_them_freed_had_landed() -> None:
+    """Rows are freed only once committed and acknowledged by every task: the first sending
+    landed. Sent once, the same error stands (rows never there)."""
+    gone = PeerGoneError("controller gone")
+    commit = m.Commit(indexes=np.arange(2, dtype=np.int64), fields=["x"])
+    freed = UnknownRowError("rows [0, 1] are not in TransferQueue")
+    link = RemoteControllerLink(_Rpc(gone, freed), ride_through_s=30.0)  # type: ignore[arg-type]
+    assert _call(link, commit) is None
+    with pytest.raises(UnknownRowError):
+        _call(RemoteControllerLink(_Rpc(freed), ride_through_s=30.0), commit)  # type: ignore[arg-type]
+
+
+@pytest.mark.service
+def test_a_stream_rides_through_its_controller_killed_mid_stream(tmp_path: Path) -> None:
+    """A producer and a consumer run while the controller is SIGKILLed (twice) and restarted
+    with its state: no call of either fails, every row put is delivered once (acked after
+    reading it bit-exact), and nothing is left over."""
+    rows_per_put, puts = 16, 120
+    total = rows_per_put * puts
+    with (
+        transferqueue.serve(num_units=2, state_dir=tmp_path / "state") as svc,
+        transferqueue.connect(svc.address, ride_through_s=SLACK_S) as tq,
+    ):
+        c = tq.client()
+        c.declare_tasks(["t"], partition="p")
+        put_done = threading.Event()
+        errors: list[BaseException] = []
+
+        def produce() -> None:
+            try:
+                for k in range(puts):
+                    c.put({"x": row_values(k * rows_per_put, rows_per_put)}, partition="p")
+                    time.sleep(0.01)
+            except BaseException as e:
+                errors.append(e)
+            finally:
+                put_done.set()
+
+        delivered: list[int] = []  # the row number each row's bytes say (row_values)
+        producer = threading.Thread(target=produce, daemon=True)
+        producer.start()
+        kills = 0
+        deadline = time.monotonic() + 4 * SLACK_S
+        while time.monotonic() < deadline:
+            if kills < 2 and len(delivered) >= (kills + 1) * total // 3:
+                old = svc.pids[-1]
+                os.kill(old, signal.SIGKILL)
+                kills += 1
+                until(lambda old=old: svc.pids[-1] != old, SLACK_S, "controller restart")
+            b = c.get_meta("t", ["x"], 32, partition="p", timeout_s=0.2)
+            if len(b):
+                got = c.get_data(b)["x"]
+                assert isinstance(got, torch.Tensor)
+                numbers = got[:, 0].to(torch.int64).tolist()
+                assert torch.equal(got, torch.stack([row_values(i, 1)[0] for i in numbers]))
+                c.ack(b)
+                delivered += numbers
+            elif put_done.is_set() and len(delivered) >= total:
+                break
+        producer.join(timeout=SLACK_S)
+        assert not errors, errors
+        assert kills == 2 and svc.controller_restarts[0] == 2
+        assert sorted(delivered) == list(range(total))  # every row, each once
+        assert c.async_client._ctl.calls_resent > 0  # type: ignore[attr-defined]
+        assert len(c.get_meta("t", ["x"], 32, partition="p", timeout_s=0.5)) == 0
