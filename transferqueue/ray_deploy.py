@@ -145,7 +145,7 @@ class UnitActor(_ServerActor):
         bind_host = self._host(host)
         address, controller = f"tcp://{bind_host}:0", None
         if controller_name is not None and _reconstructed():
-            found, old = _controller_of(controller_name, unit_id)
+            found, old = _controller_of_or_exit(controller_name, unit_id)
             controller = found
             if old.startswith(f"tcp://{bind_host}:"):
                 address = old
@@ -177,16 +177,40 @@ def _reconstructed() -> bool:
     return bool(ray.get_runtime_context().was_current_actor_reconstructed)
 
 
-def _controller_of(name: str, unit_id: int) -> tuple[str, str]:
+def _controller_of(name: str, unit_id: int, bound_s: float = _LOOKUP_S) -> tuple[str, str]:
     """(the controller's address, the address unit ``unit_id`` had), from the controller
-    actor called ``name`` (bounded: a restart that cannot find it fails, and Ray retries)."""
+    actor called ``name``, asked again while that actor restarts too (Ray answers
+    ``ActorUnavailableError`` at once then), for at most ``bound_s``."""
     import ray
+    from ray.exceptions import ActorUnavailableError, GetTimeoutError
 
-    ctl = ray.get_actor(name)
-    answers: list[Any] = ray.get(
-        [ctl.address.remote(), ctl.unit_address.remote(unit_id)], timeout=_LOOKUP_S
-    )
-    return str(answers[0]), str(answers[1])
+    deadline = time.monotonic() + bound_s
+    while True:
+        try:
+            ctl = ray.get_actor(name)
+            answers: list[Any] = ray.get(
+                [ctl.address.remote(), ctl.unit_address.remote(unit_id)],
+                timeout=max(0.1, deadline - time.monotonic()),
+            )
+            return str(answers[0]), str(answers[1])
+        except (ActorUnavailableError, ValueError) as e:  # (restarting, or not named yet)
+            if time.monotonic() >= deadline:
+                raise GetTimeoutError(
+                    f"the controller actor {name!r} did not answer within {bound_s:g} s: {e}"
+                ) from e
+            time.sleep(0.5)
+
+
+def _controller_of_or_exit(name: str, unit_id: int) -> tuple[str, str]:
+    """:func:`_controller_of`; one that fails ends this process, so that Ray restarts the
+    unit again (``unit_max_restarts``): an error raised by an actor's constructor would end
+    the actor for good."""
+    try:
+        return _controller_of(name, unit_id)
+    except Exception:
+        log.exception("restarted unit %d could not find its controller: its process exits", unit_id)
+        logging.shutdown()
+        os._exit(1)
 
 
 class ControllerActor(_ServerActor):

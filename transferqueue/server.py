@@ -58,7 +58,8 @@ __all__ = ["ControllerServer", "UnitServer", "grant_key_for"]
 log = logging.getLogger(__name__)
 
 _SWEEP_S = 1.0  # how often a unit looks for arenas of clients that are gone
-_REGISTER_TRIES_S = 30.0  # how long a restarted unit tries to reach its controller
+_REGISTER_TRIES_S = 30.0  # how long a restarted unit refuses new rows while not registered
+_REGISTER_BACKOFF_S = 2.0  # the longest pause between a restarted unit's registrations
 _VERIFY_S = 1.5  # how long the controller waits for a registering unit's ping (it retries)
 # How long a restarted controller asks each unit for its incarnation before serving without
 # it (its rows lost; taken back when it answers): a unit restarting too may take that long.
@@ -148,8 +149,12 @@ class UnitServer:
         return self.incarnation
 
     async def _register(self, address: str) -> None:
-        """Tell the controller where this (restarted) unit listens; retried until it
-        answers (bounded): it places rows here again once it knows."""
+        """Tell the controller where this (restarted) unit listens, until it answers: it
+        places rows here again once it knows. A restarted controller may serve only after
+        ``_RECOVERY_UNITS_S`` (it pings the address this unit had first), so the unit never
+        stops asking while it lives (each call bounded, backoff up to ``_REGISTER_BACKOFF_S``);
+        after ``_REGISTER_TRIES_S`` it takes new rows all the same (the controller's
+        heartbeat tells it apart from its dead incarnation) and says so."""
         own = None if self._keys is None else self._keys.as_client()
         rpc = RpcClient(self._ctx, address, keys=own, call_timeout_s=5.0)
         msg = m.RegisterUnit(
@@ -157,16 +162,28 @@ class UnitServer:
         )
         loop = asyncio.get_running_loop()
         deadline = loop.time() + _REGISTER_TRIES_S
+        backoff = 0.2
         try:
             while True:
                 try:
                     await rpc.call(msg)
+                    if not self._registered:
+                        log.info("unit %d registered at %s", self.unit.unit_id, self.address)
+                    else:
+                        log.warning("unit %d registered late, at last", self.unit.unit_id)
                     return
                 except TQError as e:
-                    if loop.time() > deadline:
-                        log.error("unit %d could not register: %s", self.unit.unit_id, e)
-                        return  # (new rows are taken all the same: the heartbeat tells it)
-                await asyncio.sleep(0.2)
+                    if not self._registered and loop.time() > deadline:
+                        log.error(
+                            "unit %d could not register within %g s (%s): it takes new rows "
+                            "all the same and keeps asking",
+                            self.unit.unit_id,
+                            _REGISTER_TRIES_S,
+                            e,
+                        )
+                        self._registered = True
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, _REGISTER_BACKOFF_S)
         finally:
             self._registered = True
             await rpc.close()

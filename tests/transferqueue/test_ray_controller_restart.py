@@ -108,12 +108,16 @@ def test_a_controller_actor_killed_on_ray_comes_back_with_its_state(
 
 
 @pytest.mark.ray
+@pytest.mark.parametrize("moves", [False, True], ids=["same-port", "unit-moves"])
 def test_the_controller_and_a_unit_killed_together_on_ray_both_come_back(
-    ray_cluster: None, tmp_path: Path
+    ray_cluster: None, tmp_path: Path, moves: bool
 ) -> None:
     """Each restarted actor waits for the other's answers (the unit asks the controller
     where it listened, the controller pings every unit before serving): neither may wait in
-    its constructor for the other. The dead unit's rows are lost, the others are served."""
+    its constructor for the other. The dead unit's rows are lost, the others are served.
+    ``moves``: the unit's old port is taken, so the restarted controller pings nobody there
+    and serves without it for a while; the unit registers from its new port however long
+    the controller takes to serve."""
     import ray
 
     from transferqueue.ray_deploy import start_on_ray
@@ -126,15 +130,24 @@ def test_the_controller_and_a_unit_killed_together_on_ray_both_come_back(
         ctl = ray.get_actor(f"{prefix}-controller")
         unit = ray.get_actor(f"{prefix}-unit1")
         pids = ray.get([ctl.pid.remote(), unit.pid.remote()], timeout=60)
+        old = ray.get(unit.address.remote(), timeout=60)
         meta = c.put({"x": row_values(0, 200)}, partition="p")
         on1 = meta.indexes[meta.units == 1]
         assert 0 < on1.size < 200
-        for pid in pids:
-            os.kill(pid, signal.SIGKILL)
-        answered(lambda: c.stats(), SLACK_S)
-        until(lambda: c.stats()["controller"]["rows_lost"] == on1.size, SLACK_S, "lost")
-        until(lambda: c.stats()["controller"]["units_alive"] == [True, True], SLACK_S, "alive")
+        squatter = socket.socket()
+        try:
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
+            if moves:
+                host, port = old.removeprefix("tcp://").rsplit(":", 1)
+                until(lambda: _bound(squatter, host, int(port)), 30, "old port taken")
+            answered(lambda: c.stats(), SLACK_S)
+            until(lambda: c.stats()["controller"]["rows_lost"] == on1.size, SLACK_S, "lost")
+            until(lambda: c.stats()["controller"]["units_alive"] == [True, True], SLACK_S, "alive")
+        finally:
+            squatter.close()
         assert ray.get([ctl.pid.remote(), unit.pid.remote()], timeout=60) != pids
+        assert (ray.get(unit.address.remote(), timeout=60) != old) == moves
         got = c.get_meta("t", ["x"], 200, partition="p", timeout_s=5)
         on0 = meta.indexes[meta.units == 0]
         assert sorted(got.indexes.tolist()) == sorted(on0.tolist())
@@ -244,3 +257,69 @@ def test_a_restarted_controller_rebinds_its_old_port_or_takes_a_new_one(
         assert ray_deploy._old_address(str(tmp_path), "10.1.2.3") is None  # another node's
     old = f"tcp://127.0.0.1:{port}"
     assert ray_deploy._old_address(str(tmp_path), "127.0.0.1") == old  # free again
+
+
+def _fake_controller() -> type:
+    """A class answering what a restarted unit asks its controller actor, whose
+    reconstruction takes ``restart_s`` (a controller restarting: Ray answers
+    ActorUnavailableError meanwhile). Made in a function: Ray workers cannot import test
+    modules, and cloudpickle sends such a class by value."""
+
+    class FakeController:
+        def __init__(self, restart_s: float) -> None:
+            import ray
+
+            if ray.get_runtime_context().was_current_actor_reconstructed:
+                time.sleep(restart_s)
+
+        def pid(self) -> int:
+            return os.getpid()
+
+        def address(self) -> str:
+            return "tcp://127.0.0.1:1"
+
+        def unit_address(self, unit_id: int) -> str:
+            return f"tcp://127.0.0.1:{100 + unit_id}"
+
+    return FakeController
+
+
+@pytest.mark.ray
+def test_a_restarted_unit_finds_its_controller_even_while_that_restarts(
+    ray_cluster: None,
+) -> None:
+    """The lookup a restarted unit actor makes in its constructor asks again while the
+    controller actor is restarting (Ray fails such a call at once: the unit's constructor
+    raised, which ends an actor for good) and gives up, naming the actor, after its bound."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+
+    from transferqueue.ray_deploy import _controller_of
+
+    name = f"tq-fakectl-{os.getpid()}"
+    actor = ray.remote(_fake_controller()).options(name=name, max_restarts=1, num_cpus=0)
+    ctl = actor.remote(3.0)
+    pid = ray.get(ctl.pid.remote(), timeout=60)
+    try:
+        os.kill(pid, signal.SIGKILL)
+        until(lambda: _restarting(ctl), 30, "the actor restarting")
+        t0 = time.monotonic()
+        assert _controller_of(name, 2) == ("tcp://127.0.0.1:1", "tcp://127.0.0.1:102")
+        assert time.monotonic() - t0 > 0.5  # (it did wait for the restart)
+    finally:
+        ray.kill(ctl, no_restart=True)
+    with pytest.raises(GetTimeoutError, match=f"{name}-none"):
+        _controller_of(f"{name}-none", 0, bound_s=1.0)
+
+
+def _restarting(ctl: Any) -> bool:
+    import ray
+    from ray.exceptions import ActorUnavailableError
+
+    try:
+        ray.get(ctl.pid.remote(), timeout=5)
+    except ActorUnavailableError:
+        return True
+    except Exception:  # (the death not yet noticed: the call failed otherwise)
+        return False
+    return False
