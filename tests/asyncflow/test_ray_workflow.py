@@ -102,6 +102,61 @@ def test_killed_generator_and_reward_hosts_are_recovered(ray_cluster: None, tmp_
     assert result.records[-1]["restarts"] >= 2
 
 
+def test_a_ray_run_rides_through_its_tq_controller_actor_killed(
+    ray_cluster: None, tmp_path: Path
+) -> None:
+    """TransferQueue deployed on Ray by the run, with a ``state_dir``: its controller actor
+    SIGKILLed after the first step is restarted by Ray with its state, the driver and every
+    stage host ride through it (``transferqueue.ride_through_s``), and every step still
+    trains exactly its window, each group once and whole, within the staleness bound."""
+    import ray
+
+    out = tmp_path / "run"
+    steps, per_step, k = 8, 2, 1
+    cfg = small_config(
+        out,
+        "deploy.mode=ray",
+        "transferqueue.mode=ray",
+        f"transferqueue.state_dir={tmp_path / 'state'}",
+        f"transferqueue.ride_through_s={RAY_TEST_TIMEOUT_S // 4}",
+        f"train.steps={steps}",
+        f"train.groups_per_step={per_step}",
+        f"train.max_staleness={k}",
+        RAY_START,
+    )
+    pids: list[int] = []
+
+    def kill_the_controller_after_the_first_step() -> None:
+        metrics = out / "metrics.jsonl"
+        deadline = time.monotonic() + RAY_TEST_TIMEOUT_S
+        while not (metrics.exists() and metrics.read_text().strip()):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.1)
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+        ctl = ray.get_actor(next(n for n in names if n.endswith("-tq-controller")))
+        pids.append(ray.get(ctl.pid.remote(), timeout=60))
+        os.kill(pids[0], signal.SIGKILL)
+        while time.monotonic() < deadline:  # (Ray answers ActorUnavailableError meanwhile)
+            try:
+                pids.append(ray.get(ctl.pid.remote(), timeout=10))
+                return
+            except Exception:
+                time.sleep(0.5)
+
+    killer = threading.Thread(target=kill_the_controller_after_the_first_step, daemon=True)
+    killer.start()
+    # a reward with latency: the kill meets groups in every stage
+    result = run(cfg, factories=EngineFactories(reward=slow_reward_factory))
+    killer.join(timeout=120)
+    assert len(pids) == 2 and pids[0] != pids[1], f"no controller restart seen: {pids}"
+    assert [r.step for r in result.reports] == list(range(steps))
+    for r in result.reports:
+        assert r.groups == list(range(r.step * per_step, (r.step + 1) * per_step))
+        assert r.samples == per_step * cfg.rollout.group_size
+        assert min(r.staleness) >= 0 and max(r.staleness) <= k
+
+
 def test_a_dead_trainer_rank_ends_the_run_naming_it(ray_cluster: None, tmp_path: Path) -> None:
     """A trainer rank is not restarted (its optimizer state is gone): its death must end the
     run at once with an error that names it, never leave rank 0 waiting in a collective."""
