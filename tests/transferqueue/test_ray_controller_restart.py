@@ -323,3 +323,35 @@ def _restarting(ctl: Any) -> bool:
     except Exception:  # (the death not yet noticed: the call failed otherwise)
         return False
     return False
+
+
+def test_a_restarted_unit_that_cannot_find_its_controller_exits_for_ray_to_restart_it() -> None:
+    """When the lookup gives up, the unit's process exits with status 1 and says why, rather
+    than raising from the actor's constructor (which would end the actor for good)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    pytest.importorskip("ray")
+    code = textwrap.dedent(
+        """
+        import atexit
+        import logging
+        from ray.exceptions import GetTimeoutError
+        import transferqueue.ray_deploy as rd
+
+        def gone(name, unit_id, bound_s=0.0):
+            raise GetTimeoutError(f"the controller actor {name!r} did not answer")
+
+        logging.basicConfig(level=logging.WARNING)
+        atexit.register(print, "atexit ran")  # (os._exit skips it; an exception would not)
+        rd._controller_of = gone
+        rd._controller_of_or_exit("tq-ctl", 3)
+        print("returned")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "returned" not in done.stdout and "atexit ran" not in done.stdout
+    assert "restarted unit 3 could not find its controller" in done.stderr
+    assert "'tq-ctl' did not answer" in done.stderr
