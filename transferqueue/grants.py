@@ -49,8 +49,11 @@ class Grants:
     def _mac(self, body: bytes) -> bytes:
         return hashlib.blake2b(body, key=self._key, digest_size=_MAC_BYTES).digest()
 
-    def sign(self, unit: int, lo: int, hi: int) -> bytes:
-        body = _BODY.pack(unit, lo, hi, time.time() + self.ttl_s)
+    def sign(self, unit: int, lo: int, hi: int, expires: float | None = None) -> bytes:
+        """A grant for rows ``[lo, hi)`` on ``unit``, good until ``expires`` (wall clock;
+        default: ``ttl_s`` from now)."""
+        when = time.time() + self.ttl_s if expires is None else expires
+        body = _BODY.pack(unit, lo, hi, when)
         return body + self._mac(body)
 
     def check(self, grant: bytes | None, unit: int, indexes: np.ndarray) -> None:

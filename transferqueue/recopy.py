@@ -12,9 +12,15 @@ on the target) go out before the next plan.
 
 One copy at a time, each bounded (rows, bytes, ``timeout_s``), so that neither the units'
 loops nor the controller's are held long. A copy that fails (a unit died or stalled) leaves
-its rows with one copy: the copier waits (``backoff``, doubling up to ``MAX_BACKOFF_S``)
-before it records the failure, so that a write to the target still on its way lands before
-the target is told to free the rows; then they are planned again. The task never ends on an
+its rows with one copy, and the rows are planned again. Before it records the failure (which
+frees the rows on the target) the copier waits until the grant the target's write was
+signed with has expired, plus ``CLOCK_SLACK_S``, and at least its ``backoff`` (doubling up to
+``MAX_BACKOFF_S``): a write still on its way to the target when the copy was given up is
+then refused there (an expired grant creates no row) instead of landing after the free, and
+nothing the controller does not know of stays on the target. The grant expires
+``timeout_s`` after the copy starts, so a copy that timed out waits ``CLOCK_SLACK_S`` more;
+one that failed at once, up to ``timeout_s``. The controller's and the units' wall clocks
+must agree within ``CLOCK_SLACK_S`` (the same host, or NTP). The task never ends on an
 error (it logs it); the server cancels it when it closes.
 
 Measured (``python -m bench.failover``): see the README's Reliability section.
@@ -25,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 from transferqueue.aio import within
@@ -35,14 +42,18 @@ __all__ = ["COPY_TIMEOUT_S", "Copier"]
 
 log = logging.getLogger(__name__)
 
-COPY_TIMEOUT_S = 30.0
-"""How long one copy may take, source and target included (it is at most ``COPY_BYTES``)."""
+COPY_TIMEOUT_S = 10.0
+"""How long one copy may take, source and target included (it is at most ``COPY_BYTES``:
+0.1 s at 0.15 GB/s); its grant on the target expires then."""
+CLOCK_SLACK_S = 1.0
+"""How far the controller's and the units' wall clocks may disagree (grant expiry)."""
 IDLE_S = 0.5
 """How often the copier looks for rows with one copy when it found none."""
 MAX_BACKOFF_S = 10.0
 
 Send = Callable[[CopyPlan, float], Awaitable[int]]
-"""Carries out a plan within a bound (seconds); returns the rows copied."""
+"""Carries out a plan by a wall-clock time (``time.time()``), when the grant of the
+target's write expires; returns the rows copied."""
 
 
 class Copier:
@@ -94,13 +105,16 @@ class Copier:
         if plan is None:
             return False
         ok = False
+        expires = time.time() + self.timeout_s
         try:
-            await within(self._send(plan, self.timeout_s), self.timeout_s + 5.0)
+            await within(self._send(plan, expires), self.timeout_s + 5.0)
             ok = True
             self.backoff_s = 0.0
         except Exception as e:
             self.copies_failed += 1
             self.backoff_s = min(max(self.backoff_s * 2, 0.5), MAX_BACKOFF_S)
+            # (a write still on its way is refused once its grant expired: the free is last)
+            wait_s = max(self.backoff_s, expires + CLOCK_SLACK_S - time.time())
             log.warning(
                 "re-replication: copying %d rows from unit %d to unit %d failed (%r); "
                 "again in %.1f s",
@@ -108,9 +122,9 @@ class Copier:
                 plan.source,
                 plan.target,
                 e,
-                self.backoff_s,
+                wait_s,
             )
-            await asyncio.sleep(self.backoff_s)  # (a late write lands before the free)
+            await asyncio.sleep(wait_s)
         if self.service.controller is not ctl:
             return True  # (a reset: the new core knows nothing of the plan; units cleared)
         changes = ctl.copies_made(plan.plan_id, plan.target, plan.indexes, plan.epoch, ok)

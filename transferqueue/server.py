@@ -24,6 +24,7 @@ import contextlib
 import functools
 import hashlib
 import logging
+import time
 from collections.abc import Awaitable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -522,16 +523,18 @@ class ControllerServer:
             return _nothing()  # (its memory died with it; a revived unit is cleared)
         return self._units[unit_id].request(m.Free(indexes=indexes))
 
-    async def _copy(self, plan: CopyPlan, timeout_s: float) -> int:
-        """Have the plan's source unit copy its rows to the target (see transferqueue.recopy)."""
+    async def _copy(self, plan: CopyPlan, expires: float) -> int:
+        """Have the plan's source unit copy its rows to the target by ``expires`` (wall
+        clock), when the target's grant for them expires (see transferqueue.recopy)."""
         lo, hi = int(plan.indexes.min()), int(plan.indexes.max()) + 1
+        timeout_s = max(0.1, expires - time.time())
         msg = m.CopyRows(
             indexes=plan.indexes,
             fields=plan.fields,
             specs={f: self.service.controller.specs[f] for f in plan.fields},
             target=plan.target,
             address=self.unit_addresses[plan.target],
-            grant=self._grants.sign(plan.target, lo, hi),
+            grant=self._grants.sign(plan.target, lo, hi, expires),
             timeout_s=timeout_s,
         )
         return await self._units[plan.source].call(msg, wait_s=timeout_s + 2.0)

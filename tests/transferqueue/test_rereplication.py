@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from typing import Any
 
 import numpy as np
@@ -23,7 +24,9 @@ from transferqueue import messages as m
 from transferqueue import wire
 from transferqueue.controller import Controller
 from transferqueue.controller_service import ControllerService
-from transferqueue.recopy import Copier
+from transferqueue.errors import DeniedError
+from transferqueue.grants import Grants
+from transferqueue.recopy import CLOCK_SLACK_S, Copier
 from transferqueue.rereplicate import CopyPlan
 
 X = transferqueue.FieldSpec("dense", "float32", ())
@@ -176,30 +179,56 @@ def test_nothing_is_planned_with_one_copy_kept_or_one_unit_alive() -> None:
 
 
 def test_the_copier_survives_failing_copies_and_records_each_outcome() -> None:
+    """A failed copy is freed on the target only once the grant its write was signed with
+    has expired (a write still on its way is then refused there, not left behind)."""
     ctl, rows = _one_copy_rows(20)
     freed: list[tuple[int, list[int]]] = []
+    freed_at: list[float] = []
+    expiries: list[float] = []
 
     async def free_rows(unit: int, indexes: np.ndarray) -> None:
         freed.append((unit, indexes.tolist()))
+        freed_at.append(time.time())
 
     outcomes = iter([RuntimeError("unit 0 stalled"), None])
 
-    async def send(plan: CopyPlan, timeout_s: float) -> int:
+    async def send(plan: CopyPlan, expires: float) -> int:
+        expiries.append(expires)
         error = next(outcomes, None)
         if error is not None:
             raise error
         return int(plan.indexes.size)
 
     async def go() -> None:
-        copier = Copier(ControllerService(ctl, free_rows), send, max_rows=20)
+        copier = Copier(ControllerService(ctl, free_rows), send, max_rows=20, timeout_s=0.5)
         copier.backoff_s = 0.0
-        assert await copier.step()  # (fails: waits its backoff, frees on the target)
+        t0 = time.time()
+        assert await copier.step()  # (fails at once: waits out the grant, frees on the target)
         assert copier.copies_failed == 1 and freed == [(1, rows.tolist())]
+        assert t0 + 0.5 <= expiries[0] <= time.time()
+        assert freed_at[0] >= expiries[0] + CLOCK_SLACK_S
         assert await copier.step()
         assert not await copier.step()  # (nothing left)
 
     asyncio.run(go())
     assert ctl.stats()["rows_one_copy"] == 0 and ctl.stats()["rows_recopied"] == 20
+
+
+def test_a_copy_grant_expires_when_its_copy_is_given_up() -> None:
+    """The target checks a copy's write against the grant's own expiry (the copier's bound),
+    not the 10 minutes a put's grant has."""
+    grants = Grants(b"k" * 32)
+    rows = np.arange(4, 8)
+    grants.check(grants.sign(1, 4, 8, time.time() + 5.0), 1, rows)
+    with pytest.raises(DeniedError, match=r"rows 4\.\.7 expired"):
+        grants.check(grants.sign(1, 4, 8, time.time() - 0.01), 1, rows)
+    left = _expires_of(grants.sign(1, 4, 8)) - time.time()
+    assert grants.ttl_s - 5 < left <= grants.ttl_s
+
+
+def _expires_of(grant: bytes) -> float:
+    """The expiry a grant carries (unit int32, lo int64, hi int64, expires float64)."""
+    return float(np.frombuffer(grant, dtype="<f8", count=1, offset=20)[0])
 
 
 @pytest.mark.parametrize(
