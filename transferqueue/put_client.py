@@ -29,6 +29,7 @@ from transferqueue.errors import (
     PeerGoneError,
     RowsLostError,
     SchemaError,
+    TQError,
     UnknownRowError,
 )
 from transferqueue.links import ControllerLink, Staged, UnitLink
@@ -296,13 +297,19 @@ class PutCalls:
             commit = m.Commit(new.indexes, list(cols), dropped=dropped, copies=copies)
             await self._ctl.call(commit)
         except BaseException as e:
-            # Nothing of the put may stay half-written: free what units hold, undo rows.
-            await asyncio.gather(
-                *(u.free(new.indexes, grants.get(u.unit_id)) for u in self._units.values()),
-                return_exceptions=True,
-            )
+            # Nothing of the put may stay half-written: free what units hold, undo rows. But a
+            # commit that met the controller's death (or was cancelled) may have landed (it
+            # is journaled before its reply): its rows stay on the units, where the restarted
+            # controller serves them if it was committed and frees them if not; the discard
+            # frees them if the controller answers and nothing was committed.
+            if writing or not isinstance(e, PeerGoneError | asyncio.CancelledError):
+                await asyncio.gather(
+                    *(u.free(new.indexes, grants.get(u.unit_id)) for u in self._units.values()),
+                    return_exceptions=True,
+                )
             lost = await self._lost(new.indexes, e, meta_units(new))
-            await self._ctl.call(m.Discard(indexes=new.indexes))
+            with contextlib.suppress(TQError, ValueError):  # (gone: reclaimed later; or seen)
+                await self._ctl.call(m.Discard(indexes=new.indexes))
             error: BaseException = e
             if lost is not None:
                 error = RowsLostError(

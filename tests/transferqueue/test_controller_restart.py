@@ -18,7 +18,7 @@ from tq_helpers import answered, child_processes, row_values, until
 
 import transferqueue
 from transferqueue import messages as m
-from transferqueue.errors import RowsLostError
+from transferqueue.errors import PeerGoneError, RowsLostError
 from transferqueue.meta import BatchMeta
 from transferqueue.schema import FieldSpec
 
@@ -120,6 +120,65 @@ def test_a_killed_controller_comes_back_with_every_row_lease_and_ack(tmp_path: P
         final = _stats(c)["controller"]["partitions"]["p"]
         assert final["tasks"]["t"]["done"] == 1050 and final["rows_live"] == 0
         assert final["rows_lost"] == 0
+
+
+class _CommitThenDie:
+    """The client's controller link, whose commit lands (journaled) and whose reply dies
+    with the controller: SIGKILLed right after, the call fails as a dropped connection."""
+
+    def __init__(self, real: Any, pid: int) -> None:
+        self.real, self.pid = real, pid
+
+    async def call(self, msg: Any) -> Any:
+        result = await self.real.call(msg)
+        if isinstance(msg, m.Commit):
+            os.kill(self.pid, signal.SIGKILL)
+            raise PeerGoneError("the connection dropped while 'commit' waited on it")
+        return result
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("polled", [True, False], ids=["polled", "unpolled"])
+def test_a_put_whose_commit_landed_as_the_controller_died_loses_nothing(
+    tmp_path: Path, replicas: int, polled: bool
+) -> None:
+    """The put fails (its outcome unknown to the producer) but its commit was journaled.
+    The client no longer frees its rows on the units (the restarted controller found them
+    committed and missing: lost); it asks the controller to discard them, which it does
+    while no consumer has polled the partition's task (the rows never were, for anyone).
+    Otherwise the rows are served whole. Either way no row is lost."""
+    with (
+        transferqueue.serve(
+            num_units=2, replicas=replicas, state_dir=tmp_path / "state", spread_bytes=0
+        ) as svc,
+        transferqueue.connect(svc.address) as tq,
+    ):
+        c = tq.client()
+        c.declare_tasks(["t"], partition="p")
+        if polled:
+            assert not len(c.get_meta("t", ["x"], 32, partition="p", timeout_s=0))
+        ac = c.async_client
+        real = ac._ctl
+        ac._ctl = _CommitThenDie(real, svc.pids[-1])
+        x = row_values(7000, 16)
+        try:
+            with pytest.raises(PeerGoneError):
+                c.put({"x": x}, partition="p")
+        finally:
+            ac._ctl = real
+        until(lambda: svc.controller_restarts[0] == 1, SLACK_S, "restart")
+        meta = answered(lambda: c.get_meta("t", ["x"], 32, partition="p", timeout_s=2), SLACK_S)
+        stats = _stats(c)
+        controller = stats["controller"]
+        assert controller["rows_lost"] == 0
+        if polled:
+            assert len(meta) == 16, "the committed rows are served after the restart"
+            got = _x(c, meta)
+            assert torch.equal(got[torch.argsort(got[:, 0])], x)
+            assert controller["rows_live"] == 16
+        else:
+            assert len(meta) == 0 and controller["rows_live"] == 0
+            until(lambda: sum(u["rows"] for u in _stats(c)["units"]) == 0, SLACK_S, "freed")
 
 
 def test_rows_of_a_unit_that_restarted_while_the_controller_was_down_are_lost(
