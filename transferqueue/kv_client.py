@@ -109,6 +109,10 @@ class KVCalls:
             self, indexes: np.ndarray, error: BaseException, units: list[int]
         ) -> np.ndarray | None: ...
 
+        async def _undo_new_rows(
+            self, new: BatchMeta, error: BaseException, writing: bool
+        ) -> None: ...
+
         async def _get_data_or_lost(
             self, meta: BatchMeta, fields: Sequence[str] | None
         ) -> dict[str, Column]: ...
@@ -210,6 +214,7 @@ class KVCalls:
         new = meta.select(got.created)
         new.grants = meta.grants
         pos_old = np.flatnonzero(old)
+        writing = True
         try:
             writes = []
             for rows, pos, create in (
@@ -220,6 +225,7 @@ class KVCalls:
                     part = {name: take_rows(col, pos) for name, col in cols.items()}
                     writes.append(self._write_units(rows, part, col_specs, create=create))
             missed = await asyncio.gather(*writes)  # (units a copy missed: see replicas)
+            writing = False  # (a commit gone with the controller may have landed)
             await self._ctl.call(
                 m.Commit(
                     indexes=meta.indexes,
@@ -233,12 +239,7 @@ class KVCalls:
         except BaseException as e:
             lost = await self._lost(meta.indexes, e, [int(u) for u in np.unique(meta.units)])
             if len(new):  # nothing of a new key may stay half-written: free, undo its row
-                grants = new.grants or {}
-                await asyncio.gather(
-                    *(u.free(new.indexes, grants.get(u.unit_id)) for u in self._units.values()),
-                    return_exceptions=True,
-                )
-                await self._ctl.call(m.Discard(indexes=new.indexes))
+                await self._undo_new_rows(new, e, writing)
             if lost is not None:
                 raise RowsLostError(
                     f"rows {lost[:5].tolist()} of the put's keys were lost with a storage "

@@ -108,7 +108,7 @@ def by_unit(units: np.ndarray) -> dict[int, np.ndarray]:
 
 class PutCalls:
     """``put``, and the write steps the key-value calls share (``_register``,
-    ``_write_units``)."""
+    ``_write_units``, ``_undo_new_rows``)."""
 
     # (the AsyncClient's state and methods this mixin uses)
     _io: LoopThread
@@ -297,19 +297,8 @@ class PutCalls:
             commit = m.Commit(new.indexes, list(cols), dropped=dropped, copies=copies)
             await self._ctl.call(commit)
         except BaseException as e:
-            # Nothing of the put may stay half-written: free what units hold, undo rows. But a
-            # commit that met the controller's death (or was cancelled) may have landed (it
-            # is journaled before its reply): its rows stay on the units, where the restarted
-            # controller serves them if it was committed and frees them if not; the discard
-            # frees them if the controller answers and nothing was committed.
-            if writing or not isinstance(e, PeerGoneError | asyncio.CancelledError):
-                await asyncio.gather(
-                    *(u.free(new.indexes, grants.get(u.unit_id)) for u in self._units.values()),
-                    return_exceptions=True,
-                )
             lost = await self._lost(new.indexes, e, meta_units(new))
-            with contextlib.suppress(TQError, ValueError):  # (gone: reclaimed later; or seen)
-                await self._ctl.call(m.Discard(indexes=new.indexes))
+            await self._undo_new_rows(new, e, writing)
             error: BaseException = e
             if lost is not None:
                 error = RowsLostError(
@@ -327,6 +316,23 @@ class PutCalls:
             raise error from e
         new.fields = tuple(cols)
         return new
+
+    async def _undo_new_rows(self, new: BatchMeta, error: BaseException, writing: bool) -> None:
+        """Undo the new rows ``new`` of a put that failed with ``error`` (``writing``: before
+        its commit was sent): nothing of it may stay half-written, so the units free what
+        they hold and the controller discards the rows. But a commit that met the
+        controller's death (or was cancelled) may have landed (it is journaled before its
+        reply): then the rows stay on the units, where a restarted controller serves them
+        if the commit landed and frees them if not; the discard frees them if the controller
+        answers it and no task has seen them (else they are committed: served whole)."""
+        if writing or not isinstance(error, PeerGoneError | asyncio.CancelledError):
+            grants = new.grants or {}
+            await asyncio.gather(
+                *(u.free(new.indexes, grants.get(u.unit_id)) for u in self._units.values()),
+                return_exceptions=True,
+            )
+        with contextlib.suppress(TQError, ValueError):  # (gone: reclaimed later; or seen)
+            await self._ctl.call(m.Discard(indexes=new.indexes))
 
     async def _undo_allocation(self, pending: asyncio.Future[BatchMeta]) -> None:
         """Discard the rows of an allocation whose put failed before it used them. The

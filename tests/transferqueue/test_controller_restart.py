@@ -181,6 +181,33 @@ def test_a_put_whose_commit_landed_as_the_controller_died_loses_nothing(
             until(lambda: sum(u["rows"] for u in _stats(c)["units"]) == 0, SLACK_S, "freed")
 
 
+def test_a_kv_put_whose_commit_landed_as_the_controller_died_loses_nothing(
+    tmp_path: Path,
+) -> None:
+    """As above, for a new key (no task has seen its row): the key's row is discarded, the
+    key forgotten, nothing lost and nothing left on the units."""
+    with (
+        transferqueue.serve(num_units=2, replicas=2, state_dir=tmp_path / "state") as svc,
+        transferqueue.connect(svc.address) as tq,
+    ):
+        c = tq.client()
+        c.kv_put("kept", {"x": row_values(1, 1)[0]}, partition="kv")
+        ac = c.async_client
+        real = ac._ctl
+        ac._ctl = _CommitThenDie(real, svc.pids[-1])
+        try:
+            with pytest.raises(PeerGoneError):
+                c.kv_put("k", {"x": row_values(7, 1)[0]}, partition="kv")
+        finally:
+            ac._ctl = real
+        until(lambda: svc.controller_restarts[0] == 1, SLACK_S, "restart")
+        listing = answered(lambda: c.kv_list("kv"), SLACK_S)
+        assert list(listing.keys) == ["kept"]
+        assert torch.equal(c.kv_get("kept", partition="kv")["x"], row_values(1, 1)[0])
+        assert _stats(c)["controller"]["rows_lost"] == 0
+        until(lambda: [u["rows"] for u in _stats(c)["units"]] == [1, 1], SLACK_S, "freed")
+
+
 def test_rows_of_a_unit_that_restarted_while_the_controller_was_down_are_lost(
     tmp_path: Path,
 ) -> None:
