@@ -37,7 +37,7 @@ class ObjectStoreWeights:
     def receiver(self, member: str) -> _Receiver:
         import ray
 
-        return _Receiver(ray.get_actor(self.coordinator), member)
+        return _Receiver(ray.get_actor(self.coordinator), member, self.timeout_s)
 
 
 class _Sender:
@@ -64,9 +64,10 @@ class _Sender:
 
 
 class _Receiver:
-    def __init__(self, coordinator: Any, member: str) -> None:
+    def __init__(self, coordinator: Any, member: str, timeout_s: float) -> None:
         self._coord = coordinator
         self.member = member
+        self._timeout_s = timeout_s
         self._newest = -1
         self._refs: list[Any] = []
         self._held: dict[int, Mapping[str, torch.Tensor]] = {}
@@ -91,7 +92,14 @@ class _Receiver:
             self.wait_newer(version - 1, 0.0)
         if version != self._newest:
             raise KeyError(f"weights version {version} is gone; newest: {self._newest}")
-        state: Mapping[str, torch.Tensor] = ray.get(self._refs[0])
+        try:
+            state: Mapping[str, torch.Tensor] = ray.get(self._refs[0], timeout=self._timeout_s)
+        except ray.exceptions.GetTimeoutError as e:
+            raise TimeoutError(
+                f"weights version {version} did not arrive from Ray's object store within "
+                f"{self._timeout_s:g} s (ObjectStoreWeights.timeout_s): the node holding it "
+                "may be unreachable or the object store full"
+            ) from e
         self._held[version] = state
         return state
 

@@ -530,3 +530,45 @@ def test_ray_actor_receives(name: str, ray_cluster: Any) -> None:
         ray.kill(actor)
         sender.close()
     assert not shm_files()
+
+
+def _never() -> None:
+    time.sleep(600)  # (cancelled by the test)
+
+
+@pytest.mark.ray
+def test_ray_object_store_weights_reach_an_actor_newest_first_and_a_stuck_fetch_is_bounded(
+    ray_cluster: Any,
+) -> None:
+    """``deploy.weight_transport=ray``: the coordinator actor keeps the newest version's
+    object; an actor that asks after version -1 gets only the newest, bit-exact; an older
+    version is refused at the sender; a fetch whose object never arrives fails within the
+    transport's ``timeout_s`` with an error naming it, instead of hanging the generator."""
+    from asyncflow.deploy.ray_weights import ObjectStoreWeights
+    from asyncflow.deploy.remote import Coordinator
+
+    ray = ray_cluster
+    name = f"weights-coordinator-{os.getpid()}"
+    coord = ray.remote(Coordinator).options(name=name, num_cpus=0).remote()
+    transport = ObjectStoreWeights(name, timeout_s=3.0)
+    sender = transport.sender()
+    actor = ray.remote(num_cpus=0)(GeneratorHost).remote(transport, "actor")
+    stuck = ray.remote(num_cpus=0)(_never).remote()
+    try:
+        assert ray.get(actor.newest.remote(), timeout=120) == -1
+        sender.publish(awkward_state(1), 1)
+        sender.publish(awkward_state(2), 2)
+        version, got = ray.get(actor.load.remote(-1), timeout=120)
+        assert version == 2
+        check_same(got, awkward_state(2))
+        with pytest.raises(ValueError, match="not newer"):
+            sender.publish(awkward_state(1), 1)
+        ray.get(coord.put_weights.remote(3, [stuck]), timeout=60)  # (an object never made)
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"version 3 .*ObjectStoreWeights\.timeout_s"):
+            ray.get(actor.load.remote(2), timeout=120)
+        assert time.monotonic() - started < 60
+    finally:
+        ray.cancel(stuck, force=True)
+        ray.kill(actor)
+        ray.kill(coord)
