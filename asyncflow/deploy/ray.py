@@ -506,7 +506,12 @@ class RayDeployment(Deployment):
         rollout: dict[str, Any] = {}
         with contextlib.suppress(Exception):
             rollout = await self._rollout.summary.remote()
+        nodes: dict[str, str] = {}
+        with contextlib.suppress(Exception):  # (a host that died at the end has no node)
+            nodes = await within(self.where(), 30.0)
         return {
+            "weight_transport": None if self._weights is None else self._weights.name,
+            "nodes": nodes,
             "weight_updates": stats["updates"],
             "weight_update_s": stats["update_seconds"],
             "weight_adoption_s": stats["adoption_s"],

@@ -1,5 +1,6 @@
-"""Starts a 3-node Ray cluster on this machine, deploys a workflow's stage hosts on it as a
-config places them, and prints where each landed, as JSON: ``{stage: node label}``.
+"""Starts a 3-node Ray cluster on this machine, runs a short workflow on it with its stage
+hosts placed as a config says, and prints, as JSON, where each landed (``{stage: node
+label}``), the weight transport the run chose and what each step trained.
 
     python -m tests.asyncflow.placement_probe
 
@@ -11,11 +12,13 @@ the test session already has one.
 | a     | ``node_a`` (head)    | TransferQueue controller and units (custom resource) |
 | b     | ``node_b``           | generators and reward workers (custom resource)      |
 | c     | ``node_c``           | the trainer ranks (pinned by node id)                |
+
+The trainer and the generators are on different nodes, so the weights go by ``broadcast``
+(a gloo link from the trainer's rank 0 to each generator), the path of a multi-node run.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import sys
@@ -23,6 +26,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+STEPS = 4
+MAX_STALENESS = 1
 
 
 def main() -> None:
@@ -32,9 +37,8 @@ def main() -> None:
     import ray
     from ray.cluster_utils import Cluster
 
-    from asyncflow import load_config
-    from asyncflow.deploy.ray import RayDeployment
-    from asyncflow.metrics import Timeline
+    from asyncflow import run
+    from tests.asyncflow.conftest import RAY_START, small_config
 
     loopback = {"node_ip_address": "127.0.0.1"}
     cluster = Cluster(
@@ -57,27 +61,37 @@ def main() -> None:
         }
         node_c = next(i for i, lab in labels.items() if lab == "node_c")
         with tempfile.TemporaryDirectory() as out:
-            cfg = load_config(
-                overrides=[
-                    f"output.dir={out}",
-                    "model.warm_start_steps=0",
-                    "deploy.mode=ray",
-                    "transferqueue.placement.resources={node_a: 0.01}",
-                    "rollout.instances=2",
-                    "rollout.placement.resources={node_b: 1}",
-                    "reward.instances=2",
-                    "reward.placement.resources={node_b: 1}",
-                    "train.dp_size=2",
-                    f"train.placement.node_id={node_c}",
-                ]
+            cfg = small_config(
+                Path(out),
+                "deploy.mode=ray",
+                "transferqueue.placement.resources={node_a: 0.01}",
+                "rollout.instances=2",
+                "rollout.placement.resources={node_b: 1}",
+                "reward.instances=2",
+                "reward.placement.resources={node_b: 1}",
+                "train.dp_size=2",
+                f"train.placement.node_id={node_c}",
+                f"train.steps={STEPS}",
+                f"train.max_staleness={MAX_STALENESS}",
+                RAY_START,
             )
-
-            async def deploy() -> dict[str, str]:
-                async with RayDeployment(cfg, Timeline()) as dep:
-                    return await dep.where()
-
-            where = asyncio.run(deploy())
-        json.dump({stage: labels[node] for stage, node in where.items()}, sys.stdout)
+            result = run(cfg)
+        report = {
+            "where": {stage: labels[node] for stage, node in result.extra["nodes"].items()},
+            "weight_transport": result.extra["weight_transport"],
+            "weight_updates": result.extra["weight_updates"],
+            "groups_per_step": cfg.train.groups_per_step,
+            "steps": [
+                {
+                    "step": r.step,
+                    "groups": r.groups,
+                    "staleness": r.staleness,
+                    "sample_versions": r.sample_versions,
+                }
+                for r in result.reports
+            ],
+        }
+        json.dump(report, sys.stdout)
     finally:
         ray.shutdown()
         cluster.shutdown()

@@ -26,23 +26,40 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(RAY_TEST_TI
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_stage_hosts_and_units_land_on_the_nodes_the_config_names() -> None:
+def test_a_run_over_three_nodes_lands_where_the_config_says_and_broadcasts_its_weights() -> None:
+    """Three Ray nodes (``placement_probe``): every stage host and TransferQueue server lands
+    on the node its placement names; the trainer and the generators being on different
+    nodes, the weights go by ``broadcast``; every step trains its window, each group once,
+    within the staleness bound, with weights that came across (updates counted)."""
     pytest.importorskip("ray")
+    from tests.asyncflow.placement_probe import MAX_STALENESS, STEPS
+
     proc = subprocess.run(
         [sys.executable, "-m", "tests.asyncflow.placement_probe"],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=RAY_TEST_TIMEOUT_S - 60,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    where = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    where = report["where"]
     units = {k: v for k, v in where.items() if k.startswith("tq/")}
     assert set(units) == {"tq/unit0", "tq/unit1", "tq/controller"}
     assert set(units.values()) == {"node_a"}  # a custom resource only node a declares
     for stage in ("rollout/instance0", "rollout/instance1", "reward/0", "reward/1"):
         assert where[stage] == "node_b", (stage, where)
     assert where["train"] == where["train/rank1"] == "node_c"  # pinned by node id
+    assert report["weight_transport"] == "broadcast"
+    b = report["groups_per_step"]
+    steps = report["steps"]
+    assert [s["step"] for s in steps] == list(range(STEPS))
+    for s in steps:
+        assert s["groups"] == list(range(s["step"] * b, (s["step"] + 1) * b))
+        assert min(s["staleness"]) >= 0 and max(s["staleness"]) <= MAX_STALENESS
+    # generators sampled with versions the trainer broadcast (they start at version 0)
+    assert report["weight_updates"] >= 1
+    assert max(steps[-1]["sample_versions"]) >= STEPS - 1 - MAX_STALENESS >= 1
 
 
 def _kill_when(out: Path, after_steps: int, targets: list[str], killed: list[str]) -> None:
@@ -108,7 +125,9 @@ def test_a_ray_run_rides_through_its_tq_controller_actor_killed(
     """TransferQueue deployed on Ray by the run, with a ``state_dir``: its controller actor
     SIGKILLed after the first step is restarted by Ray with its state, the driver and every
     stage host ride through it (``transferqueue.ride_through_s``), and every step still
-    trains exactly its window, each group once and whole, within the staleness bound."""
+    trains exactly its window, each group once and whole, within the staleness bound. The
+    weights go through Ray's object store (``deploy.weight_transport=ray``), the transport
+    no other test runs."""
     import ray
 
     out = tmp_path / "run"
@@ -122,6 +141,7 @@ def test_a_ray_run_rides_through_its_tq_controller_actor_killed(
         f"train.steps={steps}",
         f"train.groups_per_step={per_step}",
         f"train.max_staleness={k}",
+        "deploy.weight_transport=ray",
         RAY_START,
     )
     pids: list[int] = []
@@ -155,6 +175,9 @@ def test_a_ray_run_rides_through_its_tq_controller_actor_killed(
         assert r.groups == list(range(r.step * per_step, (r.step + 1) * per_step))
         assert r.samples == per_step * cfg.rollout.group_size
         assert min(r.staleness) >= 0 and max(r.staleness) <= k
+    assert result.extra["weight_transport"] == "ray"
+    assert result.extra["weight_updates"] >= 1
+    assert max(result.reports[-1].sample_versions) >= steps - 1 - k  # (generators start at 0)
 
 
 def test_a_dead_trainer_rank_ends_the_run_naming_it(ray_cluster: None, tmp_path: Path) -> None:
