@@ -6,6 +6,8 @@ Both start Ray actors for every stage instance; they are marked ``ray`` and ``sl
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -13,11 +15,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
 from asyncflow import EngineFactories, StageError, run
+from asyncflow.feeder import PromptFeeder
 from tests.asyncflow.conftest import RAY_START, RAY_TEST_TIMEOUT_S, small_config
 from tests.asyncflow.faulty import slow_reward_factory
 
@@ -62,9 +66,15 @@ def test_a_run_over_three_nodes_lands_where_the_config_says_and_broadcasts_its_w
     assert max(steps[-1]["sample_versions"]) >= STEPS - 1 - MAX_STALENESS >= 1
 
 
-def _kill_when(out: Path, after_steps: int, targets: list[str], killed: list[str]) -> None:
+def _kill_when(
+    out: Path,
+    after_steps: int,
+    targets: list[str],
+    killed: list[str],
+    pids: list[int] | None = None,
+) -> None:
     """Once ``after_steps`` steps are recorded, SIGKILL the stage hosts whose actor names end
-    with ``targets`` (their processes, as an OOM killer would)."""
+    with ``targets`` (their processes, as an OOM killer would; their pids go to ``pids``)."""
     import ray
 
     metrics = out / "metrics.jsonl"
@@ -79,12 +89,59 @@ def _kill_when(out: Path, after_steps: int, targets: list[str], killed: list[str
         pid = ray.get(ray.get_actor(name).where.remote(), timeout=60)["pid"]
         os.kill(pid, signal.SIGKILL)
         killed.append(suffix)
+        if pids is not None:
+            pids.append(pid)
 
 
-def test_killed_generator_and_reward_hosts_are_recovered(ray_cluster: None, tmp_path: Path) -> None:
+class _AdmissionGate:
+    """Holds the driver's feeder before it puts group ``first`` or a later one, until
+    :meth:`open` (or ``bound_s``): a test that kills stage hosts keeps the run going until
+    their restarts are seen, however long a loaded machine takes to start an actor (a
+    restarted generator imports torch and builds its engine), instead of racing them."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, first: int, bound_s: float) -> None:
+        self._open = threading.Event()
+        self.held = False
+        real = PromptFeeder._put
+
+        async def put(feeder: PromptFeeder, group_ids: Sequence[int]) -> None:
+            if max(group_ids) >= first:
+                deadline = time.monotonic() + bound_s
+                while not self._open.is_set() and time.monotonic() < deadline:
+                    self.held = True
+                    await asyncio.sleep(0.1)
+            await real(feeder, group_ids)
+
+        monkeypatch.setattr(PromptFeeder, "_put", put)
+
+    def open(self) -> None:
+        self._open.set()
+
+
+def _restarted(names: list[str], generator: str, worker: str, old_pid: int) -> bool:
+    """The generator registered again with the coordinator, and the worker's actor answers
+    from a new process."""
+    import ray
+
+    coord = ray.get_actor(max(n for n in names if n.endswith("-coordinator")))
+    restarts = ray.get(coord.stats.remote(), timeout=30)["restarts"]
+    if restarts.get(generator, 0) < 1:
+        return False
+    actor = ray.get_actor(max(n for n in names if n.endswith(f"-{worker}")))
+    return bool(ray.get(actor.where.remote(), timeout=30)["pid"] != old_pid)
+
+
+def test_killed_generator_and_reward_hosts_are_recovered(
+    ray_cluster: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """SIGKILL a generator and a reward worker mid-run: Ray restarts them, the driver runs
     them again, what they held comes back (the generator's call at once, the reward worker's
-    rows when their lease ends), and the run finishes with every invariant intact."""
+    rows when their lease ends), and the run finishes with every invariant intact. The
+    driver's feeder waits before step 8's groups until both restarts are seen (the
+    generator registered again, the worker answers from a new process), so that the run
+    outlasts them on any machine."""
+    import ray
+
     out = tmp_path / "run"
     k, steps = 1, 30
     cfg = small_config(
@@ -97,15 +154,33 @@ def test_killed_generator_and_reward_hosts_are_recovered(ray_cluster: None, tmp_
         "transferqueue.lease_s=5",
         RAY_START,
     )
+    gate = _AdmissionGate(monkeypatch, 8 * cfg.train.groups_per_step, RAY_TEST_TIMEOUT_S / 2)
     killed: list[str] = []
-    killer = threading.Thread(
-        target=_kill_when, args=(out, 3, ["-instance0", "-reward-0"], killed), daemon=True
-    )
+    pids: list[int] = []
+    seen: list[bool] = []
+
+    def kill_then_open_the_gate_once_both_came_back() -> None:
+        try:
+            _kill_when(out, 3, ["-instance0", "-reward-0"], killed, pids)
+            names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+            old_pid = pids[-1]
+            deadline = time.monotonic() + RAY_TEST_TIMEOUT_S / 2
+            while time.monotonic() < deadline:
+                with contextlib.suppress(Exception):  # (unavailable while it restarts)
+                    if _restarted(names, "instance0", "reward-0", old_pid):
+                        seen.append(True)
+                        return
+                time.sleep(0.5)
+        finally:
+            gate.open()
+
+    killer = threading.Thread(target=kill_then_open_the_gate_once_both_came_back, daemon=True)
     killer.start()
-    # a reward with latency: the run outlasts the restarts, so the new incarnations register
+    # a reward with latency: the kill meets groups in every stage
     result = run(cfg, factories=EngineFactories(reward=slow_reward_factory))
     killer.join(timeout=60)
     assert killed == ["-instance0", "-reward-0"]
+    assert seen == [True], "the restarts were not seen within the bound"
     b = cfg.train.groups_per_step
     trained: list[int] = []
     for rep in result.reports:
