@@ -101,14 +101,12 @@ class _AdmissionGate:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, first: int, bound_s: float) -> None:
         self._open = threading.Event()
-        self.held = False
         real = PromptFeeder._put
 
         async def put(feeder: PromptFeeder, group_ids: Sequence[int]) -> None:
             if max(group_ids) >= first:
                 deadline = time.monotonic() + bound_s
                 while not self._open.is_set() and time.monotonic() < deadline:
-                    self.held = True
                     await asyncio.sleep(0.1)
             await real(feeder, group_ids)
 
