@@ -297,15 +297,22 @@ def test_groups_a_dead_unit_actor_took_are_regenerated_on_the_ray_workflow(
         )
         pid = ray.get(ray.get_actor(f"{prefix}-unit1").pid.remote(), timeout=60)
         killed: list[str] = []
+        held: list[int] = []  # unit1's bytes when it was killed
+        watcher = tq.client()
 
         def kill_after_first_step() -> None:
+            # after the first step, and only while unit1 holds rows of the run (the groups
+            # admitted for the next steps): a kill between puts would take nothing
             metrics = out / "metrics.jsonl"
             deadline = time.monotonic() + RAY_TEST_TIMEOUT_S
             while time.monotonic() < deadline:
                 if metrics.exists() and metrics.read_text().strip():
-                    os.kill(pid, signal.SIGKILL)
-                    killed.append("unit1")
-                    return
+                    on_unit1 = int(watcher.stats()["controller"]["unit_bytes"][1])
+                    if on_unit1 > 0:
+                        os.kill(pid, signal.SIGKILL)
+                        killed.append("unit1")
+                        held.append(on_unit1)
+                        return
                 time.sleep(0.1)
 
         killer = threading.Thread(target=kill_after_first_step, daemon=True)
@@ -314,12 +321,14 @@ def test_groups_a_dead_unit_actor_took_are_regenerated_on_the_ray_workflow(
         # so rows the train stage has not consumed yet are lost
         result = run(cfg, factories=EngineFactories(reward=slow_reward_factory))
         killer.join(timeout=60)
-        assert killed == ["unit1"], "the run ended before a step was recorded"
-        assert tq.client().stats()["controller"]["rows_lost"] > 0  # it took rows of the run
+        assert killed == ["unit1"], "the run ended before unit1 held rows after a step"
+        lost = tq.client().stats()["controller"]["rows_lost"]
+        assert lost > 0, f"unit1 held {held} bytes when killed, yet no row was lost"
     regenerated = result.extra["regenerated_groups"]
-    assert regenerated and len(regenerated) == len(set(regenerated))  # put again, each once
+    assert regenerated, f"{lost} rows lost, no group put again"
+    assert len(regenerated) == len(set(regenerated)), f"a group put again twice: {regenerated}"
     assert [r.step for r in result.reports] == list(range(steps))
     for r in result.reports:
-        assert r.groups == list(range(r.step * per_step, (r.step + 1) * per_step))
-        assert r.samples == per_step * cfg.rollout.group_size
-        assert min(r.staleness) >= 0 and max(r.staleness) <= k
+        assert r.groups == list(range(r.step * per_step, (r.step + 1) * per_step)), r
+        assert r.samples == per_step * cfg.rollout.group_size, r
+        assert min(r.staleness) >= 0 and max(r.staleness) <= k, r
