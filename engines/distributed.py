@@ -31,6 +31,7 @@ __all__ = [
     "broadcast_parameters",
     "free_port",
     "init_group",
+    "leave_group",
 ]
 
 BUCKET_BYTES = 64 << 20
@@ -66,6 +67,19 @@ def init_group(
         world_size=world,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
+
+
+def leave_group() -> None:
+    """Leave the data-parallel group: wait for every rank (bounded by the group's timeout),
+    then tear the group down. A rank process that exits with its gloo group still up can be
+    aborted by the C++ runtime (``terminate called without an active exception``) while
+    another rank still talks to it; call this on every rank before the process ends."""
+    if not dist.is_initialized():
+        return
+    try:
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def _buckets(

@@ -104,3 +104,12 @@ class SlowReward:
 
 def slow_reward_factory(cfg: RunConfig, delay_s: float = 0.4) -> RewardFn:
     return SlowReward(delay_s)
+
+
+def train_leased(controller_stats: Mapping[str, Any]) -> int:
+    """Rows the ``train`` task holds leased now, over every partition (from the controller's
+    ``stats``). A unit killed while this is 0 takes only rows the train stage has not read:
+    each is in the train task's loss log, so its group must be regenerated (a row the
+    stage had read and then acknowledged is consumed, lost or not)."""
+    parts = controller_stats["partitions"].values()
+    return sum(int(p["tasks"]["train"]["leased"]) for p in parts if "train" in p["tasks"])

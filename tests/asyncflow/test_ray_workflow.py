@@ -23,7 +23,7 @@ import pytest
 from asyncflow import EngineFactories, StageError, run
 from asyncflow.feeder import PromptFeeder
 from tests.asyncflow.conftest import RAY_START, RAY_TEST_TIMEOUT_S, small_config
-from tests.asyncflow.faulty import slow_reward_factory
+from tests.asyncflow.faulty import slow_reward_factory, train_leased
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(RAY_TEST_TIMEOUT_S)]
 
@@ -301,14 +301,15 @@ def test_groups_a_dead_unit_actor_took_are_regenerated_on_the_ray_workflow(
         watcher = tq.client()
 
         def kill_after_first_step() -> None:
-            # after the first step, and only while unit1 holds rows of the run (the groups
-            # admitted for the next steps): a kill between puts would take nothing
+            # after the first step, while unit1 holds rows of the run and the train stage has
+            # none leased: the kill takes rows it has not read (see train_leased)
             metrics = out / "metrics.jsonl"
             deadline = time.monotonic() + RAY_TEST_TIMEOUT_S
             while time.monotonic() < deadline:
                 if metrics.exists() and metrics.read_text().strip():
-                    on_unit1 = int(watcher.stats()["controller"]["unit_bytes"][1])
-                    if on_unit1 > 0:
+                    stats = watcher.stats()["controller"]
+                    on_unit1 = int(stats["unit_bytes"][1])
+                    if on_unit1 > 0 and train_leased(stats) == 0:
                         os.kill(pid, signal.SIGKILL)
                         killed.append("unit1")
                         held.append(on_unit1)

@@ -18,6 +18,7 @@ from engines.distributed import (
     broadcast_parameters,
     free_port,
     init_group,
+    leave_group,
 )
 
 
@@ -52,6 +53,7 @@ def _rank(rank: int, port: int, out: str) -> None:
         },
         Path(out) / f"rank{rank}.pt",
     )
+    leave_group()  # (without it a rank that exits first can abort the other's gloo threads)
 
 
 @pytest.mark.service
