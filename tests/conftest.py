@@ -12,6 +12,12 @@ Test modules therefore import neither optional package at module level and carry
 ``importorskip``: tests that need no extra run everywhere.
 
 **Ray**: one local cluster per pytest session (:func:`ray_cluster`).
+
+**Parallel runs**: the README's test command runs the suite in two pytest-xdist workers
+(``-n 2 --dist loadgroup``). Every test that uses Ray goes to one xdist group
+(:func:`pytest_collection_modifyitems`), so one worker runs all of them, one after another, on
+its session's cluster, while the other runs the rest: never two Ray clusters at once. A test
+that observes anything machine-wide (``/dev/shm``, ports) must count only what it made itself.
 """
 
 from __future__ import annotations
@@ -64,6 +70,42 @@ def pytest_report_header(config: pytest.Config) -> str | None:
         if required
         else None
     )
+
+
+RAY_GROUP = "ray"
+"""The xdist group of every test that uses Ray."""
+
+RAY_FIXTURES = frozenset({"ray_cluster", "ray_tq"})
+
+
+def _uses_ray(item: pytest.Item) -> bool:
+    """Marked ``ray``, or asking for a fixture that starts (or needs) the Ray cluster."""
+    return item.get_closest_marker("ray") is not None or bool(
+        RAY_FIXTURES & set(getattr(item, "fixturenames", ()))
+    )
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups off the markers
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if _uses_ray(item):
+            item.add_marker(pytest.mark.xdist_group(RAY_GROUP))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """In an xdist worker under ``--dist loadgroup``, check that xdist put the Ray tests in
+    their group (it appends ``@ray`` to their ids): with pytest 9.2 it silently does not
+    (pytest-xdist issue 1386), and two workers would then start Ray clusters side by side."""
+    config = session.config
+    if not hasattr(config, "workerinput") or not config.getvalue("loadgroup"):
+        return
+    lost = [i.nodeid for i in session.items if _uses_ray(i) and not i.nodeid.endswith("@ray")]
+    if lost:
+        raise pytest.UsageError(
+            f"pytest-xdist did not group {len(lost)} Ray tests (e.g. {lost[0]}) under "
+            f"--dist loadgroup with pytest {pytest.__version__}: install the versions "
+            'pyproject.toml\'s dev extra names (pip install -e ".[dev,ray]")'
+        )
 
 
 def _marked(item: pytest.Item) -> list[str]:

@@ -161,11 +161,16 @@ def _retried(call: Callable[[], Any], timeout_s: float = 60.0) -> Any:
             time.sleep(0.5)
 
 
-def _shm_bytes() -> int:
+def _shm_bytes(pids: set[int]) -> int:
+    """Bytes of the ``/dev/shm`` arenas that processes ``pids`` created (an arena's name starts
+    with its creator's process id, :func:`transferqueue.shm.new_token`): the arenas of tests
+    running beside this one in another worker are not counted."""
+    prefixes = tuple(f"tq-{pid & 0xFFFFFFFF:08x}" for pid in pids)
     total = 0
     for p in Path("/dev/shm").glob("tq-*"):
-        with contextlib.suppress(FileNotFoundError):  # (freed meanwhile)
-            total += p.stat().st_blocks * 512
+        if p.name.startswith(prefixes):
+            with contextlib.suppress(FileNotFoundError):  # (freed meanwhile)
+                total += p.stat().st_blocks * 512
     return total
 
 
@@ -188,6 +193,7 @@ class _Clients:
         self.stop = workdir / "stop"
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.logs: dict[str, list[Path]] = {}
+        self.pids = {os.getpid()}  # every process that made arenas: this one, each client
 
     def start(self, name: str) -> None:
         role, idx = name.split("-")
@@ -197,6 +203,7 @@ class _Clients:
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-c", code, self.address, str(log), str(self.stop), idx]
         )
+        self.pids.add(self.procs[name].pid)
 
     def kill(self, name: str) -> None:
         proc = self.procs[name]
@@ -250,7 +257,7 @@ def _repaired(client: transferqueue.Client, last_kill: float, bound_s: float) ->
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_chaos_soak_keeps_every_invariant(replicas: int, tmp_path: Path) -> None:
     rng = random.Random(SEED)
-    shm_before = _shm_bytes()
+    shm_before = _shm_bytes({os.getpid()})
     kills = {"unit": 0, "controller": 0, "producer": 0, "consumer": 0}
     chaos_s = CHAOS_S if replicas == 1 else CHAOS_REPLICAS_S
     order = list(kills)  # (replicas=2, a shorter soak: each kind of kill comes once first)
@@ -330,9 +337,9 @@ def test_chaos_soak_keeps_every_invariant(replicas: int, tmp_path: Path) -> None
             after = page.next
         # the dead producers' allocations are reclaimed; their arenas are dropped
         deadline = time.monotonic() + ALLOCATION_S + 30
-        while _shm_bytes() > shm_before + (8 << 20) and time.monotonic() < deadline:
+        while _shm_bytes(clients.pids) > shm_before + (8 << 20) and time.monotonic() < deadline:
             time.sleep(0.5)
-        shm_after = _shm_bytes()
+        shm_after = _shm_bytes(clients.pids)
     produced = clients.entries("producer")
     consumed = clients.entries("consumer")
     put = [i for e in produced for i in e.get("put", [])]
