@@ -99,7 +99,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     config = session.config
     if not hasattr(config, "workerinput") or not config.getvalue("loadgroup"):
         return
-    lost = [i.nodeid for i in session.items if _uses_ray(i) and not i.nodeid.endswith("@ray")]
+    suffix = f"@{RAY_GROUP}"
+    lost = [i.nodeid for i in session.items if _uses_ray(i) and not i.nodeid.endswith(suffix)]
     if lost:
         raise pytest.UsageError(
             f"pytest-xdist did not group {len(lost)} Ray tests (e.g. {lost[0]}) under "
