@@ -92,21 +92,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group(RAY_GROUP))
 
 
+UNGROUPED = pytest.StashKey[str]()
+"""On a Ray test xdist left out of its group: why it must not run."""
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """In an xdist worker under ``--dist loadgroup``, check that xdist put the Ray tests in
     their group (it appends ``@ray`` to their ids): with pytest 9.2 it silently does not
-    (pytest-xdist issue 1386), and two workers would then start Ray clusters side by side."""
+    (pytest-xdist issue 1386), and two workers would then start Ray clusters side by side.
+    Such tests fail at setup, before any fixture starts Ray, saying so (an error raised here
+    would only crash the worker, its message lost)."""
     config = session.config
     if not hasattr(config, "workerinput") or not config.getvalue("loadgroup"):
         return
     suffix = f"@{RAY_GROUP}"
-    lost = [i.nodeid for i in session.items if _uses_ray(i) and not i.nodeid.endswith(suffix)]
-    if lost:
-        raise pytest.UsageError(
-            f"pytest-xdist did not group {len(lost)} Ray tests (e.g. {lost[0]}) under "
-            f"--dist loadgroup with pytest {pytest.__version__}: install the versions "
-            'pyproject.toml\'s dev extra names (pip install -e ".[dev,ray]")'
-        )
+    for item in session.items:
+        if _uses_ray(item) and not item.nodeid.endswith(suffix):
+            item.stash[UNGROUPED] = (
+                f"pytest-xdist did not put this Ray test in its group under --dist loadgroup "
+                f"with pytest {pytest.__version__}, so two workers could start Ray clusters "
+                "side by side: install the versions pyproject.toml's dev extra names "
+                '(pip install -e ".[dev,ray]"), or run without -n'
+            )
 
 
 def _marked(item: pytest.Item) -> list[str]:
@@ -114,6 +121,8 @@ def _marked(item: pytest.Item) -> list[str]:
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    if UNGROUPED in item.stash:
+        pytest.fail(item.stash[UNGROUPED], pytrace=False)
     for extra in _marked(item):
         hint = _absent(extra)
         if hint is None:
