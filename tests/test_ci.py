@@ -1,7 +1,9 @@
-"""The CI script's command runner: any non-zero exit fails CI, pytest's exit 5 included."""
+"""The CI scripts: `.ci/run` fails on any non-zero exit (pytest's 5 included); `.ci/soak` runs a
+command N times in a row from fresh clones under busy loops and stops at the first failure."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -41,3 +43,97 @@ def test_a_passing_command_goes_on() -> None:
     proc = _run_in_ci_shell("true")
     assert proc.returncode == 0
     assert proc.stdout.splitlines() == ["+ true", "after"]
+
+
+# ---- .ci/soak: the suite N times in a row from fresh clones, under busy loops ----------------
+
+SOAK = CI.parent / "soak"
+
+
+@pytest.fixture
+def soak_repo(tmp_path: Path) -> Path:
+    """A small git repository holding ``.ci/soak`` and a README whose test command passes."""
+    repo = tmp_path / "repo"
+    (repo / ".ci").mkdir(parents=True)
+    (repo / ".ci" / "soak").write_bytes(SOAK.read_bytes())
+    (repo / "README.md").write_text(
+        '# x\n\n<!-- test-command -->\n```bash\necho "5 passed, 2 skipped in 0.10s"\n```\n'
+    )
+    for args in (["init", "-q"], ["add", "."], ["commit", "-q", "-m", "x"]):
+        subprocess.run(
+            ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+            cwd=repo,
+            check=True,
+            timeout=60,
+        )
+    return repo
+
+
+def _soak(repo: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", str(repo / ".ci" / "soak"), "--dir", str(repo.parent / "soak"), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_soak_runs_the_readme_command_in_fresh_clones_under_busy_loops(soak_repo: Path) -> None:
+    proc = _soak(soak_repo, "--runs", "2", "--hogs", "2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = (soak_repo.parent / "soak" / "summary.txt").read_text()
+    head = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=soak_repo, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    for i in (1, 2):  # the README's command ran, each time at the commit
+        assert f"run {i}/2 {head} rc=0 wall=" in summary
+    assert summary.count(": 5 passed, 2 skipped in 0.10s") == 2
+    assert summary.splitlines()[-1] == "soak: 2 run(s) in a row passed"
+    assert summary == proc.stdout
+    assert not (soak_repo.parent / "soak" / "run1").exists()  # a passing run's clone is removed
+
+
+def test_soak_command_runs_in_a_clone_while_its_busy_loops_run_and_they_stop(
+    soak_repo: Path,
+) -> None:
+    record = soak_repo.parent / "record"
+    command = (
+        f'echo "$SOAK_RUN $PWD" >> {record}; '
+        f'for p in $SOAK_HOGS; do kill -0 "$p" && echo "hog $p" >> {record}; done'
+    )
+    proc = _soak(soak_repo, "--runs", "2", "--hogs", "2", "--command", command)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = record.read_text().splitlines()
+    runs = [line for line in lines if not line.startswith("hog ")]
+    assert runs == [f"{i} {soak_repo.parent / 'soak' / f'run{i}'}" for i in (1, 2)]
+    hogs = [int(line.split()[1]) for line in lines if line.startswith("hog ")]
+    assert len(hogs) == 4 and len(set(hogs)) == 4  # two live busy loops in each run
+    for pid in hogs:  # all stopped once their run ended
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert "no pytest summary line" in proc.stdout
+
+
+def test_soak_stops_at_the_first_failing_run_and_keeps_its_clone(soak_repo: Path) -> None:
+    command = 'echo "1 failed, 4 passed in 0.20s"; test "$SOAK_RUN" -lt 2'
+    proc = _soak(soak_repo, "--runs", "3", "--hogs", "0", "--command", command)
+    assert proc.returncode == 1
+    out = proc.stdout
+    assert "rc=0" in out and "rc=1" in out and "run 3/3" not in out
+    assert "rc=1 wall=" in out and out.count(": 1 failed, 4 passed in 0.20s") == 2
+    assert (soak_repo.parent / "soak" / "run2" / "README.md").exists()
+    assert not (soak_repo.parent / "soak" / "run1").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--runs", "two"], "--runs and --hogs take a whole number"),
+        (["--commit", "no-such-ref"], "--commit no-such-ref is not a commit"),
+        (["--rnus", "2"], "unknown argument '--rnus'"),
+    ],
+)
+def test_soak_refuses_bad_arguments(soak_repo: Path, args: list[str], message: str) -> None:
+    proc = _soak(soak_repo, *args)
+    assert proc.returncode == 2
+    assert message in proc.stderr
