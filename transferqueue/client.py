@@ -58,7 +58,8 @@ FORMATS = ("torch", "arrow")
 
 _MAX_RUNS_FOR_DIRECT_READ = 8
 # A read that failed on a unit asks the controller which rows were lost for this long: the
-# controller may declare the unit dead a little after this client gave up on it.
+# controller may declare the unit dead a little after this client gave up on it, or be
+# restarting itself (then it is asked again until it answers).
 _LOST_WAIT_S = 6.0
 
 
@@ -179,7 +180,7 @@ class AsyncClient(PutCalls, StatusCalls, KVCalls, CheckpointCalls):
                     units = moved
                     continue
                 error = e.error
-            lost = await self._lost(meta.indexes, error, meta_units(meta))
+            lost = await self._lost(meta.indexes, error, meta_units(meta), raise_unreachable=True)
             if lost is None:
                 raise error
             raise RowsLostError(
@@ -191,18 +192,44 @@ class AsyncClient(PutCalls, StatusCalls, KVCalls, CheckpointCalls):
             ) from error
 
     async def _lost(
-        self, indexes: np.ndarray, error: BaseException, units: list[int]
+        self,
+        indexes: np.ndarray,
+        error: BaseException,
+        units: list[int],
+        *,
+        raise_unreachable: bool = False,
     ) -> np.ndarray | None:
         """The rows of ``indexes`` lost with a unit, when ``error`` (of a unit) may be due to
-        that; None when none is (then ``error`` stands). ``units``: those the read used."""
+        that; None when none is (then ``error`` stands). ``units``: those the read used.
+
+        Only the controller knows whether a unit restarted, and it may be restarting itself
+        (both killed at once): it is asked again until it answers, for ``_LOST_WAIT_S``. If
+        it never does, the loss is unknown: with ``raise_unreachable`` that is a
+        PeerGoneError (retry later), else None (the unit's error stands; a caller that must
+        undo its rows first passes False). An UnknownRowError must not stand then: a read of
+        rows the unit lost in a restart would pass for the caller's mistake."""
         if not isinstance(error, PeerGoneError | UnknownRowError):
             return None
         loop = asyncio.get_running_loop()
+        give_up = loop.time() + _LOST_WAIT_S  # (the controller unreachable)
         deadline = loop.time() + (_LOST_WAIT_S if isinstance(error, PeerGoneError) else 0.0)
         while True:
             try:
                 lost: np.ndarray = await self._ctl.call(m.Lost(indexes=indexes, units=units))
-            except Exception:  # the controller is gone too: the unit's error stands
+            except PeerGoneError as gone:  # the controller is gone too, or restarting
+                if loop.time() < give_up:
+                    await asyncio.sleep(0.25)
+                    continue
+                if not raise_unreachable:
+                    return None
+                raise PeerGoneError(
+                    f"rows {indexes[:5].tolist()} could not be read from units {units} "
+                    f"({type(error).__name__}: {error}), and whether a unit lost them in a "
+                    "restart cannot be known while the controller does not answer "
+                    f"({gone}); call again once it is back (a consumer: release the batch, "
+                    "or let its lease expire)"
+                ) from error
+            except Exception:  # the controller refused: the unit's error stands
                 return None
             if lost.size:
                 return lost

@@ -106,7 +106,12 @@ class KVCalls:
         ) -> list[int]: ...
 
         async def _lost(
-            self, indexes: np.ndarray, error: BaseException, units: list[int]
+            self,
+            indexes: np.ndarray,
+            error: BaseException,
+            units: list[int],
+            *,
+            raise_unreachable: bool = False,
         ) -> np.ndarray | None: ...
 
         async def _undo_new_rows(

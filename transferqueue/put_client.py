@@ -123,7 +123,12 @@ class PutCalls:
     if TYPE_CHECKING:
 
         async def _lost(
-            self, indexes: np.ndarray, error: BaseException, units: list[int]
+            self,
+            indexes: np.ndarray,
+            error: BaseException,
+            units: list[int],
+            *,
+            raise_unreachable: bool = False,
         ) -> np.ndarray | None: ...
 
     async def put(
@@ -225,7 +230,7 @@ class PutCalls:
         try:
             dropped = await self._write_units(meta, cols, col_specs, create=False)
         except (PeerGoneError, UnknownRowError) as e:
-            lost = await self._lost(meta.indexes, e, meta_units(meta))
+            lost = await self._lost(meta.indexes, e, meta_units(meta), raise_unreachable=True)
             if lost is None:
                 raise
             raise RowsLostError(
