@@ -282,7 +282,11 @@ class BroadcastSender:
                 with self._cond:
                     while True:
                         for name in list(live):
-                            why = waiters[name].error or self._gone(name, live[name])
+                            why = (
+                                waiters[name].error
+                                or self._gone(name, live[name])
+                                or self._refused(name)
+                            )
                             if (
                                 why is None
                                 and waiters[name].done < i
@@ -311,6 +315,12 @@ class BroadcastSender:
         if self._members.get(name) is member:
             return None
         return self._acks.get(name) or "dropped during the publish"
+
+    def _refused(self, name: str) -> str | None:
+        """Why ``name`` reported the publish under way failed on its side (it then posts no
+        receive, so its sends would wait out the deadline), or None; under the lock."""
+        why = self._acks.get(name)
+        return None if why in (None, "ok") else f"the receiver failed: {why}"
 
     def _reserve(self, nbytes: int) -> list[torch.Tensor]:
         """The two staging buckets, at least ``nbytes`` each (kept across publishes)."""

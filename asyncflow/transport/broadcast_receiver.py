@@ -52,6 +52,7 @@ class _State:
         self.link: tuple[int, Any] | None = None  # (link id, group)
         self.commits: set[tuple[int, int]] = set()  # (link id, version) the sender committed
         self.latest_link = 0  # the newest link the sender asked for (older builds are stale)
+        self.failed_links: set[int] = set()  # links whose build failed on this side
         self.store_port = -1  # the sender's store, as its newest link message said
         self.closed = False
         self.jobs: queue.SimpleQueue[Message | None] = queue.SimpleQueue()
@@ -214,6 +215,9 @@ class BroadcastReceiver:
             )
         except Exception as e:  # the sender's side fails too, drops us, and we join again
             log.warning("receiver %r: link %d failed: %s", self.member, link_id, e)
+            with self._state.lock:
+                self._state.failed_links.add(link_id)
+                self._state.lock.notify_all()
             return
         with self._state.lock:
             if link_id != self._state.latest_link or self._state.closed:
@@ -226,8 +230,21 @@ class BroadcastReceiver:
 
     def _publish(self, msg: Message) -> None:
         link_id, version = int(msg["link"]), int(msg["version"])
-        with self._state.lock:
-            link = self._state.link
+        st = self._state
+        with st.lock:
+            # The sender counts the link from when its side of the pair is up; this side comes
+            # up in its own thread, possibly a moment later: a publish sent at once waits for it
+            # (bounded by the job's time left; a link replaced or failed meanwhile ends it).
+            st.lock.wait_for(
+                lambda: (
+                    (st.link is not None and st.link[0] == link_id)
+                    or st.latest_link != link_id
+                    or link_id in st.failed_links
+                    or st.closed
+                ),
+                max(0.0, self._left(msg) - 0.5),
+            )
+            link = st.link
         if link is None or link[0] != link_id:
             raise RuntimeError(f"no link {link_id} here (it failed or was replaced)")
         image = links.host_image(int(msg["nbytes"]))

@@ -38,6 +38,7 @@ from asyncflow.transport import (
     register_transport,
     transport_names,
 )
+from asyncflow.transport import links as links_module
 from asyncflow.transport.links import DIRECT_MIN_BYTES, plan_ranges
 from asyncflow.transport.shm import sweep_orphans
 from engines.weights_io import plan_state, unpack_buffer
@@ -212,6 +213,66 @@ def test_broadcast_newcomer_with_no_holder(keep_newest: bool) -> None:
         finally:
             receiver.close()
     finally:
+        sender.close()
+
+
+def test_broadcast_publish_right_after_the_link_waits_for_the_receivers_side(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The sender counts a link from when its side is up; the receiver's side comes up in a
+    thread of its own, a moment later on a busy machine. A publish sent in between reached a
+    receiver with "no link here" (seen in CI: the Ray actor test's publish waited out
+    timeout_s). The receiver waits for its side of the link."""
+    pair_group, late = links_module.pair_group, []
+
+    def receiver_side_late(store: Any, prefix: str, rank: int, **kw: Any) -> Any:
+        group = pair_group(store, prefix, rank, **kw)
+        if rank == 1 and prefix.startswith("link/"):  # the receiver's side of its link
+            late.append(prefix)
+            time.sleep(1.5)
+        return group
+
+    monkeypatch.setattr(links_module, "pair_group", receiver_side_late)
+    transport = make_transport("broadcast", **FAST["broadcast"])
+    sender = transport.sender()
+    receiver = transport.receiver("r")
+    try:
+        wait_until(lambda: sender.members() == ["r"], why="the sender's side of the link")
+        state = awkward_state(1)
+        sender.publish(state, 0)  # raised ReceiverFailedError (range 0 not sent) before
+        assert late == ["link/1"]
+        assert receiver.newest() == 0  # publish returned: it has it
+        check_same(receiver.get(0), state)
+        receiver.release(0)
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_broadcast_publish_a_receiver_failed_ends_with_its_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A receiver that fails the publish on its side posts no receive: the sender names it
+    with the receiver's reason at once instead of waiting out timeout_s on its sends."""
+    host_image = links_module.host_image
+
+    def no_room_in_receivers(nbytes: int) -> torch.Tensor:
+        if threading.current_thread().name.startswith("broadcast-"):  # (the receiver's worker)
+            raise MemoryError("no room for the image (test)")
+        return host_image(nbytes)
+
+    monkeypatch.setattr(links_module, "host_image", no_room_in_receivers)
+    transport = make_transport("broadcast", **{**FAST["broadcast"], "timeout_s": 600.0})
+    sender = transport.sender()
+    receiver = transport.receiver("r")
+    try:
+        wait_until(lambda: sender.members() == ["r"], why="the receiver to link")
+        with pytest.raises(ReceiverFailedError, match="no room for the image") as err:
+            sender.publish(awkward_state(), 0)  # (waited 600 s before)
+        assert list(err.value.failures) == ["r"]
+        assert receiver.newest() == -1
+    finally:
+        receiver.close()
         sender.close()
 
 
