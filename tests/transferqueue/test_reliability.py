@@ -364,53 +364,54 @@ def _bound(sock: socket.socket, host: str, port: int) -> bool:
     return True
 
 
-@contextlib.contextmanager
-def _unit_1_back_unannounced(
-    svc: transferqueue.LocalService, c: transferqueue.Client
-) -> Iterator[tuple[Any, np.ndarray]]:
-    """Unit 1 killed and started again, empty, on its address, as a supervisor starts it, less
-    the registration that would tell the controller at once (and no heartbeat within the test):
-    yields a batch leased of 1000 rows over both units and the indexes of those on unit 1."""
-    meta = _put_over_both(c, 0)
-    on1 = meta.indexes[meta.units == 1]
-    held = c.get_meta("t", ["x"], 1000, lease_s=600)
-    os.kill(svc.pids[1], signal.SIGKILL)
-    until(lambda: svc._procs[1].poll() is not None, SLACK_S, "killed")
-    args = ["unit", "--unit-id", "1", "--address", svc.unit_addresses[1]]
-    cmd = svc._spawn_args(args)
-    twin = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=svc._env)
-    try:
-        transferqueue.LocalService._wait(twin, SLACK_S + 30)
-        assert _ctl(c)["units_alive"] == [True, True]  # nobody noticed
-        yield held, on1
-    finally:
-        twin.kill()
-        twin.wait(10)
-
-
 _SLOW = Liveness(heartbeat_s=60.0, dead_after_s=120.0)  # no heartbeat within these tests
+
+
+@contextlib.contextmanager
+def _unit_1_back_unannounced() -> Iterator[
+    tuple[transferqueue.LocalService, transferqueue.Client, Any, np.ndarray]
+]:
+    """A 2-unit service whose unit 1 was killed and started again, empty, on its address, as a
+    supervisor starts it, less the registration that would tell the controller at once (and no
+    heartbeat within the test): yields the service, a client, a batch leased of 1000 rows over
+    both units and the indexes of those on unit 1."""
+    with (
+        transferqueue.serve(num_units=2, spread_bytes=0, max_restarts=0, liveness=_SLOW) as svc,
+        transferqueue.connect(svc.address) as tq,
+    ):
+        c = tq.client()
+        meta = _put_over_both(c, 0)
+        on1 = meta.indexes[meta.units == 1]
+        held = c.get_meta("t", ["x"], 1000, lease_s=600)
+        os.kill(svc.pids[1], signal.SIGKILL)
+        until(lambda: svc._procs[1].poll() is not None, SLACK_S, "killed")
+        args = ["unit", "--unit-id", "1", "--address", svc.unit_addresses[1]]
+        cmd = svc._spawn_args(args)
+        twin = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=svc._env)
+        try:
+            transferqueue.LocalService._wait(twin, SLACK_S + 30)
+            assert _ctl(c)["units_alive"] == [True, True]  # nobody noticed
+            yield svc, c, held, on1
+        finally:
+            twin.kill()
+            twin.wait(10)
 
 
 def test_a_unit_back_before_any_heartbeat_missed_it_still_reports_its_rows_lost() -> None:
     # A unit restarted between two heartbeats, not registered yet: reads and writes of its
     # old rows meet an empty unit. They must fail as lost rows (the controller asks the
     # unit who it is), not as UnknownRowError, which reads as the caller's mistake.
-    with (
-        transferqueue.serve(num_units=2, spread_bytes=0, max_restarts=0, liveness=_SLOW) as svc,
-        transferqueue.connect(svc.address) as tq,
-    ):
-        c = tq.client()
-        with _unit_1_back_unannounced(svc, c) as (held, on1):
-            with pytest.raises(RowsLostError, match="lost") as err:  # a write ...
-                c.put({"y": torch.zeros(1000, 1)}, meta=held)
-            assert sorted(np.asarray(err.value.indexes).tolist()) == on1.tolist()
-            assert _ctl(c)["rows_lost"] == on1.size
-            with pytest.raises(RowsLostError, match="lost") as err:  # ... and a read
-                c.get_data(held)
-            assert sorted(np.asarray(err.value.indexes).tolist()) == on1.tolist()
-            c.ack(held)
-            task = _ctl(c)["partitions"]["default"]["tasks"]["t"]
-            assert (task["done"], task["lost"]) == (500, 500)
+    with _unit_1_back_unannounced() as (_, c, held, on1):
+        with pytest.raises(RowsLostError, match="lost") as err:  # a write ...
+            c.put({"y": torch.zeros(1000, 1)}, meta=held)
+        assert sorted(np.asarray(err.value.indexes).tolist()) == on1.tolist()
+        assert _ctl(c)["rows_lost"] == on1.size
+        with pytest.raises(RowsLostError, match="lost") as err:  # ... and a read
+            c.get_data(held)
+        assert sorted(np.asarray(err.value.indexes).tolist()) == on1.tolist()
+        c.ack(held)
+        task = _ctl(c)["partitions"]["default"]["tasks"]["t"]
+        assert (task["done"], task["lost"]) == (500, 500)
 
 
 def test_a_read_that_meets_a_restarted_unit_while_the_controller_restarts_asks_again(
@@ -420,41 +421,31 @@ def test_a_read_that_meets_a_restarted_unit_while_the_controller_restarts_asks_a
     # question "were these rows lost?" met the controller down, and the unit's
     # UnknownRowError stood, which a consumer takes for its own mistake. The reader asks
     # again until the controller answers.
-    with (
-        transferqueue.serve(num_units=2, spread_bytes=0, max_restarts=0, liveness=_SLOW) as svc,
-        transferqueue.connect(svc.address) as tq,
-    ):
-        c = tq.client()
-        with _unit_1_back_unannounced(svc, c) as (held, on1):
-            ctl = c.async_client._ctl
-            call, refused = ctl.call, []
+    with _unit_1_back_unannounced() as (_, c, held, on1):
+        ctl = c.async_client._ctl
+        call, refused = ctl.call, []
 
-            async def down_at_first(msg: Any, *args: Any, **kwargs: Any) -> Any:
-                if isinstance(msg, m.Lost) and len(refused) < 2:  # (restarting)
-                    refused.append(msg)
-                    raise PeerGoneError("the controller dropped the connection (test)")
-                return await call(msg, *args, **kwargs)
+        async def down_at_first(msg: Any, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(msg, m.Lost) and len(refused) < 2:  # (restarting)
+                refused.append(msg)
+                raise PeerGoneError("the controller dropped the connection (test)")
+            return await call(msg, *args, **kwargs)
 
-            monkeypatch.setattr(ctl, "call", down_at_first)
-            with pytest.raises(RowsLostError, match="lost") as err:
-                c.get_data(held)
-            assert len(refused) == 2
-            assert sorted(np.asarray(err.value.indexes).tolist()) == on1.tolist()
+        monkeypatch.setattr(ctl, "call", down_at_first)
+        with pytest.raises(RowsLostError, match="lost") as err:
+            c.get_data(held)
+        assert len(refused) == 2
+        assert sorted(np.asarray(err.value.indexes).tolist()) == on1.tolist()
 
 
 def test_a_read_that_meets_a_restarted_unit_with_the_controller_dead_is_peer_gone() -> None:
     # The controller does not come back: whether the rows were lost cannot be known, which
     # is PeerGoneError (call again later), not the unit's UnknownRowError.
-    with (
-        transferqueue.serve(num_units=2, spread_bytes=0, max_restarts=0, liveness=_SLOW) as svc,
-        transferqueue.connect(svc.address) as tq,
-    ):
-        c = tq.client()
-        with _unit_1_back_unannounced(svc, c) as (held, _):
-            os.kill(svc.pids[-1], signal.SIGKILL)  # the controller
-            until(lambda: svc._procs[-1].poll() is not None, SLACK_S, "killed")
-            with pytest.raises(PeerGoneError, match="cannot be known while the controller"):
-                c.get_data(held)
+    with _unit_1_back_unannounced() as (svc, c, held, _):
+        os.kill(svc.pids[-1], signal.SIGKILL)  # the controller
+        until(lambda: svc._procs[-1].poll() is not None, SLACK_S, "killed")
+        with pytest.raises(PeerGoneError, match="cannot be known while the controller"):
+            c.get_data(held)
 
 
 def test_with_a_unit_dead_the_other_keeps_serving_and_blocked_calls_fail_fast() -> None:
