@@ -1,7 +1,7 @@
 """The adapter seam: one engine role as a producer-consumer stage of TransferQueue.
 
 An adapter declares which fields it consumes and produces and converts between columns and
-engine calls. The stage runner (``asyncflow.stage``) does the rest: it leases a batch of rows
+engine calls. The stage runner (``asyncflow.stage_runner``) does the rest: it leases a batch of rows
 whose input fields are ready, reads them, calls :meth:`Adapter.process`, and writes the output
 columns back onto the same rows, which acknowledges the lease.
 

@@ -6,8 +6,8 @@ result = run(load_config(overrides=["train.steps=40", "output.dir=runs/demo"]))
 
 from asyncflow.build import Components, EngineFactories, build_components
 from asyncflow.config import RunConfig
-from asyncflow.config_load import load_config
-from asyncflow.stage import StageError
+from asyncflow.config.load import load_config
+from asyncflow.stage_runner import StageError
 from asyncflow.workflow import RunResult, Workflow, run
 
 __all__ = [

@@ -5,7 +5,7 @@ asyncflow run --resume DIR [overrides ...]                # continue from DIR's 
 asyncflow config [CONFIG.yaml] [overrides ...]            # check and print the resolved config
 asyncflow run --help                                      # every config field, type, default, doc
 
-Both commands load and check the config the same way (:func:`asyncflow.config_check.
+Both commands load and check the config the same way (:func:`asyncflow.config.check.
 resolve_config`); a bad config, a missing file or malformed YAML prints one line
 ``asyncflow: bad config: ...`` naming the field and the fix, and exits with status 2.
 ``--resume DIR`` is the override ``resume=DIR``. A finished run prints where its trained
@@ -21,9 +21,9 @@ import sys
 
 import yaml
 
-from asyncflow.config_check import resolve_config
-from asyncflow.config_help import fields_help
-from asyncflow.config_load import config_to_dict
+from asyncflow.config.check import resolve_config
+from asyncflow.config.help import fields_help
+from asyncflow.config.load import config_to_dict
 
 BAD_CONFIG_EXIT = 2
 

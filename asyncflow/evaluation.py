@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from asyncflow.config import RunConfig
-from asyncflow.stages import EVAL_PARTITION
+from asyncflow.graph import EVAL_PARTITION
 from engines.hf.text import encode_prompts
 from engines.tasks import Task, make_task
 from transferqueue import AsyncClient

@@ -4,8 +4,8 @@
                           ^                                   |
                           +------- deferred weight sync -------+
 
-Stages are independent loops over TransferQueue (``asyncflow.stage``, built the same way in
-every deployment by ``asyncflow.stages``); the feeder admits groups under the staleness bound
+Stages are independent loops over TransferQueue (``asyncflow.stage_runner``, built the same way in
+every deployment by ``asyncflow.graph``); the feeder admits groups under the staleness bound
 (``asyncflow.feeder``); the train stage publishes weights after each step and the generators
 pick them up at their next micro-batch boundary, when the registry's policy says so
 (``asyncflow.registry``, ``asyncflow.hosts``). Where the stages run is the deployment's
@@ -40,15 +40,16 @@ import torch
 import yaml
 
 from adapters import Adapter, StepReport
-from asyncflow import checkpoint, stages
+from asyncflow import checkpoint, graph
 from asyncflow.build import Components, EngineFactories
 from asyncflow.checkpoint import CheckpointPlan, DriverState, ResumePoint
 from asyncflow.config import RunConfig
-from asyncflow.config_load import config_to_dict
+from asyncflow.config.load import config_to_dict
 from asyncflow.deploy.base import Deployment
 from asyncflow.deploy.local import LocalDeployment
 from asyncflow.evaluation import Evaluator
 from asyncflow.feeder import PromptFeeder
+from asyncflow.graph import EVAL_PARTITION, PARTITION
 from asyncflow.loggers import make_loggers
 from asyncflow.metrics import (
     MetricsWriter,
@@ -57,8 +58,7 @@ from asyncflow.metrics import (
     staleness_histogram,
     write_timeline,
 )
-from asyncflow.stage import LOST_SERVER_HINT, StageError
-from asyncflow.stages import EVAL_PARTITION, PARTITION
+from asyncflow.stage_runner import LOST_SERVER_HINT, StageError
 from transferqueue import AsyncClient
 
 __all__ = ["RunResult", "Workflow", "run"]
@@ -111,7 +111,7 @@ class Workflow:
         self.config = config
         self._components = components
         self._factories = factories
-        stages.adapter_classes(adapters)  # unknown roles fail here, before anything starts
+        graph.adapter_classes(adapters)  # unknown roles fail here, before anything starts
         self._adapters = adapters
         if components is not None and config.deploy.mode != "local":
             raise ValueError(
@@ -186,10 +186,10 @@ class Workflow:
         timeline, client = dep.timeline, dep.client
         b = cfg.train.groups_per_step
         first_step = 0 if state is None else state.steps
-        await client.declare_tasks(stages.tasks(cfg), partition=PARTITION)
+        await client.declare_tasks(graph.tasks(cfg), partition=PARTITION)
         evaluator: Evaluator | None = None
         if cfg.eval.every_steps:
-            await client.declare_tasks(stages.eval_tasks(cfg), partition=EVAL_PARTITION)
+            await client.declare_tasks(graph.eval_tasks(cfg), partition=EVAL_PARTITION)
             evaluator = Evaluator(cfg, client, dep.tokenizer)
         reports: list[StepReport] = []
         feeder = PromptFeeder(
@@ -311,9 +311,9 @@ LOST_ROWS_POLL_S = 2.0  # how often the driver looks for rows lost with a storag
 
 async def _regenerate_lost(client: AsyncClient, feeder: PromptFeeder, partition: str) -> None:
     """Put again every group that lost rows with a dead TransferQueue storage unit before
-    the train stage consumed it (its loss log, see ``transferqueue.retire``): first retire the
-    group's surviving rows (wherever they are in the graph), then admit it afresh under the
-    same id and staleness rule. A group the train stage holds leased right now waits for that
+    the train stage consumed it (its loss log, see ``transferqueue.controller.retire``): first
+    retire the group's surviving rows (wherever they are in the graph), then admit it afresh under
+    the same id and staleness rule. A group the train stage holds leased right now waits for that
     lease to end (acked: it was trained; released: it comes back in the log). So every group
     is trained exactly once and never partially, whatever the unit took."""
     cursor = 0

@@ -27,7 +27,7 @@ import torch
 
 import transferqueue
 from bench.common import line, timeit, write_json
-from transferqueue.controller import Controller
+from transferqueue.controller.core import Controller
 from transferqueue.schema import FieldSpec
 
 

@@ -3,8 +3,8 @@
     python -m bench.controller_recovery --rows 1000000   # the reported run (~1-2 min)
     python -m bench.controller_recovery --rows 100000    # a smoke test
 
-On the controller core (:class:`~transferqueue.journaled.JournaledController`, journal in a
-temporary directory, ``fsync="batch"``, whose fsyncs run at the service's tick, not here):
+On the controller core (:class:`~transferqueue.controller.journaled.JournaledController`, journal in
+a temporary directory, ``fsync="batch"``, whose fsyncs run at the service's tick, not here):
 
 1. build a state of ``--rows`` committed rows (puts of 1000 rows, two declared tasks; task
    ``a`` consumed a tenth, 100 leases outstanding) and time one snapshot (written, fsynced,
@@ -38,10 +38,10 @@ import numpy as np
 
 import transferqueue
 from bench.common import line, write_json
-from transferqueue.controller import Controller
+from transferqueue.controller.core import Controller
+from transferqueue.controller.journal import JournalSettings, read_snapshot
+from transferqueue.controller.journaled import JournaledController, open_controller
 from transferqueue.errors import PeerGoneError
-from transferqueue.journal import JournalSettings, read_snapshot
-from transferqueue.journaled import JournaledController, open_controller
 from transferqueue.schema import FieldSpec
 
 _PUT = 1000

@@ -19,7 +19,7 @@ and with ``replicas=2`` (same layout, 2 copies of each row): ``read served by th
 copy``, the consumer's ``get_data`` returning every row bit-exact, and ``second copies
 restored``: from the restarted unit's return until ``rows_one_copy`` is 0 again (every row
 put so far, 1000 more per kill, copied from the surviving unit; see
-:mod:`transferqueue.recopy`). Medians and maxima of
+:mod:`transferqueue.controller.recopy`). Medians and maxima of
 the kills; the bound they are measured against is the liveness bound, from the same run's
 configuration. Writes ``bench/results/failover.json``.
 """

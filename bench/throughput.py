@@ -45,8 +45,8 @@ import zmq
 import transferqueue
 from bench.common import RESULTS_DIR, line, timeit, write_json
 from transferqueue import Ragged
-from transferqueue.remote import SHM_MAX_BYTES
-from transferqueue.wire import CHUNK_BYTES
+from transferqueue.client.unit_link import SHM_MAX_BYTES
+from transferqueue.wire.codec import CHUNK_BYTES
 
 
 # -- workloads ---------------------------------------------------------------------------------

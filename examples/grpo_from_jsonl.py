@@ -39,7 +39,7 @@ import argparse
 from pathlib import Path
 
 from asyncflow import run
-from asyncflow.config_check import resolve_config
+from asyncflow.config.check import resolve_config
 
 DATA = Path(__file__).resolve().parent / "data" / "arithmetic_train.jsonl"
 VAL = Path(__file__).resolve().parent / "data" / "arithmetic_val.jsonl"

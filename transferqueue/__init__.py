@@ -12,8 +12,13 @@ Producers ``put`` columns of rows; consumer tasks lease batches of rows whose fi
     cols = client.get_data(meta)
 """
 
-from transferqueue.client import AsyncClient
-from transferqueue.embedded import start
+from transferqueue.client.async_client import AsyncClient
+from transferqueue.client.handle import TransferQueue
+from transferqueue.client.sync_client import Client
+from transferqueue.controller.samplers import Sampler, register_sampler
+from transferqueue.deploy.connect import connect
+from transferqueue.deploy.embedded import start
+from transferqueue.deploy.service import LocalService, serve
 from transferqueue.errors import (
     AuthError,
     CapacityError,
@@ -37,18 +42,11 @@ from transferqueue.errors import (
     UnknownRowError,
     UnknownTaskError,
 )
-from transferqueue.handle import TransferQueue
-from transferqueue.keys import KeyListing
-from transferqueue.liveness import Liveness
 from transferqueue.meta import BatchMeta
 from transferqueue.ragged import Ragged
-from transferqueue.remote import connect
-from transferqueue.retire import LostRows, Retired
-from transferqueue.samplers import Sampler, register_sampler
 from transferqueue.schema import FieldSpec
-from transferqueue.service import LocalService, serve
-from transferqueue.status import PartitionStatus
-from transferqueue.sync_client import Client
+from transferqueue.wire.liveness import Liveness
+from transferqueue.wire.replies import KeyListing, LostRows, PartitionStatus, Retired
 
 __all__ = [
     "AsyncClient",

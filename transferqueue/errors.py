@@ -204,7 +204,7 @@ class PartitionExistsError(TQError):
 
 class CheckpointError(TQError):
     """A save directory is missing, incomplete, of another format version, or does not match
-    the store (see :mod:`transferqueue.checkpoint`)."""
+    the store (see :mod:`transferqueue.client.checkpoint`)."""
 
     code = "checkpoint"
 

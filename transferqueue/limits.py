@@ -1,7 +1,7 @@
 """The bounds every request is checked against before anything is sized or stored.
 
 A server sizes no buffer and changes no state from a message until the message has passed
-its declared schema (:mod:`transferqueue.messages`) and these bounds, so one request costs a
+its declared schema (:mod:`transferqueue.wire.messages`) and these bounds, so one request costs a
 bounded amount of memory whatever its bytes say. They are deliberately generous for real
 workloads (an RL batch is thousands of rows) and far below what would hurt a server.
 
@@ -28,7 +28,7 @@ workloads (an RL batch is thousands of rows) and far below what would hurt a ser
 
 Times must be finite: NaN, infinity and negatives are refused where a time is expected.
 Storage units accept new rows only under a grant the controller signed for them (see
-:mod:`transferqueue.grants`), so a unit holds no more rows than the controller allocated.
+:mod:`transferqueue.wire.grants`), so a unit holds no more rows than the controller allocated.
 """
 
 from __future__ import annotations

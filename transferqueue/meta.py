@@ -13,20 +13,19 @@ must be acknowledged. Columns (numpy, one entry per row)::
 and, from a service keeping two copies of each row (``replicas=2``), ``replica_units``
 (int32, the unit of each row's second copy, -1: none left); None otherwise.
 
-It goes on the wire as it is (its fields are its schema, see :mod:`transferqueue.messages`);
+It goes on the wire as it is (its fields are its schema, see :mod:`transferqueue.wire.messages`);
 ``__post_init__`` checks what a decoded one holds.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from transferqueue.samplers.balanced import balance_lengths
-
-__all__ = ["REASONS", "BatchMeta"]
+__all__ = ["REASONS", "BatchMeta", "balance_lengths"]
 
 REASONS = ("full", "timeout", "drain", "end", "put")
 """Why a batch has the size it has:
@@ -40,6 +39,27 @@ REASONS = ("full", "timeout", "drain", "end", "put")
 - ``put``: returned by ``put``, not a consumer batch."""
 
 _COLUMNS = ("indexes", "units", "groups", "versions", "lengths")
+
+
+def balance_lengths(lengths: np.ndarray, parts: int) -> list[np.ndarray]:
+    """Split positions ``0..n-1`` into ``parts`` lists of n//parts or n//parts+1 positions,
+    greedily giving the longest remaining row to the lightest part that still has room.
+
+    Returns position arrays in ascending order. Unknown lengths (< 0) count as 1.
+    """
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    n = int(lengths.size)
+    lens = np.where(lengths < 0, 1, lengths).astype(np.int64)
+    cap = [n // parts + (1 if r < n % parts else 0) for r in range(parts)]
+    heap = [(0, r) for r in range(parts)]  # (total, rank) of parts with room left
+    out: list[list[int]] = [[] for _ in range(parts)]
+    for pos in np.argsort(-lens, kind="stable").tolist():
+        total, r = heapq.heappop(heap)
+        out[r].append(pos)
+        if len(out[r]) < cap[r]:
+            heapq.heappush(heap, (total + int(lens[pos]), r))
+    return [np.sort(np.asarray(p, dtype=np.int64)) for p in out]
 
 
 @dataclass(eq=False)

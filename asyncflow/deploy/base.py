@@ -29,7 +29,7 @@ or None) and ``resume`` (a :class:`~asyncflow.checkpoint.ResumePoint` or None) a
   policy folder at its version (:func:`~asyncflow.checkpoint.adopt_version`, again after a
   restart of a generator host), and starts the registry at that version;
 - with ``eval.every_steps``, runs the ``eval`` and ``eval/reward`` stages
-  (:func:`asyncflow.stages.eval_rollout_runner`, :func:`~asyncflow.stages.eval_reward_runner`)
+  (:func:`asyncflow.graph.eval_rollout_runner`, :func:`~asyncflow.graph.eval_reward_runner`)
   on the ``val`` partition, over the same generation instances as the rollout;
 - writes the trained policy when asked (:meth:`Deployment.save_policy`).
 """
@@ -51,7 +51,7 @@ __all__ = ["Deployment", "Job"]
 
 Job = Callable[[], Coroutine[Any, Any, None]]
 """A long-running part of a run (a stage, a weight follower); the driver supervises it: if it
-raises, the run stops with a :class:`~asyncflow.stage.StageError` naming it."""
+raises, the run stops with a :class:`~asyncflow.stage_runner.StageError` naming it."""
 
 
 class Deployment(ABC):

@@ -22,7 +22,7 @@ import torch
 
 import transferqueue
 from adapters import Adapter, LengthRanker, StepReport
-from asyncflow import stages
+from asyncflow import graph
 from asyncflow.build import Components, EngineFactories, build_components
 from asyncflow.checkpoint import (
     CheckpointPlan,
@@ -37,7 +37,7 @@ from asyncflow.deploy.base import Deployment, Job
 from asyncflow.hosts import GeneratorHost, check_engine
 from asyncflow.metrics import Timeline
 from asyncflow.registry import Registry
-from asyncflow.stage import StageRunner
+from asyncflow.stage_runner import StageRunner
 from asyncflow.transport import WeightSender, make_transport
 from engines.protocols import ScoringEngine, TrainingEngine
 
@@ -86,7 +86,7 @@ class LocalDeployment(Deployment):
         self._resume = resume
         self._given = components
         self._factories = factories
-        self._adapters = stages.adapter_classes(adapters)
+        self._adapters = graph.adapter_classes(adapters)
         self._comps: Components | None = None
         self._tq: transferqueue.TransferQueue | None = None
         self._service: transferqueue.LocalService | None = None
@@ -132,7 +132,7 @@ class LocalDeployment(Deployment):
         for h in self._hosts:
             await h.start()
         self._ranker = LengthRanker() if cfg.rollout.ranker else None
-        rollout = stages.rollout_adapter(
+        rollout = graph.rollout_adapter(
             self._adapters["rollout"],
             self._hosts,
             cfg,
@@ -143,7 +143,7 @@ class LocalDeployment(Deployment):
         self._rollout = rollout
         tl, client = self.timeline, self.client
         self._runners = [
-            stages.runner(
+            graph.runner(
                 "rollout",
                 rollout,
                 client,
@@ -151,9 +151,9 @@ class LocalDeployment(Deployment):
                 cfg,
                 concurrency=cfg.rollout.concurrency * len(self._hosts),
             ),
-            stages.runner(
+            graph.runner(
                 "reward",
-                stages.reward_adapter(
+                graph.reward_adapter(
                     self._adapters["reward"], comps.reward_fn, comps.tokenizer, cfg
                 ),
                 client,
@@ -163,13 +163,13 @@ class LocalDeployment(Deployment):
             ),
         ]
         if comps.reference is not None:
-            ref = stages.reference_adapter(self._adapters["reference"], comps.reference, cfg)
-            self._runners.append(stages.runner("reference", ref, client, tl, cfg))
-        train = stages.train_adapter(self._adapters["train"], comps.trainer, cfg, self._on_step)
-        self._runners.append(stages.runner("train", train, client, tl, cfg))
+            ref = graph.reference_adapter(self._adapters["reference"], comps.reference, cfg)
+            self._runners.append(graph.runner("reference", ref, client, tl, cfg))
+        train = graph.train_adapter(self._adapters["train"], comps.trainer, cfg, self._on_step)
+        self._runners.append(graph.runner("train", train, client, tl, cfg))
         if cfg.eval.every_steps:
             self._runners += [
-                stages.eval_rollout_runner(
+                graph.eval_rollout_runner(
                     self._adapters["rollout"],
                     self._hosts,
                     client,
@@ -178,7 +178,7 @@ class LocalDeployment(Deployment):
                     on_demand=registry.demand,
                     on_done=registry.poke,
                 ),
-                stages.eval_reward_runner(
+                graph.eval_reward_runner(
                     self._adapters["reward"], comps.reward_fn, comps.tokenizer, client, tl, cfg
                 ),
             ]

@@ -6,7 +6,8 @@ What runs where (``asyncflow.deploy.ray_hosts`` for the actors):
 
 | actor                 | count               | resources (config)      | after its death   |
 |-----------------------|---------------------|-------------------------|-------------------|
-| TransferQueue servers | 1 + num_units       | transferqueue.placement | -                 |
+| TransferQueue servers | 1 + num_units       | transferqueue.controller.placement | -
+  |
 | coordinator           | 1                   | none (I/O)              | -                 |
 | generator             | rollout.instances   | rollout.placement       | restarted         |
 | rollout dispatcher    | 1                   | none (I/O)              | restarted         |
@@ -74,9 +75,9 @@ from asyncflow.deploy.ray_hosts import (
 from asyncflow.deploy.ray_weights import ObjectStoreWeights
 from asyncflow.deploy.remote import Coordinator, RemoteRegistry, remote_cause
 from asyncflow.metrics import Timeline
-from asyncflow.stage import StageError
+from asyncflow.stage_runner import StageError
 from transferqueue.aio import within
-from transferqueue.auth import ClientKeys
+from transferqueue.wire.auth import ClientKeys
 
 __all__ = ["RayDeployment", "actor_options"]
 
@@ -180,16 +181,16 @@ class RayDeployment(Deployment):
 
     def _open_tq(self, prefix: str) -> transferqueue.TransferQueue:
         """TransferQueue for the run, and the keys its stage hosts connect with
-        (``self._tq_keys``): those of ``transferqueue.keys``, or, when the servers start on a
-        cluster of several nodes without a key directory, keys made for this run (the servers
+        (``self._tq_keys``): those of ``transferqueue.controller.keys``, or, when the servers start
+        on a cluster of several nodes without a key directory, keys made for this run (the servers
         must listen beyond loopback, and only this run's processes may reach them)."""
         import ray
 
-        from transferqueue.auth import client_keys, server_keys, session_keys
+        from transferqueue.wire.auth import client_keys, server_keys, session_keys
 
         tqc = self.cfg.transferqueue
         if tqc.mode in ("ray", "auto"):
-            from transferqueue.ray_deploy import start_on_ray
+            from transferqueue.deploy.ray import start_on_ray
 
             keys = server_keys(tqc.keys) if tqc.keys else None
             self._tq_keys = client_keys(tqc.keys) if tqc.keys else None

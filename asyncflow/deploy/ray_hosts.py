@@ -47,7 +47,7 @@ import torch
 import transferqueue
 from adapters import Adapter, LengthRanker, StepReport
 from adapters.train import TrainAdapter, make_train_batch
-from asyncflow import stages
+from asyncflow import graph
 from asyncflow.build import EngineFactories
 from asyncflow.checkpoint import (
     CheckpointPlan,
@@ -60,12 +60,12 @@ from asyncflow.config import RunConfig
 from asyncflow.deploy.remote import GeneratorView, RemoteGenerator, RemoteRegistry
 from asyncflow.hosts import GeneratorHost, WeightSource, check_engine
 from asyncflow.metrics import Timeline
-from asyncflow.stage import StageRunner
+from asyncflow.stage_runner import StageRunner
 from engines.protocols import Generation, SamplingParams, ScoringEngine, TrainingEngine
 from transferqueue import AsyncClient, BatchMeta
 from transferqueue.aio import within
-from transferqueue.auth import ClientKeys
 from transferqueue.schema import Column
+from transferqueue.wire.auth import ClientKeys
 
 __all__ = ["GeneratorActor", "RolloutActor", "TrainerActor", "WorkerActor"]
 
@@ -223,13 +223,13 @@ class RolloutActor(_Host):
         self.view = GeneratorView(self.registry)
         self.instances = [RemoteGenerator(n, actor(h), self.view) for n, h in generators]
         self.ranker = LengthRanker() if cfg.rollout.ranker else None
-        cls = stages.adapter_classes(adapters)["rollout"]
-        self.adapter = stages.rollout_adapter(
+        cls = graph.adapter_classes(adapters)["rollout"]
+        self.adapter = graph.rollout_adapter(
             cls, self.instances, cfg, on_demand=self.registry.demand, ranker=self.ranker
         )
         assert self.client is not None
         self.runners = [
-            stages.runner(
+            graph.runner(
                 "rollout",
                 self.adapter,
                 self.client,
@@ -240,7 +240,7 @@ class RolloutActor(_Host):
         ]
         if cfg.eval.every_steps:
             self.runners.append(
-                stages.eval_rollout_runner(
+                graph.eval_rollout_runner(
                     cls,
                     self.instances,
                     self.client,
@@ -292,7 +292,7 @@ class WorkerActor(_Host):
         origin: float,
     ) -> None:
         super().__init__(cfg, tq, origin)
-        cls = stages.adapter_classes(adapters)[role]
+        cls = graph.adapter_classes(adapters)[role]
         adapter: Adapter
         assert self.client is not None
         evals: list[StageRunner] = []
@@ -301,20 +301,20 @@ class WorkerActor(_Host):
             if not callable(reward_fn):
                 raise TypeError(f"the reward function {reward_fn!r} is not callable")
             tokenizer = factories.tokenizer(model)
-            adapter = stages.reward_adapter(cls, reward_fn, tokenizer, cfg)
+            adapter = graph.reward_adapter(cls, reward_fn, tokenizer, cfg)
             if cfg.eval.every_steps:
                 evals.append(
-                    stages.eval_reward_runner(
+                    graph.eval_reward_runner(
                         cls, reward_fn, tokenizer, self.client, self.timeline, cfg
                     )
                 )
         elif role == "reference":
             engine = factories.reference(cfg, model)
             check_engine(engine, ScoringEngine, "reference")
-            adapter = stages.reference_adapter(cls, engine, cfg)
+            adapter = graph.reference_adapter(cls, engine, cfg)
         else:
             raise ValueError(f"a worker runs the reward or reference stage, not {role!r}")
-        self.runners = [stages.runner(role, adapter, self.client, self.timeline, cfg), *evals]
+        self.runners = [graph.runner(role, adapter, self.client, self.timeline, cfg), *evals]
 
     async def run(self) -> None:
         try:
@@ -486,18 +486,18 @@ class TrainerActor(_Host):
         self._plan = checkpoint
         if self._sender is None:
             self._sender = weights.sender()
-        cls = stages.adapter_classes(self._adapters)["train"]
+        cls = graph.adapter_classes(self._adapters)["train"]
         cfg = self.cfg
         if ranks:
             if not issubclass(cls, TrainAdapter):
                 raise TypeError("train.dp_size > 1 needs the train adapter to be a TrainAdapter")
-            adapter: Adapter = stages.train_adapter(
+            adapter: Adapter = graph.train_adapter(
                 _DataParallelTrain, self.engine, cfg, self._on_step, ranks=ranks, local=self
             )
         else:
-            adapter = stages.train_adapter(cls, self.engine, cfg, self._on_step)
+            adapter = graph.train_adapter(cls, self.engine, cfg, self._on_step)
         assert self.client is not None
-        self.runners = [stages.runner("train", adapter, self.client, self.timeline, cfg)]
+        self.runners = [graph.runner("train", adapter, self.client, self.timeline, cfg)]
         await self.runners[0].run()
 
     async def _on_step(self, report: StepReport) -> None:

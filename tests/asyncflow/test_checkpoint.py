@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM
 from asyncflow import checkpoint, run
 from asyncflow.checkpoint import CheckpointPlan, DriverState
 from asyncflow.cli import main
-from asyncflow.config_load import config_to_dict, load_config
+from asyncflow.config.load import config_to_dict, load_config
 from tests.asyncflow.conftest import small_config
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ import pytest
 
 from asyncflow.cli import main
 from asyncflow.config import RunConfig
-from asyncflow.config_help import field_docs
+from asyncflow.config.help import field_docs
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "examples" / "data" / "arithmetic_train.jsonl"

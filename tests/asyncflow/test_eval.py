@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from asyncflow import load_config, run
-from asyncflow.config_check import resolve_config
+from asyncflow.config.check import resolve_config
 from asyncflow.evaluation import eval_prompt_count, make_eval_task, pass_at_k
 from tests.asyncflow.conftest import RAY_START, RAY_TEST_TIMEOUT_S, small_config
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from asyncflow import run
-from asyncflow.config_check import check_config
+from asyncflow.config.check import check_config
 from tests.asyncflow.conftest import small_config
 
 USER_REWARD = """

@@ -279,7 +279,7 @@ def test_groups_a_dead_unit_actor_took_are_regenerated_on_the_ray_workflow(
     staleness bound."""
     import ray
 
-    from transferqueue.ray_deploy import start_on_ray
+    from transferqueue.deploy.ray import start_on_ray
 
     out = tmp_path / "run"
     steps, per_step, k = 8, 2, 1

@@ -14,7 +14,7 @@ import torch
 import transferqueue
 from adapters import Adapter, StageOutput
 from asyncflow.metrics import Timeline
-from asyncflow.stage import StageError, StageRunner
+from asyncflow.stage_runner import StageError, StageRunner
 from transferqueue import BatchMeta
 from transferqueue.aio import within
 from transferqueue.schema import Column

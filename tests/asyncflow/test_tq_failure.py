@@ -20,7 +20,7 @@ import transferqueue
 from adapters import Adapter, StageOutput
 from asyncflow import EngineFactories, run
 from asyncflow.metrics import Timeline
-from asyncflow.stage import StageRunner
+from asyncflow.stage_runner import StageRunner
 from tests.asyncflow.conftest import small_config
 from tests.asyncflow.faulty import slow_reward_factory, train_leased
 from transferqueue import BatchMeta

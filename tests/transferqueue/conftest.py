@@ -33,7 +33,7 @@ def local_service() -> Iterator[transferqueue.LocalService]:
 
 @pytest.fixture(scope="session")
 def ray_tq(ray_cluster: None) -> Iterator[str]:
-    from transferqueue.ray_deploy import start_on_ray
+    from transferqueue.deploy.ray import start_on_ray
 
     handle = start_on_ray(num_units=2, spread_bytes=0)
     yield str(handle.address)
@@ -60,7 +60,7 @@ def deploy(request: pytest.FixtureRequest) -> Iterator[Deploy]:
         elif set(options) - {"spread_bytes"}:
             if kind == "ray":
                 request.getfixturevalue("ray_cluster")  # (skips without ray; starts it once)
-                from transferqueue.ray_deploy import start_on_ray
+                from transferqueue.deploy.ray import start_on_ray
 
                 h = start_on_ray(num_units=2, **options)  # type: ignore[arg-type]
             else:

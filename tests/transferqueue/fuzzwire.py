@@ -21,9 +21,12 @@ import numpy as np
 import rawwire as raw
 import torch
 
-from transferqueue import FieldSpec, wire
-from transferqueue import messages as m
-from transferqueue.snapshot import TaskImport
+from transferqueue import FieldSpec
+from transferqueue.wire import codec as wire
+from transferqueue.wire import messages as m
+from transferqueue.wire import protocol
+from transferqueue.wire.checks import encode_meta
+from transferqueue.wire.replies import TaskImport
 
 
 class Raw:
@@ -44,7 +47,7 @@ def _nested_ext(code: int, depth: int) -> Raw:
     return Raw(inner)
 
 
-EXAMPLES: dict[tuple[str, str], m.Request[Any]] = {
+EXAMPLES: dict[tuple[str, str], protocol.Request[Any]] = {
     ("controller", "hello"): m.Hello(),
     ("controller", "ping"): m.Ping(),
     ("controller", "register_unit"): m.RegisterUnit(
@@ -72,7 +75,7 @@ EXAMPLES: dict[tuple[str, str], m.Request[Any]] = {
     ("controller", "status"): m.Status(partition="fuzz", fields=["fz"], task="ft"),
     ("controller", "reset_consumption"): m.ResetConsumption(partition="fuzz", task="ft"),
     ("controller", "set_custom_meta"): m.SetCustomMeta(
-        indexes=np.array([10**9]), metas=[m.encode_meta({"k": [1, "v"]}, "fuzz")]
+        indexes=np.array([10**9]), metas=[encode_meta({"k": [1, "v"]}, "fuzz")]
     ),
     ("controller", "get_custom_meta"): m.GetCustomMeta(indexes=np.array([10**9])),
     ("controller", "lost_rows"): m.GetLostRows(partition="fuzz", task="ft", after=0),
@@ -229,7 +232,7 @@ def _array(items: list[bytes]) -> bytes:
     return head + b"".join(items)
 
 
-def _parts(msg: m.Request[Any]) -> tuple[list[Any], list[bytes]]:
+def _parts(msg: protocol.Request[Any]) -> tuple[list[Any], list[bytes]]:
     """A valid message's body as a list of field values (extensions as ExtType), and its
     buffers."""
     frames = wire.encode(msg)

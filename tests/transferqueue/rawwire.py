@@ -1,5 +1,5 @@
 """Hand-built wire messages for tests that talk to servers as a hostile peer would: frames
-made byte by byte (see :mod:`transferqueue.wire` for the layout), bypassing every check a
+made byte by byte (see :mod:`transferqueue.wire.codec` for the layout), bypassing every check a
 real client makes."""
 
 from __future__ import annotations

@@ -19,10 +19,10 @@ import torch
 import zmq
 
 import transferqueue
-from transferqueue import messages as m
-from transferqueue import wire
-from transferqueue.auth import ClientKeys, client_keys, keygen, server_keys
 from transferqueue.errors import AuthError, DeniedError, PeerGoneError, UnknownLeaseError
+from transferqueue.wire import codec as wire
+from transferqueue.wire import messages as m
+from transferqueue.wire.auth import ClientKeys, client_keys, keygen, server_keys
 
 pytestmark = [
     pytest.mark.service,
@@ -66,7 +66,7 @@ def test_listening_beyond_loopback_without_keys_is_refused(tmp_path: Path) -> No
     with pytest.raises(AuthError, match="transferqueue keygen"):
         transferqueue.serve(num_units=1, host=HOST)
     proc = subprocess.run(
-        [sys.executable, "-m", "transferqueue.cli", "serve", "--host", "0.0.0.0"],
+        [sys.executable, "-m", "transferqueue.deploy.cli", "serve", "--host", "0.0.0.0"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -195,7 +195,7 @@ def test_a_unit_refuses_a_free_without_the_grant_from_a_plain_client(
 
 @pytest.mark.ray
 def test_the_ray_deployment_uses_the_same_keys(ray_cluster: None, keys: Path) -> None:
-    from transferqueue.ray_deploy import start_on_ray
+    from transferqueue.deploy.ray import start_on_ray
 
     tq = start_on_ray(num_units=1, keys=keys, host=HOST)
     try:
@@ -212,7 +212,7 @@ def test_the_ray_deployment_uses_the_same_keys(ray_cluster: None, keys: Path) ->
 
 
 def test_clients_are_given_the_advertised_host(keys: Path) -> None:
-    from transferqueue.auth import advertised_host
+    from transferqueue.wire.auth import advertised_host
 
     assert advertised_host(HOST) == HOST and advertised_host("0.0.0.0", "node7") == "node7"
     try:  # bound to every interface: the address this host reaches others from

@@ -19,7 +19,7 @@ import zmq.asyncio
 import transferqueue
 from transferqueue import Client, UnknownFieldError
 from transferqueue.errors import BadRequestError, FinishedError, PeerGoneError
-from transferqueue.rpc import RpcClient
+from transferqueue.wire.rpc import RpcClient
 
 
 @pytest.mark.parametrize(
@@ -55,7 +55,7 @@ def test_a_socket_that_fails_to_connect_is_closed_so_the_context_can_end() -> No
 )
 def test_stats_cli_fails_at_once_with_what_to_do(args: list[str], message: str) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "transferqueue.cli", "stats", *args],
+        [sys.executable, "-m", "transferqueue.deploy.cli", "stats", *args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -137,9 +137,9 @@ def test_connect_then_client_without_keeping_the_handle() -> None:
 def test_a_wait_notices_a_dead_controller(monkeypatch: pytest.MonkeyPatch, call: str) -> None:
     """A get_meta or a put waiting for capacity without a timeout waits on the controller in
     slices; a controller that dies is noticed within a slice plus the call timeout."""
-    import transferqueue.controller_link
+    import transferqueue.client.controller_link
 
-    monkeypatch.setattr(transferqueue.controller_link, "WAIT_SLICE_S", 0.5)
+    monkeypatch.setattr(transferqueue.client.controller_link, "WAIT_SLICE_S", 0.5)
     with transferqueue.serve(num_units=1, capacity_rows=2) as svc:
         tq = transferqueue.connect(svc.address, call_timeout_s=2)
         client = tq.client()
@@ -168,8 +168,8 @@ def test_a_wait_notices_a_dead_controller(monkeypatch: pytest.MonkeyPatch, call:
 def test_a_controller_that_fails_to_grow_is_left_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
     """A MemoryError half way through growing once left the controller's arrays of different
     sizes (an IndexError on every later put); growing is now all or nothing."""
-    from transferqueue.controller import Controller
-    from transferqueue.state import TaskState
+    from transferqueue.controller.core import Controller
+    from transferqueue.controller.state import TaskState
 
     ctl = Controller(num_units=2)
     meta = ctl.allocate(1000, "p")

@@ -6,7 +6,7 @@ import gc
 
 import torch
 
-from transferqueue.buffers import ResultBuffers
+from transferqueue.client.buffers import ResultBuffers
 
 
 def test_free_buffers_of_different_sizes_are_taken_by_identity() -> None:

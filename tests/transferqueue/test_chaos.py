@@ -8,7 +8,7 @@ fixed seed (``TQ_CHAOS_SEED``), then a drain.
 
 Two variants: replicas=1 (2 units; rows on a killed unit are lost) and replicas=2 (3 units,
 a shorter soak: 40 s; a unit is killed only once the rows of the last one killed have two
-copies again, see :mod:`transferqueue.rereplicate`: then NO row is lost, and the soak
+copies again, see :mod:`transferqueue.controller.rereplicate`: then NO row is lost, and the soak
 checks it). Invariants checked at the end:
 
 - every row a consumer read is bit-exact (its payload is a function of its key);
@@ -163,7 +163,7 @@ def _retried(call: Callable[[], Any], timeout_s: float = 60.0) -> Any:
 
 def _shm_bytes(pids: set[int]) -> int:
     """Bytes of the ``/dev/shm`` arenas that processes ``pids`` created (an arena's name starts
-    with its creator's process id, :func:`transferqueue.shm.new_token`): the arenas of tests
+    with its creator's process id, :func:`transferqueue.storage.shm.new_token`): the arenas of tests
     running beside this one in another worker are not counted."""
     prefixes = tuple(f"tq-{pid & 0xFFFFFFFF:08x}" for pid in pids)
     total = 0

@@ -17,10 +17,10 @@ import torch
 from tq_helpers import answered, child_processes, row_values, until
 
 import transferqueue
-from transferqueue import messages as m
 from transferqueue.errors import PeerGoneError, RowsLostError
 from transferqueue.meta import BatchMeta
 from transferqueue.schema import FieldSpec
+from transferqueue.wire import messages as m
 
 pytestmark = pytest.mark.service
 
@@ -283,7 +283,7 @@ def _controller_pids(cli_pid: int) -> list[int]:
 
 
 def test_the_cli_with_a_state_dir_restarts_its_controller(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "transferqueue.cli", "serve", "--units", "1"]
+    cmd = [sys.executable, "-m", "transferqueue.deploy.cli", "serve", "--units", "1"]
     cmd += ["--state-dir", str(tmp_path / "state"), "--fsync", "always"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

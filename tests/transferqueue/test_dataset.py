@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 import transferqueue
 from transferqueue import BatchMeta, Ragged, TransferQueue
-from transferqueue.dataset import StreamingDataset, ThreadGroup
+from transferqueue.client.dataset import StreamingDataset, ThreadGroup
 
 
 def _fill(tq: TransferQueue, rows: int, partition: str = "train") -> None:
@@ -157,7 +157,7 @@ def test_bad_rank_arguments_are_named() -> None:
 def _process_rank(address: str, init: str, rank: int, out: Any) -> None:
     import torch.distributed as dist
 
-    from transferqueue.dataset import TorchGroup
+    from transferqueue.client.dataset import TorchGroup
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:

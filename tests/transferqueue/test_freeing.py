@@ -104,7 +104,7 @@ def test_unit_frees_rows_added_after_a_read_was_pinned() -> None:
     """A pinned read (a zero-copy send in flight) must not stop the unit from freeing rows
     written after it, in slots its pin table has not grown to yet."""
     from transferqueue.schema import FieldSpec
-    from transferqueue.storage import StorageUnit
+    from transferqueue.storage.unit import StorageUnit
 
     unit = StorageUnit(0)
     specs = {"x": FieldSpec("dense", "float32", (4,))}

@@ -12,7 +12,7 @@ import torch
 
 import transferqueue
 from transferqueue import Client, Ragged
-from transferqueue.remote import RemoteUnitLink
+from transferqueue.client.unit_link import RemoteUnitLink
 
 pytestmark = [
     pytest.mark.gpu,

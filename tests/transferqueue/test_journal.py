@@ -17,14 +17,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from transferqueue import messages as m
-from transferqueue.controller_service import ControllerService
+from transferqueue.controller.journal import SNAPSHOT, JournalSettings, read_records
+from transferqueue.controller.journaled import JournaledController, call_function, open_controller
+from transferqueue.controller.rereplicate import CopyPlan
+from transferqueue.controller.service import ControllerService
+from transferqueue.controller.snapshot import export_partition
 from transferqueue.errors import CheckpointError, TQError
-from transferqueue.journal import SNAPSHOT, JournalSettings, read_records
-from transferqueue.journaled import JournaledController, call_function, open_controller
-from transferqueue.rereplicate import CopyPlan
 from transferqueue.schema import FieldSpec
-from transferqueue.snapshot import TaskImport, export_partition
+from transferqueue.wire import messages as m
+from transferqueue.wire import protocol
+from transferqueue.wire.replies import TaskImport
 
 PARTS = ["p0", "p1", "kv"]
 TASKS: list[tuple[str, list[str], str, dict[str, Any]]] = [
@@ -402,7 +404,7 @@ def test_a_reset_service_starts_its_state_dir_afresh(tmp_path: Path) -> None:
 
     async def go() -> None:
         service = ControllerService(ctl, nothing)
-        await service.reset(m.Reset(), m.TRUSTED)
+        await service.reset(m.Reset(), protocol.TRUSTED)
         fresh = service.controller
         assert isinstance(fresh, JournaledController) and fresh.journal is not None
         fresh.register_fields({"z": FieldSpec.object()})

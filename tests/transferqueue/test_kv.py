@@ -31,7 +31,7 @@ from transferqueue import (
     UnknownFieldError,
     UnknownKeyError,
 )
-from transferqueue.controller import Controller
+from transferqueue.controller.core import Controller
 from transferqueue.errors import BadRequestError, SchemaError
 from transferqueue.limits import MAX_KEY_CHARS, MAX_KEYS
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from transferqueue import Client, LeaseExpiredError, UnknownLeaseError
-from transferqueue.controller import Controller
+from transferqueue.controller.core import Controller
 from transferqueue.schema import FieldSpec
 
 HOLD_S = 2.0

@@ -1,5 +1,5 @@
 """Server processes keep freed payload memory: repeated puts land in reused pages, not in fresh
-ones the kernel must fault in (``transferqueue.malloc``)."""
+ones the kernel must fault in (``transferqueue.storage.malloc``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 
 import transferqueue
 from transferqueue import Ragged
-from transferqueue.malloc import keep_freed_memory
+from transferqueue.storage.malloc import keep_freed_memory
 
 glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="needs glibc")
 # Per 4 KiB page; a put of 4.4 MB into fresh memory faults about 1,100 of them.
@@ -33,7 +33,7 @@ def test_tuned_process_reuses_freed_buffers() -> None:
     code = textwrap.dedent(
         """
         import resource, torch
-        from transferqueue.malloc import keep_freed_memory
+        from transferqueue.storage.malloc import keep_freed_memory
         assert keep_freed_memory()
         def cycle():
             a = torch.empty(550_000, dtype=torch.int32); a.fill_(1)

@@ -18,11 +18,11 @@ import zmq.asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 import transferqueue
-from transferqueue import cli
-from transferqueue import messages as m
+from transferqueue.deploy import cli
+from transferqueue.deploy.metrics import SnapshotCollector, check_metrics_port
 from transferqueue.errors import BadRequestError
-from transferqueue.metrics import SnapshotCollector, check_metrics_port
-from transferqueue.rpc import RpcClient
+from transferqueue.wire import messages as m
+from transferqueue.wire.rpc import RpcClient
 
 pytestmark = pytest.mark.service
 
@@ -217,7 +217,16 @@ def test_top_once(
 
 def test_serve_cli_prints_its_metrics_endpoints() -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "transferqueue.cli", "serve", "--units", "1", "--metrics-port", "0"],
+        [
+            sys.executable,
+            "-m",
+            "transferqueue.deploy.cli",
+            "serve",
+            "--units",
+            "1",
+            "--metrics-port",
+            "0",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -273,7 +282,7 @@ def test_scrape_of_a_stuck_or_failing_server_reports_not_ok() -> None:
 
 @pytest.mark.ray
 def test_ray_deployment_serves_metrics(ray_cluster: None) -> None:
-    from transferqueue.ray_deploy import start_on_ray
+    from transferqueue.deploy.ray import start_on_ray
 
     tq = start_on_ray(num_units=1, metrics_port=0)
     try:

@@ -38,7 +38,7 @@ def test_a_controller_actor_killed_on_ray_comes_back_with_its_state(
 ) -> None:
     import ray
 
-    from transferqueue.ray_deploy import start_on_ray
+    from transferqueue.deploy.ray import start_on_ray
 
     prefix = f"tq-ctlstate-{os.getpid()}"
     state = tmp_path / "state"
@@ -127,7 +127,7 @@ def test_the_controller_and_a_unit_killed_together_on_ray_both_come_back(
     the controller takes to serve."""
     import ray
 
-    from transferqueue.ray_deploy import start_on_ray
+    from transferqueue.deploy.ray import start_on_ray
 
     prefix = f"tq-ctlunit-{os.getpid()}"
     with start_on_ray(
@@ -198,7 +198,7 @@ def test_a_controller_restarted_on_ray_finds_a_unit_that_moved(
     address it was started with (a stranger's socket there would never answer)."""
     import ray
 
-    from transferqueue.ray_deploy import start_on_ray
+    from transferqueue.deploy.ray import start_on_ray
 
     prefix = f"tq-ctlmoved-{os.getpid()}"
     with start_on_ray(
@@ -240,7 +240,7 @@ def test_a_controller_restarted_on_ray_finds_a_unit_that_moved(
     ],
 )
 def test_bad_controller_restart_options_are_refused(options: dict[str, Any], match: str) -> None:
-    from transferqueue.ray_deploy import start_on_ray
+    from transferqueue.deploy.ray import start_on_ray
 
     with pytest.raises(ValueError, match=match):
         start_on_ray(num_units=1, **options)
@@ -251,7 +251,7 @@ def test_a_restarted_controller_rebinds_its_old_port_or_takes_a_new_one(
 ) -> None:
     """Where a restarted controller actor binds (no Ray needed): its old address when the
     port is free, else (taken past REBIND_S, or recorded on another node) a new port."""
-    from transferqueue import ray_deploy
+    from transferqueue.deploy import ray as ray_deploy
 
     monkeypatch.setattr(ray_deploy, "REBIND_S", 0.5)
     assert ray_deploy._old_address(str(tmp_path), "127.0.0.1") is None  # nothing recorded
@@ -301,7 +301,7 @@ def test_a_restarted_unit_finds_its_controller_even_while_that_restarts(
     import ray
     from ray.exceptions import GetTimeoutError
 
-    from transferqueue.ray_deploy import _controller_of
+    from transferqueue.deploy.ray import _controller_of
 
     name = f"tq-fakectl-{os.getpid()}"
     actor = ray.remote(_fake_controller()).options(name=name, max_restarts=1, num_cpus=0)
@@ -345,7 +345,7 @@ def test_a_restarted_unit_that_cannot_find_its_controller_exits_for_ray_to_resta
         import atexit
         import logging
         from ray.exceptions import GetTimeoutError
-        import transferqueue.ray_deploy as rd
+        import transferqueue.deploy.ray as rd
 
         def gone(name, unit_id, bound_s=0.0):
             raise GetTimeoutError(f"the controller actor {name!r} did not answer")

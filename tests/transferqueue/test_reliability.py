@@ -28,10 +28,10 @@ from tq_helpers import child_processes, until
 
 import transferqueue
 from transferqueue import Liveness, PeerGoneError, Ragged, RowsLostError
-from transferqueue import messages as m
-from transferqueue.controller import Controller
-from transferqueue.remote import RemoteUnitLink
-from transferqueue.shm import shm_available
+from transferqueue.client.unit_link import RemoteUnitLink
+from transferqueue.controller.core import Controller
+from transferqueue.storage.shm import shm_available
+from transferqueue.wire import messages as m
 
 pytestmark = pytest.mark.service
 
@@ -200,10 +200,10 @@ def test_a_restarted_unit_takes_new_rows_only_once_its_registration_is_answered(
 
     import zmq.asyncio
 
-    from transferqueue import messages as m
-    from transferqueue.grants import Grants
-    from transferqueue.rpc import RpcClient
-    from transferqueue.server import UnitServer
+    from transferqueue.deploy.server import UnitServer
+    from transferqueue.wire import messages as m
+    from transferqueue.wire.grants import Grants
+    from transferqueue.wire.rpc import RpcClient
 
     key = b"k" * 32
     write = m.Write(
@@ -278,7 +278,7 @@ def test_a_unit_actor_killed_on_ray_is_restarted_where_it_listened(ray_cluster: 
     address it had, so the handle's clients reach it again without reconnecting."""
     import ray
 
-    from transferqueue.ray_deploy import start_on_ray
+    from transferqueue.deploy.ray import start_on_ray
 
     prefix = f"tq-restart-{os.getpid()}"
     with start_on_ray(num_units=2, spread_bytes=0, name_prefix=prefix) as tq:
@@ -314,7 +314,7 @@ def test_a_unit_restarted_on_a_new_address_is_found_by_connected_clients(
     call that finds the unit gone, and the next call reaches it."""
     import ray
 
-    from transferqueue.ray_deploy import start_on_ray
+    from transferqueue.deploy.ray import start_on_ray
 
     prefix = f"tq-moved-{os.getpid()}"
     with start_on_ray(num_units=2, spread_bytes=0, name_prefix=prefix) as tq:
@@ -504,7 +504,16 @@ def _unit_pid(cli_pid: int, unit: int) -> int:
 
 def test_a_unit_killed_under_the_cli_leaves_the_service_serving() -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "transferqueue.cli", "serve", "--units", "2", "--spread-bytes", "0"],
+        [
+            sys.executable,
+            "-m",
+            "transferqueue.deploy.cli",
+            "serve",
+            "--units",
+            "2",
+            "--spread-bytes",
+            "0",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -545,7 +554,7 @@ def test_a_unit_killed_under_the_cli_leaves_the_service_serving() -> None:
 PRODUCER = textwrap.dedent(
     """
     import asyncio, sys, torch, transferqueue
-    from transferqueue import messages as m
+    from transferqueue.wire import messages as m
     tq = transferqueue.connect(sys.argv[1])
     link = tq._controller
     call = link.call

@@ -25,10 +25,11 @@ from tq_helpers import until
 
 import transferqueue
 from transferqueue import Liveness
-from transferqueue import messages as m
-from transferqueue.controller import Controller
-from transferqueue.controller_service import ControllerService
-from transferqueue.grants import Grants, new_grant_key
+from transferqueue.controller.core import Controller
+from transferqueue.controller.service import ControllerService
+from transferqueue.wire import messages as m
+from transferqueue.wire import protocol
+from transferqueue.wire.grants import Grants, new_grant_key
 
 LIVENESS = Liveness()
 SLACK_S = 30.0  # a loaded 2-core machine may stall a process for seconds
@@ -122,7 +123,7 @@ def test_the_grant_of_each_unit_covers_the_rows_of_both_copies() -> None:
     svc = ControllerService(
         Controller(3, spread_bytes=0, replicas=2), lambda u, i: None, grants=Grants(key)
     )  # type: ignore[arg-type,return-value]
-    meta = svc.allocate(m.Allocate(n=100, partition="p"), m.TRUSTED)
+    meta = svc.allocate(m.Allocate(n=100, partition="p"), protocol.TRUSTED)
     assert isinstance(meta, transferqueue.BatchMeta) and meta.replica_units is not None
     assert meta.grants is not None and sorted(meta.grants) == [0, 1, 2]
     check = Grants(key)
@@ -256,7 +257,7 @@ def _unit_pid(cli_pid: int, unit: int) -> int:
 
 @pytest.mark.service
 def test_a_unit_killed_under_the_cli_with_replicas_loses_no_row() -> None:
-    cmd = [sys.executable, "-m", "transferqueue.cli", "serve", "--units", "2"]
+    cmd = [sys.executable, "-m", "transferqueue.deploy.cli", "serve", "--units", "2"]
     cmd += ["--replicas", "2", "--spread-bytes", "0"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -334,7 +335,7 @@ def test_a_copy_the_writer_found_gone_is_dropped_and_the_rows_keep_the_other() -
 def test_a_unit_actor_killed_on_ray_with_replicas_loses_no_row(ray_cluster: None) -> None:
     import ray
 
-    from transferqueue.ray_deploy import start_on_ray
+    from transferqueue.deploy.ray import start_on_ray
 
     prefix = f"tq-replicas-{os.getpid()}"
     with start_on_ray(num_units=2, spread_bytes=0, name_prefix=prefix, replicas=2) as tq:

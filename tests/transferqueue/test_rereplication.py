@@ -20,14 +20,14 @@ from test_replicas import LIVENESS, SLACK_S, Expected, _ctl
 from tq_helpers import until
 
 import transferqueue
-from transferqueue import messages as m
-from transferqueue import wire
-from transferqueue.controller import Controller
-from transferqueue.controller_service import ControllerService
+from transferqueue.controller.core import Controller
+from transferqueue.controller.recopy import CLOCK_SLACK_S, Copier
+from transferqueue.controller.rereplicate import CopyPlan
+from transferqueue.controller.service import ControllerService
 from transferqueue.errors import DeniedError
-from transferqueue.grants import Grants
-from transferqueue.recopy import CLOCK_SLACK_S, Copier
-from transferqueue.rereplicate import CopyPlan
+from transferqueue.wire import codec as wire
+from transferqueue.wire import messages as m
+from transferqueue.wire.grants import Grants
 
 X = transferqueue.FieldSpec("dense", "float32", ())
 Y = transferqueue.FieldSpec("dense", "int64", ())

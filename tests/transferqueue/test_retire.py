@@ -1,5 +1,5 @@
-"""Loss logs and retiring groups (transferqueue.retire): what an RL driver needs to regenerate
-the groups a dead storage unit took, each exactly once.
+"""Loss logs and retiring groups (transferqueue.controller.retire): what an RL driver needs to
+regenerate the groups a dead storage unit took, each exactly once.
 
 A task's loss log must hold every row lost before the task consumed it, and no row it
 consumed: rows waiting or queued are logged at the loss, rows it held leased only when the
@@ -16,7 +16,7 @@ import torch
 
 import transferqueue
 from transferqueue import Client, RowsLostError
-from transferqueue.controller import Controller
+from transferqueue.controller.core import Controller
 from transferqueue.errors import BadRequestError
 
 

@@ -21,11 +21,11 @@ import torch
 from tq_helpers import row_values, until
 
 import transferqueue
-from transferqueue import messages as m
-from transferqueue.controller import Controller
-from transferqueue.controller_link import RESENDABLE, RemoteControllerLink
+from transferqueue.client.controller_link import RESENDABLE, RemoteControllerLink
+from transferqueue.controller.core import Controller
 from transferqueue.errors import PeerGoneError, UnknownLeaseError, UnknownRowError
 from transferqueue.schema import FieldSpec
+from transferqueue.wire import messages as m
 
 SLACK_S = 120.0
 

@@ -168,7 +168,7 @@ def test_empty_batch_reads_as_empty_columns(client: Client) -> None:
 def test_small_puts_go_whole_to_one_unit_in_turn_and_large_ones_spread() -> None:
     """Placement by payload: one unit per ``spread_bytes``; the first unit rotates so that
     consecutive small puts fill the units evenly."""
-    from transferqueue.controller import Controller
+    from transferqueue.controller.core import Controller
 
     ctl = Controller(4, spread_bytes=1000)
     small = [ctl.allocate(10, "p", nbytes=999).units for _ in range(8)]
@@ -191,7 +191,7 @@ def test_a_producers_small_puts_stay_on_one_unit_while_the_units_are_balanced() 
     """Sticky placement: a named producer's small puts stay on one unit until it holds
     ``spread_bytes`` more live payload than the least loaded unit, then go to the least
     loaded one; rows consumed as fast as they come keep the producer where it is."""
-    from transferqueue.controller import Controller
+    from transferqueue.controller.core import Controller
 
     ctl = Controller(4, spread_bytes=1000)
     units = [int(ctl.allocate(3, "p", nbytes=300, producer="a").units[0]) for _ in range(16)]

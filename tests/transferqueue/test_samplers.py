@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from transferqueue import Client, TQError
-from transferqueue.samplers import balance_lengths, get_sampler, sampler_names
+from transferqueue.controller.samplers import get_sampler, sampler_names
+from transferqueue.meta import balance_lengths
 
 
 def test_group_sampler_never_splits_a_group(client: Client) -> None:

@@ -15,12 +15,12 @@ from tq_helpers import Deploy
 
 import transferqueue
 from transferqueue import BatchMeta, CheckpointError, Client, PartitionExistsError, Ragged
-from transferqueue import messages as m
-from transferqueue.cli import main
-from transferqueue.controller import Controller
-from transferqueue.controller_service import ControllerService
+from transferqueue.controller.core import Controller
+from transferqueue.controller.service import ControllerService
+from transferqueue.deploy.cli import main
 from transferqueue.errors import BadRequestError
-from transferqueue.messages import TRUSTED
+from transferqueue.wire import messages as m
+from transferqueue.wire.protocol import TRUSTED
 
 N = 24
 

@@ -191,7 +191,7 @@ def test_killed_consumer_process_rows_go_to_another_consumer() -> None:
 
 def test_serve_cli_prints_address_and_stops_on_sigterm() -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "transferqueue.cli", "serve", "--units", "2"],
+        [sys.executable, "-m", "transferqueue.deploy.cli", "serve", "--units", "2"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

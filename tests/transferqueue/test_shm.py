@@ -18,11 +18,10 @@ import torch
 import zmq
 
 import transferqueue
-from transferqueue import FieldSpec, ProtocolError, Ragged, TransferQueue, wire
-from transferqueue import messages as m
+from transferqueue import FieldSpec, ProtocolError, Ragged, TransferQueue
+from transferqueue.client.unit_link import RemoteUnitLink
 from transferqueue.errors import PeerGoneError
-from transferqueue.remote import RemoteUnitLink
-from transferqueue.shm import (
+from transferqueue.storage.shm import (
     SHM_DIR,
     Arena,
     Placer,
@@ -31,6 +30,9 @@ from transferqueue.shm import (
     new_token,
     shm_available,
 )
+from transferqueue.wire import codec as wire
+from transferqueue.wire import messages as m
+from transferqueue.wire import protocol
 
 pytestmark = [
     pytest.mark.service,
@@ -412,7 +414,7 @@ class _SilentUnit:
         self.resolve = None
         self.detached: list[str] = []
 
-    async def call(self, msg: m.Request, **_: object) -> object:
+    async def call(self, msg: protocol.Request, **_: object) -> object:
         if isinstance(msg, m.ShmAttach):
             return 1
         if isinstance(msg, m.ShmDetach):
@@ -450,7 +452,7 @@ def test_arena_files_of_dead_clients_that_no_unit_mapped_are_swept(tmp_path: Pat
     import subprocess
     import sys
 
-    from transferqueue.shm import sweep_orphans
+    from transferqueue.storage.shm import sweep_orphans
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

@@ -1,7 +1,8 @@
 """Same-host shared memory for writes: ragged values the unit keeps as views of the client's
 write arenas until their rows are gone, and puts staged into a write arena while the
-controller allocates their rows (see :mod:`transferqueue.shm` and :mod:`transferqueue.remote`).
-Reads, request arenas and hostile references: ``test_shm.py``."""
+controller allocates their rows (see :mod:`transferqueue.storage.shm` and
+:mod:`transferqueue.client.unit_link`). Reads, request arenas and hostile references:
+``test_shm.py``."""
 
 from __future__ import annotations
 
@@ -18,11 +19,11 @@ from test_shm import _check, _cycle, _lent_arena_of, _links, _payload, _session
 
 import transferqueue
 from transferqueue import FieldSpec, Ragged
-from transferqueue import messages as m
 from transferqueue.aio import within
+from transferqueue.client.unit_link import RemoteUnitLink
 from transferqueue.errors import UnknownRowError
-from transferqueue.remote import RemoteUnitLink
-from transferqueue.shm import shm_available
+from transferqueue.storage.shm import shm_available
+from transferqueue.wire import messages as m
 
 pytestmark = [
     pytest.mark.service,

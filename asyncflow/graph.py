@@ -1,0 +1,254 @@
+"""The stages of the GRPO graph, built from a config the same way in every deployment.
+
+    rollout:   prompt_ids, min_gen_version -> response_ids, behaviour_logprobs, finish_reason
+    reward:    prompt, response_ids, answer (+ the task's extra columns) -> reward
+    reference: prompt_ids, response_ids -> ref_logprobs              (optional)
+    train:     whole groups of the step's window -> an optimizer step (acks the rows)
+
+A deployment (``asyncflow.deploy``) decides where each stage runs and what it talks to; these
+functions decide what each stage *is*, so that ``deploy=local`` and ``deploy=ray`` run the same
+adapters with the same options.
+
+Validation (``eval.every_steps``) runs two more stages on their own partition, ``val``, over
+the same generation instances and the same reward function: ``eval`` (a rollout adapter with
+the evaluation's sampling parameters) and ``eval/reward``; the driver consumes their rows
+(``asyncflow.evaluation``). Rows of ``val`` are never seen by the train stage and never
+counted by admission control (see ``asyncflow.evaluation`` for why this cannot deadlock).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from adapters import (
+    Adapter,
+    LengthAwareRouter,
+    LengthRanker,
+    ReferenceAdapter,
+    RewardAdapter,
+    RolloutAdapter,
+    StepReport,
+    TrainAdapter,
+)
+from adapters.rollout import GenerationInstance
+from asyncflow.config import RunConfig
+from asyncflow.metrics import Timeline
+from asyncflow.stage_runner import StageRunner
+from engines.protocols import RewardFn, SamplingParams, ScoringEngine, TrainingEngine
+from engines.tasks import task_columns
+from transferqueue import AsyncClient
+
+__all__ = [
+    "ADAPTERS",
+    "EVAL_PARTITION",
+    "PARTITION",
+    "adapter_classes",
+    "eval_reward_runner",
+    "eval_rollout_adapter",
+    "eval_rollout_runner",
+    "eval_tasks",
+    "reference_adapter",
+    "reward_adapter",
+    "rollout_adapter",
+    "runner",
+    "sampling_params",
+    "tasks",
+    "train_adapter",
+]
+
+PARTITION = "train"
+EVAL_PARTITION = "val"
+
+ADAPTERS: dict[str, type[Adapter]] = {
+    "rollout": RolloutAdapter,
+    "reward": RewardAdapter,
+    "reference": ReferenceAdapter,
+    "train": TrainAdapter,
+}
+
+
+def adapter_classes(overrides: dict[str, type[Adapter]] | None) -> dict[str, type[Adapter]]:
+    """The adapter class per role, with a user's subclasses (same constructor arguments)."""
+    unknown = set(overrides or {}) - set(ADAPTERS)
+    if unknown:
+        raise ValueError(
+            f"unknown adapter roles {sorted(unknown)}; roles: rollout, reward, reference, train"
+        )
+    return {**ADAPTERS, **(overrides or {})}
+
+
+def tasks(cfg: RunConfig) -> list[str]:
+    """TransferQueue consumer tasks of the graph (rows are freed once all have acked)."""
+    return ["rollout", "reward", *(["reference"] if cfg.reference.enabled else []), "train"]
+
+
+def eval_tasks(cfg: RunConfig) -> list[str]:
+    """Consumer tasks of the ``val`` partition (``eval``: the driver, reading the rewards)."""
+    return ["rollout", "reward", "eval"]
+
+
+def sampling_params(cfg: RunConfig) -> SamplingParams:
+    return SamplingParams(
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k,
+    )
+
+
+def rollout_adapter(
+    cls: type[Adapter],
+    instances: Sequence[GenerationInstance],
+    cfg: RunConfig,
+    *,
+    on_demand: Callable[[int], None] | None,
+    on_done: Callable[[], None] | None = None,
+    ranker: LengthRanker | None = None,
+) -> Adapter:
+    """The rollout over every generation instance (engines here, or proxies of engine hosts)."""
+    rc, n, b = cfg.rollout, cfg.rollout.group_size, cfg.train.groups_per_step
+    router = (
+        LengthAwareRouter(range(rc.long_instances), long_capacity=rc.long_capacity or 2 * n)
+        if rc.long_instances
+        else None
+    )
+    kwargs: dict[str, Any] = {
+        "batch_size": rc.micro_batch_groups * n,
+        "router": router,
+        "migrate_after": rc.migrate_after,
+        "on_demand": on_demand,
+        "on_done": on_done,
+        "ranker": ranker,
+        "sampler": "group" if rc.longest_first else "fifo",
+        "sampler_options": (
+            {"group_size": n, "order": "length", "window": b} if rc.longest_first else None
+        ),
+        "version_field": "min_gen_version",
+    }
+    return cls(list(instances), sampling_params(cfg), **kwargs)  # type: ignore[call-arg]
+
+
+def eval_rollout_adapter(
+    cls: type[Adapter],
+    instances: Sequence[GenerationInstance],
+    cfg: RunConfig,
+    *,
+    on_demand: Callable[[int], None] | None,
+    on_done: Callable[[], None] | None = None,
+) -> Adapter:
+    """The rollout of held-out prompts: the same instances, the evaluation's sampling
+    parameters, each row given to an instance holding at least the version it evaluates."""
+    ev, rc = cfg.eval, cfg.rollout
+    params = SamplingParams(
+        max_new_tokens=ev.max_new_tokens or rc.max_new_tokens,
+        temperature=ev.temperature,
+        top_p=ev.top_p,
+    )
+    return cls(  # type: ignore[call-arg]
+        list(instances),
+        params,
+        batch_size=ev.batch_size,
+        on_demand=on_demand,
+        on_done=on_done,
+        version_field="min_gen_version",
+    )
+
+
+def reward_adapter(
+    cls: type[Adapter],
+    reward_fn: RewardFn,
+    tokenizer: Any,
+    cfg: RunConfig,
+    *,
+    evaluation: bool = False,
+) -> Adapter:
+    """The reward stage (``evaluation``: of the held-out task's rows, with its columns)."""
+    name, options = cfg.task.name, cfg.task.options
+    if evaluation:
+        name, options = cfg.eval.task_spec(name, options)
+    columns = task_columns(name, **options)  # the row's answer and extras
+    return cls(  # type: ignore[call-arg]
+        reward_fn, tokenizer, columns=columns, batch_size=cfg.reward.batch_size
+    )
+
+
+def reference_adapter(cls: type[Adapter], engine: ScoringEngine, cfg: RunConfig) -> Adapter:
+    return cls(engine, batch_size=cfg.reference.batch_size)  # type: ignore[call-arg]
+
+
+def train_adapter(
+    cls: type[Adapter],
+    trainer: TrainingEngine,
+    cfg: RunConfig,
+    on_step: Callable[[StepReport], Awaitable[None]],
+    **extra: Any,
+) -> Adapter:
+    return cls(  # type: ignore[call-arg]
+        trainer,
+        group_size=cfg.rollout.group_size,
+        groups_per_step=cfg.train.groups_per_step,
+        micro_batch_groups=cfg.train.micro_batch_groups,
+        use_reference=cfg.reference.enabled,
+        on_step=on_step,
+        first_step=trainer.version,
+        **extra,
+    )
+
+
+def runner(
+    name: str,
+    adapter: Adapter,
+    client: AsyncClient,
+    timeline: Timeline,
+    cfg: RunConfig,
+    *,
+    concurrency: int = 1,
+    partition: str = PARTITION,
+) -> StageRunner:
+    return StageRunner(
+        name,
+        adapter,
+        client,
+        timeline,
+        concurrency=concurrency,
+        partition=partition,
+        lease_s=cfg.transferqueue.lease_s,
+    )
+
+
+def eval_rollout_runner(
+    cls: type[Adapter],
+    instances: Sequence[GenerationInstance],
+    client: AsyncClient,
+    timeline: Timeline,
+    cfg: RunConfig,
+    *,
+    on_demand: Callable[[int], None] | None,
+    on_done: Callable[[], None] | None = None,
+) -> StageRunner:
+    """The ``eval`` stage: held-out prompts of the ``val`` partition, one worker per instance
+    (so an evaluation batch waits behind at most the training batches already on it)."""
+    adapter = eval_rollout_adapter(cls, instances, cfg, on_demand=on_demand, on_done=on_done)
+    return runner(
+        "eval",
+        adapter,
+        client,
+        timeline,
+        cfg,
+        concurrency=len(instances),
+        partition=EVAL_PARTITION,
+    )
+
+
+def eval_reward_runner(
+    cls: type[Adapter],
+    reward_fn: RewardFn,
+    tokenizer: Any,
+    client: AsyncClient,
+    timeline: Timeline,
+    cfg: RunConfig,
+) -> StageRunner:
+    """The ``eval/reward`` stage: the run's reward function over the ``val`` partition."""
+    adapter = reward_adapter(cls, reward_fn, tokenizer, cfg, evaluation=True)
+    return runner("eval/reward", adapter, client, timeline, cfg, partition=EVAL_PARTITION)

@@ -1,0 +1,267 @@
+"""The layout rules of the four packages, read from their source with ``ast`` (nothing imported).
+
+- Arrows point down: ``transferqueue`` imports none of ``engines``, ``adapters``,
+  ``asyncflow``; ``engines`` none of ``transferqueue``, ``adapters``, ``asyncflow``;
+  ``adapters`` not ``asyncflow``.
+- Inside ``transferqueue``, folders by role, imports one way: the shared modules at the top
+  import no folder; ``wire`` imports only the top; ``storage`` the top and ``wire``;
+  ``controller`` and ``client`` the top, ``wire`` and ``storage``, never each other;
+  ``deploy`` anything. No module of the package imports the package itself (its
+  ``__init__`` is the user's door, not a module's).
+- At most 15 Python files directly in ``transferqueue/``.
+- No module over 700 lines; no class with more than 25 public methods, counting those it
+  inherits from classes of these packages (properties are attributes, not methods).
+- No import cycle between modules: every import counts, in a function or under
+  ``TYPE_CHECKING`` too (a cycle there is still two modules that cannot be read apart).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("transferqueue", "asyncflow", "engines", "adapters")
+MAX_LINES = 700
+MAX_PUBLIC_METHODS = 25
+MAX_TOP_FILES = 15
+# what each package may import of the others
+MAY_IMPORT = {
+    "transferqueue": set(),
+    "engines": set(),
+    "adapters": {"transferqueue", "engines"},
+    "asyncflow": {"transferqueue", "engines", "adapters"},
+}
+# what each folder of transferqueue may import ("" = the shared modules at the top)
+TQ_LAYERS = {
+    "": {""},
+    "wire": {"", "wire"},
+    "storage": {"", "wire", "storage"},
+    "controller": {"", "wire", "storage", "controller"},
+    "client": {"", "wire", "storage", "client"},
+    "deploy": {"", "wire", "storage", "controller", "client", "deploy"},
+}
+
+
+@dataclass
+class Module:
+    name: str
+    path: Path
+    tree: ast.Module
+    imports: set[str] = field(default_factory=set)
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Module]:
+    mods: dict[str, Module] = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            name = _module_name(path)
+            mods[name] = Module(name, path, ast.parse(path.read_text(encoding="utf-8")))
+    for mod in mods.values():
+        for node in ast.walk(mod.tree):
+            if isinstance(node, ast.Import):
+                mod.imports.update(_owner(a.name, mods) for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = _absolute(mod, node)
+                for alias in node.names:
+                    sub = f"{base}.{alias.name}"
+                    mod.imports.add(sub if sub in mods else _owner(base, mods))
+        mod.imports = {i for i in mod.imports if i and i != mod.name}
+    return mods
+
+
+def _absolute(mod: Module, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    parts = mod.name.split(".")
+    if mod.path.name != "__init__.py":
+        parts.pop()
+    parts = parts[: len(parts) - (node.level - 1)]
+    return ".".join([*parts, *([node.module] if node.module else [])])
+
+
+def _owner(name: str, mods: dict[str, Module]) -> str:
+    """The longest prefix of ``name`` that is one of our modules ('' if none)."""
+    parts = name.split(".")
+    while parts:
+        if ".".join(parts) in mods:
+            return ".".join(parts)
+        parts.pop()
+    return ""
+
+
+MODULES = _modules()
+
+
+def _folder(name: str) -> str:
+    parts = name.split(".")
+    return parts[1] if len(parts) > 2 else ""
+
+
+def test_packages_import_only_downwards() -> None:
+    bad = [
+        f"{m.name} imports {i}"
+        for m in MODULES.values()
+        for i in sorted(m.imports)
+        if (top := i.split(".")[0]) != m.name.split(".")[0]
+        and top not in MAY_IMPORT[m.name.split(".")[0]]
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_transferqueue_folders_import_one_way() -> None:
+    bad = []
+    for m in MODULES.values():
+        if not m.name.startswith("transferqueue.") and m.name != "transferqueue":
+            continue
+        for i in sorted(m.imports):
+            if not i.startswith("transferqueue"):
+                continue
+            if i == "transferqueue" and m.name != "transferqueue":
+                bad.append(f"{m.name} imports the package transferqueue (import the module)")
+            elif m.name != "transferqueue" and _folder(i) not in TQ_LAYERS[_folder(m.name)]:
+                bad.append(f"{m.name} ({_folder(m.name) or 'top'}) imports {i}")
+    assert not bad, "\n".join(bad)
+
+
+def test_few_files_at_the_top_of_transferqueue() -> None:
+    top = sorted(p.name for p in (ROOT / "transferqueue").glob("*.py"))
+    assert len(top) <= MAX_TOP_FILES, top
+
+
+def test_no_module_over_700_lines() -> None:
+    long = {
+        m.name: n
+        for m in MODULES.values()
+        if (n := len(m.path.read_text(encoding="utf-8").splitlines())) > MAX_LINES
+    }
+    assert not long, long
+
+
+def _classes() -> Iterator[tuple[str, ast.ClassDef, Module]]:
+    for m in MODULES.values():
+        for node in m.tree.body:
+            if isinstance(node, ast.ClassDef):
+                yield f"{m.name}.{node.name}", node, m
+
+
+def _public_methods(node: ast.ClassDef) -> set[str]:
+    def is_property(f: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+        return any(
+            (isinstance(d, ast.Name) and d.id in ("property", "cached_property"))
+            or (isinstance(d, ast.Attribute) and d.attr in ("setter", "deleter", "getter"))
+            for d in f.decorator_list
+        )
+
+    return {
+        f.name
+        for f in node.body
+        if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
+        and not f.name.startswith("_")
+        and not is_property(f)
+    }
+
+
+def _bases(node: ast.ClassDef, mod: Module, classes: dict[str, ast.ClassDef]) -> list[str]:
+    """The qualified names of ``node``'s bases that are classes of these packages."""
+    imported: dict[str, str] = {}
+    for n in ast.walk(mod.tree):
+        if isinstance(n, ast.ImportFrom):
+            base = _absolute(mod, n)
+            for a in n.names:
+                imported[a.asname or a.name] = f"{base}.{a.name}"
+    out = []
+    for b in node.bases:
+        target = b.value if isinstance(b, ast.Subscript) else b
+        name = ast.unparse(target)
+        qual = imported.get(name, f"{mod.name}.{name}")
+        if qual in classes:
+            out.append(qual)
+    return out
+
+
+def test_no_class_over_25_public_methods() -> None:
+    by_name = {q: n for q, n, _ in _classes()}
+    mods = {q: m for q, _, m in _classes()}
+
+    def methods(qual: str, seen: set[str]) -> set[str]:
+        if qual in seen:
+            return set()
+        seen.add(qual)
+        node = by_name[qual]
+        out = _public_methods(node)
+        for b in _bases(node, mods[qual], by_name):
+            out |= methods(b, seen)
+        return out
+
+    big = {q: len(ms) for q in by_name if len(ms := methods(q, set())) > MAX_PUBLIC_METHODS}
+    assert not big, big
+
+
+def _cycles() -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    graph = {name: sorted(i for i in m.imports if i in MODULES) for name, m in MODULES.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    counter = 0
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(graph[root]))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = counter
+                    counter += 1
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(graph[w])))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    x = stack.pop()
+                    on.discard(x)
+                    comp.append(x)
+                    if x == v:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return out
+
+
+def test_no_import_cycles() -> None:
+    assert not _cycles()
+
+
+@pytest.mark.parametrize("pkg", PACKAGES)
+def test_the_checker_sees_every_package(pkg: str) -> None:
+    """The rules above read real modules: each package has modules with imports in the map."""
+    names = [m for m in MODULES if m.split(".")[0] == pkg]
+    assert len(names) > 3
+    assert any(MODULES[n].imports for n in names)

@@ -1,0 +1,76 @@
+"""How a batch read from several storage units is assembled, in the batch's order.
+
+Called by :meth:`AsyncClient._get_data <transferqueue.client.async_client.AsyncClient>` as each
+unit's rows arrive: dense columns are copied into the batch's tensors (:func:`place_dense`), ragged
+pieces merged into one :class:`Ragged` (:func:`merge_ragged`); :func:`empty_column` is a
+field's column of no rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from transferqueue.memcpy import copy_rows
+from transferqueue.ragged import Ragged
+from transferqueue.schema import Column, FieldSpec
+from transferqueue.slots import runs
+
+__all__ = ["empty_column", "merge_ragged", "place_dense"]
+
+
+def place_dense(out: Mapping[str, torch.Tensor], pos: np.ndarray, got: dict[str, Column]) -> None:
+    """Copy one unit's dense columns (its rows at batch positions ``pos``) into the batch's
+    tensors, and drop them from ``got``: views of a lent arena give it back once gone.
+
+    ``np.copyto`` (:func:`copy_rows`), not ``Tensor.copy_``: torch's intra-op threads wait
+    on each other when the cores are busy (here with the units' own copies), and a 4-unit
+    read of the 302 MB batch spent 0.6 s in ``copy_`` that numpy does in about 0.05 s.
+    """
+    for f, dst in out.items():
+        src = got.pop(f)
+        assert isinstance(src, torch.Tensor)
+        if src.data_ptr() == dst[int(pos[0]) :].data_ptr() and src.shape[0] == pos.size:
+            continue  # read straight into place
+        k = 0
+        for a, b in runs(pos):
+            copy_rows(dst[a:b], src[k : k + b - a])
+            k += b - a
+
+
+def empty_column(spec: FieldSpec) -> Column:
+    if spec.kind == "dense":
+        return torch.empty((0, *spec.shape), dtype=spec.torch_dtype)
+    if spec.kind == "ragged":
+        return Ragged(
+            torch.empty((0, *spec.shape), dtype=spec.torch_dtype), torch.zeros(1, dtype=torch.int64)
+        )
+    return []
+
+
+def merge_ragged(parts: list[tuple[np.ndarray, Column]], n: int, spec: FieldSpec) -> Ragged:
+    """Assemble per-unit Ragged pieces (positions, rows) into one in batch order."""
+    if len(parts) == 1:
+        col = parts[0][1]
+        assert isinstance(col, Ragged)
+        return col
+    lengths = np.zeros(n, dtype=np.int64)
+    for pos, col in parts:
+        assert isinstance(col, Ragged)
+        lengths[pos] = col.lengths.numpy()
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    values = torch.empty((int(offsets[-1]), *spec.shape), dtype=spec.torch_dtype)
+    for pos, col in parts:
+        assert isinstance(col, Ragged)
+        src_off = col.offsets.numpy()
+        for a, b in runs(pos):
+            k0 = int(np.searchsorted(pos, a))
+            k1 = k0 + (b - a)
+            copy_rows(
+                values[int(offsets[a]) : int(offsets[b])],
+                col.values[int(src_off[k0]) : int(src_off[k1])],
+            )
+    return Ragged(values, torch.from_numpy(offsets))

@@ -1,0 +1,421 @@
+"""``AsyncClient``: the one implementation of the TransferQueue client API.
+
+It routes writes to storage units, reports readiness to the controller, gathers reads from
+the units in parallel and assembles columns. It works unchanged over every deployment because
+it talks only to a :class:`ControllerLink` and :class:`UnitLink` objects. All of its work runs
+on the handle's I/O loop (``LoopThread``); calls from other loops or threads hop onto it.
+
+Writes are :mod:`transferqueue.client.put`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import AsyncGenerator, Awaitable, Sequence
+from typing import TYPE_CHECKING, Any, Literal, overload
+
+import numpy as np
+import torch
+
+from transferqueue.client import assemble
+from transferqueue.client.buffers import ResultBuffers
+from transferqueue.client.checkpoint import CheckpointCalls
+from transferqueue.client.kv import KVCalls
+from transferqueue.client.links import OFFLOAD_BYTES, ControllerLink, UnitLink
+from transferqueue.client.put import PutCalls, by_unit, lease_s_of, take_rows, timeout_of
+from transferqueue.client.replicas import (
+    UnitReadError,
+    fall_back,
+    meta_units,
+    tag,
+)
+from transferqueue.client.status import StatusCalls
+from transferqueue.errors import (
+    PeerGoneError,
+    RowsLostError,
+    TQError,
+    UnknownFieldError,
+    UnknownRowError,
+)
+from transferqueue.loop import LoopThread
+from transferqueue.meta import BatchMeta
+from transferqueue.schema import Column, FieldSpec
+from transferqueue.slots import runs
+from transferqueue.wire import messages as m
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+__all__ = ["FORMATS", "AsyncClient", "take_rows"]
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("torch", "arrow")
+"""What ``get_data`` returns: ``torch`` (a dict of tensors, Ragged and lists) or ``arrow``
+(a ``pyarrow.Table`` over the same memory, see :mod:`transferqueue.arrow`)."""
+
+_MAX_RUNS_FOR_DIRECT_READ = 8
+# A read that failed on a unit asks the controller which rows were lost for this long: the
+# controller may declare the unit dead a little after this client gave up on it, or be
+# restarting itself (then it is asked again until it answers).
+_LOST_WAIT_S = 6.0
+
+
+class AsyncClient(PutCalls, StatusCalls, KVCalls, CheckpointCalls):
+    """Async TransferQueue client, from ``tq.async_client()``. Writes (``put``):
+    :mod:`transferqueue.client.put`; status, consumption resets,
+    custom metadata, loss logs: :mod:`transferqueue.client.status`; key-value calls:
+    :mod:`transferqueue.client.kv`; ``save``/``load``: :mod:`transferqueue.client.checkpoint`."""
+
+    def __init__(
+        self,
+        io: LoopThread,
+        controller: ControllerLink,
+        units: Sequence[UnitLink],
+        buffers: ResultBuffers | None = None,
+        owner: object = None,
+    ):
+        # The handle this client came from: held, so that the handle (and its connections)
+        # lives as long as any of its clients (``connect(address).client()`` works).
+        self._owner = owner
+        self._io = io
+        self._ctl = controller
+        self._units = {u.unit_id: u for u in units}
+        # Warm memory that reads gathering dense rows assemble into (shared by the handle's
+        # clients): fresh memory would be faulted in page by page on every read.
+        self._buffers = ResultBuffers() if buffers is None else buffers
+        self._schema: dict[str, FieldSpec] = {}
+        # Names this client's puts to the controller, which keeps a producer's small puts on
+        # one unit for a while (Placement.place).
+        self._producer = secrets.token_hex(8)
+        self._last_unit: int | None = None  # the unit the last put's rows all went to
+        self._whole_bytes = 0  # the largest put the controller placed on one unit
+        self.puts_again = 0
+        """Tries of puts of new rows undone because a unit died or restarted mid-write, and
+        put again (see :meth:`put`)."""
+
+    # -- reads -------------------------------------------------------------------------------
+    async def get_meta(
+        self,
+        task: str,
+        fields: Sequence[str] | None = None,
+        batch_size: int = 1,
+        *,
+        partition: str = "default",
+        timeout_s: float | None = None,
+        lease_s: float = 60.0,
+        sampler: str = "fifo",
+        min_version: int | None = None,
+        max_group: int | None = None,
+        **sampler_options: Any,
+    ) -> BatchMeta:
+        """Lease up to ``batch_size`` rows whose ``fields`` are all ready for ``task``.
+
+        Blocks until the batch is full, the partition is finished and drained for this task
+        (``reason == "end"``), or ``timeout_s`` passes (``reason == "timeout"``, short or
+        empty). ``None`` waits as long as the service is alive; a finished partition whose
+        rows wait for fields nobody has written, with no other task left to write them, is an
+        :class:`UnknownFieldError` (a misspelt field). Rows below ``min_version`` are dropped
+        for this task (counted in stats). ``max_group`` bounds the group ids handed out (group
+        sampler with ``order="group"``). Sampler options (``group_size=``, ``dp_size=``,
+        ``order=``) go as keywords.
+        """
+        msg = m.GetMeta(
+            task=task,
+            partition=partition,
+            fields=None if fields is None else list(fields),
+            batch_size=batch_size,
+            lease_s=lease_s_of(lease_s),
+            sampler=sampler,
+            sampler_options=sampler_options,
+            min_version=min_version,
+            max_group=max_group,
+            timeout_s=timeout_of(timeout_s),
+        )
+        return await self._io.run_async(self._ctl.call(msg))
+
+    @overload
+    async def get_data(
+        self,
+        meta: BatchMeta,
+        fields: Sequence[str] | None = None,
+        *,
+        format: Literal["torch"] = "torch",
+    ) -> dict[str, Column]: ...
+
+    @overload
+    async def get_data(
+        self, meta: BatchMeta, fields: Sequence[str] | None = None, *, format: Literal["arrow"]
+    ) -> pa.Table: ...
+
+    async def get_data(
+        self, meta: BatchMeta, fields: Sequence[str] | None = None, *, format: str = "torch"
+    ) -> dict[str, Column] | pa.Table:
+        """Columns of the batch's rows, in the batch's order: dense fields as one tensor,
+        ragged as one :class:`Ragged`, object fields as a list; with ``format="arrow"``, a
+        ``pyarrow.Table`` of the same columns over the same memory (ragged: ``large_list``,
+        dense: primitive or fixed-size lists; see :mod:`transferqueue.arrow`)."""
+        check_format(format)
+        cols = await self._io.run_async(self._get_data_or_lost(meta, fields))
+        return as_format(cols, format)
+
+    async def _get_data_or_lost(
+        self, meta: BatchMeta, fields: Sequence[str] | None
+    ) -> dict[str, Column]:
+        """A read that fails because rows were lost with a unit raises RowsLostError. With
+        two copies of each row, the rows of a unit that fails are read from their other
+        copies (see :mod:`transferqueue.client.replicas`)."""
+        units, dead = meta.units, set[int]()
+        while True:
+            try:
+                return await self._get_data(meta, fields, units)
+            except (PeerGoneError, UnknownRowError) as e:
+                error: PeerGoneError | UnknownRowError = e
+            except UnitReadError as e:
+                dead.add(e.unit)
+                moved = fall_back(meta, units, dead)
+                if moved is not None:
+                    units = moved
+                    continue
+                error = e.error
+            lost = await self._lost(meta.indexes, error, meta_units(meta), raise_unreachable=True)
+            if lost is None:
+                raise error
+            raise RowsLostError(
+                f"rows {lost[:5].tolist()} ({lost.size} of the batch's {len(meta)}) were lost "
+                "with a storage unit that died; they left every task's queue and lease. "
+                "Acknowledge the batch (ack skips lost rows), or read the others: "
+                "meta.select(positions)",
+                lost,
+            ) from error
+
+    async def _lost(
+        self,
+        indexes: np.ndarray,
+        error: BaseException,
+        units: list[int],
+        *,
+        raise_unreachable: bool = False,
+    ) -> np.ndarray | None:
+        """The rows of ``indexes`` lost with a unit, when ``error`` (of a unit) may be due to
+        that; None when none is (then ``error`` stands). ``units``: those the read used.
+
+        Only the controller knows whether a unit restarted, and it may be restarting itself
+        (both killed at once): it is asked again until it answers, for ``_LOST_WAIT_S``. If
+        it never does, the loss is unknown: with ``raise_unreachable`` that is a
+        PeerGoneError (retry later), else None (the unit's error stands; a caller that must
+        undo its rows first passes False). An UnknownRowError must not stand then: a read of
+        rows the unit lost in a restart would pass for the caller's mistake."""
+        if not isinstance(error, PeerGoneError | UnknownRowError):
+            return None
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + _LOST_WAIT_S  # (the controller unreachable)
+        deadline = loop.time() + (_LOST_WAIT_S if isinstance(error, PeerGoneError) else 0.0)
+        while True:
+            try:
+                lost: np.ndarray = await self._ctl.call(m.Lost(indexes=indexes, units=units))
+            except PeerGoneError as gone:  # the controller is gone too, or restarting
+                if loop.time() < give_up:
+                    await asyncio.sleep(0.25)
+                    continue
+                if not raise_unreachable:
+                    return None
+                raise PeerGoneError(
+                    f"rows {indexes[:5].tolist()} could not be read from units {units} "
+                    f"({type(error).__name__}: {error}), and whether a unit lost them in a "
+                    "restart cannot be known while the controller does not answer "
+                    f"({gone}); call again once it is back (a consumer: release the batch, "
+                    "or let its lease expire)"
+                ) from error
+            except Exception:  # the controller refused: the unit's error stands
+                return None
+            if lost.size:
+                return lost
+            if loop.time() >= deadline:
+                return None
+            await asyncio.sleep(0.25)
+
+    async def _get_data(
+        self, meta: BatchMeta, fields: Sequence[str] | None, units: np.ndarray | None = None
+    ) -> dict[str, Column]:
+        """``units``: the unit to read each row from (default ``meta.units``; a replicated
+        read that fell back: some rows from their second copies). With two copies, a unit's
+        failure is a UnitReadError naming it."""
+        names = list(meta.fields if fields is None else fields)
+        if not names:
+            raise ValueError("get_data needs fields: the meta names none; pass fields=[...]")
+        missing = [f for f in names if f not in self._schema]
+        if missing:
+            known: dict[str, FieldSpec] = await self._ctl.call(m.GetSpecs())
+            self._schema.update(known)
+            missing = [f for f in names if f not in self._schema]
+            if missing:
+                raise UnknownFieldError(
+                    f"fields {missing} have never been written; known: {sorted(self._schema)}"
+                )
+        specs = {f: self._schema[f] for f in names}
+        n = len(meta)
+        if n == 0:
+            return {f: assemble.empty_column(specs[f]) for f in names}
+        copies = meta.replica_units is not None
+        groups = by_unit(meta.units if units is None else units)
+        if len(groups) == 1:
+            ((u, _),) = groups.items()
+            link = self._unit(u)
+            if not link.supports_out or link.lends_reads:
+                if copies:
+                    return await tag(u, link.read(meta.indexes, names))  # type: ignore[return-value]
+                return await link.read(meta.indexes, names)
+        shapes = {f: ((n, *s.shape), s.torch_dtype) for f, s in specs.items() if s.kind == "dense"}
+        out = self._buffers.tensors(shapes) or {
+            f: torch.empty(shape, dtype=dt) for f, (shape, dt) in shapes.items()
+        }
+        row_bytes = sum(t[0].numel() * t.element_size() for t in out.values())
+        pieces: list[tuple[np.ndarray, dict[str, Column]]] = []
+
+        async def read_unit(u: int, pos: np.ndarray) -> None:
+            link = self._unit(u)
+            pos_runs = runs(pos)
+            # A unit in this process gathers straight into the batch. A remote unit's rows
+            # come back as views of an arena lent to this read (or as frames) and are copied
+            # into the batch here, as they arrive, so the arena is free again at once.
+            direct = link.supports_out and not link.lends_reads
+            if direct and len(pos_runs) <= _MAX_RUNS_FOR_DIRECT_READ:
+                for a, b in pos_runs:
+                    views = {f: t[a:b] for f, t in out.items()}
+                    got = await link.read(meta.indexes[a:b], names, views)
+                    pieces.append((np.arange(a, b), got))
+                    assemble.place_dense(out, np.arange(a, b), got)
+                return
+            got = await link.read(meta.indexes[pos], names)
+            if row_bytes * pos.size >= OFFLOAD_BYTES:  # off the I/O loop (numpy drops the GIL)
+                await asyncio.to_thread(assemble.place_dense, out, pos, got)
+            else:
+                assemble.place_dense(out, pos, got)
+            pieces.append((pos, got))
+
+        reads: list[Awaitable[object]] = [read_unit(u, pos) for u, pos in groups.items()]
+        if copies:
+            reads = [tag(u, r) for u, r in zip(groups, reads, strict=True)]
+        await asyncio.gather(*reads)
+        pieces.sort(key=lambda p: int(p[0][0]))
+        result: dict[str, Column] = {}
+        for f in names:
+            kind = specs[f].kind
+            if kind == "dense":
+                result[f] = out[f]
+            elif kind == "ragged":
+                result[f] = assemble.merge_ragged([(p, g[f]) for p, g in pieces], n, specs[f])
+            else:
+                values: list[Any] = [None] * n
+                for pos, got in pieces:
+                    col = got[f]
+                    assert isinstance(col, list)
+                    for i, v in zip(pos.tolist(), col, strict=True):
+                        values[i] = v
+                result[f] = values
+        return result
+
+    # -- consumption -------------------------------------------------------------------------
+    async def ack(self, meta: BatchMeta) -> None:
+        """Consume the batch's rows for its task (idempotent)."""
+        if meta.lease_id is None:
+            raise ValueError("this BatchMeta holds no lease (it came from put, or was empty)")
+        if meta.acked:
+            return
+        await self._io.run_async(
+            self._ctl.call(m.Ack(lease_id=meta.lease_id, indexes=meta.indexes))
+        )
+        meta.acked = True
+
+    async def release(self, meta: BatchMeta) -> None:
+        """Give the batch's rows back to its task unconsumed (e.g. a consumer shutting down)."""
+        if meta.lease_id is None or meta.acked:
+            return
+        msg = m.Release(lease_id=meta.lease_id, indexes=meta.indexes)
+        await self._io.run_async(self._ctl.call(msg))
+        meta.acked = True
+
+    async def stream(
+        self,
+        task: str,
+        fields: Sequence[str],
+        batch_size: int,
+        *,
+        partition: str = "default",
+        timeout_s: float | None = None,
+        lease_s: float = 60.0,
+        sampler: str = "fifo",
+        **sampler_options: Any,
+    ) -> AsyncGenerator[tuple[BatchMeta, dict[str, Column]], None]:
+        """Yield (meta, columns) until the task's stream ends; each batch is acknowledged when
+        the loop body finishes it (unless the body acked it itself, e.g. by ``put(meta=)``).
+        A body that raises leaves its lease open: the rows are redelivered after ``lease_s``.
+        ``timeout_s`` bounds each wait; an empty timeout ends nothing, the loop keeps waiting.
+        """
+        while True:
+            meta = await self.get_meta(
+                task,
+                fields,
+                batch_size,
+                partition=partition,
+                timeout_s=timeout_s,
+                lease_s=lease_s,
+                sampler=sampler,
+                **sampler_options,
+            )
+            if len(meta):
+                cols = await self.get_data(meta)
+                yield meta, cols
+                if not meta.acked:
+                    await self.ack(meta)
+            if meta.is_end:
+                return
+
+    # -- administration ----------------------------------------------------------------------
+    async def declare_tasks(self, tasks: Sequence[str], *, partition: str = "default") -> None:
+        """Name every consumer task of the partition; rows are freed once all have acked."""
+        msg = m.DeclareTasks(partition=partition, tasks=list(tasks))
+        await self._io.run_async(self._ctl.call(msg))
+
+    async def finish(self, partition: str = "default") -> None:
+        """No more rows will be put into the partition; consumers end once drained."""
+        await self._io.run_async(self._ctl.call(m.Finish(partition=partition)))
+
+    async def clear(self, partition: str | None = None) -> None:
+        """Drop every row of the partition (all partitions if None)."""
+        await self._io.run_async(self._ctl.call(m.Clear(partition=partition)))
+
+    async def stats(self) -> dict[str, Any]:
+        """Controller state (rows, tasks, leases) and every unit's storage."""
+        return await self._io.run_async(self._stats())
+
+    async def _stats(self) -> dict[str, Any]:
+        ctl = await self._ctl.call(m.Stats())
+        got = await asyncio.gather(
+            *(u.stats() for u in self._units.values()), return_exceptions=True
+        )
+        # (a unit that is down reports its error: the stats of a degraded service still come)
+        units = [
+            {"error": f"{type(u).__name__}: {u}"} if isinstance(u, TQError) else u for u in got
+        ]
+        for u in got:
+            if isinstance(u, BaseException) and not isinstance(u, TQError):
+                raise u
+        return {"controller": ctl, "units": units}
+
+
+def check_format(format: str) -> None:
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {', '.join(FORMATS)}; got {format!r}")
+
+
+def as_format(cols: dict[str, Column], format: str) -> dict[str, Column] | pa.Table:
+    """``get_data``'s columns in the asked format (see :data:`FORMATS`)."""
+    if format == "arrow":
+        from transferqueue.arrow import to_table  # (pyarrow loads only when asked for)
+
+        return to_table(cols)
+    return cols

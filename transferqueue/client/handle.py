@@ -1,0 +1,99 @@
+"""``TransferQueue``: a handle on a running TransferQueue, embedded or remote.
+
+It owns the I/O loop and the links; clients made from it share them and keep it alive.
+``close()`` is idempotent and also runs once the handle and all its clients are gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Sequence
+from types import TracebackType
+
+from transferqueue.client.async_client import AsyncClient
+from transferqueue.client.buffers import ResultBuffers
+from transferqueue.client.links import ControllerLink, UnitLink
+from transferqueue.client.sync_client import Client
+from transferqueue.loop import LoopThread
+from transferqueue.wire import messages as m
+
+__all__ = ["TransferQueue"]
+
+
+class TransferQueue:
+    """A running TransferQueue. Make clients with :meth:`client` / :meth:`async_client`."""
+
+    def __init__(
+        self,
+        io: LoopThread,
+        controller: ControllerLink,
+        units: Sequence[UnitLink],
+        *,
+        closers: Sequence[Callable[[], None]] = (),
+        address: str | None = None,
+        mode: str = "embedded",
+    ) -> None:
+        self._io = io
+        self._controller = controller
+        self._units = list(units)
+        self.address = address
+        self.mode = mode
+        self._closers = list(closers)
+        self._buffers = ResultBuffers()  # reused by the reads of every client made here
+        self._finalizer = weakref.finalize(self, _close_all, self._closers, io)
+
+    @property
+    def num_units(self) -> int:
+        return len(self._units)
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def async_client(self) -> AsyncClient:
+        """An asyncio client (its calls hop onto this handle's I/O loop when needed)."""
+        return AsyncClient(self._io, self._controller, self._units, self._buffers, owner=self)
+
+    def client(self) -> Client:
+        """A blocking client, safe to share across threads."""
+        return Client(self.async_client(), self._io)
+
+    def add_closer(self, closer: Callable[[], None]) -> None:
+        """Run ``closer`` when the handle closes (after the ones given at construction)."""
+        self._closers.append(closer)
+
+    def reset(self) -> None:
+        """Forget everything stored: rows, tasks, leases and field specs, for every client
+        of this TransferQueue. Clients made before the reset must not be used after it."""
+        self._io.run(self._reset())
+
+    async def _reset(self) -> None:
+        await self._controller.call(m.Reset())
+        for unit in self._units:
+            await unit.reset()
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def __enter__(self) -> TransferQueue:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        where = f" at {self.address}" if self.address else ""
+        return f"TransferQueue({self.mode}{where}, units={self.num_units})"
+
+
+def _close_all(closers: list[Callable[[], None]], io: LoopThread) -> None:
+    for close in closers:
+        with contextlib.suppress(Exception):  # one failing closer must not skip the rest
+            close()
+    io.close()

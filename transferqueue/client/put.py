@@ -1,0 +1,467 @@
+"""The client's writes: ``put`` of new rows, and of new fields of leased rows.
+
+A mixin of :class:`~transferqueue.client.async_client.AsyncClient`. A ``put`` of new rows::
+
+    client -> controller  register_fields (first time a field is seen) , allocate(n)
+    client -> units       write(rows of that unit)              (in parallel)
+    client -> controller  commit(fields ready)                  (consumers can now see them)
+
+A try that meets a storage unit that died or restarted is undone and put again (bounded).
+A ``put`` that adds fields to leased rows renews the lease first (so an expired or unknown
+lease fails before anything is written) and acknowledges it in the commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Coroutine, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from transferqueue.aio import within
+from transferqueue.client.links import ControllerLink, Staged, UnitLink
+from transferqueue.client.replicas import gather_copies, meta_units, write_groups
+from transferqueue.errors import (
+    BadRequestError,
+    PeerGoneError,
+    RowsLostError,
+    SchemaError,
+    TQError,
+    UnknownRowError,
+)
+from transferqueue.loop import LoopThread
+from transferqueue.memcpy import gather_rows
+from transferqueue.meta import BatchMeta
+from transferqueue.ragged import Ragged
+from transferqueue.schema import Column, FieldSpec, normalize_columns
+from transferqueue.wire import messages as m
+
+__all__ = [
+    "PutCalls",
+    "by_unit",
+    "header",
+    "lease_s_of",
+    "payload_nbytes",
+    "take_rows",
+    "timeout_of",
+]
+
+log = logging.getLogger(__name__)
+
+_UNDO_WAIT_S = 30.0
+"""How long a failed put waits for the reply to its allocation, to discard the rows."""
+_REPUT_S = 30.0
+"""How long a put of new rows goes on putting them again while the units it was given die
+or restart (each try: allocate, write, commit; nothing of a failed try stays)."""
+_REPUT_BACKOFF_S = (0.1, 0.25, 0.5, 1.0, 2.0)
+
+
+class _PutAgain(Exception):
+    """A try at a put of new rows committed nothing (a unit died or restarted while it
+    wrote, or the controller says its rows were lost): undone, it may be put again;
+    ``error`` is what the caller sees when no try succeeds."""
+
+    def __init__(self, error: PeerGoneError | RowsLostError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def take_rows(col: Column, pos: np.ndarray) -> Column:
+    """Rows ``pos`` of a column: a view when they are one ascending run, else a copy."""
+    n = pos.size
+    contiguous = n > 0 and int(pos[-1]) - int(pos[0]) + 1 == n and bool((np.diff(pos) == 1).all())
+    if isinstance(col, torch.Tensor):
+        if contiguous:
+            return col[int(pos[0]) : int(pos[-1]) + 1]
+        src = col if col.is_contiguous() else col.contiguous()
+        out = torch.empty((n, *col.shape[1:]), dtype=col.dtype)
+        gather_rows(out, src, pos)
+        return out
+    if isinstance(col, Ragged):
+        if contiguous:
+            return col.slice(int(pos[0]), int(pos[-1]) + 1)
+        return col.take(pos)
+    return [col[i] for i in pos.tolist()]
+
+
+def payload_nbytes(cols: Mapping[str, Column]) -> int:
+    """Bytes of the tensor data of a put (object columns count as nothing)."""
+    total = 0
+    for col in cols.values():
+        if isinstance(col, torch.Tensor):
+            total += col.numel() * col.element_size()
+        elif isinstance(col, Ragged):
+            total += col.nbytes
+    return total
+
+
+def by_unit(units: np.ndarray) -> dict[int, np.ndarray]:
+    """Positions of the rows of each unit, ascending."""
+    if units.size and bool((units == units[0]).all()):
+        return {int(units[0]): np.arange(units.size, dtype=np.int64)}
+    return {int(u): np.flatnonzero(units == u) for u in np.unique(units).tolist()}
+
+
+class PutCalls:
+    """``put``, and the write steps the key-value calls share (``_register``,
+    ``_write_units``, ``_undo_new_rows``)."""
+
+    # (the AsyncClient's state and methods this mixin uses)
+    _io: LoopThread
+    _ctl: ControllerLink
+    _units: dict[int, UnitLink]
+    _schema: dict[str, FieldSpec]
+    _producer: str
+    _last_unit: int | None
+    _whole_bytes: int
+    puts_again: int
+
+    if TYPE_CHECKING:
+
+        async def _lost(
+            self,
+            indexes: np.ndarray,
+            error: BaseException,
+            units: list[int],
+            *,
+            raise_unreachable: bool = False,
+        ) -> np.ndarray | None: ...
+
+    async def put(
+        self,
+        data: Mapping[str, Any],
+        *,
+        meta: BatchMeta | None = None,
+        partition: str = "default",
+        group: np.ndarray | Sequence[int] | int | None = None,
+        version: np.ndarray | Sequence[int] | int | None = None,
+        length: np.ndarray | Sequence[int] | int | None = None,
+        specs: Mapping[str, FieldSpec] | None = None,
+        ack: bool = True,
+        lease_s: float = 60.0,
+        timeout_s: float | None = None,
+    ) -> BatchMeta:
+        """Write columns: new rows, or (with ``meta``) new fields of existing rows.
+
+        ``data`` maps field names to columns: a tensor ``[rows, ...]`` (dense), a
+        :class:`Ragged` or a list of 1-D tensors (ragged), or a list of msgpack-able values
+        (object). ``group``/``version``/``length`` set row headers (one value, or one per row;
+        a row without ``group`` is a group of its own).
+        With ``meta`` from ``get_meta``, the lease is acknowledged when the write lands
+        (``ack=False`` keeps it open). ``timeout_s`` bounds the wait for capacity (None:
+        as long as the service is alive). New rows of a finished partition are a
+        :class:`FinishedError`. Returns the rows written.
+
+        New rows whose write meets a storage unit that died or restarted are put again
+        (the failed try is undone first, and the controller places the next one on live
+        units) for up to 30 s; then the unit's :class:`PeerGoneError` or
+        :class:`RowsLostError` is raised. A put with ``meta`` is never put again: its rows
+        lost with a unit are a :class:`RowsLostError` naming them.
+        """
+        return await self._io.run_async(
+            self._put(data, meta, partition, group, version, length, specs, ack, lease_s, timeout_s)
+        )
+
+    async def _put(
+        self,
+        data: Mapping[str, Any],
+        meta: BatchMeta | None,
+        partition: str,
+        group: Any,
+        version: Any,
+        length: Any,
+        specs: Mapping[str, FieldSpec] | None,
+        ack: bool,
+        lease_s: float,
+        timeout_s: float | None,
+    ) -> BatchMeta:
+        known = dict(self._schema)
+        if specs:
+            known.update(specs)
+        cols, col_specs, n = normalize_columns(data, known)
+        timeout_s = timeout_of(timeout_s)
+        await self._register(col_specs)
+        versions = header(version, n, "version")
+        lengths = header(length, n, "length")
+        if meta is not None:
+            return await self._put_to(meta, cols, col_specs, n, versions, lengths, ack, lease_s)
+        groups = header(group, n, "group")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _REPUT_S
+        attempt = 0
+        while True:
+            try:
+                return await self._put_new(
+                    cols, col_specs, n, partition, groups, versions, lengths, timeout_s
+                )
+            except _PutAgain as gone:
+                # the write met a unit that died or restarted: nothing of this try stays
+                # and the controller learns of the unit; put the rows again (bounded)
+                error = gone.error
+                if loop.time() >= deadline:
+                    raise error from error.__cause__
+                log.info("put: %s; putting the rows again", error)
+                self.puts_again += 1
+                await asyncio.sleep(_REPUT_BACKOFF_S[min(attempt, len(_REPUT_BACKOFF_S) - 1)])
+                attempt += 1
+
+    async def _put_to(
+        self,
+        meta: BatchMeta,
+        cols: Mapping[str, Column],
+        col_specs: Mapping[str, FieldSpec],
+        n: int,
+        versions: Any,
+        lengths: Any,
+        ack: bool,
+        lease_s: float,
+    ) -> BatchMeta:
+        """A put of new fields of the rows of ``meta`` (see :meth:`put`)."""
+        if len(meta) != n:
+            raise SchemaError(f"put with meta: the columns have {n} rows, meta has {len(meta)}")
+        lease = meta.lease_id if meta.lease_id is not None and not meta.acked else None
+        if lease is not None:
+            msg = m.Renew(lease_id=lease, lease_s=lease_s_of(lease_s), indexes=meta.indexes)
+            await self._ctl.call(msg)
+        try:
+            dropped = await self._write_units(meta, cols, col_specs, create=False)
+        except (PeerGoneError, UnknownRowError) as e:
+            lost = await self._lost(meta.indexes, e, meta_units(meta), raise_unreachable=True)
+            if lost is None:
+                raise
+            raise RowsLostError(
+                f"rows {lost[:5].tolist()} ({lost.size} of the batch's {len(meta)}) were lost "
+                "with a storage unit that died; they left every task's queue and lease. "
+                "Put the others: meta.select(positions)",
+                lost,
+            ) from e
+        await self._ctl.call(
+            m.Commit(
+                indexes=meta.indexes,
+                fields=list(cols),
+                versions=versions,
+                lengths=lengths,
+                lease_id=lease if ack else None,
+                dropped=dropped,
+                copies=meta.replica_units,
+            )
+        )
+        if lease is not None and ack:
+            meta.acked = True
+        if versions is not None:
+            meta.versions = np.broadcast_to(np.asarray(versions, dtype=np.int64), (n,)).copy()
+        if lengths is not None:
+            meta.lengths = np.broadcast_to(np.asarray(lengths, dtype=np.int64), (n,)).copy()
+        return meta
+
+    async def _put_new(
+        self,
+        cols: Mapping[str, Column],
+        col_specs: Mapping[str, FieldSpec],
+        n: int,
+        partition: str,
+        groups: Any,
+        versions: Any,
+        lengths: Any,
+        timeout_s: float | None,
+    ) -> BatchMeta:
+        """One try at a put of new rows: allocate, write, commit. A try that committed
+        nothing because of a unit that died or restarted is undone and raises
+        :class:`_PutAgain`."""
+        nbytes = payload_nbytes(cols)
+        allocating = self._ctl.call(
+            m.Allocate(
+                n=n,
+                partition=partition,
+                groups=groups,
+                versions=versions,
+                lengths=lengths,
+                nbytes=nbytes,
+                producer=self._producer,
+                timeout_s=timeout_s,
+            )
+        )
+        new, staged = await self._allocate_staging(allocating, cols, nbytes)
+        grants = new.grants or {}
+        dropped: list[int] = []  # (units that a copy of each row missed, see replicas)
+        writing = True
+        try:
+            if staged is not None:
+                link, token = staged
+                await link.write_staged(
+                    new.indexes, token, col_specs, create=True, grant=grants.get(link.unit_id)
+                )
+            else:
+                dropped = await self._write_units(new, cols, col_specs, create=True)
+            writing = False  # (a commit gone with the controller may have landed)
+            copies = new.replica_units
+            commit = m.Commit(new.indexes, list(cols), dropped=dropped, copies=copies)
+            await self._ctl.call(commit)
+        except BaseException as e:
+            lost = await self._lost(new.indexes, e, meta_units(new))
+            await self._undo_new_rows(new, e, writing)
+            error: BaseException = e
+            if lost is not None:
+                error = RowsLostError(
+                    f"the put's rows {lost[:5].tolist()} were lost with a storage unit "
+                    "that died while the put wrote them; put the data again",
+                    lost,
+                )
+                error.__cause__ = e
+            # rows lost are not committed (also when the commit says so: a controller that
+            # restarted discarded them); a unit gone while writing: nothing was committed
+            if isinstance(error, RowsLostError) or (writing and isinstance(error, PeerGoneError)):
+                raise _PutAgain(error) from e
+            if error is e:
+                raise
+            raise error from e
+        new.fields = tuple(cols)
+        return new
+
+    async def _undo_new_rows(self, new: BatchMeta, error: BaseException, writing: bool) -> None:
+        """Undo the new rows ``new`` of a put that failed with ``error`` (``writing``: before
+        its commit was sent): nothing of it may stay half-written, so the units free what
+        they hold and the controller discards the rows. But a commit that met the
+        controller's death (or was cancelled) may have landed (it is journaled before its
+        reply): then the rows stay on the units, where a restarted controller serves them
+        if the commit landed and frees them if not; the discard frees them if the controller
+        answers it and no task has seen them (else they are committed: served whole)."""
+        if writing or not isinstance(error, PeerGoneError | asyncio.CancelledError):
+            grants = new.grants or {}
+            await asyncio.gather(
+                *(u.free(new.indexes, grants.get(u.unit_id)) for u in self._units.values()),
+                return_exceptions=True,
+            )
+        with contextlib.suppress(TQError, ValueError):  # (gone: reclaimed later; or seen)
+            await self._ctl.call(m.Discard(indexes=new.indexes))
+
+    async def _undo_allocation(self, pending: asyncio.Future[BatchMeta]) -> None:
+        """Discard the rows of an allocation whose put failed before it used them. The
+        request is already out, so the controller allocates them whether or not anybody waits
+        for the reply: wait for it (bounded), then give the rows back."""
+        try:
+            new = await within(asyncio.shield(pending), _UNDO_WAIT_S)
+        except BaseException:  # no reply in time (or the put is cancelled again): give up
+            pending.cancel()
+            return
+        with contextlib.suppress(Exception):
+            await self._ctl.call(m.Discard(indexes=new.indexes))
+
+    async def _allocate_staging(
+        self, allocating: Coroutine[Any, Any, BatchMeta], cols: Mapping[str, Column], nbytes: int
+    ) -> tuple[BatchMeta, tuple[UnitLink, Staged] | None]:
+        """The new rows, and the columns staged by the unit they went to (or None).
+
+        While the controller allocates, the columns are copied to where the unit this
+        client's last put went to will take them from (:meth:`UnitLink.stage`), when this
+        put can go there too: the controller keeps a producer's puts on its unit while the
+        units are balanced, and a put no larger than one it placed whole is placed whole.
+        """
+        last = self._last_unit
+        link = None if last is None or nbytes > self._whole_bytes else self._units.get(last)
+        if link is None or not link.stages(nbytes):
+            new = await allocating
+            self._placed(new, nbytes)
+            return new, None
+        pending = asyncio.ensure_future(allocating)
+        staged: Staged | None = None
+        try:
+            await asyncio.sleep(0)  # the allocate request goes out first
+            staged = await link.stage(cols)
+            new = await pending
+        except BaseException:
+            if staged is not None:
+                link.unstage(staged)
+            await self._undo_allocation(pending)
+            raise
+        self._placed(new, nbytes)
+        if staged is None:
+            return new, None
+        if self._last_unit != link.unit_id:  # placed elsewhere (or over several units)
+            link.unstage(staged)
+            return new, None
+        return new, (link, staged)
+
+    def _placed(self, new: BatchMeta, nbytes: int) -> None:
+        """Remember where the controller put this client's rows (see _allocate_staging)."""
+        units = new.units
+        # (a put of two copies writes two units: nothing to stage for one, see replicas)
+        if units.size and new.replica_units is None and bool((units == units[0]).all()):
+            self._last_unit = int(units[0])
+            self._whole_bytes = max(self._whole_bytes, nbytes)
+        else:
+            self._last_unit = None
+
+    async def _register(self, specs: Mapping[str, FieldSpec]) -> None:
+        new = {k: v for k, v in specs.items() if self._schema.get(k) != v}
+        if new:
+            registered: dict[str, FieldSpec] = await self._ctl.call(m.RegisterFields(specs=new))
+            self._schema.update(registered)
+
+    async def _write_units(
+        self,
+        meta: BatchMeta,
+        cols: Mapping[str, Column],
+        specs: Mapping[str, FieldSpec],
+        *,
+        create: bool,
+    ) -> list[int]:
+        """Write the rows to their units; returns the units that a copy of each row missed
+        (two copies: gone, while each row got its other one; else none)."""
+        jobs = []
+        grants = meta.grants or {}
+        copies = meta.replica_units is not None
+        groups = write_groups(meta) if copies else list(by_unit(meta.units).items())
+        for u, pos in groups:
+            part = {name: take_rows(col, pos) for name, col in cols.items()}
+            write = self._unit(u).write(
+                meta.indexes[pos], part, specs, create=create, grant=grants.get(u)
+            )
+            jobs.append(write)
+        if copies:  # (a copy on a unit that is gone is fine while the row has another)
+            return await gather_copies(groups, jobs, len(meta))
+        await asyncio.gather(*jobs)
+        return []
+
+    def _unit(self, unit_id: int) -> UnitLink:
+        try:
+            return self._units[unit_id]
+        except KeyError:
+            raise SchemaError(
+                f"meta names storage unit {unit_id}, which this client does not know"
+            ) from None
+
+
+def lease_s_of(lease_s: float) -> float:
+    """A lease time: finite seconds > 0 (the controller also bounds it by its max_lease_s)."""
+    if not isinstance(lease_s, int | float) or not 0 < lease_s < float("inf"):
+        raise BadRequestError(f"lease_s must be finite seconds > 0, got {lease_s!r}")
+    return float(lease_s)
+
+
+def timeout_of(timeout_s: float | None) -> float | None:
+    """A wait bound: None or infinity (no bound), else finite seconds >= 0."""
+    if timeout_s is None or timeout_s == float("inf"):
+        return None
+    if not isinstance(timeout_s, int | float) or not 0 <= timeout_s < float("inf"):
+        raise BadRequestError(f"timeout_s must be seconds >= 0 or None, got {timeout_s!r}")
+    return float(timeout_s)
+
+
+def header(value: Any, n: int, name: str) -> np.ndarray | None:
+    if value is None:
+        return None
+    if isinstance(value, int | np.integer):
+        if not -(2**63) <= int(value) < 2**63:
+            raise SchemaError(f"{name}={value} does not fit int64")
+        return np.asarray(int(value), dtype=np.int64)  # (0-d: one value for every row)
+    arr = value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+    if arr.shape != (n,):
+        raise SchemaError(f"{name}= has shape {arr.shape}; give one int, or one per row ({n},)")
+    if arr.dtype.kind not in "iu":
+        raise SchemaError(f"{name}= must be integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64)

@@ -1,0 +1,117 @@
+"""``Client``: the blocking facade over :class:`AsyncClient`, for threads and scripts.
+
+Each method is the async method of the same name, run on the handle's I/O loop until done
+(:func:`_blocking` derives it, signature and docstring included, so the API is written once,
+in :class:`AsyncClient`); errors raised there are re-raised here. Use ``tq.async_client()``
+inside async code instead: a blocking call would stall your event loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, TypeVar, overload
+
+from transferqueue.client.async_client import AsyncClient, as_format, check_format
+from transferqueue.errors import ClosedError
+from transferqueue.loop import LoopThread
+from transferqueue.meta import BatchMeta
+from transferqueue.schema import Column
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+__all__ = ["Client"]
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def _blocking(
+    fn: Callable[Concatenate[AsyncClient, P], Coroutine[Any, Any, T]],
+) -> Callable[Concatenate[Client, P], T]:
+    def call(self: Client, *args: P.args, **kwargs: P.kwargs) -> T:
+        return self._io.run(fn(self._a, *args, **kwargs))
+
+    call.__name__ = call.__qualname__ = fn.__name__
+    call.__doc__ = f"Blocking :meth:`AsyncClient.{fn.__name__}`.\n\n{fn.__doc__ or ''}"
+    return call
+
+
+class Client:
+    """Sync TransferQueue client. Get one from ``tq.client()``; safe to share across threads."""
+
+    def __init__(self, aclient: AsyncClient, io: LoopThread) -> None:
+        self._a = aclient
+        self._io = io
+
+    @property
+    def async_client(self) -> AsyncClient:
+        return self._a
+
+    put = _blocking(AsyncClient.put)
+    get_meta = _blocking(AsyncClient.get_meta)
+    ack = _blocking(AsyncClient.ack)
+    release = _blocking(AsyncClient.release)
+    declare_tasks = _blocking(AsyncClient.declare_tasks)
+    finish = _blocking(AsyncClient.finish)
+    clear = _blocking(AsyncClient.clear)
+    stats = _blocking(AsyncClient.stats)
+    status = _blocking(AsyncClient.status)
+    reset_consumption = _blocking(AsyncClient.reset_consumption)
+    set_custom_meta = _blocking(AsyncClient.set_custom_meta)
+    get_custom_meta = _blocking(AsyncClient.get_custom_meta)
+    lost_rows = _blocking(AsyncClient.lost_rows)
+    retire_groups = _blocking(AsyncClient.retire_groups)
+    kv_put = _blocking(AsyncClient.kv_put)
+    kv_batch_put = _blocking(AsyncClient.kv_batch_put)
+    kv_get = _blocking(AsyncClient.kv_get)
+    kv_batch_get = _blocking(AsyncClient.kv_batch_get)
+    kv_meta = _blocking(AsyncClient.kv_meta)
+    kv_list = _blocking(AsyncClient.kv_list)
+    kv_delete = _blocking(AsyncClient.kv_delete)
+    kv_clear = _blocking(AsyncClient.kv_clear)
+    save = _blocking(AsyncClient.save)
+    load = _blocking(AsyncClient.load)
+
+    @overload
+    def get_data(
+        self,
+        meta: BatchMeta,
+        fields: Sequence[str] | None = None,
+        *,
+        format: Literal["torch"] = "torch",
+    ) -> dict[str, Column]: ...
+
+    @overload
+    def get_data(
+        self, meta: BatchMeta, fields: Sequence[str] | None = None, *, format: Literal["arrow"]
+    ) -> pa.Table: ...
+
+    def get_data(
+        self, meta: BatchMeta, fields: Sequence[str] | None = None, *, format: str = "torch"
+    ) -> dict[str, Column] | pa.Table:
+        """See :meth:`AsyncClient.get_data` (``format="arrow"``: a ``pyarrow.Table``)."""
+        check_format(format)
+        return as_format(self._io.run(self._a.get_data(meta, fields)), format)
+
+    def stream(
+        self, task: str, fields: Sequence[str], batch_size: int, **options: Any
+    ) -> Iterator[tuple[BatchMeta, dict[str, Column]]]:
+        """Blocking :meth:`AsyncClient.stream` (same keywords): batches until the task's
+        stream ends, each acked when the loop body is done with it."""
+        batches = self._a.stream(task, fields, batch_size, **options)
+        try:
+            while True:
+                try:
+                    item = self._io.run(_next(batches))
+                except StopAsyncIteration:
+                    return
+                yield item
+        finally:
+            with contextlib.suppress(ClosedError):
+                self._io.run(batches.aclose())
+
+
+async def _next(batches: AsyncIterator[T]) -> T:
+    return await anext(batches)

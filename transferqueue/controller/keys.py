@@ -1,0 +1,352 @@
+"""String keys for rows: the key-value interface's map, kept by the controller.
+
+A mixin of :class:`~transferqueue.controller.core.Controller` (kept apart, as
+:mod:`transferqueue.controller.status` is, so that the controller module holds the row bookkeeping).
+A key names one row of one partition; the rows are ordinary rows (the queue interface sees
+them: tasks lease and acknowledge them exactly once through ``get_meta``/``ack``)::
+
+    per partition   KeyMap   index_of {key: row index} | key_of {row index: key}
+
+Two hash maps, not columns: keys are free-form strings, and only rows put through the
+key-value calls have one, so a per-slot column would cost every row for few.
+
+- **rows of keys** (:meth:`KeyedRows.key_rows`): the rows of keys in request order; an
+  unknown key is an :class:`~transferqueue.errors.UnknownKeyError` naming it. With
+  ``create``, keys without a row get new rows in one allocation (a ``kv_put``): the key is
+  bound when its row is allocated, so two writers of one new key share one row;
+- **delete** (:meth:`KeyedRows.delete_keys`): the rows of keys are freed on the units and
+  leave every task's queue, as if they had never been put (``rows_put`` goes down, so a
+  finished partition's streams still end). A row some task holds *leased* is never deleted:
+  the whole call is refused with :class:`~transferqueue.errors.KeyLeasedError` (the task
+  acknowledges or releases it, or its lease runs out, then delete again), so a consumer never
+  finds the row of its lease gone;
+- **list** (:meth:`KeyedRows.list_keys`): the keys of a partition in row order, with which
+  fields each row has;
+- **export / restore** (:meth:`KeyedRows.export_keys`, :meth:`KeyedRows.restore_keys`): the
+  map as plain data (keys and int64 index arrays), and bound back onto live rows.
+
+A key goes away with its row, whatever frees it: a delete, ``clear``, every declared task
+acknowledging it, a unit dying with it, a put that failed before committing it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from transferqueue.controller.leases import LeaseTable
+from transferqueue.controller.state import Changes, PartitionState, header_column
+from transferqueue.errors import (
+    BadRequestError,
+    KeyLeasedError,
+    UnknownFieldError,
+    UnknownKeyError,
+)
+from transferqueue.meta import BatchMeta
+from transferqueue.schema import FieldSpec
+from transferqueue.wire.replies import DONE, LEASED, QUEUED, KeyListing, KeyRows
+
+__all__ = ["KeyMap", "KeyedRows"]
+
+
+class KeyMap:
+    """The keys of one partition and their rows' indexes, both ways."""
+
+    def __init__(self) -> None:
+        self.index_of: dict[str, int] = {}
+        self.key_of: dict[int, str] = {}
+
+    def __len__(self) -> int:
+        return len(self.index_of)
+
+    def bind(self, keys: list[str], indexes: np.ndarray) -> None:
+        for k, i in zip(keys, indexes.tolist(), strict=True):
+            self.index_of[k] = i
+            self.key_of[i] = k
+
+    def drop(self, indexes: np.ndarray) -> None:
+        for i in indexes.tolist():
+            k = self.key_of.pop(i, None)
+            if k is not None:
+                del self.index_of[k]
+
+
+class KeyedRows:
+    """The key map and its operations; mixed into the Controller."""
+
+    # (the Controller's state this mixin works on)
+    leases: LeaseTable
+    _h: dict[str, np.ndarray]
+    _copies: Callable[[np.ndarray], np.ndarray | None]  # (UnitHealth's: second copies)
+    _ready: dict[str, np.ndarray]
+    _specs: dict[str, FieldSpec]
+    _partitions: dict[str, PartitionState]
+
+    def _init_keys(self) -> None:
+        self._keys: dict[int, KeyMap] = {}  # by partition id
+
+    # (the Controller's)
+    def _slots(self, indexes: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def _live_slots(self, part: PartitionState) -> np.ndarray:
+        raise NotImplementedError
+
+    def _free(self, part: PartitionState, slots: np.ndarray, changes: Changes) -> None:
+        raise NotImplementedError
+
+    def check_allocate(self, n: int, partition: str) -> None:
+        raise NotImplementedError
+
+    def allocate(
+        self,
+        n: int,
+        partition: str,
+        *,
+        groups: np.ndarray | int | None = None,
+        versions: np.ndarray | int | None = None,
+        lengths: np.ndarray | int | None = None,
+        nbytes: int | None = None,
+        producer: str | None = None,
+    ) -> BatchMeta:
+        raise NotImplementedError
+
+    # -- lookups -----------------------------------------------------------------------------
+    def _lookup(self, partition: str, keys: list[str]) -> np.ndarray:
+        """Each key's row index, -1 where the key has none."""
+        part = self._partitions.get(partition)
+        km = None if part is None else self._keys.get(part.id)
+        if not km:
+            return np.full(len(keys), -1, dtype=np.int64)
+        get = km.index_of.get
+        return np.fromiter((get(k, -1) for k in keys), dtype=np.int64, count=len(keys))
+
+    def _unknown(self, partition: str, keys: list[str], found: np.ndarray) -> UnknownKeyError:
+        missing = [keys[i] for i in np.flatnonzero(found < 0)[:10].tolist()]
+        return UnknownKeyError(
+            f"keys {missing} ({int((found < 0).sum())} of {len(keys)}) are not in partition "
+            f"{partition!r}: never put, deleted, cleared, or freed with their row (every "
+            "declared task acknowledged it, or its storage unit died). Put them first "
+            "(kv_put); kv_list shows the keys there are"
+        )
+
+    def new_keys(self, partition: str, keys: list[str]) -> int:
+        """How many of ``keys`` have no row yet; raises what no wait for capacity cures."""
+        n = int((self._lookup(partition, keys) < 0).sum())
+        if n:  # (updates of known keys go into a finished partition too)
+            self.check_allocate(n, partition)
+        return n
+
+    # -- rows of keys ------------------------------------------------------------------------
+    def key_rows(
+        self,
+        partition: str,
+        keys: list[str],
+        *,
+        create: bool = False,
+        fields: list[str] | None = None,
+        groups: np.ndarray | int | None = None,
+        nbytes: int | None = None,
+        producer: str | None = None,
+    ) -> KeyRows:
+        """The rows of ``keys`` (see the module). With ``create``, keys without a row get
+        new rows in one allocation (``groups``: one per key, or one for all; ``nbytes``: the
+        payload of all keys, shared out); otherwise an unknown key is an error, and so is a
+        field of ``fields`` that a row has not written (no ``fields``: the reply names
+        those every row has)."""
+        found = self._lookup(partition, keys)
+        missing = np.flatnonzero(found < 0)
+        if missing.size and not create:
+            raise self._unknown(partition, keys, found)
+        if not create:
+            slots = self._slots(found)
+            return KeyRows(
+                self._meta(partition, found, slots),
+                missing,
+                self._fields(partition, keys, slots, fields),
+            )
+        created = np.empty(0, dtype=np.int64)
+        if missing.size:
+            g = None if groups is None else header_column("group", groups, len(keys), default=-1)
+            new = self.allocate(
+                int(missing.size),
+                partition,
+                groups=None if g is None else g[missing],
+                nbytes=None if nbytes is None else nbytes * int(missing.size) // len(keys),
+                producer=producer,
+            )
+            part = self._partitions[partition]
+            self._keys.setdefault(part.id, KeyMap()).bind(
+                [keys[i] for i in missing.tolist()], new.indexes
+            )
+            found[missing] = new.indexes
+            created = missing
+        return KeyRows(self._meta(partition, found, self._slots(found)), created)
+
+    def _meta(self, partition: str, indexes: np.ndarray, slots: np.ndarray) -> BatchMeta:
+        h = self._h
+        return BatchMeta(
+            indexes,
+            h["unit"][slots],
+            h["group"][slots],
+            h["version"][slots],
+            h["length"][slots],
+            partition=partition,
+            replica_units=self._copies(slots),
+        )
+
+    def _fields(
+        self, partition: str, keys: list[str], slots: np.ndarray, fields: list[str] | None
+    ) -> list[str]:
+        """``fields``, checked: every row has them written; None: those every row has."""
+        if fields is None:
+            return [
+                n for n, ready in self._ready.items() if n in self._specs and ready[slots].all()
+            ]
+        for name in fields:
+            ready = self._ready.get(name) if name in self._specs else None
+            if ready is None:
+                raise UnknownFieldError(
+                    f"field {name!r} has never been written (known fields: "
+                    f"{sorted(self._specs)[:50]}); check the name"
+                )
+            lacking = np.flatnonzero(~ready[slots])
+            if lacking.size:
+                some = [keys[i] for i in lacking[:10].tolist()]
+                raise UnknownFieldError(
+                    f"keys {some} ({lacking.size} of {len(keys)}) of partition {partition!r} "
+                    f"have no field {name!r} written; put it first, or ask for fields they "
+                    "have (kv_list(fields=...) shows which)"
+                )
+        return fields
+
+    # -- delete ------------------------------------------------------------------------------
+    def delete_keys(self, partition: str, keys: list[str] | None = None) -> Changes:
+        """Delete the rows of ``keys`` (None: every key of ``partition``; see the module):
+        all or nothing; an unknown key is an :class:`UnknownKeyError`, a row a task holds
+        leased a :class:`KeyLeasedError`."""
+        if keys is None:
+            listed = self.list_keys(partition)
+            keys, found = listed.keys, listed.indexes
+            if not keys:
+                return Changes()
+        else:
+            found = self._lookup(partition, keys)
+            if (found < 0).any():
+                raise self._unknown(partition, keys, found)
+        part = self._partitions[partition]
+        slots = self._slots(found)
+        for task in part.tasks.values():
+            leased = task.state[slots] == LEASED
+            if leased.any():
+                pos = np.flatnonzero(leased)
+                some = [keys[i] for i in pos[:10].tolist()]
+                raise KeyLeasedError(
+                    f"keys {some} ({pos.size} of {len(keys)}) of partition {partition!r} are "
+                    f"leased to task {task.key[1]!r} (lease {int(task.lease[slots[pos[0]]])}); "
+                    "nothing was deleted. Delete them once the task acknowledges or releases "
+                    "them, or its lease runs out"
+                )
+        requeue = []
+        for task in part.tasks.values():
+            state = task.state[slots]
+            task.done -= int((state == DONE).sum())  # (as if never put: see rows_put below)
+            task.dropped = min(task.dropped, task.done)
+            if (state == QUEUED).any():
+                requeue.append(task)
+        changes = Changes()
+        self._free(part, slots, changes)  # (drops the keys too: _drop_keys)
+        n = int(slots.size)
+        part.rows_put -= n
+        part.rows_freed -= n
+        for task in requeue:  # its queue, rebuilt without the deleted rows
+            task.sampler.clear()
+            live = self._live_slots(part)
+            queued = live[task.state[live] == QUEUED]
+            if queued.size:
+                task.sampler.add(self._h["index"][queued])
+        changes.woken |= {t.key for t in part.tasks.values()}  # (a drained stream may end)
+        return changes
+
+    def _drop_keys(self, part: PartitionState, indexes: np.ndarray) -> None:
+        """Rows left (freed, lost, discarded, cleared, deleted): their keys go with them."""
+        km = self._keys.get(part.id)
+        if km:
+            km.drop(indexes)
+
+    # -- list --------------------------------------------------------------------------------
+    def list_keys(
+        self, partition: str, fields: list[str] | None = None, all_fields: bool = False
+    ) -> KeyListing:
+        """The keys of ``partition`` in row order; per field of ``fields`` (every registered
+        field with ``all_fields``, those no key's row has left out) which rows have it."""
+        part = self._partitions.get(partition)
+        km = None if part is None else self._keys.get(part.id)
+        names = list(dict.fromkeys(fields or ()))
+        for name in names:
+            if name not in self._specs:
+                raise BadRequestError(
+                    f"kv_list: field {name!r} was never written (known fields: "
+                    f"{sorted(self._specs)[:50]}); check the name"
+                )
+        if not km:
+            empty = np.empty(0, dtype=np.int64)
+            return KeyListing(partition, [], empty, {n: empty.astype(bool) for n in names})
+        indexes = np.fromiter(km.key_of, dtype=np.int64, count=len(km))
+        indexes.sort()
+        keys = [km.key_of[i] for i in indexes.tolist()]
+        slots = self._slots(indexes)
+        if all_fields:
+            names += [n for n in self._specs if n not in names and self._ready[n][slots].any()]
+        ready = {n: self._ready[n][slots].copy() for n in names}
+        return KeyListing(partition, keys, indexes, ready)
+
+    # -- export / restore (checkpoints of partitions) ----------------------------------------
+    def export_keys(self, partition: str | None = None) -> dict[str, dict[str, Any]]:
+        """The key map as plain data: ``{partition: {"keys": [str], "indexes": int64
+        array}}``, in row order, for every partition with keys (or just ``partition``)."""
+        out: dict[str, dict[str, Any]] = {}
+        for name, part in self._partitions.items():
+            km = self._keys.get(part.id)
+            if km and (partition is None or name == partition):
+                indexes = np.fromiter(km.key_of, dtype=np.int64, count=len(km))
+                indexes.sort()
+                out[name] = {"keys": [km.key_of[i] for i in indexes.tolist()], "indexes": indexes}
+        return out
+
+    def restore_keys(self, partition: str, keys: list[str], indexes: np.ndarray) -> None:
+        """Bind ``keys`` to live rows ``indexes`` of ``partition`` (what :meth:`export_keys`
+        gave, with indexes mapped to the rows as restored). Everything is checked first: the
+        rows live in the partition, neither the keys nor the rows have a key yet."""
+        indexes = np.asarray(indexes, dtype=np.int64)
+        if indexes.shape != (len(keys),):
+            raise BadRequestError(
+                f"restore_keys: {len(keys)} keys need as many indexes, got shape {indexes.shape}"
+            )
+        self.check_new_keys(partition, keys)
+        part = self._partitions.get(partition)
+        slots = self._slots(indexes)
+        if part is None or (self._h["partition"][slots] != part.id).any():
+            raise BadRequestError(f"restore_keys: rows not all in partition {partition!r}")
+        km = self._keys.setdefault(part.id, KeyMap())
+        if any(i in km.key_of for i in indexes.tolist()):
+            raise BadRequestError(
+                f"restore_keys: rows already have a key in partition {partition!r}; restore "
+                "into a cleared partition"
+            )
+        km.bind(keys, indexes)
+
+    def check_new_keys(self, partition: str, keys: list[str]) -> None:
+        """Raise unless ``keys`` are distinct and none is bound in ``partition`` yet."""
+        if len(set(keys)) != len(keys):
+            raise BadRequestError(f"restore_keys: {len(keys)} keys, not all distinct")
+        part = self._partitions.get(partition)
+        km = None if part is None else self._keys.get(part.id)
+        taken = [] if km is None else [k for k in keys if k in km.index_of][:10]
+        if taken:
+            raise BadRequestError(
+                f"restore_keys: keys {taken} already have a row in partition {partition!r}; "
+                "restore into a cleared partition"
+            )

@@ -1,0 +1,168 @@
+"""Leases: rows handed to a consumer task until it acknowledges them or the deadline passes.
+
+A lease is what makes delivery exactly-once under consumer crashes: ``get_meta`` marks rows
+*leased*, not consumed; only an ``ack`` (or a ``put`` naming the lease) consumes them. When
+the deadline passes first, the controller returns the rows to the task's queue and the lease
+id is remembered as expired, so a late ack from a consumer that was only slow gets a clear
+:class:`LeaseExpiredError` instead of silently consuming rows someone else now holds.
+
+Lease ids are random 63-bit numbers (nobody can guess another consumer's), and a lease taken
+by an authenticated client (its key: the ``owner``) answers only to that client: to anyone
+else it is a lease never issued.
+"""
+
+from __future__ import annotations
+
+import heapq
+import secrets
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from transferqueue.errors import BadRequestError, LeaseExpiredError, UnknownLeaseError
+from transferqueue.limits import MAX_LEASE_S
+
+__all__ = ["Lease", "LeaseTable", "TaskKey", "random_lease_id"]
+
+TaskKey = tuple[int, str]  # (partition id, task name)
+
+_CLOSED_MEMORY = 65536  # how many closed lease ids keep their reason for error messages
+
+
+@dataclass
+class Lease:
+    lease_id: int
+    task: TaskKey
+    indexes: np.ndarray
+    deadline: float
+    remaining: int
+    owner: str | None = None  # the key of the client that took it (None: no keys in use)
+    # rows lost with a unit while leased, (indexes, groups): consumed if the lease is acked,
+    # else logged as lost for its task when it ends (see transferqueue.controller.retire)
+    lost: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+
+
+def random_lease_id() -> int:
+    """A fresh random 63-bit lease id."""
+    return secrets.randbits(63)
+
+
+class LeaseTable:
+    """Active leases, a deadline heap, and the recent history of closed ones."""
+
+    def __init__(self, clock: Callable[[], float], max_lease_s: float = MAX_LEASE_S) -> None:
+        self._clock = clock
+        self.max_lease_s = max_lease_s
+        self._active: dict[int, Lease] = {}
+        self._heap: list[tuple[float, int]] = []
+        self._closed: OrderedDict[int, str] = OrderedDict()
+        self.expired = 0  # leases whose deadline passed before their rows were acknowledged
+        # called with (lease, why) as each lease closes (the controller's loss log)
+        self.on_close: Callable[[Lease, str], None] | None = None
+        # draws a lease id (a journaled controller records the ids drawn and replays them,
+        # see transferqueue.controller.journal)
+        self.new_id: Callable[[], int] = random_lease_id
+
+    def __len__(self) -> int:
+        return len(self._active)
+
+    def check_lease_s(self, lease_s: float) -> float:
+        """``lease_s`` if it is a finite time in (0, max_lease_s]; else a typed error."""
+        if not isinstance(lease_s, int | float) or not 0 < lease_s <= self.max_lease_s:
+            raise BadRequestError(
+                f"lease_s must be a number of seconds in (0, {self.max_lease_s:g}] (the "
+                f"controller's max_lease_s), got {lease_s!r}"
+            )
+        return float(lease_s)
+
+    def open(
+        self, task: TaskKey, indexes: np.ndarray, lease_s: float, owner: str | None = None
+    ) -> Lease:
+        deadline = self._clock() + self.check_lease_s(lease_s)
+        lease_id = self.new_id()
+        while lease_id == 0 or lease_id in self._active or lease_id in self._closed:
+            lease_id = self.new_id()
+        lease = Lease(lease_id, task, indexes, deadline, int(indexes.size), owner)
+        self._active[lease_id] = lease
+        heapq.heappush(self._heap, (lease.deadline, lease_id))
+        return lease
+
+    def get(self, lease_id: int, owner: str | None = None) -> Lease:
+        """The active lease, or a typed error saying what became of it. A lease another
+        client took (``owner`` differs) is reported as never issued."""
+        lease = self._active.get(lease_id)
+        if lease is not None and lease.owner is not None and lease.owner != owner:
+            raise UnknownLeaseError(
+                f"lease {lease_id} was never issued to this client; pass the BatchMeta "
+                "returned by this client's get_meta"
+            )
+        if lease is not None:
+            if lease.deadline > self._clock():
+                return lease
+            raise LeaseExpiredError(
+                f"lease {lease_id} expired; its rows are being returned to task "
+                f"{lease.task[1]!r}. Ask for a longer lease_s or acknowledge sooner"
+            )
+        why = self._closed.get(lease_id)
+        if why == "expired":
+            raise LeaseExpiredError(
+                f"lease {lease_id} expired and its rows were handed out again; "
+                "ask for a longer lease_s or acknowledge sooner"
+            )
+        if why == "reset":
+            raise UnknownLeaseError(
+                f"lease {lease_id} was closed by reset_consumption: its rows went back to "
+                "the task's queue and will be handed out again; drop this batch"
+            )
+        if why is not None:
+            raise UnknownLeaseError(f"lease {lease_id} is no longer active ({why})")
+        raise UnknownLeaseError(
+            f"lease {lease_id} was never issued by this controller; pass the BatchMeta "
+            "returned by get_meta"
+        )
+
+    def active(self, lease_id: int) -> Lease | None:
+        """The lease if it is active (whatever its deadline), else None."""
+        return self._active.get(lease_id)
+
+    def closed_reason(self, lease_id: int) -> str | None:
+        return self._closed.get(lease_id)
+
+    def renew(self, lease: Lease, lease_s: float) -> None:
+        lease.deadline = self._clock() + self.check_lease_s(lease_s)
+        heapq.heappush(self._heap, (lease.deadline, lease.lease_id))
+
+    def close(self, lease: Lease, why: str) -> None:
+        self._active.pop(lease.lease_id, None)
+        self._closed[lease.lease_id] = why
+        if self.on_close is not None:
+            self.on_close(lease, why)
+        while len(self._closed) > _CLOSED_MEMORY:
+            self._closed.popitem(last=False)
+
+    def due(self) -> list[Lease]:
+        """Remove and return the leases whose deadline has passed."""
+        now = self._clock()
+        out = []
+        while self._heap and self._heap[0][0] <= now:
+            deadline, lid = heapq.heappop(self._heap)
+            lease = self._active.get(lid)
+            if lease is not None and lease.deadline == deadline:
+                self.close(lease, "expired")
+                self.expired += 1
+                out.append(lease)
+        return out
+
+    def next_deadline(self) -> float | None:
+        while self._heap:
+            deadline, lid = self._heap[0]
+            lease = self._active.get(lid)
+            if lease is not None and lease.deadline == deadline:
+                return deadline
+            heapq.heappop(self._heap)
+        return None
+
+    def of_partition(self, partition_id: int) -> list[Lease]:
+        return [lease for lease in self._active.values() if lease.task[0] == partition_id]

@@ -1,0 +1,196 @@
+"""Lost rows a task never consumed, and retiring whole groups: what lets a producer
+regenerate what a dead storage unit took with it.
+
+A mixin of :class:`~transferqueue.controller.core.Controller` (next to
+:mod:`transferqueue.controller.health`, which marks the rows of a dead unit lost):
+
+- **the loss log of a task** (:meth:`Retirement.lost_rows`): every committed row lost
+  *before the task consumed it*, with its group id, in the order the losses became definite.
+  A row that was waiting or queued for the task is logged when it is lost. A row that the
+  task held leased is logged only if the lease ends without an ack (released, expired,
+  reset): a consumer that acknowledges a batch says it consumed it, lost rows included (it
+  read them before the unit died; ``ack`` skips the rows that are gone). So a group in a
+  task's log is
+  a group the task did not get whole, and one it did get whole never is: an RL driver that
+  regenerates the groups in the train task's log trains each group exactly once. The log is
+  read with a cursor; the most recent ``LOSS_LOG_ROWS`` rows per task are kept (a reader that
+  fell further behind learns how many it missed).
+- **retiring groups** (:meth:`Retirement.retire_groups`): every live row of the named groups
+  leaves every task's queue and lease and is freed on its unit, as if lost, but deliberately
+  (counted as ``retired``, never logged as lost). A group a task holds leased right now is
+  left alone and reported busy (ask again once the lease ends). A producer that is about to
+  put a group again retires the survivors of the old one first, so no task ever sees a group
+  made of two generations, and late writes to retired rows fail with ``RowsLostError``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from transferqueue.controller.leases import Lease, LeaseTable
+from transferqueue.controller.state import Changes, PartitionState, TaskState
+from transferqueue.errors import BadRequestError
+from transferqueue.wire.replies import DONE, LEASED, QUEUED, LostRows, Retired
+
+__all__ = ["LOSS_LOG_ROWS", "Retirement"]
+
+LOSS_LOG_ROWS = 1 << 20
+"""Rows each task's loss log keeps (the oldest are dropped first; a reader is told)."""
+
+
+class LossLog:
+    """One task's log: pages of (indexes, groups) with a running row count."""
+
+    def __init__(self) -> None:
+        self._pages: deque[tuple[int, np.ndarray, np.ndarray]] = deque()  # (first, idx, grp)
+        self.total = 0  # rows ever logged (the cursor of the next one)
+        self._kept = 0
+
+    def append(self, indexes: np.ndarray, groups: np.ndarray) -> None:
+        if indexes.size == 0:
+            return
+        self._pages.append((self.total, indexes.copy(), groups.copy()))
+        self.total += int(indexes.size)
+        self._kept += int(indexes.size)
+        while self._kept > LOSS_LOG_ROWS and len(self._pages) > 1:
+            self._kept -= int(self._pages.popleft()[1].size)
+
+    def read(self, after: int, limit: int) -> LostRows:
+        first_kept = self._pages[0][0] if self._pages else self.total
+        missed = max(0, first_kept - after)
+        start = max(after, first_kept)
+        idx: list[np.ndarray] = []
+        grp: list[np.ndarray] = []
+        got = 0
+        for first, i, g in self._pages:
+            end = first + int(i.size)
+            if end <= start or got >= limit:
+                continue
+            lo = max(0, start - first)
+            hi = min(int(i.size), lo + limit - got)
+            idx.append(i[lo:hi])
+            grp.append(g[lo:hi])
+            got += hi - lo
+        cat = np.concatenate if idx else (lambda _: np.empty(0, dtype=np.int64))
+        return LostRows(cat(idx), cat(grp), start + got, missed)
+
+
+class Retirement:
+    """Loss logs per task and group retirement; mixed into the Controller."""
+
+    # (the Controller's state this mixin works on)
+    leases: LeaseTable
+    _h: dict[str, np.ndarray]
+    _partitions: dict[str, PartitionState]
+    _by_id: dict[int, PartitionState]
+    partition: Callable[[str], PartitionState]
+    _live_slots: Callable[[PartitionState], np.ndarray]
+    _free: Callable[[PartitionState, np.ndarray, Changes], None]
+    _remember: Callable[[np.ndarray], None]  # (UnitHealth's)
+    _drop_leased: Callable[[np.ndarray], None]  # (UnitHealth's)
+    _requeue: Callable[[PartitionState, list[TaskState]], None]  # (UnitHealth's)
+
+    def _init_retirement(self) -> None:
+        self._loss_logs: dict[tuple[int, str], LossLog] = {}
+        self.rows_retired = 0
+        self.leases.on_close = self._lease_closed
+
+    def _loss_log(self, task: TaskState) -> LossLog:
+        log = self._loss_logs.get(task.key)
+        if log is None:
+            log = self._loss_logs[task.key] = LossLog()
+        return log
+
+    # -- rows lost with a unit (called by UnitHealth.lose_unit) --------------------------------
+    def _lost_for_task(self, task: TaskState, slots: np.ndarray) -> None:
+        """``slots`` (of ``task``'s partition) are lost now: log those the task had not
+        consumed and did not hold; leave those it held with their lease until it ends. Rows
+        no commit reached are not logged: their put fails and its producer puts them again."""
+        h = self._h
+        slots = slots[h["committed"][slots]]
+        state = task.state[slots]
+        unheld = slots[state < LEASED]  # waiting or queued
+        self._loss_log(task).append(h["index"][unheld], h["group"][unheld])
+        held = slots[state == LEASED]
+        if held.size == 0:
+            return
+        lease_ids = task.lease[held]
+        for lid in np.unique(lease_ids).tolist():
+            lease = self.leases.active(lid)
+            if lease is not None:
+                mine = held[lease_ids == lid]
+                lease.lost.append((h["index"][mine].copy(), h["group"][mine].copy()))
+
+    def _lease_closed(self, lease: Lease, why: str) -> None:
+        """A lease ended: its lost rows were consumed if it was acknowledged, else logged."""
+        if not lease.lost:
+            return
+        pending, lease.lost = lease.lost, []
+        if why == "acked":
+            return
+        part = self._by_id.get(lease.task[0])
+        task = None if part is None else part.tasks.get(lease.task[1])
+        if task is not None and why != "cleared":
+            log = self._loss_log(task)
+            for indexes, groups in pending:
+                log.append(indexes, groups)
+
+    # -- queries -------------------------------------------------------------------------------
+    def lost_rows(
+        self, partition: str, task: str, after: int = 0, limit: int = 1 << 16
+    ) -> LostRows:
+        """Rows of ``partition`` lost before ``task`` consumed them, logged after cursor
+        ``after`` (at most ``limit``); pass the reply's ``next`` as ``after`` next time."""
+        part = self.partition(partition)
+        t = part.tasks.get(task)
+        if not isinstance(after, int) or after < 0:
+            raise BadRequestError(f"lost_rows: after must be a cursor >= 0, got {after!r}")
+        if t is None:
+            return LostRows(np.empty(0, np.int64), np.empty(0, np.int64), after)
+        log = self._loss_log(t)
+        if after > log.total:
+            raise BadRequestError(
+                f"lost_rows: cursor {after} is past the end of task {task!r}'s loss log "
+                f"({log.total} rows logged); pass the `next` a previous call returned"
+            )
+        return log.read(after, limit)
+
+    def retire_groups(
+        self, partition: str, groups: Sequence[int] | np.ndarray, unless_leased_by: str | None
+    ) -> tuple[Retired, Changes]:
+        """Retire every live row of ``groups`` in ``partition`` (see the module): returns the
+        rows retired and the groups left alone because task ``unless_leased_by`` holds one
+        of their rows leased, and what changed."""
+        part = self.partition(partition)
+        wanted = np.unique(np.asarray(groups, dtype=np.int64))
+        changes = Changes()
+        h = self._h
+        live = self._live_slots(part)
+        slots = live[np.isin(h["group"][live], wanted)]
+        busy = np.empty(0, dtype=np.int64)
+        if unless_leased_by is not None and unless_leased_by in part.tasks:
+            holder = part.tasks[unless_leased_by]
+            busy = np.unique(h["group"][slots[holder.state[slots] == LEASED]])
+            slots = slots[~np.isin(h["group"][slots], busy)]
+        if slots.size == 0:
+            return Retired(0, busy), changes
+        self._remember(h["index"][slots])
+        requeue = []
+        for task in part.tasks.values():
+            state = task.state[slots]
+            self._drop_leased(task.lease[slots[state == LEASED]])
+            task.leased -= int((state == LEASED).sum())
+            task.retired += int((state != DONE).sum())
+            if (state == QUEUED).any():
+                requeue.append(task)
+            changes.woken.add(task.key)
+        self._free(part, slots, changes)
+        n = int(slots.size)
+        part.rows_freed -= n
+        part.rows_retired += n
+        self.rows_retired += n
+        self._requeue(part, requeue)  # (without the retired rows)
+        return Retired(n, busy), changes

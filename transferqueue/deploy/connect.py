@@ -1,0 +1,143 @@
+"""Connecting to a running TransferQueue service over ZeroMQ.
+
+``connect(address)`` asks the controller for its storage units, opens one long-lived socket
+per server, and returns the same :class:`TransferQueue` handle as the embedded deployment:
+client code does not change with the deployment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+
+import zmq.asyncio
+
+from transferqueue.client.controller_link import RemoteControllerLink
+from transferqueue.client.handle import TransferQueue
+from transferqueue.client.unit_link import SHM_MAX_BYTES, RemoteUnitLink
+from transferqueue.errors import PeerGoneError, ProtocolError
+from transferqueue.loop import LoopThread
+from transferqueue.wire import messages as m
+from transferqueue.wire.auth import ClientKeys, client_keys
+from transferqueue.wire.codec import PROTOCOL_VERSION
+from transferqueue.wire.liveness import DEFAULT_LIVENESS, Liveness
+from transferqueue.wire.rpc import DEFAULT_CALL_TIMEOUT_S, RpcClient, check_address
+
+__all__ = ["connect"]
+
+_RELOCATE_WAIT_S = 4.0  # a unit gone: how long a client waits for the controller to say where
+
+
+def connect(
+    address: str,
+    *,
+    call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
+    connect_timeout_s: float = 10.0,
+    shm_max_bytes: int = SHM_MAX_BYTES,
+    keys: ClientKeys | str | os.PathLike[str] | None = None,
+    liveness: Liveness = DEFAULT_LIVENESS,
+    ride_through_s: float = 0.0,
+) -> TransferQueue:
+    """Connect to a TransferQueue service (``transferqueue serve`` prints its address,
+    ``tcp://HOST:PORT``; anything else fails at once, saying so).
+
+    ``keys``: a service with keys (any service listening beyond loopback) answers only
+    clients holding one of its keys: a directory made by ``transferqueue keygen`` (or
+    ``TRANSFERQUEUE_KEYS``), see :mod:`transferqueue.wire.auth`.
+
+    Storage units on this host exchange column data with this client through shared memory
+    (``/dev/shm``): per unit, a request arena of up to ``shm_max_bytes`` (default 1 GiB; 0:
+    frames only) and as much again in arenas lent to reads, whose results are views of them
+    until dropped. Units elsewhere, and larger transfers, use ZeroMQ frames. See
+    :mod:`transferqueue.storage.shm`.
+
+    ``liveness``: a call waiting on a server that died fails with :class:`PeerGoneError`
+    within ``liveness.bound_s`` (default 4.5 s; see :mod:`transferqueue.wire.liveness`), whatever
+    ``call_timeout_s`` says.
+
+    ``ride_through_s``: for a service whose controller is restarted with its state
+    (``state_dir``): a call that finds the controller gone is sent again until the restarted
+    one answers, for at most this long, when sending it twice is safe (puts, ``get_meta``,
+    acks, reads: :data:`RESENDABLE`); a put whose commit may have landed is then neither lost
+    nor stored twice. 0 (default): such calls fail with :class:`PeerGoneError`.
+    """
+    if ride_through_s < 0:
+        raise ValueError(f"ride_through_s must be >= 0, got {ride_through_s}")
+    check_address(address)  # before any thread or socket exists
+    ckeys = client_keys(keys)
+    io = LoopThread("transferqueue-client", always=False)
+    ctx = zmq.asyncio.Context()
+    rpcs: list[RpcClient] = []
+    units: list[RemoteUnitLink] = []
+
+    async def setup() -> tuple[RemoteControllerLink, list[RemoteUnitLink]]:
+        ctl = RpcClient(
+            ctx,
+            address,
+            call_timeout_s=call_timeout_s,
+            keys=ckeys,
+            ping=m.Ping(),
+            liveness=liveness,
+            on_late=lambda msg, result: link.undo_late(msg, result),
+        )
+        link = RemoteControllerLink(ctl, ride_through_s)
+        rpcs.append(ctl)
+        try:
+            hello = await ctl.call(m.Hello(), wait_s=connect_timeout_s)
+        except PeerGoneError:
+            hint = (
+                "; a service beyond loopback answers only clients with its keys (keys=DIR, "
+                "see transferqueue keygen)"
+                if ckeys is None
+                else "; or these keys are not the service's"
+            )
+            raise PeerGoneError(
+                f"no TransferQueue controller answered at {address} within "
+                f"{connect_timeout_s} s; start one with `transferqueue serve`{hint}"
+            ) from None
+        if hello.protocol != PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"{address} speaks protocol {hello.protocol}, expected {PROTOCOL_VERSION}"
+            )
+
+        async def unit_address(uid: int) -> str:
+            """Where unit ``uid`` listens as the controller knows it now (a restarted unit
+            that could not bind its old address registers its new one)."""
+            return (await ctl.call(m.Hello(), wait_s=_RELOCATE_WAIT_S)).units[uid]
+
+        for uid, addr in enumerate(hello.units):
+            rpc = RpcClient(
+                ctx,
+                addr,
+                call_timeout_s=call_timeout_s,
+                keys=ckeys,
+                ping=m.UnitPing(),
+                liveness=liveness,
+                relocate=functools.partial(unit_address, uid),
+            )
+            rpcs.append(rpc)
+            units.append(RemoteUnitLink(uid, rpc, shm_max_bytes=shm_max_bytes))
+        return link, units
+
+    async def teardown() -> None:
+        for unit in units:
+            with contextlib.suppress(Exception):
+                await unit.close()
+        for rpc in rpcs:
+            await rpc.close()
+
+    def close_sockets() -> None:
+        if not io.closed:
+            io.run(teardown(), timeout=10)
+        ctx.term()  # (every socket is closed by now: term does not wait)
+
+    try:
+        ctl_link, unit_links = io.run(setup())
+    except BaseException:
+        close_sockets()
+        io.close()
+        raise
+    return TransferQueue(
+        io, ctl_link, unit_links, closers=[close_sockets], address=address, mode="remote"
+    )

@@ -1,0 +1,70 @@
+"""How a peer that died is noticed in seconds: heartbeats on the request sockets.
+
+A ZeroMQ socket to a dead peer does not fail: it queues requests and reconnects, so a call
+would only end at its timeout (a minute). Instead every :class:`~transferqueue.wire.rpc.RpcClient`
+watches its peer while it waits on it: once the peer has been silent for ``heartbeat_s`` it
+sends a ``ping`` (answered inline by every server, never queued behind other work), and once
+the peer has been silent for ``dead_after_s`` every call still waiting on it fails with
+:class:`~transferqueue.errors.PeerGoneError`. The controller watches its storage units the
+same way all the time (``keepalive``), not only while it waits on them, and learns from each
+ping's answer the unit's *incarnation* (a token drawn when the unit process started): a unit
+that answers with a new one was restarted, and holds none of the rows it held before.
+
+A call is thus failed within ``dead_after_s`` plus one ``heartbeat_s`` (the watch's tick) of
+its peer's death, whatever the call's own timeout; a peer that is alive but busy answers the
+pings and is never given up on.
+
+| setting        | default | meaning                                                      |
+|----------------|---------|--------------------------------------------------------------|
+| heartbeat_s    | 0.5     | silence after which a ping is sent; the watch's tick         |
+| dead_after_s   | 4.0     | silence after which the peer is declared gone                |
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+
+__all__ = ["DEFAULT_LIVENESS", "Liveness", "new_incarnation"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Liveness:
+    """Heartbeat settings of a client, a controller or a service (see the module)."""
+
+    heartbeat_s: float = 0.5
+    """Silence of a peer after which it is pinged; also how often the watch looks."""
+    dead_after_s: float = 4.0
+    """Silence of a peer after which it is declared gone (calls waiting on it fail)."""
+
+    def __post_init__(self) -> None:
+        for name in ("heartbeat_s", "dead_after_s"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+                raise ValueError(
+                    f"Liveness.{name} must be a positive number of seconds, got {value!r}"
+                )
+        if self.dead_after_s < 2 * self.heartbeat_s:
+            raise ValueError(
+                f"Liveness.dead_after_s={self.dead_after_s} must be at least twice "
+                f"heartbeat_s={self.heartbeat_s}: a peer gets a ping before it is given up on"
+            )
+
+    @property
+    def bound_s(self) -> float:
+        """The longest a call waits on a dead peer before it fails."""
+        return self.dead_after_s + self.heartbeat_s
+
+
+DEFAULT_LIVENESS = Liveness()
+
+
+def new_incarnation() -> str:
+    """A token naming one run of a server process (it changes when the process restarts)."""
+    return secrets.token_hex(8)
+
+
+RIDE_THROUGH_S = 60.0
+"""A ``ride_through_s`` for a controller restarted with its state (3-7 s here) on a loaded
+host: what ``start_on_ray(state_dir=...)`` and asyncflow with a ``state_dir`` use."""
