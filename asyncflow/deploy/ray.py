@@ -6,8 +6,7 @@ What runs where (``asyncflow.deploy.ray_hosts`` for the actors):
 
 | actor                 | count               | resources (config)      | after its death   |
 |-----------------------|---------------------|-------------------------|-------------------|
-| TransferQueue servers | 1 + num_units       | transferqueue.controller.placement | -
-  |
+| TransferQueue servers | 1 + num_units       | transferqueue.placement | -                 |
 | coordinator           | 1                   | none (I/O)              | -                 |
 | generator             | rollout.instances   | rollout.placement       | restarted         |
 | rollout dispatcher    | 1                   | none (I/O)              | restarted         |
@@ -181,7 +180,7 @@ class RayDeployment(Deployment):
 
     def _open_tq(self, prefix: str) -> transferqueue.TransferQueue:
         """TransferQueue for the run, and the keys its stage hosts connect with
-        (``self._tq_keys``): those of ``transferqueue.controller.keys``, or, when the servers start
+        (``self._tq_keys``): those of ``transferqueue.keys``, or, when the servers start
         on a cluster of several nodes without a key directory, keys made for this run (the servers
         must listen beyond loopback, and only this run's processes may reach them)."""
         import ray

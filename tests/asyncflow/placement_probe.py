@@ -64,7 +64,7 @@ def main() -> None:
             cfg = small_config(
                 Path(out),
                 "deploy.mode=ray",
-                "transferqueue.controller.placement.resources={node_a: 0.01}",
+                "transferqueue.placement.resources={node_a: 0.01}",
                 "rollout.instances=2",
                 "rollout.placement.resources={node_b: 1}",
                 "reward.instances=2",

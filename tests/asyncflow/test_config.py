@@ -57,9 +57,9 @@ def test_cli_prints_resolved_config() -> None:
 
 
 def test_partial_override_of_a_section_keeps_its_own_defaults() -> None:
-    """``transferqueue.controller.placement`` defaults to no CPU slot (servers are I/O bound);
+    """``transferqueue.placement`` defaults to no CPU slot (servers are I/O bound);
     naming one of its fields must not bring back the class default of one CPU per server."""
-    cfg = load_config(overrides=["transferqueue.controller.placement.resources={node_a: 0.01}"])
+    cfg = load_config(overrides=["transferqueue.placement.resources={node_a: 0.01}"])
     assert cfg.transferqueue.placement.num_cpus == 0
     assert cfg.transferqueue.placement.resources == {"node_a": 0.01}
     assert load_config(overrides=["reward.placement.num_gpus=1"]).reward.placement.num_cpus == 0.5
