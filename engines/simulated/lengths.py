@@ -243,8 +243,10 @@ class EmpiricalLengths:
         prompt_share: share of the (normal-score) variance the prompt explains, in [0, 1).
         seed: seeds the per-sample noise.
         content_salt: selects the per-token weights of the content score.
-        z_mean, z_std: standardize the content score (``z' = (z - z_mean) / z_std``); set by
-            :meth:`adapted` so that ``prompt_share`` holds on a given prompt set.
+        z_mean: with ``z_std``, standardizes the content score (``z' = (z - z_mean) /
+            z_std``); set by :meth:`adapted` so that ``prompt_share`` holds on a given prompt
+            set.
+        z_std: see ``z_mean``.
     """
 
     def __init__(
