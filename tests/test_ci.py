@@ -1,10 +1,13 @@
-"""The CI scripts: `.ci/run` fails on any non-zero exit (pytest's 5 included); `.ci/soak` runs a
-command N times in a row from fresh clones under busy loops and stops at the first failure."""
+"""The CI scripts: `.ci/run` fails on any non-zero exit (pytest's 5 included) and builds the
+documentation site strictly between lint and the vLLM part; `.ci/soak` runs a command N times in
+a row from fresh clones under busy loops and stops at the first failure."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -43,6 +46,64 @@ def test_a_passing_command_goes_on() -> None:
     proc = _run_in_ci_shell("true")
     assert proc.returncode == 0
     assert proc.stdout.splitlines() == ["+ true", "after"]
+
+
+# ---- .ci/run's parts, on a stand-in repository whose programs record their calls ---------------
+
+
+def _ci_repo(tmp_path: Path, failing: str = "") -> tuple[Path, Path]:
+    """A copy of .ci/run beside a README whose commands only echo, and stand-ins for the
+    virtualenv's ruff, mypy, pip and mkdocs that record their arguments (``failing`` exits 1)."""
+    repo = tmp_path / "repo"
+    (repo / ".ci").mkdir(parents=True)
+    (repo / ".ci" / "run").write_bytes(CI.read_bytes())
+    (repo / "README.md").write_text(
+        "<!-- test-command -->\n```bash\necho tests ran\n```\n"
+        "<!-- vllm-command -->\n```bash\necho vllm ran\n```\n"
+    )
+    calls = tmp_path / "calls"
+    bin_dir = repo / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    for name in ("ruff", "mypy", "pip", "mkdocs"):
+        rc = 1 if name == failing else 0
+        (bin_dir / name).write_text(f'#!/bin/sh\necho "{name} $*" >> {calls}\nexit {rc}\n')
+        (bin_dir / name).chmod(0o755)
+    return repo, calls
+
+
+def _ci(repo: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", str(repo / ".ci" / "run")], capture_output=True, text=True, timeout=60
+    )
+
+
+def test_ci_builds_the_docs_strictly_after_lint_and_before_the_vllm_part(tmp_path: Path) -> None:
+    repo, calls = _ci_repo(tmp_path)
+    proc = _ci(repo)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [c.strip() for c in calls.read_text().splitlines()[-3:]] == [
+        "mypy",
+        "pip install -q -e .[docs]",  # the docs extra, into the virtualenv the tests built
+        "mkdocs build --strict --site-dir site",
+    ]
+    parts = [line.split()[2] for line in proc.stdout.splitlines() if line.startswith("CI part ")]
+    assert parts == ["tests", "lint", "docs", "vllm"]
+
+
+def test_a_failing_docs_build_fails_ci_before_the_vllm_part(tmp_path: Path) -> None:
+    repo, _ = _ci_repo(tmp_path, failing="mkdocs")
+    proc = _ci(repo)
+    assert proc.returncode == 1
+    assert "CI failed: exit code 1 from: .venv/bin/mkdocs build --strict" in proc.stderr
+    assert "vllm ran" not in proc.stdout
+
+
+def test_the_docs_extra_holds_what_ci_builds_the_site_with() -> None:
+    pyproject = tomllib.loads((CI.parents[1] / "pyproject.toml").read_text())
+    docs = pyproject["project"]["optional-dependencies"]["docs"]
+    names = {re.split(r"[<>=\[]", d)[0] for d in docs}
+    assert names == {"mkdocs", "mkdocs-material", "mkdocstrings"}
+    assert any(d.startswith("mkdocstrings[python]") for d in docs)  # the python handler
 
 
 # ---- .ci/soak: the suite N times in a row from fresh clones, under busy loops ----------------
