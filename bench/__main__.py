@@ -1,4 +1,4 @@
-"""Run every benchmark behind the README's figures, one after the other.
+"""Run every benchmark behind the figures of ``docs/benchmarks.md``, one after the other.
 
     python -m bench              # controller, service throughput, weights, RL schedules (~16 min)
     python -m bench --quick      # smaller sizes (~4 min), for a smoke test

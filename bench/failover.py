@@ -1,5 +1,5 @@
 """How fast a local service notices a dead storage unit and serves again: the figures behind
-the README's Reliability table.
+the failover table of ``docs/transferqueue/reliability.md``.
 
     python -m bench.failover              # 6 kills of each kind (~2 min on 2 cores)
     python -m bench.failover --kills 2    # a smoke test

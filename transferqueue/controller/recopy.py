@@ -23,7 +23,7 @@ one that failed at once, up to ``timeout_s``. The controller's and the units' wa
 must agree within ``CLOCK_SLACK_S`` (the same host, or NTP). The task never ends on an
 error (it logs it); the server cancels it when it closes.
 
-Measured (``python -m bench.failover``): see the README's Reliability section.
+Measured (``python -m bench.failover``): see ``docs/transferqueue/reliability.md``.
 """
 
 from __future__ import annotations
