@@ -32,6 +32,17 @@ With one optimizer step per batch (the default, ``old_logp = logp.detach()``) ``
 gradient ``grad logp``, so the clip is inert and ``w`` alone corrects for staleness; the clip
 takes effect when a caller reuses a batch for several steps and passes the recorded
 ``old_logp``.
+
+Two objectives (``OBJECTIVES``) share this form:
+
+- ``tis`` (truncated importance sampling, the default): ``pi_old`` is the start-of-step policy
+  (``logp.detach()`` unless given) and a weight over ``is_cap`` is truncated to ``is_cap``.
+- ``decoupled`` (AReaL's decoupled PPO, :func:`decoupled_loss`): the behaviour policy ``mu``
+  appears only in the importance weight and a *proximal* policy ``pi_prox`` (passed in:
+  recomputed, or :func:`interpolate_prox_logp`) anchors the clip,
+  ``r = pi / pi_prox``, ``w = pi_prox / mu``; a token whose weight exceeds ``is_cap`` is
+  dropped (``w = 0``) rather than truncated, so a token the behaviour policy found far less
+  likely than the proximal one cannot steer the update at all.
 """
 
 from __future__ import annotations
@@ -40,7 +51,16 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PolicyLoss", "policy_loss"]
+__all__ = [
+    "OBJECTIVES",
+    "PolicyLoss",
+    "decoupled_loss",
+    "interpolate_prox_logp",
+    "policy_loss",
+]
+
+OBJECTIVES = ("tis", "decoupled")
+"""Names of the policy objectives (``train.loss``)."""
 
 
 @dataclass
@@ -66,6 +86,7 @@ def policy_loss(
     kl_coef: float = 0.0,
     loss_scale: float = 1.0,
     seq_norm: float | None = None,
+    over_cap: str = "truncate",
 ) -> PolicyLoss:
     """Compute the loss of the module docstring.
 
@@ -84,6 +105,8 @@ def policy_loss(
         loss_scale: multiplies the sum over sequences (``1 / samples in the step``).
         seq_norm: ``None`` = token mean per sequence; a number = token sum per sequence
             divided by it (see the module docstring).
+        over_cap: what a weight over ``is_cap`` becomes: ``"truncate"`` (``is_cap``) or
+            ``"drop"`` (0: the token leaves the policy gradient; the decoupled objective).
     """
     if logp.dim() != 2:
         raise ValueError(f"logp must be [B, T], got shape {tuple(logp.shape)}")
@@ -103,6 +126,8 @@ def policy_loss(
         raise ValueError(f"seq_norm must be > 0 or None, got {seq_norm}")
     if kl_coef > 0 and ref_logp is None:
         raise ValueError("kl_coef > 0 needs ref_logp (reference log-probs of the response)")
+    if over_cap not in ("truncate", "drop"):
+        raise ValueError(f"over_cap must be 'truncate' or 'drop', got {over_cap!r}")
 
     valid = mask.bool()
     logp = logp.float()
@@ -126,7 +151,7 @@ def policy_loss(
         weight = torch.ones_like(weight)
     else:
         truncated = weight > is_cap
-        weight = torch.clamp(weight, max=is_cap)
+        weight = torch.where(truncated, is_cap if over_cap == "truncate" else 0.0, weight)
     per_token = weight * pg
 
     kl = torch.zeros_like(pg)
@@ -167,3 +192,100 @@ def policy_loss(
             "kl": mean(kl),
         }
     return PolicyLoss(loss=loss, metrics=metrics, num_tokens=n)
+
+
+def decoupled_loss(
+    logp: torch.Tensor,
+    behaviour_logp: torch.Tensor,
+    prox_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
+    is_cap: float | None = 2.0,
+    ref_logp: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    loss_scale: float = 1.0,
+    seq_norm: float | None = None,
+) -> PolicyLoss:
+    """AReaL's decoupled PPO objective (see the module docstring): per token,
+
+        loss_t = w * -min(r * A, clip(r, 1 - clip_eps, 1 + clip_eps_high) * A)
+        r = pi / pi_prox,   w = pi_prox / mu   (0 where above ``is_cap``; 1 if it is None)
+
+    reduced like :func:`policy_loss`. ``prox_logp`` is ``[B, T]``, detached (the proximal
+    policy is a fixed anchor: recomputed with the weights at the start of the step, or
+    :func:`interpolate_prox_logp`).
+    """
+    if prox_logp.shape != logp.shape:
+        raise ValueError(f"prox_logp has shape {tuple(prox_logp.shape)}, logp {tuple(logp.shape)}")
+    return policy_loss(
+        logp,
+        behaviour_logp,
+        advantages,
+        mask,
+        old_logp=prox_logp,
+        clip_eps=clip_eps,
+        clip_eps_high=clip_eps_high,
+        is_cap=is_cap,
+        ref_logp=ref_logp,
+        kl_coef=kl_coef,
+        loss_scale=loss_scale,
+        seq_norm=seq_norm,
+        over_cap="drop",
+    )
+
+
+def interpolate_prox_logp(
+    behaviour_logp: torch.Tensor,
+    logp: torch.Tensor,
+    versions: torch.Tensor,
+    *,
+    prox_version: int,
+    logp_version: int,
+) -> torch.Tensor:
+    """Proximal log-probs interpolated log-linearly between the behaviour log-probs (cached at
+    generation) and the current ones, by version stamps (AReaL's ``loglinear`` method):
+
+        alpha = clamp((prox_version - v) / (logp_version - v), 0, 1)
+        log pi_prox ~= log mu + alpha * (log pi - log mu)
+
+    per token, where ``v`` is the version that generated the token, ``prox_version`` the
+    proximal policy's version and ``logp_version`` that of the weights that computed ``logp``.
+    Exact at both ends: a token generated by the proximal policy itself (``v = prox_version``)
+    keeps ``mu``; where the weights computing ``logp`` are the proximal ones
+    (``logp_version = prox_version``, asyncflow's train step: one optimizer update per step,
+    so every micro-batch of step ``t`` is scored by the weights of version ``t``), ``alpha = 1``
+    and the result is ``logp`` itself, with no forward pass. Tokens with ``v >= logp_version``
+    or ``v < 0`` (no generating policy: padding, prompt or observation tokens, which the loss
+    masks) take ``alpha = 1``.
+
+    ``versions``: ``[B]`` (one version per sample) or ``[B, T]`` (one per token, the shape of
+    the log-probs: a sample whose tokens span weight updates). Returns ``[B, T]`` float32,
+    detached.
+    """
+    if logp.dim() != 2 or behaviour_logp.shape != logp.shape:
+        raise ValueError(
+            f"logp and behaviour_logp must be the same [B, T], got {tuple(logp.shape)} and "
+            f"{tuple(behaviour_logp.shape)}"
+        )
+    if versions.shape == logp.shape[:1]:
+        versions = versions[:, None]
+    elif versions.shape != logp.shape:
+        raise ValueError(
+            f"versions must be [B]={logp.shape[0]} or [B, T]={tuple(logp.shape)}, got "
+            f"{tuple(versions.shape)}"
+        )
+    if prox_version > logp_version:
+        raise ValueError(
+            f"prox_version {prox_version} is newer than logp_version {logp_version}: the "
+            "proximal policy lies between the behaviour and the current one"
+        )
+    v = versions.to(device=logp.device, dtype=torch.float64)
+    gap = logp_version - v  # >= 1 where alpha comes from the formula
+    alpha = torch.where(
+        (v >= 0) & (gap > 0), (prox_version - v) / gap.clamp(min=1.0), torch.ones_like(v)
+    ).clamp(0.0, 1.0)
+    behaviour = behaviour_logp.detach().float()
+    return behaviour + alpha.float() * (logp.detach().float() - behaviour)  # [B, T]
