@@ -4,12 +4,14 @@ Called by the train and reference adapters on the samples of one leased batch, w
 sample's token count (prompt + response), before any forward pass; pure functions of the
 lengths, so that every rank could compute the same answer.
 
-| function             | splits into                      | guarantee                            |
-|----------------------|----------------------------------|--------------------------------------|
-| :func:`pack_by_tokens`| micro-batches of <= ``max_tokens``| never over the budget, except a     |
-|                      | tokens each (first-fit decreasing)| sample longer than it: alone        |
-| :func:`balance_by_tokens`| ``parts`` shares, one per rank| heaviest share <= ``max(l1, mean +  |
-|                      |                                  | (1 - 1/parts) * l[parts+1])``        |
+| function                  | splits into                         | guarantee                  |
+|---------------------------|-------------------------------------|----------------------------|
+| :func:`pack_by_tokens`    | micro-batches of at most            | never over the budget, but |
+|                           | ``max_tokens`` tokens (first-fit    | a sample longer than it,   |
+|                           | decreasing)                         | alone                      |
+| :func:`balance_by_tokens` | ``parts`` shares, one per rank      | heaviest share at most     |
+|                           |                                     | ``max(l1, mean + (1 -      |
+|                           |                                     | 1/parts) * l[parts+1])``   |
 
 For :func:`balance_by_tokens`, ``l1 >= l2 >= ...`` are the sample lengths in decreasing order
 and ``mean`` the total over ``parts``. The bound is that of longest-processing-time-first
