@@ -37,7 +37,7 @@ from transformers import PreTrainedModel
 
 from engines.hf.batching import response_logprobs, right_pad, split_by_tokens
 from engines.hf.loading import ModelSource, load_model, load_weights, read_folder_state
-from engines.loss import policy_loss
+from engines.loss import OBJECTIVES, interpolate_prox_logp, policy_loss
 from engines.protocols import TrainBatch
 
 __all__ = ["HFTrainingConfig", "HFTrainingEngine"]
@@ -77,6 +77,17 @@ class HFTrainingConfig:
     """Padded tokens per forward/backward pass."""
     max_micro_batch_size: int = 32
     """Samples per forward/backward pass."""
+    loss: str = "tis"
+    """The objective (:mod:`engines.loss`): ``tis`` (truncated importance sampling) or
+    ``decoupled`` (decoupled PPO: a proximal policy for the clip, see ``prox_logp``)."""
+    prox_logp: str = "recompute"
+    """``decoupled``: the proximal log-probs. ``recompute``: a forward pass without gradient
+    with the weights at the start of the step (reported: ``prox_logp_gap``, their mean
+    distance to the current log-probs); ``interpolate``: log-linear between the behaviour
+    log-probs and the current ones by version stamps
+    (:func:`engines.loss.interpolate_prox_logp`), no forward pass. The versions are
+    ``TrainBatch.versions`` (per sample), or ``TrainBatch.extra["token_versions"]``
+    (``B x [T_i]`` ints, per token) when present."""
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -89,6 +100,10 @@ class HFTrainingConfig:
             raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
         if self.seq_norm is not None and self.seq_norm <= 0:
             raise ValueError(f"seq_norm must be > 0 or None, got {self.seq_norm}")
+        if self.loss not in OBJECTIVES:
+            raise ValueError(f"loss must be one of {OBJECTIVES}, got {self.loss!r}")
+        if self.prox_logp not in ("recompute", "interpolate"):
+            raise ValueError(f"prox_logp must be recompute or interpolate, got {self.prox_logp!r}")
         if self.max_tokens_per_micro_batch < 1 or self.max_micro_batch_size < 1:
             raise ValueError(
                 "max_tokens_per_micro_batch and max_micro_batch_size must be >= 1, got "
@@ -108,8 +123,9 @@ class HFTrainingEngine:
         version: optimizer steps already taken by these weights (0 for a fresh start).
 
     ``TrainBatch.extra["old_logprobs"]`` (``B x [T_i]``), if present, is used as ``pi_old``
-    (for callers that take several optimizer steps on one batch); otherwise ``pi_old`` is the
-    current policy (one step per batch).
+    (the proximal log-probs of the ``decoupled`` objective; for callers that take several
+    optimizer steps on one batch); otherwise ``pi_old`` is the current policy (one step per
+    batch), or with ``decoupled`` what ``HFTrainingConfig.prox_logp`` makes of it.
     """
 
     def __init__(
@@ -187,17 +203,22 @@ class HFTrainingEngine:
                 )
                 dev = self._device
                 behaviour = right_pad(batch.behaviour_logprobs[part], 0.0, torch.float32)[0]
+                behaviour = behaviour.to(dev)
                 ref = old = None
                 if batch.ref_logprobs is not None:
                     ref = right_pad(batch.ref_logprobs[part], 0.0, torch.float32)[0].to(dev)
                 if old_all is not None:
                     old = right_pad(old_all[part], 0.0, torch.float32)[0].to(dev)
+                extra: dict[str, float] = {}
+                adv = batch.advantages[part].to(dev)
+                if cfg.loss == "decoupled" and old is None:
+                    old, extra = self._prox_logp(batch, part, scored.logprobs, behaviour)
                 out = policy_loss(
                     scored.logprobs,
-                    behaviour.to(dev),
-                    batch.advantages[part].to(dev),
+                    behaviour,
+                    adv,
                     scored.mask,
-                    old_logp=old,
+                    old_logp=old,  # decoupled: the proximal log-probs
                     clip_eps=cfg.clip_eps,
                     clip_eps_high=cfg.clip_eps_high,
                     is_cap=cfg.is_cap,
@@ -205,7 +226,9 @@ class HFTrainingEngine:
                     kl_coef=cfg.kl_coef,
                     loss_scale=loss_scale,
                     seq_norm=cfg.seq_norm,
+                    over_cap="drop" if cfg.loss == "decoupled" else "truncate",
                 )
+                out.metrics.update(extra)
                 if out.num_tokens:  # a micro-batch of empty responses has nothing to learn
                     out.loss.backward()
                 loss_total += float(out.loss.detach())
@@ -227,6 +250,45 @@ class HFTrainingEngine:
             staleness_max=float(staleness.max()) if len(batch) else 0.0,
         )
         return result
+
+    def _prox_logp(
+        self, batch: TrainBatch, part: slice, logp: torch.Tensor, behaviour: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The proximal log-probs of a micro-batch (``[B, T]``, detached) as ``prox_logp``
+        says, and metrics. The proximal policy is the policy at the start of the step: the
+        weights of version ``self._version``, which no update changes before
+        ``optimizer_step`` (so the current log-probs are scored by it too)."""
+        cfg = self.config
+        if cfg.prox_logp == "recompute":
+            with torch.no_grad():
+                prox = response_logprobs(
+                    self._model,
+                    batch.prompt_ids[part],
+                    batch.response_ids[part],
+                    temperature=cfg.temperature,
+                ).logprobs
+            valid = torch.zeros_like(prox, dtype=torch.bool)
+            for i, r in enumerate(batch.response_ids[part]):
+                valid[i, : int(r.numel())] = True
+            gap = (prox - logp.detach()).abs()[valid]
+            return prox, {"prox_logp_gap": float(gap.mean()) if gap.numel() else 0.0}
+        token_versions = batch.extra.get("token_versions")
+        if token_versions is not None:
+            if len(token_versions) != len(batch):
+                raise ValueError(
+                    f"extra['token_versions'] has {len(token_versions)} rows, batch {len(batch)}"
+                )
+            versions = right_pad(token_versions[part], -1, torch.long)[0]  # [B, T]
+        else:
+            versions = batch.versions[part].long()  # [B]
+        prox = interpolate_prox_logp(
+            behaviour,
+            logp,
+            versions.to(logp.device),
+            prox_version=self._version,
+            logp_version=self._version,
+        )
+        return prox, {}
 
     def optimizer_step(self) -> dict[str, float]:
         """Clip, step AdamW, zero the gradients, bump ``version``.

@@ -312,3 +312,57 @@ def test_engines_on_cuda_agree_with_cpu_and_train_along_the_advantage(
     )
     positive = batch.advantages > 0
     assert ((after - before)[positive] > 0).all() and ((after - before)[~positive] < 0).all()
+
+
+def _grads(trainer: HFTrainingEngine) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None])
+
+
+def test_decoupled_objective_on_a_stale_batch(
+    tiny_model: PreTrainedModel, prompts: list[torch.Tensor]
+) -> None:
+    """A batch generated at version 0, trained by weights two steps on (version 2). The
+    proximal policy is the step's own weights: recomputed by a forward pass it equals the
+    current log-probs, and the interpolation (proximal = current version: alpha = 1) gives
+    the same gradient without that pass, from per-sample or per-token versions. Where no
+    weight exceeds the cap the decoupled objective is the truncated-IS one; with a small cap
+    it drops the tokens truncated-IS keeps at the cap."""
+    batch = _batch(tiny_model, prompts, temperature=1.0)
+    moved = HFTrainingEngine(copy.deepcopy(tiny_model), config=HFTrainingConfig(lr=1e-2))
+    for _ in range(2):
+        moved.forward_backward(batch, loss_scale=0.125)
+        moved.optimizer_step()
+    assert moved.version == 2
+
+    def run(**options: object) -> tuple[dict[str, float], torch.Tensor]:
+        trainer = HFTrainingEngine(
+            copy.deepcopy(moved.model),
+            config=HFTrainingConfig(**options),  # type: ignore[arg-type]
+            version=2,
+        )
+        metrics = trainer.forward_backward(batch, loss_scale=0.125)
+        return metrics, _grads(trainer)
+
+    tis, g_tis = run(loss="tis", is_cap=100.0)
+    recompute, g_recompute = run(loss="decoupled", prox_logp="recompute", is_cap=100.0)
+    _, g_interpolate = run(loss="decoupled", prox_logp="interpolate", is_cap=100.0)
+    assert recompute["prox_logp_gap"] < 1e-5
+    assert tis["is_weight_mean"] != pytest.approx(1.0, abs=1e-3)  # the batch is off-policy
+    torch.testing.assert_close(g_recompute, g_tis, atol=1e-6, rtol=1e-4)
+    torch.testing.assert_close(g_interpolate, g_recompute, atol=1e-6, rtol=1e-4)
+    batch.extra["token_versions"] = [torch.zeros_like(r) for r in batch.response_ids]
+    _, g_tokens = run(loss="decoupled", prox_logp="interpolate", is_cap=100.0)
+    torch.testing.assert_close(g_tokens, g_interpolate)
+    del batch.extra["token_versions"]
+
+    cap = min(tis["is_weight_mean"], 1.0) * 0.999  # below the weight of some token
+    capped_tis, _ = run(loss="tis", is_cap=cap)
+    capped, g_capped = run(loss="decoupled", prox_logp="interpolate", is_cap=cap)
+    assert capped["is_truncated_frac"] == pytest.approx(capped_tis["is_truncated_frac"])
+    assert 0 < capped["is_truncated_frac"] < 1
+    assert capped["is_weight_mean"] < capped_tis["is_weight_mean"]  # dropped, not truncated
+    assert not torch.allclose(g_capped, g_tis)
+    with pytest.raises(ValueError, match="loss must be one of"):
+        HFTrainingConfig(loss="ppo")
+    with pytest.raises(ValueError, match="prox_logp must be"):
+        HFTrainingConfig(prox_logp="rollout")
