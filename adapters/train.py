@@ -5,12 +5,30 @@
 | prompt_ids, response_ids, behaviour_logprobs, reward      | nothing (acks the rows);  |
 | (+ ref_logprobs with a reference stage)                   | a step report per step    |
 
-Step ``t`` trains on exactly the groups admitted for it: group ids ``t*B .. (t+1)*B - 1``
-(``B = groups_per_step``; the prompt feeder numbers groups in admission order). It takes them
-with the ``group`` sampler ordered by group id and ``max_group`` set to the end of the step's
-window, a micro-batch of whole groups at a time, in whatever order they complete, and calls
-``forward_backward`` on each as it arrives (streaming: training starts before the last group
-of the step is generated). After the last group of the step, ``optimizer_step``.
+Each step trains exactly ``B = groups_per_step`` groups: those of its *window*, consecutive
+group ids from the first one no earlier step consumed (the prompt feeder numbers groups in
+admission order; step ``t`` of a run without filtering trains ``t*B .. (t+1)*B - 1``). It
+takes them with the ``group`` sampler ordered by group id and ``max_group`` set to the end of
+the window, a micro-batch of whole groups at a time, in whatever order they complete, and
+calls ``forward_backward`` on each as it arrives (streaming: training starts before the last
+group of the step is generated). After the step's ``B``-th group, ``optimizer_step``.
+
+**Dynamic sampling** (DAPO's filter, ``dynamic_sampling=True``): a group whose rewards all tie
+(every finite reward equal, or fewer than two finite) has zero advantages and teaches
+nothing; it is not trained. The stage acknowledges its rows, counts it in the step's
+``filtered`` groups and tells ``on_filtered`` (the feeder then admits a replacement), and the
+step's window grows by one group. So step ``t`` trains the ``B`` unfiltered groups that follow
+the previous step's window, every group is consumed (trained or filtered) exactly once, and a
+group's step depends only on how many groups before it were filtered: the bound the feeder's
+admission relies on (``asyncflow.feeder``). A step that filters more than
+``FILTER_LIMIT * B`` groups fails the run (the rewards never separate: the task is too easy or
+too hard for the policy).
+
+**Token budgets** (``max_tokens_per_micro_batch``): a leased micro-batch of groups is packed
+into engine calls of at most that many tokens (prompt + response, :mod:`engines.packing`);
+one ``forward_backward`` per packed micro-batch, all before the step's one optimizer step, so
+the gradient does not depend on the packing. Data-parallel trainers split the lease across
+ranks by tokens first (``asyncflow.deploy.ray_hosts``). A group never spans two steps.
 
 Advantages are group-normalized rewards: ``(r - mean(group)) / (std(group) + eps)``. A sample
 whose reward is NaN (the reward function gave no verdict) gets advantage 0 and is left out of
@@ -29,11 +47,24 @@ import numpy as np
 import torch
 
 from adapters.base import Adapter, StageOutput
+from engines.packing import pack_by_tokens
 from engines.protocols import TrainBatch, TrainingEngine
 from transferqueue import BatchMeta, Ragged
 from transferqueue.schema import Column
 
-__all__ = ["StepReport", "TrainAdapter", "group_advantages", "make_train_batch"]
+__all__ = [
+    "FILTER_LIMIT",
+    "StepReport",
+    "TrainAdapter",
+    "group_advantages",
+    "make_train_batch",
+    "select_columns",
+    "tied_groups",
+    "train_micro_batches",
+]
+
+FILTER_LIMIT = 10
+"""A step that filters more than this many times ``groups_per_step`` groups fails."""
 
 
 def group_advantages(
@@ -52,6 +83,90 @@ def group_advantages(
         vals = torch.where(ok, (r - mean) / (std + eps), torch.zeros_like(r))
         adv[idx] = vals
     return adv
+
+
+def tied_groups(rewards: torch.Tensor, groups: np.ndarray) -> list[int]:
+    """Ids of the groups whose rewards all tie: every finite reward equal (exactly), or fewer
+    than two finite ones. Their advantages are all 0 (see :func:`group_advantages`)."""
+    tied = []
+    for g in np.unique(groups).tolist():
+        r = rewards[torch.from_numpy(np.flatnonzero(groups == g))].float()
+        r = r[torch.isfinite(r)]
+        if r.numel() < 2 or bool((r == r[0]).all()):
+            tied.append(int(g))
+    return tied
+
+
+def select_columns(cols: dict[str, Column], positions: np.ndarray) -> dict[str, Column]:
+    """The rows ``positions`` of every column (the columns of ``meta.select(positions)``)."""
+    out: dict[str, Column] = {}
+    idx = torch.from_numpy(np.asarray(positions, dtype=np.int64))
+    for name, col in cols.items():
+        if isinstance(col, Ragged):
+            out[name] = col.take(positions)
+        elif isinstance(col, torch.Tensor):
+            out[name] = col.index_select(0, idx)
+        else:
+            out[name] = [col[int(i)] for i in positions]
+    return out
+
+
+_SUMMED = ("loss", "num_tokens", "num_samples", "micro_batches")
+_MAXED = ("staleness_max",)
+
+
+def _merge(parts: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
+    """Metrics of several ``forward_backward`` calls as one: totals summed (``loss``,
+    counts), ``staleness_max`` the max, the rest means weighted by rows."""
+    rows = sum(n for n, _ in parts) or 1
+    out: dict[str, float] = {}
+    for n, metrics in parts:
+        for k, v in metrics.items():
+            if k in _SUMMED:
+                out[k] = out.get(k, 0.0) + float(v)
+            elif k in _MAXED:
+                out[k] = max(out.get(k, -math.inf), float(v))
+            else:
+                out[k] = out.get(k, 0.0) + float(v) * n / rows
+    return out
+
+
+async def train_micro_batches(
+    engine: TrainingEngine,
+    meta: BatchMeta,
+    cols: dict[str, Column],
+    advantages: torch.Tensor,
+    loss_scale: float,
+    *,
+    use_reference: bool,
+    max_tokens: int | None,
+) -> tuple[dict[str, float], int, list[int]]:
+    """``forward_backward`` over the rows of ``meta``: in one call, or with ``max_tokens`` in
+    packed micro-batches of at most that many prompt + response tokens (a sample longer than
+    the budget alone). Returns the merged metrics, the response tokens trained and each
+    call's prompt + response tokens."""
+    prompts, responses = cols["prompt_ids"], cols["response_ids"]
+    if not (isinstance(prompts, Ragged) and isinstance(responses, Ragged)):
+        raise TypeError("train needs ragged prompt_ids and response_ids")
+    lengths = (prompts.lengths + responses.lengths).numpy()
+    if max_tokens is None:
+        parts = [np.arange(len(meta), dtype=np.int64)]
+    else:
+        parts = pack_by_tokens(lengths, max_tokens)
+    results: list[tuple[int, dict[str, float]]] = []
+    tokens = 0
+    for pos in parts:
+        whole = pos.size == len(meta)
+        batch = make_train_batch(
+            meta if whole else meta.select(pos),
+            cols if whole else select_columns(cols, pos),
+            advantages[torch.from_numpy(pos)],
+            use_reference,
+        )
+        metrics = await asyncio.to_thread(engine.forward_backward, batch, loss_scale)
+        results.append((len(batch), metrics))
+        tokens += batch.num_tokens
+    return _merge(results), tokens, [int(lengths[pos].sum()) for pos in parts]
 
 
 def make_train_batch(
@@ -95,10 +210,19 @@ class StepReport:
     sample_versions: list[int]
     groups: list[int]
     metrics: dict[str, float] = field(default_factory=dict)
+    filtered: list[int] = field(default_factory=list)
+    """Groups of the step's window not trained: their rewards all tied (dynamic sampling)."""
+    next_group: int = -1
+    """The first group of the next step's window (every group before it was consumed)."""
 
 
 class TrainAdapter(Adapter):
-    """Training engine as the train stage (see the module docstring)."""
+    """Training engine as the train stage (see the module docstring).
+
+    ``first_step``/``first_group``: where a resumed run goes on (the step's window starts at
+    ``first_group``, default ``first_step * groups_per_step``); ``on_filtered`` is awaited
+    with the ids of the groups a batch filtered, once the batch is acknowledged.
+    """
 
     task = "train"
     sampler = "group"
@@ -113,11 +237,19 @@ class TrainAdapter(Adapter):
         use_reference: bool = False,
         on_step: Callable[[StepReport], Awaitable[None]] | None = None,
         first_step: int = 0,
+        first_group: int | None = None,
+        dynamic_sampling: bool = False,
+        on_filtered: Callable[[list[int]], Awaitable[None]] | None = None,
+        max_tokens_per_micro_batch: int | None = None,
     ) -> None:
         if group_size < 1 or groups_per_step < 1 or micro_batch_groups < 1:
             raise ValueError(
                 "group_size, groups_per_step and micro_batch_groups must be >= 1, got "
                 f"{group_size}, {groups_per_step}, {micro_batch_groups}"
+            )
+        if max_tokens_per_micro_batch is not None and max_tokens_per_micro_batch < 1:
+            raise ValueError(
+                f"max_tokens_per_micro_batch must be >= 1 or None, got {max_tokens_per_micro_batch}"
             )
         self.engine = engine
         self.group_size = group_size
@@ -125,6 +257,9 @@ class TrainAdapter(Adapter):
         self.micro_batch_groups = min(micro_batch_groups, groups_per_step)
         self.use_reference = use_reference
         self.on_step = on_step
+        self.dynamic_sampling = dynamic_sampling
+        self.on_filtered = on_filtered
+        self.max_tokens = max_tokens_per_micro_batch
         fields = ["prompt_ids", "response_ids", "behaviour_logprobs", "reward"]
         if use_reference:
             fields.append("ref_logprobs")
@@ -132,44 +267,81 @@ class TrainAdapter(Adapter):
         self.sampler_options = {"group_size": group_size, "order": "group"}
         self.batch_size = self.micro_batch_groups * group_size
         self.step = first_step
+        self.window_start = first_step * groups_per_step if first_group is None else first_group
         self._groups_done = 0
         self._acc: dict[str, list[Any]] = self._new_acc()
         self._report: StepReport | None = None  # a finished step, reported after its batch
+        self._just_filtered: list[int] = []  # told to on_filtered after the batch
 
     @staticmethod
     def _new_acc() -> dict[str, list[Any]]:
-        return {"rewards": [], "versions": [], "groups": [], "tokens": [], "metrics": []}
+        return {
+            "rewards": [],
+            "versions": [],
+            "groups": [],
+            "tokens": [],
+            "metrics": [],
+            "filtered": [],
+            "call_tokens": [],
+            "rank_ratio": [],
+        }
+
+    @property
+    def window_end(self) -> int:
+        """The last group id of the current step's window (inclusive)."""
+        return self.window_start + self.groups_per_step + len(self._acc["filtered"]) - 1
 
     def request(self) -> dict[str, Any]:
         left = self.groups_per_step - self._groups_done
         return {
             "batch_size": min(self.micro_batch_groups, left) * self.group_size,
-            "max_group": (self.step + 1) * self.groups_per_step - 1,
+            "max_group": self.window_end,
         }
 
     async def process(self, meta: BatchMeta, cols: dict[str, Column]) -> StageOutput:
         reward = cols["reward"]
         if not isinstance(reward, torch.Tensor):
             raise TypeError(f"train needs a dense reward column, got {type(reward).__name__}")
-        window = range(self.step * self.groups_per_step, (self.step + 1) * self.groups_per_step)
-        if not all(int(g) in window for g in meta.groups):
+        lo, hi = self.window_start, self.window_end
+        if not all(lo <= int(g) <= hi for g in meta.groups):
             raise RuntimeError(
                 f"step {self.step} got groups {sorted(set(meta.groups.tolist()))} outside its "
-                f"window {window.start}..{window.stop - 1}; group ids must be admission indexes"
+                f"window {lo}..{hi}; group ids must be admission indexes"
             )
-        advantages = group_advantages(reward, meta.groups)
-        scale = 1.0 / (self.groups_per_step * self.group_size)
-        metrics, tokens = await self.train_batch(meta, cols, advantages, scale)
-        acc = self._acc
-        acc["rewards"].append(reward)
-        acc["versions"] += meta.versions.tolist()
-        acc["groups"] += meta.groups.tolist()
-        acc["tokens"].append(tokens)
-        acc["metrics"].append((len(meta), metrics))
-        self._groups_done += len(meta) // self.group_size
+        tied = tied_groups(reward, meta.groups) if self.dynamic_sampling else []
+        tokens = 0
+        if tied:
+            self._filter(tied)
+            keep = np.flatnonzero(~np.isin(meta.groups, tied))
+            meta, cols = meta.select(keep), select_columns(cols, keep)
+            reward = cols["reward"]
+            assert isinstance(reward, torch.Tensor)
+        if len(meta):
+            advantages = group_advantages(reward, meta.groups)
+            scale = 1.0 / (self.groups_per_step * self.group_size)
+            metrics, tokens = await self.train_batch(meta, cols, advantages, scale)
+            acc = self._acc
+            acc["rewards"].append(reward)
+            acc["versions"] += meta.versions.tolist()
+            acc["groups"] += meta.groups.tolist()
+            acc["tokens"].append(tokens)
+            acc["metrics"].append((len(meta), metrics))
+            self._groups_done += len(meta) // self.group_size
         if self._groups_done >= self.groups_per_step:
             await self._finish_step()
         return StageOutput(tokens=tokens)
+
+    def _filter(self, groups: list[int]) -> None:
+        filtered = self._acc["filtered"]
+        filtered += groups
+        self._just_filtered += groups
+        if len(filtered) > FILTER_LIMIT * self.groups_per_step:
+            raise RuntimeError(
+                f"step {self.step} filtered {len(filtered)} groups whose rewards all tied "
+                f"(more than {FILTER_LIMIT} x train.groups_per_step={self.groups_per_step}): "
+                "the rewards do not separate the policy's answers; make the task harder or "
+                "easier, or set train.dynamic_sampling=false"
+            )
 
     async def train_batch(
         self,
@@ -178,11 +350,29 @@ class TrainAdapter(Adapter):
         advantages: torch.Tensor,
         loss_scale: float,
     ) -> tuple[dict[str, float], int]:
-        """Accumulate the gradients of one micro-batch; returns the engine's metrics and the
-        response tokens trained. Override to train elsewhere (data-parallel ranks)."""
-        batch = make_train_batch(meta, cols, advantages, self.use_reference)
-        metrics = await asyncio.to_thread(self.engine.forward_backward, batch, loss_scale)
-        return metrics, batch.num_tokens
+        """Accumulate the gradients of one micro-batch of whole groups (in packed engine
+        calls with a token budget); returns the engine's metrics and the response tokens
+        trained. Override to train elsewhere (data-parallel ranks)."""
+        metrics, tokens, calls = await train_micro_batches(
+            self.engine,
+            meta,
+            cols,
+            advantages,
+            loss_scale,
+            use_reference=self.use_reference,
+            max_tokens=self.max_tokens,
+        )
+        self.record_split(calls, [sum(calls)])
+        return metrics, tokens
+
+    def record_split(self, call_tokens: list[int], rank_tokens: list[int]) -> None:
+        """Note how a micro-batch was split: prompt + response tokens of each engine call and
+        of each data-parallel rank (reported per step with a token budget:
+        ``micro_batch_tokens_max``, ``rank_tokens_max_over_mean``)."""
+        self._acc["call_tokens"] += call_tokens
+        total = sum(rank_tokens)
+        if total:
+            self._acc["rank_ratio"].append(max(rank_tokens) * len(rank_tokens) / total)
 
     async def optimizer_step(self) -> dict[str, float]:
         """Step the optimizer once the step's micro-batches are in (override with
@@ -200,6 +390,10 @@ class TrainAdapter(Adapter):
             for k, v in m.items():
                 merged[k] = merged.get(k, 0.0) + float(v) * n / total
         merged.update({k: float(v) for k, v in step_metrics.items()})
+        if self.max_tokens is not None and acc["call_tokens"]:
+            merged["micro_batch_tokens_max"] = float(max(acc["call_tokens"]))
+            merged["rank_tokens_max_over_mean"] = float(max(acc["rank_ratio"], default=1.0))
+        next_group = self.window_end + 1
         report = StepReport(
             step=self.step,
             version=self.engine.version,
@@ -211,14 +405,21 @@ class TrainAdapter(Adapter):
             sample_versions=list(acc["versions"]),
             groups=sorted(set(acc["groups"])),
             metrics=merged,
+            filtered=sorted(acc["filtered"]),
+            next_group=next_group,
         )
         self.step += 1
+        self.window_start = next_group
         self._groups_done = 0
         self._acc = self._new_acc()
         self._report = report
 
     async def after_batch(self) -> None:
-        """Report the step the last batch finished (its time now in the stage timeline)."""
+        """Tell ``on_filtered`` what the batch filtered (its rows now acknowledged), then
+        report the step the batch finished (its time now in the stage timeline)."""
+        filtered, self._just_filtered = self._just_filtered, []
+        if filtered and self.on_filtered is not None:
+            await self.on_filtered(filtered)
         report, self._report = self._report, None
         if report is not None and self.on_step is not None:
             await self.on_step(report)
