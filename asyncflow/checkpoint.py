@@ -10,7 +10,8 @@ A checkpoint after ``s`` optimizer steps is the folder ``<checkpoint.dir>/step-{
 |                    |                                   | the policy version                   |
 | ``rng.pt``         | the trainer's process (rank 0)    | python, numpy and torch RNG states   |
 | ``driver.json``    | the driver                        | steps, version, the feeder's next    |
-|                    |                                   | group and admission log, run time    |
+|                    |                                   | group and admission log, the groups  |
+|                    |                                   | dynamic sampling filtered, run time  |
 | ``records.jsonl``  | the driver                        | the step records so far              |
 | ``config.yaml``    | the driver                        | the run's config                     |
 
@@ -30,8 +31,10 @@ picked up, only deleted later. Then checkpoints beyond ``keep_last`` are deleted
 **Resuming** (:func:`find_checkpoint`: the newest complete one under the folder given) starts
 a fresh TransferQueue (empty) and engines from the checkpoint: the trainer loads its state
 (``engine.load``, RNG states), generators start from ``policy/`` at the checkpoint's version,
-the registry at that version, and the feeder at the first untrained group ``s * B``, with
-the admission log of the trained groups. Groups admitted but not trained before the crash
+the registry at that version, and the feeder and the train stage's window at the first
+group no step consumed (``s * B``; later with dynamic sampling, whose filtered groups the
+checkpoint lists: they count as consumed, and admission goes on counting without them), with
+the admission log of the consumed groups. Groups admitted but not consumed before the crash
 are admitted again, under the restored weights, so the staleness bound holds across the
 restart and no group is trained twice or skipped. The records continue the same
 ``metrics.jsonl`` (rewritten up to the checkpoint, then appended), and the timeline's clock
@@ -134,6 +137,9 @@ class ResumePoint:
     """The checkpoint folder (absolute)."""
     version: int
     """The policy version of its weights (= steps trained)."""
+    next_group: int | None = None
+    """The first group no step consumed: where the train stage's window starts (None:
+    ``version * groups_per_step``)."""
 
     @property
     def policy(self) -> Path:
@@ -147,13 +153,15 @@ class DriverState:
     steps: int
     version: int
     next_group: int
-    """The feeder's first group to admit on resume (the first untrained one)."""
+    """The feeder's first group to admit on resume (the first one no step consumed)."""
     admission: list[tuple[int, int]]
-    """(group, generator version at admission) of every trained group."""
+    """(group, generator version at admission) of every consumed group."""
     elapsed_s: float
     """Run time at the checkpoint (the resumed timeline continues from it)."""
     records: list[dict[str, Any]] = field(default_factory=list)
     config: dict[str, Any] = field(default_factory=dict)
+    filtered: list[int] = field(default_factory=list)
+    """Groups before ``next_group`` that dynamic sampling filtered (consumed, never trained)."""
 
 
 # -- the trainer's part ------------------------------------------------------------------------
@@ -244,6 +252,7 @@ def commit(
         "version": state.version,
         "next_group": state.next_group,
         "admission": [list(a) for a in state.admission],
+        "filtered": list(state.filtered),
         "elapsed_s": state.elapsed_s,
     }
     _write_json(staging / "driver.json", driver)
@@ -315,6 +324,7 @@ def read_driver_state(directory: str | Path) -> DriverState:
         elapsed_s=float(d["elapsed_s"]),
         records=records,
         config=config,
+        filtered=[int(g) for g in d.get("filtered", [])],  # absent: written before filtering
     )
 
 

@@ -14,12 +14,26 @@ can take it). Then ``t - v <= k`` for every sample, no sample is generated only 
 dropped, and a generator still busy with an old long-tail request holds back neither
 admission nor the other generators. ``k = 0`` is synchronous on-policy training.
 
+**With dynamic sampling** the train stage filters groups whose rewards all tie (never trained,
+see ``adapters.train``) and each step trains the ``B`` unfiltered groups after the previous
+step's: an unfiltered group ``j`` is trained at step ``floor(rank_j / B)``, ``rank_j`` the
+number of unfiltered groups before it. Admission counts only the groups not known to be
+filtered: with ``c_j = j - f`` (``f`` the groups the registry has reported filtered when ``j``
+is admitted), group ``j`` is admitted only while ``c_j < (v_gen + k + 1) * B``, and its rows
+carry ``min_gen_version = floor(c_j / B) - k``. The rule is exact: every group reported
+filtered precedes ``j``, so ``rank_j <= c_j``, the step ``t`` that trains ``j`` is at most
+``floor(c_j / B)``, and ``t - v <= k``; a generator holding ``floor(c_j / B) - k`` exists by
+the admission rule. Each filtered group frees one count, so the feeder admits a replacement
+(the next prompt) and every step still trains ``B`` groups. Without filtering, ``c_j = j``: the
+rule above.
+
 Each group is ``group_size`` rows sharing the group id ``j``, with the prompt's token ids, its
 text and its answer. The ``length`` header is the prompt length plus, with a ranker, the
 predicted response length: what length-aware samplers and routers order and split by.
 
 A resumed run (``asyncflow.checkpoint``) starts the feeder at ``start``, the first group no
-step trained before the checkpoint, with the admission log of the groups before it.
+step consumed before the checkpoint, with the admission log of the groups before it and the
+number of them that were filtered.
 
 Groups whose rows a dead TransferQueue storage unit took are put again by :meth:`readmit`
 (same group id, same ``min_gen_version``: generated afresh under the same staleness rule; the
@@ -58,6 +72,8 @@ class AdmissionState(Protocol):
 
     async def wait_changed(self, seen: int, timeout_s: float) -> int: ...
 
+    async def filtered_count(self) -> int: ...
+
 
 class PromptFeeder:
     """Admits groups into TransferQueue no faster than the staleness bound allows."""
@@ -78,6 +94,8 @@ class PromptFeeder:
         predict: Predictor | None = None,
         start: int = 0,
         admission_log: list[tuple[int, int]] | None = None,
+        dynamic_sampling: bool = False,
+        filtered_before: int = 0,
     ) -> None:
         self.client = client
         self.task = task
@@ -87,35 +105,64 @@ class PromptFeeder:
         self.groups_per_step = groups_per_step
         self.max_staleness = max_staleness
         self.total_groups = total_groups
+        """Groups the run trains (``train.steps * B``); with dynamic sampling, more are
+        admitted: one per filtered group."""
         self.partition = partition
         self.max_groups_per_put = max_groups_per_put
         self.predict = predict
         self.admitted = start
+        self.dynamic_sampling = dynamic_sampling
+        self.filtered_before = filtered_before
+        """Groups before ``start`` that were filtered (a resumed run's checkpoint)."""
         # (group, generator version at admission)
         self.admission_log: list[tuple[int, int]] = list(admission_log or [])
         self.readmitted: list[int] = []  # groups put again, in order
+        self._required: dict[int, int] = {}  # group -> min_gen_version, for readmit
 
     def limit(self, v_gen: int) -> int:
-        """Groups that may have been admitted by now, with ``v_gen`` the newest generator
-        version."""
+        """Groups that may have been admitted (not counting filtered ones) by now, with
+        ``v_gen`` the newest generator version."""
         return min(self.total_groups, (v_gen + self.max_staleness + 1) * self.groups_per_step)
 
+    def required(self, counted: int) -> int:
+        """``min_gen_version`` of a group admitted as the ``counted``-th unfiltered one."""
+        return counted // self.groups_per_step - self.max_staleness
+
     async def run(self) -> None:
+        """Admit groups until the run has them all. With dynamic sampling it never returns
+        (a filtered group needs a replacement until the last step); the driver cancels it."""
         reg = self.registry
-        while self.admitted < self.total_groups:
+        available = self.task.num_items()
+        while self.dynamic_sampling or self.admitted < self.total_groups:
             newest, published, seen = await reg.admission_view()
+            filtered = 0
+            if self.dynamic_sampling:
+                filtered = self.filtered_before + await reg.filtered_count()
+            counted = self.admitted - filtered
             limit = self.limit(newest)
-            if self.admitted >= limit:
+            if counted >= limit:
                 if published > newest:  # newer weights exist: have a generator take them
                     reg.demand(newest + 1)
                 await reg.wait_changed(seen, timeout_s=1.0)
                 continue
-            count = min(limit - self.admitted, self.max_groups_per_put)
-            await self._put(range(self.admitted, self.admitted + count))
+            count = min(limit - counted, self.max_groups_per_put)
+            if available is not None and self.admitted + count > available:
+                if self.admitted >= available:
+                    raise RuntimeError(
+                        f"the task's {available} prompts are all admitted, {filtered} of them "
+                        "filtered by dynamic sampling, and the run needs more: raise "
+                        "task.options.epochs, lower train.steps or set "
+                        "train.dynamic_sampling=false"
+                    )
+                count = available - self.admitted
+            groups = range(self.admitted, self.admitted + count)
+            required = [self.required(counted + i) for i in range(count)]
+            await self._put(groups, required)
+            self._required.update(zip(groups, required, strict=True))
             # the version admission counted from (a generator may have adopted newer since:
             # the log records what the bound was checked against)
             v = newest
-            self.admission_log += [(j, v) for j in range(self.admitted, self.admitted + count)]
+            self.admission_log += [(j, v) for j in groups]
             self.admitted += count
             await asyncio.sleep(0)
 
@@ -125,10 +172,13 @@ class PromptFeeder:
         if late:
             raise ValueError(f"readmit: groups {late} were never admitted (0..{self.admitted - 1})")
         for i in range(0, len(groups), self.max_groups_per_put):
-            await self._put(groups[i : i + self.max_groups_per_put])
+            part = groups[i : i + self.max_groups_per_put]
+            # the bound the group was admitted under (a resumed run admitted none before
+            # ``start``, and keeps none of them in TransferQueue)
+            await self._put(part, [self._required.get(g, self.required(g)) for g in part])
         self.readmitted += list(groups)
 
-    async def _put(self, group_ids: Sequence[int]) -> None:
+    async def _put(self, group_ids: Sequence[int], required: Sequence[int]) -> None:
         n = self.group_size
         items = [self.task.item(j) for j in group_ids]
         prompts = await asyncio.to_thread(
@@ -141,14 +191,14 @@ class PromptFeeder:
             for k, v in item.row().items():
                 rows.setdefault(k, []).extend([v] * n)
         groups = np.repeat(np.asarray(group_ids, dtype=np.int64), n)
-        required = groups // self.groups_per_step - self.max_staleness
+        min_versions = np.repeat(np.asarray(required, dtype=np.int64), n)
         expected = np.array([int(p.numel()) for p in prompts], dtype=np.float64)
         if self.predict is not None:
             expected += await self.predict(prompts)
         lengths = np.repeat(expected.round().astype(np.int64), n)
         # (a put that meets a storage unit dying under it is put again by the client)
         await self.client.put(
-            {"prompt_ids": ids, "min_gen_version": torch.from_numpy(required), **rows},
+            {"prompt_ids": ids, "min_gen_version": torch.from_numpy(min_versions), **rows},
             group=groups,
             version=-1,
             length=lengths,

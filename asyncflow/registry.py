@@ -15,7 +15,10 @@ needs a home of its own; see ``asyncflow.deploy.ray``).
 | trainer (rank 0)          | ``publish`` once its weights of a version can be   |
 |                           | fetched through the weight transport               |
 | prompt feeder (driver)    | ``newest_generator_version``, ``published``,       |
-|                           | ``demand``, ``wait_changed`` (admission control)   |
+|                           | ``demand``, ``wait_changed``, ``filtered_count``   |
+|                           | (admission control)                                |
+| train stage (rank 0)      | ``filter_groups`` (dynamic sampling: the feeder    |
+|                           | may admit one more group per filtered one)         |
 | rollout stage             | ``demand`` (a batch waits for newer weights),      |
 |                           | ``watch`` (versions and loads, for routing)        |
 
@@ -101,7 +104,8 @@ class Registry:
         self._live: dict[str, LiveSource] = {}
         self._wake: dict[str, asyncio.Event] = {}
         self._changed = asyncio.Event()
-        self._changes = 0  # weights published or adopted so far (what the feeder waits on)
+        self._changes = 0  # weights published or adopted, groups filtered (the feeder waits)
+        self._filtered = 0  # groups the train stage filtered (dynamic sampling)
         self._watch = asyncio.Condition()
         self._seq = 0
         self._need = -1
@@ -203,7 +207,18 @@ class Registry:
         self._changed.set()  # a waiting feeder may now demand them
         self._poke()
 
+    async def filter_groups(self, groups: list[int]) -> None:
+        """The train stage filtered ``groups`` (their rewards all tied; acknowledged, never
+        trained): the feeder may admit as many more."""
+        self._filtered += len(groups)
+        self._changes += 1
+        self._changed.set()
+
     # -- admission and routing ---------------------------------------------------------------
+    async def filtered_count(self) -> int:
+        """Groups the train stage filtered since this registry started."""
+        return self._filtered
+
     async def published(self) -> int:
         """Newest published version."""
         return self._published
@@ -235,9 +250,9 @@ class Registry:
         return await self.newest_generator_version(), self._published, self._changes
 
     async def wait_changed(self, seen: int, timeout_s: float) -> int:
-        """Wait until weights were published or adopted since the view numbered ``seen`` (or
-        ``timeout_s`` passes); returns the current number. Nothing is missed between a view
-        and the wait, even when they are two remote calls."""
+        """Wait until weights were published or adopted, or groups filtered, since the view
+        numbered ``seen`` (or ``timeout_s`` passes); returns the current number. Nothing is
+        missed between a view and the wait, even when they are two remote calls."""
         deadline = time.monotonic() + timeout_s
         while self._changes == seen:
             left = deadline - time.monotonic()

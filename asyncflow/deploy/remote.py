@@ -124,6 +124,12 @@ class RemoteRegistry:
         newest, published, changes = await self._h.admission_view.remote()
         return int(newest), int(published), int(changes)
 
+    async def filter_groups(self, groups: list[int]) -> None:
+        await self._h.filter_groups.remote(list(groups))
+
+    async def filtered_count(self) -> int:
+        return int(await self._h.filtered_count.remote())
+
     def demand(self, version: int) -> None:
         """Fire and forget: routing code calls it as a plain callback."""
         self._h.demand.remote(version)

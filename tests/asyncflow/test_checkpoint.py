@@ -95,6 +95,23 @@ def test_commit_renames_a_complete_checkpoint_and_prunes(tmp_path: Path) -> None
         checkpoint.commit(plan, _state(10), _Tokenizer(), {})
 
 
+def test_the_filtered_groups_round_trip(tmp_path: Path) -> None:
+    """A checkpoint of a run with dynamic sampling lists the groups it filtered before its
+    next group; one written before the list existed reads as none filtered."""
+    plan = CheckpointPlan(str(tmp_path), every_steps=2, total_steps=8)
+    _staged(plan, 2)
+    state = _state(2)
+    state.next_group, state.filtered = 7, [1, 4, 5]
+    checkpoint.commit(plan, state, _Tokenizer(), {})
+    back = checkpoint.read_driver_state(plan.final(2))
+    assert (back.next_group, back.filtered) == (7, [1, 4, 5])
+    driver = plan.final(2) / "driver.json"
+    old = json.loads(driver.read_text())
+    del old["filtered"]
+    driver.write_text(json.dumps(old))
+    assert checkpoint.read_driver_state(plan.final(2)).filtered == []
+
+
 def test_a_tmp_checkpoint_is_never_picked_up(tmp_path: Path) -> None:
     plan = CheckpointPlan(str(tmp_path / "checkpoints"), every_steps=2, total_steps=8)
     _staged(plan, 2)
