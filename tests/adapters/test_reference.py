@@ -12,7 +12,7 @@ import torch
 import transferqueue
 from adapters import ReferenceAdapter
 from asyncflow.metrics import Timeline
-from asyncflow.stage import StageRunner
+from asyncflow.stage_runner import StageRunner
 from transferqueue import Ragged
 from transferqueue.aio import within
 

@@ -15,7 +15,7 @@ import transferqueue
 from adapters import StepReport, TrainAdapter
 from adapters.train import FILTER_LIMIT, tied_groups
 from asyncflow.metrics import Timeline
-from asyncflow.stage import StageError, StageRunner
+from asyncflow.stage_runner import StageError, StageRunner
 from engines.protocols import TrainBatch
 from transferqueue.aio import within
 
