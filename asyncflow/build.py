@@ -124,6 +124,8 @@ def build_trainer(cfg: RunConfig, path: Path, rank: int = 0) -> TrainingEngine:
             clip_eps=t.clip_eps,
             clip_eps_high=t.clip_eps_high,
             is_cap=t.is_cap,
+            loss=t.loss,
+            prox_logp=t.prox_logp,
             kl_coef=cfg.reference.kl_coef,
             **t.engine_options,
         ),

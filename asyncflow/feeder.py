@@ -133,11 +133,11 @@ class PromptFeeder:
         (a filtered group needs a replacement until the last step); the driver cancels it."""
         reg = self.registry
         available = self.task.num_items()
-        while self.dynamic_sampling or self.admitted < self.total_groups:
+        while self.dynamic_sampling or self.admitted - self.filtered_before < self.total_groups:
             newest, published, seen = await reg.admission_view()
-            filtered = 0
+            filtered = self.filtered_before
             if self.dynamic_sampling:
-                filtered = self.filtered_before + await reg.filtered_count()
+                filtered += await reg.filtered_count()
             counted = self.admitted - filtered
             limit = self.limit(newest)
             if counted >= limit:

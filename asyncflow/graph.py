@@ -174,7 +174,12 @@ def reward_adapter(
 
 
 def reference_adapter(cls: type[Adapter], engine: ScoringEngine, cfg: RunConfig) -> Adapter:
-    return cls(engine, batch_size=cfg.reference.batch_size)  # type: ignore[call-arg]
+    budget = cfg.reference.max_tokens_per_micro_batch
+    if budget is None:
+        budget = cfg.train.max_tokens_per_micro_batch
+    return cls(  # type: ignore[call-arg]
+        engine, batch_size=cfg.reference.batch_size, max_tokens_per_micro_batch=budget
+    )
 
 
 def train_adapter(
@@ -182,16 +187,26 @@ def train_adapter(
     trainer: TrainingEngine,
     cfg: RunConfig,
     on_step: Callable[[StepReport], Awaitable[None]],
+    *,
+    on_filtered: Callable[[list[int]], Awaitable[None]],
+    first_group: int | None = None,
     **extra: Any,
 ) -> Adapter:
+    """The train stage from the trainer's version on (``first_group``: where a resumed run's
+    window starts); ``on_filtered`` tells the registry the groups dynamic sampling filtered."""
+    t = cfg.train
     return cls(  # type: ignore[call-arg]
         trainer,
         group_size=cfg.rollout.group_size,
-        groups_per_step=cfg.train.groups_per_step,
-        micro_batch_groups=cfg.train.micro_batch_groups,
+        groups_per_step=t.groups_per_step,
+        micro_batch_groups=t.micro_batch_groups,
         use_reference=cfg.reference.enabled,
         on_step=on_step,
         first_step=trainer.version,
+        first_group=first_group,
+        dynamic_sampling=t.dynamic_sampling,
+        on_filtered=on_filtered,
+        max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
         **extra,
     )
 

@@ -14,7 +14,10 @@ single controller either way: it runs the feeder, takes the step reports and wri
 records. The run ends after ``train.steps`` optimizer steps. If any part fails, every stage is
 stopped, TransferQueue is closed and the error is raised (as :class:`StageError` naming the
 stage). Rows a dead TransferQueue storage unit takes are not a failure: their groups are
-regenerated (:func:`_regenerate_lost`) and each is trained once, whole.
+regenerated (:func:`_regenerate_lost`) and each is trained once, whole. With
+``train.dynamic_sampling`` the train stage filters the groups whose rewards all tie and the
+feeder admits one more group per filtered one (each record's ``groups_filtered`` and
+``filtered``; a checkpoint lists them, so a resumed run neither trains nor counts them).
 
 Around the steps, the driver also: evaluates the policy on held-out prompts every
 ``eval.every_steps`` steps (``asyncflow.evaluation``), writes each step's record once its
@@ -166,7 +169,9 @@ class Workflow:
             previous=state.records if state is not None else (),
         )
         plan = CheckpointPlan.of(cfg)
-        resume = None if found is None else ResumePoint(str(found[0]), found[1].version)
+        resume = None
+        if found is not None:
+            resume = ResumePoint(str(found[0]), found[1].version, found[1].next_group)
         try:
             async with self._deployment(timeline, plan, resume) as deployment:
                 return await self._drive(cfg, deployment, writer, out_dir, plan, state)
@@ -203,9 +208,12 @@ class Workflow:
             total_groups=cfg.train.steps * b,
             partition=PARTITION,
             predict=dep.predict,
-            start=first_step * b,  # the first untrained group: the TransferQueue is new
+            start=0 if state is None else state.next_group,  # the TransferQueue is new
             admission_log=None if state is None else state.admission,
+            dynamic_sampling=cfg.train.dynamic_sampling,
+            filtered_before=0 if state is None else len(state.filtered),
         )
+        filtered: list[int] = [] if state is None else list(state.filtered)
         steps = range(first_step, cfg.train.steps)
         Pending = tuple[StepReport, dict[str, Any], "asyncio.Future[dict[str, float]] | None"]
         pending: asyncio.Queue[Pending] = asyncio.Queue()
@@ -241,14 +249,18 @@ class Workflow:
                     record["eval"] = await evaluator.result(done, report.step)
                 writer.write(record)
                 done_steps = report.step + 1
+                filtered.extend(report.filtered)
                 if plan is not None and plan.due(done_steps):
+                    # every group before the step's next one was consumed: trained, filtered
+                    nxt = report.next_group if report.next_group >= 0 else done_steps * b
                     part = DriverState(
                         steps=done_steps,
                         version=report.version,
-                        next_group=done_steps * b,
-                        admission=[a for a in feeder.admission_log if a[0] < done_steps * b],
+                        next_group=nxt,
+                        admission=[a for a in feeder.admission_log if a[0] < nxt],
                         elapsed_s=float(record["time_s"]),
                         records=list(writer.records),
+                        filtered=list(filtered),
                     )
                     path = await asyncio.to_thread(
                         checkpoint.commit, plan, part, dep.tokenizer, config
@@ -394,6 +406,8 @@ def _record(
         "version": report.version,
         "samples": report.samples,
         "groups": report.groups,
+        "groups_filtered": len(report.filtered),
+        "filtered": report.filtered,
         "tokens": report.tokens,
         "time_s": now,
         "step_s": now - since,

@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from engines.loss import OBJECTIVES
 from engines.rewards import REWARDS
 from engines.tasks import TASKS
 
@@ -128,6 +129,11 @@ class PlacementConfig:
 def _device_ok(device: str, where: str) -> None:
     if device != "auto" and device.split(":")[0] not in ("cpu", "cuda"):
         raise ValueError(f"{where} must be auto, cpu, cuda or cuda:N, got {device!r}")
+
+
+def _budget_ok(budget: int | None, where: str) -> None:
+    if budget is not None and budget < 1:
+        raise ValueError(f"{where} must be >= 1 tokens or null (no budget), got {budget}")
 
 
 @dataclass(kw_only=True)
@@ -299,6 +305,10 @@ class ReferenceConfig:
     """Weight of the KL penalty to the reference policy in the loss (needs enabled)."""
     batch_size: int = 16
     """Samples per reference scoring call."""
+    max_tokens_per_micro_batch: int | None = None
+    """Token budget of a scoring call: a leased batch is packed into calls of at most this
+    many prompt + response tokens (None: ``train.max_tokens_per_micro_batch``; both None: one
+    call per batch)."""
     instances: int = 1
     """Reference workers (each its own copy of the reference model)."""
     device: str = "auto"
@@ -308,6 +318,7 @@ class ReferenceConfig:
 
     def __post_init__(self) -> None:
         _device_ok(self.device, "reference.device")
+        _budget_ok(self.max_tokens_per_micro_batch, "reference.max_tokens_per_micro_batch")
         if self.instances < 1:
             raise ValueError(f"reference.instances must be >= 1, got {self.instances}")
         if self.batch_size < 1:
@@ -342,10 +353,31 @@ class TrainConfig:
     clip_eps_high: float | None = None
     """Upper PPO clip (None: clip_eps; a larger value is DAPO's clip-higher)."""
     is_cap: float | None = 2.0
-    """Truncation of the importance weight between trainer and behaviour policy."""
+    """Cap of the importance weight between trainer and behaviour policy: ``tis`` truncates a
+    weight above it to it, ``decoupled`` drops the token (None: no correction, weight 1)."""
+    loss: str = "tis"
+    """The objective: ``tis`` (PPO clip with truncated importance weights; the clip's anchor
+    is the policy at the start of the step) or ``decoupled`` (decoupled PPO: the behaviour
+    policy only in the importance weight, a proximal policy for the clip, see
+    ``prox_logp``). See docs/objectives.md."""
+    prox_logp: str = "recompute"
+    """With ``loss=decoupled``, the proximal log-probs: ``recompute`` (a forward pass without
+    gradient with the weights at the start of the step) or ``interpolate`` (log-linear between
+    the behaviour log-probs and the current ones by version stamps, as AReaL; no forward
+    pass)."""
+    dynamic_sampling: bool = False
+    """DAPO's filter: a group whose rewards all tie is not trained (acknowledged, counted in
+    ``groups_filtered``) and the feeder admits a replacement within the staleness bound, so
+    every step still trains ``groups_per_step`` groups."""
+    max_tokens_per_micro_batch: int | None = None
+    """Token budget of a forward/backward: each leased micro-batch of groups is packed into
+    engine calls of at most this many prompt + response tokens (a longer sample alone), and
+    with ``dp_size > 1`` split across ranks by tokens rather than rows (None: one call per
+    micro-batch, ranks by rows)."""
     engine_options: dict[str, Any] = field(default_factory=dict)
     """More options of the training engine (HF: fields of ``HFTrainingConfig``, e.g.
-    ``{max_micro_batch_size: 8, max_tokens_per_micro_batch: 4096}`` to bound memory)."""
+    ``{max_micro_batch_size: 8, max_tokens_per_micro_batch: 4096}``: its own bound on the
+    padded tokens of a forward pass, inside each call)."""
     seed: int = 0
     """Seeds the tiny model's initial weights."""
     device: str = "auto"
@@ -374,3 +406,10 @@ class TrainConfig:
                 "train.clip_eps and train.max_grad_norm must be > 0 and train.weight_decay "
                 f">= 0, got {self.clip_eps}, {self.max_grad_norm}, {self.weight_decay}"
             )
+        if self.loss not in OBJECTIVES:
+            raise ValueError(f"train.loss must be one of {OBJECTIVES}, got {self.loss!r}")
+        if self.prox_logp not in ("recompute", "interpolate"):
+            raise ValueError(
+                f"train.prox_logp must be recompute or interpolate, got {self.prox_logp!r}"
+            )
+        _budget_ok(self.max_tokens_per_micro_batch, "train.max_tokens_per_micro_batch")

@@ -165,7 +165,14 @@ class LocalDeployment(Deployment):
         if comps.reference is not None:
             ref = graph.reference_adapter(self._adapters["reference"], comps.reference, cfg)
             self._runners.append(graph.runner("reference", ref, client, tl, cfg))
-        train = graph.train_adapter(self._adapters["train"], comps.trainer, cfg, self._on_step)
+        train = graph.train_adapter(
+            self._adapters["train"],
+            comps.trainer,
+            cfg,
+            self._on_step,
+            on_filtered=registry.filter_groups,
+            first_group=None if resume is None else resume.next_group,
+        )
         self._runners.append(graph.runner("train", train, client, tl, cfg))
         if cfg.eval.every_steps:
             self._runners += [

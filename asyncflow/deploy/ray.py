@@ -382,9 +382,10 @@ class RayDeployment(Deployment):
     def jobs(self) -> dict[str, Job]:
         jobs: dict[str, Job] = {}
         trainers = self._trainers
+        first_group = None if self._resume is None else self._resume.next_group
         jobs["train"] = self._job(
             "train",
-            lambda: trainers[0].run.remote(trainers[1:], self._weights, self._plan),
+            lambda: trainers[0].run.remote(trainers[1:], self._weights, self._plan, first_group),
             restartable=False,
         )
         for r, t in enumerate(trainers[1:], start=1):

@@ -46,7 +46,7 @@ import torch
 
 import transferqueue
 from adapters import Adapter, LengthRanker, StepReport
-from adapters.train import TrainAdapter, make_train_batch
+from adapters.train import TrainAdapter, train_micro_batches
 from asyncflow import graph
 from asyncflow.build import EngineFactories
 from asyncflow.checkpoint import (
@@ -61,9 +61,11 @@ from asyncflow.deploy.remote import GeneratorView, RemoteGenerator, RemoteRegist
 from asyncflow.hosts import GeneratorHost, WeightSource, check_engine
 from asyncflow.metrics import Timeline
 from asyncflow.stage_runner import StageRunner
+from engines.packing import balance_by_tokens
 from engines.protocols import Generation, SamplingParams, ScoringEngine, TrainingEngine
 from transferqueue import AsyncClient, BatchMeta
 from transferqueue.aio import within
+from transferqueue.meta import balance_lengths
 from transferqueue.schema import Column
 from transferqueue.wire.auth import ClientKeys
 
@@ -328,20 +330,37 @@ class WorkerActor(_Host):
 class _DataParallelTrain(TrainAdapter):
     """The train stage on rank 0 of ``dp_size`` ranks (see :class:`TrainerActor`).
 
-    A micro-batch is leased with the ``balanced`` sampler (whole groups of the step's window,
-    split into ``dp_size`` parts of equal rows and near-equal tokens). Only the rewards are
-    read here, for the group advantages; each rank reads its part's columns itself and
-    accumulates its gradients; the optimizer step all-reduces them on every rank at once.
+    Only the rewards are read here, for the filter and the group advantages. The micro-batch
+    (whole groups of the step's window, its filtered groups left out) is split across the
+    ranks: with a token budget by tokens (:func:`engines.packing.balance_by_tokens` over the
+    rows' ``length`` headers, prompt + response tokens), else into parts of equal rows (±1)
+    and near-equal tokens (the ``balanced`` sampler's split). Each rank reads its part's
+    columns itself and accumulates its gradients (in packed calls under the budget); the
+    optimizer step all-reduces them on every rank at once.
     """
 
     def __init__(self, *args: Any, ranks: list[Any], local: TrainerActor, **kw: Any) -> None:
         super().__init__(*args, **kw)
         self.ranks = ranks  # actor handles of ranks 1..dp_size-1
         self.local = local
-        dp = len(ranks) + 1
-        self.sampler = "balanced"
-        self.sampler_options = {**self.sampler_options, "dp_size": dp}
+        self.dp = len(ranks) + 1
+        if self.max_tokens is None:
+            self.sampler = "balanced"
+            self.sampler_options = {**self.sampler_options, "dp_size": self.dp}
         self.read_fields = ("reward",)
+
+    def _shares(self, meta: BatchMeta) -> list[np.ndarray]:
+        if self.max_tokens is None:  # the sampler's split, unless filtering changed the rows
+            if meta.splits is not None:
+                return meta.splits
+            return balance_lengths(meta.lengths, self.dp)
+        if len(meta) and int(meta.lengths.min()) < 0:
+            raise ValueError(
+                "train.max_tokens_per_micro_batch with train.dp_size > 1 splits by the rows' "
+                "length headers, and some are unknown (-1): the rollout adapter must set "
+                "StageOutput.length (prompt + response tokens)"
+            )
+        return balance_by_tokens(meta.lengths, self.dp)
 
     async def train_batch(
         self,
@@ -350,19 +369,25 @@ class _DataParallelTrain(TrainAdapter):
         advantages: torch.Tensor,
         loss_scale: float,
     ) -> tuple[dict[str, float], int]:
-        assert meta.splits is not None, "the balanced sampler splits every batch"
-        parts = meta.split()
-        calls = [self.local.train_part(parts[0], advantages[meta.splits[0]], loss_scale)]
-        for r, handle in enumerate(self.ranks, start=1):
-            adv = advantages[meta.splits[r]]
-            calls.append(_rank_call(handle.train_part.remote(parts[r], adv, loss_scale), r))
+        shares = self._shares(meta)
+        calls = []
+        for r, pos in enumerate(shares):
+            part, adv = meta.select(pos), advantages[torch.from_numpy(pos)]
+            if r == 0:
+                calls.append(self.local.train_part(part, adv, loss_scale))
+            else:
+                handle = self.ranks[r - 1]
+                calls.append(_rank_call(handle.train_part.remote(part, adv, loss_scale), r))
         results = await asyncio.gather(*calls)
-        rows = sum(n for _, _, n in results) or 1
+        rows = sum(n for _, _, n, _ in results) or 1
         merged: dict[str, float] = {}
-        for metrics, _, n in results:
+        for metrics, _, n, _ in results:
             for k, v in metrics.items():
                 merged[k] = merged.get(k, 0.0) + float(v) * n / rows
-        return merged, sum(t for _, t, _ in results)
+        self.record_split(
+            [t for *_, done in results for t in done], [sum(done) for *_, done in results]
+        )
+        return merged, sum(t for _, t, _, _ in results)
 
     async def optimizer_step(self) -> dict[str, float]:
         calls = [self.local.optimizer_step()]
@@ -441,17 +466,27 @@ class TrainerActor(_Host):
 
     async def train_part(
         self, meta: BatchMeta, advantages: torch.Tensor, loss_scale: float
-    ) -> tuple[dict[str, float], int, int]:
-        """Read this rank's part of a micro-batch and accumulate its gradients; returns
-        (metrics, response tokens, rows)."""
+    ) -> tuple[dict[str, float], int, int, list[int]]:
+        """Read this rank's part of a micro-batch and accumulate its gradients (in calls of at
+        most ``train.max_tokens_per_micro_batch`` tokens); returns (metrics, response tokens,
+        rows, prompt + response tokens of each engine call)."""
+        if not len(meta):  # fewer rows than ranks: nothing here this time
+            return {}, 0, 0, []
         assert self.client is not None
         fields = ["prompt_ids", "response_ids", "behaviour_logprobs"]
         if self.use_reference:
             fields.append("ref_logprobs")
         cols = await self.client.get_data(meta, fields)
-        batch = make_train_batch(meta, cols, advantages, self.use_reference)
-        metrics = await asyncio.to_thread(self.engine.forward_backward, batch, loss_scale)
-        return metrics, batch.num_tokens, len(meta)
+        metrics, tokens, calls = await train_micro_batches(
+            self.engine,
+            meta,
+            cols,
+            advantages,
+            loss_scale,
+            use_reference=self.use_reference,
+            max_tokens=self.cfg.train.max_tokens_per_micro_batch,
+        )
+        return metrics, tokens, len(meta), calls
 
     async def optimizer_step(self) -> dict[str, float]:
         """Sum the gradients over the ranks (when there are several), then step."""
@@ -474,11 +509,16 @@ class TrainerActor(_Host):
 
     # -- rank 0 ---------------------------------------------------------------------------
     async def run(
-        self, ranks: list[Any], weights: Any, checkpoint: CheckpointPlan | None = None
+        self,
+        ranks: list[Any],
+        weights: Any,
+        checkpoint: CheckpointPlan | None = None,
+        first_group: int | None = None,
     ) -> None:
-        """Rank 0: the train stage. After each step the weights are published through the
-        weight transport, the trainer's part of a checkpoint written when one is due, then
-        the coordinator learns the version and the report."""
+        """Rank 0: the train stage (from ``first_group`` on: a resumed run's next group).
+        After each step the weights are published through the weight transport, the
+        trainer's part of a checkpoint written when one is due, then the coordinator learns
+        the version and the report. Filtered groups go to the coordinator as they happen."""
         if self.rank != 0:
             raise RuntimeError("only trainer rank 0 runs the train stage")
         if checkpoint is not None:
@@ -492,10 +532,24 @@ class TrainerActor(_Host):
             if not issubclass(cls, TrainAdapter):
                 raise TypeError("train.dp_size > 1 needs the train adapter to be a TrainAdapter")
             adapter: Adapter = graph.train_adapter(
-                _DataParallelTrain, self.engine, cfg, self._on_step, ranks=ranks, local=self
+                _DataParallelTrain,
+                self.engine,
+                cfg,
+                self._on_step,
+                on_filtered=self.registry.filter_groups,
+                first_group=first_group,
+                ranks=ranks,
+                local=self,
             )
         else:
-            adapter = graph.train_adapter(cls, self.engine, cfg, self._on_step)
+            adapter = graph.train_adapter(
+                cls,
+                self.engine,
+                cfg,
+                self._on_step,
+                on_filtered=self.registry.filter_groups,
+                first_group=first_group,
+            )
         assert self.client is not None
         self.runners = [graph.runner("train", adapter, self.client, self.timeline, cfg)]
         await self.runners[0].run()

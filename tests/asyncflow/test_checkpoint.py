@@ -32,6 +32,7 @@ from asyncflow.checkpoint import CheckpointPlan, DriverState
 from asyncflow.cli import main
 from asyncflow.config.load import config_to_dict, load_config
 from tests.asyncflow.conftest import small_config
+from tests.asyncflow.tie_rewards import REWARD, check_filtered_run
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = [
@@ -301,3 +302,67 @@ def test_killed_ray_run_resumes_as_if_never_stopped(tmp_path: Path) -> None:
         "train.dp_size=2",
     ]
     _kill_and_resume(tmp_path, overrides, steps=10, every=2)
+
+
+FILTERING = [
+    REWARD,
+    "train.dynamic_sampling=true",
+    "train.loss=decoupled",
+    "train.prox_logp=interpolate",
+    "train.max_tokens_per_micro_batch=48",
+]
+"""A run that filters a third of its groups (tied rewards), with the decoupled objective and
+a token budget."""
+
+
+def _kill_and_resume_filtering(tmp_path: Path, overrides: list[str], steps: int) -> None:
+    """Killed after its checkpoint of step 3, resumed: the records go on in order, no group is
+    trained twice or after it was filtered, every window follows the last, and the
+    checkpoints list the groups filtered before their next group."""
+    out, log, every = tmp_path / "run", tmp_path / "run.log", 3
+    args = [*SMALL, f"output.dir={out}", f"train.steps={steps}", *FILTERING, *overrides]
+    args.append(f"checkpoint.every_steps={every}")
+    _kill_after_checkpoint(_cli(args, log), out / "checkpoints" / f"step-{every:06d}", log)
+    resumed_from = checkpoint.find_checkpoint(out)
+    state = checkpoint.read_driver_state(resumed_from)
+    kept = _lines(resumed_from / "records.jsonl")
+    assert state.filtered == [g for r in kept for g in r["filtered"]]  # it knows them
+    assert state.next_group == max(g for r in kept for g in r["groups"] + r["filtered"]) + 1
+    resume = _cli(["--resume", str(out)], log)
+    assert resume.wait(KILL_WAIT_S) == 0, log.read_text()[-4000:]
+    records = _lines(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(steps))
+    assert [r["version"] for r in records] == [s + 1 for s in range(steps)]
+    assert records[: len(kept)] == kept
+    cfg = load_config(overrides=[*SMALL, *FILTERING, *overrides])
+    filtered = check_filtered_run(records, cfg)
+    final = checkpoint.read_driver_state(checkpoint.find_checkpoint(out))
+    assert final.steps == steps and final.filtered == filtered
+    consumed = final.next_group
+    assert sorted(j for j, _ in final.admission) == list(range(consumed))
+    assert sorted(filtered + [g for r in records for g in r["groups"]]) == list(range(consumed))
+
+
+@pytest.mark.timeout(900)
+def test_killed_local_run_with_dynamic_sampling_resumes_without_a_group_twice(
+    tmp_path: Path,
+) -> None:
+    _kill_and_resume_filtering(tmp_path, ["train.max_staleness=1"], steps=10)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_killed_ray_run_with_dynamic_sampling_resumes_without_a_group_twice(
+    tmp_path: Path,
+) -> None:
+    """The same with deploy=ray, two generators and two data-parallel trainer ranks."""
+    pytest.importorskip("ray")
+    overrides = [
+        "deploy.mode=ray",
+        "deploy.num_cpus=8",
+        "deploy.start_timeout_s=600",
+        "rollout.instances=2",
+        "train.dp_size=2",
+    ]
+    _kill_and_resume_filtering(tmp_path, overrides, steps=8)
