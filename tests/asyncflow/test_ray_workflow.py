@@ -103,12 +103,14 @@ class _AdmissionGate:
         self._open = threading.Event()
         real = PromptFeeder._put
 
-        async def put(feeder: PromptFeeder, group_ids: Sequence[int]) -> None:
+        async def put(
+            feeder: PromptFeeder, group_ids: Sequence[int], required: Sequence[int]
+        ) -> None:
             if max(group_ids) >= first:
                 deadline = time.monotonic() + bound_s
                 while not self._open.is_set() and time.monotonic() < deadline:
                     await asyncio.sleep(0.1)
-            await real(feeder, group_ids)
+            await real(feeder, group_ids, required)
 
         monkeypatch.setattr(PromptFeeder, "_put", put)
 
