@@ -16,6 +16,24 @@ A checkpoint written by :meth:`HFTrainingEngine.save` into a folder:
 |                       | state dict (``torch.load(weights_only=True)`` reads it); no LR  |
 |                       | scheduler exists (constant LR), so ``scheduler`` is None        |
 
+**Sharded** (:meth:`HFTrainingEngine.shard`, after the process group formed): the model and
+AdamW are sharded over the ranks with FSDP2 (:mod:`engines.fsdp`), and a checkpoint is
+instead:
+
+| path                  | content                                                        |
+|-----------------------|----------------------------------------------------------------|
+| ``policy/``           | the full policy, gathered a bucket at a time (safetensors       |
+|                       | shards + index when it spans several buckets)                   |
+| ``sharded/``          | every rank's shard of the weights and of AdamW's state          |
+|                       | (``torch.distributed.checkpoint``), read back by as many ranks  |
+| ``trainer_state.pt``  | ``{"format", "version", "optimizer": None, "scheduler": None,   |
+|                       | "sharded": True}``                                              |
+
+Then ``save``, ``load``, ``save_policy``, ``state_dict`` and ``state_buckets`` are collective
+(every rank calls them, in the same order), and every rank runs the same number of forward and
+backward passes per ``forward_backward`` (a rank with fewer micro-batches runs empty passes
+that add zero gradients), because each pass gathers parameters and reduce-scatters gradients.
+
 Log-probs are computed at the generation temperature (``HFTrainingConfig.temperature``), the
 same convention as the generation and scoring engines, so ``logp - behaviour_logp`` measures
 staleness, not a change of temperature. Each ``forward_backward`` is split into micro-batches
@@ -29,12 +47,15 @@ from __future__ import annotations
 import math
 import os
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from transformers import PreTrainedModel
 
+from engines import fsdp
 from engines.hf.batching import response_logprobs, right_pad, split_by_tokens
 from engines.hf.loading import ModelSource, load_model, load_weights, read_folder_state
 from engines.loss import OBJECTIVES, interpolate_prox_logp, policy_loss
@@ -141,17 +162,41 @@ class HFTrainingEngine:
         self._model = load_model(model, dtype=dtype, device=device)
         self._model.train()
         self._device = next(self._model.parameters()).device
+        self._optimizer = self._new_optimizer()
+        self._version = version
+        self._lock = threading.Lock()
+        self._pending_samples = 0
+        self._sharding: fsdp.FSDPConfig | None = None
+
+    def _new_optimizer(self) -> torch.optim.Optimizer:
         cfg = self.config
-        self._optimizer = torch.optim.AdamW(
+        return torch.optim.AdamW(
             [p for p in self._model.parameters() if p.requires_grad],
             lr=cfg.lr,
             betas=cfg.betas,
             eps=cfg.eps,
             weight_decay=cfg.weight_decay,
         )
-        self._version = version
-        self._lock = threading.Lock()
-        self._pending_samples = 0
+
+    def shard(self, config: fsdp.FSDPConfig | None = None) -> None:
+        """Shard the model and AdamW over the default process group (FSDP2; see the module
+        docstring). Called once on every rank, after the group formed and before the first
+        step or ``load`` (the optimizer is built again over the shards)."""
+        with self._lock:
+            if self._sharding is not None:
+                raise RuntimeError("this training engine is already sharded")
+            if self._optimizer.state or self._pending_samples:
+                raise RuntimeError(
+                    "shard() must come before the first forward_backward, step or load"
+                )
+            fsdp.shard_model(self._model, config)
+            self._optimizer = self._new_optimizer()
+            self._sharding = config or fsdp.FSDPConfig()
+
+    @property
+    def sharded(self) -> bool:
+        """Whether :meth:`shard` was called (the collective calls of the module docstring)."""
+        return self._sharding is not None
 
     @property
     def version(self) -> int:
@@ -185,6 +230,10 @@ class HFTrainingEngine:
         sums: dict[str, float] = {}
         tokens = 0
         loss_total = 0.0
+        world = dist.get_world_size() if self.sharded else 1
+        # FSDP averages the reduce-scattered gradients over the ranks; the step's gradient is
+        # their sum (every rank scales by 1 / the step's samples over all ranks)
+        scale = loss_scale * world
         with self._lock:
             self._model.train()
             slices = split_by_tokens(
@@ -193,6 +242,9 @@ class HFTrainingEngine:
                 cfg.max_tokens_per_micro_batch,
                 cfg.max_micro_batch_size,
             )
+            idle = self._passes_behind(len(slices)) if self.sharded else 0
+            prox_forward = cfg.loss == "decoupled" and cfg.prox_logp == "recompute"
+            prox_forward = prox_forward and old_all is None
             for part in slices:
                 scored = response_logprobs(
                     self._model,
@@ -224,20 +276,24 @@ class HFTrainingEngine:
                     is_cap=cfg.is_cap,
                     ref_logp=ref,
                     kl_coef=cfg.kl_coef,
-                    loss_scale=loss_scale,
+                    loss_scale=scale,
                     seq_norm=cfg.seq_norm,
                     over_cap="drop" if cfg.loss == "decoupled" else "truncate",
                 )
                 out.metrics.update(extra)
                 if out.num_tokens:  # a micro-batch of empty responses has nothing to learn
                     out.loss.backward()
-                loss_total += float(out.loss.detach())
+                elif self.sharded:  # ... but it must still take part in the collectives
+                    self._idle_pass(prox_forward)
+                loss_total += float(out.loss.detach()) / world
                 n = out.num_tokens
                 tokens += n
                 entropy = 0.0 if scored.entropy is None else float(scored.entropy.sum())
                 metrics = {**out.metrics, "entropy": entropy / max(n, 1)}
                 for key, value in metrics.items():
                     sums[key] = sums.get(key, 0.0) + value * n
+            for _ in range(idle):
+                self._idle_pass(prox_forward)
             self._pending_samples += len(batch)
         result = {key: value / max(tokens, 1) for key, value in sums.items()}
         staleness = (self._version - batch.versions.long()).float()
@@ -290,6 +346,24 @@ class HFTrainingEngine:
         )
         return prox, {}
 
+    def _passes_behind(self, passes: int) -> int:
+        """How many fewer forward/backward passes this rank has than the rank with the most
+        (collective: a one-element all-reduce)."""
+        count = torch.tensor([passes], dtype=torch.int64, device=self._device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        return int(count.item()) - passes
+
+    def _idle_pass(self, prox_forward: bool) -> None:
+        """A forward and backward pass that adds zero to every gradient: it gathers and
+        reduce-scatters like a real one, so that the ranks' collectives stay in step (a real
+        pass that recomputes the proximal log-probs has one more forward: ``prox_forward``)."""
+        ids = torch.zeros((1, 1), dtype=torch.long, device=self._device)
+        if prox_forward:
+            with torch.no_grad():
+                self._model(input_ids=ids, use_cache=False)
+        logits = self._model(input_ids=ids, use_cache=False).logits
+        (logits.float().sum() * 0.0).backward()
+
     def optimizer_step(self) -> dict[str, float]:
         """Clip, step AdamW, zero the gradients, bump ``version``.
 
@@ -302,7 +376,8 @@ class HFTrainingEngine:
             params = [p for p in self._model.parameters() if p.grad is not None]
             if params:
                 max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else math.inf
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+                norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+                grad_norm = float(fsdp.full_tensor(norm))  # sharded: a replicated DTensor
             else:
                 grad_norm = 0.0
             skipped = not math.isfinite(grad_norm)
@@ -324,8 +399,11 @@ class HFTrainingEngine:
         """Detached copies of the current weights (safe to keep across later steps).
 
         Tied parameters (the embedding and the output head) share one copy, as they share one
-        tensor in the model.
+        tensor in the model. Sharded: the full weights gathered on every rank (collective; the
+        whole model on each rank: publish with :meth:`state_buckets` instead).
         """
+        if self.sharded:
+            return {k: v for bucket in self.state_buckets(1 << 62) for k, v in bucket.items()}
         with self._lock:
             copies: dict[tuple[int, tuple[int, ...], torch.dtype], torch.Tensor] = {}
             out: dict[str, torch.Tensor] = {}
@@ -339,11 +417,29 @@ class HFTrainingEngine:
                 out[name] = copies[key]
             return out
 
+    def state_specs(self) -> list[fsdp.StateSpec]:
+        """Names (tied ones grouped), full shapes and dtypes of what :meth:`state_buckets`
+        yields, in its order."""
+        return fsdp.state_specs(self._model)
+
+    def state_buckets(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+        """The current weights as full tensors, one bucket of at most ``bucket_bytes`` at a
+        time (fresh copies, tied names sharing one): how a sharded trainer publishes without
+        any rank holding more than one bucket beyond its shard. Sharded: collective, and every
+        rank iterates to the end. Holds the engine's lock until the iteration ends (or the
+        iterator is closed)."""
+        with self._lock:
+            yield from fsdp.state_buckets(self._model, bucket_bytes)
+
     # -- checkpoints ----------------------------------------------------------------------
     def save_policy(self, directory: str | os.PathLike[str]) -> None:
         """The current policy as a Hugging Face folder (safetensors), under the lock: never
-        half an optimizer step. The folder is created if needed."""
+        half an optimizer step. The folder is created if needed. Sharded: gathered a bucket
+        at a time, written by rank 0 (collective)."""
         with self._lock:
+            if self._sharding is not None:
+                fsdp.write_policy(self._model, directory, self._sharding.bucket_bytes)
+                return
             self._model.save_pretrained(os.fspath(directory), safe_serialization=True)
 
     def save(self, directory: str | os.PathLike[str]) -> None:
@@ -351,6 +447,9 @@ class HFTrainingEngine:
         module docstring). Called between steps (after ``optimizer_step``): gradients being
         accumulated for the next step are not saved, the weights and AdamW's moments are."""
         root = Path(directory)
+        if self._sharding is not None:
+            self._save_sharded(root, self._sharding)
+            return
         root.mkdir(parents=True, exist_ok=True)
         with self._lock:
             self._model.save_pretrained(os.fspath(root / "policy"), safe_serialization=True)
@@ -362,6 +461,24 @@ class HFTrainingEngine:
             }
             torch.save(state, root / "trainer_state.pt")
 
+    def _save_sharded(self, root: Path, sharding: fsdp.FSDPConfig) -> None:
+        rank0 = dist.get_rank() == 0
+        with self._lock:
+            fsdp.write_policy(self._model, root / "policy", sharding.bucket_bytes)
+            fsdp.save_sharded(
+                self._model, self._optimizer, root / "sharded", {"version": self._version}
+            )
+            if rank0:
+                state = {
+                    "format": _STATE_FORMAT,
+                    "version": self._version,
+                    "optimizer": None,
+                    "scheduler": None,
+                    "sharded": True,
+                }
+                torch.save(state, root / "trainer_state.pt")
+            dist.barrier()  # trainer_state.pt is what marks the trainer's part written
+
     def load(self, directory: str | os.PathLike[str]) -> None:
         """Restore what :meth:`save` wrote: the weights (in place), AdamW's state and
         ``version``. Raises ``FileNotFoundError`` / ``ValueError`` naming what is missing or
@@ -370,13 +487,26 @@ class HFTrainingEngine:
         path = root / "trainer_state.pt"
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing: {root} is not a training checkpoint")
-        weights = read_folder_state(root / "policy")
         state = torch.load(path, map_location=self._device, weights_only=True)
         if state.get("format") != _STATE_FORMAT:
             raise ValueError(
                 f"{path}: trainer state format {state.get('format')!r}, this engine reads "
                 f"{_STATE_FORMAT}"
             )
+        if bool(state.get("sharded")) != self.sharded:
+            raise ValueError(
+                f"{root} holds a {'sharded' if state.get('sharded') else 'full'} trainer "
+                f"state and this engine is {'sharded' if self.sharded else 'not'}: resume "
+                "with the train.strategy the checkpoint was written with"
+            )
+        if self.sharded:
+            with self._lock:
+                fsdp.load_sharded(self._model, self._optimizer, root / "sharded")
+                self._optimizer.zero_grad(set_to_none=True)
+                self._pending_samples = 0
+                self._version = int(state["version"])
+            return
+        weights = read_folder_state(root / "policy")
         with self._lock:
             load_weights(self._model, weights)
             try:
