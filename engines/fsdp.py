@@ -36,6 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from engines.weights_io import StateSpec
+
 __all__ = [
     "FSDPConfig",
     "StateSpec",
@@ -78,23 +80,6 @@ class FSDPConfig:
                 raise ValueError(f"{name}={value!r} is not a torch dtype (e.g. 'bfloat16')")
         if self.bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {self.bucket_bytes}")
-
-
-@dataclass(frozen=True)
-class StateSpec:
-    """One tensor of the full (unsharded) state: its names (tied weights share one entry),
-    its global shape and dtype."""
-
-    names: tuple[str, ...]
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * self.dtype.itemsize
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

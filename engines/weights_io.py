@@ -32,13 +32,16 @@ from typing import Any
 import torch
 
 __all__ = [
+    "PackWriter",
     "PackedState",
     "StatePlan",
+    "StateSpec",
     "TensorSpec",
     "checkpoint_shapes",
     "checkpoint_specs",
     "mismatches",
     "pack_state",
+    "plan_specs",
     "plan_state",
     "unpack_buffer",
     "unpack_state",
@@ -180,6 +183,107 @@ def pack_state(
         path.unlink(missing_ok=True)
         raise
     return PackedState(path=str(path), layout=plan.layout, nbytes=nbytes)
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """One tensor of a state that arrives later (a bucket at a time): its names (tied
+    weights share one entry), its shape and dtype."""
+
+    names: tuple[str, ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return _numel(self.shape) * self.dtype.itemsize
+
+
+def plan_specs(specs: Sequence[StateSpec]) -> tuple[list[LayoutEntry], list[int], int]:
+    """The packed layout of a state described by ``specs`` (what :func:`plan_state` gives
+    for the same tensors in the same order): layout entries for every name, each spec's
+    offset, and the image size."""
+    layout: list[LayoutEntry] = []
+    offsets: list[int] = []
+    total = 0
+    for spec in specs:
+        if not spec.names:
+            raise ValueError("a StateSpec needs at least one name")
+        offset = -(-total // _ALIGN) * _ALIGN
+        offsets.append(offset)
+        for name in spec.names:
+            layout.append([name, _dtype_name(spec.dtype), list(spec.shape), offset])
+        total = offset + spec.nbytes
+    return layout, offsets, total
+
+
+class PackWriter:
+    """Writes a state that arrives a bucket at a time into one fresh file, in the layout of
+    :func:`plan_specs` (what :func:`pack_state` writes for the whole state): each tensor is
+    copied to host and written as it comes, so the writer holds one tensor at a time.
+
+    ``write`` each bucket in order, then ``finish`` (or ``abort`` to remove the file).
+    """
+
+    def __init__(
+        self, specs: Sequence[StateSpec], *, directory: str | os.PathLike[str] | None = None
+    ) -> None:
+        self.specs = list(specs)
+        self.layout, self._offsets, total = plan_specs(self.specs)
+        self.nbytes = max(total, 1)
+        folder = _pick_directory(self.nbytes, directory)
+        self.path = folder / f"asyncflow-weights-{os.getpid()}-{uuid.uuid4().hex}.bin"
+        self._file = open(self.path, "wb", buffering=0)  # noqa: SIM115 (closed by finish/abort)
+        self._next = 0  # index of the next spec expected
+        self._position = 0
+
+    def write(self, bucket: Mapping[str, torch.Tensor]) -> None:
+        """Write the tensors of ``bucket`` (the next specs, in order, under every name).
+        Raises ``ValueError`` for a tensor out of order or of another shape or dtype."""
+        names = set(bucket)
+        while names and self._next < len(self.specs):
+            spec = self.specs[self._next]
+            first = spec.names[0]
+            if first not in bucket:
+                raise ValueError(
+                    f"bucket holds {sorted(names)[:3]} but the next tensor is {first!r}: "
+                    "buckets must follow the specs' order"
+                )
+            tensor = bucket[first]
+            if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
+                raise ValueError(
+                    f"{first!r} is {tuple(tensor.shape)} {tensor.dtype}, its spec says "
+                    f"{spec.shape} {spec.dtype}"
+                )
+            offset = self._offsets[self._next]
+            if offset > self._position:
+                self._file.write(bytes(offset - self._position))
+            if tensor.numel():
+                host = tensor.detach().to("cpu").contiguous()
+                self._file.write(host.reshape(-1).view(torch.uint8).numpy().data)
+            self._position = offset + spec.nbytes
+            names.difference_update(spec.names)
+            self._next += 1
+        if names:
+            raise ValueError(f"bucket holds tensors beyond the specs: {sorted(names)[:3]}")
+
+    def finish(self) -> PackedState:
+        """Close the file once every spec was written; the packed state to hand out."""
+        if self._next < len(self.specs):
+            self.abort()
+            raise ValueError(
+                f"only {self._next} of {len(self.specs)} tensors arrived; the next was "
+                f"{self.specs[self._next].names[0]!r}"
+            )
+        if self._position < self.nbytes:
+            self._file.write(bytes(self.nbytes - self._position))
+        self._file.close()
+        return PackedState(path=str(self.path), layout=self.layout, nbytes=self.nbytes)
+
+    def abort(self) -> None:
+        """Close and remove the file (idempotent)."""
+        self._file.close()
+        self.path.unlink(missing_ok=True)
 
 
 def _view(

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from asyncflow.transport.base import SyncClock, SyncTimes
+
 __all__ = ["ObjectStoreWeights"]
 
 
@@ -45,16 +47,26 @@ class _Sender:
         self._coord = coordinator
         self._timeout_s = timeout_s
         self._version = -1
+        self.last_sync: SyncTimes | None = None
+        """Times of the newest publish."""
 
     def publish(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Put ``state`` in the object store; returns once the coordinator holds it."""
         import ray
 
+        clock = SyncClock()
         if version <= self._version:
             raise ValueError(f"published version {version} is not newer than {self._version}")
-        ref = ray.put({k: v.detach().cpu() for k, v in state.items()})
+        clock.sending()
+        host = {k: v.detach().cpu() for k, v in state.items()}
+        ref = ray.put(host)
         ray.get(self._coord.put_weights.remote(version, [ref]), timeout=self._timeout_s)
         self._version = version
+        # the bytes reach a generator when it fetches them: the transfer counted here is the
+        # put into the object store
+        self.last_sync = clock.done(
+            version, sum(t.numel() * t.element_size() for t in host.values())
+        )
 
     def members(self) -> list[str]:
         return []

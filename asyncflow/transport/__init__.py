@@ -9,11 +9,14 @@
 | `inprocess` | one                        | references to the trainer's ``state_dict()`` copy    |
 | `shm`       | one host                   | one shared-memory file per version, mapped zero-copy |
 | `broadcast` | any hosts                  | torch.distributed (gloo; NCCL for CUDA), bucketed    |
+| `ipc`       | one node, GPUs seen by all | CUDA IPC handles of the trainer's device tensors     |
 """
 
 from asyncflow.transport.base import (
+    BucketSender,
     ReceiverFailedError,
     StateError,
+    SyncTimes,
     TransportClosedError,
     TransportError,
     TransportTimeoutError,
@@ -22,19 +25,24 @@ from asyncflow.transport.base import (
     WeightSender,
     WeightTransport,
     make_transport,
+    publish_stream,
     register_transport,
     transport_names,
 )
 from asyncflow.transport.broadcast import BroadcastTransport
 from asyncflow.transport.inprocess import InProcessTransport
+from asyncflow.transport.ipc import IpcTransport
 from asyncflow.transport.shm import ShmTransport
 
 __all__ = [
     "BroadcastTransport",
+    "BucketSender",
     "InProcessTransport",
+    "IpcTransport",
     "ReceiverFailedError",
     "ShmTransport",
     "StateError",
+    "SyncTimes",
     "TransportClosedError",
     "TransportError",
     "TransportTimeoutError",
@@ -43,6 +51,7 @@ __all__ = [
     "WeightSender",
     "WeightTransport",
     "make_transport",
+    "publish_stream",
     "register_transport",
     "transport_names",
 ]

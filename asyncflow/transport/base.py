@@ -6,6 +6,7 @@ Three roles, each a small Protocol:
 |-------------------|-----------------------------------|-----------------------------------------|
 | `WeightTransport` | anywhere: a small picklable config | `sender()`, `receiver(member)`          |
 | `WeightSender`    | the trainer's rank-0 process      | `publish`, `members`, `close`           |
+|                   |                                   | (+ `publish_buckets`, `last_sync`)      |
 | `WeightReceiver`  | each generator-host process       | `newest`, `wait_newer`, `get`,          |
 |                   |                                   | `release`, `close`                      |
 
@@ -18,6 +19,16 @@ restarted host) is handed the newest version without the trainer doing anything.
 Versions are the policy versions of the workflow (optimizer steps): non-negative, strictly
 increasing per sender; newest wins (a receiver may skip versions it was too slow to load).
 
+A sharded trainer has no rank that may hold the whole model: it publishes with
+:func:`publish_stream`, which hands the full weights to the sender one bucket at a time
+(every rank gathers each bucket); senders that write or send as they go (``shm``, ``ipc``)
+implement ``publish_buckets`` and never hold more than a bucket, the others get the buckets
+collected into one state in host memory (the device holds one bucket at a time still).
+
+Every publish records its times (:class:`SyncTimes`, ``sender.last_sync``): how long the
+trainer was held, and how long the bytes took to reach every receiver. The generator's side
+of a sync (the pause while its engine loads the version) is timed by its host.
+
 Errors are one small hierarchy (:class:`TransportError`); messages name the field, what was
 expected and what was received.
 """
@@ -25,14 +36,19 @@ expected and what was received.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
+from engines.weights_io import StateSpec
+
 __all__ = [
+    "BucketSender",
     "ReceiverFailedError",
     "StateError",
+    "SyncTimes",
     "TransportClosedError",
     "TransportError",
     "TransportTimeoutError",
@@ -43,6 +59,7 @@ __all__ = [
     "check_state",
     "check_version",
     "make_transport",
+    "publish_stream",
     "register_transport",
     "transport_names",
 ]
@@ -122,6 +139,92 @@ class WeightSender(Protocol):
 
 
 @runtime_checkable
+class BucketSender(Protocol):
+    """A sender that takes a version a bucket at a time (``shm`` writes each into its file as
+    it comes, ``ipc`` hands each to the receivers' devices): the trainer never holds the whole
+    state. Called through :func:`publish_stream`."""
+
+    def publish_buckets(
+        self,
+        specs: Sequence[StateSpec],
+        buckets: Iterable[Mapping[str, torch.Tensor]],
+        version: int,
+    ) -> None:
+        """Publish ``version``, whose tensors are listed by ``specs`` (in order; tied names
+        grouped) and arrive in ``buckets`` in that order, each tensor under every one of its
+        names. Same contract as :meth:`WeightSender.publish` otherwise; the sender may keep
+        no reference to a bucket once it asked for the next one."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncTimes:
+    """One publish, as its sender timed it."""
+
+    version: int
+    publish_s: float
+    """How long ``publish`` held the trainer (gathering and packing included)."""
+    transfer_s: float
+    """From the first byte sent until every current receiver held the version."""
+    nbytes: int
+    """Bytes of the version (each tied tensor once)."""
+
+
+class SyncClock:
+    """Times one publish into a :class:`SyncTimes` (``start`` is when ``publish`` began)."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.first_byte: float | None = None
+
+    def sending(self) -> None:
+        """The first byte leaves now (later calls keep the first time)."""
+        if self.first_byte is None:
+            self.first_byte = time.perf_counter()
+
+    def done(self, version: int, nbytes: int) -> SyncTimes:
+        now = time.perf_counter()
+        first = self.first_byte if self.first_byte is not None else now
+        return SyncTimes(version, now - self.start, now - first, nbytes)
+
+
+def publish_stream(
+    sender: WeightSender,
+    specs: Sequence[StateSpec],
+    buckets: Iterable[Mapping[str, torch.Tensor]],
+    version: int,
+) -> None:
+    """Publish a version that arrives a bucket at a time (a sharded trainer's
+    ``state_buckets``): through the sender's ``publish_buckets`` where it has one, else
+    collected into one state in host memory and published whole.
+
+    ``buckets`` is iterated to its end even when publishing fails, because each bucket is a
+    collective gather every rank of a sharded trainer takes part in; then the error is raised.
+    """
+    iterator = iter(buckets)
+    try:
+        if isinstance(sender, BucketSender):
+            sender.publish_buckets(specs, iterator, version)
+            return
+        state: dict[str, torch.Tensor] = {}
+        for bucket in iterator:
+            hosted: dict[int, torch.Tensor] = {}
+            for name, tensor in bucket.items():
+                key = id(tensor)
+                if key not in hosted:
+                    hosted[key] = tensor.detach().to("cpu")
+                state[name] = hosted[key]
+        sender.publish(state, version)
+    finally:
+        _drain(iterator)
+
+
+def _drain(iterator: Iterator[Any]) -> None:
+    for _ in iterator:
+        pass
+
+
+@runtime_checkable
 class WeightReceiver(Protocol):
     """A generator host's end (one per host incarnation).
 
@@ -140,7 +243,8 @@ class WeightReceiver(Protocol):
         ...
 
     def get(self, version: int) -> Mapping[str, torch.Tensor]:
-        """The state of ``version`` as tensors in host memory, which the caller copies from
+        """The state of ``version`` as tensors in host memory (device memory for ``ipc``),
+        which the caller copies from
         (into an engine's parameters) and never writes to (they may be shared with other
         receivers or served to newcomers); valid until ``release(version)``. Tied weights are
         views of the same bytes. Pins ``version``: it is kept (not freed when superseded)

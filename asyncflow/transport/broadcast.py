@@ -48,6 +48,8 @@ import torch
 from asyncflow.transport import control, links
 from asyncflow.transport.base import (
     ReceiverFailedError,
+    SyncClock,
+    SyncTimes,
     TransportClosedError,
     check_state,
     check_version,
@@ -167,6 +169,8 @@ class BroadcastSender:
         self._ids = itertools.count(1)
         self._buckets: list[torch.Tensor] = []
         self._closed = False
+        self.last_sync: SyncTimes | None = None
+        """Times of the newest publish."""
         self._device = "cuda" if config.backend == "nccl" else "cpu"
         self._store = links.open_store("", 0, master=True, timeout_s=config.timeout_s)
         self._finalizer = weakref.finalize(self, self._shared.stop)
@@ -187,6 +191,7 @@ class BroadcastSender:
     def publish(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Stream ``state`` to every receiver with a link and wait for each to acknowledge
         (``timeout_s``); failed receivers are dropped and named in ReceiverFailedError."""
+        clock = SyncClock()
         if self._closed:
             raise TransportClosedError("the broadcast weight sender is closed")
         self._control.check()
@@ -224,6 +229,7 @@ class BroadcastSender:
                 self._acks = dict.fromkeys(targets)
                 self._ack_version = version
             failures: dict[str, str] = {}
+            clock.sending()
             try:
                 for name, member in targets.items():
                     msg = {"kind": control.PUBLISH, "version": version, "link": member.link_id}
@@ -248,6 +254,7 @@ class BroadcastSender:
                 for name, why in failures.items():
                     self._drop(name, targets[name].link_id, why)
                 self._catch_up()
+            self.last_sync = clock.done(version, plan.nbytes)
         if failures:
             raise ReceiverFailedError(version, failures)
 

@@ -22,8 +22,14 @@ Messages: one msgpack map, ``{"kind": KIND, ...fields}``. All kinds:
 | commit    | s -> r | version, link                           | every range went out: keep it    |
 | serve     | s -> r | version, prefix, ranges, to             | send a held version to a newcomer|
 | fetch     | s -> r | version, prefix, nbytes, layout, ranges | receive a version from a holder  |
-| have      | r -> s | version, link                           | the receiver holds ``version``   |
-| failed    | r -> s | version, link, reason                   | it could not get ``version``     |
+| begin     | s -> r | version, layout, offsets, nbytes        | a version comes in buckets (ipc) |
+| bucket    | s -> r | version, bucket, layout, handles        | copy these tensors (ipc)         |
+| image     | both   | version, to, layout, handles            | a holder's image for a newcomer  |
+| have      | r -> s | version, link / bucket                  | the receiver holds ``version``   |
+| failed    | r -> s | version, link / bucket, reason          | it could not get ``version``     |
+
+``ticket``, ``serve`` and ``commit`` also serve ``ipc`` (handles instead of a path; a holder
+asked to export its image for ``to``; the last bucket went out).
 
 A sender declares a member lost when it has been silent for ``dead_after_s``, or at once when
 it runs on this host and its process has exited (a SIGKILL sends nothing).
@@ -64,6 +70,7 @@ JOIN, HEARTBEAT, REJOIN, LEAVE = "join", "heartbeat", "rejoin", "leave"
 WELCOME, TICKET = "welcome", "ticket"
 LINK, PUBLISH, COMMIT = "link", "publish", "commit"
 SERVE, FETCH, HAVE, FAILED = "serve", "fetch", "have", "failed"
+BEGIN, BUCKET, IMAGE = "begin", "bucket", "image"
 HOST = socket.gethostname()
 
 

@@ -24,6 +24,8 @@ from typing import ClassVar
 import torch
 
 from asyncflow.transport.base import (
+    SyncClock,
+    SyncTimes,
     TransportClosedError,
     check_state,
     check_version,
@@ -96,9 +98,12 @@ class InProcessSender:
         with self._hub.lock:
             self._hub.senders += 1
         self._closed = False
+        self.last_sync: SyncTimes | None = None
+        """Times of the newest publish (no bytes move: references are handed over)."""
 
     def publish(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Make ``state`` the newest version at once; every receiver can get it on return."""
+        clock = SyncClock()
         if self._closed:
             raise TransportClosedError("the inprocess weight sender is closed")
         check_state(state)
@@ -109,8 +114,13 @@ class InProcessSender:
             frozen = types.MappingProxyType(dict(state))
             hub.version, hub.state = version, frozen
             receivers = list(hub.receivers.values())
+        clock.sending()
         for receiver in receivers:
             receiver._shelf.offer(version, frozen)
+        nbytes = sum(
+            t.numel() * t.element_size() for t in {id(t): t for t in state.values()}.values()
+        )
+        self.last_sync = clock.done(version, nbytes)
 
     def members(self) -> list[str]:
         with self._hub.lock:

@@ -15,6 +15,10 @@ unlinks its newest file on ``close`` (and at interpreter exit). A sender killed 
 leaves its newest file behind: the next sender on the host removes files whose creating
 process is gone (:func:`sweep_orphans`).
 
+A version that arrives a bucket at a time (a sharded trainer, :func:`.base.publish_stream`)
+is written into its file bucket by bucket (:class:`engines.weights_io.PackWriter`): the
+sender holds one tensor of it at a time, never the whole state.
+
 A receiver that joins late is sent the newest ticket in the answer to its JOIN. The control
 address defaults to a Linux abstract socket (no file, gone with the process); it is part of
 the picklable config, so processes started by anyone (``multiprocessing``, Ray actors) find
@@ -32,7 +36,7 @@ import threading
 import time
 import types
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -42,6 +46,8 @@ import torch
 from asyncflow.transport import control
 from asyncflow.transport.base import (
     ReceiverFailedError,
+    SyncClock,
+    SyncTimes,
     TransportClosedError,
     check_state,
     check_version,
@@ -49,7 +55,7 @@ from asyncflow.transport.base import (
 )
 from asyncflow.transport.control import ControlClient, ControlServer, Message
 from asyncflow.transport.shelf import VersionShelf
-from engines.weights_io import PackedState, pack_state, unpack_state
+from engines.weights_io import PackedState, PackWriter, StateSpec, pack_state, unpack_state
 
 __all__ = ["ShmReceiver", "ShmSender", "ShmTransport", "sweep_orphans"]
 
@@ -156,6 +162,8 @@ class ShmSender:
         self._pending_version = -1
         self._files = _Files()
         self._closed = False
+        self.last_sync: SyncTimes | None = None
+        """Times of the newest publish."""
         for path in sweep_orphans(config.directory):
             log.info("removed an orphaned weights file %s", path)
         self._control = ControlServer(
@@ -173,13 +181,45 @@ class ShmSender:
     def publish(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Pack ``state`` into a fresh file and wait (``timeout_s``) until every current
         receiver mapped it; then unlink the previous version's name."""
-        if self._closed:
-            raise TransportClosedError("the shm weight sender is closed")
-        self._control.check()
+        clock = SyncClock()
+        self._check_open()
         check_state(state)
         with self._cond:
             check_version(version, self._version)
-        packed = pack_state(state, directory=self.config.directory)
+        clock.sending()  # the bytes start moving into the shared file
+        self._deliver(pack_state(state, directory=self.config.directory), version, clock)
+
+    def publish_buckets(
+        self,
+        specs: Sequence[StateSpec],
+        buckets: Iterable[Mapping[str, torch.Tensor]],
+        version: int,
+    ) -> None:
+        """Write each bucket into a fresh file as it comes, then hand the file out as
+        :meth:`publish` does (see the module doc)."""
+        clock = SyncClock()
+        self._check_open()
+        with self._cond:
+            check_version(version, self._version)
+        writer = PackWriter(specs, directory=self.config.directory)
+        try:
+            for bucket in buckets:
+                clock.sending()
+                check_state(bucket)
+                writer.write(bucket)
+            packed = writer.finish()
+        except BaseException:
+            writer.abort()
+            raise
+        self._deliver(packed, version, clock)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportClosedError("the shm weight sender is closed")
+        self._control.check()
+
+    def _deliver(self, packed: PackedState, version: int, clock: SyncClock) -> None:
+        """Send ``packed``'s ticket to every receiver and wait for their acknowledgements."""
         self._files.packed.append(packed)
         ticket: Message = {
             "kind": control.TICKET,
@@ -211,6 +251,7 @@ class ShmSender:
         del self._files.packed[:-1]
         for member in failures:
             self._control.drop(member, f"version {version} failed")
+        self.last_sync = clock.done(version, packed.nbytes)
         if failures:
             raise ReceiverFailedError(version, failures)
 

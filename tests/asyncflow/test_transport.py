@@ -43,7 +43,7 @@ from asyncflow.transport.links import DIRECT_MIN_BYTES, plan_ranges
 from asyncflow.transport.shm import sweep_orphans
 from engines.weights_io import plan_state, unpack_buffer
 
-NAMES = ["inprocess", "shm", "broadcast"]
+NAMES = ["inprocess", "shm", "broadcast", "ipc"]
 # Fast failure detection for tests; small buckets so that every range kind and split occurs.
 FAST: dict[str, dict[str, Any]] = {
     "inprocess": {},
@@ -54,6 +54,9 @@ FAST: dict[str, dict[str, Any]] = {
         "timeout_s": 30.0,
         "bucket_bytes": 1 << 20,
     },
+    # host tensors through shared files: the ipc protocol without a GPU (tests/asyncflow/
+    # test_transport_gpu.py runs it with CUDA IPC handles)
+    "ipc": {"sharer": "file", "heartbeat_s": 0.2, "dead_after_s": 3.0, "timeout_s": 30.0},
 }
 Raw = dict[str, tuple[str, tuple[int, ...], bytes]]
 
@@ -106,7 +109,10 @@ def wait_until(what: Callable[[], bool], timeout_s: float = 60.0, why: str = "")
 
 
 def shm_files() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob(f"asyncflow-weights-{os.getpid()}-*.bin")}
+    """Version files (shm) and shared tensors (ipc over files) this process left behind."""
+    shm = Path("/dev/shm")
+    patterns = (f"asyncflow-weights-{os.getpid()}-*.bin", f"asyncflow-share-{os.getpid()}-*.bin")
+    return {p.name for pattern in patterns for p in shm.glob(pattern)}
 
 
 @pytest.fixture(params=NAMES)
@@ -276,7 +282,7 @@ def test_broadcast_publish_a_receiver_failed_ends_with_its_reason(
         sender.close()
 
 
-@pytest.mark.parametrize("name", ["shm", "broadcast"])
+@pytest.mark.parametrize("name", ["shm", "broadcast", "ipc"])
 def test_ends_dropped_without_close_stop_their_threads(name: str) -> None:
     before = set(threading.enumerate())
 
@@ -298,7 +304,7 @@ def test_ends_dropped_without_close_stop_their_threads(name: str) -> None:
 def test_registry_and_configs_pickle() -> None:
     assert set(NAMES) <= set(transport_names())
     with pytest.raises(
-        ValueError, match="unknown weight transport 'nope'; known: broadcast, inprocess, shm"
+        ValueError, match="unknown weight transport 'nope'; known: broadcast, inprocess, ipc, shm"
     ):
         make_transport("nope")
     with pytest.raises(
@@ -413,7 +419,7 @@ def hosts() -> Iterator[list[Host]]:
 
 
 @pytest.mark.service
-@pytest.mark.parametrize("name", ["shm", "broadcast"])
+@pytest.mark.parametrize("name", ["shm", "broadcast", "ipc"])
 def test_processes_round_trip_kill_and_join(name: str, hosts: list[Host]) -> None:
     """Bit-exact across processes; a receiver SIGKILLed while the sender is delivering to it
     does not hang the sender; the next publish reaches the survivor and a newcomer."""
@@ -571,7 +577,7 @@ class GeneratorHost:
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("name", ["shm", "broadcast"])
+@pytest.mark.parametrize("name", ["shm", "broadcast", "ipc"])
 def test_ray_actor_receives(name: str, ray_cluster: Any) -> None:
     ray = ray_cluster
     transport = make_transport(name, **FAST[name])
