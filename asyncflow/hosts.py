@@ -60,7 +60,9 @@ class RegistryAPI(Protocol):
 
     async def wait_update(self, name: str, timeout_s: float) -> int | None: ...
 
-    async def updated(self, name: str, version: int, seconds: float) -> None: ...
+    async def updated(
+        self, name: str, version: int, seconds: float, pause_s: float | None = None
+    ) -> None: ...
 
     async def update_failed(self, name: str) -> None: ...
 
@@ -261,7 +263,9 @@ class GeneratorHost:
                         await self._send(self._remote_load())
                         await self.registry.update_failed(self.name)
                         continue
+                    loading = time.perf_counter()
                     await self.engine.update_weights(state, version)
+                    pause_s = time.perf_counter() - loading
                 finally:
                     self.weights.release(version)
             except BaseException:
@@ -269,7 +273,7 @@ class GeneratorHost:
                     await self.registry.update_failed(self.name)
                 raise
             self.updates += 1
-            await self.registry.updated(self.name, version, time.perf_counter() - t0)
+            await self.registry.updated(self.name, version, time.perf_counter() - t0, pause_s)
             self._dirty.set()
 
     def _fetchable(self, target: int) -> int:

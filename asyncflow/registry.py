@@ -113,6 +113,8 @@ class Registry:
         self._published_at: dict[int, float] = {}
         self.updates = 0
         self.update_seconds = 0.0
+        self.pause_s: list[float] = []
+        """Per generator update, seconds its engine spent loading (generation paused)."""
         self.adoption_s: list[float] = []
         """Per published version, seconds until the first generator held it (or newer)."""
         self.restarts: dict[str, int] = {}
@@ -176,13 +178,18 @@ class Registry:
             wake.clear()
             await wait_event(wake, min(left, self.poll_s))
 
-    async def updated(self, name: str, version: int, seconds: float) -> None:
-        """Generator ``name`` now holds ``version`` (its update took ``seconds``)."""
+    async def updated(
+        self, name: str, version: int, seconds: float, pause_s: float | None = None
+    ) -> None:
+        """Generator ``name`` now holds ``version`` (its update took ``seconds``: fetching
+        from the transport and loading; ``pause_s`` of them loading, generation paused)."""
         self._updating.discard(name)
         st = self._status(name)
         st.version = max(st.version, version)
         self.updates += 1
         self.update_seconds += seconds
+        if pause_s is not None:
+            self.pause_s.append(pause_s)
         now = time.perf_counter()
         for v in [v for v in self._published_at if v <= version]:
             self.adoption_s.append(now - self._published_at.pop(v))
@@ -280,6 +287,7 @@ class Registry:
         return {
             "updates": self.updates,
             "update_seconds": self.update_seconds,
+            "pause_s": list(self.pause_s),
             "adoption_s": list(self.adoption_s),
             "restarts": dict(self.restarts),
             "versions": {n: self._current(n)[0] for n in self._gens},

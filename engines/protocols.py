@@ -18,6 +18,8 @@ Roles and who calls them:
 |                     | state_dict, version                       |                            |
 | CheckpointableEngine| save, load, save_policy (optional: what   | the trainer's host, between|
 |                     | checkpoints and the saved policy need)    | steps and at the end       |
+| ShardableEngine     | shard, state_specs, state_buckets         | every trainer rank         |
+|                     | (optional: ``train.strategy=fsdp``)       | (collective)               |
 | RewardFn            | __call__                                  | reward adapter             |
 
 Generation is ``async`` because it is where requests from several micro-batches overlap (vLLM's
@@ -28,7 +30,7 @@ are plain blocking calls; the adapters run them in a worker thread so the event 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -41,6 +43,7 @@ __all__ = [
     "RewardFn",
     "SamplingParams",
     "ScoringEngine",
+    "ShardableEngine",
     "TrainBatch",
     "TrainingEngine",
 ]
@@ -234,6 +237,34 @@ class CheckpointableEngine(Protocol):
     def save_policy(self, directory: str | os.PathLike[str]) -> None:
         """Write the current policy as a Hugging Face folder (safetensors). Called when the
         run ends."""
+        ...
+
+
+@runtime_checkable
+class ShardableEngine(Protocol):
+    """A training engine that shards its model and optimizer over the ranks of the default
+    ``torch.distributed`` group (optional role: ``train.strategy=fsdp``).
+
+    Once sharded, ``forward_backward`` and ``optimizer_step`` are collective (every rank calls
+    them, each on its share of the step's samples), and so are the calls below and, when the
+    engine is also a :class:`CheckpointableEngine`, ``save``, ``load`` and ``save_policy``.
+    """
+
+    def shard(self, config: Any) -> None:
+        """Shard the model and the optimizer (``config``: the engine's sharding options, e.g.
+        :class:`engines.fsdp.FSDPConfig`). Called once on every rank, after the group formed
+        and before the first step or ``load``."""
+        ...
+
+    def state_specs(self) -> Sequence[Any]:
+        """Names, full shapes and dtypes of what :meth:`state_buckets` yields
+        (:class:`engines.weights_io.StateSpec`, in its order). Local; called by rank 0."""
+        ...
+
+    def state_buckets(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+        """The full weights, one bucket of at most ``bucket_bytes`` of fresh tensors at a time
+        (tied names sharing one). Called on every rank at once after ``optimizer_step`` to
+        publish weights; every rank iterates to the end."""
         ...
 
 

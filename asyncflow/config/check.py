@@ -75,6 +75,7 @@ def check_config(cfg: RunConfig) -> Task:
     """
     _check_model(cfg)
     _check_engine(cfg)
+    _check_strategy(cfg)
     for name in cfg.reward.functions:
         try:
             make_reward(name)
@@ -123,6 +124,27 @@ def _check_engine(cfg: RunConfig) -> None:
             "rollout.engine=vllm needs vLLM: pip install 'asyncflow[vllm]' (on GPUs: pip "
             "install vllm), or use rollout.engine=hf"
         )
+
+
+def _check_strategy(cfg: RunConfig) -> None:
+    if cfg.train.strategy != "fsdp":
+        return
+    import dataclasses
+
+    from engines.fsdp import FSDPConfig
+
+    options = cfg.train.strategy_options
+    known = [f.name for f in dataclasses.fields(FSDPConfig)]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ConfigError(
+            f"train.strategy_options: {unknown[0]!r} is not an option of fsdp; options: "
+            f"{', '.join(known)}"
+        )
+    try:
+        FSDPConfig(**options)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"train.strategy_options: {e}") from None
 
 
 def _check_task(cfg: RunConfig) -> Task:

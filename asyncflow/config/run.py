@@ -245,9 +245,12 @@ class DeployConfig:
     """``ray``, a local cluster started here: its CPU slots (None: Ray's default)."""
     weight_transport: str = "auto"
     """How generators receive published weights with ``ray``: ``shm`` (one shared-memory
-    file per version, same host), ``broadcast`` (torch.distributed from the trainer, any
-    node), ``ray`` (Ray's object store), or ``auto`` (``broadcast`` when stage hosts span
-    several nodes, else ``shm``). ``local`` always hands weights over in memory."""
+    file per version, same host), ``ipc`` (CUDA IPC handles of the trainer's device tensors:
+    same node, every generator sees the trainer's GPU), ``broadcast`` (torch.distributed
+    from the trainer, any node; NCCL when both ends are on CUDA), ``ray`` (Ray's object
+    store), or ``auto`` (``broadcast`` when stage hosts span several nodes, else ``ipc``
+    when the trainer is on CUDA and every generator sees its GPU, else ``shm``). ``local``
+    always hands weights over in memory."""
     start_timeout_s: float = 600.0
     """``ray``: how long stage hosts may take to start (engines loaded, resources granted)
     before the run fails naming the ones still waiting."""
@@ -259,7 +262,7 @@ class DeployConfig:
     def __post_init__(self) -> None:
         if self.mode not in ("local", "ray"):
             raise ValueError(f"deploy.mode must be local or ray, got {self.mode!r}")
-        transports = ("auto", "shm", "broadcast", "ray")
+        transports = ("auto", "shm", "ipc", "broadcast", "ray")
         if self.weight_transport not in transports:
             raise ValueError(
                 f"deploy.weight_transport must be one of {transports}, got "
@@ -324,6 +327,11 @@ class RunConfig:
                 f"train.dp_size={self.train.dp_size} exceeds rollout.group_size="
                 f"{self.rollout.group_size}: a micro-batch of one group must give every rank "
                 "a row; lower dp_size or raise group_size"
+            )
+        if self.train.strategy == "fsdp" and mode != "ray":
+            raise ValueError(
+                "train.strategy=fsdp needs deploy.mode=ray (one actor per rank, each joining "
+                "the process group the shards live in)"
             )
         if self.train.dp_size > 1 and mode != "ray":
             raise ValueError(

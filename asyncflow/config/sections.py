@@ -329,6 +329,9 @@ class ReferenceConfig:
             raise ValueError("reference.kl_coef > 0 needs reference.enabled=true")
 
 
+STRATEGIES = ("ddp", "fsdp")
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     """The train stage, the loss and the staleness bound."""
@@ -386,11 +389,24 @@ class TrainConfig:
     dp_size: int = 1
     """Data-parallel ranks (``deploy.mode=ray``: one actor each; gradients all-reduced with
     gloo on CPU, NCCL on CUDA; each rank trains its balanced share of every micro-batch)."""
+    strategy: str = "ddp"
+    """How the ranks hold the model: ``ddp`` (each a whole replica of the weights, gradients
+    and AdamW state) or ``fsdp`` (FSDP2: each holds 1/dp_size of them, gathering one layer at
+    a time; needs ``deploy.mode=ray``). fsdp when weights + gradients + AdamW (about 16 bytes
+    per parameter in fp32) do not fit one device; its checkpoints are sharded and resume with
+    the same dp_size, and weights are published a bucket at a time."""
+    strategy_options: dict[str, Any] = field(default_factory=dict)
+    """``fsdp``: fields of ``engines.fsdp.FSDPConfig``, e.g. ``{param_dtype: bfloat16}`` to
+    compute in bf16 over fp32 shards, ``bucket_bytes`` of the gathers that publish weights."""
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     """Resources of each trainer rank's actor."""
 
     def __post_init__(self) -> None:
         _device_ok(self.device, "train.device")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"train.strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.strategy_options and self.strategy != "fsdp":
+            raise ValueError("train.strategy_options apply to train.strategy=fsdp only")
         if self.dp_size < 1:
             raise ValueError(f"train.dp_size must be >= 1, got {self.dp_size}")
         if self.steps < 1:

@@ -38,7 +38,7 @@ from asyncflow.hosts import GeneratorHost, check_engine
 from asyncflow.metrics import Timeline
 from asyncflow.registry import Registry
 from asyncflow.stage_runner import StageRunner
-from asyncflow.transport import WeightSender, make_transport
+from asyncflow.transport import WeightSender, make_transport, sync_metrics
 from engines.protocols import ScoringEngine, TrainingEngine
 
 __all__ = ["LocalDeployment", "open_transferqueue"]
@@ -200,6 +200,7 @@ class LocalDeployment(Deployment):
         state = await asyncio.to_thread(trainer.state_dict)
         assert self._sender is not None
         self._sender.publish(state, report.version)
+        report.metrics.update(sync_metrics(self._sender))
         await self._registry.publish(report.version)
         plan = self._plan
         if plan is not None and plan.due(report.step + 1):
@@ -242,6 +243,7 @@ class LocalDeployment(Deployment):
         return {
             "weight_updates": stats["updates"],
             "weight_update_s": stats["update_seconds"],
+            "weight_pause_s": stats["pause_s"],
             "weight_adoption_s": stats["adoption_s"],
             "restarts": stats["restarts"],
             "ranker_error": self._ranker.mean_abs_log_error() if self._ranker else None,

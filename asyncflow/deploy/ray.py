@@ -36,10 +36,11 @@ with an error naming the rank (never a hang: every collective has a timeout); re
 run from its last checkpoint (``asyncflow run --resume DIR``).
 
 **Checkpoints and resume.** Trainer rank 0 writes the trainer's part of a checkpoint in its
-actor (``asyncflow.checkpoint``); with several nodes ``checkpoint.dir`` must be a folder every
+actor (``asyncflow.checkpoint``; with ``train.strategy=fsdp`` every rank writes its shards:
+``asyncflow.deploy.sharded``); with several nodes ``checkpoint.dir`` must be a folder every
 node sees. On resume, every trainer rank restores the checkpoint before the data-parallel
-group forms, generator hosts are built from its policy folder at its version, and the
-coordinator starts at that version.
+group forms (fsdp: right after, into its shards), generator hosts are built from its policy
+folder at its version, and the coordinator starts at that version.
 """
 
 from __future__ import annotations
@@ -301,13 +302,16 @@ class RayDeployment(Deployment):
                 self._actors.append(actor)
         await self._until_started()
         t3 = time.perf_counter()
-        if resume is not None:  # every rank, before the group forms
+        fsdp = cfg.train.strategy == "fsdp"
+        if resume is not None and not fsdp:  # every rank, before the group forms
             await asyncio.gather(*(t.restore.remote(resume.directory) for t in self._trainers))
         self._weights = await self._transport()
-        if len(self._trainers) > 1:
+        if len(self._trainers) > 1 or fsdp:
             host, port = await self._trainers[0].endpoint.remote()
             world = len(self._trainers)
             await asyncio.gather(*(t.join.remote(world, host, port) for t in self._trainers))
+        if resume is not None and fsdp:  # into the shards: every rank, once sharded
+            await asyncio.gather(*(t.restore.remote(resume.directory) for t in self._trainers))
         log.info(
             "deploy=ray: Ray and the model in %.1f s, TransferQueue in %.1f s, %d stage hosts "
             "in %.1f s, trainer group in %.1f s; weights through %r",
@@ -346,31 +350,27 @@ class RayDeployment(Deployment):
                 )
 
     async def _transport(self) -> Any:
-        """The weight transport, chosen now that every host has a node: ``shm`` when the
-        trainer and every generator share one (one packed file per version, mapped by
-        everyone), ``broadcast`` from the trainer's rank 0 when they span several (a
-        torch.distributed link per generator; the sender keeps the newest version so that a
-        restarted generator is served even when it is the only one), or what
-        ``deploy.weight_transport`` names."""
+        """The weight transport, chosen now that every host has a node and a device
+        (:func:`~asyncflow.deploy.transport_choice.choose_transport`): ``ipc`` when the
+        trainer and every generator share a node and the trainer's GPU, ``shm`` on one node
+        otherwise, ``broadcast`` from the trainer's rank 0 across nodes (NCCL between GPUs),
+        or what ``deploy.weight_transport`` names."""
+        from asyncflow.deploy.transport_choice import Where, choose_transport
         from asyncflow.transport import make_transport
 
         choice = self.cfg.deploy.weight_transport
-        if choice == "auto":
-            where = await self.where()
-            nodes = {where["train"], *(where[f"rollout/{n}"] for n, _ in self._generators)}
-            choice = "shm" if len(nodes) == 1 else "broadcast"
         if choice == "ray":
             return ObjectStoreWeights(self._coord_name)
-        if choice == "shm":
-            return make_transport("shm")
-        host, port = await self._trainers[0].endpoint.remote()
-        # NCCL only where both ends name a CUDA device; gloo moves CUDA tensors through host
-        # buckets and works everywhere
-        cuda = all(d.startswith("cuda") for d in (self.cfg.train.device, self.cfg.rollout.device))
-        backend = "nccl" if cuda else "gloo"
-        return make_transport(
-            "broadcast", address=f"tcp://{host}:{port}", backend=backend, keep_newest=True
-        )
+        hosts = [self._trainers[0], *(a for _, a in self._generators)]
+        places = await asyncio.gather(*(h.where.remote() for h in hosts))
+        trainer, *generators = [
+            Where(str(p["node_id"]), p["device"], p["gpu"], tuple(p["gpus"])) for p in places
+        ]
+        name, options = choose_transport(choice, trainer, generators)
+        if name == "broadcast":
+            host, port = await self._trainers[0].endpoint.remote()
+            options["address"] = f"tcp://{host}:{port}"
+        return make_transport(name, **options)
 
     def _named(self) -> list[tuple[str, Any]]:
         out = [(f"train/rank{r}" if r else "train", t) for r, t in enumerate(self._trainers)]
@@ -498,7 +498,9 @@ class RayDeployment(Deployment):
         import ray
 
         try:
-            await self._trainers[0].save_policy.remote(str(directory.resolve()))
+            # fsdp: every rank gathers the policy with rank 0, which writes it
+            ranks = self._trainers if self.cfg.train.strategy == "fsdp" else self._trainers[:1]
+            await asyncio.gather(*(t.save_policy.remote(str(directory.resolve())) for t in ranks))
         except ray.exceptions.RayTaskError as e:  # the trainer's own error, not Ray's wrapper
             raise remote_cause(e) from None
 
@@ -515,6 +517,7 @@ class RayDeployment(Deployment):
             "nodes": nodes,
             "weight_updates": stats["updates"],
             "weight_update_s": stats["update_seconds"],
+            "weight_pause_s": stats["pause_s"],
             "weight_adoption_s": stats["adoption_s"],
             "restarts": dict(self.restarts),
             "generator_restarts": stats["restarts"],

@@ -57,6 +57,7 @@ from asyncflow.checkpoint import (
     write_trainer_part,
 )
 from asyncflow.config import RunConfig
+from asyncflow.deploy import sharded
 from asyncflow.deploy.remote import GeneratorView, RemoteGenerator, RemoteRegistry
 from asyncflow.hosts import GeneratorHost, WeightSource, check_engine
 from asyncflow.metrics import Timeline
@@ -129,11 +130,28 @@ class _Host:
         self.runners: list[StageRunner] = []
 
     def where(self) -> dict[str, Any]:
-        """This host's node and process (placement tests; SIGKILL in fault tests)."""
+        """This host's node and process (placement tests; SIGKILL in fault tests), its
+        engine's device, the GPUs it sees (UUIDs; the weight transport's choice)."""
         import ray
 
+        from transferqueue.device.sharing import device_uuid, visible_gpus
+
         ctx = ray.get_runtime_context()
-        return {"node_id": ctx.get_node_id(), "pid": os.getpid()}
+        device = self._device()
+        gpu = None
+        if device.type == "cuda":
+            gpu = device_uuid(device.index if device.index is not None else 0)
+        return {
+            "node_id": ctx.get_node_id(),
+            "pid": os.getpid(),
+            "device": str(device),
+            "gpu": gpu,
+            "gpus": visible_gpus(),
+        }
+
+    def _device(self) -> torch.device:
+        """Where this host's engine runs (the CPU for hosts without a device of their own)."""
+        return torch.device("cpu")
 
     def ping(self) -> bool:
         return True
@@ -179,6 +197,14 @@ class GeneratorActor(_Host):
         self.registry = RemoteRegistry(actor(coordinator))
         self.host: GeneratorHost | None = None
         self._registered = asyncio.Event()
+
+    def _device(self) -> torch.device:
+        from asyncflow.build import resolve_device
+
+        device = torch.device(resolve_device(self.cfg.rollout.device))
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
 
     async def run(self, weights: Any) -> None:
         """Register (a restarted incarnation counts as a restart), then follow weights."""
@@ -430,6 +456,8 @@ class TrainerActor(_Host):
         self._adapters = adapters
         self._sender: Any = None
         self._plan: CheckpointPlan | None = None
+        self._ranks: list[Any] = []
+        self._sharding: sharded.Sharding | None = None  # fsdp, once joined
         self.use_reference = cfg.reference.enabled
 
     # -- data-parallel group ----------------------------------------------------------------
@@ -442,18 +470,30 @@ class TrainerActor(_Host):
         ip = str(ray.util.get_node_ip_address())
         return ip, free_port(ip)
 
+    def _device(self) -> torch.device:
+        module = getattr(self.engine, "model", None)
+        if isinstance(module, torch.nn.Module):
+            return next(module.parameters()).device
+        return super()._device()
+
     async def join(self, world: int, address: str, port: int) -> None:
-        """Join the data-parallel group; every rank starts from rank 0's weights."""
+        """Join the data-parallel group: every rank starts from rank 0's weights (``ddp``),
+        or the model and optimizer are sharded over the ranks (``fsdp``)."""
         from engines.distributed import backend_for, broadcast_parameters, init_group
 
         module = self._module()
         backend = backend_for(next(module.parameters()).device)
+        sharding = sharded.sharding(self.engine, self.cfg)
 
         def setup() -> None:
             init_group(self.rank, world, address, port, backend=backend)
-            broadcast_parameters(module)
+            if sharding is not None:  # every rank loaded the same weights: shard them
+                sharding.engine.shard(sharding.config)
+            else:
+                broadcast_parameters(module)
 
         await asyncio.to_thread(setup)
+        self._sharding = sharding
 
     def _module(self) -> torch.nn.Module:
         module = getattr(self.engine, "model", None)
@@ -495,17 +535,28 @@ class TrainerActor(_Host):
         def step() -> dict[str, float]:
             import torch.distributed as dist
 
-            if dist.is_initialized():
+            if dist.is_initialized() and self._sharding is None:  # fsdp reduced them already
                 all_reduce_gradients(self._module())
             return self.engine.optimizer_step()
 
         return await asyncio.to_thread(step)
 
     async def restore(self, directory: str) -> int:
-        """Load a checkpoint's trainer part (every rank; before :meth:`join`); returns the
-        restored version."""
+        """Load a checkpoint's trainer part (every rank; before :meth:`join`, or after it when
+        sharded: the shards load into the sharded model); returns the restored version."""
         await asyncio.to_thread(restore_trainer, self.engine, directory)
         return int(self.engine.version)
+
+    async def gather_weights(self, bucket_bytes: int) -> None:
+        """Ranks 1..: take part in rank 0's publish of sharded weights (each bucket is
+        gathered on every rank)."""
+        assert self._sharding is not None, "gather_weights is for sharded trainers"
+        await asyncio.to_thread(sharded.take_part, self._sharding.engine, bucket_bytes)
+
+    async def save_part(self, directory: str) -> None:
+        """Ranks 1..: write this rank's shards of a sharded checkpoint, beside rank 0's
+        :func:`~asyncflow.checkpoint.write_trainer_part` (which writes the rest)."""
+        await asyncio.to_thread(check_checkpointable(self.engine, "checkpoints").save, directory)
 
     # -- rank 0 ---------------------------------------------------------------------------
     async def run(
@@ -526,6 +577,7 @@ class TrainerActor(_Host):
         self._plan = checkpoint
         if self._sender is None:
             self._sender = weights.sender()
+        self._ranks = list(ranks)
         cls = graph.adapter_classes(self._adapters)["train"]
         cfg = self.cfg
         if ranks:
@@ -555,25 +607,35 @@ class TrainerActor(_Host):
         await self.runners[0].run()
 
     async def _on_step(self, report: StepReport) -> None:
-        from asyncflow.transport import ReceiverFailedError
+        from asyncflow.transport import ReceiverFailedError, sync_metrics
 
-        state = await asyncio.to_thread(self.engine.state_dict)
         try:
-            await asyncio.to_thread(self._sender.publish, state, report.version)
+            if self._sharding is not None:  # every rank gathers each bucket
+                await sharded.publish(self._sharding, self._sender, self._ranks, report.version)
+            else:
+                state = await asyncio.to_thread(self.engine.state_dict)
+                await asyncio.to_thread(self._sender.publish, state, report.version)
         except ReceiverFailedError as e:
             # the version reached every other receiver; the failed ones were dropped, and a
             # restarted generator rejoins and gets the newest version by itself
             log.warning("weights version %d missed some generators: %s", report.version, e)
+        report.metrics.update(sync_metrics(self._sender))
         await self.registry.publish(report.version)
         plan = self._plan
         if plan is not None and plan.due(report.step + 1):
             staging = plan.staging(report.step + 1)
-            seconds = await asyncio.to_thread(write_trainer_part, self.engine, staging)
+            write = asyncio.to_thread(write_trainer_part, self.engine, staging)
+            if self._sharding is not None:  # every rank writes its shards
+                parts = [r.save_part.remote(str(staging)) for r in self._ranks]
+                seconds, *_ = await asyncio.gather(write, *parts)
+            else:
+                seconds = await write
             report.metrics["checkpoint_save_s"] = seconds
         await self.registry.step_done(report)
 
     async def save_policy(self, directory: str) -> None:
-        """Rank 0: the trained policy's model files into ``directory``."""
+        """The trained policy's model files into ``directory`` (rank 0; every rank when
+        sharded: the policy is gathered a bucket at a time, rank 0 writes it)."""
         engine = check_checkpointable(self.engine, "saving the trained policy")
         await asyncio.to_thread(engine.save_policy, directory)
 

@@ -111,8 +111,10 @@ class RemoteRegistry:
         result = await self._h.wait_update.remote(name, timeout_s)
         return None if result is None else int(result)
 
-    async def updated(self, name: str, version: int, seconds: float) -> None:
-        await self._h.updated.remote(name, version, seconds)
+    async def updated(
+        self, name: str, version: int, seconds: float, pause_s: float | None = None
+    ) -> None:
+        await self._h.updated.remote(name, version, seconds, pause_s)
 
     async def update_failed(self, name: str) -> None:
         await self._h.update_failed.remote(name)

@@ -27,6 +27,7 @@ from asyncflow.transport.base import (
     make_transport,
     publish_stream,
     register_transport,
+    sync_metrics,
     transport_names,
 )
 from asyncflow.transport.broadcast import BroadcastTransport
@@ -53,5 +54,6 @@ __all__ = [
     "make_transport",
     "publish_stream",
     "register_transport",
+    "sync_metrics",
     "transport_names",
 ]

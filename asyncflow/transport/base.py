@@ -61,6 +61,7 @@ __all__ = [
     "make_transport",
     "publish_stream",
     "register_transport",
+    "sync_metrics",
     "transport_names",
 ]
 
@@ -168,6 +169,15 @@ class SyncTimes:
     """From the first byte sent until every current receiver held the version."""
     nbytes: int
     """Bytes of the version (each tied tensor once)."""
+
+
+def sync_metrics(sender: object) -> dict[str, float]:
+    """The newest publish's times as step metrics (``weights_publish_s``,
+    ``weights_transfer_s``); empty for a sender that does not time itself."""
+    sync = getattr(sender, "last_sync", None)
+    if not isinstance(sync, SyncTimes):
+        return {}
+    return {"weights_publish_s": sync.publish_s, "weights_transfer_s": sync.transfer_s}
 
 
 class SyncClock:

@@ -98,7 +98,10 @@ class _Elsewhere:
         except TimeoutError:
             return None
 
-    async def updated(self, name: str, version: int, seconds: float) -> None:
+    async def updated(
+        self, name: str, version: int, seconds: float, pause_s: float | None = None
+    ) -> None:
+        assert pause_s is not None and 0 <= pause_s <= seconds  # the load, within the update
         self.done.append(version)
         self.updated_ev.set()
 
