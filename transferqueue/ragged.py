@@ -191,7 +191,7 @@ class Ragged:
         total = int(offsets[-1])
         # element j of the output comes from starts[row(j)] + (j - offsets[row(j)])
         gather = torch.repeat_interleave(starts - offsets[:-1], lens) + torch.arange(total)
-        return Ragged(self.values.index_select(0, gather), offsets)
+        return Ragged(self.values.index_select(0, gather.to(self.values.device)), offsets)
 
     def clone(self) -> Ragged:
         return Ragged(self.values.clone(), self.offsets.clone())

@@ -140,9 +140,13 @@ def column_rows(col: Column) -> int:
 
 
 def normalize_columns(
-    data: Mapping[str, Any], specs: Mapping[str, FieldSpec]
+    data: Mapping[str, Any], specs: Mapping[str, FieldSpec], *, keep_device: bool = False
 ) -> tuple[dict[str, Column], dict[str, FieldSpec], int]:
     """Turn a user's ``{field: values}`` into canonical columns and their specs.
+
+    Tensors on a device are moved to host memory, unless ``keep_device`` (the client then
+    moves them itself, through pinned memory: :mod:`transferqueue.device.staging`); a
+    Ragged's offsets always come to the host (they are small and read on the host).
 
     ``specs`` holds the specs already known (registered by earlier writes or declared); new
     fields get a spec inferred from the data. Returns (columns, specs of these columns, rows).
@@ -158,7 +162,7 @@ def normalize_columns(
     for name, value in data.items():
         if not isinstance(name, str) or not name:
             raise SchemaError(f"field names must be non-empty strings, got {name!r}")
-        col, spec = _normalize(name, value, specs.get(name))
+        col, spec = _normalize(name, value, specs.get(name), keep_device)
         n = column_rows(col)
         if rows is None:
             rows, first = n, name
@@ -173,20 +177,24 @@ def normalize_columns(
     return cols, out_specs, rows
 
 
-def _normalize(name: str, value: Any, known: FieldSpec | None) -> tuple[Column, FieldSpec]:
+def _normalize(
+    name: str, value: Any, known: FieldSpec | None, keep_device: bool = False
+) -> tuple[Column, FieldSpec]:
     if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
         value = _from_numpy(name, value)
     if isinstance(value, torch.Tensor):
-        return _tensor_column(name, value, known)
+        return _tensor_column(name, value, known, keep_device)
     if isinstance(value, Ragged):
         spec = FieldSpec.ragged(_dtype_of(name, value.dtype), value.inner_shape)
-        if value.values.device.type != "cpu" or value.offsets.device.type != "cpu":
+        if value.values.device.type != "cpu" and not keep_device:
             value = Ragged(value.values.detach().cpu(), value.offsets.cpu())  # (as dense ones)
+        elif value.offsets.device.type != "cpu":
+            value = Ragged(value.values.detach(), value.offsets.cpu())
         return value, _check(name, spec, known)
     if isinstance(value, np.ndarray):
         value = value.tolist()
     if isinstance(value, list | tuple):
-        return _sequence_column(name, value, known)
+        return _sequence_column(name, value, known, keep_device)
     raise SchemaError(
         f"field {name!r}: cannot store a {type(value).__name__}; give a tensor [rows, ...], "
         "a Ragged, a list of 1-D tensors (ragged) or a list of msgpack-able values (object)"
@@ -194,13 +202,13 @@ def _normalize(name: str, value: Any, known: FieldSpec | None) -> tuple[Column, 
 
 
 def _tensor_column(
-    name: str, value: torch.Tensor, known: FieldSpec | None
+    name: str, value: torch.Tensor, known: FieldSpec | None, keep_device: bool = False
 ) -> tuple[Column, FieldSpec]:
     if value.dim() == 0:
         raise SchemaError(
             f"field {name!r}: a 0-d tensor has no row axis; use t.reshape(1) for one row"
         )
-    if value.device.type != "cpu":
+    if value.device.type != "cpu" and not keep_device:
         # TransferQueue stores host memory; moving here keeps producers on any device simple.
         value = value.detach().to("cpu")
     value = value.detach()
@@ -214,23 +222,24 @@ def _tensor_column(
         rows, width = value.shape[0], value.shape[1]
         values = value.reshape(rows * width, *value.shape[2:])
         lens = torch.full((rows,), width, dtype=torch.int64)
-        return _normalize(name, Ragged.from_lengths(values, lens), known)
+        return _normalize(name, Ragged.from_lengths(values, lens), known, keep_device)
     spec = FieldSpec.dense(_dtype_of(name, value.dtype), tuple(value.shape[1:]))
     return value, _check(name, spec, known)
 
 
 def _sequence_column(
-    name: str, value: Sequence[Any], known: FieldSpec | None
+    name: str, value: Sequence[Any], known: FieldSpec | None, keep_device: bool = False
 ) -> tuple[Column, FieldSpec]:
     items = list(value)
     if items and all(isinstance(x, torch.Tensor | np.ndarray) for x in items):
         tensors = [_from_numpy(name, x) if isinstance(x, np.ndarray) else x for x in items]
+        host = (lambda t: t.detach()) if keep_device else (lambda t: t.detach().cpu())
         if known is not None and known.kind == "dense":
             try:
-                stacked = torch.stack([t.detach().cpu() for t in tensors])
+                stacked = torch.stack([host(t) for t in tensors])
             except RuntimeError as e:
                 raise SchemaError(f"field {name!r} is {known.describe()}: {e}") from None
-            return _tensor_column(name, stacked, known)
+            return _tensor_column(name, stacked, known, keep_device)
         dtype = tensors[0].dtype
         for i, t in enumerate(tensors):
             if t.dim() == 0:
@@ -243,10 +252,10 @@ def _sequence_column(
                     "all rows of a ragged field share one dtype"
                 )
         try:
-            ragged = Ragged.from_tensors([t.detach().cpu() for t in tensors], dtype)
-        except ValueError as e:
+            ragged = Ragged.from_tensors([host(t) for t in tensors], dtype)
+        except (ValueError, RuntimeError) as e:  # (rows on different devices: RuntimeError)
             raise SchemaError(f"field {name!r}: {e}") from None
-        return _normalize(name, ragged, known)
+        return _normalize(name, ragged, known, keep_device)
     if known is not None and known.kind == "ragged":
         try:
             ragged = Ragged.from_lists(items, known.torch_dtype)

@@ -22,6 +22,7 @@ import torch
 from transferqueue.client import assemble
 from transferqueue.client.buffers import ResultBuffers
 from transferqueue.client.checkpoint import CheckpointCalls
+from transferqueue.client.device_io import to_device
 from transferqueue.client.kv import KVCalls
 from transferqueue.client.links import OFFLOAD_BYTES, ControllerLink, UnitLink
 from transferqueue.client.put import PutCalls, by_unit, lease_s_of, take_rows, timeout_of
@@ -32,6 +33,7 @@ from transferqueue.client.replicas import (
     tag,
 )
 from transferqueue.client.status import StatusCalls
+from transferqueue.device.staging import DeviceStaging
 from transferqueue.errors import (
     PeerGoneError,
     RowsLostError,
@@ -76,6 +78,7 @@ class AsyncClient(PutCalls, StatusCalls, KVCalls, CheckpointCalls):
         units: Sequence[UnitLink],
         buffers: ResultBuffers | None = None,
         owner: object = None,
+        staging: DeviceStaging | None = None,
     ):
         # The handle this client came from: held, so that the handle (and its connections)
         # lives as long as any of its clients (``connect(address).client()`` works).
@@ -86,6 +89,8 @@ class AsyncClient(PutCalls, StatusCalls, KVCalls, CheckpointCalls):
         # Warm memory that reads gathering dense rows assemble into (shared by the handle's
         # clients): fresh memory would be faulted in page by page on every read.
         self._buffers = ResultBuffers() if buffers is None else buffers
+        # The pinned chunks device columns move through (shared by the handle's clients).
+        self._staging = DeviceStaging() if staging is None else staging
         self._schema: dict[str, FieldSpec] = {}
         # Names this client's puts to the controller, which keeps a producer's small puts on
         # one unit for a while (Placement.place).
@@ -143,22 +148,41 @@ class AsyncClient(PutCalls, StatusCalls, KVCalls, CheckpointCalls):
         fields: Sequence[str] | None = None,
         *,
         format: Literal["torch"] = "torch",
+        device: str | torch.device | None = None,
     ) -> dict[str, Column]: ...
 
     @overload
     async def get_data(
-        self, meta: BatchMeta, fields: Sequence[str] | None = None, *, format: Literal["arrow"]
+        self,
+        meta: BatchMeta,
+        fields: Sequence[str] | None = None,
+        *,
+        format: Literal["arrow"],
+        device: None = None,
     ) -> pa.Table: ...
 
     async def get_data(
-        self, meta: BatchMeta, fields: Sequence[str] | None = None, *, format: str = "torch"
+        self,
+        meta: BatchMeta,
+        fields: Sequence[str] | None = None,
+        *,
+        format: str = "torch",
+        device: str | torch.device | None = None,
     ) -> dict[str, Column] | pa.Table:
         """Columns of the batch's rows, in the batch's order: dense fields as one tensor,
         ragged as one :class:`Ragged`, object fields as a list; with ``format="arrow"``, a
         ``pyarrow.Table`` of the same columns over the same memory (ragged: ``large_list``,
-        dense: primitive or fixed-size lists; see :mod:`transferqueue.arrow`)."""
+        dense: primitive or fixed-size lists; see :mod:`transferqueue.arrow`).
+
+        ``device`` (``"cuda:0"``): tensors (and Ragged values) land there, copied through the
+        handle's pinned chunks (:mod:`transferqueue.device.staging`), ready on any stream
+        when this returns; Ragged offsets stay on the host."""
         check_format(format)
+        if device is not None and format != "torch":
+            raise ValueError("get_data(device=...) returns tensors: use format='torch'")
         cols = await self._io.run_async(self._get_data_or_lost(meta, fields))
+        if device is not None:
+            cols = await to_device(cols, device, self._staging)
         return as_format(cols, format)
 
     async def _get_data_or_lost(
@@ -348,12 +372,14 @@ class AsyncClient(PutCalls, StatusCalls, KVCalls, CheckpointCalls):
         timeout_s: float | None = None,
         lease_s: float = 60.0,
         sampler: str = "fifo",
+        device: str | torch.device | None = None,
         **sampler_options: Any,
     ) -> AsyncGenerator[tuple[BatchMeta, dict[str, Column]], None]:
         """Yield (meta, columns) until the task's stream ends; each batch is acknowledged when
         the loop body finishes it (unless the body acked it itself, e.g. by ``put(meta=)``).
         A body that raises leaves its lease open: the rows are redelivered after ``lease_s``.
         ``timeout_s`` bounds each wait; an empty timeout ends nothing, the loop keeps waiting.
+        ``device``: columns land there (as :meth:`get_data`'s).
         """
         while True:
             meta = await self.get_meta(
@@ -367,7 +393,7 @@ class AsyncClient(PutCalls, StatusCalls, KVCalls, CheckpointCalls):
                 **sampler_options,
             )
             if len(meta):
-                cols = await self.get_data(meta)
+                cols = await self.get_data(meta, device=device)
                 yield meta, cols
                 if not meta.acked:
                     await self.ack(meta)

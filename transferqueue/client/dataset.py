@@ -127,6 +127,8 @@ class StreamingDataset(torch.utils.data.IterableDataset[Any]):
     again). ``lease_s`` must exceed a training step: a lease that runs out gives its rows to
     another consumer. ``ack="next"`` acknowledges a batch when the next is asked for (or the
     loop ends); ``ack="manual"``: call :meth:`ack` on every rank (after the optimizer step).
+    ``device`` (``"cuda:0"``): each rank's columns land on its device through pinned memory
+    (``get_data(device=...)``).
     """
 
     def __init__(
@@ -149,8 +151,11 @@ class StreamingDataset(torch.utils.data.IterableDataset[Any]):
         ack: Literal["next", "manual"] = "next",
         format: Literal["torch", "arrow"] = "torch",
         with_meta: bool = False,
+        device: str | torch.device | None = None,
     ) -> None:
         super().__init__()
+        if device is not None and format != "torch":
+            raise ValueError("device= lands tensors on a device: use format='torch'")
         for name, rank, size in (("dp", dp_rank, dp_size), ("mp", mp_rank, mp_size)):
             if size < 1 or not 0 <= rank < size:
                 raise ValueError(f"{name}_rank={rank} must be in [0, {name}_size={size})")
@@ -181,6 +186,7 @@ class StreamingDataset(torch.utils.data.IterableDataset[Any]):
         self.ack_mode = ack
         self.format = format
         self.with_meta = with_meta
+        self.device = device
         self._pending: BatchMeta | None = None  # the global batch not yet acknowledged
 
     @property
@@ -207,7 +213,10 @@ class StreamingDataset(torch.utils.data.IterableDataset[Any]):
             if len(meta) == 0:  # the end, and nothing left
                 return
             part = self._part(meta)
-            cols = self.client.get_data(part, self.fields, format=self.format)
+            if self.device is not None:
+                cols = self.client.get_data(part, self.fields, device=self.device)
+            else:
+                cols = self.client.get_data(part, self.fields, format=self.format)
             self._pending = meta
             yield (part, cols) if self.with_meta else cols
             if meta.is_end:

@@ -15,6 +15,7 @@ from transferqueue.client.async_client import AsyncClient
 from transferqueue.client.buffers import ResultBuffers
 from transferqueue.client.links import ControllerLink, UnitLink
 from transferqueue.client.sync_client import Client
+from transferqueue.device.staging import CHUNK_BYTES, DeviceStaging
 from transferqueue.loop import LoopThread
 from transferqueue.wire import messages as m
 
@@ -41,6 +42,9 @@ class TransferQueue:
         self.mode = mode
         self._closers = list(closers)
         self._buffers = ResultBuffers()  # reused by the reads of every client made here
+        # pinned chunks for device columns: none is made before a put or read needs one
+        self._staging = DeviceStaging()
+        self._closers.append(self._staging.close)
         self._finalizer = weakref.finalize(self, _close_all, self._closers, io)
 
     @property
@@ -53,11 +57,26 @@ class TransferQueue:
 
     def async_client(self) -> AsyncClient:
         """An asyncio client (its calls hop onto this handle's I/O loop when needed)."""
-        return AsyncClient(self._io, self._controller, self._units, self._buffers, owner=self)
+        return AsyncClient(
+            self._io, self._controller, self._units, self._buffers, self, self._staging
+        )
 
     def client(self) -> Client:
         """A blocking client, safe to share across threads."""
         return Client(self.async_client(), self._io)
+
+    def configure_device(self, *, pinned_bytes: int, chunk_bytes: int = CHUNK_BYTES) -> None:
+        """Size the pinned memory that CUDA columns move through (default
+        :data:`~transferqueue.device.staging.PINNED_BYTES` in chunks of
+        :data:`~transferqueue.device.staging.CHUNK_BYTES`): at most ``pinned_bytes`` is pinned,
+        reused by every client of this handle, freed on close. Call before the first device put
+        or read (clients made after it use the new pool)."""
+        if self._staging.pool.made:
+            raise RuntimeError("configure_device must come before the first device put or read")
+        old = self._staging
+        self._staging = DeviceStaging(pinned_bytes, chunk_bytes)
+        self._closers[self._closers.index(old.close)] = self._staging.close
+        old.close()
 
     def add_closer(self, closer: Callable[[], None]) -> None:
         """Run ``closer`` when the handle closes (after the ones given at construction)."""

@@ -9,6 +9,12 @@ A mixin of :class:`~transferqueue.client.async_client.AsyncClient`. A ``put`` of
 A try that meets a storage unit that died or restarted is undone and put again (bounded).
 A ``put`` that adds fields to leased rows renews the lease first (so an expired or unknown
 lease fails before anything is written) and acknowledges it in the commit.
+
+Columns on a GPU are written a chunk of rows at a time through the handle's pinned pool, the
+device-to-host copy of the next chunk overlapping the write of this one
+(:mod:`transferqueue.client.device_io`); the copies start after the work queued on the
+current stream of the thread that runs the put (the caller's, or the default stream: a
+producer writing its tensors on a stream of its own synchronizes it first).
 """
 
 from __future__ import annotations
@@ -23,8 +29,10 @@ import numpy as np
 import torch
 
 from transferqueue.aio import within
+from transferqueue.client.device_io import ready_events, write_device
 from transferqueue.client.links import ControllerLink, Staged, UnitLink
 from transferqueue.client.replicas import gather_copies, meta_units, write_groups
+from transferqueue.device.staging import DeviceStaging, is_device
 from transferqueue.errors import (
     BadRequestError,
     PeerGoneError,
@@ -77,6 +85,8 @@ def take_rows(col: Column, pos: np.ndarray) -> Column:
     if isinstance(col, torch.Tensor):
         if contiguous:
             return col[int(pos[0]) : int(pos[-1]) + 1]
+        if col.device.type != "cpu":  # a gather on the device, before it is copied off
+            return col.index_select(0, torch.as_tensor(pos, device=col.device))
         src = col if col.is_contiguous() else col.contiguous()
         out = torch.empty((n, *col.shape[1:]), dtype=col.dtype)
         gather_rows(out, src, pos)
@@ -118,6 +128,7 @@ class PutCalls:
     _producer: str
     _last_unit: int | None
     _whole_bytes: int
+    _staging: DeviceStaging
     puts_again: int
 
     if TYPE_CHECKING:
@@ -182,7 +193,7 @@ class PutCalls:
         known = dict(self._schema)
         if specs:
             known.update(specs)
-        cols, col_specs, n = normalize_columns(data, known)
+        cols, col_specs, n = normalize_columns(data, known, keep_device=True)
         timeout_s = timeout_of(timeout_s)
         await self._register(col_specs)
         versions = header(version, n, "version")
@@ -285,7 +296,11 @@ class PutCalls:
                 timeout_s=timeout_s,
             )
         )
-        new, staged = await self._allocate_staging(allocating, cols, nbytes)
+        if any(is_device(c) for c in cols.values()):  # staged through pinned chunks instead
+            new, staged = await allocating, None
+            self._placed(new, nbytes)
+        else:
+            new, staged = await self._allocate_staging(allocating, cols, nbytes)
         grants = new.grants or {}
         dropped: list[int] = []  # (units that a copy of each row missed, see replicas)
         writing = True
@@ -416,12 +431,19 @@ class PutCalls:
         grants = meta.grants or {}
         copies = meta.replica_units is not None
         groups = write_groups(meta) if copies else list(by_unit(meta.units).items())
+        device = any(is_device(c) for c in cols.values())
+        ready = ready_events(cols) if device else {}
         for u, pos in groups:
             part = {name: take_rows(col, pos) for name, col in cols.items()}
-            write = self._unit(u).write(
-                meta.indexes[pos], part, specs, create=create, grant=grants.get(u)
-            )
-            jobs.append(write)
+            link, rows, grant = self._unit(u), meta.indexes[pos], grants.get(u)
+            if device:
+                jobs.append(
+                    write_device(
+                        link, rows, part, specs, self._staging, ready, create=create, grant=grant
+                    )
+                )
+            else:
+                jobs.append(link.write(rows, part, specs, create=create, grant=grant))
         if copies:  # (a copy on a unit that is gone is fine while the row has another)
             return await gather_copies(groups, jobs, len(meta))
         await asyncio.gather(*jobs)

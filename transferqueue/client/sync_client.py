@@ -12,6 +12,8 @@ import contextlib
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, TypeVar, overload
 
+import torch
+
 from transferqueue.client.async_client import AsyncClient, as_format, check_format
 from transferqueue.errors import ClosedError
 from transferqueue.loop import LoopThread
@@ -81,18 +83,34 @@ class Client:
         fields: Sequence[str] | None = None,
         *,
         format: Literal["torch"] = "torch",
+        device: str | torch.device | None = None,
     ) -> dict[str, Column]: ...
 
     @overload
     def get_data(
-        self, meta: BatchMeta, fields: Sequence[str] | None = None, *, format: Literal["arrow"]
+        self,
+        meta: BatchMeta,
+        fields: Sequence[str] | None = None,
+        *,
+        format: Literal["arrow"],
+        device: None = None,
     ) -> pa.Table: ...
 
     def get_data(
-        self, meta: BatchMeta, fields: Sequence[str] | None = None, *, format: str = "torch"
+        self,
+        meta: BatchMeta,
+        fields: Sequence[str] | None = None,
+        *,
+        format: str = "torch",
+        device: str | torch.device | None = None,
     ) -> dict[str, Column] | pa.Table:
-        """See :meth:`AsyncClient.get_data` (``format="arrow"``: a ``pyarrow.Table``)."""
+        """See :meth:`AsyncClient.get_data` (``format="arrow"``: a ``pyarrow.Table``;
+        ``device``: columns land on that device)."""
         check_format(format)
+        if device is not None:
+            if format != "torch":
+                raise ValueError("get_data(device=...) returns tensors: use format='torch'")
+            return self._io.run(self._a.get_data(meta, fields, device=device))
         return as_format(self._io.run(self._a.get_data(meta, fields)), format)
 
     def stream(
