@@ -4,7 +4,9 @@
   its capacity, every chunk given back), bit-exact, the tensors read as the producer's stream
   left them;
 - ``get_data(meta, device=...)``, ``stream(device=...)`` and ``StreamingDataset(device=...)``
-  return tensors on the device, bit-exact, ready on the caller's stream.
+  return tensors on the device, bit-exact, ready on the caller's stream;
+- a column shared by a producer in another process (``put(share=...)``) is read through a
+  CUDA IPC handle into the reader's own device memory.
 """
 
 from __future__ import annotations
@@ -104,3 +106,22 @@ def test_stream_and_dataset_land_on_the_device() -> None:
         data = StreamingDataset(client, "u", list(want), 32, partition="d", device="cuda:0")
         (cols,) = list(data)
         _check(cols, want, "cuda")
+
+
+def test_a_shared_cuda_column_is_read_by_ipc_in_another_process() -> None:
+    from tests.transferqueue.shared_producer import column
+    from tests.transferqueue.test_shared_columns import Producer
+
+    with transferqueue.serve(num_units=1) as svc, transferqueue.connect(svc.address) as tq:
+        producer = Producer(svc.address)
+        client = tq.client()
+        client.declare_tasks(["a"], partition="g")
+        producer.ask("put", 3, "g", "cuda:0")
+        meta = client.get_meta("a", ["x"], 12, partition="g", timeout_s=30)
+        got = client.get_data(meta)["x"]
+        assert got.device.type == "cuda"  # a copy of its own on the GPU it sees
+        assert torch.equal(got.cpu(), column(3))
+        again = client.get_data(meta, device="cuda:0")["x"]
+        assert torch.equal(again.cpu(), column(3))
+        client.ack(meta)
+        assert producer.ask("exit") == "bye"

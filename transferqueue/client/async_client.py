@@ -22,7 +22,7 @@ import torch
 from transferqueue.client import assemble
 from transferqueue.client.buffers import ResultBuffers
 from transferqueue.client.checkpoint import CheckpointCalls
-from transferqueue.client.device_io import to_device
+from transferqueue.client.device_io import DeviceSide, to_device
 from transferqueue.client.kv import KVCalls
 from transferqueue.client.links import OFFLOAD_BYTES, ControllerLink, UnitLink
 from transferqueue.client.put import PutCalls, by_unit, lease_s_of, take_rows, timeout_of
@@ -33,6 +33,7 @@ from transferqueue.client.replicas import (
     tag,
 )
 from transferqueue.client.status import StatusCalls
+from transferqueue.device.shared import ProducerGoneError, is_ref_column
 from transferqueue.device.staging import DeviceStaging
 from transferqueue.errors import (
     PeerGoneError,
@@ -78,7 +79,7 @@ class AsyncClient(PutCalls, StatusCalls, KVCalls, CheckpointCalls):
         units: Sequence[UnitLink],
         buffers: ResultBuffers | None = None,
         owner: object = None,
-        staging: DeviceStaging | None = None,
+        device: DeviceSide | None = None,
     ):
         # The handle this client came from: held, so that the handle (and its connections)
         # lives as long as any of its clients (``connect(address).client()`` works).
@@ -89,8 +90,8 @@ class AsyncClient(PutCalls, StatusCalls, KVCalls, CheckpointCalls):
         # Warm memory that reads gathering dense rows assemble into (shared by the handle's
         # clients): fresh memory would be faulted in page by page on every read.
         self._buffers = ResultBuffers() if buffers is None else buffers
-        # The pinned chunks device columns move through (shared by the handle's clients).
-        self._staging = DeviceStaging() if staging is None else staging
+        # Device columns: pinned chunks, shared columns (shared by the handle's clients).
+        self._device = DeviceSide(io, controller) if device is None else device
         self._schema: dict[str, FieldSpec] = {}
         # Names this client's puts to the controller, which keeps a producer's small puts on
         # one unit for a while (Placement.place).
@@ -181,9 +182,40 @@ class AsyncClient(PutCalls, StatusCalls, KVCalls, CheckpointCalls):
         if device is not None and format != "torch":
             raise ValueError("get_data(device=...) returns tensors: use format='torch'")
         cols = await self._io.run_async(self._get_data_or_lost(meta, fields))
+        if any(is_ref_column(c) for c in cols.values()):
+            cols = await self._resolve_shared(meta, cols, device)
         if device is not None:
             cols = await to_device(cols, device, self._staging)
         return as_format(cols, format)
+
+    @property
+    def _staging(self) -> DeviceStaging:
+        return self._device.staging
+
+    async def _resolve_shared(
+        self, meta: BatchMeta, cols: dict[str, Column], device: str | torch.device | None
+    ) -> dict[str, Column]:
+        """Columns shared by their producer (``put(share=...)``) read by handle, as tensors
+        of this reader's own. Rows whose producer is gone are lost: their groups are retired
+        (as rows of a dead unit leave every queue and lease) and RowsLostError names them."""
+        target = None if device is None else torch.device(device)
+        importer = self._device.importer()
+        out = dict(cols)
+        for name, col in cols.items():
+            if not is_ref_column(col):
+                continue
+            try:
+                out[name] = await asyncio.to_thread(importer.resolve, col, target)  # type: ignore[arg-type]
+            except ProducerGoneError as e:
+                lost = meta.indexes[e.positions]
+                await self.retire_groups(np.unique(meta.groups[e.positions]), meta.partition)
+                raise RowsLostError(
+                    f"field {name!r} of rows {lost[:5].tolist()} ({lost.size} of the batch's "
+                    f"{len(meta)}) was shared by a producer that is gone ({e}); their groups "
+                    "were retired from every task: put them again",
+                    lost,
+                ) from e
+        return out
 
     async def _get_data_or_lost(
         self, meta: BatchMeta, fields: Sequence[str] | None

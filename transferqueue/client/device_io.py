@@ -1,5 +1,6 @@
 """The client's device columns: a put of CUDA tensors written to a unit a pinned chunk at a
-time, and reads landed on a device (``get_data(meta, device=...)``).
+time, reads landed on a device (``get_data(meta, device=...)``), and columns shared by handle
+(``put(share=[...])``, :mod:`transferqueue.device.shared`).
 
 The mechanics (the pool, the copy streams, the chunking) are
 :mod:`transferqueue.device.staging`'s; this module runs them from the client's I/O loop: the
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections import deque
 from collections.abc import Mapping
 from typing import Any
@@ -23,12 +25,53 @@ from typing import Any
 import numpy as np
 import torch
 
-from transferqueue.client.links import UnitLink
+from transferqueue.client.links import ControllerLink, UnitLink
+from transferqueue.device.shared import DeviceExporter, DeviceImporter
 from transferqueue.device.staging import DeviceStaging, StagedChunk, is_device
+from transferqueue.loop import LoopThread
 from transferqueue.ragged import Ragged
 from transferqueue.schema import FieldSpec
+from transferqueue.wire import messages as m
 
-__all__ = ["device_of", "ready_events", "to_device", "write_device"]
+__all__ = ["DeviceSide", "device_of", "ready_events", "to_device", "write_device"]
+
+
+class DeviceSide:
+    """What the clients of one handle share for device columns: the pinned chunks and copy
+    streams (``staging``), and the exporter and importer of shared columns, each made when
+    first needed; ``close`` releases them (the handle's close does)."""
+
+    def __init__(self, io: LoopThread, controller: ControllerLink) -> None:
+        self._io = io
+        self._ctl = controller
+        self.staging = DeviceStaging()
+        self._exporter: DeviceExporter | None = None
+        self._importer: DeviceImporter | None = None
+        self._lock = threading.Lock()
+
+    def exporter(self) -> DeviceExporter:
+        with self._lock:
+            if self._exporter is None:
+                self._exporter = DeviceExporter(self._live_rows)
+            return self._exporter
+
+    def importer(self) -> DeviceImporter:
+        with self._lock:
+            if self._importer is None:
+                self._importer = DeviceImporter()
+            return self._importer
+
+    def _live_rows(self, partition: str) -> np.ndarray:
+        """The partition's live rows (the exporter's poll thread asks)."""
+        status = self._io.run(self._ctl.call(m.Status(partition=partition)), timeout=30.0)
+        return np.asarray(status.indexes)
+
+    def close(self) -> None:
+        self.staging.close()
+        with self._lock:
+            for end in (self._exporter, self._importer):
+                if end is not None:
+                    end.close()
 
 
 def ready_events(data: Mapping[str, Any]) -> dict[torch.device, Any]:

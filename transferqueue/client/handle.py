@@ -13,6 +13,7 @@ from types import TracebackType
 
 from transferqueue.client.async_client import AsyncClient
 from transferqueue.client.buffers import ResultBuffers
+from transferqueue.client.device_io import DeviceSide
 from transferqueue.client.links import ControllerLink, UnitLink
 from transferqueue.client.sync_client import Client
 from transferqueue.device.staging import CHUNK_BYTES, DeviceStaging
@@ -42,9 +43,9 @@ class TransferQueue:
         self.mode = mode
         self._closers = list(closers)
         self._buffers = ResultBuffers()  # reused by the reads of every client made here
-        # pinned chunks for device columns: none is made before a put or read needs one
-        self._staging = DeviceStaging()
-        self._closers.append(self._staging.close)
+        # device columns: pinned chunks, shared columns (nothing made before it is needed)
+        self._device = DeviceSide(io, controller)
+        self._closers.insert(0, self._device.close)  # (while the loop still runs)
         self._finalizer = weakref.finalize(self, _close_all, self._closers, io)
 
     @property
@@ -58,7 +59,7 @@ class TransferQueue:
     def async_client(self) -> AsyncClient:
         """An asyncio client (its calls hop onto this handle's I/O loop when needed)."""
         return AsyncClient(
-            self._io, self._controller, self._units, self._buffers, self, self._staging
+            self._io, self._controller, self._units, self._buffers, self, self._device
         )
 
     def client(self) -> Client:
@@ -71,12 +72,14 @@ class TransferQueue:
         :data:`~transferqueue.device.staging.CHUNK_BYTES`): at most ``pinned_bytes`` is pinned,
         reused by every client of this handle, freed on close. Call before the first device put
         or read (clients made after it use the new pool)."""
-        if self._staging.pool.made:
+        if self._device.staging.pool.made:
             raise RuntimeError("configure_device must come before the first device put or read")
-        old = self._staging
-        self._staging = DeviceStaging(pinned_bytes, chunk_bytes)
-        self._closers[self._closers.index(old.close)] = self._staging.close
+        old, self._device.staging = self._device.staging, DeviceStaging(pinned_bytes, chunk_bytes)
         old.close()
+
+    @property
+    def _staging(self) -> DeviceStaging:
+        return self._device.staging
 
     def add_closer(self, closer: Callable[[], None]) -> None:
         """Run ``closer`` when the handle closes (after the ones given at construction)."""

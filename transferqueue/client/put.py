@@ -29,10 +29,10 @@ import numpy as np
 import torch
 
 from transferqueue.aio import within
-from transferqueue.client.device_io import ready_events, write_device
+from transferqueue.client.device_io import DeviceSide, ready_events, write_device
 from transferqueue.client.links import ControllerLink, Staged, UnitLink
 from transferqueue.client.replicas import gather_copies, meta_units, write_groups
-from transferqueue.device.staging import DeviceStaging, is_device
+from transferqueue.device.staging import is_device
 from transferqueue.errors import (
     BadRequestError,
     PeerGoneError,
@@ -128,7 +128,7 @@ class PutCalls:
     _producer: str
     _last_unit: int | None
     _whole_bytes: int
-    _staging: DeviceStaging
+    _device: DeviceSide
     puts_again: int
 
     if TYPE_CHECKING:
@@ -155,6 +155,7 @@ class PutCalls:
         ack: bool = True,
         lease_s: float = 60.0,
         timeout_s: float | None = None,
+        share: Sequence[str] = (),
     ) -> BatchMeta:
         """Write columns: new rows, or (with ``meta``) new fields of existing rows.
 
@@ -172,10 +173,43 @@ class PutCalls:
         units) for up to 30 s; then the unit's :class:`PeerGoneError` or
         :class:`RowsLostError` is raised. A put with ``meta`` is never put again: its rows
         lost with a unit are a :class:`RowsLostError` naming them.
+
+        ``share``: dense columns (``[rows, ...]`` tensors, on a GPU) that stay where they are,
+        kept by this handle and read by other processes of the node by handle (CUDA IPC),
+        until their rows are freed; if this process dies, readers lose those rows (see
+        :mod:`transferqueue.device.shared`). Their field is an object field of references.
         """
-        return await self._io.run_async(
-            self._put(data, meta, partition, group, version, length, specs, ack, lease_s, timeout_s)
-        )
+        if not share:
+            return await self._io.run_async(
+                self._put(
+                    data, meta, partition, group, version, length, specs, ack, lease_s, timeout_s
+                )
+            )
+        exporter = self._device.exporter()
+        cells = dict(data)
+        keys = []
+        for name in share:
+            col = cells.get(name)
+            if not isinstance(col, torch.Tensor) or col.dim() == 0:
+                raise SchemaError(
+                    f"share: field {name!r} must be a dense column (a tensor [rows, ...]), got "
+                    f"{type(col).__name__}"
+                )
+            key, cells[name] = exporter.share(col)
+            keys.append(key)
+        try:
+            done = await self._io.run_async(
+                self._put(
+                    cells, meta, partition, group, version, length, specs, ack, lease_s, timeout_s
+                )
+            )
+        except BaseException:
+            for key in keys:
+                exporter.drop(key)
+            raise
+        for key in keys:
+            exporter.bind(key, done.partition, done.indexes)
+        return done
 
     async def _put(
         self,
@@ -439,7 +473,14 @@ class PutCalls:
             if device:
                 jobs.append(
                     write_device(
-                        link, rows, part, specs, self._staging, ready, create=create, grant=grant
+                        link,
+                        rows,
+                        part,
+                        specs,
+                        self._device.staging,
+                        ready,
+                        create=create,
+                        grant=grant,
                     )
                 )
             else:

@@ -268,12 +268,14 @@ class DeviceStaging:
         out: dict[str, Any] = {}
         moving: dict[str, torch.Tensor | Ragged] = {}
         for name, col in cols.items():
-            if isinstance(col, torch.Tensor | Ragged):
-                moving[name] = col
-            else:
+            if not isinstance(col, torch.Tensor | Ragged):
                 out[name] = col
+            elif is_device(col):  # already on a device (a shared column): a device copy
+                out[name] = _to(col, device)
+            else:
+                moving[name] = col
         if not moving:
-            return out
+            return {name: out[name] for name in cols}
         rows = len(next(iter(moving.values())))
         dsts: dict[str, torch.Tensor] = {}
         for name, col in moving.items():
@@ -316,6 +318,12 @@ class DeviceStaging:
             else:
                 out[name] = dsts[name]
         return {name: out[name] for name in cols}
+
+
+def _to(col: torch.Tensor | Ragged, device: torch.device) -> torch.Tensor | Ragged:
+    if isinstance(col, Ragged):
+        return Ragged(col.values.to(device), col.offsets)
+    return col.to(device)
 
 
 def _value_start(col: torch.Tensor | Ragged, row: int) -> int:
