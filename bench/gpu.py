@@ -203,7 +203,7 @@ def _weights_receiver(transport: Any, conn: Connection) -> None:
     import torch
 
     receiver = transport.receiver("generator")
-    warm: dict[str, torch.Tensor] = {}
+    warm: dict[int, torch.Tensor] = {}
     conn.send("ready")
     while True:
         version = conn.recv()
@@ -212,10 +212,11 @@ def _weights_receiver(transport: Any, conn: Connection) -> None:
             return
         newest = receiver.wait_newer(version - 1, 120.0)
         state = receiver.get(newest)
-        for name, t in state.items():  # an engine's load: into its own warm parameters
-            if name not in warm:
-                warm[name] = torch.empty_like(t)
-            warm[name].copy_(t)
+        unique = {t.data_ptr(): t for t in state.values()}  # tied names: one parameter
+        for ptr, t in unique.items():  # an engine's load: into its own warm parameters
+            if ptr not in warm:
+                warm[ptr] = torch.empty_like(t)
+            warm[ptr].copy_(t)
         torch.cuda.synchronize()
         receiver.release(newest)
         conn.send(newest)
@@ -319,6 +320,7 @@ def fsdp_step(quick: bool, repeat: int) -> dict[str, Any]:
         for name in ("ddp", "fsdp"):
             torch.manual_seed(0)
             model = LlamaForCausalLM(config)
+            out["params"] = sum(p.numel() for p in model.parameters())
             engine = HFTrainingEngine(model, config=HFTrainingConfig(lr=1e-5), device="cuda")
             if name == "fsdp":
                 engine.shard(FSDPConfig())
@@ -330,7 +332,6 @@ def fsdp_step(quick: bool, repeat: int) -> dict[str, Any]:
             out[f"{name}_step_s"] = _median_s(step, repeat, warmup=1)
             del engine, model
             torch.cuda.empty_cache()
-        out["params"] = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
         out["ratio"] = out["ddp_step_s"] / out["fsdp_step_s"]
         line("DDP step (baseline)", out["ddp_step_s"] * 1e3, "ms", params=out["params"])
         line("FSDP step", out["fsdp_step_s"] * 1e3, "ms", ratio=out["ratio"])

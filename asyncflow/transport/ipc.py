@@ -435,9 +435,11 @@ class IpcReceiver:
     def _mapped(self, msg: Message) -> None:
         """``publish``: the sender's tensors, mapped."""
         version = int(msg["version"])
-        if version <= self._shelf.latest():
-            return
         tensors = [self._sharer.open(h) for h in msg["handles"]]
+        if version <= self._shelf.latest():
+            # opened and dropped at once all the same: a CUDA handle's reference count is
+            # given back when its opener frees it, and the sender's memory waits for that
+            return
         self._hold(version, {name: tensors[i] for name, i in msg["layout"]})
 
     def _bucket(self, msg: Message) -> None:
@@ -453,8 +455,7 @@ class IpcReceiver:
             if nbytes:
                 dst = image[offset : offset + nbytes].view(src.dtype).view(src.shape)
                 dst.copy_(src, non_blocking=True)
-        if image.device.type == "cuda":
-            torch.cuda.current_stream(image.device).synchronize()  # before the handles go
+        _settle(image, *tensors)  # the copies are done before the handles go
         del tensors
 
     def _commit(self, version: int) -> None:
@@ -483,8 +484,14 @@ class IpcReceiver:
         source = self._sharer.open(msg["handles"][0])
         image = torch.empty_like(source, device=self.device)
         image.copy_(source)
-        if image.device.type == "cuda":
-            torch.cuda.current_stream(image.device).synchronize()
+        _settle(image, source)
         del source
         views = dict(unpack_buffer(image, msg["layout"], source="ipc image"))
         self._hold(version, views, (image, msg["layout"]))
+
+
+def _settle(*tensors: torch.Tensor) -> None:
+    """Wait for the work queued on every GPU these tensors live on (a copy between two GPUs
+    runs on one device's stream, ordered against the other's)."""
+    for device in {t.device for t in tensors if t.device.type == "cuda"}:
+        torch.cuda.synchronize(device)

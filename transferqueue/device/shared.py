@@ -288,11 +288,16 @@ class DeviceImporter:
             data = flat.view(getattr(torch, reply["dtype"])).view(tuple(reply["shape"]))
             return data if device is None else data.to(device)
         try:
-            index = torch.as_tensor(rows, device=mapped.device)
             target = mapped.device if device is None else device
-            mine = mapped.index_select(0, index).to(target)  # rows of our own
-            if mapped.device.type == "cuda":
-                torch.cuda.current_stream(mapped.device).synchronize()
+            first = rows[0]
+            if rows == list(range(first, first + len(rows))):  # one run: a plain copy
+                mine = mapped[first : first + len(rows)].to(target, copy=True)
+            else:
+                index = torch.as_tensor(rows, device=mapped.device)
+                mine = mapped.index_select(0, index).to(target)  # rows of our own
+            for used in {mapped.device, mine.device}:  # done before the mapping goes
+                if used.type == "cuda":
+                    torch.cuda.synchronize(used)
             return mine
         finally:
             if handle["kind"] == "file":

@@ -106,6 +106,12 @@ class CudaCopier:
             self.stream.wait_event(ready)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        # The tensor on the device may be a temporary (a gather, a contiguous copy) made on
+        # the caller's stream: the allocator must not hand its memory out again before this
+        # stream read it.
+        for t in (dst, src):
+            if t.device.type == "cuda":
+                t.record_stream(self.stream)
         with torch.cuda.stream(self.stream):
             dst.copy_(src, non_blocking=True)
 
