@@ -8,6 +8,8 @@ A checkpoint after ``s`` optimizer steps is the folder ``<checkpoint.dir>/step-{
 |                    | driver adds the tokenizer         | (safetensors) with its tokenizer     |
 | ``trainer_state.pt``| the trainer (``engine.save``)    | optimizer (and scheduler) state,     |
 |                    |                                   | the policy version                   |
+| ``sharded/``       | every trainer rank (``fsdp``)     | each rank's shard of the weights and |
+|                    |                                   | of the optimizer state               |
 | ``rng.pt``         | the trainer's process (rank 0)    | python, numpy and torch RNG states   |
 | ``driver.json``    | the driver                        | steps, version, the feeder's next    |
 |                    |                                   | group and admission log, the groups  |
@@ -17,7 +19,8 @@ A checkpoint after ``s`` optimizer steps is the folder ``<checkpoint.dir>/step-{
 
 **Who writes when.** The state lives in two places: the trainer holds the weights and the
 optimizer (in the driver's process with ``deploy=local``, in trainer rank 0's actor with
-``deploy=ray``; data-parallel ranks are identical, rank 0 writes), the driver holds the feeder
+``deploy=ray``; data-parallel ranks are identical, rank 0 writes; with ``train.strategy=fsdp``
+each rank writes its shards beside it), the driver holds the feeder
 and the records. The trainer runs ahead of the driver, so the driver cannot ask it for "the
 state after step t" later: the trainer writes its part itself, right after the optimizer step
 of a checkpoint's last step and after publishing that step's weights (so generators already
