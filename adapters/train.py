@@ -131,6 +131,20 @@ def _merge(parts: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
     return out
 
 
+def token_parts(
+    cols: dict[str, Column], rows: int, max_tokens: int | None
+) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Each row's prompt + response tokens, and the rows of each ``forward_backward`` call
+    :func:`train_micro_batches` makes (one call, or packs of at most ``max_tokens``)."""
+    prompts, responses = cols["prompt_ids"], cols["response_ids"]
+    if not (isinstance(prompts, Ragged) and isinstance(responses, Ragged)):
+        raise TypeError("train needs ragged prompt_ids and response_ids")
+    lengths = (prompts.lengths + responses.lengths).numpy()
+    if max_tokens is None:
+        return lengths, [np.arange(rows, dtype=np.int64)]
+    return lengths, pack_by_tokens(lengths, max_tokens)
+
+
 async def train_micro_batches(
     engine: TrainingEngine,
     meta: BatchMeta,
@@ -145,14 +159,7 @@ async def train_micro_batches(
     packed micro-batches of at most that many prompt + response tokens (a sample longer than
     the budget alone). Returns the merged metrics, the response tokens trained and each
     call's prompt + response tokens."""
-    prompts, responses = cols["prompt_ids"], cols["response_ids"]
-    if not (isinstance(prompts, Ragged) and isinstance(responses, Ragged)):
-        raise TypeError("train needs ragged prompt_ids and response_ids")
-    lengths = (prompts.lengths + responses.lengths).numpy()
-    if max_tokens is None:
-        parts = [np.arange(len(meta), dtype=np.int64)]
-    else:
-        parts = pack_by_tokens(lengths, max_tokens)
+    lengths, parts = token_parts(cols, len(meta), max_tokens)
     results: list[tuple[int, dict[str, float]]] = []
     tokens = 0
     for pos in parts:

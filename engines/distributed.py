@@ -32,6 +32,7 @@ __all__ = [
     "free_port",
     "init_group",
     "leave_group",
+    "max_over_ranks",
 ]
 
 BUCKET_BYTES = 64 << 20
@@ -122,6 +123,14 @@ def all_reduce_gradients(module: torch.nn.Module, *, bucket_bytes: int = BUCKET_
                 p.grad.copy_(summed)
             offset += n
     return calls
+
+
+def max_over_ranks(value: int, device: torch.device) -> int:
+    """The largest ``value`` any rank passed (collective; ``device``: where the group's
+    backend takes tensors, CUDA for NCCL)."""
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
 
 
 def broadcast_parameters(module: torch.nn.Module, src: int = 0) -> None:

@@ -46,7 +46,7 @@ import torch
 
 import transferqueue
 from adapters import Adapter, LengthRanker, StepReport
-from adapters.train import TrainAdapter, train_micro_batches
+from adapters.train import TrainAdapter, token_parts, train_micro_batches
 from asyncflow import graph
 from asyncflow.build import EngineFactories
 from asyncflow.checkpoint import (
@@ -483,7 +483,7 @@ class TrainerActor(_Host):
 
         module = self._module()
         backend = backend_for(next(module.parameters()).device)
-        sharding = sharded.sharding(self.engine, self.cfg)
+        sharding = sharded.sharding(self.engine, self.cfg, self._device())
 
         def setup() -> None:
             init_group(self.rank, world, address, port, backend=backend)
@@ -510,13 +510,22 @@ class TrainerActor(_Host):
         """Read this rank's part of a micro-batch and accumulate its gradients (in calls of at
         most ``train.max_tokens_per_micro_batch`` tokens); returns (metrics, response tokens,
         rows, prompt + response tokens of each engine call)."""
+        sharding = self._sharding
         if not len(meta):  # fewer rows than ranks: nothing here this time
+            if sharding is not None:  # ... but the collectives of the others' calls
+                most = await sharded.calls_to_make(sharding, 0)
+                await sharded.empty_calls(sharding, most, loss_scale)
             return {}, 0, 0, []
         assert self.client is not None
         fields = ["prompt_ids", "response_ids", "behaviour_logprobs"]
         if self.use_reference:
             fields.append("ref_logprobs")
         cols = await self.client.get_data(meta, fields)
+        max_tokens = self.cfg.train.max_tokens_per_micro_batch
+        most = 0
+        if sharding is not None:  # agreed before any call (each call is collective)
+            parts = token_parts(cols, len(meta), max_tokens)[1]
+            most = await sharded.calls_to_make(sharding, len(parts))
         metrics, tokens, calls = await train_micro_batches(
             self.engine,
             meta,
@@ -524,8 +533,10 @@ class TrainerActor(_Host):
             advantages,
             loss_scale,
             use_reference=self.use_reference,
-            max_tokens=self.cfg.train.max_tokens_per_micro_batch,
+            max_tokens=max_tokens,
         )
+        if sharding is not None:
+            await sharded.empty_calls(sharding, most - len(calls), loss_scale)
         return metrics, tokens, len(meta), calls
 
     async def optimizer_step(self) -> dict[str, float]:

@@ -13,6 +13,11 @@ through calls to the other ranks' actors:
 |                      | gathered policy, trainer state, RNGs)   | shards                     |
 | end of run           | ``save_policy`` (writes the folder)     | ``save_policy`` (gathers)  |
 
+And each micro-batch: every rank makes as many ``forward_backward`` calls as the rank with
+the most (a rank with fewer rows, or none, or fewer token-budget packs, makes empty calls),
+because each call gathers parameters and reduce-scatters gradients with the others; the ranks
+agree on the number first (:func:`calls_to_make`), before any call's collectives.
+
 Resuming: the shards load into an already sharded model, so ranks restore *after* joining the
 group (with ``ddp``, before). A checkpoint resumes with the ``dp_size`` that wrote it.
 """
@@ -23,12 +28,15 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from asyncflow.config import RunConfig
 from asyncflow.transport import WeightSender, publish_stream
+from engines.distributed import max_over_ranks
 from engines.fsdp import FSDPConfig
-from engines.protocols import ShardableEngine
+from engines.protocols import ShardableEngine, TrainBatch, TrainingEngine
 
-__all__ = ["Sharding", "publish", "sharding", "take_part"]
+__all__ = ["Sharding", "calls_to_make", "empty_calls", "publish", "sharding", "take_part"]
 
 
 @dataclass(frozen=True)
@@ -37,9 +45,11 @@ class Sharding:
 
     engine: ShardableEngine
     config: FSDPConfig
+    device: torch.device
+    """Where the group's collectives take their tensors (the model's device)."""
 
 
-def sharding(engine: object, cfg: RunConfig) -> Sharding | None:
+def sharding(engine: object, cfg: RunConfig, device: torch.device) -> Sharding | None:
     """The rank's :class:`Sharding` under ``train.strategy=fsdp`` (None under ``ddp``);
     ``TypeError`` naming the role when the engine cannot shard itself."""
     if cfg.train.strategy != "fsdp":
@@ -50,7 +60,36 @@ def sharding(engine: object, cfg: RunConfig) -> Sharding | None:
             f"(engines.protocols.ShardableEngine: shard, state_specs, state_buckets); "
             f"{type(engine).__name__} lacks them: use train.strategy=ddp"
         )
-    return Sharding(engine, FSDPConfig(**cfg.train.strategy_options))
+    return Sharding(engine, FSDPConfig(**cfg.train.strategy_options), device)
+
+
+def _empty_batch() -> TrainBatch:
+    return TrainBatch(
+        prompt_ids=[],
+        response_ids=[],
+        behaviour_logprobs=[],
+        advantages=torch.zeros(0),
+        versions=torch.zeros(0, dtype=torch.int64),
+    )
+
+
+async def calls_to_make(s: Sharding, calls: int) -> int:
+    """The number of ``forward_backward`` calls every rank makes for this micro-batch: the
+    most any rank needs (this one: ``calls``). Collective; call it before the calls."""
+    return await asyncio.to_thread(max_over_ranks, calls, s.device)
+
+
+async def empty_calls(s: Sharding, count: int, loss_scale: float) -> None:
+    """``count`` calls to ``forward_backward`` that add nothing to the gradients (each runs
+    the passes that keep the collectives in step)."""
+    engine = s.engine
+    assert isinstance(engine, TrainingEngine)
+
+    def run() -> None:
+        for _ in range(count):
+            engine.forward_backward(_empty_batch(), loss_scale)
+
+    await asyncio.to_thread(run)
 
 
 def take_part(engine: ShardableEngine, bucket_bytes: int) -> None:

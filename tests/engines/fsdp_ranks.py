@@ -5,7 +5,9 @@ group, training the same batches in either mode.
 
 Each step trains 7 samples: rank 0 gets 3 and rank 1 gets 4, with micro-batches of at most 2
 samples, so the ranks run 2 and 3 forward/backward passes and the sharded rank 0 must run an
-empty one to stay in step.
+empty one to stay in step. Rank 1 also splits its share into two ``forward_backward`` calls
+(token-budget packs do that), so rank 0 makes an empty call to match
+(``asyncflow.deploy.sharded.even_calls`` does the same in a run).
 """
 
 from __future__ import annotations
@@ -18,7 +20,13 @@ from typing import Any
 
 import torch
 
-from engines.distributed import all_reduce_gradients, broadcast_parameters, init_group, leave_group
+from engines.distributed import (
+    all_reduce_gradients,
+    broadcast_parameters,
+    init_group,
+    leave_group,
+    max_over_ranks,
+)
 from engines.fsdp import FSDPConfig
 from engines.hf import HFTrainingConfig, HFTrainingEngine
 from engines.protocols import TrainBatch
@@ -77,11 +85,16 @@ def run_rank(rank: int, port: int, model: str, out: str, job: dict[str, Any]) ->
     vocab = int(engine.model.config.vocab_size)
     losses, norms = [], []
     for step in job["steps"]:
-        part = _part(step_batch(step, vocab), RANK_SAMPLES[rank])
-        metrics = engine.forward_backward(part, 1.0 / STEP_SAMPLES)
+        batch = step_batch(step, vocab)
+        calls = [RANK_SAMPLES[0]] if rank == 0 else [slice(3, 5), slice(5, 7)]
+        most = max_over_ranks(len(calls), torch.device("cpu"))  # agreed before any call
+        calls += [slice(0, 0)] * (most - len(calls))  # empty calls: nothing but collectives
+        loss = 0.0
+        for rows in calls:
+            loss += engine.forward_backward(_part(batch, rows), 1.0 / STEP_SAMPLES)["loss"]
         if not sharded:
             all_reduce_gradients(engine.model)
-        losses.append(metrics["loss"])
+        losses.append(loss)
         norms.append(engine.optimizer_step()["grad_norm"])
         if job.get("save_after") == step + 1:
             engine.save(job["checkpoint"])
