@@ -154,16 +154,16 @@ def row_chunks(
     for col in cols.values():
         per_row += _row_bytes(col)
     slack = _ALIGN * len(cols)  # each column starts aligned in the chunk
+    cum = np.concatenate([[0], np.cumsum(per_row)])
+    budget = chunk_bytes - slack
     chunks: list[tuple[int, int]] = []
-    start, size = 0, 0
-    for i in range(rows):
-        if i > start and size + int(per_row[i]) + slack > chunk_bytes:
-            chunks.append((start, i))
-            start, size = i, 0
-        size += int(per_row[i])
-    if start < rows or not chunks:
-        chunks.append((start, rows))
-    return chunks
+    start = 0
+    while start < rows:  # the most rows from ``start`` that fit (at least one)
+        end = int(np.searchsorted(cum, cum[start] + budget, side="right")) - 1
+        end = min(max(end, start + 1), rows)
+        chunks.append((start, end))
+        start = end
+    return chunks or [(0, rows)]
 
 
 def _rows(col: torch.Tensor | Ragged, a: int, b: int) -> torch.Tensor | Ragged:
