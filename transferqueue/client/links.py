@@ -16,7 +16,7 @@ The embedded links are in :mod:`transferqueue.deploy.local_links`; the ZeroMQ on
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -24,6 +24,8 @@ import numpy as np
 import torch
 
 from transferqueue.chunked import ChunkedTensor
+from transferqueue.errors import SchemaError
+from transferqueue.meta import BatchMeta
 from transferqueue.ragged import Ragged
 from transferqueue.schema import Column, FieldSpec
 from transferqueue.wire import protocol
@@ -31,9 +33,11 @@ from transferqueue.wire import protocol
 __all__ = [
     "OFFLOAD_BYTES",
     "ControllerLink",
+    "Read",
     "Staged",
     "UnitLink",
     "column_nbytes",
+    "link_of",
 ]
 
 T = TypeVar("T")
@@ -50,6 +54,11 @@ class ControllerLink(Protocol):
     :mod:`transferqueue.wire.messages`; the reply has the kind's declared type)."""
 
     async def call(self, msg: protocol.ControllerRequest[R]) -> R: ...
+
+
+Read = Callable[[BatchMeta, Sequence[str] | None], Coroutine[Any, Any, dict[str, Column]]]
+"""How the parts of a client read rows: the columns of a meta's rows (``fields`` None: the
+meta's), rows lost with a unit named in a RowsLostError (the client's ``get_data``)."""
 
 
 @dataclass
@@ -129,6 +138,16 @@ class UnitLink(ABC):
 
     @abstractmethod
     async def reset(self) -> None: ...
+
+
+def link_of(units: Mapping[int, UnitLink], unit_id: int) -> UnitLink:
+    """The link to unit ``unit_id`` (a meta naming another unit: a SchemaError)."""
+    try:
+        return units[unit_id]
+    except KeyError:
+        raise SchemaError(
+            f"meta names storage unit {unit_id}, which this client does not know"
+        ) from None
 
 
 def column_nbytes(col: Column | ChunkedTensor) -> int:

@@ -1,6 +1,7 @@
 """The client's writes: ``put`` of new rows, and of new fields of leased rows.
 
-A mixin of :class:`~transferqueue.client.async_client.AsyncClient`. A ``put`` of new rows::
+``Writer`` is the part of :class:`~transferqueue.client.async_client.AsyncClient` that writes
+(the key-value calls and loads write through it too). A ``put`` of new rows::
 
     client -> controller  register_fields (first time a field is seen) , allocate(n)
     client -> units       write(rows of that unit)              (in parallel)
@@ -16,15 +17,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 from collections.abc import Coroutine, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from transferqueue.aio import within
-from transferqueue.client.links import ControllerLink, Staged, UnitLink
+from transferqueue.client.links import ControllerLink, Staged, UnitLink, link_of
+from transferqueue.client.lost import lost_with_unit
 from transferqueue.client.replicas import gather_copies, meta_units, write_groups
+from transferqueue.client.specs import Specs
 from transferqueue.errors import (
     BadRequestError,
     PeerGoneError,
@@ -41,7 +45,7 @@ from transferqueue.schema import Column, FieldSpec, normalize_columns
 from transferqueue.wire import messages as m
 
 __all__ = [
-    "PutCalls",
+    "Writer",
     "by_unit",
     "header",
     "lease_s_of",
@@ -106,30 +110,29 @@ def by_unit(units: np.ndarray) -> dict[int, np.ndarray]:
     return {int(u): np.flatnonzero(units == u) for u in np.unique(units).tolist()}
 
 
-class PutCalls:
-    """``put``, and the write steps the key-value calls share (``_register``,
-    ``_write_units``, ``_undo_new_rows``)."""
+class Writer:
+    """``put``, and the write steps the key-value calls and loads share
+    (:meth:`write_units`, :meth:`undo_new_rows`)."""
 
-    # (the AsyncClient's state and methods this mixin uses)
-    _io: LoopThread
-    _ctl: ControllerLink
-    _units: dict[int, UnitLink]
-    _schema: dict[str, FieldSpec]
-    _producer: str
-    _last_unit: int | None
-    _whole_bytes: int
-    puts_again: int
-
-    if TYPE_CHECKING:
-
-        async def _lost(
-            self,
-            indexes: np.ndarray,
-            error: BaseException,
-            units: list[int],
-            *,
-            raise_unreachable: bool = False,
-        ) -> np.ndarray | None: ...
+    def __init__(
+        self,
+        io: LoopThread,
+        controller: ControllerLink,
+        units: Mapping[int, UnitLink],
+        specs: Specs,
+    ) -> None:
+        self._io = io
+        self._ctl = controller
+        self._units = units
+        self._specs = specs
+        # Names this client's puts to the controller, which keeps a producer's small puts on
+        # one unit for a while (Placement.place).
+        self.producer = secrets.token_hex(8)
+        self._last_unit: int | None = None  # the unit the last put's rows all went to
+        self._whole_bytes = 0  # the largest put the controller placed on one unit
+        self.puts_again = 0
+        """Tries of puts of new rows undone because a unit died or restarted mid-write, and
+        put again (see :meth:`put`)."""
 
     async def put(
         self,
@@ -179,12 +182,12 @@ class PutCalls:
         lease_s: float,
         timeout_s: float | None,
     ) -> BatchMeta:
-        known = dict(self._schema)
+        known = self._specs.known()
         if specs:
             known.update(specs)
         cols, col_specs, n = normalize_columns(data, known)
         timeout_s = timeout_of(timeout_s)
-        await self._register(col_specs)
+        await self._specs.register(col_specs)
         versions = header(version, n, "version")
         lengths = header(length, n, "length")
         if meta is not None:
@@ -228,9 +231,11 @@ class PutCalls:
             msg = m.Renew(lease_id=lease, lease_s=lease_s_of(lease_s), indexes=meta.indexes)
             await self._ctl.call(msg)
         try:
-            dropped = await self._write_units(meta, cols, col_specs, create=False)
+            dropped = await self.write_units(meta, cols, col_specs, create=False)
         except (PeerGoneError, UnknownRowError) as e:
-            lost = await self._lost(meta.indexes, e, meta_units(meta), raise_unreachable=True)
+            lost = await lost_with_unit(
+                self._ctl, meta.indexes, e, meta_units(meta), raise_unreachable=True
+            )
             if lost is None:
                 raise
             raise RowsLostError(
@@ -281,7 +286,7 @@ class PutCalls:
                 versions=versions,
                 lengths=lengths,
                 nbytes=nbytes,
-                producer=self._producer,
+                producer=self.producer,
                 timeout_s=timeout_s,
             )
         )
@@ -296,14 +301,14 @@ class PutCalls:
                     new.indexes, token, col_specs, create=True, grant=grants.get(link.unit_id)
                 )
             else:
-                dropped = await self._write_units(new, cols, col_specs, create=True)
+                dropped = await self.write_units(new, cols, col_specs, create=True)
             writing = False  # (a commit gone with the controller may have landed)
             copies = new.replica_units
             commit = m.Commit(new.indexes, list(cols), dropped=dropped, copies=copies)
             await self._ctl.call(commit)
         except BaseException as e:
-            lost = await self._lost(new.indexes, e, meta_units(new))
-            await self._undo_new_rows(new, e, writing)
+            lost = await lost_with_unit(self._ctl, new.indexes, e, meta_units(new))
+            await self.undo_new_rows(new, e, writing)
             error: BaseException = e
             if lost is not None:
                 error = RowsLostError(
@@ -322,7 +327,7 @@ class PutCalls:
         new.fields = tuple(cols)
         return new
 
-    async def _undo_new_rows(self, new: BatchMeta, error: BaseException, writing: bool) -> None:
+    async def undo_new_rows(self, new: BatchMeta, error: BaseException, writing: bool) -> None:
         """Undo the new rows ``new`` of a put that failed with ``error`` (``writing``: before
         its commit was sent): nothing of it may stay half-written, so the units free what
         they hold and the controller discards the rows. But a commit that met the
@@ -396,13 +401,7 @@ class PutCalls:
         else:
             self._last_unit = None
 
-    async def _register(self, specs: Mapping[str, FieldSpec]) -> None:
-        new = {k: v for k, v in specs.items() if self._schema.get(k) != v}
-        if new:
-            registered: dict[str, FieldSpec] = await self._ctl.call(m.RegisterFields(specs=new))
-            self._schema.update(registered)
-
-    async def _write_units(
+    async def write_units(
         self,
         meta: BatchMeta,
         cols: Mapping[str, Column],
@@ -418,7 +417,7 @@ class PutCalls:
         groups = write_groups(meta) if copies else list(by_unit(meta.units).items())
         for u, pos in groups:
             part = {name: take_rows(col, pos) for name, col in cols.items()}
-            write = self._unit(u).write(
+            write = link_of(self._units, u).write(
                 meta.indexes[pos], part, specs, create=create, grant=grants.get(u)
             )
             jobs.append(write)
@@ -426,14 +425,6 @@ class PutCalls:
             return await gather_copies(groups, jobs, len(meta))
         await asyncio.gather(*jobs)
         return []
-
-    def _unit(self, unit_id: int) -> UnitLink:
-        try:
-            return self._units[unit_id]
-        except KeyError:
-            raise SchemaError(
-                f"meta names storage unit {unit_id}, which this client does not know"
-            ) from None
 
 
 def lease_s_of(lease_s: float) -> float:
