@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from transferqueue.aio import within
-from transferqueue.client.links import ControllerLink, Staged, UnitLink, link_of
+from transferqueue.client.links import ControllerLink, UnitLink, link_of
 from transferqueue.client.lost import lost_with_unit
 from transferqueue.client.replicas import gather_copies, meta_units, write_groups
 from transferqueue.client.specs import Specs
@@ -45,6 +45,7 @@ from transferqueue.schema import Column, FieldSpec, normalize_columns
 from transferqueue.wire import messages as m
 
 __all__ = [
+    "WRITE_AHEAD_BYTES",
     "Writer",
     "by_unit",
     "header",
@@ -62,6 +63,10 @@ _REPUT_S = 30.0
 """How long a put of new rows goes on putting them again while the units it was given die
 or restart (each try: allocate, write, commit; nothing of a failed try stays)."""
 _REPUT_BACKOFF_S = (0.1, 0.25, 0.5, 1.0, 2.0)
+WRITE_AHEAD_BYTES = 1 << 20
+"""A put from this size on, likely to land whole on the unit the last put went to, is handed
+to that unit's link while its rows are allocated (see ``Writer._allocate``); a smaller one
+gains less by it than the hand-off costs."""
 
 
 class _PutAgain(Exception):
@@ -290,17 +295,13 @@ class Writer:
                 timeout_s=timeout_s,
             )
         )
-        new, staged = await self._allocate_staging(allocating, cols, nbytes)
-        grants = new.grants or {}
+        new, wrote = await self._allocate(allocating, cols, col_specs, nbytes)
         dropped: list[int] = []  # (units that a copy of each row missed, see replicas)
         writing = True
         try:
-            if staged is not None:
-                link, token = staged
-                await link.write_staged(
-                    new.indexes, token, col_specs, create=True, grant=grants.get(link.unit_id)
-                )
-            else:
+            if isinstance(wrote, BaseException):
+                raise wrote  # (written ahead, and that write failed)
+            if not wrote:
                 dropped = await self.write_units(new, cols, col_specs, create=True)
             writing = False  # (a commit gone with the controller may have landed)
             copies = new.replica_units
@@ -356,45 +357,46 @@ class Writer:
         with contextlib.suppress(Exception):
             await self._ctl.call(m.Discard(indexes=new.indexes))
 
-    async def _allocate_staging(
-        self, allocating: Coroutine[Any, Any, BatchMeta], cols: Mapping[str, Column], nbytes: int
-    ) -> tuple[BatchMeta, tuple[UnitLink, Staged] | None]:
-        """The new rows, and the columns staged by the unit they went to (or None).
+    async def _allocate(
+        self,
+        allocating: Coroutine[Any, Any, BatchMeta],
+        cols: Mapping[str, Column],
+        specs: Mapping[str, FieldSpec],
+        nbytes: int,
+    ) -> tuple[BatchMeta, bool | BaseException]:
+        """The new rows, and whether they are written already (or the error of that write).
 
-        While the controller allocates, the columns are copied to where the unit this
-        client's last put went to will take them from (:meth:`UnitLink.stage`), when this
-        put can go there too: the controller keeps a producer's puts on its unit while the
-        units are balanced, and a put no larger than one it placed whole is placed whole.
-        """
+        The controller keeps a producer's puts on its unit while the units are balanced, and
+        places a put no larger than one it placed whole on one unit: such a put (of at least
+        ``WRITE_AHEAD_BYTES``) is handed to the link of the unit this client's last put went
+        to while the controller allocates (:meth:`UnitLink.write_new`: the link may prepare
+        the write meanwhile). True: written there; False: placed elsewhere, to be written."""
         last = self._last_unit
-        link = None if last is None or nbytes > self._whole_bytes else self._units.get(last)
-        if link is None or not link.stages(nbytes):
+        link = None
+        if last is not None and WRITE_AHEAD_BYTES <= nbytes <= self._whole_bytes:
+            link = self._units.get(last)
+        if link is None:
             new = await allocating
             self._placed(new, nbytes)
-            return new, None
+            return new, False
         pending = asyncio.ensure_future(allocating)
-        staged: Staged | None = None
+        wrote: bool | BaseException
         try:
             await asyncio.sleep(0)  # the allocate request goes out first
-            staged = await link.stage(cols)
-            new = await pending
-        except BaseException:
-            if staged is not None:
-                link.unstage(staged)
-            await self._undo_allocation(pending)
-            raise
+            wrote = await link.write_new(pending, cols, specs)
+        except BaseException as e:
+            if not pending.done() or pending.cancelled() or pending.exception() is not None:
+                await self._undo_allocation(pending)
+                raise
+            wrote = e  # (the rows were placed, their write failed: the put undoes them)
+        new = pending.result()
         self._placed(new, nbytes)
-        if staged is None:
-            return new, None
-        if self._last_unit != link.unit_id:  # placed elsewhere (or over several units)
-            link.unstage(staged)
-            return new, None
-        return new, (link, staged)
+        return new, wrote
 
     def _placed(self, new: BatchMeta, nbytes: int) -> None:
-        """Remember where the controller put this client's rows (see _allocate_staging)."""
+        """Remember where the controller put this client's rows (see :meth:`_allocate`)."""
         units = new.units
-        # (a put of two copies writes two units: nothing to stage for one, see replicas)
+        # (a put of two copies writes two units: no unit takes it whole, see replicas)
         if units.size and new.replica_units is None and bool((units == units[0]).all()):
             self._last_unit = int(units[0])
             self._whole_bytes = max(self._whole_bytes, nbytes)
