@@ -5,9 +5,11 @@
     reference: prompt_ids, response_ids -> ref_logprobs              (optional)
     train:     whole groups of the step's window -> an optimizer step (acks the rows)
 
-A deployment (``asyncflow.deploy``) decides where each stage runs and what it talks to; these
-functions decide what each stage *is*, so that ``deploy=local`` and ``deploy=ray`` run the same
-adapters with the same options.
+A stage is an adapter (``adapters``) driven by a :class:`~asyncflow.stage_runner.StageRunner`,
+the loop that leases its rows and writes its output (:func:`runner` builds one). A deployment
+(``asyncflow.deploy``) decides where each stage runs and what it talks to; these functions
+decide what each stage *is*, so that ``deploy=local`` and ``deploy=ray`` run the same adapters
+with the same options.
 
 Validation (``eval.every_steps``) runs two more stages on their own partition, ``val``, over
 the same generation instances and the same reward function: ``eval`` (a rollout adapter with
