@@ -2,8 +2,8 @@
 
 | consumes                                                  | produces                  |
 |-----------------------------------------------------------|---------------------------|
-| prompt_ids, response_ids, behaviour_logprobs, reward      | nothing (acks the rows);  |
-| (+ ref_logprobs with a reference stage)                   | a step report per step    |
+| prompt_ids, response_ids, behaviour_logprobs, loss_mask,  | nothing (acks the rows);  |
+| reward (+ ref_logprobs with a reference stage)            | a step report per step    |
 
 Each step trains exactly ``B = groups_per_step`` groups: those of its *window*, consecutive
 group ids from the first one no earlier step consumed (the prompt feeder numbers groups in
@@ -32,7 +32,9 @@ ranks by tokens first (``asyncflow.deploy.ray_hosts``). A group never spans two 
 
 Advantages are group-normalized rewards: ``(r - mean(group)) / (std(group) + eps)``. A sample
 whose reward is NaN (the reward function gave no verdict) gets advantage 0 and is left out of
-its group's statistics.
+its group's statistics. A sample is an episode (one turn, or several with an environment): one
+reward and one advantage per episode, and the loss covers only the tokens its ``loss_mask``
+marks (the model's own turns, never an observation's tokens).
 """
 
 from __future__ import annotations
@@ -180,6 +182,9 @@ def make_train_batch(
         isinstance(prompts, Ragged) and isinstance(responses, Ragged) and isinstance(blp, Ragged)
     ):
         raise TypeError("train needs ragged prompt_ids, response_ids and behaviour_logprobs")
+    mask = cols.get("loss_mask")
+    if mask is not None and not isinstance(mask, Ragged):
+        raise TypeError(f"loss_mask must be a ragged column, got {type(mask).__name__}")
     ref = None
     if use_reference:
         ref_col = cols["ref_logprobs"]
@@ -193,6 +198,7 @@ def make_train_batch(
         advantages=advantages,
         versions=torch.from_numpy(meta.versions.copy()),
         ref_logprobs=ref,
+        loss_mask=None if mask is None else mask.unbind(),
     )
 
 
@@ -260,7 +266,7 @@ class TrainAdapter(Adapter):
         self.dynamic_sampling = dynamic_sampling
         self.on_filtered = on_filtered
         self.max_tokens = max_tokens_per_micro_batch
-        fields = ["prompt_ids", "response_ids", "behaviour_logprobs", "reward"]
+        fields = ["prompt_ids", "response_ids", "behaviour_logprobs", "loss_mask", "reward"]
         if use_reference:
             fields.append("ref_logprobs")
         self.input_fields = tuple(fields)
