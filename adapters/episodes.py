@@ -18,6 +18,8 @@ episodes of one prompt). ``T`` is the number of tokens after the prompt, ``n`` t
 | end_reason         | object str           | done, max_turns, max_tokens, error, timeout        |
 | episode_reward     | dense float32        | sum of turn_rewards; NaN: no verdict (no           |
 |                    |                      | environment, or it failed)                         |
+| episode_info       | object dict          | the environment's counters summed over the turns   |
+|                    |                      | (e.g. ``tool_calls``), ``truncated_observations``  |
 | finish_reason      | object str           | of the last turn: stop or length                   |
 
 and the row's header ``version`` is the oldest version among its tokens (what the staleness
@@ -45,7 +47,15 @@ from engines.protocols import SamplingParams
 from transferqueue import Ragged
 from transferqueue.schema import Column
 
-__all__ = ["EPISODE_FIELDS", "episode_columns", "episode_metrics", "rows_of", "run_episodes"]
+__all__ = [
+    "EPISODE_FIELDS",
+    "SUMMARY_FIELDS",
+    "EpisodeTally",
+    "episode_columns",
+    "episode_metrics",
+    "rows_of",
+    "run_episodes",
+]
 
 EPISODE_FIELDS = (
     "response_ids",
@@ -58,8 +68,12 @@ EPISODE_FIELDS = (
     "num_turns",
     "end_reason",
     "episode_reward",
+    "episode_info",
 )
 """The fields the rollout writes onto each episode's row."""
+
+SUMMARY_FIELDS = ("num_turns", "end_reason", "episode_info")
+"""What the train stage reads of each episode for its step's summary (:class:`EpisodeTally`)."""
 
 
 def episode_columns(episodes: Sequence[Episode]) -> dict[str, Any]:
@@ -75,7 +89,44 @@ def episode_columns(episodes: Sequence[Episode]) -> dict[str, Any]:
         "num_turns": torch.tensor([e.num_turns for e in episodes], dtype=torch.int32),
         "end_reason": [e.end_reason for e in episodes],
         "episode_reward": torch.tensor([e.episode_reward for e in episodes], dtype=torch.float32),
+        "episode_info": [dict(e.info) for e in episodes],
     }
+
+
+class EpisodeTally:
+    """The episodes of one train step, summed: what each step's record says of them."""
+
+    def __init__(self) -> None:
+        self._turns: list[int] = []
+        self._reasons: dict[str, int] = {}
+        self._tool_calls = 0.0
+
+    def _reset(self) -> None:
+        self._turns, self._reasons, self._tool_calls = [], {}, 0.0
+
+    def add(self, cols: dict[str, Column]) -> None:
+        """One micro-batch's :data:`SUMMARY_FIELDS` columns."""
+        turns, reasons, infos = cols["num_turns"], cols["end_reason"], cols["episode_info"]
+        if not isinstance(turns, torch.Tensor) or not isinstance(reasons, list):
+            raise TypeError("num_turns must be a dense column and end_reason an object column")
+        if not isinstance(infos, list):
+            raise TypeError("episode_info must be an object column")
+        self._turns += [int(t) for t in turns.tolist()]
+        for reason in reasons:
+            self._reasons[str(reason)] = self._reasons.get(str(reason), 0) + 1
+        self._tool_calls += sum(float(i.get("tool_calls", 0.0)) for i in infos)
+
+    def summary(self) -> dict[str, Any]:
+        """``turns_mean``, ``tool_calls_per_episode`` and ``episode_end_reasons`` (counts per
+        reason) of the episodes added since the last summary, which starts a new tally."""
+        n = max(len(self._turns), 1)
+        out = {
+            "turns_mean": sum(self._turns) / n,
+            "tool_calls_per_episode": self._tool_calls / n,
+            "episode_end_reasons": dict(sorted(self._reasons.items())),
+        }
+        self._reset()
+        return out
 
 
 def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:

@@ -354,6 +354,10 @@ class RolloutAdapter(Adapter):
                 f"that needs {need} (it restarted with older weights)"
             )
 
+    async def close(self) -> None:
+        if self.episodes is not None:
+            self.episodes.close()
+
     def _loads(self) -> list[int]:
         return [
             int(n) if (n := getattr(e, "in_flight", None)) is not None else self.load[i]

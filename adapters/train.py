@@ -3,7 +3,8 @@
 | consumes                                                  | produces                  |
 |-----------------------------------------------------------|---------------------------|
 | prompt_ids, response_ids, behaviour_logprobs, loss_mask,  | nothing (acks the rows);  |
-| reward (+ ref_logprobs with a reference stage)            | a step report per step    |
+| reward, num_turns, end_reason, episode_info               | a step report per step    |
+| (+ ref_logprobs with a reference stage)                   |                           |
 
 Each step trains exactly ``B = groups_per_step`` groups: those of its *window*, consecutive
 group ids from the first one no earlier step consumed (the prompt feeder numbers groups in
@@ -49,6 +50,7 @@ import numpy as np
 import torch
 
 from adapters.base import Adapter, StageOutput
+from adapters.episodes import SUMMARY_FIELDS, EpisodeTally
 from engines.packing import pack_by_tokens
 from engines.protocols import TrainBatch, TrainingEngine
 from transferqueue import BatchMeta, Ragged
@@ -220,6 +222,9 @@ class StepReport:
     """Groups of the step's window not trained: their rewards all tied (dynamic sampling)."""
     next_group: int = -1
     """The first group of the next step's window (every group before it was consumed)."""
+    episodes: dict[str, Any] = field(default_factory=dict)
+    """The step's episodes: ``turns_mean``, ``tool_calls_per_episode``,
+    ``episode_end_reasons`` (:class:`adapters.episodes.EpisodeTally`)."""
 
 
 class TrainAdapter(Adapter):
@@ -269,6 +274,8 @@ class TrainAdapter(Adapter):
         fields = ["prompt_ids", "response_ids", "behaviour_logprobs", "loss_mask", "reward"]
         if use_reference:
             fields.append("ref_logprobs")
+        fields += SUMMARY_FIELDS
+        self.tally = EpisodeTally()
         self.input_fields = tuple(fields)
         self.sampler_options = {"group_size": group_size, "order": "group"}
         self.batch_size = self.micro_batch_groups * group_size
@@ -332,6 +339,7 @@ class TrainAdapter(Adapter):
             acc["groups"] += meta.groups.tolist()
             acc["tokens"].append(tokens)
             acc["metrics"].append((len(meta), metrics))
+            self.tally.add(cols)  # the trained episodes (not the filtered ones)
             self._groups_done += len(meta) // self.group_size
         if self._groups_done >= self.groups_per_step:
             await self._finish_step()
@@ -413,6 +421,7 @@ class TrainAdapter(Adapter):
             metrics=merged,
             filtered=sorted(acc["filtered"]),
             next_group=next_group,
+            episodes=self.tally.summary(),
         )
         self.step += 1
         self.window_start = next_group
