@@ -25,10 +25,11 @@ verdict": trained with advantage 0, see the train adapter) and the run goes on. 
 the *generation engine* is not the environment's: it propagates to the caller (the rollout
 then generates the batch again elsewhere).
 
-Plain (non-async) environment methods run in the runner's own thread pool (``threads``
-workers), never on the event loop and never in the default executor that other stages share;
-a call stuck past its bound is abandoned (its thread stays busy until it returns: a pool full
-of stuck calls makes later calls of this runner time out too, never anything else).
+Plain (non-async) environment methods run on the runner's own threads (``threads`` daemon
+threads), never on the event loop and never in the default executor that other stages share;
+a call stuck past its bound is abandoned (its thread stays busy until it returns: threads all
+stuck make later calls of this runner time out too, never anything else, and being daemons
+they never keep the process from exiting).
 
 Called by the rollout adapter (``adapters.rollout``) for every episode of a batch, with a
 ``generate`` that sends the turn to the batch's engine instance (``TurnBatcher``).
@@ -37,13 +38,15 @@ Called by the rollout adapter (``adapters.rollout``) for every episode of a batc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import logging
 import math
+import queue
+import threading
 import weakref
 from collections.abc import Awaitable, Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -115,8 +118,8 @@ class EpisodeRunner:
         self.factory = factory
         self.format = turn_format
         self.limits = limits or EpisodeLimits()
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="env")
-        self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=False)
+        self._pool = _Workers(threads)
+        self._finalizer = weakref.finalize(self, self._pool.close)
 
     def close(self) -> None:
         """Stop the thread pool (idempotent; calls still running finish on their own)."""
@@ -201,7 +204,7 @@ class EpisodeRunner:
                 if inspect.iscoroutinefunction(fn):
                     return await fn(*args)
                 loop = asyncio.get_running_loop()
-                result = await loop.run_in_executor(self._pool, functools.partial(fn, *args))
+                result = await self._pool.submit(loop, functools.partial(fn, *args))
                 if inspect.isawaitable(result):
                     result = await result
                 return result
@@ -220,6 +223,56 @@ class EpisodeRunner:
             await self._call("close", close)
         except _EnvFailure as failure:  # the episode is over either way
             log.warning("closing an environment failed: %s", failure)
+
+
+class _Workers:
+    """Daemon threads for plain environment methods. ``concurrent.futures`` joins its workers
+    when the interpreter exits, so one environment call stuck for good would keep the process
+    from ever exiting; a daemon thread does not. Threads start with the first call."""
+
+    def __init__(self, threads: int) -> None:
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self._size = threads
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+
+    def submit(self, loop: asyncio.AbstractEventLoop, fn: Callable[[], Any]) -> asyncio.Future[Any]:
+        if self._closed:
+            raise RuntimeError("the episode runner is closed")
+        if not self._threads:
+            for i in range(self._size):
+                t = threading.Thread(target=self._work, name=f"env-{i}", daemon=True)
+                t.start()
+                self._threads.append(t)
+        future: asyncio.Future[Any] = loop.create_future()
+        self._queue.put((loop, future, fn))
+        return future
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            loop, future, fn = item
+            try:
+                outcome, ok = fn(), True
+            except BaseException as e:  # handed to the awaiting coroutine
+                outcome, ok = e, False
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                loop.call_soon_threadsafe(_settle, future, outcome, ok)
+
+    def close(self) -> None:
+        self._closed = True
+        for _ in self._threads:
+            self._queue.put(None)
+
+
+def _settle(future: asyncio.Future[Any], outcome: Any, ok: bool) -> None:
+    if future.done():  # abandoned after its bound
+        return
+    if ok:
+        future.set_result(outcome)
+    else:
+        future.set_exception(outcome)
 
 
 def _check_result(result: object) -> None:

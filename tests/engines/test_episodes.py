@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -290,3 +292,34 @@ def test_batcher_raises_an_engine_error_in_every_turn_of_the_call(
         return await asyncio.gather(one(), one(), return_exceptions=True)
 
     assert all(isinstance(r, ConnectionError) for r in asyncio.run(main()))
+
+
+STUCK = """
+import asyncio, threading, torch
+from engines.episodes import EpisodeLimits, EpisodeRunner, TurnFormat
+from engines.protocols import Generation, SamplingParams
+from engines.tiny import build_tokenizer
+
+class Stuck:
+    def reset(self, row):
+        return None
+
+    def step(self, action):
+        threading.Event().wait()  # never returns
+
+async def generate(prompt, params):
+    return Generation(torch.tensor([5]), torch.tensor([-1.0]), "stop", version=0)
+
+runner = EpisodeRunner(Stuck, TurnFormat(build_tokenizer()), EpisodeLimits(timeout_s=0.2))
+episode = asyncio.run(runner.run(torch.tensor([1]), {}, generate, SamplingParams()))
+print(episode.end_reason)
+"""
+
+
+def test_a_stuck_environment_call_does_not_keep_the_process_alive() -> None:
+    """The episode ends at the bound, and the process exits although the call never returns
+    (a pool that joins its threads at exit would hang here until the test's timeout)."""
+    out = subprocess.run(
+        [sys.executable, "-c", STUCK], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "timeout"

@@ -47,9 +47,7 @@ def test_multi_turn_episodes_through_vllm(tiny_dir: Path) -> None:
         model=str(tiny_dir), dtype="float32", max_model_len=256, kv_cache_gib=0.25
     )
     engine = VLLMGenerationEngine(config)
-    runner = EpisodeRunner(
-        ThreeTurns, TurnFormat(tok), EpisodeLimits(max_turns=4, max_tokens=120)
-    )
+    runner = EpisodeRunner(ThreeTurns, TurnFormat(tok), EpisodeLimits(max_turns=4, max_tokens=120))
     prompts = encode_prompts(tok, [f"What is {i} + {i}?" for i in range(4)])
     params = SamplingParams(max_new_tokens=8, temperature=TEMPERATURE, seed=3)
 
