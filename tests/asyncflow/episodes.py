@@ -7,15 +7,20 @@ their import paths (``env.name=tests.asyncflow.episodes:FlakyEnv``, ``adapters=`
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from adapters import TrainAdapter
+from asyncflow import RunConfig
+from asyncflow.build import build_trainer
 from engines.envs import StepResult
 from engines.envs.guess_number import GuessNumberEnv
+from engines.protocols import TrainBatch, TrainingEngine
 from transferqueue import BatchMeta, Ragged
 from transferqueue.schema import Column
 
@@ -111,3 +116,45 @@ class CheckingTrain(TrainAdapter):
         metrics, tokens = await super().train_batch(meta, cols, advantages, loss_scale)
         metrics = {**metrics, "versions_checked": 1.0, "multi_version_episodes": multi / len(meta)}
         return metrics, tokens
+
+
+class MaskCheckingTrainer:
+    """The run's training engine, checking that every batch it trains carries the episodes'
+    loss masks (one per sample, the response's shape) and reporting the share of response
+    tokens they cover (``loss_mask_frac``: below 1 where observations are in the sequence)."""
+
+    def __init__(self, inner: TrainingEngine) -> None:
+        self.inner = inner
+
+    @property
+    def version(self) -> int:
+        return self.inner.version
+
+    @property
+    def model(self) -> Any:
+        return getattr(self.inner, "model", None)
+
+    def forward_backward(self, batch: TrainBatch, loss_scale: float) -> dict[str, float]:
+        if batch.loss_mask is None:
+            raise AssertionError("a batch reached the trainer without its loss mask")
+        for mask, resp in zip(batch.loss_mask, batch.response_ids, strict=True):
+            if mask.shape != resp.shape or mask.dtype != torch.bool:
+                raise AssertionError(f"loss mask {mask.shape} {mask.dtype} for {resp.shape}")
+        covered = sum(int(m.sum()) for m in batch.loss_mask)
+        total = sum(int(r.numel()) for r in batch.response_ids)
+        metrics = self.inner.forward_backward(batch, loss_scale)
+        return {**metrics, "loss_mask_frac": covered / max(total, 1)}
+
+    def optimizer_step(self) -> dict[str, float]:
+        return self.inner.optimizer_step()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.inner.state_dict()
+
+    def save_policy(self, directory: str | os.PathLike[str]) -> None:
+        saving: Any = self.inner  # the HF engine: a CheckpointableEngine too
+        saving.save_policy(directory)
+
+
+def mask_checking_trainer(cfg: RunConfig, path: Path, rank: int = 0) -> MaskCheckingTrainer:
+    return MaskCheckingTrainer(build_trainer(cfg, path, rank))

@@ -2,7 +2,9 @@
 
 The invariants of the one-turn workflow hold per episode (every group trained once and whole,
 the staleness bound on each episode's oldest token), every token's version is recorded and
-checked where it is trained (:class:`tests.asyncflow.episodes.CheckingTrain`), and an
+checked where it is trained (:class:`tests.asyncflow.episodes.CheckingTrain`), the trainer
+gets every episode's loss mask (whose false entries leave the gradient unchanged:
+``tests/engines/test_hf_engines.py``), and an
 environment that raises or hangs costs its episode, never the run. Each runs in this process
 and, where the rollout runs in a Ray actor, with ``deploy=ray``.
 """
@@ -16,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from asyncflow import RunConfig, RunResult, run
+from asyncflow import EngineFactories, RunConfig, RunResult, run
 from tests.asyncflow.conftest import RAY_START, RAY_TEST_TIMEOUT_S, small_config
-from tests.asyncflow.episodes import CheckingTrain
+from tests.asyncflow.episodes import CheckingTrain, mask_checking_trainer
 
 EPISODES = [
     "task=guess_number",  # the untrained model rarely says a number: several turns each
@@ -46,10 +48,15 @@ def test_episodes_keep_the_staleness_bound_and_every_token_version(
     cfg = small_config(
         out_dir, *EPISODES, f"train.max_staleness={k}", "train.steps=6", *deploy, "train.dp_size=1"
     )
-    result = run(cfg, adapters={"train": CheckingTrain})
+    result = run(
+        cfg,
+        adapters={"train": CheckingTrain},
+        factories=EngineFactories(trainer=mask_checking_trainer),
+    )
     _check_groups(result, cfg, k)
     for r in result.records:
         assert r["versions_checked"] == 1.0  # every trained row went through the checks
+        assert 0.0 < r["loss_mask_frac"] < 1.0  # the observations are masked out
         assert r["turns_mean"] > 1.0  # multi-turn episodes
         assert sum(r["episode_end_reasons"].values()) == r["samples"]
         assert set(r["episode_end_reasons"]) <= {"done", "max_turns", "max_tokens"}
