@@ -3,6 +3,7 @@
 | consumes                                                  | produces                  |
 |-----------------------------------------------------------|---------------------------|
 | prompt_ids, response_ids, behaviour_logprobs, loss_mask,  | nothing (acks the rows);  |
+| token_versions (``TrainBatch.extra``),                    |                           |
 | reward, num_turns, end_reason, episode_info               | a step report per step    |
 | (+ ref_logprobs with a reference stage)                   |                           |
 
@@ -187,6 +188,10 @@ def make_train_batch(
     mask = cols.get("loss_mask")
     if mask is not None and not isinstance(mask, Ragged):
         raise TypeError(f"loss_mask must be a ragged column, got {type(mask).__name__}")
+    extra: dict[str, Any] = {}
+    token_versions = cols.get("token_versions")
+    if isinstance(token_versions, Ragged):  # per token: an episode's turns may differ
+        extra["token_versions"] = [v.long() for v in token_versions.unbind()]
     ref = None
     if use_reference:
         ref_col = cols["ref_logprobs"]
@@ -201,6 +206,7 @@ def make_train_batch(
         versions=torch.from_numpy(meta.versions.copy()),
         ref_logprobs=ref,
         loss_mask=None if mask is None else mask.unbind(),
+        extra=extra,
     )
 
 
@@ -272,6 +278,7 @@ class TrainAdapter(Adapter):
         self.on_filtered = on_filtered
         self.max_tokens = max_tokens_per_micro_batch
         fields = ["prompt_ids", "response_ids", "behaviour_logprobs", "loss_mask", "reward"]
+        fields.append("token_versions")  # the decoupled loss interpolates by them
         if use_reference:
             fields.append("ref_logprobs")
         fields += SUMMARY_FIELDS

@@ -484,7 +484,7 @@ class TrainerActor(_Host):
         if not len(meta):  # fewer rows than ranks: nothing here this time
             return {}, 0, 0, []
         assert self.client is not None
-        fields = ["prompt_ids", "response_ids", "behaviour_logprobs", "loss_mask"]
+        fields = ["prompt_ids", "response_ids", "behaviour_logprobs", "loss_mask", "token_versions"]
         if self.use_reference:
             fields.append("ref_logprobs")
         cols = await self.client.get_data(meta, fields)

@@ -70,14 +70,8 @@ class CheckingTrain(TrainAdapter):
 
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
-        self.input_fields = (
-            *self.input_fields,
-            "token_versions",
-            "turn_offsets",
-            "min_gen_version",
-        )
-        if self.read_fields is not None:
-            self.read_fields = (*self.read_fields, "token_versions", "turn_offsets")
+        more = ("token_versions", "turn_offsets", "min_gen_version")
+        self.input_fields = (*self.input_fields, *(f for f in more if f not in self.input_fields))
 
     async def train_batch(
         self, meta: BatchMeta, cols: dict[str, Column], advantages: torch.Tensor, loss_scale: float
