@@ -2,8 +2,10 @@
 
 | consumes                                                  | produces                  |
 |-----------------------------------------------------------|---------------------------|
-| prompt_ids, response_ids, behaviour_logprobs, reward      | nothing (acks the rows);  |
-| (+ ref_logprobs with a reference stage)                   | a step report per step    |
+| prompt_ids, response_ids, behaviour_logprobs, loss_mask,  | nothing (acks the rows);  |
+| token_versions (``TrainBatch.extra``),                    |                           |
+| reward, num_turns, end_reason, episode_info               | a step report per step    |
+| (+ ref_logprobs with a reference stage)                   |                           |
 
 Each step trains exactly ``B = groups_per_step`` groups: those of its *window*, consecutive
 group ids from the first one no earlier step consumed (the prompt feeder numbers groups in
@@ -32,7 +34,9 @@ ranks by tokens first (``asyncflow.deploy.ray_hosts``). A group never spans two 
 
 Advantages are group-normalized rewards: ``(r - mean(group)) / (std(group) + eps)``. A sample
 whose reward is NaN (the reward function gave no verdict) gets advantage 0 and is left out of
-its group's statistics.
+its group's statistics. A sample is an episode (one turn, or several with an environment): one
+reward and one advantage per episode, and the loss covers only the tokens its ``loss_mask``
+marks (the model's own turns, never an observation's tokens).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ import numpy as np
 import torch
 
 from adapters.base import Adapter, StageOutput
+from adapters.episodes import SUMMARY_FIELDS, EpisodeTally
 from engines.packing import pack_by_tokens
 from engines.protocols import TrainBatch, TrainingEngine
 from transferqueue import BatchMeta, Ragged
@@ -187,6 +192,13 @@ def make_train_batch(
         isinstance(prompts, Ragged) and isinstance(responses, Ragged) and isinstance(blp, Ragged)
     ):
         raise TypeError("train needs ragged prompt_ids, response_ids and behaviour_logprobs")
+    mask = cols.get("loss_mask")
+    if mask is not None and not isinstance(mask, Ragged):
+        raise TypeError(f"loss_mask must be a ragged column, got {type(mask).__name__}")
+    extra: dict[str, Any] = {}
+    token_versions = cols.get("token_versions")
+    if isinstance(token_versions, Ragged):  # per token: an episode's turns may differ
+        extra["token_versions"] = [v.long() for v in token_versions.unbind()]
     ref = None
     if use_reference:
         ref_col = cols["ref_logprobs"]
@@ -200,6 +212,8 @@ def make_train_batch(
         advantages=advantages,
         versions=torch.from_numpy(meta.versions.copy()),
         ref_logprobs=ref,
+        loss_mask=None if mask is None else mask.unbind(),
+        extra=extra,
     )
 
 
@@ -221,6 +235,9 @@ class StepReport:
     """Groups of the step's window not trained: their rewards all tied (dynamic sampling)."""
     next_group: int = -1
     """The first group of the next step's window (every group before it was consumed)."""
+    episodes: dict[str, Any] = field(default_factory=dict)
+    """The step's episodes: ``turns_mean``, ``tool_calls_per_episode``,
+    ``episode_end_reasons`` (:class:`adapters.episodes.EpisodeTally`)."""
 
 
 class TrainAdapter(Adapter):
@@ -267,9 +284,12 @@ class TrainAdapter(Adapter):
         self.dynamic_sampling = dynamic_sampling
         self.on_filtered = on_filtered
         self.max_tokens = max_tokens_per_micro_batch
-        fields = ["prompt_ids", "response_ids", "behaviour_logprobs", "reward"]
+        fields = ["prompt_ids", "response_ids", "behaviour_logprobs", "loss_mask", "reward"]
+        fields.append("token_versions")  # the decoupled loss interpolates by them
         if use_reference:
             fields.append("ref_logprobs")
+        fields += SUMMARY_FIELDS
+        self.tally = EpisodeTally()
         self.input_fields = tuple(fields)
         self.sampler_options = {"group_size": group_size, "order": "group"}
         self.batch_size = self.micro_batch_groups * group_size
@@ -333,6 +353,7 @@ class TrainAdapter(Adapter):
             acc["groups"] += meta.groups.tolist()
             acc["tokens"].append(tokens)
             acc["metrics"].append((len(meta), metrics))
+            self.tally.add(cols)  # the trained episodes (not the filtered ones)
             self._groups_done += len(meta) // self.group_size
         if self._groups_done >= self.groups_per_step:
             await self._finish_step()
@@ -414,6 +435,7 @@ class TrainAdapter(Adapter):
             metrics=merged,
             filtered=sorted(acc["filtered"]),
             next_group=next_group,
+            episodes=self.tally.summary(),
         )
         self.step += 1
         self.window_start = next_group

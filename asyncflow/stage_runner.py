@@ -1,6 +1,7 @@
 """The stage runner: ``get_meta -> get_data -> adapter.process -> put`` in a loop.
 
-One runner drives one adapter with ``concurrency`` workers (asyncio tasks). Each worker leases
+One runner drives one adapter with ``concurrency`` workers (asyncio tasks); the stages of the
+GRPO graph and their runners are built from the config by ``asyncflow.graph``. Each worker leases
 a batch of rows whose input fields are ready, reads the columns, lets the adapter run its
 engine, and writes the output columns onto the same rows, which acknowledges the lease (an
 adapter with no output just acknowledges). A worker that fails leaves its lease open, so its

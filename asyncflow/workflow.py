@@ -4,32 +4,44 @@
                           ^                                   |
                           +------- deferred weight sync -------+
 
-Stages are independent loops over TransferQueue (``asyncflow.stage_runner``, built the same way in
-every deployment by ``asyncflow.graph``); the feeder admits groups under the staleness bound
-(``asyncflow.feeder``); the train stage publishes weights after each step and the generators
-pick them up at their next micro-batch boundary, when the registry's policy says so
+Stages are independent loops over TransferQueue (``asyncflow.stage_runner``, built the same
+way in every deployment by ``asyncflow.graph``); the feeder admits groups under the staleness
+bound (``asyncflow.feeder``); the train stage publishes weights after each step and the
+generators pick them up at their next micro-batch boundary, when the registry's policy says so
 (``asyncflow.registry``, ``asyncflow.hosts``). Where the stages run is the deployment's
 business (``asyncflow.deploy``: this process, or Ray actors); this process stays the run's
-single controller either way: it runs the feeder, takes the step reports and writes the
-records. The run ends after ``train.steps`` optimizer steps. If any part fails, every stage is
-stopped, TransferQueue is closed and the error is raised (as :class:`StageError` naming the
-stage). Rows a dead TransferQueue storage unit takes are not a failure: their groups are
-regenerated (:func:`_regenerate_lost`) and each is trained once, whole. With
+single controller either way. Its parts run as named jobs of one supervisor
+(``asyncflow.supervisor``: an ``asyncio.TaskGroup``):
+
+| job              | what it does                                                       |
+|------------------|--------------------------------------------------------------------|
+| ``feeder``       | admits groups under the staleness bound                            |
+| ``steps``        | takes each step report, builds its record, starts its evaluation   |
+|                  | (``asyncflow.recorder``)                                           |
+| ``records``      | the main job: writes the records in step order, each once its      |
+|                  | evaluation is in, and completes the checkpoints the trainer staged |
+|                  | (``asyncflow.checkpoint``); the run's steps end when it returns    |
+| ``evaluation``   | with ``eval.every_steps``: reads the held-out rewards              |
+|                  | (``asyncflow.evaluation``)                                         |
+| ``regeneration`` | puts again the groups whose rows a dead storage unit took          |
+|                  | (:func:`_regenerate_lost`: each is trained once, whole)            |
+| each stage       | the deployment's jobs (stages, weight followers), by stage name    |
+
+The run ends after ``train.steps`` optimizer steps. If any job fails, every other is stopped,
+TransferQueue is closed and the error is raised as :class:`StageError` naming the job (a
+stage's own as is); no task is left running. Lost rows are not a failure. With
 ``train.dynamic_sampling`` the train stage filters the groups whose rewards all tie and the
 feeder admits one more group per filtered one (each record's ``groups_filtered`` and
 ``filtered``; a checkpoint lists them, so a resumed run neither trains nor counts them).
 
-Around the steps, the driver also: evaluates the policy on held-out prompts every
-``eval.every_steps`` steps (``asyncflow.evaluation``), writes each step's record once its
-evaluation is in (records stay in step order; training does not wait), completes the
-checkpoints the trainer staged (``asyncflow.checkpoint``), resumes from one (``resume``), and
-saves the trained policy as a Hugging Face folder, ``output.dir/policy``, when the run ends.
+Around the steps, the driver also resumes from a checkpoint (``resume``) and saves the trained
+policy as a Hugging Face folder, ``output.dir/policy``, when the run ends.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import logging
 import math
 import shutil
@@ -54,14 +66,10 @@ from asyncflow.evaluation import Evaluator
 from asyncflow.feeder import PromptFeeder
 from asyncflow.graph import EVAL_PARTITION, PARTITION
 from asyncflow.loggers import make_loggers
-from asyncflow.metrics import (
-    MetricsWriter,
-    Timeline,
-    plot_rewards,
-    staleness_histogram,
-    write_timeline,
-)
-from asyncflow.stage_runner import LOST_SERVER_HINT, StageError
+from asyncflow.metrics import MetricsWriter, Timeline, plot_rewards, write_timeline
+from asyncflow.recorder import StepRecorder
+from asyncflow.stage_runner import LOST_SERVER_HINT
+from asyncflow.supervisor import Supervisor
 from transferqueue import AsyncClient
 
 __all__ = ["RunResult", "Workflow", "run"]
@@ -187,135 +195,123 @@ class Workflow:
         plan: CheckpointPlan | None,
         state: DriverState | None,
     ) -> RunResult:
+        """Run the driver's jobs under one supervisor until the last step's record is
+        written, then finish the run (policy, timeline, plot)."""
         t_start = time.perf_counter()
-        timeline, client = dep.timeline, dep.client
-        b = cfg.train.groups_per_step
+        client = dep.client
         first_step = 0 if state is None else state.steps
         await client.declare_tasks(graph.tasks(cfg), partition=PARTITION)
         evaluator: Evaluator | None = None
         if cfg.eval.every_steps:
             await client.declare_tasks(graph.eval_tasks(cfg), partition=EVAL_PARTITION)
             evaluator = Evaluator(cfg, client, dep.tokenizer)
-        reports: list[StepReport] = []
-        feeder = PromptFeeder(
-            client,
-            dep.task,
-            dep.tokenizer,
-            dep.registry,
-            group_size=cfg.rollout.group_size,
-            groups_per_step=b,
-            max_staleness=cfg.train.max_staleness,
-            total_groups=cfg.train.steps * b,
-            partition=PARTITION,
-            predict=dep.predict,
-            start=0 if state is None else state.next_group,  # the TransferQueue is new
-            admission_log=None if state is None else state.admission,
-            dynamic_sampling=cfg.train.dynamic_sampling,
-            filtered_before=0 if state is None else len(state.filtered),
+        feeder = _feeder(cfg, dep, state)
+        checkpoints = None if plan is None else _Checkpoints(cfg, plan, feeder, writer, dep, state)
+        recorder = StepRecorder(
+            dep,
+            writer,
+            range(first_step, cfg.train.steps),
+            evaluator=evaluator,
+            after=None if checkpoints is None else checkpoints.after,
         )
-        filtered: list[int] = [] if state is None else list(state.filtered)
-        steps = range(first_step, cfg.train.steps)
-        Pending = tuple[StepReport, dict[str, Any], "asyncio.Future[dict[str, float]] | None"]
-        pending: asyncio.Queue[Pending] = asyncio.Queue()
-        config = config_to_dict(cfg)
-
-        async def bookkeeping() -> None:
-            """Step reports -> records (and evaluations started), until the last step."""
-            last_t = timeline.now()
-            for _ in steps:
-                report = await dep.next_report()
-                stage_metrics = await dep.collect()
-                now = timeline.now()
-                stats = await client.stats()
-                tq_tasks = stats["controller"]["partitions"][PARTITION]["tasks"]
-                versions = await dep.registry.admission_view()
-                record = _record(report, timeline, last_t, now, tq_tasks, versions[0])
-                record["stage_metrics"] = stage_metrics
-                record["restarts"] = sum(dep.restarts.values())
-                last_t = now
-                reports.append(report)
-                done = None
-                if evaluator is not None and evaluator.due(report.step + 1):
-                    done = await evaluator.start(report.version)
-                pending.put_nowait((report, record, done))
-
-        async def recording() -> None:
-            """Records in step order, each once its evaluation is in, then the checkpoint
-            due after its step."""
-            for _ in steps:
-                report, record, done = await pending.get()
-                if done is not None:
-                    assert evaluator is not None
-                    record["eval"] = await evaluator.result(done, report.step)
-                writer.write(record)
-                done_steps = report.step + 1
-                filtered.extend(report.filtered)
-                if plan is not None and plan.due(done_steps):
-                    # every group before the step's next one was consumed: trained, filtered
-                    nxt = report.next_group if report.next_group >= 0 else done_steps * b
-                    part = DriverState(
-                        steps=done_steps,
-                        version=report.version,
-                        next_group=nxt,
-                        admission=[a for a in feeder.admission_log if a[0] < nxt],
-                        elapsed_s=float(record["time_s"]),
-                        records=list(writer.records),
-                        filtered=list(filtered),
-                    )
-                    path = await asyncio.to_thread(
-                        checkpoint.commit, plan, part, dep.tokenizer, config
-                    )
-                    log.info("checkpoint after step %d: %s", report.step, path)
-
-        loop = asyncio.get_running_loop()
-        jobs: dict[asyncio.Task[None], str] = {loop.create_task(feeder.run()): "feeder"}
-        jobs[loop.create_task(bookkeeping())] = "driver"
+        jobs = Supervisor()
+        jobs.add("feeder", feeder.run)
+        jobs.add("steps", recorder.take_reports)
         if evaluator is not None:
-            jobs[loop.create_task(evaluator.collect())] = "eval"
+            jobs.add("evaluation", evaluator.collect)
         for name, job in dep.jobs().items():
-            jobs[loop.create_task(job())] = name
-        watch = loop.create_task(_regenerate_lost(client, feeder, PARTITION))
-        jobs[watch] = "transferqueue"
-        finished = loop.create_task(recording())
-        try:
-            pending_tasks: set[asyncio.Task[Any]] = {*jobs, finished}
-            while not finished.done():
-                ready, pending_tasks = await asyncio.wait(
-                    pending_tasks, return_when=asyncio.FIRST_COMPLETED
-                )
-                for t in ready:
-                    if t.cancelled():
-                        continue
-                    exc = t.exception()
-                    if exc is not None:
-                        if isinstance(exc, StageError):
-                            raise exc
-                        raise StageError(jobs.get(t, "driver"), exc) from exc
-                if not finished.done() and not (pending_tasks - {finished, watch}):  # never ends
-                    raise RuntimeError("every stage ended before the last train step")
-        finally:
-            for t in [*jobs, finished]:
-                t.cancel()
-            for t in [*jobs, finished]:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await t
+            jobs.add(name, job)
+        regenerate = functools.partial(_regenerate_lost, client, feeder, PARTITION)
+        jobs.add("regeneration", regenerate, background=True)
+        await jobs.run(
+            "records",
+            recorder.write_records,
+            idle_error="every stage ended before the last train step",
+        )
         await dep.collect()
         policy_dir = await _save_policy(dep, out_dir / "policy", cfg.train.steps)
-        wall = time.perf_counter() - t_start
-        write_timeline(timeline, out_dir, writer.records)
+        write_timeline(dep.timeline, out_dir, writer.records)
         result = RunResult(
             records=writer.records,
-            reports=reports,
+            reports=recorder.reports,
             admission=feeder.admission_log,
-            timeline=timeline,
+            timeline=dep.timeline,
             output_dir=out_dir,
-            wall_s=wall,
+            wall_s=time.perf_counter() - t_start,
             extra={**await dep.summary(), "regenerated_groups": list(feeder.readmitted)},
             policy_dir=policy_dir,
         )
         if cfg.output.plot and writer.records:
             plot_rewards({"reward": writer.records}, out_dir / "reward.png", _title(cfg))
         return result
+
+
+def _feeder(cfg: RunConfig, dep: Deployment, state: DriverState | None) -> PromptFeeder:
+    """The prompt feeder of this run (a resumed one from the checkpoint's next group)."""
+    b = cfg.train.groups_per_step
+    return PromptFeeder(
+        dep.client,
+        dep.task,
+        dep.tokenizer,
+        dep.registry,
+        group_size=cfg.rollout.group_size,
+        groups_per_step=b,
+        max_staleness=cfg.train.max_staleness,
+        total_groups=cfg.train.steps * b,
+        partition=PARTITION,
+        predict=dep.predict,
+        start=0 if state is None else state.next_group,  # the TransferQueue is new
+        admission_log=None if state is None else state.admission,
+        dynamic_sampling=cfg.train.dynamic_sampling,
+        filtered_before=0 if state is None else len(state.filtered),
+    )
+
+
+class _Checkpoints:
+    """The driver's part of each checkpoint the plan marks (the trainer staged its part
+    before handing over the step's report): the feeder's state, the groups dynamic sampling
+    filtered and the records so far, written once the step's record is (see
+    ``asyncflow.checkpoint``)."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        plan: CheckpointPlan,
+        feeder: PromptFeeder,
+        writer: MetricsWriter,
+        dep: Deployment,
+        state: DriverState | None,
+    ) -> None:
+        self.plan = plan
+        self.feeder = feeder
+        self.writer = writer
+        self.tokenizer = dep.tokenizer
+        self.config = config_to_dict(cfg)
+        self.groups_per_step = cfg.train.groups_per_step
+        self.filtered: list[int] = [] if state is None else list(state.filtered)
+
+    async def after(self, report: StepReport, record: dict[str, Any]) -> None:
+        """Note the step's filtered groups; complete the checkpoint due after the step, if
+        one is."""
+        done_steps = report.step + 1
+        self.filtered.extend(report.filtered)
+        if not self.plan.due(done_steps):
+            return
+        # every group before the step's next one was consumed: trained, filtered
+        nxt = report.next_group if report.next_group >= 0 else done_steps * self.groups_per_step
+        part = DriverState(
+            steps=done_steps,
+            version=report.version,
+            next_group=nxt,
+            admission=[a for a in self.feeder.admission_log if a[0] < nxt],
+            elapsed_s=float(record["time_s"]),
+            records=list(self.writer.records),
+            filtered=list(self.filtered),
+        )
+        path = await asyncio.to_thread(
+            checkpoint.commit, self.plan, part, self.tokenizer, self.config
+        )
+        log.info("checkpoint after step %d: %s", report.step, path)
 
 
 LOST_ROWS_POLL_S = 2.0  # how often the driver looks for rows lost with a storage unit
@@ -388,39 +384,6 @@ def _title(cfg: RunConfig) -> str:
         f"GRPO {cfg.task.name}, {cfg.model.name} model, {cfg.rollout.engine} rollout, "
         f"max_staleness={cfg.train.max_staleness}"
     )
-
-
-def _record(
-    report: StepReport,
-    timeline: Timeline,
-    since: float,
-    now: float,
-    tq_tasks: dict[str, Any],
-    generator_version: int,
-) -> dict[str, Any]:
-    st = report.staleness
-    record: dict[str, Any] = {
-        "step": report.step,
-        "reward": report.reward_mean,
-        "reward_std": report.reward_std,
-        "version": report.version,
-        "samples": report.samples,
-        "groups": report.groups,
-        "groups_filtered": len(report.filtered),
-        "filtered": report.filtered,
-        "tokens": report.tokens,
-        "time_s": now,
-        "step_s": now - since,
-        "staleness_max": max(st) if st else 0,
-        "staleness_mean": sum(st) / len(st) if st else 0.0,
-        "staleness_hist": staleness_histogram(st),
-        "generator_version": generator_version,
-        "stages": timeline.summary(since, now),
-        "queue": {k: {"queued": v["queued"], "waiting": v["waiting"]} for k, v in tq_tasks.items()},
-    }
-    for k, v in report.metrics.items():  # engine scalars; never shadow the run's own fields
-        record.setdefault(k if k not in record else f"engine_{k}", v)
-    return record
 
 
 def run(

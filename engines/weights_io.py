@@ -295,7 +295,7 @@ def _view(
     return raw.view(dtype).view(size) if numel else torch.empty(size, dtype=dtype)
 
 
-def unpack_state(path: str, layout: Sequence[LayoutEntry]) -> Iterator[tuple[str, torch.Tensor]]:
+def unpack_state(path: str, layout: Sequence[Sequence[Any]]) -> Iterator[tuple[str, torch.Tensor]]:
     """Zero-copy ``(name, tensor)`` views of a file written by :func:`pack_state`.
 
     The views are read-only in spirit (the mapping is private: writes never reach the file) and
@@ -309,7 +309,7 @@ def unpack_state(path: str, layout: Sequence[LayoutEntry]) -> Iterator[tuple[str
 
 
 def unpack_buffer(
-    buffer: torch.Tensor, layout: Sequence[LayoutEntry], *, source: str = "packed weights"
+    buffer: torch.Tensor, layout: Sequence[Sequence[Any]], *, source: str = "packed weights"
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Zero-copy ``(name, tensor)`` views of a packed image held in a 1-D uint8 ``buffer``.
 

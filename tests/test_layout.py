@@ -42,8 +42,9 @@ TQ_LAYERS = {
     "wire": {"", "wire"},
     "storage": {"", "wire", "storage"},
     "controller": {"", "wire", "storage", "controller"},
-    "client": {"", "wire", "storage", "client"},
-    "deploy": {"", "wire", "storage", "controller", "client", "deploy"},
+    "device": {"", "device"},
+    "client": {"", "wire", "storage", "device", "client"},
+    "deploy": {"", "wire", "storage", "controller", "device", "client", "deploy"},
 }
 
 

@@ -10,12 +10,12 @@ hang on a member that is gone. With NCCL a group broadcast would cut the sender'
 about one copy, at the price of rebuilding every member's communicator on each membership
 change; with the few generator hosts per trainer of an RL job, pair links are kept there too.
 
-Per publish the sender sends a header (version, layout, ranges) over the control channel
-(:mod:`.control`, ZeroMQ), then streams the ranges on every link at once and waits for each
-receiver's acknowledgement. Memory at the sender: ``bucket_bytes`` in all (two buckets of half
-that, one packed while the other is on the wire), plus a flat copy of any non-contiguous
-tensor; large contiguous tensors go out from the trainer's own memory. The sender keeps no
-copy of the weights once ``publish`` returns.
+Per publish the sender sends a header (version, layout, ranges: :class:`.messages.Publish`)
+over the control channel (:mod:`.control`), then streams the ranges on every link at once and
+waits for each receiver's acknowledgement. Memory at the sender: ``bucket_bytes`` in all (two
+buckets of half that, one packed while the other is on the wire), plus a flat copy of any
+non-contiguous tensor; large contiguous tensors go out from the trainer's own memory. The
+sender keeps no copy of the weights once ``publish`` returns.
 
 Memory at each receiver: one staged host copy of the newest version (generators load at their
 own micro-batch boundary, so the bytes must wait for them somewhere), plus a second while a
@@ -55,7 +55,20 @@ from asyncflow.transport.base import (
     check_version,
     register_transport,
 )
-from asyncflow.transport.control import ControlServer, Message
+from asyncflow.transport.broadcast_receiver import BroadcastReceiver
+from asyncflow.transport.control import ControlServer
+from asyncflow.transport.messages import (
+    Commit,
+    Failed,
+    Fetch,
+    Have,
+    Image,
+    Join,
+    Link,
+    Publish,
+    Serve,
+    layout,
+)
 from asyncflow.transport.shm import _check_timing
 from engines.weights_io import plan_state
 
@@ -115,9 +128,7 @@ class BroadcastTransport:
     def sender(self) -> BroadcastSender:
         return BroadcastSender(self)
 
-    def receiver(self, member: str) -> Any:
-        from asyncflow.transport.broadcast_receiver import BroadcastReceiver
-
+    def receiver(self, member: str) -> BroadcastReceiver:
         return BroadcastReceiver(self, member)
 
 
@@ -160,7 +171,7 @@ class BroadcastSender:
         self._shared = _Shared()
         self._members = self._shared.members
         self._version = -1
-        self._header: Message | None = None  # layout and ranges of the newest version
+        self._header: Image | None = None  # layout and ranges of the newest version
         self._image: torch.Tensor | None = None  # keep_newest: the newest version, packed
         self._self_serving = False  # keep_newest: the sender serves a newcomer now
         self._publishing = False
@@ -208,11 +219,11 @@ class BroadcastSender:
                 ranges = [
                     links.Range(r.start, r.end, direct=image[r.start : r.end]) for r in ranges
                 ]
-            header: Message = {
-                "nbytes": plan.nbytes,
-                "layout": plan.layout,
-                "ranges": [[r.start, r.end] for r in ranges],
-            }
+            header = Image(
+                nbytes=plan.nbytes,
+                layout=layout(plan.layout),
+                ranges=[(r.start, r.end) for r in ranges],
+            )
             deadline = time.monotonic() + self.config.timeout_s
             with self._cond:
                 self._publishing = True
@@ -232,8 +243,8 @@ class BroadcastSender:
             clock.sending()
             try:
                 for name, member in targets.items():
-                    msg = {"kind": control.PUBLISH, "version": version, "link": member.link_id}
-                    self._control.send(name, {**msg, **header})
+                    publish = Publish(version=version, link=member.link_id, image=header)
+                    self._control.send(name, publish)
                 failures = self._stream(version, ranges, targets, deadline) if targets else {}
                 with self._cond:
                     for name, why in failures.items():
@@ -312,9 +323,7 @@ class BroadcastSender:
             for waiter in waiters.values():
                 waiter.stop()
         for name, member in live.items():
-            self._control.send(
-                name, {"kind": control.COMMIT, "version": version, "link": member.link_id}
-            )
+            self._control.send(name, Commit(version=version, link=member.link_id))
         return failures
 
     def _gone(self, name: str, member: _Member) -> str | None:
@@ -360,7 +369,7 @@ class BroadcastSender:
 
     # -- membership (control I/O thread, link builder threads) ---------------------------
 
-    def _on_join(self, member: str, msg: Message) -> None:
+    def _on_join(self, member: str, msg: Join) -> None:
         link_id = next(self._ids)
         with self._cond:
             old = self._members.pop(member, None)
@@ -371,14 +380,13 @@ class BroadcastSender:
         prefix = f"link/{link_id}"
         self._control.send(
             member,
-            {
-                "kind": control.LINK,
-                "link": link_id,
-                "prefix": prefix,
-                "store_port": self._store.port,
-                "backend": self.config.backend,
-                "timeout_s": self.config.timeout_s,
-            },
+            Link(
+                link=link_id,
+                prefix=prefix,
+                store_port=self._store.port,
+                backend=self.config.backend,
+                timeout_s=self.config.timeout_s,
+            ),
         )
         threading.Thread(
             target=self._build_link,
@@ -408,21 +416,18 @@ class BroadcastSender:
             current.group = group
         self._catch_up()
 
-    def _on_message(self, member: str, msg: Message) -> None:
-        kind = msg["kind"]
-        if kind not in (control.HAVE, control.FAILED):
-            return
-        version = int(msg.get("version", -1))
+    def _on_message(self, member: str, msg: Have | Failed) -> None:
+        version, failed = msg.version, isinstance(msg, Failed)
         with self._cond:
             m = self._members.get(member)
-            if m is None or msg.get("link") not in (None, m.link_id):
+            if m is None or msg.link not in (None, m.link_id):
                 return  # about a link that was replaced
-            if kind == control.HAVE:
+            if not failed:
                 m.have = max(m.have, version)
             if version == self._ack_version and self._acks.get(member, "ok") is None:
-                self._acks[member] = "ok" if kind == control.HAVE else str(msg.get("reason"))
-            if m.fetch_until and (kind == control.FAILED or version >= self._version):
-                self._end_fetch(m, failed=kind == control.FAILED)
+                self._acks[member] = msg.reason if isinstance(msg, Failed) else "ok"
+            if m.fetch_until and (failed or version >= self._version):
+                self._end_fetch(m, failed=failed)
             self._cond.notify_all()
         self._catch_up()
 
@@ -475,7 +480,7 @@ class BroadcastSender:
     def _catch_up(self) -> None:
         """Hand the newest version to linked members that lack it, each from a holder."""
         now = time.monotonic()
-        sends: list[tuple[str, Message]] = []
+        sends: list[tuple[str, Serve | Fetch]] = []
         with self._cond:
             if self._publishing or self._closed or self._header is None:
                 return
@@ -492,25 +497,26 @@ class BroadcastSender:
                     None,
                 )
                 prefix = f"serve/{next(self._ids)}"
-                common = {"version": version, "prefix": prefix, "ranges": header["ranges"]}
                 if holder is not None:
                     holder.serving = True
-                    sends.append((holder.name, {"kind": control.SERVE, **common, "to": m.name}))
+                    serve_it = Serve(
+                        version=version, prefix=prefix, ranges=header.ranges, to=m.name
+                    )
+                    sends.append((holder.name, serve_it))
                 elif self._image is not None and not self._self_serving:
                     self._self_serving = True
-                    serve = (self._image, header["ranges"], prefix)
+                    serve = (self._image, header.ranges, prefix)
                     threading.Thread(target=self._serve, args=serve, daemon=True).start()
                 else:
                     break  # it gets the next publish (or a holder that frees up)
                 m.fetch_until = now + self.config.timeout_s
                 m.fetch_from = holder.name if holder is not None else _SELF
-                sends.append(
-                    (m.name, {"kind": control.FETCH, **common, **header, "link": m.link_id})
-                )
+                fetch = Fetch(version=version, link=m.link_id, prefix=prefix, image=header)
+                sends.append((m.name, fetch))
         for member, msg in sends:
             self._control.send(member, msg)
 
-    def _serve(self, image: torch.Tensor, ranges: list[list[int]], prefix: str) -> None:
+    def _serve(self, image: torch.Tensor, ranges: list[tuple[int, int]], prefix: str) -> None:
         """``keep_newest``: send the newest image to a newcomer over a temporary link (its
         FETCH reports how it went)."""
         timeout_s = self.config.timeout_s

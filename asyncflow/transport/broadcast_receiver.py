@@ -1,9 +1,10 @@
 """The generator host's end of ``broadcast`` (see :mod:`.broadcast` for the design).
 
-Threads: the control I/O thread (heartbeats never wait on a transfer, so a long transfer does
-not make the sender think this receiver died), one short-lived thread per link the sender asks
-for (built at once, while the sender's side waits), and one *worker* that runs the transfers
-in order:
+Threads: the control loop thread (:mod:`.control`: its polls, which are also its heartbeats,
+never wait on a transfer, so a long transfer does not make the sender think this receiver
+died), one short-lived thread per
+link the sender asks for (built at once, while the sender's side waits), and one *worker* that
+runs the transfers in order:
 
 | job     | what the worker does                                                      |
 |---------|---------------------------------------------------------------------------|
@@ -27,21 +28,49 @@ import time
 import types
 import weakref
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-from asyncflow.transport import control, links
-from asyncflow.transport.control import ControlClient, Message
+from asyncflow.transport import links
+from asyncflow.transport.control import ControlClient
+from asyncflow.transport.messages import (
+    Commit,
+    Event,
+    Failed,
+    Fetch,
+    Have,
+    Link,
+    Publish,
+    Rejoin,
+    Serve,
+)
 from asyncflow.transport.shelf import VersionShelf
 from engines.weights_io import unpack_buffer
 
-if TYPE_CHECKING:
-    from asyncflow.transport.broadcast import BroadcastTransport
-
-__all__ = ["BroadcastReceiver"]
+__all__ = ["BroadcastReceiver", "ReceiverConfig"]
 
 log = logging.getLogger(__name__)
+
+Job = Publish | Fetch | Serve
+
+
+class ReceiverConfig(Protocol):
+    """What a receiver reads of its transport's config (:class:`.broadcast.BroadcastTransport`,
+    which builds receivers: this module does not import it)."""
+
+    @property
+    def address(self) -> str: ...
+    @property
+    def host(self) -> str: ...
+    @property
+    def backend(self) -> str: ...
+    @property
+    def timeout_s(self) -> float: ...
+    @property
+    def heartbeat_s(self) -> float: ...
+    @property
+    def dead_after_s(self) -> float: ...
 
 
 class _State:
@@ -55,7 +84,8 @@ class _State:
         self.failed_links: set[int] = set()  # links whose build failed on this side
         self.store_port = -1  # the sender's store, as its newest link message said
         self.closed = False
-        self.jobs: queue.SimpleQueue[Message | None] = queue.SimpleQueue()
+        # (job, monotonic time the sender gives up on it), None: stop
+        self.jobs: queue.SimpleQueue[tuple[Job, float] | None] = queue.SimpleQueue()
         self.control: ControlClient | None = None
         self.worker: threading.Thread | None = None
 
@@ -86,7 +116,7 @@ class _State:
 class BroadcastReceiver:
     """Receives versions over its link; keeps the newest staged in host memory."""
 
-    def __init__(self, config: BroadcastTransport, member: str) -> None:
+    def __init__(self, config: ReceiverConfig, member: str) -> None:
         self.config = config
         self.member = member
         self._shelf = VersionShelf(member)
@@ -108,6 +138,7 @@ class BroadcastReceiver:
             member,
             on_message=self._on_message,
             heartbeat_s=config.heartbeat_s,
+            dead_after_s=config.dead_after_s,
             name=f"broadcast-weights-{member}",
         )
         self._control.start()
@@ -136,55 +167,51 @@ class BroadcastReceiver:
         if self._control.error is not None:
             self._shelf.fail(self._control.error)
 
-    # -- control I/O thread ---------------------------------------------------------------
+    # -- control loop thread --------------------------------------------------------------
 
-    def _on_message(self, msg: Message) -> None:
-        if msg["kind"] == control.REJOIN:
+    def _on_message(self, event: Event) -> None:
+        if isinstance(event, Rejoin):
             # The sender dropped our link (or restarted): stop using it; a version received on
             # it but not committed is thrown away.
             self._state.reset_link()
-        elif msg["kind"] == control.COMMIT:
+        elif isinstance(event, Commit):
             with self._state.lock:
-                self._state.commits.add((int(msg["link"]), int(msg["version"])))
+                self._state.commits.add((event.link, event.version))
                 self._state.lock.notify_all()
-        elif msg["kind"] == control.LINK:
+        elif isinstance(event, Link):
             # Built in a thread of its own, at once: the sender's side is waiting now, and a
             # worker still busy with a transfer on a dead link must not make them miss.
             with self._state.lock:
-                self._state.latest_link = int(msg["link"])
-                self._state.store_port = int(msg["store_port"])
+                self._state.latest_link = event.link
+                self._state.store_port = event.store_port
             threading.Thread(
-                target=self._link, args=(msg,), name=f"link-{self.member}", daemon=True
+                target=self._link, args=(event,), name=f"link-{self.member}", daemon=True
             ).start()
-        elif msg["kind"] in (control.PUBLISH, control.SERVE, control.FETCH):
+        elif isinstance(event, Publish | Serve | Fetch):
             # The sender gives up on a job timeout_s after sending it; so does the worker (a
             # job that waited behind a stuck transfer must not then wait for a peer that left).
-            msg["expires"] = time.monotonic() + self.config.timeout_s
-            self._state.jobs.put(msg)
+            self._state.jobs.put((event, time.monotonic() + self.config.timeout_s))
 
     # -- worker ---------------------------------------------------------------------------
 
-    def _run_job(self, msg: Message) -> None:
+    def _run_job(self, job: Job, expires: float) -> None:
         """Run one job of the worker; a failure is reported to the sender, never raised."""
-        jobs = {
-            control.PUBLISH: self._publish,
-            control.FETCH: self._fetch,
-            control.SERVE: self._serve,
-        }
         try:
-            if self._left(msg) < 0.5:
+            if expires - time.monotonic() < 0.5:
                 raise RuntimeError("it expired waiting behind another transfer")
-            jobs[msg["kind"]](msg)
+            if isinstance(job, Publish):
+                self._publish(job, expires)
+            elif isinstance(job, Fetch):
+                self._fetch(job, expires)
+            else:
+                self._serve(job, expires)
         except Exception as e:
-            log.warning("receiver %r: %s job failed: %s", self.member, msg["kind"], e)
-            if msg["kind"] in (control.PUBLISH, control.FETCH):
+            kind = type(job).__name__.lower()
+            log.warning("receiver %r: %s job failed: %s", self.member, kind, e)
+            if isinstance(job, Publish | Fetch):
+                reason = f"{type(e).__name__}: {e}"[:4096]
                 self._control.send(
-                    {
-                        "kind": control.FAILED,
-                        "version": msg["version"],
-                        "link": msg.get("link"),
-                        "reason": f"{type(e).__name__}: {e}",
-                    }
+                    Failed(member=self.member, version=job.version, reason=reason, link=job.link)
                 )
 
     def _store_for(self, port: int) -> Any:
@@ -197,18 +224,18 @@ class BroadcastReceiver:
             self._store_port = port
         return self._store
 
-    def _link(self, msg: Message) -> None:
-        link_id = int(msg["link"])
+    def _link(self, event: Link) -> None:
+        link_id = event.link
         try:
             store = links.open_store(
                 self.config.host,
-                int(msg["store_port"]),
+                event.store_port,
                 master=False,
                 timeout_s=self.config.timeout_s,
             )
             group = links.pair_group(
                 store,
-                str(msg["prefix"]),
+                event.prefix,
                 1,
                 backend=self.config.backend,
                 timeout_s=self.config.timeout_s,
@@ -228,8 +255,8 @@ class BroadcastReceiver:
             self._state.lock.notify_all()
         links.abort(stale)
 
-    def _publish(self, msg: Message) -> None:
-        link_id, version = int(msg["link"]), int(msg["version"])
+    def _publish(self, msg: Publish, expires: float) -> None:
+        link_id, version = msg.link, msg.version
         st = self._state
         with st.lock:
             # The sender counts the link from when its side of the pair is up; this side comes
@@ -242,15 +269,16 @@ class BroadcastReceiver:
                     or link_id in st.failed_links
                     or st.closed
                 ),
-                max(0.0, self._left(msg) - 0.5),
+                max(0.0, expires - time.monotonic() - 0.5),
             )
             link = st.link
         if link is None or link[0] != link_id:
             raise RuntimeError(f"no link {link_id} here (it failed or was replaced)")
-        image = links.host_image(int(msg["nbytes"]))
-        bucket = self._device_bucket(msg["ranges"]) if self.config.backend == "nccl" else None
+        ranges = msg.image.ranges
+        image = links.host_image(msg.image.nbytes)
+        bucket = self._device_bucket(ranges) if self.config.backend == "nccl" else None
         try:
-            links.recv_ranges(link[1], image, msg["ranges"], self.config.timeout_s, bucket=bucket)
+            links.recv_ranges(link[1], image, ranges, self.config.timeout_s, bucket=bucket)
         except Exception:
             self._state.reset_link(link_id)  # the sender drops it and asks us to join again
             raise
@@ -270,53 +298,51 @@ class BroadcastReceiver:
             )
         self._keep(msg, image)
 
-    def _fetch(self, msg: Message) -> None:
-        image = links.host_image(int(msg["nbytes"]))
-        group = self._temp_group(msg, rank=1)
-        links.recv_ranges(group, image, msg["ranges"], self.config.timeout_s)
+    def _fetch(self, msg: Fetch, expires: float) -> None:
+        ranges = msg.image.ranges
+        image = links.host_image(msg.image.nbytes)
+        group = self._temp_group(msg.prefix, expires, rank=1)
+        links.recv_ranges(group, image, ranges, self.config.timeout_s)
         # tell the holder everything arrived, so that it may drop the link
         done = torch.ones(1, dtype=torch.uint8)
-        group.send([done], 0, len(msg["ranges"])).wait(links.seconds(self.config.timeout_s))
+        group.send([done], 0, len(ranges)).wait(links.seconds(self.config.timeout_s))
         self._keep(msg, image)
 
-    def _serve(self, msg: Message) -> None:
-        version = int(msg["version"])
+    def _serve(self, msg: Serve, expires: float) -> None:
+        version = msg.version
         self._shelf.get(version)  # pinned while it is sent
         try:
             image = self._shelf.extra(version)
             if not isinstance(image, torch.Tensor):
                 raise RuntimeError(f"version {version} is not staged here")
-            group = self._temp_group(msg, rank=0)
-            links.send_ranges(group, image, msg["ranges"], self.config.timeout_s)
+            group = self._temp_group(msg.prefix, expires, rank=0)
+            links.send_ranges(group, image, msg.ranges, self.config.timeout_s)
             done = torch.zeros(1, dtype=torch.uint8)
-            group.recv([done], 1, len(msg["ranges"])).wait(links.seconds(self.config.timeout_s))
+            group.recv([done], 1, len(msg.ranges)).wait(links.seconds(self.config.timeout_s))
         finally:
             self._shelf.release(version)
 
-    def _left(self, msg: Message) -> float:
-        """Seconds until the sender gives up on the job ``msg``."""
-        return float(msg["expires"]) - time.monotonic()
-
-    def _temp_group(self, msg: Message, *, rank: int) -> Any:
+    def _temp_group(self, prefix: str, expires: float, *, rank: int) -> Any:
         with self._state.lock:
             port = self._state.store_port
         # Always gloo: both images are in host memory.
         return links.pair_group(
             self._store_for(port),
-            str(msg["prefix"]),
+            prefix,
             rank,
             backend="gloo",
-            timeout_s=self._left(msg),
+            timeout_s=expires - time.monotonic(),
         )
 
-    def _keep(self, msg: Message, image: torch.Tensor) -> None:
+    def _keep(self, msg: Publish | Fetch, image: torch.Tensor) -> None:
         """Offer a received image to the shelf (views into it) and acknowledge it."""
-        version = int(msg["version"])
-        views = dict(unpack_buffer(image, msg["layout"], source=f"weights version {version}"))
+        version = msg.version
+        source = f"weights version {version}"
+        views = dict(unpack_buffer(image, msg.image.layout, source=source))
         self._shelf.offer(version, types.MappingProxyType(views), image)
-        self._control.send({"kind": control.HAVE, "version": version, "link": msg.get("link")})
+        self._control.send(Have(member=self.member, version=version, link=msg.link))
 
-    def _device_bucket(self, ranges: list[list[int]]) -> torch.Tensor:
+    def _device_bucket(self, ranges: list[tuple[int, int]]) -> torch.Tensor:
         largest = max((end - start for start, end in ranges), default=0)
         if self._bucket is None or self._bucket.numel() < largest:
             self._bucket = None
@@ -324,12 +350,14 @@ class BroadcastReceiver:
         return self._bucket
 
 
-def _work(ref: weakref.ref[BroadcastReceiver], jobs: queue.SimpleQueue[Message | None]) -> None:
+def _work(
+    ref: weakref.ref[BroadcastReceiver], jobs: queue.SimpleQueue[tuple[Job, float] | None]
+) -> None:
     """The worker thread: runs jobs in order. It holds the receiver only while running a job,
     so an unreferenced receiver is collected (and its finalizer stops this thread)."""
-    while (msg := jobs.get()) is not None:
+    while (item := jobs.get()) is not None:
         receiver = ref()
         if receiver is None:
             return
-        receiver._run_job(msg)
+        receiver._run_job(*item)
         del receiver

@@ -1,47 +1,44 @@
-"""The control channel of the cross-process transports: membership, heartbeats, headers.
+"""The control channel of the cross-process weight transports: membership, liveness, events.
 
-Weights never travel here (shared memory or a process group moves them); only small msgpack
-messages do. The sender binds one ZeroMQ ROUTER (:class:`ControlServer`); every receiver
-connects one DEALER (:class:`ControlClient`). Each end has one I/O thread that owns its
-socket; other threads hand messages to it through a queue and a wake-up pipe, so callers on
-any thread never touch the socket. Receivers may connect before the sender binds (ZeroMQ
-queues their JOIN), and join again by themselves when a sender does not know them.
+Weights never travel here (shared memory or a process group moves them); only the typed
+messages of :mod:`.messages` do, over TransferQueue's request/reply layer
+(:mod:`transferqueue.wire.rpc`): the sender's :class:`ControlServer` is an ``RpcServer`` of the
+``weights`` role, each receiver's :class:`ControlClient` an ``RpcClient`` of it. So the
+channel has TransferQueue's properties: one ROUTER at the sender and one long-lived DEALER per
+receiver, every message decoded into its declared struct and checked before a handler runs,
+a handler's error a typed error reply, a sender that dies noticed by the receivers' liveness
+watch (:mod:`transferqueue.wire.liveness`) within ``dead_after_s``.
 
-Messages: one msgpack map, ``{"kind": KIND, ...fields}``. All kinds:
+Only the sender binds. A receiver *joins*, then *polls*: the sender holds each poll up to
+``heartbeat_s`` and answers it with the events queued for that receiver since its last poll
+(a version to map, a link to build, ...), in the order they were sent. A poll is also the
+receiver's heartbeat:
 
-| kind      | dir    | fields                                  | meaning                          |
-|-----------|--------|-----------------------------------------|----------------------------------|
-| join      | r -> s | member, pid, host                       | a receiver (re)joins             |
-| heartbeat | both   |                                         | liveness, every ``heartbeat_s``  |
-| rejoin    | s -> r | reason                                  | unknown or dropped: join again   |
-| leave     | r -> s |                                         | the receiver closes              |
-| welcome   | s -> r | ticket (the newest, or None)            | answer to join (shm)             |
-| ticket    | s -> r | version, path, layout                   | a version in a file (shm)        |
-| link      | s -> r | link, prefix, store_port, timeout_s     | build the pair link (broadcast)  |
-| publish   | s -> r | version, link, nbytes, layout, ranges   | receive a version on the link    |
-| commit    | s -> r | version, link                           | every range went out: keep it    |
-| serve     | s -> r | version, prefix, ranges, to             | send a held version to a newcomer|
-| fetch     | s -> r | version, prefix, nbytes, layout, ranges | receive a version from a holder  |
-| begin     | s -> r | version, layout, offsets, nbytes        | a version comes in buckets (ipc) |
-| bucket    | s -> r | version, bucket, layout, handles        | copy these tensors (ipc)         |
-| image     | both   | version, to, layout, handles            | a holder's image for a newcomer  |
-| have      | r -> s | version, link / bucket                  | the receiver holds ``version``   |
-| failed    | r -> s | version, link / bucket, reason          | it could not get ``version``     |
+| end      | notices the other gone when                          | then                          |
+|----------|------------------------------------------------------|-------------------------------|
+| sender   | a receiver sent nothing (polls included) for         | ``on_lost(member, reason)``   |
+|          | ``dead_after_s``; at once when it ran on this host   |                               |
+|          | and its process exited (a SIGKILL sends nothing), or |                               |
+|          | it left                                              |                               |
+| receiver | the sender's connection dropped, or it was silent    | ``on_message(Rejoin)``, then  |
+|          | for ``dead_after_s``, or it answers a poll with      | it joins again by itself      |
+|          | ``rejoin`` (it restarted, or dropped this receiver)  | (every ``heartbeat_s``)       |
 
-``ticket``, ``serve`` and ``commit`` also serve ``ipc`` (handles instead of a path; a holder
-asked to export its image for ``to``; the last bucket went out).
-
-A sender declares a member lost when it has been silent for ``dead_after_s``, or at once when
-it runs on this host and its process has exited (a SIGKILL sends nothing).
+Receivers may start before the sender binds (their JOIN waits in ZeroMQ's queue, or is sent
+again). Each end runs one event loop thread (:class:`transferqueue.loop.LoopThread`) that owns
+its socket; callers on any thread hand it messages (:meth:`ControlServer.send`,
+:meth:`ControlClient.send`: queued in call order, never blocking), and the owner's callbacks run
+on it and must not block. The ends hold their owner's callbacks weakly, so an owner dropped
+without ``close`` is collected and its finalizer closes its end.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import inspect
 import logging
 import os
-import queue
 import socket
 import threading
 import time
@@ -49,15 +46,21 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-import msgpack
-import zmq
+import zmq.asyncio
 
+from asyncflow.transport import messages as m
 from asyncflow.transport.base import TransportError
+from transferqueue.errors import BadRequestError, PeerGoneError, TQError
+from transferqueue.loop import LoopThread
+from transferqueue.wire import rpc
+from transferqueue.wire.liveness import Liveness, new_incarnation
+from transferqueue.wire.protocol import Caller, handlers
+from transferqueue.wire.rpc import RpcClient, RpcServer
 
 __all__ = [
     "ControlClient",
     "ControlServer",
-    "Message",
+    "check_address",
     "free_tcp_address",
     "pid_alive",
     "unique_ipc_address",
@@ -65,13 +68,13 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-Message = dict[str, Any]
-JOIN, HEARTBEAT, REJOIN, LEAVE = "join", "heartbeat", "rejoin", "leave"
-WELCOME, TICKET = "welcome", "ticket"
-LINK, PUBLISH, COMMIT = "link", "publish", "commit"
-SERVE, FETCH, HAVE, FAILED = "serve", "fetch", "have", "failed"
-BEGIN, BUCKET, IMAGE = "begin", "bucket", "image"
 HOST = socket.gethostname()
+UNKNOWN = "the sender does not know this receiver (it restarted, or dropped it)"
+_LEAVE_S = 1.0  # bound on a closing receiver's LEAVE (a sender that is gone does not answer)
+_CLOSE_S = 5.0
+_FORGOTTEN = 1024  # dropped members whose reason the next poll is told (the most recent)
+
+Callback = Callable[[], Callable[..., None] | None]  # a weak reference to an owner's method
 
 
 def pid_alive(pid: int) -> bool:
@@ -89,342 +92,454 @@ def pid_alive(pid: int) -> bool:
         return True  # no /proc: trust kill(0)
 
 
-def _encode(msg: Message) -> bytes:
-    return msgpack.packb(msg, use_bin_type=True)
+def _context() -> zmq.asyncio.Context:
+    """The process's one ZeroMQ context (never terminated: every end closes its sockets)."""
+    return zmq.asyncio.Context.instance()
 
 
-def _decode(frame: bytes) -> Message:
-    msg = msgpack.unpackb(frame, raw=False)
-    if not isinstance(msg, dict) or not isinstance(msg.get("kind"), str):
-        raise ValueError(f"a control message must be a map with a 'kind', got {msg!r:.80}")
-    return msg
+def _weak(fn: Callable[..., None]) -> Callback:
+    """A weak reference to a bound method (a strong one to anything else)."""
+    if inspect.ismethod(fn):
+        return weakref.WeakMethod(fn)
+    return lambda: fn
 
 
-class _Loop:
-    """One socket, its I/O thread, and the queue other threads send through.
+class _End:
+    """What both ends share: the loop thread, the owner's failure, how callbacks run."""
 
-    Shared by the I/O thread and the owner's finalizer, never holding the owner itself.
-    """
-
-    def __init__(self, sock_type: int, name: str) -> None:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(sock_type)
-        self.sock.setsockopt(zmq.LINGER, 200)  # a LEAVE may still go out on close
-        self.outbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-        self.wake_r, self.wake_w = os.pipe()
-        os.set_blocking(self.wake_r, False)
-        self.stopping = threading.Event()
-        self.thread: threading.Thread | None = None
+    def __init__(self, name: str) -> None:
+        self.io = LoopThread(name)
         self.error: BaseException | None = None
-        self.name = name
 
-    def post(self, *item: Any) -> None:
-        self.outbox.put(item)
-        with contextlib.suppress(OSError):  # closed: the loop is gone anyway
-            os.write(self.wake_w, b"x")
+    def post(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn(*args)`` on the loop, after what was posted before (any thread)."""
+        with contextlib.suppress(RuntimeError):  # the loop is closed: so is this end
+            self.io.loop.call_soon_threadsafe(fn, *args)
 
-    def start(self, target: Callable[[], None]) -> None:
-        def run() -> None:
-            try:
-                target()
-            except BaseException as e:  # recorded for the owner, who re-raises it
-                log.exception("%s: control I/O thread died", self.name)
+    def call(self, ref: Callback | None, *args: Any) -> None:
+        """Run an owner's callback; its error is logged and kept (the owner raises it), never
+        the end of the loop."""
+        handler = ref() if ref is not None else None
+        if handler is None:
+            return  # the owner is gone; its finalizer closes this end
+        try:
+            handler(*args)
+        except Exception as e:
+            log.exception("weights control: handler %s failed", handler)
+            if self.error is None:
                 self.error = e
 
-        self.thread = threading.Thread(target=run, name=self.name, daemon=True)
-        self.thread.start()
-
-    def poll(self, timeout_s: float) -> bool:
-        """Wait for a message or a wake-up; whether the socket has a message."""
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.wake_r, zmq.POLLIN)
-        events = dict(poller.poll(int(max(0.0, timeout_s) * 1000)))
-        if self.wake_r in events:
-            with contextlib.suppress(BlockingIOError):
-                os.read(self.wake_r, 4096)
-        return self.sock in events
+    async def aclose(self) -> None:
+        raise NotImplementedError
 
     def stop(self) -> None:
-        self.stopping.set()
-        with contextlib.suppress(OSError):
-            os.write(self.wake_w, b"x")
-        if self.thread is not None and self.thread is not threading.current_thread():
-            self.thread.join(timeout=5)
-        if self.thread is None or not self.thread.is_alive():
-            self.sock.close()
-            self.ctx.term()
-            for fd in (self.wake_r, self.wake_w):
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+        """Close the socket and end the loop thread; idempotent, from any thread."""
+        if self.io.closed:
+            return
+        if self.io.in_loop():  # (a finalizer the garbage collector ran on this very thread)
+            task = self.io.loop.create_task(self.aclose())
+            task.add_done_callback(lambda _: self.io.close())
+            return
+        try:
+            self.io.run(self.aclose(), timeout=_CLOSE_S)
+        except Exception as e:  # closing goes on: the loop thread ends whatever happened
+            log.warning("weights control: closing %s: %r", self.io.thread.name, e)
+        self.io.close()
 
 
 class _Peer:
-    def __init__(self, identity: bytes, pid: int, host: str) -> None:
-        self.identity = identity
-        self.pid = pid
-        self.host = host
+    """The sender's view of one joined receiver."""
+
+    def __init__(self, pid: int, host: str) -> None:
+        self.pid, self.host = pid, host
         self.last_seen = time.monotonic()
+        self.events: list[m.Event] = []  # sent, not yet taken by a poll
+        self.waiter: asyncio.Future[None] | None = None  # the poll held for it
+        self.gone: str | None = None  # why it is no longer a member (its poll says rejoin)
+        self.polled = False
+
+    def wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+
+class _Server(_End):
+    """The sender's end on its loop: an ``RpcServer`` whose handlers are the methods named
+    after the ``weights`` kinds (``join``, ``poll``, ...), the members, and the tick."""
+
+    def __init__(
+        self,
+        address: str,
+        callbacks: dict[str, Callback | None],
+        heartbeat_s: float,
+        dead_after_s: float,
+        name: str,
+    ) -> None:
+        super().__init__(name)
+        self.on = callbacks
+        self.heartbeat_s, self.dead_after_s = heartbeat_s, dead_after_s
+        self.lock = threading.Lock()  # guards peers (members() reads it from any thread)
+        self.peers: dict[str, _Peer] = {}
+        self.forgotten: dict[str, str] = {}
+        self.incarnation = new_incarnation()
+        self.rpc: RpcServer | None = None
+        self.tick: asyncio.TimerHandle | None = None
+        try:
+            self.io.run(self._bind(address))
+        except BaseException as e:
+            self.stop()
+            if isinstance(e, zmq.ZMQError | TQError):
+                raise TransportError(
+                    f"the weight sender cannot bind its control socket at {address!r}: {e}; "
+                    "pass another address (a free port) to the transport"
+                ) from e
+            raise
+
+    async def _bind(self, address: str) -> None:
+        self.rpc = RpcServer(
+            _context(),
+            _bind_address(address),
+            m.ROLE,
+            handlers(m.ROLE, self),
+            keyless_beyond_loopback=True,  # (see weights-control in the docs)
+        )
+
+    async def _start(self) -> None:
+        assert self.rpc is not None
+        self.rpc.start()
+        self._arm()
+
+    def start(self) -> None:
+        self.io.run(self._start())
+
+    async def aclose(self) -> None:
+        if self.tick is not None:
+            self.tick.cancel()
+            self.tick = None
+        with self.lock:
+            peers, self.peers = list(self.peers.values()), {}
+        for peer in peers:
+            peer.gone = "the sender closed"
+            peer.wake()
+        if self.rpc is not None:
+            await self.rpc.close()
+
+    # -- what the owner posts (on the loop) ----------------------------------------------------
+    def push(self, member: str, event: m.Event) -> None:
+        peer = self.peers.get(member)
+        if peer is not None:
+            peer.events.append(event)
+            peer.wake()
+
+    def drop(self, member: str, reason: str) -> None:
+        with self.lock:
+            peer = self.peers.pop(member, None)
+        if peer is not None:
+            self._forget(member, peer, reason)
+
+    # -- handlers of the weights kinds (on the loop) ---------------------------------------------
+    def join(self, msg: m.Join, caller: Caller) -> None:
+        old = self.peers.get(msg.member)
+        if old is not None and not old.polled and (old.pid, old.host) == (msg.pid, msg.host):
+            # The same receiver's JOIN sent again while its first one waited for this sender
+            # to bind (its call ran out): one membership, one link.
+            old.last_seen = time.monotonic()
+            return
+        peer = _Peer(msg.pid, msg.host)
+        with self.lock:
+            old = self.peers.pop(msg.member, None)
+            self.peers[msg.member] = peer
+        self.forgotten.pop(msg.member, None)
+        if old is not None:
+            old.gone = "it joined again"
+            old.wake()
+        self.call(self.on["join"], msg.member, msg)
+
+    async def poll(self, msg: m.Poll, caller: Caller) -> list[m.Event]:
+        peer = self._seen(msg.member)
+        if peer is None:
+            return [m.Rejoin(reason=self.forgotten.pop(msg.member, UNKNOWN))]
+        peer.polled = True
+        if not peer.events and peer.gone is None:
+            peer.wake()  # (a poll still held for it: the receiver gave up on that one)
+            waiter = peer.waiter = asyncio.get_running_loop().create_future()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(msg.timeout_s):
+                    await waiter
+            if peer.waiter is not waiter:
+                return []  # a newer poll of this receiver took over
+            peer.waiter = None
+        if peer.gone is not None:
+            return [m.Rejoin(reason=peer.gone)]
+        out, peer.events = peer.events[: m.MAX_EVENTS], peer.events[m.MAX_EVENTS :]
+        return out
+
+    def have(self, msg: m.Have, caller: Caller) -> None:
+        if self._seen(msg.member) is not None:
+            self.call(self.on["message"], msg.member, msg)
+
+    def failed(self, msg: m.Failed, caller: Caller) -> None:
+        if self._seen(msg.member) is not None:
+            self.call(self.on["message"], msg.member, msg)
+
+    def relay(self, msg: m.Relay, caller: Caller) -> None:
+        if self._seen(msg.member) is not None:  # (dropped if ``to`` is gone)
+            self.push(msg.to, msg.event)
+
+    def leave(self, msg: m.Leave, caller: Caller) -> None:
+        with self.lock:
+            peer = self.peers.pop(msg.member, None)
+        if peer is not None:
+            peer.gone = "it left"
+            peer.wake()
+            self.call(self.on["lost"], msg.member, "it left")
+
+    def ping(self, msg: m.Ping, caller: Caller) -> str:
+        return self.incarnation
+
+    # -- membership -------------------------------------------------------------------------
+    def _seen(self, member: str) -> _Peer | None:
+        peer = self.peers.get(member)
+        if peer is not None:
+            peer.last_seen = time.monotonic()
+        return peer
+
+    def _forget(self, member: str, peer: _Peer, reason: str) -> None:
+        peer.gone = reason
+        peer.wake()
+        self.forgotten[member] = reason
+        if len(self.forgotten) > _FORGOTTEN:
+            del self.forgotten[next(iter(self.forgotten))]
+
+    def _arm(self) -> None:
+        # Twice per heartbeat: a failed catch-up is retried soon after its retry time.
+        self.tick = self.io.loop.call_later(self.heartbeat_s / 2, self._tick)
+
+    def _tick(self) -> None:
+        self.tick = None
+        now = time.monotonic()
+        lost: list[tuple[str, _Peer, str]] = []
+        with self.lock:
+            for member, peer in list(self.peers.items()):
+                if peer.host == HOST and peer.pid and not pid_alive(peer.pid):
+                    lost.append((member, peer, f"its process {peer.pid} exited"))
+                elif now - peer.last_seen > self.dead_after_s:
+                    lost.append((member, peer, f"silent for {now - peer.last_seen:.1f} s"))
+            for member, _, _ in lost:
+                del self.peers[member]
+        for member, peer, reason in lost:
+            self._forget(member, peer, reason)
+            self.call(self.on["lost"], member, reason)
+        self.call(self.on["tick"])
+        self._arm()
 
 
 class ControlServer:
-    """The sender's end: a ROUTER bound to ``address`` and its I/O thread.
+    """The sender's end: bound to ``address`` at once, serving once :meth:`start` is called.
 
-    Callbacks run on the I/O thread and must not block: ``on_join(member, msg)`` when a
-    receiver (re)joins, ``on_message(member, msg)`` for every other message of a known member,
-    ``on_lost(member, reason)`` when a member left, went silent or its process exited, and
-    ``on_tick()`` after every wake-up (at least every ``heartbeat_s``).
+    Callbacks run on the end's loop thread and must not block: ``on_join(member, Join)`` when a
+    receiver (re)joins, ``on_message(member, Have | Failed)`` for the reports of a known
+    member, ``on_lost(member, reason)`` when a member left, went silent or its process exited,
+    and ``on_tick()`` twice per ``heartbeat_s``. A known member's ``relay`` is passed on to
+    its ``to`` with no callback.
     """
 
     def __init__(
         self,
         address: str,
         *,
-        on_join: Callable[[str, Message], None],
-        on_message: Callable[[str, Message], None],
+        on_join: Callable[[str, m.Join], None],
+        on_message: Callable[[str, m.Have | m.Failed], None],
         on_lost: Callable[[str, str], None],
         on_tick: Callable[[], None] | None = None,
         heartbeat_s: float,
         dead_after_s: float,
         name: str = "weights-control",
     ) -> None:
-        # Weak: the I/O thread must not keep the owner alive (its finalizer closes this server).
-        self._on_join, self._on_message = _weak(on_join), _weak(on_message)
-        self._on_lost, self._on_tick = _weak(on_lost), _weak(on_tick) if on_tick else None
-        self.heartbeat_s, self.dead_after_s = heartbeat_s, dead_after_s
-        self._peers: dict[str, _Peer] = {}
-        self._lock = threading.Lock()
-        self._io = _Loop(zmq.ROUTER, name)
-        self._finalizer = weakref.finalize(self, self._io.stop)
-        try:
-            self._io.sock.bind(_bind_address(address))
-        except zmq.ZMQError as e:
-            self._finalizer()
-            raise TransportError(
-                f"the weight sender cannot bind its control socket at {address!r}: {e}; "
-                "pass another address (a free port) to the transport"
-            ) from e
+        callbacks = {
+            "join": _weak(on_join),
+            "message": _weak(on_message),
+            "lost": _weak(on_lost),
+            "tick": _weak(on_tick) if on_tick is not None else None,
+        }
+        self._end = _Server(address, callbacks, heartbeat_s, dead_after_s, name)
+        self._finalizer = weakref.finalize(self, self._end.stop)
 
     def start(self) -> None:
-        """Start the I/O thread (once the owner can take callbacks)."""
-        self._io.start(self._run)
+        """Start answering (once the owner can take callbacks)."""
+        self._end.start()
 
     def members(self) -> list[str]:
         """The members joined and not lost, in join order."""
-        with self._lock:
-            return list(self._peers)
+        with self._end.lock:
+            return list(self._end.peers)
 
-    def send(self, member: str, msg: Message) -> None:
-        """Queue ``msg`` for ``member`` (dropped if it is gone); any thread."""
-        self._io.post("send", member, _encode(msg))
+    def send(self, member: str, event: m.Event) -> None:
+        """Queue ``event`` for ``member``'s next poll (dropped if it is gone); any thread."""
+        self._end.post(self._end.push, member, event)
 
     def drop(self, member: str, reason: str) -> None:
-        """Forget ``member`` and tell it to join again (if it is alive); any thread."""
-        self._io.post("drop", member, reason)
+        """Forget ``member``; its next poll tells it to join again (if it is alive); any
+        thread."""
+        self._end.post(self._end.drop, member, reason)
 
     def check(self) -> None:
-        """Raise if the I/O thread died."""
-        if self._io.error is not None:
-            raise TransportError(f"the weight sender's control thread died: {self._io.error}")
+        """Raise if a callback failed (the owner's bug, logged where it happened)."""
+        if self._end.error is not None:
+            raise TransportError(f"the weight sender's control loop failed: {self._end.error}")
 
     def close(self) -> None:
         self._finalizer()
 
-    def _run(self) -> None:
-        io = self._io
-        while not io.stopping.is_set():
-            if io.poll(self.heartbeat_s):
-                while True:
-                    try:
-                        identity, frame = io.sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    except ValueError:
-                        continue  # not two frames: not one of ours
-                    self._receive(identity, frame)
-            while True:
-                try:
-                    item = io.outbox.get_nowait()
-                except queue.Empty:
-                    break
-                self._do(item)
-            self._expire()
-            if self._on_tick is not None:
-                self._call(self._on_tick)
 
-    def _do(self, item: tuple[Any, ...]) -> None:
-        if item[0] == "send":
-            with self._lock:
-                peer = self._peers.get(item[1])
-            if peer is not None:
-                self._io.sock.send_multipart([peer.identity, item[2]])
-        elif item[0] == "drop":
-            with self._lock:
-                peer = self._peers.pop(item[1], None)
-            if peer is not None:
-                self._io.sock.send_multipart(
-                    [peer.identity, _encode({"kind": REJOIN, "reason": item[2]})]
-                )
+class _Client(_End):
+    """A receiver's end on its loop: an ``RpcClient`` to the sender and the task that joins
+    and polls (the end's one background task: its failure is kept in ``error``)."""
 
-    def _receive(self, identity: bytes, frame: bytes) -> None:
+    def __init__(
+        self,
+        address: str,
+        member: str,
+        on_message: Callback,
+        heartbeat_s: float,
+        dead_after_s: float,
+        name: str,
+    ) -> None:
+        super().__init__(name)
+        self.member = member
+        self.on_message = on_message
+        self.heartbeat_s = heartbeat_s
+        self.liveness = Liveness(heartbeat_s=heartbeat_s, dead_after_s=dead_after_s)
+        self.joined = False
+        self.task: asyncio.Task[None] | None = None
         try:
-            msg = _decode(frame)
-        except Exception as e:  # a stranger's bytes never stop the loop
-            log.warning("weights control: dropped an undecodable message: %s", e)
-            return
-        kind = msg["kind"]
-        if kind == JOIN:
-            member = str(msg.get("member"))
-            with self._lock:
-                self._peers[member] = _Peer(identity, int(msg.get("pid", 0)), str(msg.get("host")))
-            self._call(self._on_join, member, msg)
-            return
-        with self._lock:
-            known = next((m for m, p in self._peers.items() if p.identity == identity), None)
-            if known is not None:
-                self._peers[known].last_seen = time.monotonic()
-        if known is None:
-            if kind != LEAVE:
-                reason = "the sender does not know this receiver (restarted, or dropped it)"
-                self._io.sock.send_multipart(
-                    [identity, _encode({"kind": REJOIN, "reason": reason})]
-                )
-            return
-        if kind == HEARTBEAT:
-            self._io.sock.send_multipart([identity, _encode({"kind": HEARTBEAT})])
-        elif kind == LEAVE:
-            with self._lock:
-                self._peers.pop(known, None)
-            self._call(self._on_lost, known, "it left")
-        else:
-            self._call(self._on_message, known, msg)
+            self.rpc = self.io.run(self._connect(address))
+        except BaseException as e:
+            self.io.close()
+            if isinstance(e, TQError):
+                raise TransportError(
+                    f"a weight receiver cannot connect to the sender's control socket at "
+                    f"{address!r}: {e}"
+                ) from e
+            raise
 
-    def _expire(self) -> None:
-        now = time.monotonic()
-        lost: list[tuple[str, str]] = []
-        with self._lock:
-            for member, peer in list(self._peers.items()):
-                if peer.host == HOST and peer.pid and not pid_alive(peer.pid):
-                    lost.append((member, f"its process {peer.pid} exited"))
-                elif now - peer.last_seen > self.dead_after_s:
-                    lost.append((member, f"silent for {now - peer.last_seen:.1f} s"))
-            for member, _ in lost:
-                del self._peers[member]
-        for member, reason in lost:
-            self._call(self._on_lost, member, reason)
+    async def _connect(self, address: str) -> RpcClient:
+        return RpcClient(
+            _context(),
+            address,
+            call_timeout_s=self.liveness.bound_s,
+            ping=m.Ping(),
+            liveness=self.liveness,
+        )
 
-    def _call(self, fn: Callable[[], Callable[..., None] | None], *args: Any) -> None:
-        handler = fn()
-        if handler is None:
-            return  # the owner is gone; its finalizer stops this loop
-        try:
-            handler(*args)
-        except Exception as e:  # a handler bug is logged and surfaced, never a dead loop
-            log.exception("weights control: handler %s failed", handler)
-            if self._io.error is None:
-                self._io.error = e
+    async def _start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self._run())
+        self.task.add_done_callback(self._ended)
+
+    def start(self) -> None:
+        self.io.run(self._start())
+
+    async def _run(self) -> None:
+        """Join, then poll until closed; join again when the sender says so or cannot be
+        reached (every ``heartbeat_s``)."""
+        join = m.Join(member=self.member, pid=os.getpid(), host=HOST)
+        poll = m.Poll(member=self.member, timeout_s=self.heartbeat_s)
+        while True:
+            try:
+                await self.rpc.call(join)
+                self.joined = True
+                while self.joined:
+                    events = await self.rpc.call(
+                        poll, wait_s=self.heartbeat_s + self.liveness.bound_s
+                    )
+                    for event in events or ():
+                        self.call(self.on_message, event)
+                        if isinstance(event, m.Rejoin):
+                            self.joined = False
+            except TQError as e:  # gone, restarting, not up yet, or a reply refused
+                if not isinstance(e, PeerGoneError):
+                    log.warning("weights control of %r: %r", self.member, e)
+                if self.joined:  # the owner resets what it holds from the sender first
+                    self.joined = False
+                    self.call(self.on_message, m.Rejoin(reason=f"the sender is unreachable: {e}"))
+                await asyncio.sleep(self.heartbeat_s)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None and self.error is None:
+            log.error("weights control of %r ended", self.member, exc_info=task.exception())
+            self.error = task.exception()
+
+    def send(self, msg: m.Have | m.Failed | m.Relay) -> None:
+        with contextlib.suppress(TQError):  # closed
+            asyncio.ensure_future(self.rpc.request(msg)).add_done_callback(self._sent)
+
+    def _sent(self, fut: asyncio.Future[Any]) -> None:
+        if not fut.cancelled() and fut.exception() is not None:
+            log.info(
+                "weights control of %r: a report was not delivered: %s",
+                self.member,
+                fut.exception(),
+            )
+
+    async def aclose(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(BaseException):
+                await self.task
+        if self.joined and not self.rpc.silent:
+            with contextlib.suppress(TQError):  # the sender drops this receiver at once
+                await self.rpc.call(m.Leave(member=self.member), wait_s=_LEAVE_S)
+        await self.rpc.close()
 
 
 class ControlClient:
-    """A receiver's end: a DEALER connected to ``address`` and its I/O thread.
-
-    Joins at once (``join_fields`` added to the JOIN), heartbeats every ``heartbeat_s``,
-    joins again when the sender answers ``rejoin`` (after passing that message to
-    ``on_message``, so the owner resets first), and sends ``leave`` on close.
-    ``on_message(msg)`` runs on the I/O thread and must not block.
-    """
+    """A receiver's end: joins the sender at ``address`` once :meth:`start` is called, and
+    passes every event to ``on_message(event)`` (on the end's loop thread; it must not
+    block). A :class:`~.messages.Rejoin` is passed before joining again, so the owner resets
+    what it holds from the sender first."""
 
     def __init__(
         self,
         address: str,
         member: str,
         *,
-        on_message: Callable[[Message], None],
+        on_message: Callable[[m.Event], None],
         heartbeat_s: float,
+        dead_after_s: float,
         name: str = "weights-control",
     ) -> None:
         self.member = member
-        self.heartbeat_s = heartbeat_s
-        self._on_message = _weak(on_message)
-        self.last_heard = 0.0
-        self._joined_at = 0.0
-        self._io = _Loop(zmq.DEALER, name)
-        self._finalizer = weakref.finalize(self, self._io.stop)
-        self._io.sock.connect(address)
+        self._end = _Client(address, member, _weak(on_message), heartbeat_s, dead_after_s, name)
+        self._finalizer = weakref.finalize(self, self._end.stop)
 
     def start(self) -> None:
-        """Start the I/O thread (once the owner can take callbacks): it joins at once."""
-        self._io.start(self._run)
+        """Start joining and polling (once the owner can take callbacks)."""
+        self._end.start()
 
-    def send(self, msg: Message) -> None:
-        """Queue ``msg`` for the sender; any thread."""
-        self._io.post(_encode(msg))
+    def send(self, msg: m.Have | m.Failed | m.Relay) -> None:
+        """Queue a report (or an event for another receiver, which the sender passes on) for
+        the sender; any thread."""
+        self._end.post(self._end.send, msg)
 
     @property
     def error(self) -> BaseException | None:
-        return self._io.error
+        """A callback's failure, or the control loop's (None: all is well)."""
+        return self._end.error
 
     def close(self) -> None:
-        if self._finalizer.alive:
-            self.send({"kind": LEAVE})
+        """Leave (the sender drops this receiver at once) and close; idempotent."""
         self._finalizer()
 
-    def _join(self) -> None:
-        self._joined_at = time.monotonic()
-        msg = {"kind": JOIN, "member": self.member, "pid": os.getpid(), "host": HOST}
-        self._io.sock.send(_encode(msg))
 
-    def _run(self) -> None:
-        io = self._io
-        self._join()
-        next_beat = time.monotonic() + self.heartbeat_s
-        while True:
-            stopping = io.stopping.is_set()
-            while True:  # flush the outbox (a LEAVE queued by close goes out before we stop)
-                try:
-                    (frame,) = io.outbox.get_nowait()
-                except queue.Empty:
-                    break
-                io.sock.send(frame)
-            if stopping:
-                return
-            if io.poll(next_beat - time.monotonic()):
-                while True:
-                    try:
-                        frame = io.sock.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self._receive(frame)
-            if time.monotonic() >= next_beat:
-                io.sock.send(_encode({"kind": HEARTBEAT}))
-                next_beat = time.monotonic() + self.heartbeat_s
-
-    def _receive(self, frame: bytes) -> None:
-        try:
-            msg = _decode(frame)
-        except Exception as e:
-            log.warning("weights control: dropped an undecodable message: %s", e)
-            return
-        self.last_heard = time.monotonic()
-        if msg["kind"] == HEARTBEAT:
-            return
-        handler = self._on_message()
-        try:
-            if handler is not None:
-                handler(msg)
-        except Exception as e:
-            log.exception("weights control: receiver handler failed")
-            if self._io.error is None:
-                self._io.error = e
-        if msg["kind"] == REJOIN and time.monotonic() - self._joined_at > self.heartbeat_s:
-            self._join()  # (heartbeats crossing our JOIN also come back as rejoin: one JOIN)
-
-
-def _weak(fn: Callable[..., None]) -> Callable[[], Callable[..., None] | None]:
-    """A weak reference to a bound method (a strong one to anything else)."""
-    if inspect.ismethod(fn):
-        return weakref.WeakMethod(fn)
-    return lambda: fn
+def check_address(address: object) -> str:
+    """``address`` if the control channel can use it, else a ValueError showing the forms."""
+    try:
+        return rpc.check_address(address)
+    except BadRequestError:
+        raise ValueError(
+            "address must be a ZeroMQ endpoint: tcp://HOST:PORT or ipc://PATH (ipc://@NAME: a "
+            f"Linux abstract socket), got {address!r}"
+        ) from None
 
 
 def _bind_address(address: str) -> str:

@@ -2,7 +2,8 @@
 
 The shape of vLLM's own ``ipc`` weight-transfer backend: the trainer hands each generator
 *handles* of its CUDA tensors (:mod:`transferqueue.device.sharing`), a few hundred bytes per
-tensor over the control channel (:mod:`.control`); the bytes never leave the GPU. Two ways:
+tensor in the typed events of the control channel (:mod:`.control`, the ``ipc_*`` events of
+:mod:`.messages`); the bytes never leave the GPU. Two ways:
 
 | call                | the generator gets                         | trainer memory             |
 |---------------------|--------------------------------------------|----------------------------|
@@ -22,9 +23,12 @@ the receiver until it releases them: torch's IPC reference counts free them afte
 one device image per version it holds (the newest and the pinned ones, on its own GPU).
 
 Newcomers (a restarted generator host): after ``publish`` the sender exports the newest state
-to them at their JOIN. After ``publish_buckets`` it asks a receiver that holds the newest
-version to export *its* image, and the newcomer copies from it; with no such holder, it gets
-the next version.
+to them at their JOIN (``ipc_share``). After ``publish_buckets`` it asks a receiver that holds
+the newest version to export *its* image (``ipc_lend``); the holder's ``relay`` of it reaches
+the newcomer through the sender (``ipc_image``), and the newcomer copies from it; with no such
+holder, it gets the next version.
+
+Acknowledgements are ``have`` / ``failed`` (of one bucket: with its ``bucket``).
 
 Both processes must see the trainer's GPU (the same GPU, or ``CUDA_VISIBLE_DEVICES`` listing
 it); otherwise opening a handle fails naming that, and the deployment picks ``shm`` or
@@ -34,17 +38,19 @@ tensors (machines without CUDA; the CPU tests of this transport).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import types
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
 from asyncflow.transport import control
+from asyncflow.transport import messages as m
 from asyncflow.transport.base import (
     ReceiverFailedError,
     SyncClock,
@@ -54,7 +60,7 @@ from asyncflow.transport.base import (
     check_version,
     register_transport,
 )
-from asyncflow.transport.control import ControlClient, ControlServer, Message
+from asyncflow.transport.control import ControlClient, ControlServer
 from asyncflow.transport.shelf import VersionShelf
 from asyncflow.transport.shm import _check_timing
 from engines.weights_io import StateSpec, plan_specs, unpack_buffer
@@ -63,6 +69,8 @@ from transferqueue.device.sharing import Handle, TensorSharer, make_sharer
 __all__ = ["IpcReceiver", "IpcSender", "IpcTransport"]
 
 SHARERS = ("cuda", "file")
+WHOLE = -1
+"""The bucket of an acknowledgement of a whole version (``have`` without ``bucket``)."""
 
 
 @register_transport("ipc")
@@ -93,19 +101,19 @@ class IpcTransport:
         return IpcReceiver(self, member)
 
 
-def _unique(state: Mapping[str, torch.Tensor]) -> tuple[list[torch.Tensor], list[list[Any]]]:
-    """Each distinct tensor once (tied names share one) and the layout that names them:
-    ``[name, tensor index]`` entries."""
+def _unique(state: Mapping[str, torch.Tensor]) -> tuple[list[torch.Tensor], list[tuple[str, int]]]:
+    """Each distinct tensor once (tied names share one) and ``(name, tensor index)`` for
+    every name."""
     tensors: list[torch.Tensor] = []
     seen: dict[tuple[int, int, tuple[int, ...], torch.dtype], int] = {}
-    layout: list[list[Any]] = []
+    names: list[tuple[str, int]] = []
     for name, t in state.items():
         key = (t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(t.shape), t.dtype)
         if not t.numel() or key not in seen:
             seen[key] = len(tensors)
             tensors.append(t.detach())
-        layout.append([name, seen[key]])
-    return tensors, layout
+        names.append((name, seen[key]))
+    return tensors, names
 
 
 class _Pending:
@@ -117,7 +125,7 @@ class _Pending:
 
     def failures(self, timeout_s: float) -> dict[str, str]:
         late = f"no acknowledgement within timeout_s={timeout_s}"
-        return {m: why or late for m, why in self.acks.items() if why != "ok"}
+        return {who: why or late for who, why in self.acks.items() if why != "ok"}
 
 
 class IpcSender:
@@ -132,7 +140,6 @@ class IpcSender:
         self._mapped: Mapping[str, torch.Tensor] | None = None  # publish: the newest state
         self._holders: list[str] = []  # publish_buckets: receivers holding the newest version
         self._pending: _Pending | None = None
-        self._exports: list[Handle] = []  # handles not yet retired
         self._closed = False
         self.last_sync: SyncTimes | None = None
         """Times of the newest publish."""
@@ -160,14 +167,13 @@ class IpcSender:
         with self._publish_lock:
             with self._cond:
                 check_version(version, self._version)
-            tensors, layout = _unique(state)
+            tensors, names = _unique(state)
             clock.sending()
-            failures = self._round(
-                (version, -1),
-                lambda _: {"kind": control.TICKET, "version": version},
-                tensors,
-                layout,
-            )
+
+            def share(handles: list[Handle]) -> m.Event:
+                return m.IpcShare(version=version, names=names, handles=handles)
+
+            failures = self._round((version, WHOLE), share, tensors)
             with self._cond:
                 self._version, self._mapped, self._holders = version, state, []
             self._sharer.collect()
@@ -190,13 +196,9 @@ class IpcSender:
                 check_version(version, self._version)
                 targets = self._control.members()
             layout, offsets, nbytes = plan_specs(specs)
-            begin = {
-                "kind": control.BEGIN,
-                "version": version,
-                "layout": layout,
-                "offsets": offsets,
-                "nbytes": nbytes,
-            }
+            begin = m.IpcBegin(
+                version=version, layout=m.layout(layout), offsets=offsets, nbytes=nbytes
+            )
             for member in targets:
                 self._control.send(member, begin)
             index = {name: i for i, s in enumerate(specs) for name in s.names}
@@ -205,23 +207,25 @@ class IpcSender:
                 clock.sending()
                 check_state(bucket)
                 tensors, entries = _unique(bucket)
-                slots = [[index[name], i] for name, i in entries if name in index]
                 unknown = [name for name, _ in entries if name not in index]
                 if unknown:
                     raise ValueError(f"bucket {b} holds tensors the specs lack: {unknown[:3]}")
+                slots = [(index[name], i) for name, i in entries]
 
-                def message(_: str, b: int = b) -> Message:
-                    return {"kind": control.BUCKET, "version": version, "bucket": b}
+                def copy(
+                    handles: list[Handle], b: int = b, slots: list[tuple[int, int]] = slots
+                ) -> m.Event:
+                    return m.IpcBucket(version=version, bucket=b, slots=slots, handles=handles)
 
-                live = [m for m in targets if m not in failures]
-                failures.update(self._round((version, b), message, tensors, slots, live))
+                live = [who for who in targets if who not in failures]
+                failures.update(self._round((version, b), copy, tensors, live))
                 del tensors, bucket  # the bucket may go: every receiver has copied it
-            live = [m for m in targets if m not in failures]
-            commit = lambda _: {"kind": control.COMMIT, "version": version}  # noqa: E731
-            failures.update(self._round((version, -1), commit, [], [], live))
+            live = [who for who in targets if who not in failures]
+            seal = m.IpcSeal(version=version)
+            failures.update(self._round((version, WHOLE), lambda _: seal, [], live))
             with self._cond:
                 self._version, self._mapped = version, None
-                self._holders = [m for m in live if m not in failures]
+                self._holders = [who for who in live if who not in failures]
             self._sharer.collect()
             self.last_sync = clock.done(version, nbytes)
         self._fail(version, failures)
@@ -229,14 +233,13 @@ class IpcSender:
     def _round(
         self,
         key: tuple[int, int],
-        message: Any,
+        event: Callable[[list[Handle]], m.Event],
         tensors: list[torch.Tensor],
-        layout: list[list[Any]],
         targets: list[str] | None = None,
     ) -> dict[str, str]:
-        """Send every target ``message(member)`` with its own export of ``tensors`` (one
-        handle per opener) and ``layout``, wait for their acknowledgements of ``key``, retire
-        the handles; the failed targets, with why."""
+        """Send every target ``event(handles)`` with its own export of ``tensors`` (one
+        handle per opener), wait for their acknowledgements of ``key``, retire the handles;
+        the failed targets, with why."""
         with self._cond:
             members = self._control.members() if targets is None else targets
             pending = self._pending = _Pending(key, members)
@@ -245,9 +248,7 @@ class IpcSender:
             for member in members:
                 handles = [self._sharer.export(t) for t in tensors]
                 exports += handles
-                self._control.send(
-                    member, {**message(member), "layout": layout, "handles": handles}
-                )
+                self._control.send(member, event(handles))
             deadline = time.monotonic() + self.config.timeout_s
             with self._cond:
                 self._cond.wait_for(
@@ -282,36 +283,28 @@ class IpcSender:
 
     # -- control callbacks (I/O thread) ---------------------------------------------------
 
-    def _on_join(self, member: str, msg: Message) -> None:
+    def _on_join(self, member: str, msg: m.Join) -> None:
         with self._cond:
-            version, mapped, holders = self._version, self._mapped, list(self._holders)
-        self._control.send(member, {"kind": control.WELCOME, "ticket": None})
+            version, mapped = self._version, self._mapped
+            holders = [h for h in self._holders if h != member]
         if mapped is not None:  # the newest published state, exported for this newcomer
-            tensors, layout = _unique(mapped)
+            tensors, names = _unique(mapped)
             handles = [self._sharer.export(t) for t in tensors]
-            ticket = {"kind": control.TICKET, "version": version, "layout": layout}
-            self._control.send(member, {**ticket, "handles": handles, "retire": True})
-        elif holders:  # a holder exports its image; its answer is relayed (_on_message)
-            self._control.send(
-                holders[0], {"kind": control.SERVE, "version": version, "to": member}
-            )
+            share = m.IpcShare(version=version, names=names, handles=handles, retire=True)
+            self._control.send(member, share)
+        elif holders:  # a holder exports its image; its relay reaches the newcomer
+            self._control.send(holders[0], m.IpcLend(version=version, to=member))
 
-    def _on_message(self, member: str, msg: Message) -> None:
-        kind = msg["kind"]
-        if kind == control.IMAGE:  # a holder's export for a newcomer: relay it
-            self._control.send(str(msg["to"]), msg)
-            return
-        if kind not in (control.HAVE, control.FAILED):
-            return
-        key = (int(msg.get("version", -1)), int(msg.get("bucket", -1)))
+    def _on_message(self, member: str, msg: m.Have | m.Failed) -> None:
+        key = (msg.version, WHOLE if msg.bucket is None else msg.bucket)
+        have = isinstance(msg, m.Have)
         with self._cond:
-            newcomer = kind == control.HAVE and key == (self._version, -1)
+            newcomer = have and key == (self._version, WHOLE)
             if newcomer and self._mapped is None and member not in self._holders:
                 self._holders.append(member)  # a newcomer served by a holder
             pending = self._pending
             if pending is not None and pending.key == key and member in pending.acks:
-                ok = kind == control.HAVE
-                pending.acks[member] = "ok" if ok else str(msg.get("reason"))
+                pending.acks[member] = "ok" if isinstance(msg, m.Have) else msg.reason
                 self._cond.notify_all()
 
     def _on_lost(self, member: str, reason: str) -> None:
@@ -330,7 +323,7 @@ class _Incoming:
 
     version: int
     image: torch.Tensor
-    layout: list[list[Any]]
+    layout: list[m.Entry]
     offsets: list[int]
 
 
@@ -354,6 +347,7 @@ class IpcReceiver:
             member,
             on_message=self._on_message,
             heartbeat_s=config.heartbeat_s,
+            dead_after_s=config.dead_after_s,
             name=f"ipc-weights-{member}",
         )
         self._finalizer = weakref.finalize(self, self._control.close)
@@ -385,46 +379,46 @@ class IpcReceiver:
 
     # -- the I/O thread ---------------------------------------------------------------------
 
-    def _on_message(self, msg: Message) -> None:
-        kind = msg["kind"]
-        if kind not in (
-            control.TICKET, control.BEGIN, control.BUCKET, control.COMMIT,
-            control.SERVE, control.IMAGE,
-        ):  # fmt: skip
+    def _on_message(self, event: m.Event) -> None:
+        if isinstance(event, m.Rejoin):  # a version arriving from that sender will not end
+            self._incoming = None
             return
-        version = int(msg["version"])
-        reply: Message = {"kind": control.HAVE, "version": version}
-        if kind == control.BUCKET:
-            reply["bucket"] = int(msg["bucket"])
-        if kind in (control.TICKET, control.BEGIN, control.IMAGE):
+        if isinstance(event, m.IpcLend):
+            with contextlib.suppress(Exception):  # else the newcomer gets the next version
+                self._lend(event)
+            return
+        if not isinstance(event, m.IpcShare | m.IpcBegin | m.IpcBucket | m.IpcSeal | m.IpcImage):
+            return
+        version = event.version
+        bucket = event.bucket if isinstance(event, m.IpcBucket) else None
+        if isinstance(event, m.IpcShare | m.IpcBegin | m.IpcImage):
             self._started.setdefault(version, time.perf_counter())
         try:
-            if kind == control.TICKET:
-                self._mapped(msg)
-            elif kind == control.BEGIN:
-                image = torch.empty(int(msg["nbytes"]), dtype=torch.uint8, device=self.device)
-                self._incoming = _Incoming(version, image, msg["layout"], msg["offsets"])
+            if isinstance(event, m.IpcShare):
+                self._mapped(event)
+            elif isinstance(event, m.IpcBegin):
+                image = torch.empty(event.nbytes, dtype=torch.uint8, device=self.device)
+                self._incoming = _Incoming(version, image, event.layout, event.offsets)
                 return
-            elif kind == control.BUCKET:
-                self._bucket(msg)
-            elif kind == control.COMMIT:
-                self._commit(version)
-            elif kind == control.SERVE:
-                self._serve(msg)
-                return
+            elif isinstance(event, m.IpcBucket):
+                self._bucket(event)
+            elif isinstance(event, m.IpcSeal):
+                self._seal(version)
             else:
-                self._image(msg)
+                self._image(event)
         except Exception as e:
-            if kind == control.SERVE:
-                return  # the newcomer gets the next version
-            why = f"{type(e).__name__}: {e}"
-            self._control.send({**reply, "kind": control.FAILED, "reason": why})
+            why = f"{type(e).__name__}: {e}"[:4096]
+            self._control.send(
+                m.Failed(member=self.member, version=version, reason=why, bucket=bucket)
+            )
             return
-        finally:
-            if msg.get("retire"):  # handles exported for this receiver alone: its to retire
-                for handle in msg.get("handles", ()):
+        finally:  # handles exported for this receiver alone: its to retire
+            if isinstance(event, m.IpcShare) and event.retire:
+                for handle in event.handles:
                     self._sharer.retire(handle)
-        self._control.send(reply)
+            elif isinstance(event, m.IpcImage):
+                self._sharer.retire(event.handle)
+        self._control.send(m.Have(member=self.member, version=version, bucket=bucket))
 
     def _hold(self, version: int, state: Mapping[str, torch.Tensor], image: Any = None) -> None:
         if self._shelf.offer(version, types.MappingProxyType(dict(state)), image):
@@ -432,25 +426,24 @@ class IpcReceiver:
             for old in [v for v in self.transfer_s if v < version - 8]:
                 del self.transfer_s[old]
 
-    def _mapped(self, msg: Message) -> None:
+    def _mapped(self, event: m.IpcShare) -> None:
         """``publish``: the sender's tensors, mapped."""
-        version = int(msg["version"])
-        tensors = [self._sharer.open(h) for h in msg["handles"]]
-        if version <= self._shelf.latest():
+        tensors = [self._sharer.open(h) for h in event.handles]
+        if event.version <= self._shelf.latest():
             # opened and dropped at once all the same: a CUDA handle's reference count is
             # given back when its opener frees it, and the sender's memory waits for that
             return
-        self._hold(version, {name: tensors[i] for name, i in msg["layout"]})
+        self._hold(event.version, {name: tensors[i] for name, i in event.names})
 
-    def _bucket(self, msg: Message) -> None:
+    def _bucket(self, event: m.IpcBucket) -> None:
         incoming = self._incoming
-        if incoming is None or incoming.version != int(msg["version"]):
-            raise RuntimeError(f"bucket of version {msg['version']} without its begin")
-        tensors = [self._sharer.open(h) for h in msg["handles"]]
+        if incoming is None or incoming.version != event.version:
+            raise RuntimeError(f"bucket of version {event.version} without its begin")
+        tensors = [self._sharer.open(h) for h in event.handles]
         image = incoming.image
-        for spec, i in msg["layout"]:
-            src = tensors[int(i)]
-            offset = int(incoming.offsets[int(spec)])
+        for spec, i in event.slots:
+            src = tensors[i]
+            offset = incoming.offsets[spec]
             nbytes = src.numel() * src.element_size()
             if nbytes:
                 dst = image[offset : offset + nbytes].view(src.dtype).view(src.shape)
@@ -458,36 +451,34 @@ class IpcReceiver:
         _settle(image, *tensors)  # the copies are done before the handles go
         del tensors
 
-    def _commit(self, version: int) -> None:
+    def _seal(self, version: int) -> None:
         incoming, self._incoming = self._incoming, None
         if incoming is None or incoming.version != version:
-            raise RuntimeError(f"commit of version {version} that did not arrive whole")
+            raise RuntimeError(f"version {version} sealed that did not arrive whole")
         views = dict(unpack_buffer(incoming.image, incoming.layout, source="ipc image"))
         self._hold(version, views, (incoming.image, incoming.layout))
 
-    def _serve(self, msg: Message) -> None:
+    def _lend(self, event: m.IpcLend) -> None:
         """A holder: export the newest image for a newcomer (relayed by the sender)."""
-        version = int(msg["version"])
-        held = self._shelf.extra(version)
+        held = self._shelf.extra(event.version)
         if not isinstance(held, tuple):
-            raise RuntimeError(f"version {version} is not held here")
+            raise RuntimeError(f"version {event.version} is not held here")
         image, layout = held
         handle = self._sharer.export(image)
-        image_msg = {"kind": control.IMAGE, "version": version, "to": msg["to"]}
-        self._control.send({**image_msg, "layout": layout, "handles": [handle], "retire": True})
+        image_event = m.IpcImage(version=event.version, layout=layout, handle=handle)
+        self._control.send(m.Relay(member=self.member, to=event.to, event=image_event))
 
-    def _image(self, msg: Message) -> None:
+    def _image(self, event: m.IpcImage) -> None:
         """A newcomer: copy a holder's image of the newest version into its own."""
-        version = int(msg["version"])
-        if version <= self._shelf.latest():
-            return
-        source = self._sharer.open(msg["handles"][0])
+        source = self._sharer.open(event.handle)
+        if event.version <= self._shelf.latest():
+            return  # (opened and dropped all the same, as in _mapped)
         image = torch.empty_like(source, device=self.device)
         image.copy_(source)
         _settle(image, source)
         del source
-        views = dict(unpack_buffer(image, msg["layout"], source="ipc image"))
-        self._hold(version, views, (image, msg["layout"]))
+        views = dict(unpack_buffer(image, event.layout, source="ipc image"))
+        self._hold(event.version, views, (image, event.layout))
 
 
 def _settle(*tensors: torch.Tensor) -> None:

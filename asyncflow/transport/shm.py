@@ -2,9 +2,10 @@
 
 The sender packs each published version ONCE (:func:`engines.weights_io.pack_state`: one
 sequential write into ``/dev/shm``, about 3 GB/s, bf16 and tied weights kept) and sends a
-*ticket* (version, path, layout) over the control channel (:mod:`.control`) to every
-receiver; each maps the file (``torch.from_file``: no copy, the pages are shared) and
-acknowledges. ``publish`` returns when every current receiver has mapped the version.
+*ticket* (version, path, layout: :class:`.messages.Ticket`) over the control channel
+(:mod:`.control`) to every receiver; each maps the file (``torch.from_file``: no copy, the
+pages are shared) and acknowledges. ``publish`` returns when every current receiver has mapped
+the version.
 
 Lifetime of the memory: the sender unlinks a version's *name* as soon as a newer version is
 published (after the receivers acknowledged the newer one); the pages live on while a
@@ -19,7 +20,7 @@ A version that arrives a bucket at a time (a sharded trainer, :func:`.base.publi
 is written into its file bucket by bucket (:class:`engines.weights_io.PackWriter`): the
 sender holds one tensor of it at a time, never the whole state.
 
-A receiver that joins late is sent the newest ticket in the answer to its JOIN. The control
+A receiver that joins late is sent the newest ticket as soon as it joins. The control
 address defaults to a Linux abstract socket (no file, gone with the process); it is part of
 the picklable config, so processes started by anyone (``multiprocessing``, Ray actors) find
 the sender with no other wiring.
@@ -39,11 +40,12 @@ import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
 from asyncflow.transport import control
+from asyncflow.transport import messages as m
 from asyncflow.transport.base import (
     ReceiverFailedError,
     SyncClock,
@@ -53,7 +55,7 @@ from asyncflow.transport.base import (
     check_version,
     register_transport,
 )
-from asyncflow.transport.control import ControlClient, ControlServer, Message
+from asyncflow.transport.control import ControlClient, ControlServer
 from asyncflow.transport.shelf import VersionShelf
 from engines.weights_io import PackedState, PackWriter, StateSpec, pack_state, unpack_state
 
@@ -94,6 +96,7 @@ class ShmTransport:
 
     def __post_init__(self) -> None:
         _check_timing(self.timeout_s, self.heartbeat_s, self.dead_after_s)
+        control.check_address(self.address)
 
     def sender(self) -> ShmSender:
         return ShmSender(self)
@@ -156,7 +159,7 @@ class ShmSender:
         self.config = config
         self._cond = threading.Condition()
         self._version = -1
-        self._ticket: Message | None = None
+        self._ticket: m.Ticket | None = None
         # the publish waiting for acknowledgements: member -> None (pending) or a failure
         self._pending: dict[str, str | None] = {}
         self._pending_version = -1
@@ -221,12 +224,7 @@ class ShmSender:
     def _deliver(self, packed: PackedState, version: int, clock: SyncClock) -> None:
         """Send ``packed``'s ticket to every receiver and wait for their acknowledgements."""
         self._files.packed.append(packed)
-        ticket: Message = {
-            "kind": control.TICKET,
-            "version": version,
-            "path": packed.path,
-            "layout": packed.layout,
-        }
+        ticket = m.Ticket(version=version, path=packed.path, layout=m.layout(packed.layout))
         with self._cond:
             self._version, self._ticket = version, ticket
             targets = self._control.members()
@@ -265,18 +263,16 @@ class ShmSender:
 
     # -- control callbacks (I/O thread) ---------------------------------------------------
 
-    def _on_join(self, member: str, msg: Message) -> None:
+    def _on_join(self, member: str, msg: m.Join) -> None:
         with self._cond:
             ticket = self._ticket
-        self._control.send(member, {"kind": control.WELCOME, "ticket": ticket})
+        if ticket is not None:
+            self._control.send(member, ticket)
 
-    def _on_message(self, member: str, msg: Message) -> None:
-        if msg["kind"] not in (control.HAVE, control.FAILED):
-            return
+    def _on_message(self, member: str, msg: m.Have | m.Failed) -> None:
         with self._cond:
-            if msg.get("version") == self._pending_version and member in self._pending:
-                ok = msg["kind"] == control.HAVE
-                self._pending[member] = "ok" if ok else str(msg.get("reason"))
+            if msg.version == self._pending_version and member in self._pending:
+                self._pending[member] = "ok" if isinstance(msg, m.Have) else msg.reason
                 self._cond.notify_all()
 
     def _on_lost(self, member: str, reason: str) -> None:
@@ -298,6 +294,7 @@ class ShmReceiver:
             member,
             on_message=self._on_message,
             heartbeat_s=config.heartbeat_s,
+            dead_after_s=config.dead_after_s,
             name=f"shm-weights-{member}",
         )
         self._finalizer = weakref.finalize(self, self._control.close)
@@ -326,17 +323,17 @@ class ShmReceiver:
         if self._control.error is not None:
             self._shelf.fail(self._control.error)
 
-    def _on_message(self, msg: Message) -> None:
-        kind = msg["kind"]
-        ticket: Any = msg.get("ticket") if kind == control.WELCOME else msg
-        if kind not in (control.WELCOME, control.TICKET) or not ticket:
-            return
-        version = int(ticket["version"])
+    def _on_message(self, event: m.Event) -> None:
+        if not isinstance(event, m.Ticket):
+            return  # (a rejoin: nothing to reset, the newest ticket comes with the join)
+        version = event.version
         if version > self._shelf.latest():
             try:
-                views = dict(unpack_state(str(ticket["path"]), ticket["layout"]))
+                views = dict(unpack_state(event.path, event.layout))
             except (OSError, ValueError) as e:  # unlinked meanwhile (superseded) or corrupt
-                self._control.send({"kind": control.FAILED, "version": version, "reason": str(e)})
+                self._control.send(
+                    m.Failed(member=self.member, version=version, reason=str(e)[:4096])
+                )
                 return
             self._shelf.offer(version, types.MappingProxyType(views))
-        self._control.send({"kind": control.HAVE, "version": version})
+        self._control.send(m.Have(member=self.member, version=version))

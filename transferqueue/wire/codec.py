@@ -45,7 +45,8 @@ receiving chunks does not join them: it copies them straight into its buffers.
 and bounded fields), and a handler method of that name on the server (``ControllerService``
 or ``ControllerServer``; ``UnitServer``) taking ``(message, caller)``. Servers refuse to start
 when a declared kind has no handler; clients send it with ``await link.call(Kind(...))``.
-Bump ``PROTOCOL_VERSION`` when an existing kind changes.
+Bump ``PROTOCOL_VERSION`` when an existing kind changes. (Kinds of another server role, declared
+by a package on top, travel the same way: see :mod:`transferqueue.wire.protocol`.)
 """
 
 from __future__ import annotations
@@ -428,9 +429,10 @@ def decode_request(
     rid, n = _RID_KIND.unpack_from(head)
     start = _RID_KIND.size + n
     kind = bytes(head[_RID_KIND.size : start]).decode("ascii", "replace")
-    cls = KINDS[server].get(kind)
+    table = KINDS.get(server, {})
+    cls = table.get(kind)
     if cls is None or start > head.nbytes:
-        known = sorted(KINDS[server])
+        known = sorted(table)
         err = ProtocolError(f"unknown message kind {kind!r}; this server takes {known}")
         raise RequestError(rid, err)
     try:

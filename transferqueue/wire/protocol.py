@@ -2,9 +2,16 @@
 
 A message kind (declared in :mod:`transferqueue.wire.messages`) subclasses
 :class:`ControllerRequest` or :class:`UnitRequest` parametrized with its reply type; declaring
-it registers it in :data:`KINDS` under its ``kind`` name. This module also holds the field
-types kinds are built from (names, row arrays, waits, keys: each with its bound from
-:mod:`transferqueue.limits`) and the dispatch from a kind to its handler (:func:`handlers`).
+it registers it in :data:`KINDS` under its server *role* and its ``kind`` name. This module
+also holds the field types kinds are built from (names, row arrays, waits, keys: each with its
+bound from :mod:`transferqueue.limits`) and the dispatch from a kind to its handler
+(:func:`handlers`).
+
+TransferQueue's roles are ``controller`` and ``unit``. A package built on this wire declares
+a role of its own the same way: a base ``class MyRequest(Request[R]): server = "my-role"``
+(one table of kinds per role, so its kind names never clash with TransferQueue's), kinds
+subclassing it, and an :class:`~transferqueue.wire.rpc.RpcServer` built with
+``handlers("my-role", obj)`` (asyncflow's weight transports do: the ``weights`` role).
 """
 
 from __future__ import annotations
@@ -47,7 +54,8 @@ __all__ = [
 ]
 
 R = TypeVar("R")
-Server = Literal["controller", "unit"]
+Server = str
+"""A server role: ``controller`` and ``unit`` here, others declared by packages on top."""
 Role = Literal["client", "admin", "service"]
 _RANK = {"client": 0, "admin": 1, "service": 2}
 
@@ -119,8 +127,8 @@ class Request(msgspec.Struct, Generic[R], array_like=True, forbid_unknown_fields
         super().__init_subclass__(**kwargs)
         kind = cls.__dict__.get("kind")
         if kind is None:
-            return  # an intermediate base
-        table = KINDS[cls.server]
+            return  # an intermediate base (a role's, such as ControllerRequest)
+        table = KINDS.setdefault(cls.server, {})
         if kind in table:
             raise TypeError(f"message kind {kind!r} of the {cls.server} is declared twice")
         table[kind] = cls
@@ -137,8 +145,8 @@ class Request(msgspec.Struct, Generic[R], array_like=True, forbid_unknown_fields
 
 
 _Pending: Any = object()
-KINDS: dict[str, dict[str, type[Request[Any]]]] = {"controller": {}, "unit": {}}
-"""Every declared kind, per server: ``KINDS["controller"]["get_meta"] is GetMeta``."""
+KINDS: dict[Server, dict[str, type[Request[Any]]]] = {"controller": {}, "unit": {}}
+"""Every declared kind, per server role: ``KINDS["controller"]["get_meta"] is GetMeta``."""
 
 
 def _reply_type(cls: type) -> Any:
@@ -147,7 +155,10 @@ def _reply_type(cls: type) -> Any:
         if isinstance(origin, type) and issubclass(origin, Request):
             (reply,) = get_args(base)
             return None if reply is type(None) else reply
-    raise TypeError(f"{cls.__name__} must subclass ControllerRequest[R] or UnitRequest[R]")
+    raise TypeError(
+        f"{cls.__name__} must subclass ControllerRequest[R], UnitRequest[R] or another role's "
+        "request base parametrized with its reply type"
+    )
 
 
 def _collect_checks(cls: type) -> tuple[tuple[str, Check], ...]:
@@ -175,6 +186,8 @@ def handlers(server: Server, *objects: object) -> dict[type[Request[Any]], Handl
     """Each declared kind of ``server`` -> the method named after it on the first of
     ``objects`` that has one: ``method(message, caller)`` returns the reply, or an awaitable
     of it. A kind without a handler is an error here, when the server is built."""
+    if server not in KINDS:
+        raise TypeError(f"no message kinds are declared for the server role {server!r}")
     table: dict[type[Request[Any]], Handler] = {}
     for kind, cls in KINDS[server].items():
         for obj in objects:

@@ -172,8 +172,12 @@ class _LoopSocket:
 
 
 class RpcServer:
-    """A ROUTER socket answering the message kinds of ``server`` with ``handlers`` (see
-    :func:`transferqueue.wire.messages.handlers`)."""
+    """A ROUTER socket answering the message kinds of the role ``server`` with ``handlers``
+    (see :func:`transferqueue.wire.protocol.handlers`).
+
+    Without ``keys`` it binds only to loopback, unless ``keyless_beyond_loopback``: for a
+    caller whose requests carry no rows (asyncflow's weight-transport control channel, whose
+    peers sit on the cluster's own network), never for a TransferQueue server."""
 
     def __init__(
         self,
@@ -185,9 +189,11 @@ class RpcServer:
         join: bool = True,
         resolve: wire.Resolver | None = None,
         keys: ServerKeys | None = None,
+        keyless_beyond_loopback: bool = False,
     ) -> None:
         check_address(address, bind=True)
-        require_keys(address, keys)
+        if not keyless_beyond_loopback:
+            require_keys(address, keys)
         self._io = _LoopSocket(ctx, zmq.ROUTER, self._on_message)
         self._authenticator: Any = None
         try:
