@@ -51,27 +51,31 @@ def put_get_ack_rate(batch: int, seconds: float) -> dict[str, Any]:
 
 
 def _fill_core(ctl: Controller, rows: int) -> None:
-    ctl.register_fields({"x": FieldSpec.dense(torch.int64)})
+    ctl.rows.register_fields({"x": FieldSpec.dense(torch.int64)})
     chunk = 65536
     for start in range(0, rows, chunk):
-        meta = ctl.allocate(min(chunk, rows - start), "p")
-        ctl.commit(meta.indexes, ["x"])
+        meta = ctl.writes.allocate(min(chunk, rows - start), "p")
+        ctl.writes.commit(meta.indexes, ["x"])
 
 
 def core_cost(rows: int, batch: int, iters: int) -> float:
     """Seconds per get_meta+ack on the controller core with ``rows`` queued for the task."""
     ctl = Controller(num_units=2)
-    ctl.poll(task="t", partition="p", fields=["x"], batch_size=batch, lease_s=60)
+    ctl.queues.poll(task="t", partition="p", fields=["x"], batch_size=batch, lease_s=60)
     _fill_core(ctl, rows + batch * (iters + 10))
     for _ in range(10):  # warm up
-        meta, _ = ctl.poll(task="t", partition="p", fields=None, batch_size=batch, lease_s=60)
+        meta, _ = ctl.queues.poll(
+            task="t", partition="p", fields=None, batch_size=batch, lease_s=60
+        )
         assert meta is not None and meta.lease_id is not None
-        ctl.ack(meta.lease_id, meta.indexes)
+        ctl.queues.ack(meta.lease_id, meta.indexes)
     t0 = time.perf_counter()
     for _ in range(iters):
-        meta, _ = ctl.poll(task="t", partition="p", fields=None, batch_size=batch, lease_s=60)
+        meta, _ = ctl.queues.poll(
+            task="t", partition="p", fields=None, batch_size=batch, lease_s=60
+        )
         assert meta is not None and meta.lease_id is not None
-        ctl.ack(meta.lease_id, meta.indexes)
+        ctl.queues.ack(meta.lease_id, meta.indexes)
     return (time.perf_counter() - t0) / iters
 
 

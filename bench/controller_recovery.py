@@ -55,19 +55,23 @@ def _make() -> JournaledController:
 def _fill(ctl: Controller, rows: int) -> list[int]:
     """``rows`` committed rows in partition ``p`` with tasks a and b declared; task a
     consumed a tenth of them; returns the ids of 100 leases left outstanding."""
-    ctl.register_fields({"x": FieldSpec.dense("float32", (8,)), "y": FieldSpec.object()})
-    ctl.declare_tasks("p", ["a", "b"])
+    ctl.rows.register_fields({"x": FieldSpec.dense("float32", (8,)), "y": FieldSpec.object()})
+    ctl.queues.declare_tasks("p", ["a", "b"])
     for start in range(0, rows, _PUT):
         n = min(_PUT, rows - start)
-        meta = ctl.allocate(n, "p", groups=np.arange(start, start + n) // 8, nbytes=n * 64)
-        ctl.commit(meta.indexes, ["x", "y"], versions=0)
+        meta = ctl.writes.allocate(n, "p", groups=np.arange(start, start + n) // 8, nbytes=n * 64)
+        ctl.writes.commit(meta.indexes, ["x", "y"], versions=0)
     for _ in range(rows // 10 // 256):
-        got, _ = ctl.poll(task="a", partition="p", fields=["x"], batch_size=256, lease_s=3600)
+        got, _ = ctl.queues.poll(
+            task="a", partition="p", fields=["x"], batch_size=256, lease_s=3600
+        )
         assert got is not None and got.lease_id is not None
-        ctl.ack(got.lease_id)
+        ctl.queues.ack(got.lease_id)
     held = []
     for _ in range(100):
-        got, _ = ctl.poll(task="b", partition="p", fields=["x", "y"], batch_size=8, lease_s=3600)
+        got, _ = ctl.queues.poll(
+            task="b", partition="p", fields=["x", "y"], batch_size=8, lease_s=3600
+        )
         assert got is not None and got.lease_id is not None
         held.append(got.lease_id)
     return held
@@ -78,9 +82,11 @@ def _loop(ctl: Controller, iters: int, batch: int = 64) -> float:
     rows: the state must hold them)."""
     t0 = time.perf_counter()
     for _ in range(iters):
-        got, _ = ctl.poll(task="a", partition="p", fields=["x"], batch_size=batch, lease_s=60)
+        got, _ = ctl.queues.poll(
+            task="a", partition="p", fields=["x"], batch_size=batch, lease_s=60
+        )
         assert got is not None and got.lease_id is not None
-        ctl.ack(got.lease_id)
+        ctl.queues.ack(got.lease_id)
     return time.perf_counter() - t0
 
 

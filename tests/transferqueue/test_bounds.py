@@ -172,8 +172,8 @@ def test_a_controller_that_fails_to_grow_is_left_as_it_was(monkeypatch: pytest.M
     from transferqueue.controller.state import TaskState
 
     ctl = Controller(num_units=2)
-    meta = ctl.allocate(1000, "p")
-    ctl.poll(task="t", partition="p", fields=["x"], batch_size=1, lease_s=5)  # a task
+    meta = ctl.writes.allocate(1000, "p")
+    ctl.queues.poll(task="t", partition="p", fields=["x"], batch_size=1, lease_s=5)  # a task
     real = TaskState.grown
 
     def fail(self: TaskState, capacity: int) -> tuple:
@@ -181,10 +181,10 @@ def test_a_controller_that_fails_to_grow_is_left_as_it_was(monkeypatch: pytest.M
 
     monkeypatch.setattr(TaskState, "grown", fail)
     with pytest.raises(MemoryError):
-        ctl.allocate(5000, "p")
+        ctl.writes.allocate(5000, "p")
     monkeypatch.setattr(TaskState, "grown", real)
     assert ctl.stats()["rows_live"] == 1000
-    more = ctl.allocate(5000, "p")  # serves as before
+    more = ctl.writes.allocate(5000, "p")  # serves as before
     assert more.indexes[0] == meta.indexes[-1] + 1 and len(more) == 5000
     with pytest.raises(BadRequestError, match="4194304"):
-        ctl.allocate(300_000_000, "p")  # refused before anything is sized
+        ctl.writes.allocate(300_000_000, "p")  # refused before anything is sized

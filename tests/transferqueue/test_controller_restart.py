@@ -17,6 +17,7 @@ import torch
 from tq_helpers import answered, child_processes, row_values, until
 
 import transferqueue
+from transferqueue.client.async_client import AsyncClient
 from transferqueue.errors import PeerGoneError, RowsLostError
 from transferqueue.meta import BatchMeta
 from transferqueue.schema import FieldSpec
@@ -36,7 +37,7 @@ def _half_put(client: transferqueue.Client, partition: str) -> BatchMeta:
 
     async def go() -> BatchMeta:
         meta = await ac._ctl.call(m.Allocate(n=1, partition=partition))
-        await ac._write_units(meta, cols, specs, create=True)
+        await ac._writer.write_units(meta, cols, specs, create=True)
         return meta
 
     return ac._io.run(go(), timeout=60)
@@ -137,6 +138,15 @@ class _CommitThenDie:
         return result
 
 
+def _dying(client: transferqueue.Client, pid: int) -> transferqueue.Client:
+    """Another client of ``client``'s TransferQueue whose commits land (journaled) and
+    then die with the controller (process ``pid``)."""
+    ac = client.async_client
+    units = list(ac._units.values())
+    dying = AsyncClient(ac._io, _CommitThenDie(ac._ctl, pid), units, owner=ac._owner)
+    return transferqueue.Client(dying, ac._io)
+
+
 @pytest.mark.parametrize("replicas", [1, 2])
 @pytest.mark.parametrize("polled", [True, False], ids=["polled", "unpolled"])
 def test_a_put_whose_commit_landed_as_the_controller_died_loses_nothing(
@@ -157,15 +167,9 @@ def test_a_put_whose_commit_landed_as_the_controller_died_loses_nothing(
         c.declare_tasks(["t"], partition="p")
         if polled:
             assert not len(c.get_meta("t", ["x"], 32, partition="p", timeout_s=0))
-        ac = c.async_client
-        real = ac._ctl
-        ac._ctl = _CommitThenDie(real, svc.pids[-1])
         x = row_values(7000, 16)
-        try:
-            with pytest.raises(PeerGoneError):
-                c.put({"x": x}, partition="p")
-        finally:
-            ac._ctl = real
+        with pytest.raises(PeerGoneError):
+            _dying(c, svc.pids[-1]).put({"x": x}, partition="p")
         until(lambda: svc.controller_restarts[0] == 1, SLACK_S, "restart")
         meta = answered(lambda: c.get_meta("t", ["x"], 32, partition="p", timeout_s=2), SLACK_S)
         stats = _stats(c)
@@ -192,14 +196,8 @@ def test_a_kv_put_whose_commit_landed_as_the_controller_died_loses_nothing(
     ):
         c = tq.client()
         c.kv_put("kept", {"x": row_values(1, 1)[0]}, partition="kv")
-        ac = c.async_client
-        real = ac._ctl
-        ac._ctl = _CommitThenDie(real, svc.pids[-1])
-        try:
-            with pytest.raises(PeerGoneError):
-                c.kv_put("k", {"x": row_values(7, 1)[0]}, partition="kv")
-        finally:
-            ac._ctl = real
+        with pytest.raises(PeerGoneError):
+            _dying(c, svc.pids[-1]).kv_put("k", {"x": row_values(7, 1)[0]}, partition="kv")
         until(lambda: svc.controller_restarts[0] == 1, SLACK_S, "restart")
         listing = answered(lambda: c.kv_list("kv"), SLACK_S)
         assert list(listing.keys) == ["kept"]

@@ -18,14 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from transferqueue.controller.journal import SNAPSHOT, JournalSettings, read_records
-from transferqueue.controller.journaled import JournaledController, call_function, open_controller
+from transferqueue.controller.journaled import JournaledController, open_controller
 from transferqueue.controller.rereplicate import CopyPlan
 from transferqueue.controller.service import ControllerService
-from transferqueue.controller.snapshot import export_partition
 from transferqueue.errors import CheckpointError, TQError
 from transferqueue.schema import FieldSpec
-from transferqueue.wire import messages as m
-from transferqueue.wire import protocol
 from transferqueue.wire.replies import TaskImport
 
 PARTS = ["p0", "p1", "kv"]
@@ -68,24 +65,37 @@ def _plain(value: Any) -> Any:
 def state(ctl: JournaledController, *, ids: bool = True) -> dict[str, Any]:
     """What a client can observe of the core, and the leases it holds (``ids``: with their
     ids; two cores that drew their own compare without)."""
-    out: dict[str, Any] = {"stats": ctl.stats(), "next": ctl._next_index}
-    for name, part in ctl._partitions.items():
-        st_ = ctl.status(name)
+    out: dict[str, Any] = {"stats": ctl.stats(), "next": ctl.rows.next_index}
+    leases = []
+    for part in ctl.partitions:
+        name = part.name
+        leases += ctl.leases.of_partition(part.id)
+        st_ = ctl.status.status(name)
         out[f"status {name}"] = _plain(st_)
         for task in part.tasks:
-            out[f"status {name} {task}"] = _plain(ctl.status(name, task=task))
+            out[f"status {name} {task}"] = _plain(ctl.status.status(name, task=task))
             out[f"queue {name} {task}"] = _plain(part.tasks[task].sampler.queued())
-        out[f"export {name}"] = _plain(export_partition(ctl, name))
-        out[f"keys {name}"] = _plain(ctl.list_keys(name, None, False))
+        out[f"export {name}"] = _plain(ctl.snapshots.export_partition(name))
+        out[f"keys {name}"] = _plain(ctl.keys.list_keys(name, None, False))
     out["leases"] = sorted(
-        (lid if ids else 0, lease.task, lease.indexes.tolist(), lease.deadline, lease.remaining)
-        for lid, lease in ctl.leases._active.items()
+        (
+            lease.lease_id if ids else 0,
+            lease.task,
+            lease.indexes.tolist(),
+            lease.deadline,
+            lease.remaining,
+        )
+        for lease in leases
     )
-    out["lost"] = ctl.lost(np.arange(ctl._next_index + 1)).tolist()
-    out["custom"] = sorted(ctl._custom.items())
-    live = np.flatnonzero(ctl._h["live"])
-    out["copies"] = [ctl._h[k][live].tolist() for k in ("index", "unit", "replica", "copying")]
-    out["epochs"] = ctl.unit_epochs.tolist()
+    out["lost"] = ctl.rows.lost(np.arange(ctl.rows.next_index + 1)).tolist()
+    live = np.flatnonzero(ctl.rows.header["live"])
+    indexes = np.sort(ctl.rows.header["index"][live])
+    pos, metas = ctl.status.custom_of(indexes)
+    out["custom"] = list(zip(indexes[pos].tolist(), metas, strict=True))
+    out["copies"] = [
+        ctl.rows.header[k][live].tolist() for k in ("index", "unit", "replica", "copying")
+    ]
+    out["epochs"] = ctl.copies.unit_epochs.tolist()
     return out
 
 
@@ -104,8 +114,8 @@ class Driver:
         self.errors = 0
         if not setup:
             return
-        ctl.register_fields({"x": FieldSpec.dense("float32", (2,)), "y": FieldSpec.object()})
-        ctl.declare_tasks("p1", ["a", "b"])
+        ctl.rows.register_fields({"x": FieldSpec.dense("float32", (2,)), "y": FieldSpec.object()})
+        ctl.queues.declare_tasks("p1", ["a", "b"])
 
     def step(self) -> None:
         r, ctl = self.rng, self.ctl
@@ -114,14 +124,18 @@ class Driver:
         part = PARTS[int(r.integers(0, 2))]
         try:
             if op <= 4:
-                meta = ctl.allocate(int(r.integers(1, 8)), part, groups=int(r.integers(0, 40)))
+                meta = ctl.writes.allocate(
+                    int(r.integers(1, 8)), part, groups=int(r.integers(0, 40))
+                )
                 if r.random() < 0.85:  # (else left uncommitted: reclaimed later)
                     fields = ["x"] if r.random() < 0.5 else ["x", "y"]
                     copies = meta.replica_units if r.random() < 0.8 else None
-                    ctl.commit(meta.indexes, fields, versions=int(r.integers(0, 3)), copies=copies)
+                    ctl.writes.commit(
+                        meta.indexes, fields, versions=int(r.integers(0, 3)), copies=copies
+                    )
             elif op <= 8:
                 task, fields, sampler, options = TASKS[int(r.integers(0, len(TASKS)))]
-                got, _ = ctl.poll(
+                got, _ = ctl.queues.poll(
                     task=task,
                     partition=part,
                     fields=fields,
@@ -139,49 +153,49 @@ class Driver:
                 lease = ctl.leases.active(lid)
                 kind = int(r.integers(0, 4))
                 if kind == 0 and lease is not None and lease.indexes.size > 1:
-                    ctl.ack(lid, lease.indexes[:1])
+                    ctl.queues.ack(lid, lease.indexes[:1])
                     self.leases.append(lid)
                 elif kind == 1:
-                    ctl.release(lid)
+                    ctl.queues.release(lid)
                 elif kind == 2:
-                    ctl.renew(lid, 3.0)
+                    ctl.queues.renew(lid, 3.0)
                     self.leases.append(lid)
                 else:
-                    ctl.ack(lid)
+                    ctl.queues.ack(lid)
             elif op == 12:
-                ctl.expire()
-                ctl.reclaim()
+                ctl.queues.expire()
+                ctl.health.reclaim()
             elif op == 13:
                 keys = [f"k{int(k)}" for k in r.integers(0, 12, size=3)]
-                rows = ctl.key_rows("kv", sorted(set(keys)), create=True)
+                rows = ctl.keys.key_rows("kv", sorted(set(keys)), create=True)
                 if rows.created.size:
-                    ctl.commit(rows.meta.indexes[rows.created], ["x"])
+                    ctl.writes.commit(rows.meta.indexes[rows.created], ["x"])
                 if r.random() < 0.3:
-                    ctl.delete_keys("kv", [keys[0]])
+                    ctl.keys.delete_keys("kv", [keys[0]])
             elif op == 14 and r.random() < 0.3:
-                ctl.retire_groups(part, [int(r.integers(0, 40))], None)
+                ctl.retirement.retire_groups(part, [int(r.integers(0, 40))], None)
             elif op == 15 and r.random() < 0.3:
                 unit = int(r.integers(0, 3))
-                ctl.lose_unit(unit)
-                ctl.unit_back(unit)
+                ctl.health.lose_unit(unit)
+                ctl.health.unit_back(unit)
             elif op == 15:  # (re-replication: a copy planned, done or failed later)
                 if self.plan is None:
-                    self.plan = ctl.plan_copies(int(r.integers(1, 6)), 1 << 20)
+                    self.plan = ctl.copies.plan_copies(int(r.integers(1, 6)), 1 << 20)
                 else:
                     plan, self.plan = self.plan, None
                     ok = bool(r.random() < 0.8)
-                    ctl.copies_made(plan.plan_id, plan.target, plan.indexes, plan.epoch, ok)
+                    ctl.copies.copies_made(plan.plan_id, plan.target, plan.indexes, plan.epoch, ok)
             elif op == 16:
-                live = np.flatnonzero(ctl._h["live"])
+                live = np.flatnonzero(ctl.rows.header["live"])
                 if live.size:
-                    idx = ctl._h["index"][live[:2]]
-                    ctl.set_custom_meta(idx, [b"m%d" % i for i in idx.tolist()])
+                    idx = ctl.rows.header["index"][live[:2]]
+                    ctl.status.set_custom_meta(idx, [b"m%d" % i for i in idx.tolist()])
             elif op == 17 and r.random() < 0.2:
-                ctl.reset_consumption(part, "a")
+                ctl.queues.reset_consumption(part, "a")
             elif op == 18 and r.random() < 0.1:
-                ctl.finish(part)
+                ctl.queues.finish(part)
             elif op == 19 and r.random() < 0.05:
-                ctl.clear(part)
+                ctl.queues.clear(part)
         except (TQError, ValueError, KeyError):
             self.errors += 1
 
@@ -258,19 +272,19 @@ def test_a_torn_last_record_is_cut_and_the_rest_replays(tmp_path: Path) -> None:
 def test_a_lease_taken_before_the_restart_acks_after_it(tmp_path: Path) -> None:
     clock = FakeClock()
     ctl, _ = open_controller(tmp_path / "d", lambda: _make(clock), JournalSettings(fsync="never"))
-    ctl.register_fields({"x": FieldSpec.dense("float32", (2,))})
-    ctl.declare_tasks("p", ["t"])
-    meta = ctl.allocate(10, "p")
-    ctl.commit(meta.indexes, ["x"])
-    first, _ = ctl.poll(task="t", partition="p", fields=["x"], batch_size=4, lease_s=30)
+    ctl.rows.register_fields({"x": FieldSpec.dense("float32", (2,))})
+    ctl.queues.declare_tasks("p", ["t"])
+    meta = ctl.writes.allocate(10, "p")
+    ctl.writes.commit(meta.indexes, ["x"])
+    first, _ = ctl.queues.poll(task="t", partition="p", fields=["x"], batch_size=4, lease_s=30)
     assert first is not None and first.lease_id is not None
-    ctl.ack(first.lease_id)
-    held, _ = ctl.poll(task="t", partition="p", fields=["x"], batch_size=4, lease_s=30)
+    ctl.queues.ack(first.lease_id)
+    held, _ = ctl.queues.poll(task="t", partition="p", fields=["x"], batch_size=4, lease_s=30)
     assert held is not None and held.lease_id is not None
     back = _recovered(tmp_path / "d", tmp_path / "copy", clock)
-    back.ack(held.lease_id, held.indexes)  # the same lease id, still open
-    back.ack(held.lease_id, held.indexes)  # (again: an ack whose reply died with the old one)
-    rest, _ = back.poll(
+    back.queues.ack(held.lease_id, held.indexes)  # the same lease id, still open
+    back.queues.ack(held.lease_id, held.indexes)  # (again: its reply died with the old one)
+    rest, _ = back.queues.poll(
         task="t", partition="p", fields=["x"], batch_size=10, lease_s=30, short_ok=True
     )
     assert rest is not None
@@ -283,13 +297,13 @@ def test_arrays_of_every_shape_replay_as_they_were_journaled(tmp_path: Path) -> 
     a header array that is a strided view, recover as the rows had them."""
     clock = FakeClock()
     ctl, _ = open_controller(tmp_path / "d", lambda: _make(clock), JournalSettings(fsync="never"))
-    ctl.register_fields({"x": FieldSpec.dense("float32", (2,))})
-    one = ctl.allocate(4, "p", groups=np.array(7), versions=np.array(3))
-    strided = ctl.allocate(3, "p", groups=np.arange(6)[::2], lengths=np.arange(10, 16)[::2])
-    ctl.commit(np.r_[one.indexes, strided.indexes], ["x"])
+    ctl.rows.register_fields({"x": FieldSpec.dense("float32", (2,))})
+    one = ctl.writes.allocate(4, "p", groups=np.array(7), versions=np.array(3))
+    strided = ctl.writes.allocate(3, "p", groups=np.arange(6)[::2], lengths=np.arange(10, 16)[::2])
+    ctl.writes.commit(np.r_[one.indexes, strided.indexes], ["x"])
     back = _recovered(tmp_path / "d", tmp_path / "copy", clock)
     assert back.stats() == ctl.stats()
-    got, _ = back.poll(task="t", partition="p", fields=["x"], batch_size=7, lease_s=30)
+    got, _ = back.queues.poll(task="t", partition="p", fields=["x"], batch_size=7, lease_s=30)
     assert got is not None
     header = {
         i: (g, v, n)
@@ -302,10 +316,10 @@ def test_arrays_of_every_shape_replay_as_they_were_journaled(tmp_path: Path) -> 
 def test_deadlines_from_a_clock_that_went_back_are_clamped(tmp_path: Path) -> None:
     clock = FakeClock()
     ctl, _ = open_controller(tmp_path / "d", lambda: _make(clock), JournalSettings(fsync="never"))
-    ctl.register_fields({"x": FieldSpec.dense("float32", (2,))})
-    meta = ctl.allocate(3, "p")
-    ctl.commit(meta.indexes, ["x"])
-    got, _ = ctl.poll(task="t", partition="p", fields=["x"], batch_size=3, lease_s=30)
+    ctl.rows.register_fields({"x": FieldSpec.dense("float32", (2,))})
+    meta = ctl.writes.allocate(3, "p")
+    ctl.writes.commit(meta.indexes, ["x"])
+    got, _ = ctl.queues.poll(task="t", partition="p", fields=["x"], batch_size=3, lease_s=30)
     assert got is not None and got.lease_id is not None
     clock.t = 10.0  # (another boot: monotonic time starts again)
     back = _recovered(tmp_path / "d", tmp_path / "copy", clock)
@@ -370,11 +384,9 @@ def test_any_cut_recovers_the_same_state(
 def test_a_load_from_a_save_is_journaled_too(tmp_path: Path) -> None:
     clock = FakeClock()
     ctl, _ = open_controller(tmp_path / "d", lambda: _make(clock), JournalSettings(fsync="never"))
-    ctl.register_fields({"x": FieldSpec.dense("float32", (2,))})
+    ctl.rows.register_fields({"x": FieldSpec.dense("float32", (2,))})
     n = np.int64
-    meta = call_function(
-        ctl,
-        "import_rows",
+    meta = ctl.snapshots.import_rows(
         "L",
         np.arange(6),
         np.zeros(6, dtype=n),
@@ -383,15 +395,15 @@ def test_a_load_from_a_save_is_journaled_too(tmp_path: Path) -> None:
         keys=["k0", "k5"],  # string keys of two rows come back too
         key_rows=np.array([0, 5]),
     )
-    ctl.commit(meta.indexes, ["x"])
+    ctl.writes.commit(meta.indexes, ["x"])
     idx = meta.indexes
     task = TaskImport("t", ["x"], "fifo", {}, idx[:2], idx[2:4][::-1].copy(), [idx[4:5]])
-    call_function(ctl, "import_tasks", "L", [task], ["t"], True)
+    ctl.snapshots.import_tasks("L", [task], ["t"], True)
     assert ctl.stats()["partitions"]["L"]["tasks"]["t"]["done"] == 2
     back = _recovered(tmp_path / "d", tmp_path / "copy", clock)
     assert state(back) == state(ctl)
-    assert back.status("L", task="t").rows("queued").size == 4
-    assert back.export_keys("L")["L"]["keys"] == ["k0", "k5"]
+    assert back.status.status("L", task="t").rows("queued").size == 4
+    assert back.keys.export_keys("L")["L"]["keys"] == ["k0", "k5"]
 
 
 def test_a_reset_service_starts_its_state_dir_afresh(tmp_path: Path) -> None:
@@ -404,15 +416,15 @@ def test_a_reset_service_starts_its_state_dir_afresh(tmp_path: Path) -> None:
 
     async def go() -> None:
         service = ControllerService(ctl, nothing)
-        await service.reset(m.Reset(), protocol.TRUSTED)
+        await service.reset()
         fresh = service.controller
         assert isinstance(fresh, JournaledController) and fresh.journal is not None
-        fresh.register_fields({"z": FieldSpec.object()})
+        fresh.rows.register_fields({"z": FieldSpec.object()})
         await service.close()  # (a clean stop: a last snapshot)
 
     asyncio.run(go())
     back, _ = open_controller(tmp_path / "d", lambda: _make(clock))
-    assert list(back.specs) == ["z"] and back.stats()["next_index"] == 0
+    assert list(back.rows.specs) == ["z"] and back.stats()["next_index"] == 0
 
 
 def test_a_journal_that_cannot_be_written_refuses_calls_until_a_snapshot_heals_it(
@@ -420,7 +432,7 @@ def test_a_journal_that_cannot_be_written_refuses_calls_until_a_snapshot_heals_i
 ) -> None:
     clock = FakeClock()
     ctl, _ = open_controller(tmp_path / "d", lambda: _make(clock), JournalSettings(fsync="never"))
-    ctl.register_fields({"x": FieldSpec.dense("float32", (2,))})
+    ctl.rows.register_fields({"x": FieldSpec.dense("float32", (2,))})
     assert ctl.journal is not None
 
     def full(rec: Any) -> None:
@@ -428,12 +440,12 @@ def test_a_journal_that_cannot_be_written_refuses_calls_until_a_snapshot_heals_i
 
     monkeypatch.setattr(ctl.journal, "append", full)
     with pytest.raises(CheckpointError, match=r"allocate: .*could not be written"):
-        ctl.allocate(4, "p")  # (the rows exist now, unrecorded)
+        ctl.writes.allocate(4, "p")  # (the rows exist now, unrecorded)
     monkeypatch.undo()
     with pytest.raises(CheckpointError, match="refuses calls until a snapshot succeeds"):
-        ctl.allocate(4, "p")
+        ctl.writes.allocate(4, "p")
     ctl.journal_tick()  # the disk has room again: a snapshot takes the whole state
-    meta = ctl.allocate(4, "p")
+    meta = ctl.writes.allocate(4, "p")
     assert meta.indexes.tolist() == [4, 5, 6, 7]
     back = _recovered(tmp_path / "d", tmp_path / "copy", clock)
     assert state(back) == state(ctl)

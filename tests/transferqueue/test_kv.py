@@ -363,22 +363,22 @@ def test_new_keys_wait_for_capacity_and_updates_need_none(deploy: Deploy) -> Non
 # -- export / restore of the key map (checkpoints) -----------------------------------------------
 def test_the_key_map_exports_as_plain_data_and_restores_onto_rows() -> None:
     ctl = Controller(2)
-    ctl.key_rows("p", ["a", "b"], create=True)
-    ctl.allocate(1, "p")  # a row without a key
-    ctl.key_rows("q", ["c"], create=True)
-    saved = ctl.export_keys()
+    ctl.keys.key_rows("p", ["a", "b"], create=True)
+    ctl.writes.allocate(1, "p")  # a row without a key
+    ctl.keys.key_rows("q", ["c"], create=True)
+    saved = ctl.keys.export_keys()
     assert saved["p"]["keys"] == ["a", "b"] and saved["p"]["indexes"].tolist() == [0, 1]
     assert saved["q"]["keys"] == ["c"] and saved["q"]["indexes"].dtype == np.int64
-    assert list(ctl.export_keys("q")) == ["q"]
+    assert list(ctl.keys.export_keys("q")) == ["q"]
     fresh = Controller(2)
-    rows = fresh.allocate(2, "p").indexes[::-1].copy()  # restored rows: other indexes
-    fresh.restore_keys("p", saved["p"]["keys"], rows)
-    assert fresh.key_rows("p", ["b", "a"]).meta.indexes.tolist() == [0, 1]
+    rows = fresh.writes.allocate(2, "p").indexes[::-1].copy()  # restored rows: other indexes
+    fresh.keys.restore_keys("p", saved["p"]["keys"], rows)
+    assert fresh.keys.key_rows("p", ["b", "a"]).meta.indexes.tolist() == [0, 1]
     with pytest.raises(BadRequestError, match=r"keys \['a'\] already have a row"):
-        fresh.restore_keys("p", ["a"], rows[:1])
+        fresh.keys.restore_keys("p", ["a"], rows[:1])
     with pytest.raises(BadRequestError, match="rows already have a key"):
-        fresh.restore_keys("p", ["new"], rows[:1])
+        fresh.keys.restore_keys("p", ["new"], rows[:1])
     with pytest.raises(BadRequestError, match="not all distinct"):
-        fresh.restore_keys("p", ["x", "x"], rows)
+        fresh.keys.restore_keys("p", ["x", "x"], rows)
     with pytest.raises(BadRequestError, match="not all in partition 'q'"):
-        fresh.restore_keys("q", ["z"], rows[:1])
+        fresh.keys.restore_keys("q", ["z"], rows[:1])

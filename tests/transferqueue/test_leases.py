@@ -140,15 +140,15 @@ class _Clock:
 
 def _controller(clock: _Clock, rows: int = 8) -> Controller:
     ctl = Controller(1, clock=clock)
-    ctl.register_fields({"x": FieldSpec.dense("int64")})
-    meta = ctl.allocate(rows, "p", groups=np.arange(rows))
-    ctl.commit(meta.indexes, ["x"])
+    ctl.rows.register_fields({"x": FieldSpec.dense("int64")})
+    meta = ctl.writes.allocate(rows, "p", groups=np.arange(rows))
+    ctl.writes.commit(meta.indexes, ["x"])
     return ctl
 
 
 def _take(ctl: Controller, lease_s: float = 10.0) -> list[int]:
     """The sorted indexes task ``t`` gets now, then the lease id (``[0]``: nothing)."""
-    meta, _ = ctl.poll(
+    meta, _ = ctl.queues.poll(
         task="t", partition="p", fields=["x"], batch_size=8, lease_s=lease_s, short_ok=True
     )
     assert meta is not None
@@ -161,15 +161,15 @@ def test_a_lease_holds_until_its_deadline_and_not_a_moment_longer() -> None:
     *rows, lease = _take(ctl, lease_s=10.0)
     assert rows == list(range(8))
     clock.now = 109.999
-    ctl.expire()
+    ctl.queues.expire()
     assert _take(ctl) == [0]  # held: nothing for anyone
-    assert ctl.next_deadline() == 110.0
+    assert ctl.queues.next_deadline() == 110.0
     clock.now = 110.0
-    ctl.expire()
+    ctl.queues.expire()
     *again, _ = _take(ctl)
     assert again == rows  # back at the deadline
     with pytest.raises(LeaseExpiredError, match="handed out again"):
-        ctl.ack(lease)
+        ctl.queues.ack(lease)
 
 
 def test_renew_moves_the_deadline_from_now() -> None:
@@ -177,14 +177,14 @@ def test_renew_moves_the_deadline_from_now() -> None:
     ctl = _controller(clock)
     *_, lease = _take(ctl, lease_s=10.0)
     clock.now = 108.0
-    ctl.renew(lease, 10.0)  # deadline 118, not 110 + 10
-    assert ctl.next_deadline() == 118.0
+    ctl.queues.renew(lease, 10.0)  # deadline 118, not 110 + 10
+    assert ctl.queues.next_deadline() == 118.0
     clock.now = 117.0
-    ctl.expire()
+    ctl.queues.expire()
     assert _take(ctl) == [0]
-    ctl.ack(lease)  # accepted: the lease holds
+    ctl.queues.ack(lease)  # accepted: the lease holds
     clock.now = 1000.0
-    ctl.expire()
+    ctl.queues.expire()
     assert _take(ctl) == [0]  # acknowledged rows never come back
 
 
@@ -194,6 +194,6 @@ def test_an_expired_lease_cannot_be_renewed_or_acked() -> None:
     *_, lease = _take(ctl, lease_s=10.0)
     clock.now = 110.0  # past the deadline, before the timer returned the rows
     with pytest.raises(LeaseExpiredError, match="lease_s"):
-        ctl.renew(lease, 10.0)
+        ctl.queues.renew(lease, 10.0)
     with pytest.raises(LeaseExpiredError):
-        ctl.ack(lease)
+        ctl.queues.ack(lease)

@@ -52,14 +52,14 @@ def _put_over_both(client: transferqueue.Client, start: int, n: int = 1000) -> A
 # -- the controller core ---------------------------------------------------------------------
 def test_lose_unit_takes_its_rows_out_of_queues_and_leases_and_counts_them() -> None:
     ctl = Controller(2, spread_bytes=0)
-    ctl.register_fields({"x": transferqueue.FieldSpec.dense("int64", ())})
-    meta = ctl.allocate(8, "p")
-    ctl.commit(meta.indexes, ["x"])
+    ctl.rows.register_fields({"x": transferqueue.FieldSpec.dense("int64", ())})
+    meta = ctl.writes.allocate(8, "p")
+    ctl.writes.commit(meta.indexes, ["x"])
     on1 = meta.indexes[meta.units == 1]
-    leased, _ = ctl.poll(task="a", partition="p", fields=["x"], batch_size=4, lease_s=60)
-    ctl.poll(task="b", partition="p", fields=["x"], batch_size=1, lease_s=60)  # b: queued
+    leased, _ = ctl.queues.poll(task="a", partition="p", fields=["x"], batch_size=4, lease_s=60)
+    ctl.queues.poll(task="b", partition="p", fields=["x"], batch_size=1, lease_s=60)  # b: queued
     assert leased is not None and leased.lease_id is not None
-    ctl.lose_unit(1)
+    ctl.health.lose_unit(1)
     st = ctl.stats()
     assert st["rows_lost"] == on1.size == 4 and st["rows_live"] == 4
     assert st["units_alive"] == [True, False]
@@ -67,17 +67,17 @@ def test_lose_unit_takes_its_rows_out_of_queues_and_leases_and_counts_them() -> 
     assert a["lost"] == 4 and a["leased"] + a["queued"] == 4 and a["waiting"] == 0
     assert b["lost"] == 4 and b["waiting"] == 0
     # the lease acks what is left of it; lost rows are named as lost, not unknown
-    ctl.ack(leased.lease_id, leased.indexes)
+    ctl.queues.ack(leased.lease_id, leased.indexes)
     with pytest.raises(RowsLostError, match="lost"):
-        ctl.commit(on1, ["x"])
-    assert ctl.lost(meta.indexes).tolist() == on1.tolist()
+        ctl.writes.commit(on1, ["x"])
+    assert ctl.rows.lost(meta.indexes).tolist() == on1.tolist()
     # new rows go to the live unit only, until the dead one is back
-    assert set(ctl.allocate(6, "p").units.tolist()) == {0}
-    ctl.unit_back(1)
-    assert set(ctl.allocate(6, "p").units.tolist()) == {0, 1}
+    assert set(ctl.writes.allocate(6, "p").units.tolist()) == {0}
+    ctl.health.unit_back(1)
+    assert set(ctl.writes.allocate(6, "p").units.tolist()) == {0, 1}
     # every batch handed out from now on holds only rows that exist
     for task in ("a", "b"):
-        got, _ = ctl.poll(
+        got, _ = ctl.queues.poll(
             task=task, partition="p", fields=["x"], batch_size=64, lease_s=60, short_ok=True
         )
         assert got is not None and not np.isin(got.indexes, on1).any()
@@ -86,23 +86,23 @@ def test_lose_unit_takes_its_rows_out_of_queues_and_leases_and_counts_them() -> 
 def test_uncommitted_allocations_are_reclaimed_after_their_deadline() -> None:
     now = [0.0]
     ctl = Controller(2, allocation_s=10.0, clock=lambda: now[0])
-    ctl.register_fields({"x": transferqueue.FieldSpec.dense("int64", ())})
-    dead = ctl.allocate(5, "p")  # a producer that dies before it commits
-    ok = ctl.allocate(3, "p")
-    ctl.commit(ok.indexes, ["x"])
-    assert ctl.reclaim().freed == []
+    ctl.rows.register_fields({"x": transferqueue.FieldSpec.dense("int64", ())})
+    dead = ctl.writes.allocate(5, "p")  # a producer that dies before it commits
+    ok = ctl.writes.allocate(3, "p")
+    ctl.writes.commit(ok.indexes, ["x"])
+    assert ctl.health.reclaim().freed == []
     now[0] = 5.0
-    late = ctl.allocate(2, "p")  # allocated later: its deadline is later
-    assert ctl.reclaim().freed == []
+    late = ctl.writes.allocate(2, "p")  # allocated later: its deadline is later
+    assert ctl.health.reclaim().freed == []
     now[0] = 10.5
-    changes = ctl.reclaim()
+    changes = ctl.health.reclaim()
     assert np.concatenate(changes.freed).tolist() == dead.indexes.tolist()  # freed on units
     st = ctl.stats()
     assert st["rows_reclaimed"] == 5 and st["rows_live"] == 5
     with pytest.raises(RowsLostError):  # a producer that was only slow learns it
-        ctl.commit(dead.indexes, ["x"])
+        ctl.writes.commit(dead.indexes, ["x"])
     now[0] = 16.0
-    assert np.concatenate(ctl.reclaim().freed).tolist() == late.indexes.tolist()
+    assert np.concatenate(ctl.health.reclaim().freed).tolist() == late.indexes.tolist()
     assert ctl.stats()["rows_live"] == 3
 
 

@@ -26,6 +26,7 @@ from tq_helpers import until
 import transferqueue
 from transferqueue import Liveness
 from transferqueue.controller.core import Controller
+from transferqueue.controller.handlers import RowHandlers
 from transferqueue.controller.service import ControllerService
 from transferqueue.wire import messages as m
 from transferqueue.wire import protocol
@@ -65,16 +66,16 @@ def test_placement_never_puts_both_copies_on_one_unit(num_units: int, layout: st
         if step % 25 == 24:  # a unit dies or comes back (one stays alive)
             u = int(rng.integers(num_units))
             if ctl.placement.alive[u] and ctl.placement.alive.sum() > 1:
-                ctl.lose_unit(u)
+                ctl.health.lose_unit(u)
             else:
-                ctl.unit_back(u)
+                ctl.health.unit_back(u)
         n = int(rng.integers(1, 40))
         nbytes = int(rng.integers(0, 8 << 10))
         producer = f"p{int(rng.integers(3))}" if rng.random() < 0.5 else None
-        meta = ctl.allocate(n, "p", nbytes=nbytes, producer=producer)
+        meta = ctl.writes.allocate(n, "p", nbytes=nbytes, producer=producer)
         _check_copies(ctl, meta)
     # every live row, after all those deaths: its copies on distinct live units
-    h = ctl._h
+    h = ctl.rows.header
     live = np.flatnonzero(h["live"])
     assert ctl.placement.alive[h["unit"][live]].all()
     rep = h["replica"][live]
@@ -84,17 +85,17 @@ def test_placement_never_puts_both_copies_on_one_unit(num_units: int, layout: st
 
 def test_a_lost_unit_loses_no_row_that_has_another_copy_and_free_frees_both() -> None:
     ctl = Controller(3, spread_bytes=0, replicas=2)
-    ctl.declare_tasks("p", ["t"])
-    meta = ctl.allocate(30, "p")
+    ctl.queues.declare_tasks("p", ["t"])
+    meta = ctl.writes.allocate(30, "p")
     assert meta.replica_units is not None
-    ctl.register_fields({"x": transferqueue.FieldSpec("dense", "float32", ())})
-    ctl.commit(meta.indexes, ["x"])
+    ctl.rows.register_fields({"x": transferqueue.FieldSpec("dense", "float32", ())})
+    ctl.writes.commit(meta.indexes, ["x"])
     on1 = (meta.units == 1) | (meta.replica_units == 1)
-    ctl.lose_unit(1)
+    ctl.health.lose_unit(1)
     stats = ctl.stats()
     assert (stats["rows_lost"], stats["units_lost"]) == (0, 1)
     assert stats["rows_one_copy"] == int(on1.sum())
-    got, _ = ctl.poll(task="t", partition="p", fields=["x"], batch_size=30, lease_s=60)
+    got, _ = ctl.queues.poll(task="t", partition="p", fields=["x"], batch_size=30, lease_s=60)
     assert got is not None and got.indexes.tolist() == meta.indexes.tolist()
     assert got.replica_units is not None
     assert 1 not in got.units.tolist() and 1 not in got.replica_units.tolist()
@@ -102,12 +103,12 @@ def test_a_lost_unit_loses_no_row_that_has_another_copy_and_free_frees_both() ->
     other = np.where(meta.units == 1, meta.replica_units, meta.units)
     assert (got.units[on1] == other[on1]).all() and (got.replica_units[on1] == -1).all()
     # losing a second unit loses the rows whose one copy was there, and only those
-    ctl.lose_unit(0)
+    ctl.health.lose_unit(0)
     gone = on1 & (other == 0)
     assert ctl.stats()["rows_lost"] == int(gone.sum())
-    ctl.unit_back(0)
-    ctl.unit_back(1)
-    changes = ctl.ack(got.lease_id or 0, got.indexes[~gone])
+    ctl.health.unit_back(0)
+    ctl.health.unit_back(1)
+    changes = ctl.queues.ack(got.lease_id or 0, got.indexes[~gone])
     freed = np.concatenate(changes.freed)
     freed_units = np.concatenate(changes.freed_units)
     # each row freed on every unit that still held a copy of it, on no other
@@ -123,7 +124,7 @@ def test_the_grant_of_each_unit_covers_the_rows_of_both_copies() -> None:
     svc = ControllerService(
         Controller(3, spread_bytes=0, replicas=2), lambda u, i: None, grants=Grants(key)
     )  # type: ignore[arg-type,return-value]
-    meta = svc.allocate(m.Allocate(n=100, partition="p"), protocol.TRUSTED)
+    meta = RowHandlers(svc).allocate(m.Allocate(n=100, partition="p"), protocol.TRUSTED)
     assert isinstance(meta, transferqueue.BatchMeta) and meta.replica_units is not None
     assert meta.grants is not None and sorted(meta.grants) == [0, 1, 2]
     check = Grants(key)

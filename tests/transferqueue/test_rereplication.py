@@ -36,12 +36,12 @@ Y = transferqueue.FieldSpec("dense", "int64", ())
 def _one_copy_rows(n: int = 40, units: int = 2) -> tuple[Controller, np.ndarray]:
     """A core whose rows all lost their second copy (unit 1 died and came back)."""
     ctl = Controller(units, spread_bytes=0, replicas=2)
-    ctl.register_fields({"x": X, "y": Y})
-    ctl.declare_tasks("p", ["t"])
-    meta = ctl.allocate(n, "p", nbytes=n * 10)
-    ctl.commit(meta.indexes, ["x"], copies=meta.replica_units)
-    ctl.lose_unit(1)
-    ctl.unit_back(1)
+    ctl.rows.register_fields({"x": X, "y": Y})
+    ctl.queues.declare_tasks("p", ["t"])
+    meta = ctl.writes.allocate(n, "p", nbytes=n * 10)
+    ctl.writes.commit(meta.indexes, ["x"], copies=meta.replica_units)
+    ctl.health.lose_unit(1)
+    ctl.health.unit_back(1)
     assert ctl.stats()["rows_one_copy"] == n
     return ctl, meta.indexes
 
@@ -57,66 +57,66 @@ def _freed(changes: Any) -> list[tuple[int, int]]:
 def test_plans_are_bounded_and_a_done_copy_is_the_rows_second() -> None:
     ctl, rows = _one_copy_rows()
     plans: list[CopyPlan] = []
-    while (plan := ctl.plan_copies(max_rows=16, max_bytes=1 << 20)) is not None:
+    while (plan := ctl.copies.plan_copies(max_rows=16, max_bytes=1 << 20)) is not None:
         assert plan.source == 0 and plan.target == 1 and plan.fields == ["x"]
         assert plan.indexes.size <= 16
         plans.append(plan)
     assert [p.indexes.size for p in plans] == [16, 16, 8]  # (rows under way: not planned again)
     assert np.concatenate([p.indexes for p in plans]).tolist() == rows.tolist()
     for p in plans:
-        assert _freed(ctl.copies_made(p.plan_id, p.target, p.indexes, p.epoch, True)) == []
+        assert _freed(ctl.copies.copies_made(p.plan_id, p.target, p.indexes, p.epoch, True)) == []
     stats = ctl.stats()
     assert (stats["rows_one_copy"], stats["rows_recopied"]) == (0, 40)
     assert ctl.placement.unit_bytes.tolist() == [400, 400]
     # the bytes bound: 10 bytes a row
-    ctl.lose_unit(1)
-    ctl.unit_back(1)
-    plan = ctl.plan_copies(max_rows=100, max_bytes=35)
+    ctl.health.lose_unit(1)
+    ctl.health.unit_back(1)
+    plan = ctl.copies.plan_copies(max_rows=100, max_bytes=35)
     assert plan is not None and plan.indexes.size == 3
     # the rows are freed once consumed: both copies
-    got, _ = ctl.poll(task="t", partition="p", fields=["x"], batch_size=40, lease_s=60)
+    got, _ = ctl.queues.poll(task="t", partition="p", fields=["x"], batch_size=40, lease_s=60)
     assert got is not None and got.replica_units is not None
-    ctl.copies_made(plan.plan_id, plan.target, plan.indexes, plan.epoch, True)
-    freed = _freed(ctl.ack(got.lease_id or 0))
+    ctl.copies.copies_made(plan.plan_id, plan.target, plan.indexes, plan.epoch, True)
+    freed = _freed(ctl.queues.ack(got.lease_id or 0))
     assert [u for i, u in freed if i in plan.indexes.tolist()] == [0, 1] * 3
 
 
 def test_rows_of_one_copy_with_other_fields_go_in_another_copy() -> None:
     ctl, rows = _one_copy_rows(10)
-    ctl.commit(rows[:4], ["y"])
-    plan = ctl.plan_copies()  # (the oldest row's fields first)
+    ctl.writes.commit(rows[:4], ["y"])
+    plan = ctl.copies.plan_copies()  # (the oldest row's fields first)
     assert plan is not None and plan.fields == ["x", "y"]
     assert plan.indexes.tolist() == rows[:4].tolist()
-    other = ctl.plan_copies()
+    other = ctl.copies.plan_copies()
     assert other is not None and other.fields == ["x"]
     assert other.indexes.tolist() == rows[4:].tolist()
 
 
 def test_a_failed_copy_is_freed_on_the_target_and_planned_again() -> None:
     ctl, rows = _one_copy_rows(8)
-    plan = ctl.plan_copies()
+    plan = ctl.copies.plan_copies()
     assert plan is not None
-    changes = ctl.copies_made(plan.plan_id, plan.target, plan.indexes, plan.epoch, False)
+    changes = ctl.copies.copies_made(plan.plan_id, plan.target, plan.indexes, plan.epoch, False)
     assert _freed(changes) == [(i, 1) for i in rows.tolist()]
     assert ctl.stats()["rows_one_copy"] == 8
-    again = ctl.plan_copies()
+    again = ctl.copies.plan_copies()
     assert again is not None and again.indexes.tolist() == rows.tolist()
 
 
 def test_rows_changed_or_freed_during_a_copy_leave_nothing_on_the_target() -> None:
     ctl, rows = _one_copy_rows(12)
-    plan = ctl.plan_copies()
+    plan = ctl.copies.plan_copies()
     assert plan is not None
     # fields committed during the copy (the copy may have read the rows before them)
-    ctl.commit(rows[:3], ["y"], copies=np.full(3, -1))
+    ctl.writes.commit(rows[:3], ["y"], copies=np.full(3, -1))
     # rows freed during the copy (consumed by every task)
-    got, _ = ctl.poll(task="t", partition="p", fields=["x"], batch_size=12, lease_s=60)
+    got, _ = ctl.queues.poll(task="t", partition="p", fields=["x"], batch_size=12, lease_s=60)
     assert got is not None
-    ctl.ack(got.lease_id or 0, rows[3:6])
-    changes = ctl.copies_made(plan.plan_id, plan.target, plan.indexes, plan.epoch, True)
+    ctl.queues.ack(got.lease_id or 0, rows[3:6])
+    changes = ctl.copies.copies_made(plan.plan_id, plan.target, plan.indexes, plan.epoch, True)
     assert _freed(changes) == [(i, 1) for i in rows[:6].tolist()]
-    h = ctl._h
-    slots = ctl._map.lookup(rows)
+    h = ctl.rows.header
+    slots = ctl.rows.map.lookup(rows)
     assert h["replica"][slots[6:]].tolist() == [1] * 6
     assert h["replica"][slots[:3]].tolist() == [-1] * 3  # (copied again later)
     assert ctl.stats()["rows_one_copy"] == 3
@@ -124,58 +124,58 @@ def test_rows_changed_or_freed_during_a_copy_leave_nothing_on_the_target() -> No
 
 def test_a_target_that_died_during_the_copy_gets_no_copy() -> None:
     ctl, rows = _one_copy_rows(6)
-    plan = ctl.plan_copies()
+    plan = ctl.copies.plan_copies()
     assert plan is not None
-    ctl.lose_unit(1)  # (dies, and comes back empty before the copy's answer)
-    ctl.unit_back(1)
-    changes = ctl.copies_made(plan.plan_id, plan.target, plan.indexes, plan.epoch, True)
+    ctl.health.lose_unit(1)  # (dies, and comes back empty before the copy's answer)
+    ctl.health.unit_back(1)
+    changes = ctl.copies.copies_made(plan.plan_id, plan.target, plan.indexes, plan.epoch, True)
     assert _freed(changes) == [(i, 1) for i in rows.tolist()]
     assert ctl.stats()["rows_one_copy"] == 6 and ctl.stats()["rows_recopied"] == 0
 
 
 def test_a_writer_whose_meta_predates_the_copy_drops_it_at_commit() -> None:
     ctl, rows = _one_copy_rows(6)
-    got, _ = ctl.poll(task="t", partition="p", fields=["x"], batch_size=6, lease_s=60)
+    got, _ = ctl.queues.poll(task="t", partition="p", fields=["x"], batch_size=6, lease_s=60)
     assert got is not None and got.replica_units is not None
     assert (got.replica_units == -1).all()  # (the meta names one copy)
-    plan = ctl.plan_copies()
+    plan = ctl.copies.plan_copies()
     assert plan is not None
-    ctl.copies_made(plan.plan_id, plan.target, plan.indexes, plan.epoch, True)
+    ctl.copies.copies_made(plan.plan_id, plan.target, plan.indexes, plan.epoch, True)
     assert ctl.stats()["rows_one_copy"] == 0
     # the writer wrote "y" to the one unit its meta named: the new copy lacks it
-    changes = ctl.commit(got.indexes, ["y"], copies=got.replica_units)
+    changes = ctl.writes.commit(got.indexes, ["y"], copies=got.replica_units)
     assert _freed(changes) == [(i, 1) for i in rows.tolist()]  # (forgotten, freed there)
     assert ctl.stats()["rows_one_copy"] == 6
-    again = ctl.plan_copies()  # (copied again, "y" with it)
+    again = ctl.copies.plan_copies()  # (copied again, "y" with it)
     assert again is not None and again.fields == ["x", "y"]
     # acked: each row freed once on each unit holding it (unit 0 only, now)
-    freed = _freed(ctl.ack(got.lease_id or 0))
+    freed = _freed(ctl.queues.ack(got.lease_id or 0))
     assert freed == [(i, 0) for i in rows.tolist()]
-    assert _freed(ctl.copies_made(again.plan_id, 1, again.indexes, again.epoch, True)) == [
+    assert _freed(ctl.copies.copies_made(again.plan_id, 1, again.indexes, again.epoch, True)) == [
         (i, 1) for i in rows.tolist()
     ]
     # a writer with a fresh meta keeps the copy
     ctl2, rows2 = _one_copy_rows(6)
-    plan = ctl2.plan_copies()
+    plan = ctl2.copies.plan_copies()
     assert plan is not None
-    ctl2.copies_made(plan.plan_id, plan.target, plan.indexes, plan.epoch, True)
-    got2, _ = ctl2.poll(task="t", partition="p", fields=["x"], batch_size=6, lease_s=60)
+    ctl2.copies.copies_made(plan.plan_id, plan.target, plan.indexes, plan.epoch, True)
+    got2, _ = ctl2.queues.poll(task="t", partition="p", fields=["x"], batch_size=6, lease_s=60)
     assert got2 is not None and got2.replica_units is not None
     assert (got2.replica_units == 1).all()
-    assert _freed(ctl2.commit(rows2, ["y"], copies=got2.replica_units)) == []
-    assert _freed(ctl2.commit(rows2[:2], ["y"], copies=np.full(2, -1))) == [(0, 1), (1, 1)]
+    assert _freed(ctl2.writes.commit(rows2, ["y"], copies=got2.replica_units)) == []
+    assert _freed(ctl2.writes.commit(rows2[:2], ["y"], copies=np.full(2, -1))) == [(0, 1), (1, 1)]
     assert ctl2.stats()["rows_one_copy"] == 2
 
 
 def test_nothing_is_planned_with_one_copy_kept_or_one_unit_alive() -> None:
     ctl, _ = _one_copy_rows(4)
-    ctl.lose_unit(1)
-    assert ctl.plan_copies() is None
+    ctl.health.lose_unit(1)
+    assert ctl.copies.plan_copies() is None
     one = Controller(2, spread_bytes=0)
-    one.register_fields({"x": X})
-    meta = one.allocate(3, "p")
-    one.commit(meta.indexes, ["x"])
-    assert one.plan_copies() is None and one.stats()["rows_one_copy"] == 0
+    one.rows.register_fields({"x": X})
+    meta = one.writes.allocate(3, "p")
+    one.writes.commit(meta.indexes, ["x"])
+    assert one.copies.plan_copies() is None and one.stats()["rows_one_copy"] == 0
 
 
 def test_the_copier_survives_failing_copies_and_records_each_outcome() -> None:

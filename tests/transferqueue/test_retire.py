@@ -22,14 +22,14 @@ from transferqueue.errors import BadRequestError
 
 def _controller(groups: list[int], now: list[float]) -> tuple[Controller, np.ndarray]:
     ctl = Controller(2, spread_bytes=0, clock=lambda: now[0])
-    ctl.register_fields({"x": transferqueue.FieldSpec.dense("int64", ())})
-    meta = ctl.allocate(len(groups), "p", groups=np.array(groups))
-    ctl.commit(meta.indexes, ["x"])
+    ctl.rows.register_fields({"x": transferqueue.FieldSpec.dense("int64", ())})
+    meta = ctl.writes.allocate(len(groups), "p", groups=np.array(groups))
+    ctl.writes.commit(meta.indexes, ["x"])
     return ctl, meta.units
 
 
 def _lease(ctl: Controller, task: str, n: int, lease_s: float = 60.0) -> transferqueue.BatchMeta:
-    got, _ = ctl.poll(task=task, partition="p", fields=["x"], batch_size=n, lease_s=lease_s)
+    got, _ = ctl.queues.poll(task=task, partition="p", fields=["x"], batch_size=n, lease_s=lease_s)
     assert got is not None and got.lease_id is not None
     return got
 
@@ -48,42 +48,42 @@ def test_the_loss_log_holds_what_the_task_did_not_consume_and_nothing_it_did() -
         [7],
         [8],
     ]
-    mid_put = ctl.allocate(2, "p", groups=np.array([4, 4]))  # a put not committed yet
+    mid_put = ctl.writes.allocate(2, "p", groups=np.array([4, 4]))  # a put not committed yet
     assert mid_put.units.tolist() == [0, 1]
-    ctl.lose_unit(1)
-    page = ctl.lost_rows("p", "train")  # (the put fails: its producer puts it again)
+    ctl.health.lose_unit(1)
+    page = ctl.retirement.lost_rows("p", "train")  # (the put fails: its producer puts it again)
     assert (page.indexes.tolist(), page.groups.tolist(), page.next) == ([9], [3], 1)
     # a batch whose every row was lost stays open until its holder says what it did
-    ctl.ack(acked.lease_id)  # consumed (read before the unit died): never logged
-    ctl.ack(healthy.lease_id)
-    ctl.release(released.lease_id)  # given back unconsumed: logged
+    ctl.queues.ack(acked.lease_id)  # consumed (read before the unit died): never logged
+    ctl.queues.ack(healthy.lease_id)
+    ctl.queues.release(released.lease_id)  # given back unconsumed: logged
     now[0] = 11.0
-    ctl.expire()  # its holder vanished: logged
-    page = ctl.lost_rows("p", "train", after=1)
+    ctl.queues.expire()  # its holder vanished: logged
+    page = ctl.retirement.lost_rows("p", "train", after=1)
     assert (page.indexes.tolist(), page.groups.tolist(), page.next) == ([5, 6, 8], [1, 2, 3], 4)
     assert page.missed == 0
-    everything = ctl.lost_rows("p", "train")
+    everything = ctl.retirement.lost_rows("p", "train")
     assert everything.indexes.tolist() == [9, 5, 6, 8]
-    assert ctl.lost_rows("p", "train", after=4).indexes.size == 0
+    assert ctl.retirement.lost_rows("p", "train", after=4).indexes.size == 0
     with pytest.raises(BadRequestError, match="cursor 5 is past the end"):
-        ctl.lost_rows("p", "train", after=5)
-    assert ctl.lost_rows("p", "never-polled").indexes.size == 0
+        ctl.retirement.lost_rows("p", "train", after=5)
+    assert ctl.retirement.lost_rows("p", "never-polled").indexes.size == 0
     assert ctl.stats()["partitions"]["p"]["tasks"]["train"]["lost"] == 6  # (the put's too)
 
 
 def test_retiring_groups_frees_them_everywhere_but_leaves_a_group_the_task_holds() -> None:
     now = [0.0]
     ctl, _ = _controller([0, 0, 1, 1, 2, 2, 3, 3], now)
-    ctl.declare_tasks("p", ["gen", "train"])
+    ctl.queues.declare_tasks("p", ["gen", "train"])
     gen = _lease(ctl, "gen", 8)
-    ctl.ack(gen.lease_id, gen.indexes[:4])  # gen consumed rows 0-3, holds 4-7
+    ctl.queues.ack(gen.lease_id, gen.indexes[:4])  # gen consumed rows 0-3, holds 4-7
     held = _lease(ctl, "train", 2)  # group 0
     assert held.indexes.tolist() == [0, 1]
-    retired, changes = ctl.retire_groups("p", [0, 1, 2], unless_leased_by="train")
+    retired, changes = ctl.retirement.retire_groups("p", [0, 1, 2], unless_leased_by="train")
     assert retired.rows == 4 and retired.busy.tolist() == [0]
     assert sorted(np.concatenate(changes.freed).tolist()) == [2, 3, 4, 5]  # freed on units
     with pytest.raises(RowsLostError, match="retired"):  # gen's late write to its old rows
-        ctl.commit(np.array([4, 5]), ["x"], lease_id=gen.lease_id)
+        ctl.writes.commit(np.array([4, 5]), ["x"], lease_id=gen.lease_id)
     st = ctl.stats()
     assert st["rows_retired"] == 4 and st["partitions"]["p"]["rows_retired"] == 4
     train = st["partitions"]["p"]["tasks"]["train"]
@@ -91,14 +91,14 @@ def test_retiring_groups_frees_them_everywhere_but_leaves_a_group_the_task_holds
     g = st["partitions"]["p"]["tasks"]["gen"]
     assert (g["retired"], g["done"], g["leased"], g["waiting"]) == (2, 4, 2, 0)
     # train's queue holds only what is left; retiring never writes the loss log
-    rest, _ = ctl.poll(
+    rest, _ = ctl.queues.poll(
         task="train", partition="p", fields=["x"], batch_size=8, lease_s=60, short_ok=True
     )
     assert rest is not None and rest.indexes.tolist() == [6, 7]
-    assert ctl.lost_rows("p", "train").indexes.size == 0
+    assert ctl.retirement.lost_rows("p", "train").indexes.size == 0
     # once train consumed group 0 it is gone (every declared task acked): nothing to retire
-    ctl.ack(held.lease_id)
-    retired, _ = ctl.retire_groups("p", [0], unless_leased_by="train")
+    ctl.queues.ack(held.lease_id)
+    retired, _ = ctl.retirement.retire_groups("p", [0], unless_leased_by="train")
     assert retired.rows == 0 and retired.busy.size == 0
 
 

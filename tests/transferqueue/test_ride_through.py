@@ -32,11 +32,11 @@ SLACK_S = 120.0
 
 def _leased(ctl: Controller, rows: int = 4) -> tuple[np.ndarray, int]:
     """A controller with ``rows`` committed rows of ``x``, all leased by task ``t``."""
-    ctl.register_fields({"x": FieldSpec.dense("int64"), "y": FieldSpec.dense("int64")})
-    ctl.declare_tasks("p", ["t", "u"])
-    meta = ctl.allocate(rows, "p", groups=np.arange(rows))
-    ctl.commit(meta.indexes, ["x"])
-    got, _ = ctl.poll(
+    ctl.rows.register_fields({"x": FieldSpec.dense("int64"), "y": FieldSpec.dense("int64")})
+    ctl.queues.declare_tasks("p", ["t", "u"])
+    meta = ctl.writes.allocate(rows, "p", groups=np.arange(rows))
+    ctl.writes.commit(meta.indexes, ["x"])
+    got, _ = ctl.queues.poll(
         task="t", partition="p", fields=["x"], batch_size=rows, lease_s=60.0, short_ok=True
     )
     assert got is not None and got.lease_id is not None
@@ -46,24 +46,24 @@ def _leased(ctl: Controller, rows: int = 4) -> tuple[np.ndarray, int]:
 def test_a_commit_sent_again_after_it_acked_its_lease_is_a_no_op() -> None:
     ctl = Controller(1)
     rows, lease = _leased(ctl)
-    ctl.commit(rows, ["y"], lease_id=lease)  # lands; its reply is lost
-    ctl.commit(rows, ["y"], lease_id=lease)  # the same commit again: nothing changes
-    got, _ = ctl.poll(
+    ctl.writes.commit(rows, ["y"], lease_id=lease)  # lands; its reply is lost
+    ctl.writes.commit(rows, ["y"], lease_id=lease)  # the same commit again: nothing changes
+    got, _ = ctl.queues.poll(
         task="u", partition="p", fields=["y"], batch_size=8, lease_s=60.0, short_ok=True
     )
     assert got is not None and sorted(got.indexes.tolist()) == sorted(rows.tolist())
     # ... but a commit of a field the first did not write still needs the lease
-    ctl.register_fields({"z": FieldSpec.dense("int64")})
+    ctl.rows.register_fields({"z": FieldSpec.dense("int64")})
     with pytest.raises(UnknownLeaseError, match="no longer active"):
-        ctl.commit(rows, ["z"], lease_id=lease)
+        ctl.writes.commit(rows, ["z"], lease_id=lease)
 
 
 def test_a_release_sent_again_is_a_no_op() -> None:
     ctl = Controller(1)
     rows, lease = _leased(ctl)
-    ctl.release(lease, rows)
-    ctl.release(lease, rows)  # (before, UnknownLeaseError: the lease was closed)
-    got, _ = ctl.poll(
+    ctl.queues.release(lease, rows)
+    ctl.queues.release(lease, rows)  # (before, UnknownLeaseError: the lease was closed)
+    got, _ = ctl.queues.poll(
         task="t", partition="p", fields=["x"], batch_size=8, lease_s=60.0, short_ok=True
     )
     assert got is not None and sorted(got.indexes.tolist()) == sorted(rows.tolist())

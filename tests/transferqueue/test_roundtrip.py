@@ -171,14 +171,14 @@ def test_small_puts_go_whole_to_one_unit_in_turn_and_large_ones_spread() -> None
     from transferqueue.controller.core import Controller
 
     ctl = Controller(4, spread_bytes=1000)
-    small = [ctl.allocate(10, "p", nbytes=999).units for _ in range(8)]
+    small = [ctl.writes.allocate(10, "p", nbytes=999).units for _ in range(8)]
     assert [set(u.tolist()) for u in small] == [{i % 4} for i in range(8)]
-    two = ctl.allocate(10, "p", nbytes=2500).units  # 2 units' worth
+    two = ctl.writes.allocate(10, "p", nbytes=2500).units  # 2 units' worth
     assert sorted(set(two.tolist())) == [0, 1] and np.bincount(two).tolist() == [5, 5]
-    assert set(ctl.allocate(12, "p", nbytes=10**9).units.tolist()) == {0, 1, 2, 3}
-    assert set(ctl.allocate(12, "p").units.tolist()) == {0, 1, 2, 3}  # size unknown: spread
+    assert set(ctl.writes.allocate(12, "p", nbytes=10**9).units.tolist()) == {0, 1, 2, 3}
+    assert set(ctl.writes.allocate(12, "p").units.tolist()) == {0, 1, 2, 3}  # size unknown: spread
     spread = Controller(4, spread_bytes=0)
-    assert set(spread.allocate(8, "p", nbytes=1).units.tolist()) == {0, 1, 2, 3}
+    assert set(spread.writes.allocate(8, "p", nbytes=1).units.tolist()) == {0, 1, 2, 3}
     with pytest.raises(ValueError, match="spread_bytes"):
         Controller(2, spread_bytes=-1)
     with transferqueue.start(num_units=2) as tq:  # the client reports its payload's size
@@ -194,40 +194,47 @@ def test_a_producers_small_puts_stay_on_one_unit_while_the_units_are_balanced() 
     from transferqueue.controller.core import Controller
 
     ctl = Controller(4, spread_bytes=1000)
-    units = [int(ctl.allocate(3, "p", nbytes=300, producer="a").units[0]) for _ in range(16)]
+    units = [int(ctl.writes.allocate(3, "p", nbytes=300, producer="a").units[0]) for _ in range(16)]
     assert units == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
     assert ctl.stats()["unit_bytes"] == [1200] * 4
     # all units equally loaded: it stays where it is
-    assert set(ctl.allocate(5, "p", nbytes=300, producer="a").units.tolist()) == {3}
-    assert set(ctl.allocate(5, "p", nbytes=300, producer="b").units.tolist()) == {1}
+    assert set(ctl.writes.allocate(5, "p", nbytes=300, producer="a").units.tolist()) == {3}
+    assert set(ctl.writes.allocate(5, "p", nbytes=300, producer="b").units.tolist()) == {1}
     # large puts and puts without a producer are placed as before
-    assert set(ctl.allocate(12, "p", nbytes=10**9, producer="a").units.tolist()) == {0, 1, 2, 3}
-    assert set(ctl.allocate(3, "p", nbytes=300).units.tolist()) == {2}
+    assert set(ctl.writes.allocate(12, "p", nbytes=10**9, producer="a").units.tolist()) == {
+        0,
+        1,
+        2,
+        3,
+    }
+    assert set(ctl.writes.allocate(3, "p", nbytes=300).units.tolist()) == {2}
     with pytest.raises(TypeError, match="producer must be a string"):
-        ctl.allocate(1, "p", nbytes=1, producer=7)  # type: ignore[arg-type]
+        ctl.writes.allocate(1, "p", nbytes=1, producer=7)  # type: ignore[arg-type]
 
     # rows freed as fast as they are put: the producer never moves
     flow = Controller(4, spread_bytes=1000)
-    flow.register_fields({"x": FieldSpec.dense(torch.int64, ())})
-    flow.declare_tasks("p", ["t"])
+    flow.rows.register_fields({"x": FieldSpec.dense(torch.int64, ())})
+    flow.queues.declare_tasks("p", ["t"])
     seen = set()
     for _ in range(40):
-        meta = flow.allocate(4, "p", nbytes=700, producer="a")
+        meta = flow.writes.allocate(4, "p", nbytes=700, producer="a")
         seen |= set(meta.units.tolist())
-        flow.commit(meta.indexes, ["x"])
-        got, _ = flow.poll(task="t", partition="p", fields=["x"], batch_size=4, lease_s=60)
+        flow.writes.commit(meta.indexes, ["x"])
+        got, _ = flow.queues.poll(task="t", partition="p", fields=["x"], batch_size=4, lease_s=60)
         assert got is not None and got.lease_id is not None
-        flow.ack(got.lease_id)
+        flow.queues.ack(got.lease_id)
     assert seen == {0} and flow.stats()["unit_bytes"] == [0] * 4
     # rows that pile up spread: live bytes stay within three spread_bytes of each other
     rng = np.random.default_rng(0)
     for _ in range(200):
-        flow.allocate(2, "p", nbytes=int(rng.integers(1, 1999)), producer=str(rng.integers(3)))
+        flow.writes.allocate(
+            2, "p", nbytes=int(rng.integers(1, 1999)), producer=str(rng.integers(3))
+        )
         load = flow.stats()["unit_bytes"]
         assert max(load) - min(load) < 3000, load
 
     one = Controller(1, spread_bytes=1000)  # a single unit: nothing to choose
-    assert set(one.allocate(3, "p", nbytes=300, producer="a").units.tolist()) == {0}
+    assert set(one.writes.allocate(3, "p", nbytes=300, producer="a").units.tolist()) == {0}
     with transferqueue.start(num_units=2) as tq:  # each client names itself
         c, d = tq.client(), tq.client()
         mine = {int(c.put({"x": torch.zeros(64, 16)}).units[0]) for _ in range(4)}

@@ -16,6 +16,7 @@ from tq_helpers import Deploy
 import transferqueue
 from transferqueue import BatchMeta, CheckpointError, Client, PartitionExistsError, Ragged
 from transferqueue.controller.core import Controller
+from transferqueue.controller.handlers import QueueHandlers, RowHandlers, SnapshotHandlers
 from transferqueue.controller.service import ControllerService
 from transferqueue.deploy.cli import main
 from transferqueue.errors import BadRequestError
@@ -215,29 +216,31 @@ def test_a_loading_partition_refuses_puts_and_consumers() -> None:
     """Between the first import_rows and import_tasks a partition is loading: a get_meta
     would create its tasks before their consumption state came."""
     svc = ControllerService(Controller(1), _no_free)
+    snap, queues = SnapshotHandlers(svc), QueueHandlers(svc)
     ids = np.arange(3)
-    svc.import_rows(m.ImportRows(partition="p", groups=ids, versions=ids, lengths=ids), TRUSTED)
+    rows = m.ImportRows(partition="p", groups=ids, versions=ids, lengths=ids)
+    snap.import_rows(rows, TRUSTED)
     with pytest.raises(BadRequestError, match="'p' is being loaded"):
-        svc.get_meta(m.GetMeta(task="t", partition="p", fields=["x"], batch_size=1), TRUSTED)
+        queues.get_meta(m.GetMeta(task="t", partition="p", fields=["x"], batch_size=1), TRUSTED)
     with pytest.raises(BadRequestError, match="'p' is being loaded"):
-        svc.allocate(m.Allocate(n=1, partition="p"), TRUSTED)
+        RowHandlers(svc).allocate(m.Allocate(n=1, partition="p"), TRUSTED)
     with pytest.raises(BadRequestError, match="'p' is being loaded"):
-        svc.export_state(m.ExportState(partitions=["p"]), TRUSTED)
+        snap.export_state(m.ExportState(partitions=["p"]), TRUSTED)
     with pytest.raises(PartitionExistsError, match="'p' already exists"):
-        svc.import_rows(m.ImportRows(partition="p", groups=ids, versions=ids, lengths=ids), TRUSTED)
+        snap.import_rows(rows, TRUSTED)
 
     async def clear() -> None:  # (a load that failed half way: clear it)
-        done = svc.clear(m.Clear(partition="p"), TRUSTED)
+        done = queues.clear(m.Clear(partition="p"), TRUSTED)
         if done is not None:
             await done
 
     asyncio.run(clear())
-    assert svc.controller.status("p").indexes.size == 0
-    assert len(svc.allocate(m.Allocate(n=1, partition="p"), TRUSTED)) == 1  # type: ignore[arg-type]
-    svc.controller.clear("p")
-    svc.import_rows(m.ImportRows(partition="p", groups=ids, versions=ids, lengths=ids), TRUSTED)
-    svc.import_tasks(m.ImportTasks(partition="p", tasks=[]), TRUSTED)
-    assert len(svc.allocate(m.Allocate(n=1, partition="p"), TRUSTED)) == 1  # type: ignore[arg-type]
+    assert svc.controller.status.status("p").indexes.size == 0
+    assert len(RowHandlers(svc).allocate(m.Allocate(n=1, partition="p"), TRUSTED)) == 1  # type: ignore[arg-type]
+    svc.controller.queues.clear("p")
+    snap.import_rows(rows, TRUSTED)
+    snap.import_tasks(m.ImportTasks(partition="p", tasks=[]), TRUSTED)
+    assert len(RowHandlers(svc).allocate(m.Allocate(n=1, partition="p"), TRUSTED)) == 1  # type: ignore[arg-type]
 
 
 async def _no_free(unit: int, indexes: np.ndarray) -> None:

@@ -212,19 +212,20 @@ def test_a_put_whose_staging_fails_undoes_its_rows_and_gives_the_arena_back(
     with _session(one_unit, "sf") as (_, client, link):
         want = _payload(96, 7)
         _check(_cycle(client, want, "sf"), want)
-        real_stage = link.stage
+        real_stage = link._stage
         allocated = _watch_allocations(client)
 
         async def failing_stage(columns: dict) -> object:
             staged = await real_stage(columns)
             await within(allocated.wait(), 60)  # the rows are allocated meanwhile
-            link.unstage(staged)  # type: ignore[arg-type]
+            assert staged is not None
+            link._writes.unlend(staged.arena)
             raise RuntimeError("staging failed")
 
-        link.stage = failing_stage  # type: ignore[method-assign]
+        link._stage = failing_stage  # type: ignore[method-assign,assignment]
         with pytest.raises(RuntimeError, match="staging failed"):
             client.put(want, group=0, partition="sf")
-        link.stage = real_stage  # type: ignore[method-assign]
+        link._stage = real_stage  # type: ignore[method-assign]
         live = client.stats()["controller"]["partitions"]["sf"]["rows_live"]
         assert live == 0  # allocated, then undone
         _check(_cycle(client, want, "sf"), want)
@@ -267,21 +268,23 @@ def test_a_put_whose_staging_fails_before_its_rows_are_allocated_leaves_none(
     with _session(one_unit, "sf2") as (_, client, link):
         want = _payload(96, 7)
         _check(_cycle(client, want, "sf2"), want)
-        real_stage = link.stage
+        real_stage = link._stage
         reply = asyncio.Event()  # the allocation's reply reaches the put only once this is set
 
         async def late(_: Any) -> None:
             await reply.wait()
 
         async def failing_stage(columns: dict) -> object:
-            link.unstage(await real_stage(columns))  # type: ignore[arg-type]
+            staged = await real_stage(columns)
+            assert staged is not None
+            link._writes.unlend(staged.arena)
             asyncio.get_running_loop().call_soon(reply.set)  # just after the failure
             raise RuntimeError("staging failed")
 
         ctl = client.async_client._ctl
         real_call = _on_allocate(client, late)
-        link.stage = failing_stage  # type: ignore[method-assign]
+        link._stage = failing_stage  # type: ignore[method-assign,assignment]
         with pytest.raises(RuntimeError, match="staging failed"):
             client.put(want, group=0, partition="sf2")
-        ctl.call, link.stage = real_call, real_stage  # type: ignore[method-assign]
+        ctl.call, link._stage = real_call, real_stage  # type: ignore[method-assign]
         assert client.stats()["controller"]["partitions"]["sf2"]["rows_live"] == 0

@@ -293,17 +293,17 @@ def test_reset_keeps_counters_true_and_each_round_exactly_once(
     current round (a reset task's acks count again)."""
     clock = _Clock()
     ctl = Controller(1, clock=clock)
-    ctl.register_fields({"x": FieldSpec.dense("int64")})
+    ctl.rows.register_fields({"x": FieldSpec.dense("int64")})
     if declared:
-        ctl.declare_tasks("p", ["a", "b"])
+        ctl.queues.declare_tasks("p", ["a", "b"])
     held: dict[str, list[tuple[int, list[int]]]] = {"a": [], "b": []}
     consumed: dict[str, set[int]] = {"a": set(), "b": set()}  # this round's acks
     live: set[int] = set()
     for op, task, k in ops:
         if op == "put":
-            ctl.commit(ctl.allocate(k, "p").indexes, ["x"])
+            ctl.writes.commit(ctl.writes.allocate(k, "p").indexes, ["x"])
         elif op == "poll":
-            meta, _ = ctl.poll(
+            meta, _ = ctl.queues.poll(
                 task=task, partition="p", fields=["x"], batch_size=k, lease_s=15, short_ok=True
             )
             if meta is not None and meta.lease_id is not None:
@@ -311,7 +311,7 @@ def test_reset_keeps_counters_true_and_each_round_exactly_once(
         elif op in ("ack", "release") and held[task]:
             lease_id, rows = held[task].pop(0)
             try:
-                getattr(ctl, op)(lease_id, np.array(rows))
+                getattr(ctl.queues, op)(lease_id, np.array(rows))
             except (UnknownLeaseError, LeaseExpiredError):
                 continue  # (closed by a reset or expired: nothing was consumed)
             if op == "ack":
@@ -319,10 +319,10 @@ def test_reset_keeps_counters_true_and_each_round_exactly_once(
                 consumed[task] |= set(rows)
         elif op == "expire":  # (a lease outlives one expire, not two)
             clock.now += 10
-            ctl.expire()
+            ctl.queues.expire()
         elif op == "reset" and "p" in ctl.stats()["partitions"]:
             try:
-                ctl.reset_consumption("p", task)
+                ctl.queues.reset_consumption("p", task)
             except UnknownTaskError:
                 assert not declared  # (a task that never asked, undeclared)
                 continue
@@ -330,13 +330,13 @@ def test_reset_keeps_counters_true_and_each_round_exactly_once(
         stats = ctl.stats()["partitions"].get("p")
         if stats is None:
             continue
-        now = set(ctl.status("p").indexes.tolist())
+        now = set(ctl.status.status("p").indexes.tolist())
         gone = live - now
         live = now
         # a row is freed only once every declared task consumed it in its current round
         assert gone <= (consumed["a"] & consumed["b"] if declared else set())
         for name, t in stats["tasks"].items():
-            codes = ctl.status("p", task=name).states
+            codes = ctl.status.status("p", task=name).states
             assert codes is not None
             counts = np.bincount(codes, minlength=4)
             assert t["queued"] == counts[1] and t["leased"] == counts[2]

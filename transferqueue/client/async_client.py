@@ -5,43 +5,55 @@ the units in parallel and assembles columns. It works unchanged over every deplo
 it talks only to a :class:`ControllerLink` and :class:`UnitLink` objects. All of its work runs
 on the handle's I/O loop (``LoopThread``); calls from other loops or threads hop onto it.
 
-Writes are :mod:`transferqueue.client.put`'s.
+The client reads and consumes itself; the rest is done by parts it holds, each with its own
+state, whose calls it offers as its own (``put = _part_call(...)``: the same function, run on
+the part)::
+
+    part          module       calls
+    Writer        put          put
+    StatusCalls   status       status, reset_consumption, set/get_custom_meta, lost_rows,
+                               retire_groups
+    KeyValue      kv           kv_put, kv_batch_put, kv_get, kv_batch_get, kv_meta, kv_list,
+                               kv_delete, kv_clear
+    Checkpoints   checkpoint   save, load
+    Specs         specs        (the field specs known, shared by writes and reads)
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-import secrets
-from collections.abc import AsyncGenerator, Awaitable, Sequence
-from typing import TYPE_CHECKING, Any, Literal, overload
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, TypeVar, overload
 
 import numpy as np
 import torch
 
 from transferqueue.client import assemble
 from transferqueue.client.buffers import ResultBuffers
-from transferqueue.client.checkpoint import CheckpointCalls
-from transferqueue.client.kv import KVCalls
-from transferqueue.client.links import OFFLOAD_BYTES, ControllerLink, UnitLink
-from transferqueue.client.put import PutCalls, by_unit, lease_s_of, take_rows, timeout_of
+from transferqueue.client.checkpoint import Checkpoints
+from transferqueue.client.kv import KeyValue
+from transferqueue.client.links import OFFLOAD_BYTES, ControllerLink, UnitLink, link_of
+from transferqueue.client.lost import lost_with_unit
+from transferqueue.client.put import Writer, by_unit, lease_s_of, take_rows, timeout_of
 from transferqueue.client.replicas import (
     UnitReadError,
     fall_back,
     meta_units,
     tag,
 )
+from transferqueue.client.specs import Specs
 from transferqueue.client.status import StatusCalls
 from transferqueue.errors import (
     PeerGoneError,
     RowsLostError,
     TQError,
-    UnknownFieldError,
     UnknownRowError,
 )
 from transferqueue.loop import LoopThread
 from transferqueue.meta import BatchMeta
-from transferqueue.schema import Column, FieldSpec
+from transferqueue.schema import Column
 from transferqueue.slots import runs
 from transferqueue.wire import messages as m
 
@@ -57,13 +69,28 @@ FORMATS = ("torch", "arrow")
 (a ``pyarrow.Table`` over the same memory, see :mod:`transferqueue.arrow`)."""
 
 _MAX_RUNS_FOR_DIRECT_READ = 8
-# A read that failed on a unit asks the controller which rows were lost for this long: the
-# controller may declare the unit dead a little after this client gave up on it, or be
-# restarting itself (then it is asked again until it answers).
-_LOST_WAIT_S = 6.0
+
+P = ParamSpec("P")
+R = TypeVar("R")
+Part = TypeVar("Part")
 
 
-class AsyncClient(PutCalls, StatusCalls, KVCalls, CheckpointCalls):
+def _part_call(
+    part: Callable[[AsyncClient], Part], method: Callable[Concatenate[Part, P], R]
+) -> Callable[Concatenate[AsyncClient, P], R]:
+    """``method`` of a part of the client, offered as the client's own (name, signature and
+    docstring are the part's)."""
+
+    @functools.wraps(method)
+    def call(self: AsyncClient, *args: P.args, **kwargs: P.kwargs) -> R:
+        return method(part(self), *args, **kwargs)
+
+    call.__module__ = __name__
+    call.__qualname__ = f"AsyncClient.{method.__name__}"
+    return call
+
+
+class AsyncClient:
     """Async TransferQueue client, from ``tq.async_client()``. Writes (``put``):
     :mod:`transferqueue.client.put`; status, consumption resets,
     custom metadata, loss logs: :mod:`transferqueue.client.status`; key-value calls:
@@ -86,15 +113,38 @@ class AsyncClient(PutCalls, StatusCalls, KVCalls, CheckpointCalls):
         # Warm memory that reads gathering dense rows assemble into (shared by the handle's
         # clients): fresh memory would be faulted in page by page on every read.
         self._buffers = ResultBuffers() if buffers is None else buffers
-        self._schema: dict[str, FieldSpec] = {}
-        # Names this client's puts to the controller, which keeps a producer's small puts on
-        # one unit for a while (Placement.place).
-        self._producer = secrets.token_hex(8)
-        self._last_unit: int | None = None  # the unit the last put's rows all went to
-        self._whole_bytes = 0  # the largest put the controller placed on one unit
-        self.puts_again = 0
+        self._specs = Specs(controller)
+        self._writer = Writer(io, controller, self._units, self._specs)
+        self._status = StatusCalls(io, controller)
+        self._kv = KeyValue(io, controller, self._specs, self._writer, self._get_data_or_lost)
+        self._checkpoints = Checkpoints(
+            io, controller, self._specs, self._writer, self._get_data_or_lost
+        )
+
+    @property
+    def puts_again(self) -> int:
         """Tries of puts of new rows undone because a unit died or restarted mid-write, and
         put again (see :meth:`put`)."""
+        return self._writer.puts_again
+
+    # -- the parts' calls (see the module) ---------------------------------------------------
+    put = _part_call(lambda c: c._writer, Writer.put)
+    status = _part_call(lambda c: c._status, StatusCalls.status)
+    reset_consumption = _part_call(lambda c: c._status, StatusCalls.reset_consumption)
+    set_custom_meta = _part_call(lambda c: c._status, StatusCalls.set_custom_meta)
+    get_custom_meta = _part_call(lambda c: c._status, StatusCalls.get_custom_meta)
+    lost_rows = _part_call(lambda c: c._status, StatusCalls.lost_rows)
+    retire_groups = _part_call(lambda c: c._status, StatusCalls.retire_groups)
+    kv_put = _part_call(lambda c: c._kv, KeyValue.kv_put)
+    kv_batch_put = _part_call(lambda c: c._kv, KeyValue.kv_batch_put)
+    kv_get = _part_call(lambda c: c._kv, KeyValue.kv_get)
+    kv_batch_get = _part_call(lambda c: c._kv, KeyValue.kv_batch_get)
+    kv_meta = _part_call(lambda c: c._kv, KeyValue.kv_meta)
+    kv_list = _part_call(lambda c: c._kv, KeyValue.kv_list)
+    kv_delete = _part_call(lambda c: c._kv, KeyValue.kv_delete)
+    kv_clear = _part_call(lambda c: c._kv, KeyValue.kv_clear)
+    save = _part_call(lambda c: c._checkpoints, Checkpoints.save)
+    load = _part_call(lambda c: c._checkpoints, Checkpoints.load)
 
     # -- reads -------------------------------------------------------------------------------
     async def get_meta(
@@ -180,7 +230,9 @@ class AsyncClient(PutCalls, StatusCalls, KVCalls, CheckpointCalls):
                     units = moved
                     continue
                 error = e.error
-            lost = await self._lost(meta.indexes, error, meta_units(meta), raise_unreachable=True)
+            lost = await lost_with_unit(
+                self._ctl, meta.indexes, error, meta_units(meta), raise_unreachable=True
+            )
             if lost is None:
                 raise error
             raise RowsLostError(
@@ -191,52 +243,6 @@ class AsyncClient(PutCalls, StatusCalls, KVCalls, CheckpointCalls):
                 lost,
             ) from error
 
-    async def _lost(
-        self,
-        indexes: np.ndarray,
-        error: BaseException,
-        units: list[int],
-        *,
-        raise_unreachable: bool = False,
-    ) -> np.ndarray | None:
-        """The rows of ``indexes`` lost with a unit, when ``error`` (of a unit) may be due to
-        that; None when none is (then ``error`` stands). ``units``: those the read used.
-
-        Only the controller knows whether a unit restarted, and it may be restarting itself
-        (both killed at once): it is asked again until it answers, for ``_LOST_WAIT_S``. If
-        it never does, the loss is unknown: with ``raise_unreachable`` that is a
-        PeerGoneError (retry later), else None (the unit's error stands; a caller that must
-        undo its rows first passes False). An UnknownRowError must not stand then: a read of
-        rows the unit lost in a restart would pass for the caller's mistake."""
-        if not isinstance(error, PeerGoneError | UnknownRowError):
-            return None
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + _LOST_WAIT_S  # (the controller unreachable)
-        deadline = loop.time() + (_LOST_WAIT_S if isinstance(error, PeerGoneError) else 0.0)
-        while True:
-            try:
-                lost: np.ndarray = await self._ctl.call(m.Lost(indexes=indexes, units=units))
-            except PeerGoneError as gone:  # the controller is gone too, or restarting
-                if loop.time() < give_up:
-                    await asyncio.sleep(0.25)
-                    continue
-                if not raise_unreachable:
-                    return None
-                raise PeerGoneError(
-                    f"rows {indexes[:5].tolist()} could not be read from units {units} "
-                    f"({type(error).__name__}: {error}), and whether a unit lost them in a "
-                    "restart cannot be known while the controller does not answer "
-                    f"({gone}); call again once it is back (a consumer: release the batch, "
-                    "or let its lease expire)"
-                ) from error
-            except Exception:  # the controller refused: the unit's error stands
-                return None
-            if lost.size:
-                return lost
-            if loop.time() >= deadline:
-                return None
-            await asyncio.sleep(0.25)
-
     async def _get_data(
         self, meta: BatchMeta, fields: Sequence[str] | None, units: np.ndarray | None = None
     ) -> dict[str, Column]:
@@ -246,16 +252,7 @@ class AsyncClient(PutCalls, StatusCalls, KVCalls, CheckpointCalls):
         names = list(meta.fields if fields is None else fields)
         if not names:
             raise ValueError("get_data needs fields: the meta names none; pass fields=[...]")
-        missing = [f for f in names if f not in self._schema]
-        if missing:
-            known: dict[str, FieldSpec] = await self._ctl.call(m.GetSpecs())
-            self._schema.update(known)
-            missing = [f for f in names if f not in self._schema]
-            if missing:
-                raise UnknownFieldError(
-                    f"fields {missing} have never been written; known: {sorted(self._schema)}"
-                )
-        specs = {f: self._schema[f] for f in names}
+        specs = await self._specs.of(names)
         n = len(meta)
         if n == 0:
             return {f: assemble.empty_column(specs[f]) for f in names}
@@ -263,7 +260,7 @@ class AsyncClient(PutCalls, StatusCalls, KVCalls, CheckpointCalls):
         groups = by_unit(meta.units if units is None else units)
         if len(groups) == 1:
             ((u, _),) = groups.items()
-            link = self._unit(u)
+            link = link_of(self._units, u)
             if not link.supports_out or link.lends_reads:
                 if copies:
                     return await tag(u, link.read(meta.indexes, names))  # type: ignore[return-value]
@@ -276,7 +273,7 @@ class AsyncClient(PutCalls, StatusCalls, KVCalls, CheckpointCalls):
         pieces: list[tuple[np.ndarray, dict[str, Column]]] = []
 
         async def read_unit(u: int, pos: np.ndarray) -> None:
-            link = self._unit(u)
+            link = link_of(self._units, u)
             pos_runs = runs(pos)
             # A unit in this process gathers straight into the batch. A remote unit's rows
             # come back as views of an arena lent to this read (or as frames) and are copied

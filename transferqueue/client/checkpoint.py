@@ -1,7 +1,7 @@
 """Store checkpoints: ``client.save(path)`` writes partitions to a directory of Arrow IPC
-files, ``client.load(path)`` puts them into another store (any deployment). A mixin of
-:class:`~transferqueue.client.async_client.AsyncClient`; the blocking ``Client`` derives the same
-methods.
+files, ``client.load(path)`` puts them into another store (any deployment). ``Checkpoints`` is
+a part of :class:`~transferqueue.client.async_client.AsyncClient`, which (and the blocking
+``Client``) offers its calls.
 
 What a loaded store serves is what the saved one served: the same rows (new indexes; data,
 headers and custom metadata bit-exact), the same fields ready, and per task the same rows
@@ -57,7 +57,9 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from transferqueue.client.links import ControllerLink
+from transferqueue.client.links import ControllerLink, Read
+from transferqueue.client.put import Writer
+from transferqueue.client.specs import Specs
 from transferqueue.errors import CheckpointError
 from transferqueue.loop import LoopThread
 from transferqueue.meta import BatchMeta
@@ -72,7 +74,7 @@ from transferqueue.wire.replies import (
     TaskImport,
 )
 
-__all__ = ["FEATURES", "FORMAT", "FORMAT_VERSION", "CheckpointCalls", "Progress"]
+__all__ = ["FEATURES", "FORMAT", "FORMAT_VERSION", "Checkpoints", "Progress"]
 
 FORMAT = "transferqueue-store"
 FORMAT_VERSION = 1
@@ -87,28 +89,22 @@ Progress = Callable[[str, int, int], None]
 """Called as a save or load goes: (partition, rows done, rows of the partition)."""
 
 
-class CheckpointCalls:
+class Checkpoints:
     """``save`` and ``load``."""
 
-    # (the AsyncClient's parts this mixin uses)
-    _io: LoopThread
-    _ctl: ControllerLink
-    _schema: dict[str, FieldSpec]
-
-    async def _get_data_or_lost(
-        self, meta: BatchMeta, fields: Sequence[str] | None
-    ) -> dict[str, Column]:
-        raise NotImplementedError  # (the AsyncClient's)
-
-    async def _write_units(
+    def __init__(
         self,
-        meta: BatchMeta,
-        cols: dict[str, Column],
-        specs: dict[str, FieldSpec],
-        *,
-        create: bool,
-    ) -> list[int]:
-        raise NotImplementedError  # (the AsyncClient's)
+        io: LoopThread,
+        controller: ControllerLink,
+        specs: Specs,
+        writer: Writer,
+        read: Read,
+    ) -> None:
+        self._io = io
+        self._ctl = controller
+        self._specs = specs
+        self._writer = writer
+        self._read = read
 
     async def save(
         self,
@@ -219,7 +215,7 @@ class CheckpointCalls:
                             part.lengths[pos],
                             partition=part.name,
                         )
-                        cols = await self._get_data_or_lost(meta, [f])
+                        cols = await self._read(meta, [f])
                     out.write_field(f, pos, cols.get(f))
                 await self._renew(snap.snapshot_id, renewed)
                 if progress is not None:
@@ -259,8 +255,7 @@ class CheckpointCalls:
         specs = {f: msgspec.convert(s, FieldSpec) for f, s in manifest["fields"].items()}
         if specs:
             # (always sent: this client's cache of specs may predate a reset of the store)
-            registered = await self._ctl.call(m.RegisterFields(specs=specs))
-            self._schema.update(registered)
+            await self._specs.register(specs, again=True)
         loaded = {}
         for entry in manifest["partitions"]:
             name = entry["name"]
@@ -290,7 +285,7 @@ class CheckpointCalls:
                         if pos.size:
                             sub = meta.select(pos - lo)
                             sub.grants = meta.grants
-                            missed = await self._write_units(
+                            missed = await self._writer.write_units(
                                 sub, {f: col}, {f: specs[f]}, create=True
                             )
                             commit = m.Commit(

@@ -1,8 +1,8 @@
 """The key-value calls of the client: rows named by string keys
 (:mod:`transferqueue.controller.keys`).
 
-A mixin of :class:`~transferqueue.client.async_client.AsyncClient` (the blocking ``Client`` derives
-the same methods from it); every call works unchanged over every deployment.
+``KeyValue`` is a part of :class:`~transferqueue.client.async_client.AsyncClient`, which (and the
+blocking ``Client``) offers its calls; every call works unchanged over every deployment.
 
 | call                           | what it does                                                 |
 |--------------------------------|--------------------------------------------------------------|
@@ -32,22 +32,24 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
-from transferqueue.client.links import ControllerLink, UnitLink
-from transferqueue.client.put import header, payload_nbytes, take_rows, timeout_of
+from transferqueue.client.links import ControllerLink, Read
+from transferqueue.client.lost import lost_with_unit
+from transferqueue.client.put import Writer, header, payload_nbytes, take_rows, timeout_of
+from transferqueue.client.specs import Specs
 from transferqueue.errors import BadRequestError, RowsLostError, SchemaError
 from transferqueue.loop import LoopThread
 from transferqueue.meta import BatchMeta
 from transferqueue.ragged import Ragged
-from transferqueue.schema import Column, FieldSpec
+from transferqueue.schema import Column, FieldSpec, normalize_columns
 from transferqueue.wire import messages as m
 from transferqueue.wire.replies import KeyListing, KeyRows
 
-__all__ = ["KVCalls"]
+__all__ = ["KeyValue"]
 
 
 def _keys(keys: Sequence[str], where: str = "keys") -> list[str]:
@@ -82,46 +84,23 @@ def _row_of(col: Column) -> Any:
     return col[0]
 
 
-class KVCalls:
+class KeyValue:
     """``kv_put``, ``kv_batch_put``, ``kv_get``, ``kv_batch_get``, ``kv_meta``, ``kv_list``,
     ``kv_delete``, ``kv_clear``."""
 
-    # (the AsyncClient's state and methods this mixin uses)
-    _io: LoopThread
-    _ctl: ControllerLink
-    _units: dict[int, UnitLink]
-    _schema: dict[str, FieldSpec]
-    _producer: str
-
-    if TYPE_CHECKING:
-
-        async def _register(self, specs: Mapping[str, FieldSpec]) -> None: ...
-
-        async def _write_units(
-            self,
-            meta: BatchMeta,
-            cols: Mapping[str, Column],
-            specs: Mapping[str, FieldSpec],
-            *,
-            create: bool,
-        ) -> list[int]: ...
-
-        async def _lost(
-            self,
-            indexes: np.ndarray,
-            error: BaseException,
-            units: list[int],
-            *,
-            raise_unreachable: bool = False,
-        ) -> np.ndarray | None: ...
-
-        async def _undo_new_rows(
-            self, new: BatchMeta, error: BaseException, writing: bool
-        ) -> None: ...
-
-        async def _get_data_or_lost(
-            self, meta: BatchMeta, fields: Sequence[str] | None
-        ) -> dict[str, Column]: ...
+    def __init__(
+        self,
+        io: LoopThread,
+        controller: ControllerLink,
+        specs: Specs,
+        writer: Writer,
+        read: Read,
+    ) -> None:
+        self._io = io
+        self._ctl = controller
+        self._specs = specs
+        self._writer = writer
+        self._read = read
 
     # -- writes ------------------------------------------------------------------------------
     async def kv_batch_put(
@@ -168,12 +147,9 @@ class KVCalls:
         keys = _key(key)
         if not isinstance(row, Mapping) or not row:
             raise SchemaError("kv_put needs a non-empty mapping {field name: one row's value}")
-        known = dict(self._schema)
+        known = self._specs.known()
         if any(n not in known and not (specs and n in specs) for n in row):
-            registered: dict[str, FieldSpec] = await self._io.run_async(
-                self._ctl.call(m.GetSpecs())
-            )
-            known.update(registered)
+            known = await self._io.run_async(self._specs.fetch())
         known.update(specs or {})
         cols = {n: _one_row(n, v, known.get(n)) for n, v in row.items()}
         return await self._io.run_async(
@@ -191,9 +167,7 @@ class KVCalls:
         specs: Mapping[str, FieldSpec] | None,
         timeout_s: float | None,
     ) -> BatchMeta:
-        from transferqueue.schema import normalize_columns
-
-        known = dict(self._schema)
+        known = self._specs.known()
         if specs:
             known.update(specs)
         cols, col_specs, n = normalize_columns(data, known)
@@ -207,12 +181,12 @@ class KVCalls:
             create=True,
             groups=header(group, n, "group"),
             nbytes=payload_nbytes(cols),
-            producer=self._producer,
+            producer=self._writer.producer,
             timeout_s=timeout_of(timeout_s),
         )
         versions = header(version, n, "version")
         lengths = header(length, n, "length")
-        await self._register(col_specs)
+        await self._specs.register(col_specs)
         got: KeyRows = await self._ctl.call(msg)
         meta = got.meta
         old = np.ones(n, dtype=bool)
@@ -229,7 +203,7 @@ class KVCalls:
             ):
                 if len(rows):
                     part = {name: take_rows(col, pos) for name, col in cols.items()}
-                    writes.append(self._write_units(rows, part, col_specs, create=create))
+                    writes.append(self._writer.write_units(rows, part, col_specs, create=create))
             missed = await asyncio.gather(*writes)  # (units a copy missed: see replicas)
             writing = False  # (a commit gone with the controller may have landed)
             await self._ctl.call(
@@ -243,9 +217,10 @@ class KVCalls:
                 )
             )
         except BaseException as e:
-            lost = await self._lost(meta.indexes, e, [int(u) for u in np.unique(meta.units)])
+            units = [int(u) for u in np.unique(meta.units)]
+            lost = await lost_with_unit(self._ctl, meta.indexes, e, units)
             if len(new):  # nothing of a new key may stay half-written: free, undo its row
-                await self._undo_new_rows(new, e, writing)
+                await self._writer.undo_new_rows(new, e, writing)
             if lost is not None:
                 raise RowsLostError(
                     f"rows {lost[:5].tolist()} of the put's keys were lost with a storage "
@@ -294,7 +269,7 @@ class KVCalls:
         one tensor, ragged as one :class:`Ragged`, object fields as a list. ``fields``: those
         to read (every key's row must have them), None: every field all the rows have."""
         meta = await self.kv_meta(keys, partition=partition, fields=fields)
-        return await self._io.run_async(self._get_data_or_lost(meta, None))
+        return await self._io.run_async(self._read(meta, None))
 
     async def kv_get(
         self, key: str, fields: Sequence[str] | None = None, *, partition: str = "default"

@@ -16,14 +16,15 @@ The embedded links are in :mod:`transferqueue.deploy.local_links`; the ZeroMQ on
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
 
 from transferqueue.chunked import ChunkedTensor
+from transferqueue.errors import SchemaError
+from transferqueue.meta import BatchMeta
 from transferqueue.ragged import Ragged
 from transferqueue.schema import Column, FieldSpec
 from transferqueue.wire import protocol
@@ -31,9 +32,11 @@ from transferqueue.wire import protocol
 __all__ = [
     "OFFLOAD_BYTES",
     "ControllerLink",
-    "Staged",
+    "Read",
     "UnitLink",
     "column_nbytes",
+    "link_of",
+    "placed_whole",
 ]
 
 T = TypeVar("T")
@@ -52,14 +55,9 @@ class ControllerLink(Protocol):
     async def call(self, msg: protocol.ControllerRequest[R]) -> R: ...
 
 
-@dataclass
-class Staged:
-    """A put's columns copied to where a link sends them from, before the put's rows are
-    known (see :meth:`UnitLink.stage`); ``columns`` are views of that memory."""
-
-    columns: dict[str, Column]
-    nbytes: int  # tensor payload of the columns
-    token: Any  # the link's own record of where they lie
+Read = Callable[[BatchMeta, Sequence[str] | None], Coroutine[Any, Any, dict[str, Column]]]
+"""How the parts of a client read rows: the columns of a meta's rows (``fields`` None: the
+meta's), rows lost with a unit named in a RowsLostError (the client's ``get_data``)."""
 
 
 class UnitLink(ABC):
@@ -85,30 +83,26 @@ class UnitLink(ABC):
         """Store columns of rows; ``create`` new rows, under the controller's ``grant`` for
         this unit (from ``BatchMeta.grants``)."""
 
-    def stages(self, nbytes: int) -> bool:
-        """Whether :meth:`stage` may take a put of ``nbytes`` of tensors."""
-        return False
-
-    async def stage(self, columns: Mapping[str, Column]) -> Staged | None:
-        """Copy a put's columns to where this link will send them from, while the put's rows
-        are still being allocated (the copy overlaps that round trip). Then either
-        :meth:`write_staged` or :meth:`unstage`. None: this link gains nothing by it."""
-        return None
-
-    async def write_staged(
+    async def write_new(
         self,
-        indexes: np.ndarray,
-        staged: Staged,
+        placing: Awaitable[BatchMeta],
+        columns: Mapping[str, Column],
         specs: Mapping[str, FieldSpec],
-        *,
-        create: bool,
-        grant: bytes | None = None,
-    ) -> None:
-        """``write`` of the columns :meth:`stage` returned."""
-        await self.write(indexes, staged.columns, specs, create=create, grant=grant)
+    ) -> bool:
+        """Write a put's ``columns`` as the new rows the allocation ``placing`` gives, if it
+        placed them all on this unit, one copy each (True); else write nothing (False: the
+        caller writes them where they lie). Errors of the allocation are raised here.
 
-    def unstage(self, staged: Staged) -> None:  # noqa: B027 (nothing to give back here)
-        """Give back what :meth:`stage` took, unwritten."""
+        A put that will likely land here is handed to the link before its rows are known,
+        so that the link may prepare the write meanwhile (a shared-memory link copies the
+        columns into shared memory while the allocation makes its round trip); this one
+        waits for the rows, then writes."""
+        new = await placing
+        if not placed_whole(new, self.unit_id):
+            return False
+        grant = (new.grants or {}).get(self.unit_id)
+        await self.write(new.indexes, columns, specs, create=True, grant=grant)
+        return True
 
     @abstractmethod
     async def read(
@@ -129,6 +123,22 @@ class UnitLink(ABC):
 
     @abstractmethod
     async def reset(self) -> None: ...
+
+
+def placed_whole(meta: BatchMeta, unit_id: int) -> bool:
+    """Whether every row of ``meta`` lies on unit ``unit_id`` alone (one copy each)."""
+    units = meta.units
+    return bool(units.size) and meta.replica_units is None and bool((units == unit_id).all())
+
+
+def link_of(units: Mapping[int, UnitLink], unit_id: int) -> UnitLink:
+    """The link to unit ``unit_id`` (a meta naming another unit: a SchemaError)."""
+    try:
+        return units[unit_id]
+    except KeyError:
+        raise SchemaError(
+            f"meta names storage unit {unit_id}, which this client does not know"
+        ) from None
 
 
 def column_nbytes(col: Column | ChunkedTensor) -> int:

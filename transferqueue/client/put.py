@@ -1,6 +1,7 @@
 """The client's writes: ``put`` of new rows, and of new fields of leased rows.
 
-A mixin of :class:`~transferqueue.client.async_client.AsyncClient`. A ``put`` of new rows::
+``Writer`` is the part of :class:`~transferqueue.client.async_client.AsyncClient` that writes
+(the key-value calls and loads write through it too). A ``put`` of new rows::
 
     client -> controller  register_fields (first time a field is seen) , allocate(n)
     client -> units       write(rows of that unit)              (in parallel)
@@ -16,15 +17,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 from collections.abc import Coroutine, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from transferqueue.aio import within
-from transferqueue.client.links import ControllerLink, Staged, UnitLink
+from transferqueue.client.links import ControllerLink, UnitLink, link_of
+from transferqueue.client.lost import lost_with_unit
 from transferqueue.client.replicas import gather_copies, meta_units, write_groups
+from transferqueue.client.specs import Specs
 from transferqueue.errors import (
     BadRequestError,
     PeerGoneError,
@@ -41,7 +45,8 @@ from transferqueue.schema import Column, FieldSpec, normalize_columns
 from transferqueue.wire import messages as m
 
 __all__ = [
-    "PutCalls",
+    "WRITE_AHEAD_BYTES",
+    "Writer",
     "by_unit",
     "header",
     "lease_s_of",
@@ -58,6 +63,10 @@ _REPUT_S = 30.0
 """How long a put of new rows goes on putting them again while the units it was given die
 or restart (each try: allocate, write, commit; nothing of a failed try stays)."""
 _REPUT_BACKOFF_S = (0.1, 0.25, 0.5, 1.0, 2.0)
+WRITE_AHEAD_BYTES = 1 << 20
+"""A put from this size on, likely to land whole on the unit the last put went to, is handed
+to that unit's link while its rows are allocated (see ``Writer._allocate``); a smaller one
+gains less by it than the hand-off costs."""
 
 
 class _PutAgain(Exception):
@@ -106,30 +115,29 @@ def by_unit(units: np.ndarray) -> dict[int, np.ndarray]:
     return {int(u): np.flatnonzero(units == u) for u in np.unique(units).tolist()}
 
 
-class PutCalls:
-    """``put``, and the write steps the key-value calls share (``_register``,
-    ``_write_units``, ``_undo_new_rows``)."""
+class Writer:
+    """``put``, and the write steps the key-value calls and loads share
+    (:meth:`write_units`, :meth:`undo_new_rows`)."""
 
-    # (the AsyncClient's state and methods this mixin uses)
-    _io: LoopThread
-    _ctl: ControllerLink
-    _units: dict[int, UnitLink]
-    _schema: dict[str, FieldSpec]
-    _producer: str
-    _last_unit: int | None
-    _whole_bytes: int
-    puts_again: int
-
-    if TYPE_CHECKING:
-
-        async def _lost(
-            self,
-            indexes: np.ndarray,
-            error: BaseException,
-            units: list[int],
-            *,
-            raise_unreachable: bool = False,
-        ) -> np.ndarray | None: ...
+    def __init__(
+        self,
+        io: LoopThread,
+        controller: ControllerLink,
+        units: Mapping[int, UnitLink],
+        specs: Specs,
+    ) -> None:
+        self._io = io
+        self._ctl = controller
+        self._units = units
+        self._specs = specs
+        # Names this client's puts to the controller, which keeps a producer's small puts on
+        # one unit for a while (Placement.place).
+        self.producer = secrets.token_hex(8)
+        self._last_unit: int | None = None  # the unit the last put's rows all went to
+        self._whole_bytes = 0  # the largest put the controller placed on one unit
+        self.puts_again = 0
+        """Tries of puts of new rows undone because a unit died or restarted mid-write, and
+        put again (see :meth:`put`)."""
 
     async def put(
         self,
@@ -179,12 +187,12 @@ class PutCalls:
         lease_s: float,
         timeout_s: float | None,
     ) -> BatchMeta:
-        known = dict(self._schema)
+        known = self._specs.known()
         if specs:
             known.update(specs)
         cols, col_specs, n = normalize_columns(data, known)
         timeout_s = timeout_of(timeout_s)
-        await self._register(col_specs)
+        await self._specs.register(col_specs)
         versions = header(version, n, "version")
         lengths = header(length, n, "length")
         if meta is not None:
@@ -228,9 +236,11 @@ class PutCalls:
             msg = m.Renew(lease_id=lease, lease_s=lease_s_of(lease_s), indexes=meta.indexes)
             await self._ctl.call(msg)
         try:
-            dropped = await self._write_units(meta, cols, col_specs, create=False)
+            dropped = await self.write_units(meta, cols, col_specs, create=False)
         except (PeerGoneError, UnknownRowError) as e:
-            lost = await self._lost(meta.indexes, e, meta_units(meta), raise_unreachable=True)
+            lost = await lost_with_unit(
+                self._ctl, meta.indexes, e, meta_units(meta), raise_unreachable=True
+            )
             if lost is None:
                 raise
             raise RowsLostError(
@@ -281,29 +291,25 @@ class PutCalls:
                 versions=versions,
                 lengths=lengths,
                 nbytes=nbytes,
-                producer=self._producer,
+                producer=self.producer,
                 timeout_s=timeout_s,
             )
         )
-        new, staged = await self._allocate_staging(allocating, cols, nbytes)
-        grants = new.grants or {}
+        new, wrote = await self._allocate(allocating, cols, col_specs, nbytes)
         dropped: list[int] = []  # (units that a copy of each row missed, see replicas)
         writing = True
         try:
-            if staged is not None:
-                link, token = staged
-                await link.write_staged(
-                    new.indexes, token, col_specs, create=True, grant=grants.get(link.unit_id)
-                )
-            else:
-                dropped = await self._write_units(new, cols, col_specs, create=True)
+            if isinstance(wrote, BaseException):
+                raise wrote  # (written ahead, and that write failed)
+            if not wrote:
+                dropped = await self.write_units(new, cols, col_specs, create=True)
             writing = False  # (a commit gone with the controller may have landed)
             copies = new.replica_units
             commit = m.Commit(new.indexes, list(cols), dropped=dropped, copies=copies)
             await self._ctl.call(commit)
         except BaseException as e:
-            lost = await self._lost(new.indexes, e, meta_units(new))
-            await self._undo_new_rows(new, e, writing)
+            lost = await lost_with_unit(self._ctl, new.indexes, e, meta_units(new))
+            await self.undo_new_rows(new, e, writing)
             error: BaseException = e
             if lost is not None:
                 error = RowsLostError(
@@ -322,7 +328,7 @@ class PutCalls:
         new.fields = tuple(cols)
         return new
 
-    async def _undo_new_rows(self, new: BatchMeta, error: BaseException, writing: bool) -> None:
+    async def undo_new_rows(self, new: BatchMeta, error: BaseException, writing: bool) -> None:
         """Undo the new rows ``new`` of a put that failed with ``error`` (``writing``: before
         its commit was sent): nothing of it may stay half-written, so the units free what
         they hold and the controller discards the rows. But a commit that met the
@@ -351,58 +357,53 @@ class PutCalls:
         with contextlib.suppress(Exception):
             await self._ctl.call(m.Discard(indexes=new.indexes))
 
-    async def _allocate_staging(
-        self, allocating: Coroutine[Any, Any, BatchMeta], cols: Mapping[str, Column], nbytes: int
-    ) -> tuple[BatchMeta, tuple[UnitLink, Staged] | None]:
-        """The new rows, and the columns staged by the unit they went to (or None).
+    async def _allocate(
+        self,
+        allocating: Coroutine[Any, Any, BatchMeta],
+        cols: Mapping[str, Column],
+        specs: Mapping[str, FieldSpec],
+        nbytes: int,
+    ) -> tuple[BatchMeta, bool | BaseException]:
+        """The new rows, and whether they are written already (or the error of that write).
 
-        While the controller allocates, the columns are copied to where the unit this
-        client's last put went to will take them from (:meth:`UnitLink.stage`), when this
-        put can go there too: the controller keeps a producer's puts on its unit while the
-        units are balanced, and a put no larger than one it placed whole is placed whole.
-        """
+        The controller keeps a producer's puts on its unit while the units are balanced, and
+        places a put no larger than one it placed whole on one unit: such a put (of at least
+        ``WRITE_AHEAD_BYTES``) is handed to the link of the unit this client's last put went
+        to while the controller allocates (:meth:`UnitLink.write_new`: the link may prepare
+        the write meanwhile). True: written there; False: placed elsewhere, to be written."""
         last = self._last_unit
-        link = None if last is None or nbytes > self._whole_bytes else self._units.get(last)
-        if link is None or not link.stages(nbytes):
+        link = None
+        if last is not None and WRITE_AHEAD_BYTES <= nbytes <= self._whole_bytes:
+            link = self._units.get(last)
+        if link is None:
             new = await allocating
             self._placed(new, nbytes)
-            return new, None
+            return new, False
         pending = asyncio.ensure_future(allocating)
-        staged: Staged | None = None
+        wrote: bool | BaseException
         try:
             await asyncio.sleep(0)  # the allocate request goes out first
-            staged = await link.stage(cols)
-            new = await pending
-        except BaseException:
-            if staged is not None:
-                link.unstage(staged)
-            await self._undo_allocation(pending)
-            raise
+            wrote = await link.write_new(pending, cols, specs)
+        except BaseException as e:
+            if not pending.done() or pending.cancelled() or pending.exception() is not None:
+                await self._undo_allocation(pending)
+                raise
+            wrote = e  # (the rows were placed, their write failed: the put undoes them)
+        new = pending.result()
         self._placed(new, nbytes)
-        if staged is None:
-            return new, None
-        if self._last_unit != link.unit_id:  # placed elsewhere (or over several units)
-            link.unstage(staged)
-            return new, None
-        return new, (link, staged)
+        return new, wrote
 
     def _placed(self, new: BatchMeta, nbytes: int) -> None:
-        """Remember where the controller put this client's rows (see _allocate_staging)."""
+        """Remember where the controller put this client's rows (see :meth:`_allocate`)."""
         units = new.units
-        # (a put of two copies writes two units: nothing to stage for one, see replicas)
+        # (a put of two copies writes two units: no unit takes it whole, see replicas)
         if units.size and new.replica_units is None and bool((units == units[0]).all()):
             self._last_unit = int(units[0])
             self._whole_bytes = max(self._whole_bytes, nbytes)
         else:
             self._last_unit = None
 
-    async def _register(self, specs: Mapping[str, FieldSpec]) -> None:
-        new = {k: v for k, v in specs.items() if self._schema.get(k) != v}
-        if new:
-            registered: dict[str, FieldSpec] = await self._ctl.call(m.RegisterFields(specs=new))
-            self._schema.update(registered)
-
-    async def _write_units(
+    async def write_units(
         self,
         meta: BatchMeta,
         cols: Mapping[str, Column],
@@ -418,7 +419,7 @@ class PutCalls:
         groups = write_groups(meta) if copies else list(by_unit(meta.units).items())
         for u, pos in groups:
             part = {name: take_rows(col, pos) for name, col in cols.items()}
-            write = self._unit(u).write(
+            write = link_of(self._units, u).write(
                 meta.indexes[pos], part, specs, create=create, grant=grants.get(u)
             )
             jobs.append(write)
@@ -426,14 +427,6 @@ class PutCalls:
             return await gather_copies(groups, jobs, len(meta))
         await asyncio.gather(*jobs)
         return []
-
-    def _unit(self, unit_id: int) -> UnitLink:
-        try:
-            return self._units[unit_id]
-        except KeyError:
-            raise SchemaError(
-                f"meta names storage unit {unit_id}, which this client does not know"
-            ) from None
 
 
 def lease_s_of(lease_s: float) -> float:

@@ -1,8 +1,9 @@
-"""The client calls of :mod:`transferqueue.controller.status`: status queries, consumption resets
-and custom metadata; and of :mod:`transferqueue.controller.retire`: loss logs and retiring groups. A
-mixin of :class:`~transferqueue.client.async_client.AsyncClient` (the blocking
-``Client`` derives the same methods from it); each sends one controller message kind and
-works unchanged over every deployment.
+"""The client calls of :mod:`transferqueue.controller.status`: status queries and custom
+metadata; of :mod:`transferqueue.controller.queues`: consumption resets; and of
+:mod:`transferqueue.controller.retire`: loss logs and retiring groups. ``StatusCalls`` is a
+part of :class:`~transferqueue.client.async_client.AsyncClient`, which (and the blocking
+``Client``) offers its calls; each sends one controller message kind and works unchanged over
+every deployment.
 """
 
 from __future__ import annotations
@@ -43,9 +44,9 @@ class StatusCalls:
     """``status``, ``reset_consumption``, ``set_custom_meta``, ``get_custom_meta``,
     ``lost_rows``, ``retire_groups``."""
 
-    # (the AsyncClient's links this mixin sends through)
-    _io: LoopThread
-    _ctl: ControllerLink
+    def __init__(self, io: LoopThread, controller: ControllerLink) -> None:
+        self._io = io
+        self._ctl = controller
 
     async def status(
         self,

@@ -11,13 +11,14 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
-from transferqueue.client.links import OFFLOAD_BYTES, Staged, UnitLink, column_nbytes
+from transferqueue.client.links import OFFLOAD_BYTES, UnitLink, column_nbytes, placed_whole
 from transferqueue.errors import (
     ClosedError,
     PeerGoneError,
@@ -25,6 +26,7 @@ from transferqueue.errors import (
     TQError,
     UnknownArenaError,
 )
+from transferqueue.meta import BatchMeta
 from transferqueue.ragged import Ragged
 from transferqueue.schema import Column, FieldSpec
 from transferqueue.storage.shm import (
@@ -58,6 +60,17 @@ _SLACK_PER_BUFFER = 64  # alignment padding per placed buffer
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class _Staged:
+    """A put's columns copied into a write arena before its rows were known: ``columns``
+    view the arena's first ``used`` bytes (small buffers stay where they were)."""
+
+    columns: dict[str, Column]
+    nbytes: int  # tensor payload of the columns
+    arena: Arena
+    used: int
+
+
 def _write_need(columns: Mapping[str, Column], nbytes: int) -> int:
     """Arena bytes a write of ``columns`` (``nbytes`` of tensors) may take, padding included."""
     return nbytes + _SLACK_PER_BUFFER * 2 * len(columns)
@@ -77,7 +90,8 @@ class RemoteUnitLink(UnitLink):
     within the bound it goes through the request arena, and the unit copies. A read of ragged
     rows this client wrote from a write arena gets them named in that arena and returns
     copy-on-write views of it (:meth:`~transferqueue.storage.shm.WriteArenas.view`): no copy at all.
-    A put can be staged into a write arena while its rows are allocated (:meth:`stage`).
+    A put likely to land on this unit is copied into a write arena while its rows are
+    allocated (:meth:`write_new`).
     """
 
     def __init__(self, unit_id: int, rpc: RpcClient, *, shm_max_bytes: int = SHM_MAX_BYTES):
@@ -96,7 +110,7 @@ class RemoteUnitLink(UnitLink):
         # until the rows are gone (see WriteArenas).
         self._writes = WriteArenas(self.shm_max_bytes)
         self._creating = asyncio.Lock()
-        self.staged_writes = 0  # puts copied into a write arena while being allocated
+        self.staged_writes = 0  # puts copied into a write arena while their rows were allocated
         self.arenas_forgotten = 0  # times the unit no longer knew this client's arenas
         rpc.resolve = self._resolve
 
@@ -300,15 +314,53 @@ class RemoteUnitLink(UnitLink):
         finally:
             self._done(arena, ok)
 
-    def stages(self, nbytes: int) -> bool:
-        return self._writes.max_bytes > 0 and nbytes >= _WRITE_ARENA_MIN_BYTES
+    async def write_new(
+        self,
+        placing: Awaitable[BatchMeta],
+        columns: Mapping[str, Column],
+        specs: Mapping[str, FieldSpec],
+    ) -> bool:
+        """A put likely to land here (see :meth:`UnitLink.write_new`): its ragged columns
+        are copied into a write arena while the rows are allocated (``staged_writes``), then
+        written from there; if the rows land elsewhere, the arena is given back unwritten."""
+        staged = await self._stage(columns)
+        try:
+            new = await placing
+        except BaseException:
+            if staged is not None:
+                self._writes.unlend(staged.arena)
+            raise
+        if not placed_whole(new, self.unit_id):
+            if staged is not None:
+                self._writes.unlend(staged.arena)
+            return False
+        grant = (new.grants or {}).get(self.unit_id)
+        if staged is None:
+            await self.write(new.indexes, columns, specs, create=True, grant=grant)
+            return True
+        self.staged_writes += 1
+        msg = m.Write(
+            indexes=new.indexes,
+            columns=staged.columns,
+            specs={k: specs[k] for k in staged.columns},
+            create=True,
+            grant=grant,
+        )
+        try:
+            await self._write_kept(staged.arena, msg, staged.nbytes, staged=staged.used)
+        except UnknownArenaError:  # (the staged columns still view the arena's memory)
+            self._forget_arenas()
+            await self._write(new.indexes, staged.columns, specs, create=True, grant=grant)
+        return True
 
-    async def stage(self, columns: Mapping[str, Column]) -> Staged | None:
-        """Copy a ragged put's tensors into a write arena (see :meth:`UnitLink.stage`); None
-        when the put would not go through one, or none is free within the bound."""
-        if not any(isinstance(c, Ragged) for c in columns.values()):
+    async def _stage(self, columns: Mapping[str, Column]) -> _Staged | None:
+        """A ragged put's tensors copied into a write arena; None when the put would not go
+        through one, or none is free within the bound."""
+        if self._writes.max_bytes <= 0 or not any(isinstance(c, Ragged) for c in columns.values()):
             return None
         nbytes = sum(column_nbytes(c) for c in columns.values())
+        if nbytes < _WRITE_ARENA_MIN_BYTES:
+            return None
         # (the unit may still hold the last put's rows: then a second arena is made, once)
         arena = await self._lend_write(_write_need(columns, nbytes))
         if arena is None:
@@ -339,34 +391,7 @@ class RemoteUnitLink(UnitLink):
                 staged[name] = into_arena(col)
             else:
                 staged[name] = col
-        return Staged(staged, nbytes, (arena, used))
-
-    async def write_staged(
-        self,
-        indexes: np.ndarray,
-        staged: Staged,
-        specs: Mapping[str, FieldSpec],
-        *,
-        create: bool,
-        grant: bytes | None = None,
-    ) -> None:
-        arena, used = staged.token
-        self.staged_writes += 1
-        msg = m.Write(
-            indexes=indexes,
-            columns=staged.columns,
-            specs={k: specs[k] for k in staged.columns},
-            create=create,
-            grant=grant,
-        )
-        try:
-            await self._write_kept(arena, msg, staged.nbytes, staged=used)
-        except UnknownArenaError:  # (the staged columns still view the arena's memory)
-            self._forget_arenas()
-            await self._write(indexes, staged.columns, specs, create=create, grant=grant)
-
-    def unstage(self, staged: Staged) -> None:
-        self._writes.unlend(staged.token[0])
+        return _Staged(staged, nbytes, arena, used)
 
     async def _write_kept(
         self, arena: Arena, msg: m.Write, nbytes: int, *, staged: int = 0

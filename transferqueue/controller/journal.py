@@ -35,14 +35,15 @@ already), and a snapshot of another format version is refused with a
 from __future__ import annotations
 
 import fcntl
+import functools
 import os
 import pickle
 import struct
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 import msgspec
 import numpy as np
@@ -57,13 +58,16 @@ __all__ = [
     "Journal",
     "JournalSettings",
     "Record",
+    "Recorder",
     "decode_record",
     "encode_record",
+    "journaled",
+    "journaled_methods",
     "read_records",
     "read_snapshot",
 ]
 
-FORMAT_VERSION = 2  # 2: the copy plans of re-replication (header "copying", unit_epochs)
+FORMAT_VERSION = 3  # 2: copy plans (header "copying", unit_epochs); 3: the core in parts
 FSYNC_POLICIES = ("never", "batch", "always")
 SNAPSHOT = "snapshot"
 _LOG = "log."
@@ -91,6 +95,80 @@ class JournalSettings:
             raise ValueError(f"snapshot_records must be >= 1, got {self.snapshot_records!r}")
         if not isinstance(self.snapshot_s, int | float) or not self.snapshot_s > 0:
             raise ValueError(f"snapshot_s must be a positive number, got {self.snapshot_s!r}")
+
+
+# -- which calls are recorded --------------------------------------------------------------
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+class Recorder(Protocol):
+    """What records the calls of a journaled controller
+    (:class:`~transferqueue.controller.journaled.Recording`)."""
+
+    def call(
+        self,
+        name: str,
+        run: Callable[..., T],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        fingerprint: Callable[[], Any] | None,
+    ) -> T: ...
+
+
+class _Part(Protocol):
+    recorder: Recorder | None
+
+
+S = TypeVar("S", bound=_Part)
+
+
+def journaled(method: Callable[Concatenate[S, P], T]) -> Callable[Concatenate[S, P], T]:
+    """Mark a method of a part of the controller core that changes the core: a journaled
+    controller records each outermost call of it under the method's name (a call from
+    another marked method is part of that one's record). Its part has a ``recorder``
+    attribute (None: nothing is recorded, the method runs as it is)."""
+    return _marked(method, None)
+
+
+def journaled_unless_same(
+    fingerprint: Callable[[S], Any],
+) -> Callable[[Callable[Concatenate[S, P], T]], Callable[Concatenate[S, P], T]]:
+    """:func:`journaled`, but a call that leaves ``fingerprint(part)`` as it was and raised
+    nothing is not recorded (a timer's call that found nothing due)."""
+
+    def mark(method: Callable[Concatenate[S, P], T]) -> Callable[Concatenate[S, P], T]:
+        return _marked(method, fingerprint)
+
+    return mark
+
+
+def _marked(
+    method: Callable[Concatenate[S, P], T], fingerprint: Callable[[S], Any] | None
+) -> Callable[Concatenate[S, P], T]:
+    name = method.__name__
+
+    @functools.wraps(method)
+    def call(self: S, *args: P.args, **kwargs: P.kwargs) -> T:
+        recorder = self.recorder
+        if recorder is None:
+            return method(self, *args, **kwargs)
+        fp = None if fingerprint is None else functools.partial(fingerprint, self)
+        return recorder.call(name, functools.partial(method, self), args, kwargs, fp)
+
+    call.__journaled__ = name  # type: ignore[attr-defined]
+    return call
+
+
+def journaled_methods(part: object) -> dict[str, Callable[..., Any]]:
+    """The methods of ``part`` marked :func:`journaled`, bound, by name."""
+    out = {}
+    for cls in reversed(type(part).__mro__):
+        for attr, value in vars(cls).items():
+            name = getattr(value, "__journaled__", None)
+            if name is not None:
+                out[name] = getattr(part, attr)
+    return out
 
 
 # -- records ---------------------------------------------------------------------------------
@@ -138,7 +216,7 @@ def _ext(code: int, data: memoryview) -> Any:
 
 
 _enc = msgspec.msgpack.Encoder(enc_hook=_hook)
-_TYPED = ("register_fields", "apply")  # (the calls whose arguments need _pre)
+_TYPED = ("register_fields", "import_tasks")  # (the calls whose arguments need _pre)
 _dec = msgspec.msgpack.Decoder(ext_hook=_ext)
 
 

@@ -1,8 +1,7 @@
 """String keys for rows: the key-value interface's map, kept by the controller.
 
-A mixin of :class:`~transferqueue.controller.core.Controller` (kept apart, as
-:mod:`transferqueue.controller.status` is, so that the controller module holds the row bookkeeping).
-A key names one row of one partition; the rows are ordinary rows (the queue interface sees
+A part of the controller core (:class:`~transferqueue.controller.core.Controller`). A key
+names one row of one partition; the rows are ordinary rows (the queue interface sees
 them: tasks lease and acknowledge them exactly once through ``get_meta``/``ack``)::
 
     per partition   KeyMap   index_of {key: row index} | key_of {row index: key}
@@ -31,21 +30,21 @@ acknowledging it, a unit dying with it, a put that failed before committing it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from transferqueue.controller.leases import LeaseTable
-from transferqueue.controller.state import Changes, PartitionState, header_column
+from transferqueue.controller.journal import Recorder, journaled
+from transferqueue.controller.partitions import Partitions
+from transferqueue.controller.rows import RowTable
+from transferqueue.controller.state import Changes, header_column
+from transferqueue.controller.writes import Writes
 from transferqueue.errors import (
     BadRequestError,
     KeyLeasedError,
     UnknownFieldError,
     UnknownKeyError,
 )
-from transferqueue.meta import BatchMeta
-from transferqueue.schema import FieldSpec
 from transferqueue.wire.replies import DONE, LEASED, QUEUED, KeyListing, KeyRows
 
 __all__ = ["KeyMap", "KeyedRows"]
@@ -74,44 +73,20 @@ class KeyMap:
 
 
 class KeyedRows:
-    """The key map and its operations; mixed into the Controller."""
+    """The key maps of the partitions and the calls on keys (see the module)."""
 
-    # (the Controller's state this mixin works on)
-    leases: LeaseTable
-    _h: dict[str, np.ndarray]
-    _copies: Callable[[np.ndarray], np.ndarray | None]  # (UnitHealth's: second copies)
-    _ready: dict[str, np.ndarray]
-    _specs: dict[str, FieldSpec]
-    _partitions: dict[str, PartitionState]
+    recorder: Recorder | None = None  # (set by a journaled controller)
 
-    def _init_keys(self) -> None:
+    def __init__(self, rows: RowTable, partitions: Partitions, writes: Writes) -> None:
+        self._rows = rows
+        self._partitions = partitions
+        self._writes = writes
         self._keys: dict[int, KeyMap] = {}  # by partition id
+        partitions.on_free.append(self._drop)
 
-    # (the Controller's)
-    def _slots(self, indexes: np.ndarray) -> np.ndarray:
-        raise NotImplementedError
-
-    def _live_slots(self, part: PartitionState) -> np.ndarray:
-        raise NotImplementedError
-
-    def _free(self, part: PartitionState, slots: np.ndarray, changes: Changes) -> None:
-        raise NotImplementedError
-
-    def check_allocate(self, n: int, partition: str) -> None:
-        raise NotImplementedError
-
-    def allocate(
-        self,
-        n: int,
-        partition: str,
-        *,
-        groups: np.ndarray | int | None = None,
-        versions: np.ndarray | int | None = None,
-        lengths: np.ndarray | int | None = None,
-        nbytes: int | None = None,
-        producer: str | None = None,
-    ) -> BatchMeta:
-        raise NotImplementedError
+    def count(self, partition_id: int) -> int:
+        """The keys of a partition."""
+        return len(self._keys.get(partition_id) or ())
 
     # -- lookups -----------------------------------------------------------------------------
     def _lookup(self, partition: str, keys: list[str]) -> np.ndarray:
@@ -136,10 +111,11 @@ class KeyedRows:
         """How many of ``keys`` have no row yet; raises what no wait for capacity cures."""
         n = int((self._lookup(partition, keys) < 0).sum())
         if n:  # (updates of known keys go into a finished partition too)
-            self.check_allocate(n, partition)
+            self._writes.check_allocate(n, partition)
         return n
 
     # -- rows of keys ------------------------------------------------------------------------
+    @journaled
     def key_rows(
         self,
         partition: str,
@@ -161,56 +137,43 @@ class KeyedRows:
         if missing.size and not create:
             raise self._unknown(partition, keys, found)
         if not create:
-            slots = self._slots(found)
+            slots = self._rows.slots(found)
             return KeyRows(
-                self._meta(partition, found, slots),
+                self._rows.meta(slots, partition),
                 missing,
                 self._fields(partition, keys, slots, fields),
             )
         created = np.empty(0, dtype=np.int64)
         if missing.size:
             g = None if groups is None else header_column("group", groups, len(keys), default=-1)
-            new = self.allocate(
+            new = self._writes.allocate(
                 int(missing.size),
                 partition,
                 groups=None if g is None else g[missing],
                 nbytes=None if nbytes is None else nbytes * int(missing.size) // len(keys),
                 producer=producer,
             )
-            part = self._partitions[partition]
+            part = self._partitions.partition(partition)
             self._keys.setdefault(part.id, KeyMap()).bind(
                 [keys[i] for i in missing.tolist()], new.indexes
             )
             found[missing] = new.indexes
             created = missing
-        return KeyRows(self._meta(partition, found, self._slots(found)), created)
-
-    def _meta(self, partition: str, indexes: np.ndarray, slots: np.ndarray) -> BatchMeta:
-        h = self._h
-        return BatchMeta(
-            indexes,
-            h["unit"][slots],
-            h["group"][slots],
-            h["version"][slots],
-            h["length"][slots],
-            partition=partition,
-            replica_units=self._copies(slots),
-        )
+        return KeyRows(self._rows.meta(self._rows.slots(found), partition), created)
 
     def _fields(
         self, partition: str, keys: list[str], slots: np.ndarray, fields: list[str] | None
     ) -> list[str]:
         """``fields``, checked: every row has them written; None: those every row has."""
+        specs = self._rows.specs
         if fields is None:
-            return [
-                n for n, ready in self._ready.items() if n in self._specs and ready[slots].all()
-            ]
+            return [n for n, ready in self._rows.ready.items() if n in specs and ready[slots].all()]
         for name in fields:
-            ready = self._ready.get(name) if name in self._specs else None
+            ready = self._rows.ready.get(name) if name in specs else None
             if ready is None:
                 raise UnknownFieldError(
                     f"field {name!r} has never been written (known fields: "
-                    f"{sorted(self._specs)[:50]}); check the name"
+                    f"{sorted(specs)[:50]}); check the name"
                 )
             lacking = np.flatnonzero(~ready[slots])
             if lacking.size:
@@ -223,6 +186,7 @@ class KeyedRows:
         return fields
 
     # -- delete ------------------------------------------------------------------------------
+    @journaled
     def delete_keys(self, partition: str, keys: list[str] | None = None) -> Changes:
         """Delete the rows of ``keys`` (None: every key of ``partition``; see the module):
         all or nothing; an unknown key is an :class:`UnknownKeyError`, a row a task holds
@@ -236,8 +200,8 @@ class KeyedRows:
             found = self._lookup(partition, keys)
             if (found < 0).any():
                 raise self._unknown(partition, keys, found)
-        part = self._partitions[partition]
-        slots = self._slots(found)
+        part = self._partitions.known(partition)
+        slots = self._rows.slots(found)
         for task in part.tasks.values():
             leased = task.state[slots] == LEASED
             if leased.any():
@@ -257,22 +221,17 @@ class KeyedRows:
             if (state == QUEUED).any():
                 requeue.append(task)
         changes = Changes()
-        self._free(part, slots, changes)  # (drops the keys too: _drop_keys)
+        self._partitions.free(part, slots, changes)  # (drops the keys too: _drop)
         n = int(slots.size)
         part.rows_put -= n
         part.rows_freed -= n
-        for task in requeue:  # its queue, rebuilt without the deleted rows
-            task.sampler.clear()
-            live = self._live_slots(part)
-            queued = live[task.state[live] == QUEUED]
-            if queued.size:
-                task.sampler.add(self._h["index"][queued])
+        self._partitions.requeue(part, requeue)  # (without the deleted rows)
         changes.woken |= {t.key for t in part.tasks.values()}  # (a drained stream may end)
         return changes
 
-    def _drop_keys(self, part: PartitionState, indexes: np.ndarray) -> None:
+    def _drop(self, partition_id: int, indexes: np.ndarray) -> None:
         """Rows left (freed, lost, discarded, cleared, deleted): their keys go with them."""
-        km = self._keys.get(part.id)
+        km = self._keys.get(partition_id)
         if km:
             km.drop(indexes)
 
@@ -285,11 +244,12 @@ class KeyedRows:
         part = self._partitions.get(partition)
         km = None if part is None else self._keys.get(part.id)
         names = list(dict.fromkeys(fields or ()))
+        specs = self._rows.specs
         for name in names:
-            if name not in self._specs:
+            if name not in specs:
                 raise BadRequestError(
                     f"kv_list: field {name!r} was never written (known fields: "
-                    f"{sorted(self._specs)[:50]}); check the name"
+                    f"{sorted(specs)[:50]}); check the name"
                 )
         if not km:
             empty = np.empty(0, dtype=np.int64)
@@ -297,10 +257,11 @@ class KeyedRows:
         indexes = np.fromiter(km.key_of, dtype=np.int64, count=len(km))
         indexes.sort()
         keys = [km.key_of[i] for i in indexes.tolist()]
-        slots = self._slots(indexes)
+        slots = self._rows.slots(indexes)
+        ready_of = self._rows.ready
         if all_fields:
-            names += [n for n in self._specs if n not in names and self._ready[n][slots].any()]
-        ready = {n: self._ready[n][slots].copy() for n in names}
+            names += [n for n in specs if n not in names and ready_of[n][slots].any()]
+        ready = {n: ready_of[n][slots].copy() for n in names}
         return KeyListing(partition, keys, indexes, ready)
 
     # -- export / restore (checkpoints of partitions) ----------------------------------------
@@ -308,14 +269,16 @@ class KeyedRows:
         """The key map as plain data: ``{partition: {"keys": [str], "indexes": int64
         array}}``, in row order, for every partition with keys (or just ``partition``)."""
         out: dict[str, dict[str, Any]] = {}
-        for name, part in self._partitions.items():
+        for part in self._partitions:
             km = self._keys.get(part.id)
+            name = part.name
             if km and (partition is None or name == partition):
                 indexes = np.fromiter(km.key_of, dtype=np.int64, count=len(km))
                 indexes.sort()
                 out[name] = {"keys": [km.key_of[i] for i in indexes.tolist()], "indexes": indexes}
         return out
 
+    @journaled
     def restore_keys(self, partition: str, keys: list[str], indexes: np.ndarray) -> None:
         """Bind ``keys`` to live rows ``indexes`` of ``partition`` (what :meth:`export_keys`
         gave, with indexes mapped to the rows as restored). Everything is checked first: the
@@ -327,8 +290,8 @@ class KeyedRows:
             )
         self.check_new_keys(partition, keys)
         part = self._partitions.get(partition)
-        slots = self._slots(indexes)
-        if part is None or (self._h["partition"][slots] != part.id).any():
+        slots = self._rows.slots(indexes)
+        if part is None or (self._rows.header["partition"][slots] != part.id).any():
             raise BadRequestError(f"restore_keys: rows not all in partition {partition!r}")
         km = self._keys.setdefault(part.id, KeyMap())
         if any(i in km.key_of for i in indexes.tolist()):

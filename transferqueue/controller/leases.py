@@ -166,3 +166,29 @@ class LeaseTable:
 
     def of_partition(self, partition_id: int) -> list[Lease]:
         return [lease for lease in self._active.values() if lease.task[0] == partition_id]
+
+    def drop_rows(self, lease_ids: np.ndarray) -> None:
+        """Rows left the leases ``lease_ids`` (one id per row: lost with a unit, retired);
+        a lease left empty closes, unless it must learn whether its holder consumed rows it
+        lost (``Lease.lost``, see transferqueue.controller.retire): then it stays open until
+        acknowledged, released or expired."""
+        if lease_ids.size == 0:
+            return
+        ids, counts = np.unique(lease_ids, return_counts=True)
+        for lid, count in zip(ids.tolist(), counts.tolist(), strict=True):
+            lease = self._active.get(lid)
+            if lease is not None:
+                lease.remaining -= count
+                if lease.remaining <= 0 and not lease.lost:
+                    self.close(lease, "lost")
+
+    def clamp(self) -> None:
+        """Deadlines further away than ``max_lease_s`` (a clock that restarted) come closer."""
+        latest = self._clock() + self.max_lease_s
+        moved = False
+        for lease in self._active.values():
+            if lease.deadline > latest:
+                lease.deadline, moved = latest, True
+        if moved:
+            self._heap = [(lease.deadline, lid) for lid, lease in self._active.items()]
+            heapq.heapify(self._heap)

@@ -3,11 +3,11 @@
 With ``replicas=2``, rows left with one copy (a unit died; see
 :mod:`transferqueue.controller.health`) get a second copy again: while ``rows_one_copy > 0`` and two
 units are alive, the copier asks the core for a plan
-(:meth:`~transferqueue.controller.rereplicate.Rereplication.plan_copies`: a bounded batch of rows on
+(:meth:`~transferqueue.controller.rereplicate.Copies.plan_copies`: a bounded batch of rows on
 one source unit), has it carried out (``send``: the controller's server sends the source unit a
 :class:`~transferqueue.wire.messages.CopyRows`; the source reads the rows and writes them to the
 target as a client's put would, under a grant the controller signed for the target), and records the
-outcome (:meth:`~transferqueue.controller.rereplicate.Rereplication.copies_made`), whose frees (rows
+outcome (:meth:`~transferqueue.controller.rereplicate.Copies.copies_made`), whose frees (rows
 refused on the target) go out before the next plan.
 
 One copy at a time, each bounded (rows, bytes, ``timeout_s``), so that neither the units'
@@ -101,7 +101,7 @@ class Copier:
     async def step(self) -> bool:
         """Make one copy if one is due; False when there was nothing to copy."""
         ctl = self.service.controller
-        plan = ctl.plan_copies(self.max_rows, self.max_bytes)
+        plan = ctl.copies.plan_copies(self.max_rows, self.max_bytes)
         if plan is None:
             return False
         ok = False
@@ -127,8 +127,8 @@ class Copier:
             await asyncio.sleep(wait_s)
         if self.service.controller is not ctl:
             return True  # (a reset: the new core knows nothing of the plan; units cleared)
-        changes = ctl.copies_made(plan.plan_id, plan.target, plan.indexes, plan.epoch, ok)
-        frees = self.service._apply(changes)
+        changes = ctl.copies.copies_made(plan.plan_id, plan.target, plan.indexes, plan.epoch, ok)
+        frees = self.service.apply(changes)
         if frees:  # (before a later copy may write the same rows to that unit again)
             await asyncio.gather(*frees, return_exceptions=True)
         return True

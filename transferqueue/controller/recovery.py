@@ -7,7 +7,8 @@ restarted controller serves, :func:`reconcile` asks every unit for its inventory
 (:class:`~transferqueue.wire.messages.UnitInventory`) and:
 
 - discards the rows allocated and never committed (their puts failed with the old process:
-  a late commit learns they were lost, see :meth:`JournaledController.reclaim_uncommitted`);
+  a late commit learns they were lost, see
+  :meth:`~transferqueue.controller.health.UnitHealth.reclaim_uncommitted`);
 - loses the rows a unit should hold and does not (it restarted while the controller was
   down): as when a unit dies (:meth:`~transferqueue.controller.health.UnitHealth.lose_rows`), the
   rows leave their tasks and are counted lost;
@@ -60,15 +61,15 @@ async def reconcile(
     asked = [u for u in range(len(units)) if alive[u]]
     held = await asyncio.gather(*(units[u].call(m.UnitInventory(), wait_s=wait_s) for u in asked))
     out = Reconciled()
-    before = ctl.rows_reclaimed
-    ctl.reclaim_uncommitted()  # (its frees are not sent: the inventories name those rows)
-    ctl.abandon_copies()  # (copies the old process made are freed below: no row names them)
-    out.reclaimed = ctl.rows_reclaimed - before
-    h = ctl._h
+    before = ctl.health.rows_reclaimed
+    ctl.health.reclaim_uncommitted()  # (its frees are not sent: the inventories name those rows)
+    ctl.copies.abandon_copies()  # (copies the old process made are freed below: none names them)
+    out.reclaimed = ctl.health.rows_reclaimed - before
+    h = ctl.rows.header
     for u, rows in zip(asked, held, strict=True):
         rows = np.asarray(rows, dtype=np.int64)
         if rows.size:
-            ctl.advance_index(int(rows.max()) + 1)
+            ctl.rows.advance_index(int(rows.max()) + 1)
         live = np.flatnonzero(h["live"])
         known = h["index"][live[(h["unit"][live] == u) | (h["replica"][live] == u)]]
         missing = known[~np.isin(known, rows)]
@@ -82,7 +83,7 @@ async def reconcile(
     log.warning(
         "controller recovered: %d rows live; %d uncommitted rows discarded, %d rows lost "
         "with units that restarted meanwhile, %d unknown rows freed on units",
-        int(ctl.stats()["rows_live"]),
+        ctl.rows.live,
         out.reclaimed,
         out.lost,
         out.freed,

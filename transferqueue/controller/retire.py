@@ -1,8 +1,9 @@
 """Lost rows a task never consumed, and retiring whole groups: what lets a producer
 regenerate what a dead storage unit took with it.
 
-A mixin of :class:`~transferqueue.controller.core.Controller` (next to
-:mod:`transferqueue.controller.health`, which marks the rows of a dead unit lost):
+A part of the controller core (:class:`~transferqueue.controller.core.Controller`), told by
+:mod:`transferqueue.controller.health` of the rows of a dead unit, and by the lease table of
+each lease that ends:
 
 - **the loss log of a task** (:meth:`Retirement.lost_rows`): every committed row lost
   *before the task consumed it*, with its group id, in the order the losses became definite.
@@ -26,12 +27,15 @@ A mixin of :class:`~transferqueue.controller.core.Controller` (next to
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
+from transferqueue.controller.journal import Recorder, journaled
 from transferqueue.controller.leases import Lease, LeaseTable
-from transferqueue.controller.state import Changes, PartitionState, TaskState
+from transferqueue.controller.partitions import Partitions
+from transferqueue.controller.rows import RowTable
+from transferqueue.controller.state import Changes, TaskState
 from transferqueue.errors import BadRequestError
 from transferqueue.wire.replies import DONE, LEASED, QUEUED, LostRows, Retired
 
@@ -79,47 +83,40 @@ class LossLog:
 
 
 class Retirement:
-    """Loss logs per task and group retirement; mixed into the Controller."""
+    """Loss logs per task, and group retirement (see the module)."""
 
-    # (the Controller's state this mixin works on)
-    leases: LeaseTable
-    _h: dict[str, np.ndarray]
-    _partitions: dict[str, PartitionState]
-    _by_id: dict[int, PartitionState]
-    partition: Callable[[str], PartitionState]
-    _live_slots: Callable[[PartitionState], np.ndarray]
-    _free: Callable[[PartitionState, np.ndarray, Changes], None]
-    _remember: Callable[[np.ndarray], None]  # (UnitHealth's)
-    _drop_leased: Callable[[np.ndarray], None]  # (UnitHealth's)
-    _requeue: Callable[[PartitionState, list[TaskState]], None]  # (UnitHealth's)
+    recorder: Recorder | None = None  # (set by a journaled controller)
 
-    def _init_retirement(self) -> None:
-        self._loss_logs: dict[tuple[int, str], LossLog] = {}
+    def __init__(self, rows: RowTable, partitions: Partitions, leases: LeaseTable) -> None:
+        self._rows = rows
+        self._partitions = partitions
+        self._leases = leases
+        self._logs: dict[tuple[int, str], LossLog] = {}
         self.rows_retired = 0
-        self.leases.on_close = self._lease_closed
+        leases.on_close = self._lease_closed
 
-    def _loss_log(self, task: TaskState) -> LossLog:
-        log = self._loss_logs.get(task.key)
+    def _log(self, task: TaskState) -> LossLog:
+        log = self._logs.get(task.key)
         if log is None:
-            log = self._loss_logs[task.key] = LossLog()
+            log = self._logs[task.key] = LossLog()
         return log
 
-    # -- rows lost with a unit (called by UnitHealth.lose_unit) --------------------------------
-    def _lost_for_task(self, task: TaskState, slots: np.ndarray) -> None:
+    # -- rows lost with a unit (told by UnitHealth) ------------------------------------------
+    def rows_lost(self, task: TaskState, slots: np.ndarray) -> None:
         """``slots`` (of ``task``'s partition) are lost now: log those the task had not
         consumed and did not hold; leave those it held with their lease until it ends. Rows
         no commit reached are not logged: their put fails and its producer puts them again."""
-        h = self._h
+        h = self._rows.header
         slots = slots[h["committed"][slots]]
         state = task.state[slots]
         unheld = slots[state < LEASED]  # waiting or queued
-        self._loss_log(task).append(h["index"][unheld], h["group"][unheld])
+        self._log(task).append(h["index"][unheld], h["group"][unheld])
         held = slots[state == LEASED]
         if held.size == 0:
             return
         lease_ids = task.lease[held]
         for lid in np.unique(lease_ids).tolist():
-            lease = self.leases.active(lid)
+            lease = self._leases.active(lid)
             if lease is not None:
                 mine = held[lease_ids == lid]
                 lease.lost.append((h["index"][mine].copy(), h["group"][mine].copy()))
@@ -131,10 +128,10 @@ class Retirement:
         pending, lease.lost = lease.lost, []
         if why == "acked":
             return
-        part = self._by_id.get(lease.task[0])
+        part = self._partitions.by_id(lease.task[0])
         task = None if part is None else part.tasks.get(lease.task[1])
         if task is not None and why != "cleared":
-            log = self._loss_log(task)
+            log = self._log(task)
             for indexes, groups in pending:
                 log.append(indexes, groups)
 
@@ -144,13 +141,13 @@ class Retirement:
     ) -> LostRows:
         """Rows of ``partition`` lost before ``task`` consumed them, logged after cursor
         ``after`` (at most ``limit``); pass the reply's ``next`` as ``after`` next time."""
-        part = self.partition(partition)
+        part = self._partitions.partition(partition)
         t = part.tasks.get(task)
         if not isinstance(after, int) or after < 0:
             raise BadRequestError(f"lost_rows: after must be a cursor >= 0, got {after!r}")
         if t is None:
             return LostRows(np.empty(0, np.int64), np.empty(0, np.int64), after)
-        log = self._loss_log(t)
+        log = self._log(t)
         if after > log.total:
             raise BadRequestError(
                 f"lost_rows: cursor {after} is past the end of task {task!r}'s loss log "
@@ -158,17 +155,18 @@ class Retirement:
             )
         return log.read(after, limit)
 
+    @journaled
     def retire_groups(
         self, partition: str, groups: Sequence[int] | np.ndarray, unless_leased_by: str | None
     ) -> tuple[Retired, Changes]:
         """Retire every live row of ``groups`` in ``partition`` (see the module): returns the
         rows retired and the groups left alone because task ``unless_leased_by`` holds one
         of their rows leased, and what changed."""
-        part = self.partition(partition)
+        part = self._partitions.partition(partition)
         wanted = np.unique(np.asarray(groups, dtype=np.int64))
         changes = Changes()
-        h = self._h
-        live = self._live_slots(part)
+        h = self._rows.header
+        live = self._rows.live_slots(part.id)
         slots = live[np.isin(h["group"][live], wanted)]
         busy = np.empty(0, dtype=np.int64)
         if unless_leased_by is not None and unless_leased_by in part.tasks:
@@ -177,20 +175,20 @@ class Retirement:
             slots = slots[~np.isin(h["group"][slots], busy)]
         if slots.size == 0:
             return Retired(0, busy), changes
-        self._remember(h["index"][slots])
+        self._rows.gone.remember(h["index"][slots])
         requeue = []
         for task in part.tasks.values():
             state = task.state[slots]
-            self._drop_leased(task.lease[slots[state == LEASED]])
+            self._leases.drop_rows(task.lease[slots[state == LEASED]])
             task.leased -= int((state == LEASED).sum())
             task.retired += int((state != DONE).sum())
             if (state == QUEUED).any():
                 requeue.append(task)
             changes.woken.add(task.key)
-        self._free(part, slots, changes)
+        self._partitions.free(part, slots, changes)
         n = int(slots.size)
         part.rows_freed -= n
         part.rows_retired += n
         self.rows_retired += n
-        self._requeue(part, requeue)  # (without the retired rows)
+        self._partitions.requeue(part, requeue)  # (without the retired rows)
         return Retired(n, busy), changes

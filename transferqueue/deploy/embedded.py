@@ -13,6 +13,7 @@ import numpy as np
 
 from transferqueue.client.handle import TransferQueue
 from transferqueue.controller.core import SPREAD_BYTES, Controller
+from transferqueue.controller.handlers import handlers
 from transferqueue.controller.placement import check_replicas
 from transferqueue.controller.service import ControllerService
 from transferqueue.deploy.local_links import LocalControllerLink, LocalUnitLink
@@ -71,7 +72,7 @@ def start(
 
     return TransferQueue(
         io,
-        LocalControllerLink(service),
+        LocalControllerLink(*handlers(service)),
         links,
         closers=[close_service, lambda: executor.shutdown(wait=True)],
         mode="embedded",

@@ -32,8 +32,10 @@ class LocalControllerLink:
     """The controller in this process: messages go straight to the service's handlers, with
     no encoding (the embedded deployment)."""
 
-    def __init__(self, service: object) -> None:
-        self._handlers = protocol.handlers("controller", service)
+    def __init__(self, *handlers: object) -> None:
+        """``handlers``: the objects answering the controller's message kinds
+        (:func:`transferqueue.controller.handlers.handlers`)."""
+        self._handlers = protocol.handlers("controller", *handlers)
 
     async def call(self, msg: protocol.ControllerRequest[R]) -> R:
         return await protocol.dispatch(self._handlers, msg, protocol.TRUSTED)

@@ -34,6 +34,7 @@ import zmq.asyncio
 
 from transferqueue.client.links import OFFLOAD_BYTES, column_nbytes
 from transferqueue.controller.core import SPREAD_BYTES, Controller
+from transferqueue.controller.handlers import AdminHandlers, handlers
 from transferqueue.controller.health import ALLOCATION_S
 from transferqueue.controller.journal import JournalSettings
 from transferqueue.controller.journaled import JournaledController, open_controller
@@ -409,15 +410,16 @@ class ControllerServer:
                     state_dir, lambda: JournaledController(len(self._units), **options), journal
                 )
                 for i, a in enumerate(self.unit_addresses):
-                    controller.set_unit_host(i, _host_of(a))
+                    controller.health.set_unit_host(i, _host_of(a))
             self.service = ControllerService(controller, self._free_rows, grants=grants)
+            self._admin = AdminHandlers(self.service)
             self._grants = grants
             self.copier = Copier(self.service, self._copy)
             self.rpc = RpcServer(
                 ctx,
                 address,
                 "controller",
-                protocol.handlers("controller", self, self.service),
+                protocol.handlers("controller", self, *handlers(self.service)),
                 keys=keys,
             )
         except BaseException:
@@ -509,7 +511,7 @@ class ControllerServer:
 
     def stats(self, msg: m.Stats, caller: Caller) -> dict[str, Any] | Awaitable[dict[str, Any]]:
         """The core's stats, with this server's request counters, memory and metrics URL."""
-        stats = self.service.stats(msg, caller)
+        stats = self._admin.stats(msg, caller)
         if isinstance(stats, dict):
             return self._server_stats(stats)
         return self._server_stats_later(stats)
@@ -538,7 +540,7 @@ class ControllerServer:
         msg = m.CopyRows(
             indexes=plan.indexes,
             fields=plan.fields,
-            specs={f: self.service.controller.specs[f] for f in plan.fields},
+            specs={f: self.service.controller.rows.specs[f] for f in plan.fields},
             target=plan.target,
             address=self.unit_addresses[plan.target],
             grant=self._grants.sign(plan.target, lo, hi, expires),
@@ -591,7 +593,7 @@ class ControllerServer:
         UnknownRowError, which without this check would pass for a reader's mistake."""
         units = [u for u in set(msg.units) if u < len(self._units)]
         await asyncio.gather(*(self._check_incarnation(u) for u in units))
-        return self.service.lost(msg, caller)
+        return self.service.controller.rows.lost(msg.indexes)
 
     async def _check_incarnation(self, unit: int) -> None:
         if not self.service.controller.placement.alive[unit] or unit in self._reviving:
@@ -629,11 +631,7 @@ class ControllerServer:
             old = self._units[unit]
             self._units[unit] = rpc
             self.unit_addresses[unit] = msg.address
-            ctl = self.service.controller
-            if isinstance(ctl, JournaledController):
-                ctl.set_unit_host(unit, _host_of(msg.address))
-            else:
-                ctl.placement.set_host(unit, _host_of(msg.address))
+            self.service.controller.health.set_unit_host(unit, _host_of(msg.address))
             if self._started:
                 rpc.start_watch()
             await old.close()
@@ -647,7 +645,7 @@ class ControllerServer:
         return m.HelloReply(PROTOCOL_VERSION, self.unit_addresses)
 
     async def reset(self, msg: m.Reset, caller: Caller) -> None:
-        await self.service.reset(msg, caller)
+        await self.service.reset()
         alive = self.service.controller.placement.alive
         await asyncio.gather(
             *(u.call(m.ResetUnit()) for i, u in enumerate(self._units) if alive[i])
