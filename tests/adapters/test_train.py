@@ -52,9 +52,23 @@ class _Recorder:
         return {}
 
 
+def _one_turn(responses: list[torch.Tensor]) -> dict[str, Any]:
+    """What the rollout writes of one-turn episodes besides the response: every token the
+    model's (loss mask true), of version 0, one turn that ended done."""
+    n = len(responses)
+    return {
+        "loss_mask": [torch.ones(len(r), dtype=torch.bool) for r in responses],
+        "token_versions": [torch.zeros(len(r), dtype=torch.int32) for r in responses],
+        "num_turns": torch.ones(n, dtype=torch.int32),
+        "end_reason": ["done"] * n,
+        "episode_info": [{} for _ in range(n)],
+    }
+
+
 def _put(tq: transferqueue.TransferQueue, rewards: dict[int, list[float]], lengths: Any) -> None:
     """Whole groups: response ``g`` repeated (length from ``lengths(g, i)``), a 3-token
-    prompt, the given rewards; then the partition is finished."""
+    prompt, the given rewards, the episode columns the rollout writes; then the partition is
+    finished."""
     client = tq.client()
     client.declare_tasks(["train"], partition="train")
     responses, groups, reward = [], [], []
@@ -70,6 +84,7 @@ def _put(tq: transferqueue.TransferQueue, rewards: dict[int, list[float]], lengt
             "response_ids": responses,
             "behaviour_logprobs": [torch.zeros(len(r)) for r in responses],
             "reward": torch.tensor(reward, dtype=torch.float32),
+            **_one_turn(responses),
         },
         group=np.asarray(groups),
         version=0,
