@@ -15,6 +15,7 @@ import torch
 from asyncflow.transport import links as links_module
 from asyncflow.transport import make_transport
 from asyncflow.transport import messages as m
+from asyncflow.transport.control import ControlClient, ControlServer, unique_ipc_address
 from transferqueue.errors import ProtocolError
 from transferqueue.wire.protocol import KINDS, handlers
 from transferqueue.wire.rpc import RpcClient
@@ -36,7 +37,7 @@ def wait_until(what: Callable[[], bool], timeout_s: float = 30.0, why: str = "")
 def test_the_weights_kinds_are_a_role_of_their_own() -> None:
     """The weight senders' kinds sit in their own table: TransferQueue's ``ping`` of the
     controller and of the unit are untouched, and a server of the role needs every handler."""
-    assert sorted(KINDS[m.ROLE]) == ["failed", "have", "join", "leave", "ping", "poll"]
+    assert sorted(KINDS[m.ROLE]) == ["failed", "have", "join", "leave", "ping", "poll", "relay"]
     assert KINDS[m.ROLE]["ping"] is m.Ping
     assert KINDS["controller"]["ping"] is not m.Ping and KINDS["unit"]["ping"] is not m.Ping
 
@@ -149,3 +150,42 @@ def test_a_receiver_that_starts_first_joins_once(monkeypatch: pytest.MonkeyPatch
             sender.close()
     finally:
         receiver.close()
+
+
+def test_a_relay_reaches_the_member_it_names_and_only_from_a_member() -> None:
+    """A receiver's event for another receiver (ipc: a holder's image for a newcomer) is
+    passed on by the sender to that receiver's next poll; one from a stranger, or for a
+    receiver that is not a member, is dropped and the channel goes on."""
+    address = unique_ipc_address()
+    got: dict[str, list[m.Event]] = {"a": [], "b": []}
+    server = ControlServer(
+        address,
+        on_join=lambda member, msg: None,
+        on_message=lambda member, msg: None,
+        on_lost=lambda member, reason: None,
+        heartbeat_s=0.2,
+        dead_after_s=5.0,
+    )
+    server.start()
+    ends = {
+        name: ControlClient(
+            address, name, on_message=got[name].append, heartbeat_s=0.2, dead_after_s=5.0
+        )
+        for name in ("a", "b")
+    }
+    try:
+        for end in ends.values():
+            end.start()
+        wait_until(lambda: sorted(server.members()) == ["a", "b"], why="a and b to join")
+        image = m.IpcImage(version=3, layout=[("w", "float32", [2], 0)], handle={"kind": "file"})
+        ends["a"].send(m.Relay(member="z", to="b", event=image))  # not a member: dropped
+        ends["a"].send(m.Relay(member="a", to="gone", event=image))  # nobody: dropped
+        ends["a"].send(m.Relay(member="a", to="b", event=image))
+        wait_until(lambda: bool(got["b"]), why="b to get the relayed image")
+        time.sleep(0.5)  # (a few polls more: nothing else arrives)
+        assert got["b"] == [image] and got["a"] == []
+        assert server.members() == ["a", "b"]
+    finally:
+        for end in ends.values():
+            end.close()
+        server.close()
