@@ -185,9 +185,7 @@ def test_partial_update_lands_at_a_token_boundary_with_exact_per_token_versions(
     old = HFScoringEngine(tiny_model, temperature=0.8).logprobs(
         prompts, [g.token_ids for g in gens]
     )
-    new = HFScoringEngine(new_model, temperature=0.8).logprobs(
-        prompts, [g.token_ids for g in gens]
-    )
+    new = HFScoringEngine(new_model, temperature=0.8).logprobs(prompts, [g.token_ids for g in gens])
     switch = max(int((g.token_versions == 0).sum()) for g in gens)  # the boundary
     assert 8 <= switch < 200
     for g, o, n in zip(gens, old, new, strict=True):
