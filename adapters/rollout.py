@@ -2,9 +2,11 @@
 
 | consumes     | produces                                                  | header set         |
 |--------------|-----------------------------------------------------------|--------------------|
-| prompt_ids   | response_ids (ragged int32), behaviour_logprobs (ragged   | version (weights   |
-|              | float32), finish_reason (object)                          | that generated it),|
-|              |                                                           | length             |
+| prompt_ids   | response_ids (ragged int32), behaviour_logprobs (ragged   | version (of the    |
+|              | float32), token_versions (ragged int32: the weights       | oldest token),     |
+|              | version that sampled each token), finish_reason (object), | length             |
+|              | generated_at (float64: wall-clock seconds when the        |                    |
+|              | sample's generate call returned)                          |                    |
 
 Any :class:`engines.GenerationEngine` works (HF, vLLM, simulated, your own). Given several
 engines (instances), each batch goes to the one a :class:`Router` picks: the least loaded by
@@ -23,9 +25,15 @@ runs out are continued (prompt + their tokens so far as the new prompt, the rest
 on the dedicated long instances, which run few sequences at a time and so decode them fastest.
 The instance that started them is free for new prompts meanwhile, so one runaway sample never
 holds a full batch's instance at a crawl. The sample's tokens and behaviour log-probs are the
-two parts joined; its version is the older of the two parts' (the staleness bound holds for
-every token, and the per-token log-probs stay exact for importance weighting). Any engine
-works: a continuation is an ordinary prompt.
+two parts joined, each token with its version; the sample's version is its oldest token's (the
+staleness bound holds for every token, and the per-token log-probs stay exact for importance
+weighting). Any engine works: a continuation is an ordinary prompt.
+
+Per-token versions: an engine with partial rollouts (``rollout.partial``) goes on decoding a
+response across a weight update, so one response's tokens may come from several versions; the
+row's ``version`` header is always the oldest, the one the staleness bound is checked against,
+and ``token_versions`` records every token's (the train stage reads it for its metrics and
+for objectives that weigh tokens by their version).
 
 Load: an engine that reports ``in_flight`` (sequences accepted and not finished) is routed by
 it; otherwise by the samples of the adapter's calls in flight on it.
@@ -185,7 +193,13 @@ class RolloutAdapter(Adapter):
 
     task = "rollout"
     input_fields: tuple[str, ...] = ("prompt_ids",)
-    output_fields = ("response_ids", "behaviour_logprobs", "finish_reason")
+    output_fields = (
+        "response_ids",
+        "behaviour_logprobs",
+        "token_versions",
+        "finish_reason",
+        "generated_at",
+    )
 
     def __init__(
         self,
@@ -263,6 +277,7 @@ class RolloutAdapter(Adapter):
         spans = [(f"instance{k}", t0, time.perf_counter())]
         if migrating:
             gens = await self._continue(ids, gens, need, spans)
+        generated_at = time.time()  # wall clock: the train stage reads it in its own process
         stale = [g.version for g in gens if g.version < need]
         if stale:
             raise InstanceLostError(
@@ -276,7 +291,9 @@ class RolloutAdapter(Adapter):
             columns={
                 "response_ids": [g.token_ids.to(torch.int32) for g in gens],
                 "behaviour_logprobs": [g.logprobs.to(torch.float32) for g in gens],
+                "token_versions": [g.token_versions.to(torch.int32) for g in gens],
                 "finish_reason": [g.finish_reason for g in gens],
+                "generated_at": torch.full((len(gens),), generated_at, dtype=torch.float64),
             },
             version=np.array([g.version for g in gens], dtype=np.int64),
             length=prompt_lens + response_lens,
@@ -339,7 +356,7 @@ class RolloutAdapter(Adapter):
                 token_ids=torch.cat([head.token_ids, tail.token_ids.to(head.token_ids.dtype)]),
                 logprobs=torch.cat([head.logprobs, tail.logprobs.to(head.logprobs.dtype)]),
                 finish_reason=tail.finish_reason,
-                version=min(head.version, tail.version),
+                token_versions=torch.cat([head.token_versions, tail.token_versions]),
             )
         return out
 

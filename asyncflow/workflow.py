@@ -59,6 +59,8 @@ from asyncflow.metrics import (
     Timeline,
     plot_rewards,
     staleness_histogram,
+    sync_metrics,
+    version_metrics,
     write_timeline,
 )
 from asyncflow.stage_runner import LOST_SERVER_HINT, StageError
@@ -232,6 +234,15 @@ class Workflow:
                 record = _record(report, timeline, last_t, now, tq_tasks, versions[0])
                 record["stage_metrics"] = stage_metrics
                 record["restarts"] = sum(dep.restarts.values())
+                record.update(
+                    version_metrics(
+                        report.step,
+                        report.sample_versions,
+                        report.newest_versions,
+                        report.ended_versions,
+                    )
+                )
+                record.update(sync_metrics(await dep.weight_syncs()))
                 last_t = now
                 reports.append(report)
                 done = None

@@ -525,6 +525,11 @@ class VLLMGenerationEngine:
         """Requests submitted and not finished (the instance's load, for routing)."""
         return self._in_flight
 
+    @property
+    def kept_tokens(self) -> int:
+        """``stats["kept_tokens"]``: tokens "partial" updates kept (counted as samples end)."""
+        return int(self.stats["kept_tokens"])
+
     async def _generate_one(self, ids: list[int], params: SamplingParams, index: int) -> Generation:
         self._in_flight += 1
         try:

@@ -375,6 +375,12 @@ class SimulatedGenerationEngine:
         )
 
     @property
+    def kept_tokens(self) -> int:
+        """Tokens of running sequences that ``partial`` updates stopped and kept (what the
+        weight-sync path reports per update)."""
+        return self.stats.kept_tokens
+
+    @property
     def in_flight(self) -> int:
         """Requests accepted and not finished (running or waiting): the instance's load."""
         return self.running + self.queued
