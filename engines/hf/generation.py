@@ -148,12 +148,13 @@ class HFGenerationEngine:
         with self._lock:
             self._load_pending()
 
-    def _load_pending(self) -> bool:
+    def _load_pending(self, running_tokens: int = 0) -> bool:
         """Load the updates handed over so far, in order (the lock is held); True if any
-        landed. A refused state fails its own ``update_weights`` and changes nothing."""
+        landed, then ``running_tokens`` (the running sequences' tokens) count as kept. A
+        refused state fails its own ``update_weights`` and changes nothing."""
         with self._pending_lock:
             pending, self._pending = self._pending, []
-        landed = False
+        landed: list[Future[None]] = []
         for state, version, done in pending:
             try:
                 load_weights(self._model, dict(state))
@@ -161,9 +162,12 @@ class HFGenerationEngine:
                 done.set_exception(exc)
                 continue
             self._version = version
-            landed = True
+            landed.append(done)
+        if landed:
+            self.kept_tokens += running_tokens  # before the updates return: they report it
+        for done in landed:
             done.set_result(None)
-        return landed
+        return bool(landed)
 
     def generate_sync(
         self, prompts: Sequence[torch.Tensor], params: SamplingParams
@@ -219,9 +223,8 @@ class HFGenerationEngine:
             finished |= torch.isin(token, stop_ids)
             if bool(finished.all()) or step == params.max_new_tokens - 1:
                 break
-            if self.partial and self._pending and self._load_pending():
+            if self.partial and self._pending and self._load_pending(int(lengths[~finished].sum())):
                 # a token boundary: recompute every sequence's cache with the new weights
-                self.kept_tokens += int(lengths[~finished].sum())
                 so_far = torch.stack(tokens, 1).cpu()  # [B, step + 1]
                 seqs = [
                     torch.cat([p.reshape(-1).long(), so_far[i, : int(lengths[i])]])
