@@ -332,10 +332,11 @@ class _DataParallelTrain(TrainAdapter):
 
     Only the rewards (for the filter and the group advantages) and the version columns (for
     the step's report) are read here. The micro-batch (whole groups of the step's window, its
-    filtered groups left out) is split across the ranks: with a token budget by tokens (:func:`engines.packing.balance_by_tokens` over the
-    rows' ``length`` headers, prompt + response tokens), else into parts of equal rows (±1)
-    and near-equal tokens (the ``balanced`` sampler's split). Each rank reads its part's
-    columns itself and accumulates its gradients (in packed calls under the budget); the
+    filtered groups left out) is split across the ranks: with a token budget by tokens
+    (:func:`engines.packing.balance_by_tokens` over the rows' ``length`` headers, prompt +
+    response tokens), else into parts of equal rows (±1) and near-equal tokens (the
+    ``balanced`` sampler's split). Each rank reads its part's columns itself and accumulates
+    its gradients (in packed calls under the budget); the
     optimizer step all-reduces them on every rank at once.
     """
 

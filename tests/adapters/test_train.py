@@ -54,7 +54,8 @@ class _Recorder:
 
 def _put(tq: transferqueue.TransferQueue, rewards: dict[int, list[float]], lengths: Any) -> None:
     """Whole groups: response ``g`` repeated (length from ``lengths(g, i)``), a 3-token
-    prompt, the given rewards; then the partition is finished."""
+    prompt, the given rewards, the columns the rollout writes (every token of version 0);
+    then the partition is finished."""
     client = tq.client()
     client.declare_tasks(["train"], partition="train")
     responses, groups, reward = [], [], []
@@ -69,7 +70,9 @@ def _put(tq: transferqueue.TransferQueue, rewards: dict[int, list[float]], lengt
             "prompt_ids": [torch.ones(3, dtype=torch.int32)] * n,
             "response_ids": responses,
             "behaviour_logprobs": [torch.zeros(len(r)) for r in responses],
+            "token_versions": [torch.zeros(len(r), dtype=torch.int32) for r in responses],
             "reward": torch.tensor(reward, dtype=torch.float32),
+            "generated_at": torch.zeros(n, dtype=torch.float64),
         },
         group=np.asarray(groups),
         version=0,
