@@ -1,12 +1,22 @@
-"""``RolloutAdapter``: prompts in, sampled responses and behaviour log-probs out.
+"""``RolloutAdapter``: prompts in, episodes (sampled tokens and behaviour log-probs) out.
 
-| consumes     | produces                                                  | header set         |
-|--------------|-----------------------------------------------------------|--------------------|
-| prompt_ids   | response_ids (ragged int32), behaviour_logprobs (ragged   | version (of the    |
-|              | float32), token_versions (ragged int32: the weights       | oldest token),     |
-|              | version that sampled each token), finish_reason (object), | length             |
-|              | generated_at (float64: wall-clock seconds when the        |                    |
-|              | sample's generate call returned)                          |                    |
+| consumes                  | produces                                      | header set         |
+|---------------------------|-----------------------------------------------|--------------------|
+| prompt_ids (+ the task's  | an episode per row: response_ids,             | version (of the    |
+| columns an environment    | behaviour_logprobs, loss_mask, token_versions,| oldest token),     |
+| reads)                    | turns, rewards, end reason                    | length             |
+|                           | (``adapters.episodes.EPISODE_FIELDS``), and   |                    |
+|                           | generated_at (float64: wall-clock seconds     |                    |
+|                           | when the row's episode ended)                 |                    |
+
+Every row becomes an episode. Without an environment (``episodes=None``) it is one turn: a
+batch is one ``generate`` call, as below. With an :class:`engines.episodes.EpisodeRunner`,
+every row of a batch is an episode of several turns with its environment, all of the batch's
+episodes in flight at once on the batch's instance, their turns merged into few ``generate``
+calls (``turn_gather_s``, :class:`engines.episodes.TurnBatcher`); every turn's samples are
+checked against the batch's version bound, so the oldest token of an episode is recent enough
+(the staleness bound holds per episode). The columns are the same either way
+(:mod:`adapters.episodes`), and so is everything downstream.
 
 Any :class:`engines.GenerationEngine` works (HF, vLLM, simulated, your own). Given several
 engines (instances), each batch goes to the one a :class:`Router` picks: the least loaded by
@@ -49,6 +59,7 @@ to instances.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import deque
@@ -60,7 +71,15 @@ import numpy as np
 import torch
 
 from adapters.base import Adapter, StageOutput
+from adapters.episodes import (
+    EPISODE_FIELDS,
+    episode_columns,
+    episode_metrics,
+    rows_of,
+    run_episodes,
+)
 from adapters.ranker import LengthRanker
+from engines.episodes import Episode, EpisodeRunner
 from engines.protocols import Generation, SamplingParams
 from transferqueue import BatchMeta, Ragged
 from transferqueue.schema import Column
@@ -193,13 +212,7 @@ class RolloutAdapter(Adapter):
 
     task = "rollout"
     input_fields: tuple[str, ...] = ("prompt_ids",)
-    output_fields = (
-        "response_ids",
-        "behaviour_logprobs",
-        "token_versions",
-        "finish_reason",
-        "generated_at",
-    )
+    output_fields = (*EPISODE_FIELDS, "generated_at")
 
     def __init__(
         self,
@@ -217,6 +230,9 @@ class RolloutAdapter(Adapter):
         on_demand: Callable[[int], None] | None = None,
         on_done: Callable[[], None] | None = None,
         max_retries: int = 3,
+        episodes: EpisodeRunner | None = None,
+        row_columns: Sequence[str] = (),
+        turn_gather_s: float = 0.005,
     ) -> None:
         self.engines = list(engine) if isinstance(engine, Sequence) else [engine]
         if not self.engines:
@@ -246,6 +262,18 @@ class RolloutAdapter(Adapter):
         self.max_retries = max_retries
         self.retries = 0
         """Batches generated again because their instance was lost."""
+        if episodes is not None and migrate_after:
+            raise ValueError(
+                "migrate_after continues one-turn responses elsewhere; multi-turn episodes keep "
+                "their instance (its prefix cache): set migrate_after=0"
+            )
+        self.episodes = episodes
+        """Runs a row's episode with its environment (None: one-turn responses)."""
+        self.row_columns = tuple(row_columns)
+        """Columns handed to the environment's ``reset`` (the task's prompt and answer...)."""
+        if episodes is not None:
+            self.input_fields = (*self.input_fields, *self.row_columns)
+        self.turn_gather_s = turn_gather_s
 
     async def process(self, meta: BatchMeta, cols: dict[str, Column]) -> StageOutput:
         attempt = 0
@@ -268,39 +296,79 @@ class RolloutAdapter(Adapter):
         need = self._need(cols)
         eligible = await self._eligible(need)
         k = self.router.choose(self._loads(), predicted, eligible, len(prompts))
+        version_at_dispatch = self.engines[k].version
         ids = [p.long() for p in prompts.unbind()]
+        t0 = time.perf_counter()
+        if self.episodes is not None:
+            episodes = await run_episodes(
+                self.episodes,
+                ids,
+                rows_of(cols, self.row_columns, len(meta)),
+                functools.partial(self._turns, k, need),
+                self.params,
+                gather_s=self.turn_gather_s,
+            )
+            spans = [(f"instance{k}", t0, time.perf_counter())]
+            metrics = episode_metrics(episodes)
+        else:
+            gens, spans = await self._responses(k, ids, need, t0)
+            episodes = [Episode.single(g) for g in gens]
+            metrics = {}
+        generated_at = time.time()  # wall clock: the train stage reads it in its own process
+        # an episode the environment ended before the model's first token has no sampled
+        # token: it counts as generated by the instance it was given
+        versions = [e.version if e.version >= 0 else version_at_dispatch for e in episodes]
+        response_lens = np.array([int(e.token_ids.numel()) for e in episodes], dtype=np.int64)
+        if self.ranker is not None:
+            self._observe(meta, prompts, response_lens)
+        return StageOutput(
+            columns={
+                **episode_columns(episodes),
+                "generated_at": torch.full((len(episodes),), generated_at, dtype=torch.float64),
+            },
+            version=np.array(versions, dtype=np.int64),
+            length=prompt_lens + response_lens,
+            tokens=sum(e.model_tokens for e in episodes),
+            lane=f"instance{k}",
+            spans=spans if len(spans) > 1 else [],
+            metrics=metrics,
+        )
+
+    async def _responses(
+        self, k: int, ids: list[torch.Tensor], need: int, t0: float
+    ) -> tuple[list[Generation], list[tuple[str, float, float]]]:
+        """One-turn responses: the batch in one call (continued elsewhere past the migration
+        budget)."""
         budget = self.migrate_after
         migrating = 0 < budget < self.params.max_new_tokens
         first = replace(self.params, max_new_tokens=budget) if migrating else self.params
-        t0 = time.perf_counter()
         gens = await self._generate(k, ids, first)
         spans = [(f"instance{k}", t0, time.perf_counter())]
         if migrating:
             gens = await self._continue(ids, gens, need, spans)
-        generated_at = time.time()  # wall clock: the train stage reads it in its own process
+        self._check_versions(k, gens, need)
+        return gens, spans
+
+    async def _turns(
+        self, k: int, need: int, prompts: list[torch.Tensor], params: SamplingParams
+    ) -> list[Generation]:
+        """One generate call of episodes' turns on the batch's instance ``k``."""
+        gens = await self._generate(k, prompts, params)
+        self._check_versions(k, gens, need)
+        return gens
+
+    @staticmethod
+    def _check_versions(k: int, gens: Sequence[Generation], need: int) -> None:
         stale = [g.version for g in gens if g.version < need]
         if stale:
             raise InstanceLostError(
                 f"instance {k} returned samples of weights version {min(stale)} for a batch "
                 f"that needs {need} (it restarted with older weights)"
             )
-        response_lens = np.array([int(g.token_ids.numel()) for g in gens], dtype=np.int64)
-        if self.ranker is not None:
-            self._observe(meta, prompts, response_lens)
-        return StageOutput(
-            columns={
-                "response_ids": [g.token_ids.to(torch.int32) for g in gens],
-                "behaviour_logprobs": [g.logprobs.to(torch.float32) for g in gens],
-                "token_versions": [g.token_versions.to(torch.int32) for g in gens],
-                "finish_reason": [g.finish_reason for g in gens],
-                "generated_at": torch.full((len(gens),), generated_at, dtype=torch.float64),
-            },
-            version=np.array([g.version for g in gens], dtype=np.int64),
-            length=prompt_lens + response_lens,
-            tokens=int(response_lens.sum()),
-            lane=f"instance{k}",
-            spans=spans if len(spans) > 1 else [],
-        )
+
+    async def close(self) -> None:
+        if self.episodes is not None:
+            self.episodes.close()
 
     def _loads(self) -> list[int]:
         return [

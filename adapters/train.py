@@ -2,8 +2,9 @@
 
 | consumes                                                  | produces                  |
 |-----------------------------------------------------------|---------------------------|
-| prompt_ids, response_ids, behaviour_logprobs, reward,     | nothing (acks the rows);  |
-| token_versions, generated_at                              | a step report per step    |
+| prompt_ids, response_ids, behaviour_logprobs, loss_mask,  | nothing (acks the rows);  |
+| token_versions (``TrainBatch.extra``), generated_at,      | a step report per step    |
+| reward, num_turns, end_reason, episode_info               |                           |
 | (+ ref_logprobs with a reference stage)                   |                           |
 
 Each step trains exactly ``B = groups_per_step`` groups: those of its *window*, consecutive
@@ -33,7 +34,9 @@ ranks by tokens first (``asyncflow.deploy.ray_hosts``). A group never spans two 
 
 Advantages are group-normalized rewards: ``(r - mean(group)) / (std(group) + eps)``. A sample
 whose reward is NaN (the reward function gave no verdict) gets advantage 0 and is left out of
-its group's statistics.
+its group's statistics. A sample is an episode (one turn, or several with an environment): one
+reward and one advantage per episode, and the loss covers only the tokens its ``loss_mask``
+marks (the model's own turns, never an observation's tokens).
 
 Versions of a trained sample (step ``t`` trains with policy version ``t``), in the report:
 ``sample_versions`` the oldest token's (the row's ``version`` header: what ``staleness = t -
@@ -43,7 +46,8 @@ ended: the number of optimizer steps finished at its ``generated_at`` time (this
 the time of each of its steps), clamped to ``[oldest, t]``. Staleness splits into the part
 spent generating, ``ended - oldest`` (the generator's lag at the start included), and the part
 spent queued, ``t - ended``. ``generated_at`` is wall-clock time, written by the rollout in its
-own process: across nodes, as good as their clock sync.
+own process: across nodes, as good as their clock sync. Only tokens the model generated count
+here: an episode's observation tokens carry version -1 in ``token_versions`` and are left out.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ import numpy as np
 import torch
 
 from adapters.base import Adapter, StageOutput
+from adapters.episodes import SUMMARY_FIELDS, EpisodeTally
 from engines.packing import pack_by_tokens
 from engines.protocols import TrainBatch, TrainingEngine
 from transferqueue import BatchMeta, Ragged
@@ -193,16 +198,19 @@ def make_train_batch(
         isinstance(prompts, Ragged) and isinstance(responses, Ragged) and isinstance(blp, Ragged)
     ):
         raise TypeError("train needs ragged prompt_ids, response_ids and behaviour_logprobs")
+    mask = cols.get("loss_mask")
+    if mask is not None and not isinstance(mask, Ragged):
+        raise TypeError(f"loss_mask must be a ragged column, got {type(mask).__name__}")
+    extra: dict[str, Any] = {}
+    token_versions = cols.get("token_versions")
+    if isinstance(token_versions, Ragged):  # per token (-1: not generated, an observation)
+        extra["token_versions"] = [v.long() for v in token_versions.unbind()]
     ref = None
     if use_reference:
         ref_col = cols["ref_logprobs"]
         if not isinstance(ref_col, Ragged):
             raise TypeError("train needs a ragged ref_logprobs column with a reference stage")
         ref = ref_col.unbind()
-    extra: dict[str, Any] = {}
-    token_versions = cols.get("token_versions")
-    if isinstance(token_versions, Ragged):  # per token: what sampled it
-        extra["token_versions"] = [v.long() for v in token_versions.unbind()]
     return TrainBatch(
         prompt_ids=[p.long() for p in prompts.unbind()],
         response_ids=[r.long() for r in responses.unbind()],
@@ -210,6 +218,7 @@ def make_train_batch(
         advantages=advantages,
         versions=torch.from_numpy(meta.versions.copy()),
         ref_logprobs=ref,
+        loss_mask=None if mask is None else mask.unbind(),
         extra=extra,
     )
 
@@ -238,6 +247,9 @@ class StepReport:
     """Per trained sample: the trainer's version when its generation ended (see the module
     docstring): ``ended - oldest`` of its staleness was spent generating, ``step - ended``
     queued."""
+    episodes: dict[str, Any] = field(default_factory=dict)
+    """The step's episodes: ``turns_mean``, ``tool_calls_per_episode``,
+    ``episode_end_reasons`` (:class:`adapters.episodes.EpisodeTally`)."""
 
 
 class TrainAdapter(Adapter):
@@ -288,12 +300,15 @@ class TrainAdapter(Adapter):
             "prompt_ids",
             "response_ids",
             "behaviour_logprobs",
+            "loss_mask",
             "reward",
-            "token_versions",
+            "token_versions",  # the metrics, and the decoupled loss interpolates by them
             "generated_at",
         ]
         if use_reference:
             fields.append("ref_logprobs")
+        fields += SUMMARY_FIELDS
+        self.tally = EpisodeTally()
         self.input_fields = tuple(fields)
         self.sampler_options = {"group_size": group_size, "order": "group"}
         self.batch_size = self.micro_batch_groups * group_size
@@ -363,6 +378,7 @@ class TrainAdapter(Adapter):
             acc["groups"] += meta.groups.tolist()
             acc["tokens"].append(tokens)
             acc["metrics"].append((len(meta), metrics))
+            self.tally.add(cols)  # the trained episodes (not the filtered ones)
             self._groups_done += len(meta) // self.group_size
         if self._groups_done >= self.groups_per_step:
             await self._finish_step()
@@ -390,7 +406,7 @@ class TrainAdapter(Adapter):
         if not isinstance(token_versions, Ragged) or not isinstance(generated_at, torch.Tensor):
             raise TypeError("train needs a ragged token_versions and a dense generated_at column")
         newest = [
-            int(v.max()) if v.numel() else old
+            int(v[v >= 0].max()) if bool((v >= 0).any()) else old  # -1: an observation token
             for v, old in zip(token_versions.unbind(), oldest, strict=True)
         ]
         first = self.step - len(self._step_times)  # the version before this stage's first step
@@ -467,6 +483,7 @@ class TrainAdapter(Adapter):
             next_group=next_group,
             newest_versions=list(acc["newest"]),
             ended_versions=list(acc["ended"]),
+            episodes=self.tally.summary(),
         )
         self.step += 1
         self.window_start = next_group

@@ -20,6 +20,8 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from asyncflow.config import RunConfig
+from engines.envs import environment_factory
+from engines.episodes import EpisodeLimits, EpisodeRunner, TurnFormat
 from engines.protocols import GenerationEngine, RewardFn, ScoringEngine, TrainingEngine
 from engines.rewards import WeightedReward, make_reward
 from engines.tasks import Task, make_task
@@ -28,6 +30,7 @@ __all__ = [
     "Components",
     "EngineFactories",
     "build_components",
+    "build_episodes",
     "build_generator",
     "build_reference",
     "build_reward",
@@ -85,7 +88,7 @@ def model_path(cfg: RunConfig, task: Task) -> Path:
 
 
 def _reward(cfg: RunConfig) -> RewardFn:
-    fns = [make_reward(name) for name in cfg.reward.functions]
+    fns = [make_reward(name) for name in cfg.reward_functions()]
     if len(fns) == 1 and cfg.reward.weights is None:
         return fns[0]
     weights = cfg.reward.weights or [1.0] * len(fns)
@@ -138,6 +141,34 @@ def build_trainer(cfg: RunConfig, path: Path, rank: int = 0) -> TrainingEngine:
 def build_generator(cfg: RunConfig, path: Path, index: int) -> GenerationEngine:
     """Generation instance ``index`` (seeded ``rollout.seed + index``)."""
     return _generator(cfg, path, getattr(torch, cfg.model.dtype), seed=cfg.rollout.seed + index)
+
+
+def build_episodes(
+    cfg: RunConfig, tokenizer: PreTrainedTokenizerBase | None
+) -> EpisodeRunner | None:
+    """The rollout's :class:`engines.episodes.EpisodeRunner` (its environment, its bounds,
+    observations in the policy's chat template), or None without an environment."""
+    name = cfg.environment()
+    if name is None:
+        return None
+    if tokenizer is None:
+        raise ValueError(
+            f"environment {name!r}: the rollout needs the policy's tokenizer to write "
+            "observations (pass tokenizer= to the rollout adapter's builder)"
+        )
+    env = cfg.env
+    limits = EpisodeLimits(
+        max_turns=cfg.rollout.max_turns,
+        max_tokens=cfg.rollout.max_episode_tokens,
+        timeout_s=env.timeout_s,
+        max_observation_tokens=env.max_observation_tokens,
+    )
+    return EpisodeRunner(
+        environment_factory(name, env.options),
+        TurnFormat(tokenizer, role=env.observation_role),
+        limits,
+        threads=env.threads,
+    )
 
 
 def build_reward(cfg: RunConfig) -> RewardFn:

@@ -1,7 +1,10 @@
 """The stages of the GRPO graph, built from a config the same way in every deployment.
 
-    rollout:   prompt_ids, min_gen_version -> response_ids, behaviour_logprobs, finish_reason
-    reward:    prompt, response_ids, answer (+ the task's extra columns) -> reward
+    rollout:   prompt_ids, min_gen_version (+ the task's columns, with an environment)
+                 -> an episode per row: response_ids, behaviour_logprobs, loss_mask,
+                    token_versions, turns, rewards, end_reason (adapters.episodes)
+    reward:    prompt, response_ids, answer (+ the task's extra columns, + episode_reward
+                 with an environment) -> reward
     reference: prompt_ids, response_ids -> ref_logprobs              (optional)
     train:     whole groups of the step's window -> an optimizer step (acks the rows)
 
@@ -32,6 +35,7 @@ from adapters import (
     TrainAdapter,
 )
 from adapters.rollout import GenerationInstance
+from asyncflow.build import build_episodes
 from asyncflow.config import RunConfig
 from asyncflow.metrics import Timeline
 from asyncflow.stage_runner import StageRunner
@@ -44,6 +48,7 @@ __all__ = [
     "EVAL_PARTITION",
     "PARTITION",
     "adapter_classes",
+    "episode_options",
     "eval_reward_runner",
     "eval_rollout_adapter",
     "eval_rollout_runner",
@@ -97,6 +102,22 @@ def sampling_params(cfg: RunConfig) -> SamplingParams:
     )
 
 
+def episode_options(cfg: RunConfig, tokenizer: Any, *, evaluation: bool = False) -> dict[str, Any]:
+    """The rollout's episode arguments: none without an environment; with one, the episode
+    runner and the row columns its ``reset`` reads (the task's prompt, answer and extras)."""
+    runner = build_episodes(cfg, tokenizer)
+    if runner is None:
+        return {}
+    name, options = cfg.task.name, cfg.task.options
+    if evaluation:
+        name, options = cfg.eval.task_spec(name, options)
+    return {
+        "episodes": runner,
+        "row_columns": ("prompt", *task_columns(name, **options)),
+        "turn_gather_s": cfg.rollout.turn_gather_s,
+    }
+
+
 def rollout_adapter(
     cls: type[Adapter],
     instances: Sequence[GenerationInstance],
@@ -105,8 +126,11 @@ def rollout_adapter(
     on_demand: Callable[[int], None] | None,
     on_done: Callable[[], None] | None = None,
     ranker: LengthRanker | None = None,
+    tokenizer: Any = None,
 ) -> Adapter:
-    """The rollout over every generation instance (engines here, or proxies of engine hosts)."""
+    """The rollout over every generation instance (engines here, or proxies of engine hosts).
+    With an environment, every row is an episode of several turns: ``tokenizer`` (the
+    policy's) writes the observations between them."""
     rc, n, b = cfg.rollout, cfg.rollout.group_size, cfg.train.groups_per_step
     router = (
         LengthAwareRouter(range(rc.long_instances), long_capacity=rc.long_capacity or 2 * n)
@@ -125,6 +149,7 @@ def rollout_adapter(
             {"group_size": n, "order": "length", "window": b} if rc.longest_first else None
         ),
         "version_field": "min_gen_version",
+        **episode_options(cfg, tokenizer),
     }
     return cls(list(instances), sampling_params(cfg), **kwargs)  # type: ignore[call-arg]
 
@@ -136,9 +161,11 @@ def eval_rollout_adapter(
     *,
     on_demand: Callable[[int], None] | None,
     on_done: Callable[[], None] | None = None,
+    tokenizer: Any = None,
 ) -> Adapter:
     """The rollout of held-out prompts: the same instances, the evaluation's sampling
-    parameters, each row given to an instance holding at least the version it evaluates."""
+    parameters, each row given to an instance holding at least the version it evaluates (an
+    episode with the run's environment, when it has one)."""
     ev, rc = cfg.eval, cfg.rollout
     params = SamplingParams(
         max_new_tokens=ev.max_new_tokens or rc.max_new_tokens,
@@ -152,6 +179,7 @@ def eval_rollout_adapter(
         on_demand=on_demand,
         on_done=on_done,
         version_field="min_gen_version",
+        **episode_options(cfg, tokenizer, evaluation=True),
     )
 
 
@@ -168,6 +196,8 @@ def reward_adapter(
     if evaluation:
         name, options = cfg.eval.task_spec(name, options)
     columns = task_columns(name, **options)  # the row's answer and extras
+    if cfg.environment() is not None:
+        columns = (*columns, "episode_reward")  # what the ``episode`` reward reads
     return cls(  # type: ignore[call-arg]
         reward_fn, tokenizer, columns=columns, batch_size=cfg.reward.batch_size
     )
@@ -241,10 +271,13 @@ def eval_rollout_runner(
     *,
     on_demand: Callable[[int], None] | None,
     on_done: Callable[[], None] | None = None,
+    tokenizer: Any = None,
 ) -> StageRunner:
     """The ``eval`` stage: held-out prompts of the ``val`` partition, one worker per instance
     (so an evaluation batch waits behind at most the training batches already on it)."""
-    adapter = eval_rollout_adapter(cls, instances, cfg, on_demand=on_demand, on_done=on_done)
+    adapter = eval_rollout_adapter(
+        cls, instances, cfg, on_demand=on_demand, on_done=on_done, tokenizer=tokenizer
+    )
     return runner(
         "eval",
         adapter,

@@ -429,6 +429,7 @@ def _record(
         "stages": timeline.summary(since, now),
         "queue": {k: {"queued": v["queued"], "waiting": v["waiting"]} for k, v in tq_tasks.items()},
     }
+    record.update(report.episodes)  # turns_mean, tool_calls_per_episode, episode_end_reasons
     for k, v in report.metrics.items():  # engine scalars; never shadow the run's own fields
         record.setdefault(k if k not in record else f"engine_{k}", v)
     return record

@@ -3,6 +3,7 @@
     python -m bench.rl                      # the schedule matrix + the real sync/async pair
     python -m bench.rl --quick              # fewer steps (smoke test)
     python -m bench.rl --workload measured  # SmolLM2's measured lengths instead of long-tail
+    python -m bench.rl --workload agentic   # multi-turn episodes, long-tailed environment
     python -m bench.rl --deploy both --quick --gpus 12 --gen-gpus 4 --real-steps 0
                                             # every stage instance a Ray actor vs one process
 
@@ -40,14 +41,17 @@ batch against training, and two with more generation GPUs) and keep their best: 
 tails the best split depends on the schedule, and each is compared at its own best. The
 skew-aware schedules dedicate a quarter of their generation instances (at least one) to the
 long tail, at most 8 sequences each; samples still decoding after the workload's 90th
-percentile length migrate there (``rollout.migrate_after``).
+percentile length migrate there (``rollout.migrate_after``). The ``agentic`` workload
+(``bench/rl_agentic.py``) makes every sample a multi-turn episode with a simulated
+environment of long-tailed latency; its episodes never migrate.
 
 ``--deploy ray`` runs each schedule with every stage instance a Ray actor (the engines built
 in the actors, ``bench/rl_engines.py``; a local cluster of its own, ``bench/rl_ray.py``);
 ``--deploy both`` runs both deployments alternately on every split and prints ray / local per
 schedule (also in ``rl.json`` under ``deploy``, and the plot ``rl_deploy.png``).
 
-Writes ``bench/results/rl.json`` and the plots ``rl_throughput.png``, ``rl_gantt.png`` and
+Writes ``bench/results/rl.json`` (``rl_agentic.json`` for the agentic workload, whose plots
+are named alike) and the plots ``rl_throughput.png``, ``rl_gantt.png`` and
 ``rl_real_reward.png``, and prints a table: samples/s and tokens/s (modelled time), ratio to
 colocated-sync, idle fraction per stage, and the generation GPUs' idle time split into the
 pipeline bubble (every generator idle: waiting on training or weights) and the skewness
@@ -68,6 +72,7 @@ import numpy as np
 from asyncflow import RunResult, load_config, run
 from asyncflow.metrics import merge_intervals
 from bench.common import RESULTS_DIR, line, write_json
+from bench.rl_agentic import AgenticWorkload
 from bench.rl_engines import SimulatedRun, local_components, ray_factories
 from bench.rl_ray import deploy_plot, ray_samples, start_ray, stop_ray
 from engines.simulated import Calibration, LognormalLengths, calibrated
@@ -129,6 +134,9 @@ class Setup:
     """When generators take new weights (``asyncflow.weights``), the same for every schedule."""
 
 
+AGENTIC = AgenticWorkload()
+
+
 def _lengths(setup: Setup, cal: Calibration, prompts: list[Any]) -> Any:
     """The workload's response lengths, moved onto this run's prompts.
 
@@ -138,6 +146,8 @@ def _lengths(setup: Setup, cal: Calibration, prompts: list[Any]) -> Any:
     """
     if setup.workload == "measured":
         return cal.empirical_lengths(prompts, prompt_share=cal.prompt_share, seed=setup.seed)
+    if setup.workload == "agentic":  # per turn: the prompt is the conversation so far
+        return AGENTIC.turn_lengths(cal, setup.seed)
     fit = cal.lengths
     base = LognormalLengths(
         median=300,
@@ -232,6 +242,8 @@ def run_schedule(
             f"rollout.long_capacity={setup.long_max_batch}",
             f"rollout.migrate_after={setup.migrate_after}",
         ]
+    if setup.workload == "agentic":
+        overrides += AGENTIC.overrides(setup.time_scale, lengths.max_len)
     if deploy == "local":
         return run(load_config(overrides=overrides), local_components(spec, n_gen))
     overrides += ["deploy.mode=ray", "deploy.start_timeout_s=900"]
@@ -469,7 +481,7 @@ def _compare(tables: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer steps and groups")
-    ap.add_argument("--workload", choices=["long-tail", "measured"], default="long-tail")
+    ap.add_argument("--workload", choices=["long-tail", "measured", "agentic"], default="long-tail")
     ap.add_argument("--gpus", type=int, default=24, help="virtual GPUs per schedule")
     ap.add_argument("--time-scale", type=float, default=0.01, help="real s per modelled s")
     ap.add_argument("--schedules", default="", help="comma-separated subset of names")
@@ -479,7 +491,9 @@ def main() -> None:
     ap.add_argument("--long-max-batch", type=int, default=8, help="sequences per long instance")
     ap.add_argument("--migrate-after", type=int, default=-1, help="-1: p90 of the lengths")
     ap.add_argument("--weight-sync", choices=["eager", "on_demand"], default="on_demand")
-    ap.add_argument("--real-steps", type=int, default=300, help="0 skips the real pair")
+    ap.add_argument(
+        "--real-steps", type=int, default=None, help="0 skips the real pair (agentic: default 0)"
+    )
     ap.add_argument(
         "--deploy",
         choices=["local", "ray", "both"],
@@ -508,15 +522,21 @@ def main() -> None:
     lengths = _lengths(setup, cal, prompts)
     draws = [lengths.length(p, i) for i, p in enumerate(prompts)]
     mean_len, prompt_len = float(np.mean(draws)), float(np.mean([p.numel() for p in prompts]))
-    balanced = split_gpus(setup, cal, mean_len, prompt_len)
+    sample_len = mean_len  # what one sample decodes and trains on
+    if setup.workload == "agentic":  # an episode: its turns and the observations between
+        sample_len = AGENTIC.mean_turns() * (mean_len + AGENTIC.observation_tokens)
+        setup = replace(setup, migrate_after=0)  # episodes keep their instance
+    balanced = split_gpus(setup, cal, sample_len, prompt_len)
     splits = [args.gen_gpus] if args.gen_gpus else [balanced, balanced + 2, balanced + 4]
     splits = sorted({g for g in splits if 0 < g < setup.gpus})
     if setup.migrate_after < 0:  # the long tail: past where 90% of the responses have ended
         setup = replace(setup, migrate_after=int(np.ceil(np.percentile(draws, 90) / 128) * 128))
     modes = ["local", "ray"] if args.deploy == "both" else [args.deploy]
+    stem = "rl_agentic" if setup.workload == "agentic" else "rl"  # results and plots
+    per_turn = " per turn" if setup.workload == "agentic" else ""
     print(
         f"calibration {cal.profile} ({cal.source}); workload {setup.workload}: mean response "
-        f"{mean_len:.0f} tokens, p90 {np.percentile(draws, 90):.0f}, p99 "
+        f"{mean_len:.0f} tokens{per_turn}, p90 {np.percentile(draws, 90):.0f}, p99 "
         f"{np.percentile(draws, 99):.0f}, max {max(draws)}; {setup.gpus} GPUs; disaggregated "
         f"schedules run on each of the splits {splits} generation GPUs (balanced decode vs "
         f"training: {balanced}) and keep their best; migration after {setup.migrate_after} "
@@ -556,11 +576,14 @@ def main() -> None:
             first = modes[0]
             RESULTS_DIR.mkdir(parents=True, exist_ok=True)
             if len(tables[first]) > 1:
-                bars(tables[first], RESULTS_DIR / "rl_throughput.png")
-                gantt(results[first], RESULTS_DIR / "rl_gantt.png", setup.time_scale)
+                bars(tables[first], RESULTS_DIR / f"{stem}_throughput.png")
+                gantt(results[first], RESULTS_DIR / f"{stem}_gantt.png", setup.time_scale)
             if len(modes) > 1:
                 deploy_plot(tables, RESULTS_DIR / "rl_deploy.png")
-            real = real_pair(args.real_steps, Path(tmp)) if args.real_steps else {}
+            real_steps = args.real_steps if args.real_steps is not None else 300
+            if setup.workload == "agentic" and args.real_steps is None:
+                real_steps = 0  # the real pair is one-turn arithmetic: run it with --real-steps
+            real = real_pair(real_steps, Path(tmp)) if real_steps else {}
     finally:
         if "ray" in modes:
             stop_ray()
@@ -568,9 +591,13 @@ def main() -> None:
         if len(modes) > 1:
             print(f"\ndeploy={mode}:")
         _print_table(tables[mode])
+        table = tables[mode]
+        if "async-k2" in table and "colocated-sync" in table:
+            ratio = table["async-k2"]["samples_per_s"] / table["colocated-sync"]["samples_per_s"]
+            line(f"{setup.workload} async-k2 / colocated-sync [{mode}]", ratio, "x")
     compared = _compare(tables) if len(modes) > 1 else {}
     write_json(
-        "rl",
+        stem,
         {
             "setup": setup.__dict__,
             "calibration": {"profile": cal.profile, "source": cal.source},

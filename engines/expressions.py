@@ -3,8 +3,8 @@
 Text from a model is never handed to ``eval``: it is parsed with :func:`ast.parse` (which only
 parses) and the tree is walked here, accepting nothing but integer literals, the four binary
 operators and parentheses. Arithmetic is exact (:class:`fractions.Fraction`), so ``7 / 2 * 2``
-is 7, not 7.000000001. Input length is capped before parsing so that a pathological completion
-cannot make the parser work hard.
+is 7, not 7.000000001. Input length is capped and its characters checked before parsing, so
+that a pathological completion cannot make the parser work hard (nor warn).
 
 Called by :mod:`engines.tasks` (to compute answers of the expressions it draws) and by
 :mod:`engines.rewards` (to verify countdown completions).
@@ -13,6 +13,7 @@ Called by :mod:`engines.tasks` (to compute answers of the expressions it draws) 
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -20,6 +21,9 @@ __all__ = ["MAX_EXPRESSION_CHARS", "Evaluation", "ExpressionError", "evaluate"]
 
 MAX_EXPRESSION_CHARS = 256
 """Longest expression :func:`evaluate` accepts; longer text is rejected before parsing."""
+
+_CHARACTERS = re.compile(r"[0-9_+\-*/().\s]+")
+"""What an accepted expression can be made of (floats and ``_`` get a precise error later)."""
 
 _OPERATORS: dict[type[ast.operator], str] = {
     ast.Add: "+",
@@ -61,6 +65,13 @@ def evaluate(
     stripped = text.strip()
     if not stripped:
         raise ExpressionError("expression is empty")
+    if not _CHARACTERS.fullmatch(stripped):
+        # before parsing: names and odd literals ("3ab", "1if") are refused here, and the
+        # parser never warns about text a model wrote
+        raise ExpressionError(
+            f"not an arithmetic expression: {stripped!r} (only digits, + - * /, parentheses "
+            "and spaces)"
+        )
     try:
         tree = ast.parse(stripped, mode="eval")
     except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:

@@ -197,7 +197,11 @@ class TrainBatch:
     ref_logprobs: list[torch.Tensor] | None = None  # B x [T_i] float32, for the KL term
     extra: dict[str, Any] = field(default_factory=dict)
     """More per-sample inputs; ``extra["token_versions"]`` (B x [T_i] int64), when the train
-    stage has them, is the weights version that sampled each response token."""
+    stage has them, is the weights version that sampled each response token, -1 for a token the
+    model did not generate (an episode's observation and template tokens)."""
+    loss_mask: list[torch.Tensor] | None = None
+    """B x [T_i] bool: the response tokens the loss covers (a multi-turn episode's own turns;
+    its observation and template tokens are false). None: every response token."""
 
     def __post_init__(self) -> None:
         n = len(self.prompt_ids)
@@ -209,6 +213,8 @@ class TrainBatch:
         }
         if self.ref_logprobs is not None:
             sizes["ref_logprobs"] = len(self.ref_logprobs)
+        if self.loss_mask is not None:
+            sizes["loss_mask"] = len(self.loss_mask)
         for name, size in sizes.items():
             if size != n:
                 raise ValueError(f"TrainBatch.{name} has {size} rows, prompt_ids has {n}")

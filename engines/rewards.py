@@ -13,10 +13,11 @@ completion that is malformed (no number, an unsafe or invalid expression) is a v
 | MathAnswerReward  | answer               | 1 if the completion's final number equals answer    |
 | FormatReward      | (none)               | 1 if the completion matches a regular expression    |
 | CountdownReward   | answer, numbers      | 1 if the expression uses the numbers and hits answer|
+| EpisodeReward     | episode_reward       | the environment's return of a multi-turn episode    |
 | WeightedReward    | those of its parts   | weighted sum of its parts                           |
 
-:func:`make_reward` builds one by name (``math``, ``format``, ``countdown``) or imports a
-user's by import path (``mypkg.rewards:exact``; see :func:`load_reward`).
+:func:`make_reward` builds one by name (``math``, ``format``, ``countdown``, ``episode``) or
+imports a user's by import path (``mypkg.rewards:exact``; see :func:`load_reward`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from engines.expressions import ExpressionError, evaluate
 __all__ = [
     "REWARDS",
     "CountdownReward",
+    "EpisodeReward",
     "FormatReward",
     "MathAnswerReward",
     "WeightedReward",
@@ -153,6 +155,30 @@ class FormatReward:
         return [1.0 if self.pattern.fullmatch(c.strip()) else 0.0 for c in completions]
 
 
+class EpisodeReward:
+    """The return an environment gave a multi-turn episode (the rollout's ``episode_reward``
+    column: the sum of its turn rewards), or None where the episode has no verdict (it ended
+    in an environment error or timeout: NaN in the column).
+
+    The default reward of a task with an environment (``engines.envs``); it can be weighed
+    with others (``WeightedReward``), which then judge the decoded episode (every turn and
+    observation after the prompt) as their completion.
+    """
+
+    def __init__(self, *, key: str = "episode_reward") -> None:
+        self.key = key
+
+    def __call__(
+        self, prompts: Sequence[str], completions: Sequence[str], **columns: Sequence[Any]
+    ) -> list[float | None]:
+        values = _column(columns, self.key, len(completions), "EpisodeReward")
+        out: list[float | None] = []
+        for value in values:
+            v = float(value)
+            out.append(None if math.isnan(v) else v)
+        return out
+
+
 class CountdownReward:
     """1.0 if the completion is an expression over the row's numbers that equals the target.
 
@@ -254,6 +280,7 @@ REWARDS: dict[str, Callable[..., RewardCallable]] = {
     "math": MathAnswerReward,
     "format": FormatReward,
     "countdown": CountdownReward,
+    "episode": EpisodeReward,
 }
 """Reward factories by name, for configs and command lines."""
 
@@ -261,7 +288,7 @@ REWARDS: dict[str, Callable[..., RewardCallable]] = {
 def make_reward(name: str, **options: Any) -> RewardCallable:
     """Build reward ``name`` with keyword ``options``.
 
-    ``name`` is a built-in (``math``, ``format``, ``countdown``) or an import path
+    ``name`` is a built-in (``math``, ``format``, ``countdown``, ``episode``) or an import path
     ``module.path:attribute`` (see :func:`load_reward`). Raises ``ValueError`` for an unknown
     name or an import path that does not name a callable.
     """

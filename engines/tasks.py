@@ -11,11 +11,15 @@ with the same arguments see the same items.
 | answer      | int                  | ``7``                   | ``22`` (the target)          |
 | reference   | str                  | ``"7"``                 | ``"(7 - 3) * 5 + 2"``        |
 | extra       | dict (msgpack-able)  | ``{}``                  | ``{"numbers": [3, 5, 7, 2]}``|
+| turns       | tuple of str         | ``()``                  | ``()``                       |
 
 ``TaskItem.row()`` gives the columns a data loader writes (prompt, answer, extra columns);
 ``reference`` is a correct completion, used by :func:`engines.tiny.warm_start` and examples.
 Prompts and answers read from files come from :class:`engines.file_task.FileTask` (task
-``file``): the same interface, a finite set of rows reshuffled every epoch.
+``file``): the same interface, a finite set of rows reshuffled every epoch. Tasks whose
+episodes run over several turns with an environment (``tool_use``, ``guess_number``: see
+:mod:`engines.envs`) name it in ``Task.environment`` and give a correct episode's model turns
+in ``turns``.
 
 Called by the prompt data loader of the workflow, by examples, and by the tiny-model warm start.
 """
@@ -64,6 +68,9 @@ class TaskItem:
     answer: Any
     reference: str
     extra: dict[str, Any] = field(default_factory=dict)
+    turns: tuple[str, ...] = ()
+    """A multi-turn task's correct episode: the model's turns, the environment answering in
+    between (the last turn's text is ``reference``); empty for a one-turn task."""
 
     def row(self) -> dict[str, Any]:
         """The msgpack-able columns of this item: ``prompt``, ``answer`` and the extras."""
@@ -76,6 +83,9 @@ class Task(ABC):
     name: ClassVar[str]
     config_class: ClassVar[type[Any]]
     """The frozen dataclass of the task's options (what :func:`make_task` builds it with)."""
+    environment: ClassVar[str | None] = None
+    """The environment (``engines.envs``) whose episodes the task's prompts start; None: a
+    one-turn task (the response is judged by reward functions)."""
 
     def __init__(self, seed: int) -> None:
         self.seed = seed
@@ -295,6 +305,8 @@ TASKS: dict[str, str] = {
     ArithmeticTask.name: "engines.tasks:ArithmeticTask",
     CountdownTask.name: "engines.tasks:CountdownTask",
     "file": "engines.file_task:FileTask",
+    "tool_use": "engines.envs.tool_use:ToolUseTask",
+    "guess_number": "engines.envs.guess_number:GuessNumberTask",
 }
 """Task classes by name, as import paths (a task's module is imported only when it is used)."""
 

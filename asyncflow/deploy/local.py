@@ -140,6 +140,7 @@ class LocalDeployment(Deployment):
             on_demand=registry.demand,
             on_done=registry.poke,
             ranker=self._ranker,
+            tokenizer=comps.tokenizer,
         )
         self._rollout = rollout
         tl, client = self.timeline, self.client
@@ -185,6 +186,7 @@ class LocalDeployment(Deployment):
                     cfg,
                     on_demand=registry.demand,
                     on_done=registry.poke,
+                    tokenizer=comps.tokenizer,
                 ),
                 graph.eval_reward_runner(
                     self._adapters["reward"], comps.reward_fn, comps.tokenizer, client, tl, cfg

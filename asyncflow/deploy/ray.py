@@ -286,7 +286,7 @@ class RayDeployment(Deployment):
         rollout_cls: Any = ray.remote(RolloutActor)
         gen_names = [(n, f"{prefix}-{n}") for n, _ in self._generators]
         self._rollout = rollout_cls.options(name=f"{prefix}-rollout", num_cpus=0, **restart).remote(
-            cfg, self._adapters, address, coord_name, gen_names, origin
+            cfg, self._adapters, address, coord_name, gen_names, origin, model, f
         )
         self._actors.append(self._rollout)
         worker_cls: Any = ray.remote(WorkerActor)

@@ -46,6 +46,7 @@ import torch
 
 import transferqueue
 from adapters import Adapter, LengthRanker, StepReport
+from adapters.episodes import SUMMARY_FIELDS
 from adapters.train import TrainAdapter, train_micro_batches
 from asyncflow import graph
 from asyncflow.build import EngineFactories
@@ -219,15 +220,24 @@ class RolloutActor(_Host):
         coordinator: str,
         generators: list[tuple[str, str]],
         origin: float,
+        model: Path,
+        factories: EngineFactories,
     ) -> None:
         super().__init__(cfg, tq, origin)
         self.registry = RemoteRegistry(actor(coordinator))
         self.view = GeneratorView(self.registry)
         self.instances = [RemoteGenerator(n, actor(h), self.view) for n, h in generators]
         self.ranker = LengthRanker() if cfg.rollout.ranker else None
+        # the policy's tokenizer writes the observations of multi-turn episodes
+        tokenizer = factories.tokenizer(model) if cfg.environment() is not None else None
         cls = graph.adapter_classes(adapters)["rollout"]
         self.adapter = graph.rollout_adapter(
-            cls, self.instances, cfg, on_demand=self.registry.demand, ranker=self.ranker
+            cls,
+            self.instances,
+            cfg,
+            on_demand=self.registry.demand,
+            ranker=self.ranker,
+            tokenizer=tokenizer,
         )
         assert self.client is not None
         self.runners = [
@@ -249,6 +259,7 @@ class RolloutActor(_Host):
                     self.timeline,
                     cfg,
                     on_demand=self.registry.demand,
+                    tokenizer=tokenizer,
                 )
             )
 
@@ -348,7 +359,7 @@ class _DataParallelTrain(TrainAdapter):
         if self.max_tokens is None:
             self.sampler = "balanced"
             self.sampler_options = {**self.sampler_options, "dp_size": self.dp}
-        self.read_fields = ("reward", "token_versions", "generated_at")
+        self.read_fields = ("reward", "token_versions", "generated_at", *SUMMARY_FIELDS)
 
     def _shares(self, meta: BatchMeta) -> list[np.ndarray]:
         if self.max_tokens is None:  # the sampler's split, unless filtering changed the rows
@@ -474,7 +485,7 @@ class TrainerActor(_Host):
         if not len(meta):  # fewer rows than ranks: nothing here this time
             return {}, 0, 0, []
         assert self.client is not None
-        fields = ["prompt_ids", "response_ids", "behaviour_logprobs", "token_versions"]
+        fields = ["prompt_ids", "response_ids", "behaviour_logprobs", "loss_mask", "token_versions"]
         if self.use_reference:
             fields.append("ref_logprobs")
         cols = await self.client.get_data(meta, fields)

@@ -182,6 +182,11 @@ class HFTrainingEngine:
                     f"sample {i}: response_ids {tuple(resp.shape)} and behaviour_logprobs "
                     f"{tuple(beh.shape)} differ in shape"
                 )
+            if batch.loss_mask is not None and batch.loss_mask[i].shape != resp.shape:
+                raise ValueError(
+                    f"sample {i}: loss_mask {tuple(batch.loss_mask[i].shape)} and response_ids "
+                    f"{tuple(resp.shape)} differ in shape"
+                )
         sums: dict[str, float] = {}
         tokens = 0
         loss_total = 0.0
@@ -211,13 +216,16 @@ class HFTrainingEngine:
                     old = right_pad(old_all[part], 0.0, torch.float32)[0].to(dev)
                 extra: dict[str, float] = {}
                 adv = batch.advantages[part].to(dev)
+                mask = scored.mask
+                if batch.loss_mask is not None:  # only the model's own tokens of an episode
+                    mask = mask & right_pad(batch.loss_mask[part], False, torch.bool)[0].to(dev)
                 if cfg.loss == "decoupled" and old is None:
                     old, extra = self._prox_logp(batch, part, scored.logprobs, behaviour)
                 out = policy_loss(
                     scored.logprobs,
                     behaviour,
                     adv,
-                    scored.mask,
+                    mask,
                     old_logp=old,  # decoupled: the proximal log-probs
                     clip_eps=cfg.clip_eps,
                     clip_eps_high=cfg.clip_eps_high,
@@ -234,7 +242,7 @@ class HFTrainingEngine:
                 loss_total += float(out.loss.detach())
                 n = out.num_tokens
                 tokens += n
-                entropy = 0.0 if scored.entropy is None else float(scored.entropy.sum())
+                entropy = 0.0 if scored.entropy is None else float((scored.entropy * mask).sum())
                 metrics = {**out.metrics, "entropy": entropy / max(n, 1)}
                 for key, value in metrics.items():
                     sums[key] = sums.get(key, 0.0) + value * n

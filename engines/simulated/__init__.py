@@ -13,6 +13,8 @@ use almost no CPU, so dozens of virtual accelerators fit on two cores.
 | :class:`EmpiricalLengths`          |                              | tail, prompt-predictable   |
 | :class:`SimulatedTrainingEngine`   | TrainingEngine               | time per token/sample/step |
 | :class:`SimulatedReward`           | RewardFn                     | time per sample            |
+| :class:`SimulatedEnvironment`      | Environment (engines.envs)   | turns, time per step (long |
+|                                    |                              | tail: :class:`EnvLatency`) |
 | :class:`LocalSamples`,             | (shared state)               | which sample a request is, |
 | :class:`RaySamples`                |                              | across instances/processes |
 | :func:`from_calibration`           | builds the above             | ``bench/calibrate.py``     |
@@ -28,6 +30,7 @@ Example::
 """
 
 from engines.simulated.calibration import BUILTIN, Calibration, calibrated, from_calibration
+from engines.simulated.environment import EnvLatency, SimulatedEnvironment
 from engines.simulated.generation import (
     DecodeLatency,
     GenerationStats,
@@ -55,6 +58,7 @@ __all__ = [
     "Cut",
     "DecodeLatency",
     "EmpiricalLengths",
+    "EnvLatency",
     "GenerationStats",
     "LengthModel",
     "LocalSamples",
@@ -62,6 +66,7 @@ __all__ = [
     "RaySamples",
     "SampleBook",
     "SampleStore",
+    "SimulatedEnvironment",
     "SimulatedGenerationEngine",
     "SimulatedReward",
     "SimulatedTrainingEngine",

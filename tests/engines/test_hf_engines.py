@@ -410,3 +410,70 @@ def test_decoupled_objective_on_a_stale_batch(
         HFTrainingConfig(loss="ppo")
     with pytest.raises(ValueError, match="prox_logp must be"):
         HFTrainingConfig(prox_logp="rollout")
+
+
+def _episode_grads(
+    model: PreTrainedModel,
+    batch: TrainBatch,
+    *,
+    kl_coef: float = 0.0,
+    loss: str = "tis",
+) -> list[torch.Tensor]:
+    config = HFTrainingConfig(kl_coef=kl_coef, loss=loss)
+    engine = HFTrainingEngine(copy.deepcopy(model), config=config)
+    engine.forward_backward(batch, 0.5)
+    return [p.grad.clone() for p in engine.model.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize(("kl_coef", "loss"), [(0.0, "tis"), (0.1, "tis"), (0.0, "decoupled")])
+def test_observation_tokens_never_reach_the_loss(
+    tiny_model: PreTrainedModel, prompts: list[torch.Tensor], kl_coef: float, loss: str
+) -> None:
+    """Two multi-turn episodes: the model's turns with observation tokens between them.
+    Perturbing the log-probs recorded for the observation tokens (behaviour, and reference
+    with a KL term) leaves the gradient bit-identical, with either objective; without the
+    loss mask it would not."""
+    gen = torch.Generator().manual_seed(0)
+    responses = [torch.randint(0, 300, (n,), generator=gen) for n in (9, 14)]
+    masks = [
+        torch.tensor([1, 1, 1, 0, 0, 0, 1, 1, 1], dtype=torch.bool),  # turn, observation, turn
+        torch.tensor([0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 0, 0], dtype=torch.bool),
+    ]
+    behaviour = [torch.full((n,), -1.0) for n in (9, 14)]
+    ref = [torch.full((n,), -1.2) for n in (9, 14)]
+
+    def batch(noise: float, mask: bool = True) -> TrainBatch:
+        # the observation positions' log-probs moved by ``noise`` (NaN-free, large)
+        beh = [b + noise * (~m).float() for b, m in zip(behaviour, masks, strict=True)]
+        rl = [r - noise * (~m).float() for r, m in zip(ref, masks, strict=True)]
+        return TrainBatch(
+            prompt_ids=prompts[:2],
+            response_ids=responses,
+            behaviour_logprobs=beh,
+            advantages=torch.tensor([1.0, -0.5]),
+            versions=torch.zeros(2, dtype=torch.int64),
+            ref_logprobs=rl,
+            loss_mask=masks if mask else None,
+        )
+
+    base = _episode_grads(tiny_model, batch(0.0), kl_coef=kl_coef, loss=loss)
+    moved = _episode_grads(tiny_model, batch(3.0), kl_coef=kl_coef, loss=loss)
+    assert len(base) == len(moved) > 0
+    assert all(torch.equal(a, b) for a, b in zip(base, moved, strict=True))
+    # the same perturbation without the mask changes the gradient: the test can fail
+    plain = _episode_grads(tiny_model, batch(0.0, mask=False), kl_coef=kl_coef, loss=loss)
+    plain_moved = _episode_grads(tiny_model, batch(3.0, mask=False), kl_coef=kl_coef, loss=loss)
+    assert any(not torch.equal(a, b) for a, b in zip(plain, plain_moved, strict=True))
+    # an all-true mask is no mask at all: one-turn responses train exactly as before
+    full = [torch.ones(n, dtype=torch.bool) for n in (9, 14)]
+    unmasked = batch(0.0, mask=False)
+    masked_full = copy.copy(unmasked)
+    masked_full.loss_mask = full
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(
+            _episode_grads(tiny_model, unmasked),
+            _episode_grads(tiny_model, masked_full),
+            strict=True,
+        )
+    )

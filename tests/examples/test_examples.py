@@ -45,6 +45,25 @@ def test_grpo_arithmetic_writes_metrics_per_step(tmp_path: Path) -> None:
     assert (tmp_path / "reward.png").is_file()
 
 
+def test_grpo_tool_use_writes_episode_metrics_per_step(tmp_path: Path) -> None:
+    out = _run(
+        "examples/grpo_tool_use.py",
+        "--output-dir",
+        str(tmp_path),
+        "train.steps=4",
+        "model.warm_start_steps=20",  # the recipe's 105 steps take ~15 s: the path, shortened
+        "output.progress=false",
+    )
+    assert "mean reward" in out and "tool calls per episode" in out
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == list(range(4))
+    for r in lines:
+        assert 1.0 <= r["turns_mean"] <= 3.0 and r["tool_calls_per_episode"] >= 0.0
+        assert sum(r["episode_end_reasons"].values()) == r["samples"]
+    assert (tmp_path / "reward.png").is_file() and (tmp_path / "timeline.json").is_file()
+    assert (tmp_path / "policy" / "model.safetensors").is_file()
+
+
 def test_grpo_from_jsonl_trains_on_the_file_with_the_user_reward(tmp_path: Path) -> None:
     out = _run(
         "examples/grpo_from_jsonl.py",

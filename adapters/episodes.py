@@ -1,0 +1,195 @@
+"""Episodes as TransferQueue columns, and a batch of episodes run on one engine instance.
+
+What the rollout writes onto each row (one row = one episode; a GRPO group is ``group_size``
+episodes of one prompt). ``T`` is the number of tokens after the prompt, ``n`` the turns:
+
+| field              | kind                 | per row                                            |
+|--------------------|----------------------|----------------------------------------------------|
+| response_ids       | ragged int32 [T]     | every token after the prompt: the model's turns    |
+|                    |                      | and the observations between them                  |
+| behaviour_logprobs | ragged float32 [T]   | the sampler's log-prob per token (0 off the mask)  |
+| loss_mask          | ragged bool [T]      | true on the model's own tokens only                |
+| token_versions     | ragged int32 [T]     | policy version that sampled each token (-1 off the |
+|                    |                      | mask); tokens of one turn may carry several        |
+|                    |                      | versions (partial rollouts)                        |
+| turn_offsets       | ragged int32 [n]     | where each model turn starts in response_ids       |
+| turn_rewards       | ragged float32 [n]   | the environment's reward per turn (NaN: none)      |
+| num_turns          | dense int32          | n                                                  |
+| end_reason         | object str           | done, max_turns, max_tokens, error, timeout        |
+| episode_reward     | dense float32        | sum of turn_rewards; NaN: no verdict (no           |
+|                    |                      | environment, or it failed)                         |
+| episode_info       | object dict          | the environment's counters summed over the turns   |
+|                    |                      | (e.g. ``tool_calls``), ``truncated_observations``  |
+| finish_reason      | object str           | of the last turn: stop or length                   |
+
+and the row's header ``version`` is the oldest version among its tokens (what the staleness
+bound is checked against), ``length`` the prompt's tokens plus ``T``.
+
+**When rows are written**: an episode is written once it has ended, with the rest of its
+micro-batch (the stage runner writes a batch's columns in one put, which acknowledges its
+lease). A rollout worker that dies mid-episode has written nothing of its batch: the lease runs
+out and the rows are handed out again, and their episodes are generated from the start. So a
+dead worker loses at most the episodes it held, and none is ever half written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from engines.episodes import END_REASONS, Episode, EpisodeRunner, TurnBatcher
+from engines.episodes.batcher import BatchGenerate
+from engines.protocols import SamplingParams
+from transferqueue import Ragged
+from transferqueue.schema import Column
+
+__all__ = [
+    "EPISODE_FIELDS",
+    "SUMMARY_FIELDS",
+    "EpisodeTally",
+    "episode_columns",
+    "episode_metrics",
+    "rows_of",
+    "run_episodes",
+]
+
+EPISODE_FIELDS = (
+    "response_ids",
+    "behaviour_logprobs",
+    "finish_reason",
+    "loss_mask",
+    "token_versions",
+    "turn_offsets",
+    "turn_rewards",
+    "num_turns",
+    "end_reason",
+    "episode_reward",
+    "episode_info",
+)
+"""The fields the rollout writes onto each episode's row."""
+
+SUMMARY_FIELDS = ("num_turns", "end_reason", "episode_info")
+"""What the train stage reads of each episode for its step's summary (:class:`EpisodeTally`)."""
+
+
+def episode_columns(episodes: Sequence[Episode]) -> dict[str, Any]:
+    """The columns of :data:`EPISODE_FIELDS`, one row per episode."""
+    return {
+        "response_ids": [e.token_ids.to(torch.int32) for e in episodes],
+        "behaviour_logprobs": [e.logprobs.to(torch.float32) for e in episodes],
+        "finish_reason": [e.finish_reason for e in episodes],
+        "loss_mask": [e.loss_mask for e in episodes],
+        "token_versions": [e.versions.to(torch.int32) for e in episodes],
+        "turn_offsets": [e.turn_offsets.to(torch.int32) for e in episodes],
+        "turn_rewards": [e.turn_rewards.to(torch.float32) for e in episodes],
+        "num_turns": torch.tensor([e.num_turns for e in episodes], dtype=torch.int32),
+        "end_reason": [e.end_reason for e in episodes],
+        "episode_reward": torch.tensor([e.episode_reward for e in episodes], dtype=torch.float32),
+        "episode_info": [dict(e.info) for e in episodes],
+    }
+
+
+class EpisodeTally:
+    """The episodes of one train step, summed: what each step's record says of them."""
+
+    def __init__(self) -> None:
+        self._turns: list[int] = []
+        self._reasons: dict[str, int] = {}
+        self._tool_calls = 0.0
+
+    def _reset(self) -> None:
+        self._turns, self._reasons, self._tool_calls = [], {}, 0.0
+
+    def add(self, cols: dict[str, Column]) -> None:
+        """One micro-batch's :data:`SUMMARY_FIELDS` columns."""
+        turns, reasons, infos = cols["num_turns"], cols["end_reason"], cols["episode_info"]
+        if not isinstance(turns, torch.Tensor) or not isinstance(reasons, list):
+            raise TypeError("num_turns must be a dense column and end_reason an object column")
+        if not isinstance(infos, list):
+            raise TypeError("episode_info must be an object column")
+        self._turns += [int(t) for t in turns.tolist()]
+        for reason in reasons:
+            self._reasons[str(reason)] = self._reasons.get(str(reason), 0) + 1
+        self._tool_calls += sum(float(i.get("tool_calls", 0.0)) for i in infos)
+
+    def summary(self) -> dict[str, Any]:
+        """``turns_mean``, ``tool_calls_per_episode`` and ``episode_end_reasons`` (counts per
+        reason) of the episodes added since the last summary, which starts a new tally."""
+        n = max(len(self._turns), 1)
+        out = {
+            "turns_mean": sum(self._turns) / n,
+            "tool_calls_per_episode": self._tool_calls / n,
+            "episode_end_reasons": dict(sorted(self._reasons.items())),
+        }
+        self._reset()
+        return out
+
+
+def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
+    """Means over a batch's episodes: ``turns_mean``, ``tool_calls_per_episode``, the share
+    of each end reason (``end_reason/<reason>``), ``episode_reward`` (over those with a
+    verdict) and the other counters of the environment (``env/<name>``, per episode)."""
+    n = max(len(episodes), 1)
+    rewards = [e.episode_reward for e in episodes if not math.isnan(e.episode_reward)]
+    out = {
+        "turns_mean": sum(e.num_turns for e in episodes) / n,
+        "tool_calls_per_episode": sum(e.info.get("tool_calls", 0.0) for e in episodes) / n,
+        "episode_reward": sum(rewards) / len(rewards) if rewards else math.nan,
+        "model_tokens_mean": sum(e.model_tokens for e in episodes) / n,
+    }
+    for reason in END_REASONS:
+        out[f"end_reason/{reason}"] = sum(e.end_reason == reason for e in episodes) / n
+    for key in sorted({k for e in episodes for k in e.info} - {"tool_calls"}):
+        out[f"env/{key}"] = sum(e.info.get(key, 0.0) for e in episodes) / n
+    return out
+
+
+def rows_of(cols: dict[str, Column], names: Sequence[str], size: int) -> list[dict[str, Any]]:
+    """Per row, the values of the columns ``names`` as plain Python values (an environment's
+    ``reset`` reads them): objects as stored, dense rows as lists or scalars, ragged rows as
+    lists."""
+    rows: list[dict[str, Any]] = [{} for _ in range(size)]
+    for name in names:
+        col = cols[name]
+        values: list[Any]
+        if isinstance(col, list):
+            values = col
+        elif isinstance(col, Ragged):
+            values = [t.tolist() for t in col.unbind()]
+        else:
+            values = col.tolist()
+        for row, value in zip(rows, values, strict=True):
+            row[name] = value
+    return rows
+
+
+async def run_episodes(
+    runner: EpisodeRunner,
+    prompts: Sequence[torch.Tensor],
+    rows: Sequence[dict[str, Any]],
+    generate: BatchGenerate,
+    params: SamplingParams,
+    *,
+    gather_s: float,
+) -> list[Episode]:
+    """Run one episode per prompt concurrently, their turns sent through ``generate`` (one
+    engine instance) by a :class:`TurnBatcher`. The first error of ``generate`` cancels the
+    other episodes and is raised as it is."""
+    batcher = TurnBatcher(generate, gather_s=gather_s)
+
+    async def one(prompt: torch.Tensor, row: dict[str, Any]) -> Episode:
+        async with batcher.episode():
+            return await runner.run(prompt, row, batcher.generate, params)
+
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(one(p, r)) for p, r in zip(prompts, rows, strict=True)]
+    except ExceptionGroup as eg:
+        raise eg.exceptions[0] from None
+    finally:
+        await batcher.close()
+    return [t.result() for t in tasks]

@@ -1,0 +1,171 @@
+"""The environment seam: a small Protocol, its step result, and the registry of environments.
+
+An environment is what answers the model between its turns: a tool (a calculator, a code
+runner), a game, a simulator. One environment object serves one episode:
+
+| who                              | calls                  | when                               |
+|----------------------------------|------------------------|------------------------------------|
+| the episode runner               | ``factory()``          | once per episode, before anything  |
+| (``engines.episodes``)           | ``reset(row)``         | once, before the model's first turn|
+|                                  | ``step(action)``       | after every model turn, with the   |
+|                                  |                        | turn's decoded text                |
+|                                  | ``close()`` (optional) | once, when the episode has ended   |
+
+``reset`` and ``step`` may be plain methods or coroutines. Plain methods run in a worker
+thread of the runner's own pool, so a slow one never blocks the event loop; every call is
+bounded by the runner's ``timeout_s``. An environment that raises, hangs past the bound, or
+returns something that is not a :class:`StepResult` ends its episode with the reason
+``error`` or ``timeout``: the run goes on (see :mod:`engines.episodes`). Text the model writes
+that the environment cannot use (a malformed tool call) is not an error: the environment
+answers it like any other action (an error message as the observation, or the end of the
+episode with no reward).
+
+Built-in environments by name (:data:`ENVIRONMENTS`), or any class or factory by import path
+``module.path:attribute``, built with keyword options: :func:`environment_factory`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = [
+    "ENVIRONMENTS",
+    "EnvFactory",
+    "Environment",
+    "StepResult",
+    "environment_factory",
+    "register_environment",
+]
+
+
+@dataclass
+class StepResult:
+    """What an environment answers to one model turn."""
+
+    observation: str | None = None
+    """Text shown to the model before its next turn (None: nothing; ignored when ``done``)."""
+    reward: float = 0.0
+    """Reward of this turn; an episode's return is the sum over its turns."""
+    done: bool = False
+    """The episode is over (solved, failed, or given up): no further turn."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """Anything to count (e.g. ``{"tool_call": True}``); numbers are summed per episode."""
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """One episode's environment (see the module docstring for who calls what, and when)."""
+
+    def reset(self, row: Mapping[str, Any]) -> str | Awaitable[str | None] | None:
+        """Start the episode of ``row`` (the task's columns: ``prompt``, ``answer`` and its
+        extras). Returns text shown to the model after the prompt and before its first turn,
+        or None (the prompt alone)."""
+        ...
+
+    def step(self, action: str) -> StepResult | Awaitable[StepResult]:
+        """Answer one model turn (its decoded text, special tokens removed)."""
+        ...
+
+
+EnvFactory = Callable[[], Environment]
+"""Builds a fresh environment for one episode (picklable when it is a class or a partial)."""
+
+ENVIRONMENTS: dict[str, str] = {
+    "tool_use": "engines.envs.tool_use:ToolUseEnv",
+    "guess_number": "engines.envs.guess_number:GuessNumberEnv",
+}
+"""Built-in environments by name, as import paths (imported only when used)."""
+
+
+def register_environment(name: str, path: str) -> None:
+    """Add a built-in name for the environment at import path ``path``; a name already taken
+    raises ``ValueError``."""
+    if name in ENVIRONMENTS:
+        raise ValueError(f"environment {name!r} is already registered ({ENVIRONMENTS[name]})")
+    if ":" not in path:
+        raise ValueError(f"environment path {path!r} must look like 'module.path:attribute'")
+    ENVIRONMENTS[name] = path
+
+
+def _import(path: str) -> Any:
+    module_name, _, attribute = path.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(
+            f"environment import path {path!r} must look like 'module.path:attribute', e.g. "
+            "'mypkg.envs:MazeEnv'"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        raise ValueError(
+            f"environment {path!r}: no module named {e.name!r}; put the module's folder on "
+            "PYTHONPATH or install its package"
+        ) from None
+    obj: Any = module
+    for part in attribute.split("."):
+        if not hasattr(obj, part):
+            public = sorted(n for n in dir(module) if not n.startswith("_"))
+            raise ValueError(
+                f"environment {path!r}: {module_name!r} has no attribute {attribute!r}; it "
+                f"defines {public}"
+            )
+        obj = getattr(obj, part)
+    return obj
+
+
+@dataclass(frozen=True)
+class _Factory:
+    """A picklable factory: the target imported where the factory is called (a Ray actor
+    builds its environments from the name, not from an object pickled in the driver)."""
+
+    path: str
+    options: tuple[tuple[str, Any], ...]
+
+    def __call__(self) -> Environment:
+        env: Environment = _import(self.path)(**dict(self.options))
+        return env
+
+
+def environment_factory(name: str, options: Mapping[str, Any] | None = None) -> EnvFactory:
+    """The factory of environment ``name`` (a built-in, or ``module.path:attribute``) with
+    keyword ``options``.
+
+    Checks what it can without building an environment, so that a bad name or option fails
+    before a run starts: the name (``ValueError`` listing the built-ins), the import, that the
+    target is callable, the option names against its signature, and that a class has
+    ``reset`` and ``step``.
+    """
+    if ":" in name:
+        path = name
+    else:
+        try:
+            path = ENVIRONMENTS[name]
+        except KeyError:
+            raise ValueError(
+                f"unknown environment {name!r}; known environments: {sorted(ENVIRONMENTS)}, or "
+                "an import path 'module.path:attribute'"
+            ) from None
+    target = _import(path)
+    if not callable(target):
+        raise ValueError(
+            f"environment {name!r} ({path}) is a {type(target).__name__}, not callable"
+        )
+    opts = dict(options or {})
+    try:
+        inspect.signature(target).bind(**opts)
+    except TypeError as e:
+        raise ValueError(f"environment {name!r}: bad options {sorted(opts)}: {e}") from None
+    except ValueError:  # no signature to check (a builtin): building it below checks
+        pass
+    if isinstance(target, type):
+        missing = [m for m in ("reset", "step") if not callable(getattr(target, m, None))]
+        if missing:
+            raise ValueError(
+                f"environment {name!r} ({path}) is a class without {missing}; an environment "
+                "needs reset(row) and step(action)"
+            )
+    return _Factory(path, tuple(sorted(opts.items())))

@@ -1,0 +1,113 @@
+"""An environment whose work is a timed model: multi-turn episodes for the benchmark.
+
+:class:`SimulatedEnvironment` implements :class:`engines.envs.Environment` (async), for the
+agentic workload of ``bench.rl``: an episode lasts ``min_turns`` to ``max_turns`` model turns
+(uniform per episode), each environment step takes a modelled time drawn from
+:class:`EnvLatency` (lognormal: most steps are quick, a few take far longer, like a tool call
+that waits on a slow service or a test suite), then answers an observation of about
+``observation_tokens`` tokens. The last step ends the episode with reward 1 with probability
+``success_rate``.
+
+Every draw is a hash of the episode's prompt and the model's text so far (never of timing or
+call order), so the same samples make the same episodes in every schedule, process and run.
+Sleeps last ``time_scale`` real seconds per modelled second, as the simulated engines'.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from engines.envs.base import StepResult
+from engines.simulated.hashing import normal, uniform
+
+__all__ = ["EnvLatency", "SimulatedEnvironment"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class EnvLatency:
+    """Modelled seconds of one environment step: ``median_s * exp(sigma * z)``, at most
+    ``max_s`` (``z`` standard normal). ``sigma = 1.5`` puts the 99th percentile at 33x the
+    median: the long tail of tools and sandboxes."""
+
+    median_s: float = 2.0
+    """Median step time (modelled seconds)."""
+    sigma: float = 1.5
+    """Log-std of the step time."""
+    max_s: float = 120.0
+    """Longest step (a tool's own timeout)."""
+
+    def __post_init__(self) -> None:
+        if self.median_s < 0 or self.sigma < 0 or self.max_s < self.median_s:
+            raise ValueError(
+                f"need median_s >= 0, sigma >= 0, max_s >= median_s; got {self.median_s}, "
+                f"{self.sigma}, {self.max_s}"
+            )
+
+    def draw(self, *key: bytes | int | str) -> float:
+        """The step time for ``key`` (the same key, the same time)."""
+        return min(self.median_s * math.exp(self.sigma * normal(*key)), self.max_s)
+
+    def mean_s(self) -> float:
+        """Expected step time (uncapped lognormal mean; the cap lowers it slightly)."""
+        return self.median_s * math.exp(self.sigma**2 / 2)
+
+
+class SimulatedEnvironment:
+    """A modelled multi-turn environment (see the module docstring); options are plain
+    numbers so that a config can give them (``env.options``)."""
+
+    def __init__(
+        self,
+        *,
+        time_scale: float = 1.0,
+        median_s: float = 2.0,
+        sigma: float = 1.5,
+        max_s: float = 120.0,
+        min_turns: int = 2,
+        max_turns: int = 8,
+        observation_tokens: int = 32,
+        success_rate: float = 0.5,
+        seed: int = 0,
+    ) -> None:
+        if time_scale <= 0 or not 1 <= min_turns <= max_turns or observation_tokens < 0:
+            raise ValueError(
+                f"need time_scale > 0, 1 <= min_turns <= max_turns, observation_tokens >= 0; "
+                f"got {time_scale}, {min_turns}, {max_turns}, {observation_tokens}"
+            )
+        self.latency = EnvLatency(median_s=median_s, sigma=sigma, max_s=max_s)
+        self.time_scale = time_scale
+        self.min_turns, self.max_turns = min_turns, max_turns
+        self.observation_tokens = observation_tokens
+        self.success_rate = success_rate
+        self.seed = seed
+        self._key = ""
+        self._turn = 0
+        self._turns = 0
+        self.waited_s = 0.0
+        """Modelled seconds this environment's steps took."""
+
+    def reset(self, row: Mapping[str, Any]) -> None:
+        self._key = repr(row.get("prompt"))
+        self._turn = 0
+        self._turns = 0
+
+    async def step(self, action: str) -> StepResult:
+        if self._turn == 0:  # the episode's first action tells the samples of a prompt apart
+            self._key = f"{self._key}|{action}"
+            span = self.max_turns - self.min_turns + 1
+            self._turns = self.min_turns + int(uniform(self.seed, "turns", self._key) * span)
+        self._turn += 1
+        wait = self.latency.draw(self.seed, "step", self._key, self._turn)
+        self.waited_s += wait
+        await asyncio.sleep(wait * self.time_scale)
+        if self._turn >= self._turns:
+            won = uniform(self.seed, "reward", self._key) < self.success_rate
+            return StepResult(None, reward=float(won), done=True, info={"tool_calls": 1})
+        # about observation_tokens tokens: single digits are one token each in the tiny tokenizer
+        digits = int(uniform(self.seed, "obs", self._key, self._turn) * 1e9)
+        text = "".join(str((digits >> i) % 10) for i in range(self.observation_tokens))
+        return StepResult(text, info={"tool_calls": 1})

@@ -1,0 +1,68 @@
+"""GRPO on multi-turn tool use: the tiny model learns to call a calculator, through TransferQueue.
+
+    python examples/grpo_tool_use.py --output-dir runs/tool_use
+
+Each prompt asks for the product of two two-digit numbers, which the 2-layer model cannot
+compute; a calculator can. Every sample is an episode of up to 3 turns: the model writes a
+tool call (``<calc>37 * 48</calc>``), the environment evaluates it with the safe expression
+evaluator and answers ``1776``, the model reads that and answers; reward 1 if the final
+answer is right (``task=tool_use``: the task brings its environment, ``engines.envs``). The
+model is warm-started by 105 supervised steps on correct episodes (the call format; copying
+the tool's answer only now and then), then trained with asynchronous GRPO
+(``max_staleness=1``) on the model's own tokens only: the observations are in the sequence,
+never in the loss.
+
+Writes what ``grpo_arithmetic.py`` writes (``metrics.jsonl``, ``reward.png``,
+``timeline.json``, the trained ``policy/``) plus, in every step's record, ``turns_mean``,
+``tool_calls_per_episode`` and ``episode_end_reasons``. Any config field can be overridden:
+
+    python examples/grpo_tool_use.py --output-dir runs/tu train.steps=40 rollout.max_turns=2
+
+Measured on the 2-core reference machine: 150 steps in 85 s (93 s for the command, the warm-started model cached; building it the first
+time adds about 15 s), mean reward 0.044 over the first 10% of steps -> 0.611 over the last
+10%, about one tool call per episode throughout (the warm start teaches the call; RL teaches
+reading its answer). An earlier run of the same command: 58 s, 0.017 -> 0.635.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from asyncflow import load_config, run
+
+DEFAULTS = [
+    "task.name=tool_use",
+    "model.warm_start_steps=105",  # copies some results: a reward of a few percent to start
+    "rollout.max_new_tokens=24",  # a tool call is 18 tokens with EOS
+    "rollout.max_turns=3",
+    "rollout.max_episode_tokens=64",
+    "train.steps=150",
+    "train.max_staleness=1",
+]
+"""The recipe (over the config's defaults; the command line's overrides win)."""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--output-dir", default="runs/tool_use", help="where metrics and plots go")
+    ap.add_argument("--config", default=None, help="a YAML config (defaults otherwise)")
+    ap.add_argument("overrides", nargs="*", help="section.field=value ...")
+    args = ap.parse_args()
+    cfg = load_config(args.config, [*DEFAULTS, *args.overrides, f"output.dir={args.output_dir}"])
+    result = run(cfg)
+    first, last = result.reward_first_last(0.1)
+    records = result.records
+    k = max(1, len(records) // 10)
+    calls = [r["tool_calls_per_episode"] for r in records]
+    turns = [r["turns_mean"] for r in records]
+    print(
+        f"{len(records)} steps in {result.wall_s:.0f} s: mean reward {first:.3f} (first 10% of "
+        f"steps) -> {last:.3f} (last 10%); tool calls per episode {sum(calls[:k]) / k:.2f} -> "
+        f"{sum(calls[-k:]) / k:.2f}, turns {sum(turns[:k]) / k:.2f} -> {sum(turns[-k:]) / k:.2f}; "
+        f"end reasons of the last step {records[-1]['episode_end_reasons']}; metrics in "
+        f"{result.output_dir / 'metrics.jsonl'}"
+    )
+
+
+if __name__ == "__main__":
+    main()

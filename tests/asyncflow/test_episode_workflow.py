@@ -1,0 +1,154 @@
+"""Multi-turn episodes end to end: the workflow with an environment, on the tiny model.
+
+The invariants of the one-turn workflow hold per episode (every group trained once and whole,
+the staleness bound on each episode's oldest token), every token's version is recorded and
+checked where it is trained (:class:`tests.asyncflow.episodes.CheckingTrain`), the trainer
+gets every episode's loss mask (whose false entries leave the gradient unchanged:
+``tests/engines/test_hf_engines.py``), and an
+environment that raises or hangs costs its episode, never the run. Each runs in this process
+and, where the rollout runs in a Ray actor, with ``deploy=ray``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncflow import EngineFactories, RunConfig, RunResult, run
+from tests.asyncflow.conftest import RAY_START, RAY_TEST_TIMEOUT_S, small_config
+from tests.asyncflow.episodes import CheckingTrain, mask_checking_trainer
+
+EPISODES = [
+    "task=guess_number",  # the untrained model rarely says a number: several turns each
+    "rollout.max_turns=3",
+    "rollout.max_new_tokens=3",
+    "rollout.max_episode_tokens=48",
+]
+
+
+def _check_groups(result: RunResult, cfg: RunConfig, k: int) -> None:
+    b, n = cfg.train.groups_per_step, cfg.rollout.group_size
+    trained: list[int] = []
+    for rep in result.reports:
+        assert min(rep.staleness) >= 0 and max(rep.staleness) <= k, rep.staleness
+        assert rep.groups == list(range(rep.step * b, (rep.step + 1) * b))  # whole, in order
+        assert rep.samples == b * n
+        trained += rep.groups
+    assert trained == list(range(cfg.train.steps * b))  # every episode once, none dropped
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_episodes_keep_the_staleness_bound_and_every_token_version(
+    out_dir: Path, deploy: list[str], k: int
+) -> None:
+    cfg = small_config(
+        out_dir, *EPISODES, f"train.max_staleness={k}", "train.steps=6", *deploy, "train.dp_size=1"
+    )
+    result = run(
+        cfg,
+        adapters={"train": CheckingTrain},
+        factories=EngineFactories(trainer=mask_checking_trainer),
+    )
+    _check_groups(result, cfg, k)
+    for r in result.records:
+        assert r["versions_checked"] == 1.0  # every trained row went through the checks
+        assert 0.0 < r["loss_mask_frac"] < 1.0  # the observations are masked out
+        assert r["turns_mean"] > 1.0  # multi-turn episodes
+        assert sum(r["episode_end_reasons"].values()) == r["samples"]
+        assert set(r["episode_end_reasons"]) <= {"done", "max_turns", "max_tokens"}
+    if k == 0:  # synchronous: every token of a step's episodes from the step's own weights
+        assert all(set(rep.sample_versions) == {rep.step} for rep in result.reports)
+        assert all(r["multi_version_episodes"] == 0.0 for r in result.records)
+
+
+@pytest.mark.parametrize(
+    "deploy_mode",
+    [
+        "local",
+        pytest.param(
+            "ray",
+            marks=[pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(RAY_TEST_TIMEOUT_S)],
+        ),
+    ],
+)
+def test_environment_errors_and_timeouts_are_counted_not_fatal(
+    out_dir: Path, request: pytest.FixtureRequest, deploy_mode: str
+) -> None:
+    """A quarter of the secrets make the environment raise, a quarter make it hang: those
+    episodes end as ``error`` / ``timeout`` (counted in the records, no verdict: not learned
+    from), the others play on, and every group is still trained once."""
+    extra = []
+    if deploy_mode == "ray":
+        request.getfixturevalue("ray_cluster")
+        extra = ["deploy.mode=ray", RAY_START]
+    cfg = small_config(
+        out_dir,
+        *EPISODES,
+        "env.name=tests.asyncflow.episodes:FlakyEnv",
+        "env.timeout_s=0.5",
+        "env.threads=8",
+        "train.steps=4",
+        *extra,
+    )
+    result = run(cfg)
+    _check_groups(result, cfg, cfg.train.max_staleness)
+    reasons: dict[str, int] = {}
+    for r in result.records:
+        for reason, count in r["episode_end_reasons"].items():
+            reasons[reason] = reasons.get(reason, 0) + count
+    assert reasons.get("error", 0) > 0 and reasons.get("timeout", 0) > 0, reasons
+    assert sum(reasons.values()) == cfg.train.steps * cfg.train.groups_per_step * 4
+    assert reasons.get("error", 0) + reasons.get("timeout", 0) < sum(reasons.values())
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(RAY_TEST_TIMEOUT_S)
+def test_a_killed_rollout_actor_loses_no_episode(ray_cluster: None, tmp_path: Path) -> None:
+    """SIGKILL the rollout actor (it holds every episode in flight) mid-run: Ray restarts it,
+    the episodes it held come back when their leases end and are played again, and every
+    group is trained exactly once and whole."""
+    import ray
+
+    from tests.asyncflow.test_ray_workflow import _kill_when
+
+    out = tmp_path / "run"
+    k, steps = 1, 10
+    cfg = small_config(
+        out,
+        *EPISODES,
+        "env.name=tests.asyncflow.episodes:SlowEnv",  # 0.2 s a step: the kill meets episodes
+        "deploy.mode=ray",
+        f"train.steps={steps}",
+        f"train.max_staleness={k}",
+        "transferqueue.lease_s=5",
+        RAY_START,
+    )
+    killed: list[str] = []
+    pids: list[int] = []
+    back: list[bool] = []
+
+    def kill_and_see_it_back() -> None:
+        _kill_when(out, 2, ["-rollout"], killed, pids)
+        deadline = time.monotonic() + RAY_TEST_TIMEOUT_S / 2
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+        name = max(n for n in names if n.endswith("-rollout"))
+        while time.monotonic() < deadline and not back:
+            with contextlib.suppress(Exception):  # (unavailable while it restarts)
+                if ray.get(ray.get_actor(name).where.remote(), timeout=30)["pid"] != pids[0]:
+                    back.append(True)
+            time.sleep(0.5)
+
+    killer = threading.Thread(target=kill_and_see_it_back, daemon=True)
+    killer.start()
+    result = run(cfg)
+    killer.join(timeout=60)
+    assert killed == ["-rollout"]
+    assert back == [True]
+    _check_groups(result, cfg, k)
+    assert result.extra["restarts"].get("rollout", 0) >= 1
+    assert result.records[-1]["restarts"] >= 1
