@@ -13,10 +13,12 @@ import torch
 
 import transferqueue
 from adapters import StepReport, TrainAdapter
+from adapters.episodes import episode_columns
 from adapters.train import FILTER_LIMIT, tied_groups
 from asyncflow.metrics import Timeline
 from asyncflow.stage_runner import StageError, StageRunner
-from engines.protocols import TrainBatch
+from engines.episodes import Episode
+from engines.protocols import Generation, TrainBatch
 from transferqueue.aio import within
 
 N = 4  # rows per group
@@ -65,12 +67,11 @@ def _put(tq: transferqueue.TransferQueue, rewards: dict[int, list[float]], lengt
             groups.append(g)
             reward.append(r)
     n = len(groups)
+    gens = [Generation(r.long(), torch.zeros(len(r)), "stop", version=0) for r in responses]
     client.put(
         {
             "prompt_ids": [torch.ones(3, dtype=torch.int32)] * n,
-            "response_ids": responses,
-            "behaviour_logprobs": [torch.zeros(len(r)) for r in responses],
-            "token_versions": [torch.zeros(len(r), dtype=torch.int32) for r in responses],
+            **episode_columns([Episode.single(g) for g in gens]),
             "reward": torch.tensor(reward, dtype=torch.float32),
             "generated_at": torch.zeros(n, dtype=torch.float64),
         },
