@@ -98,7 +98,7 @@ class _Elsewhere:
         except TimeoutError:
             return None
 
-    async def updated(self, name: str, version: int, seconds: float) -> None:
+    async def updated(self, name: str, version: int, seconds: float, **timings: float) -> None:
         self.done.append(version)
         self.updated_ev.set()
 

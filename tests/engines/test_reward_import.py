@@ -56,7 +56,10 @@ def test_functions_and_classes_by_import_path(user_pkg: str) -> None:
         ("{pkg}.broken:f", r"importing '\w+.broken' failed: RuntimeError: needs a GPU"),
         ("{pkg}.rewards:", r"must look like 'module.path:function'"),
         ("{pkg}.rewards.exact", r"unknown reward .*did you mean \w+\.rewards:exact\?"),
-        ("mth", r"unknown reward 'mth'; known rewards: \['countdown', 'episode', 'format', 'math'\]"),
+        (
+            "mth",
+            r"unknown reward 'mth'; known rewards: \['countdown', 'episode', 'format', 'math'\]",
+        ),
     ],
 )
 def test_bad_names_say_what_to_change(user_pkg: str, path: str, message: str) -> None:
