@@ -272,6 +272,7 @@ def test_puts_go_on_through_a_unit_restart_and_what_returned_is_never_lost_later
             assert got.tolist() == list(range(first, first + len(meta)))
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_a_unit_actor_killed_on_ray_is_restarted_where_it_listened(ray_cluster: None) -> None:
     """The Ray deployment's supervisor is Ray (max_restarts): the restarted unit binds the
@@ -305,6 +306,7 @@ def test_a_unit_actor_killed_on_ray_is_restarted_where_it_listened(ray_cluster: 
         c.ack(got)
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_a_unit_restarted_on_a_new_address_is_found_by_connected_clients(
     ray_cluster: None,
@@ -438,6 +440,7 @@ def test_a_read_that_meets_a_restarted_unit_while_the_controller_restarts_asks_a
         assert sorted(np.asarray(err.value.indexes).tolist()) == on1.tolist()
 
 
+@pytest.mark.slow
 def test_a_read_that_meets_a_restarted_unit_with_the_controller_dead_is_peer_gone() -> None:
     # The controller does not come back: whether the rows were lost cannot be known, which
     # is PeerGoneError (call again later), not the unit's UnknownRowError.
@@ -448,6 +451,7 @@ def test_a_read_that_meets_a_restarted_unit_with_the_controller_dead_is_peer_gon
             c.get_data(held)
 
 
+@pytest.mark.slow
 def test_with_a_unit_dead_the_other_keeps_serving_and_blocked_calls_fail_fast() -> None:
     with (
         transferqueue.serve(num_units=2, spread_bytes=0, max_restarts=0) as svc,
@@ -502,6 +506,7 @@ def _unit_pid(cli_pid: int, unit: int) -> int:
     return found[0]
 
 
+@pytest.mark.slow
 def test_a_unit_killed_under_the_cli_leaves_the_service_serving() -> None:
     proc = subprocess.Popen(
         [
@@ -582,6 +587,7 @@ def _shm_mapped_bytes(pid: int) -> int:
     return total
 
 
+@pytest.mark.slow
 def test_a_producer_killed_mid_put_leaves_no_rows_and_no_shared_memory() -> None:
     with (
         transferqueue.serve(num_units=1, allocation_s=2.0) as svc,

@@ -129,6 +129,7 @@ def test_a_commit_of_new_rows_sent_again_that_finds_them_freed_had_landed() -> N
         _call(RemoteControllerLink(_Rpc(freed), ride_through_s=30.0), commit)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 @pytest.mark.service
 def test_a_stream_rides_through_its_controller_killed_mid_stream(tmp_path: Path) -> None:
     """A producer and a consumer run while the controller is SIGKILLed (twice) and restarted
