@@ -139,6 +139,7 @@ def test_clear_forgets_what_was_lost_and_retired() -> None:
 
 
 # -- the run: a local service whose unit is SIGKILLed before the task ever polls -----
+@pytest.mark.slow
 @pytest.mark.service
 def test_a_consumer_that_starts_after_a_unit_was_killed_reaches_end() -> None:
     with (

@@ -228,6 +228,7 @@ def _kill_and_recover(
     assert all(u["rows"] == 0 for i, u in enumerate(units) if i != 1), units
 
 
+@pytest.mark.slow
 @pytest.mark.service
 def test_a_unit_killed_under_serve_with_replicas_loses_no_row() -> None:
     with (

@@ -185,6 +185,7 @@ def test_a_stream_rides_through_its_controller_killed_mid_stream(tmp_path: Path)
         assert len(c.get_meta("t", ["x"], 32, partition="p", timeout_s=0.5)) == 0
 
 
+@pytest.mark.slow
 @pytest.mark.service
 def test_a_connect_during_a_controller_restart_waits_for_it_within_ride_through_s(
     tmp_path: Path,
