@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -45,6 +46,8 @@ def _child(mode: str, steps: int, out: Path) -> None:
     """One run (in this fresh process): the demo's config, synchronous, ``steps`` steps."""
     from asyncflow import load_config, run
 
+    logging.basicConfig(level=logging.WARNING)  # as the command line does
+    logging.getLogger("asyncflow.deploy.ray").setLevel(logging.INFO)  # its start-up phases
     overrides = [
         f"deploy.mode={mode}",
         "train.max_staleness=0",
