@@ -3,8 +3,8 @@
 | consumes                                                  | produces                  |
 |-----------------------------------------------------------|---------------------------|
 | prompt_ids, response_ids, behaviour_logprobs, loss_mask,  | nothing (acks the rows);  |
-| token_versions (``TrainBatch.extra``),                    |                           |
-| reward, num_turns, end_reason, episode_info               | a step report per step    |
+| token_versions (``TrainBatch.extra``), generated_at,      | a step report per step    |
+| reward, num_turns, end_reason, episode_info               |                           |
 | (+ ref_logprobs with a reference stage)                   |                           |
 
 Each step trains exactly ``B = groups_per_step`` groups: those of its *window*, consecutive
@@ -37,12 +37,25 @@ whose reward is NaN (the reward function gave no verdict) gets advantage 0 and i
 its group's statistics. A sample is an episode (one turn, or several with an environment): one
 reward and one advantage per episode, and the loss covers only the tokens its ``loss_mask``
 marks (the model's own turns, never an observation's tokens).
+
+Versions of a trained sample (step ``t`` trains with policy version ``t``), in the report:
+``sample_versions`` the oldest token's (the row's ``version`` header: what ``staleness = t -
+v`` and the bound are about), ``newest_versions`` the newest token's (partial rollouts:
+the versions it spans), and ``ended_versions`` the trainer's version when its generation
+ended: the number of optimizer steps finished at its ``generated_at`` time (this stage keeps
+the time of each of its steps), clamped to ``[oldest, t]``. Staleness splits into the part
+spent generating, ``ended - oldest`` (the generator's lag at the start included), and the part
+spent queued, ``t - ended``. ``generated_at`` is wall-clock time, written by the rollout in its
+own process: across nodes, as good as their clock sync. Only tokens the model generated count
+here: an episode's observation tokens carry version -1 in ``token_versions`` and are left out.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import math
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -197,7 +210,7 @@ def make_train_batch(
         raise TypeError(f"loss_mask must be a ragged column, got {type(mask).__name__}")
     extra: dict[str, Any] = {}
     token_versions = cols.get("token_versions")
-    if isinstance(token_versions, Ragged):  # per token: an episode's turns may differ
+    if isinstance(token_versions, Ragged):  # per token (-1: not generated, an observation)
         extra["token_versions"] = [v.long() for v in token_versions.unbind()]
     ref = None
     if use_reference:
@@ -227,14 +240,20 @@ class StepReport:
     tokens: int
     reward_mean: float
     reward_std: float
-    staleness: list[int]  # per trained sample: step - generating version
-    sample_versions: list[int]
+    staleness: list[int]  # per trained sample: step - its oldest token's version
+    sample_versions: list[int]  # per trained sample: its oldest token's version
     groups: list[int]
     metrics: dict[str, float] = field(default_factory=dict)
     filtered: list[int] = field(default_factory=list)
     """Groups of the step's window not trained: their rewards all tied (dynamic sampling)."""
     next_group: int = -1
     """The first group of the next step's window (every group before it was consumed)."""
+    newest_versions: list[int] = field(default_factory=list)
+    """Per trained sample: its newest token's version (partial rollouts: above the oldest)."""
+    ended_versions: list[int] = field(default_factory=list)
+    """Per trained sample: the trainer's version when its generation ended (see the module
+    docstring): ``ended - oldest`` of its staleness was spent generating, ``step - ended``
+    queued."""
     episodes: dict[str, Any] = field(default_factory=dict)
     """The step's episodes: ``turns_mean``, ``tool_calls_per_episode``,
     ``episode_end_reasons`` (:class:`adapters.episodes.EpisodeTally`)."""
@@ -284,8 +303,15 @@ class TrainAdapter(Adapter):
         self.dynamic_sampling = dynamic_sampling
         self.on_filtered = on_filtered
         self.max_tokens = max_tokens_per_micro_batch
-        fields = ["prompt_ids", "response_ids", "behaviour_logprobs", "loss_mask", "reward"]
-        fields.append("token_versions")  # the decoupled loss interpolates by them
+        fields = [
+            "prompt_ids",
+            "response_ids",
+            "behaviour_logprobs",
+            "loss_mask",
+            "reward",
+            "token_versions",  # the metrics, and the decoupled loss interpolates by them
+            "generated_at",
+        ]
         if use_reference:
             fields.append("ref_logprobs")
         fields += SUMMARY_FIELDS
@@ -299,12 +325,15 @@ class TrainAdapter(Adapter):
         self._acc: dict[str, list[Any]] = self._new_acc()
         self._report: StepReport | None = None  # a finished step, reported after its batch
         self._just_filtered: list[int] = []  # told to on_filtered after the batch
+        self._step_times: list[float] = []  # wall-clock end of each step taken here, in order
 
     @staticmethod
     def _new_acc() -> dict[str, list[Any]]:
         return {
             "rewards": [],
             "versions": [],
+            "newest": [],
+            "ended": [],
             "groups": [],
             "tokens": [],
             "metrics": [],
@@ -350,6 +379,9 @@ class TrainAdapter(Adapter):
             acc = self._acc
             acc["rewards"].append(reward)
             acc["versions"] += meta.versions.tolist()
+            newest, ended = self._version_columns(meta, cols)
+            acc["newest"] += newest
+            acc["ended"] += ended
             acc["groups"] += meta.groups.tolist()
             acc["tokens"].append(tokens)
             acc["metrics"].append((len(meta), metrics))
@@ -370,6 +402,26 @@ class TrainAdapter(Adapter):
                 "the rewards do not separate the policy's answers; make the task harder or "
                 "easier, or set train.dynamic_sampling=false"
             )
+
+    def _version_columns(
+        self, meta: BatchMeta, cols: dict[str, Column]
+    ) -> tuple[list[int], list[int]]:
+        """Per row: its newest token's version, and the trainer's version when its generation
+        ended (see the module docstring)."""
+        oldest = meta.versions.tolist()
+        token_versions, generated_at = cols["token_versions"], cols["generated_at"]
+        if not isinstance(token_versions, Ragged) or not isinstance(generated_at, torch.Tensor):
+            raise TypeError("train needs a ragged token_versions and a dense generated_at column")
+        newest = [
+            int(v[v >= 0].max()) if bool((v >= 0).any()) else old  # -1: an observation token
+            for v, old in zip(token_versions.unbind(), oldest, strict=True)
+        ]
+        first = self.step - len(self._step_times)  # the version before this stage's first step
+        ended = [
+            min(max(first + bisect.bisect_right(self._step_times, float(at)), old), self.step)
+            for at, old in zip(generated_at.tolist(), oldest, strict=True)
+        ]
+        return newest, ended
 
     async def train_batch(
         self,
@@ -409,6 +461,7 @@ class TrainAdapter(Adapter):
 
     async def _finish_step(self) -> None:
         step_metrics = await self.optimizer_step()
+        self._step_times.append(time.time())  # the trainer holds version step + 1 from now
         acc = self._acc
         rewards = torch.cat(acc["rewards"]).float()
         valid = rewards[~rewards.isnan()]
@@ -435,6 +488,8 @@ class TrainAdapter(Adapter):
             metrics=merged,
             filtered=sorted(acc["filtered"]),
             next_group=next_group,
+            newest_versions=list(acc["newest"]),
+            ended_versions=list(acc["ended"]),
             episodes=self.tally.summary(),
         )
         self.step += 1

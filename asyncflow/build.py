@@ -255,6 +255,7 @@ def _generator(cfg: RunConfig, path: Path, dtype: torch.dtype, *, seed: int) -> 
             "dtype": dtype,
             "seed": seed,
             "device": resolve_device(cfg.rollout.device),
+            "partial": cfg.rollout.partial,
             **options,
         }
         if not set(kwargs) <= valid:
@@ -273,6 +274,7 @@ def _generator(cfg: RunConfig, path: Path, dtype: torch.dtype, *, seed: int) -> 
             "dtype": cfg.model.dtype,  # behaviour log-probs in the trainer's precision
             "max_model_len": min(2048, int(context or 2048)),
             "seed": seed,
+            **({"update_mode": "partial"} if cfg.rollout.partial else {}),
             **options,
         }
         if not set(kwargs) <= valid:

@@ -27,6 +27,17 @@ the admission rule. Each filtered group frees one count, so the feeder admits a 
 (the next prompt) and every step still trains ``B`` groups. Without filtering, ``c_j = j``: the
 rule above.
 
+With partial rollouts (``rollout.partial``) a sample's tokens may come from several versions:
+an update stops it at a token boundary and it goes on with newer weights. The bound is on its
+**oldest** token, and the same admission still makes dropping unnecessary: the group goes only
+to a generator holding at least its ``min_gen_version``, so its first token is sampled by such
+weights, and a generator's weights only get newer while it decodes (a migrated continuation,
+too, goes only to a generator recent enough for the group); the rollout checks every sample's
+oldest token against the bound and generates it again if an instance came back older (a
+restart). So ``t - oldest <= k`` for every trained sample, newer tokens only make it less
+stale, and with ``k = 0`` no trained sample ever spans versions (step ``t``'s groups are
+admitted only once ``t`` is published, and ``t + 1`` is published only after they are trained).
+
 Each group is ``group_size`` rows sharing the group id ``j``, with the prompt's token ids, its
 text and its answer. The ``length`` header is the prompt length plus, with a ranker, the
 predicted response length: what length-aware samplers and routers order and split by.

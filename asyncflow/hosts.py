@@ -8,7 +8,10 @@ Ray actor with ``deploy=ray``) and is the only thing that reads the engine's sta
 - runs the weight follower: waits until the registry's policy says this engine should load
   newer weights, fetches them from its weight source (the receiving end of a weight
   transport) and calls ``engine.update_weights`` (the engine lands them at its next
-  micro-batch boundary).
+  micro-batch boundary, or, with partial rollouts, at its next token boundary); it reports
+  each sync's transfer time (the fetch, while the engine generates) and pause time (the
+  update call) separately, and the tokens the update kept (``engine.kept_tokens``, an
+  optional counter).
 
 With a registry in another process (``deploy=ray``) the registry decides on reported loads,
 which lag the engine: a change between idle and busy goes out at once, other load changes at
@@ -61,7 +64,14 @@ class RegistryAPI(Protocol):
     async def wait_update(self, name: str, timeout_s: float) -> int | None: ...
 
     async def updated(
-        self, name: str, version: int, seconds: float, pause_s: float | None = None
+        self,
+        name: str,
+        version: int,
+        seconds: float,
+        *,
+        transfer_s: float = 0.0,
+        pause_s: float = 0.0,
+        kept_tokens: int = 0,
     ) -> None: ...
 
     async def update_failed(self, name: str) -> None: ...
@@ -263,9 +273,10 @@ class GeneratorHost:
                         await self._send(self._remote_load())
                         await self.registry.update_failed(self.name)
                         continue
-                    loading = time.perf_counter()
+                    kept = self._kept_tokens()
+                    t1 = time.perf_counter()
                     await self.engine.update_weights(state, version)
-                    pause_s = time.perf_counter() - loading
+                    t2 = time.perf_counter()
                 finally:
                     self.weights.release(version)
             except BaseException:
@@ -273,8 +284,19 @@ class GeneratorHost:
                     await self.registry.update_failed(self.name)
                 raise
             self.updates += 1
-            await self.registry.updated(self.name, version, time.perf_counter() - t0, pause_s)
+            await self.registry.updated(
+                self.name,
+                version,
+                t2 - t0,
+                transfer_s=t1 - t0,
+                pause_s=t2 - t1,
+                kept_tokens=self._kept_tokens() - kept,
+            )
             self._dirty.set()
+
+    def _kept_tokens(self) -> int:
+        """The engine's count of tokens partial updates kept (0 for engines without one)."""
+        return int(getattr(self.engine, "kept_tokens", 0))
 
     def _fetchable(self, target: int) -> int:
         """The newest version the weight source has, at least ``target`` (published means

@@ -7,11 +7,15 @@
 - :class:`MetricsWriter`: one JSON line per train step (``metrics.jsonl``), the same scalars to
   the experiment trackers of ``output.loggers`` (``asyncflow.loggers``: TensorBoard, W&B,
   MLflow), and a progress bar on the console.
+- :func:`version_metrics`, :func:`sync_metrics`: the per-step partial-rollout figures (how
+  many samples spanned versions, staleness split into generating and queued, each weight
+  sync's transfer and pause times).
 - :func:`plot_rewards`: the reward curve of a run (``reward.png``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -21,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncflow.loggers import MetricsLogger, scalars
+from asyncflow.registry import WeightSync
 
 __all__ = [
     "MetricsWriter",
@@ -28,6 +33,8 @@ __all__ = [
     "merge_intervals",
     "plot_rewards",
     "staleness_histogram",
+    "sync_metrics",
+    "version_metrics",
     "write_timeline",
 ]
 
@@ -194,6 +201,54 @@ def merge_intervals(
 
 def staleness_histogram(staleness: list[int]) -> dict[str, int]:
     return {str(k): v for k, v in sorted(Counter(staleness).items())}
+
+
+def version_metrics(
+    step: int, oldest: Sequence[int], newest: Sequence[int], ended: Sequence[int]
+) -> dict[str, float]:
+    """What a step's samples say about versions (per sample: its oldest and newest token's
+    version, and the trainer's version when its generation ended; see ``adapters.train``).
+
+    | key                              | what                                                 |
+    |----------------------------------|------------------------------------------------------|
+    | ``spanned_share``                | share of samples whose tokens come from >1 version   |
+    | ``span_max``                     | largest newest - oldest                              |
+    | ``staleness_gen_mean`` / ``_max``| ended - oldest: staleness gained while generating    |
+    | ``staleness_queue_mean``/``_max``| step - ended: staleness gained queued for training   |
+
+    The two parts add up to ``step - oldest``, the staleness the bound is about.
+    """
+    n = len(oldest)
+    if n == 0:
+        return {}
+    spans = [b - a for a, b in zip(oldest, newest, strict=True)]
+    gen = [e - a for a, e in zip(oldest, ended, strict=True)]
+    queued = [step - e for e in ended]
+    return {
+        "spanned_share": sum(s > 0 for s in spans) / n,
+        "span_max": max(spans),
+        "staleness_gen_mean": sum(gen) / n,
+        "staleness_gen_max": max(gen),
+        "staleness_queue_mean": sum(queued) / n,
+        "staleness_queue_max": max(queued),
+    }
+
+
+def sync_metrics(syncs: Sequence[WeightSync]) -> dict[str, Any]:
+    """The weight syncs done during a step: each one (``weight_syncs``) and, over them, the
+    mean and largest transfer and pause times and the tokens partial updates kept."""
+    out: dict[str, Any] = {"weight_syncs": [dataclasses.asdict(s) for s in syncs]}
+    if syncs:
+        pause = [s.pause_s for s in syncs]
+        transfer = [s.transfer_s for s in syncs]
+        out.update(
+            sync_pause_s_mean=sum(pause) / len(pause),
+            sync_pause_s_max=max(pause),
+            sync_transfer_s_mean=sum(transfer) / len(transfer),
+            sync_transfer_s_max=max(transfer),
+        )
+    out["kept_tokens"] = sum(s.kept_tokens for s in syncs)
+    return out
 
 
 class MetricsWriter:

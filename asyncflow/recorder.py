@@ -25,7 +25,13 @@ from adapters import StepReport
 from asyncflow.deploy.base import Deployment
 from asyncflow.evaluation import Evaluator
 from asyncflow.graph import PARTITION
-from asyncflow.metrics import MetricsWriter, Timeline, staleness_histogram
+from asyncflow.metrics import (
+    MetricsWriter,
+    Timeline,
+    staleness_histogram,
+    sync_metrics,
+    version_metrics,
+)
 
 __all__ = ["AfterRecord", "StepRecorder", "step_record"]
 
@@ -70,6 +76,15 @@ class StepRecorder:
             record = step_record(report, timeline, last_t, now, tq_tasks, versions[0])
             record["stage_metrics"] = stage_metrics
             record["restarts"] = sum(dep.restarts.values())
+            record.update(
+                version_metrics(
+                    report.step,
+                    report.sample_versions,
+                    report.newest_versions,
+                    report.ended_versions,
+                )
+            )
+            record.update(sync_metrics(await dep.weight_syncs()))
             last_t = now
             self.reports.append(report)
             done = None

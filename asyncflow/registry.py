@@ -11,7 +11,8 @@ needs a home of its own; see ``asyncflow.deploy.ray``).
 |---------------------------|----------------------------------------------------|
 | generator host            | ``register`` at start (again after a restart),     |
 |                           | ``report`` when its load changes, ``wait_update``  |
-|                           | / ``updated`` around each weight load              |
+|                           | / ``updated`` around each weight load (with its    |
+|                           | transfer and pause times)                          |
 | trainer (rank 0)          | ``publish`` once its weights of a version can be   |
 |                           | fetched through the weight transport               |
 | prompt feeder (driver)    | ``newest_generator_version``, ``published``,       |
@@ -21,6 +22,8 @@ needs a home of its own; see ``asyncflow.deploy.ray``).
 |                           | may admit one more group per filtered one)         |
 | rollout stage             | ``demand`` (a batch waits for newer weights),      |
 |                           | ``watch`` (versions and loads, for routing)        |
+| driver (each step record) | ``weight_syncs`` (the syncs done since it last     |
+|                           | asked: :class:`WeightSync`)                        |
 
 **When a generator takes newer weights** (``policy``):
 
@@ -52,7 +55,7 @@ from dataclasses import dataclass
 
 from transferqueue.aio import wait_event, within
 
-__all__ = ["POLICIES", "GeneratorStatus", "Registry"]
+__all__ = ["POLICIES", "GeneratorStatus", "Registry", "WeightSync"]
 
 POLICIES = ("eager", "on_demand")
 
@@ -76,6 +79,24 @@ class GeneratorStatus:
     received: int = 0
     """Samples of generate calls the host had received when it reported (for routing: what
     was dispatched after that is not in ``running`` yet)."""
+
+
+@dataclass
+class WeightSync:
+    """One generator's weight update, as its host timed it (seconds of its own clock)."""
+
+    generator: str
+    version: int
+    transfer_s: float
+    """Fetching the weights through the transport (the engine generates meanwhile)."""
+    pause_s: float
+    """``update_weights``: the engine took no new work. With partial rollouts that is the
+    load alone (every sequence stopped at a token boundary); otherwise it includes waiting
+    for the running requests to finish on the old weights."""
+    kept_tokens: int = 0
+    """Tokens of the running sequences a partial update stopped and kept, as far as the engine
+    has counted them (vLLM counts a sample's when it finishes): what aborting them and
+    generating them again would have thrown away."""
 
 
 Snapshot = tuple[int, int, int, int, int]
@@ -117,6 +138,8 @@ class Registry:
         """Per generator update, seconds its engine spent loading (generation paused)."""
         self.adoption_s: list[float] = []
         """Per published version, seconds until the first generator held it (or newer)."""
+        self._syncs: list[WeightSync] = []  # not yet taken by weight_syncs
+        self._syncs_taken = 0  # syncs taken before self._syncs[0]
         self.restarts: dict[str, int] = {}
 
     # -- generator hosts ---------------------------------------------------------------------
@@ -179,17 +202,24 @@ class Registry:
             await wait_event(wake, min(left, self.poll_s))
 
     async def updated(
-        self, name: str, version: int, seconds: float, pause_s: float | None = None
+        self,
+        name: str,
+        version: int,
+        seconds: float,
+        *,
+        transfer_s: float = 0.0,
+        pause_s: float = 0.0,
+        kept_tokens: int = 0,
     ) -> None:
-        """Generator ``name`` now holds ``version`` (its update took ``seconds``: fetching
-        from the transport and loading; ``pause_s`` of them loading, generation paused)."""
+        """Generator ``name`` now holds ``version`` (its update took ``seconds``: fetching the
+        weights, ``transfer_s``, then loading them, ``pause_s``)."""
+        self._syncs.append(WeightSync(name, version, transfer_s, pause_s, kept_tokens))
         self._updating.discard(name)
         st = self._status(name)
         st.version = max(st.version, version)
         self.updates += 1
         self.update_seconds += seconds
-        if pause_s is not None:
-            self.pause_s.append(pause_s)
+        self.pause_s.append(pause_s)
         now = time.perf_counter()
         for v in [v for v in self._published_at if v <= version]:
             self.adoption_s.append(now - self._published_at.pop(v))
@@ -281,6 +311,15 @@ class Registry:
                 n: (*self._current(n)[:2], st.incarnation, st.running, st.received)
                 for n, st in self._gens.items()
             }
+
+    async def weight_syncs(self, after: int) -> tuple[list[WeightSync], int]:
+        """The weight syncs after the first ``after`` (in order), and how many there are now:
+        pass that as ``after`` next time. Those up to ``after`` are forgotten (one reader:
+        the driver)."""
+        drop = min(max(after - self._syncs_taken, 0), len(self._syncs))
+        del self._syncs[:drop]
+        self._syncs_taken += drop
+        return list(self._syncs), self._syncs_taken + len(self._syncs)
 
     async def stats(self) -> dict[str, object]:
         """Counters for the run's records."""

@@ -24,8 +24,18 @@ second taking ``time_scale`` real seconds.
 |                |                     |           |                        | and samples past    |
 |                |                     |           |                        | the p90 length on   |
 |                |                     |           |                        | own instances       |
+| async-k2-      | split               | 2 (oldest | each micro-batch       | as async-k2 /       |
+| (skew-)partial |                     | token)    |                        | async-k2-skew       |
 
-Every schedule uses the same weight-sync policy (``on_demand``, ``asyncflow.weights``). The
+The ``-partial`` schedules generate with partial rollouts (``rollout.partial``): a weight
+update stops the running sequences at a token boundary, loads (the modelled ``sync_s``) and
+they go on with the new weights, so an update never waits for a running sample; they take
+every update at once (``eager``), since it costs one load and no drain. For them the table
+adds the pause of each update (modelled seconds, mean and max), the tokens the updates kept
+per step (what aborting the running samples and generating them again would have thrown away,
+and their share of the step's tokens) and the share of trained samples that spanned versions.
+
+Every other schedule uses the same weight-sync policy (``on_demand``, ``asyncflow.weights``). The
 disaggregated schedules run on three splits of the GPUs (the split that balances decode at full
 batch against training, and two with more generation GPUs) and keep their best: with long
 tails the best split depends on the schedule, and each is compared at its own best. The
@@ -77,6 +87,9 @@ class Schedule:
     max_staleness: int = 0
     stream: bool = True
     skew_aware: bool = False
+    partial: bool = False
+    weight_sync: str = ""
+    """The weight-sync policy ("": the setup's)."""
 
 
 SCHEDULES = [
@@ -87,6 +100,14 @@ SCHEDULES = [
     Schedule("async-k2", max_staleness=2),
     Schedule("async-k1-skew", max_staleness=1, skew_aware=True),
     Schedule("async-k2-skew", max_staleness=2, skew_aware=True),
+    Schedule("async-k2-partial", max_staleness=2, partial=True, weight_sync="eager"),
+    Schedule(
+        "async-k2-skew-partial",
+        max_staleness=2,
+        skew_aware=True,
+        partial=True,
+        weight_sync="eager",
+    ),
 ]
 
 
@@ -187,6 +208,7 @@ def run_schedule(
         vocab_size=len(tokenizer),
         eos_token_id=tokenizer.eos_token_id,
         seed=setup.seed,
+        partial=sched.partial,
     )
     b, n = setup.groups_per_step, setup.group_size
     # groups in flight per instance: enough to fill its batch and to hand out every admitted
@@ -208,7 +230,8 @@ def run_schedule(
         f"rollout.instances={n_gen}",
         f"rollout.max_new_tokens={lengths.max_len}",
         "rollout.engine=simulated",
-        f"rollout.weight_sync={setup.weight_sync}",
+        f"rollout.weight_sync={sched.weight_sync or setup.weight_sync}",
+        f"rollout.partial={str(sched.partial).lower()}",
         "reward.batch_size=64",
     ]
     if sched.skew_aware:
@@ -266,6 +289,34 @@ def analyse(result: RunResult, setup: Setup, n_gen: int, n_train: int) -> dict[s
         "reward_first": recs[0]["reward"],
         "ranker_error": result.extra.get("ranker_error"),
         "window_real_s": [t0, t1],
+        **versions_and_syncs(recs[1:], scale, tokens),
+    }
+
+
+def versions_and_syncs(recs: list[dict[str, Any]], scale: float, tokens: int) -> dict[str, Any]:
+    """Over the measured steps: the weight syncs' pause and transfer times (modelled
+    seconds), the tokens partial updates kept (per step, and as a share of the tokens
+    trained), the share of samples that spanned versions, the staleness split."""
+    syncs = [s for r in recs for s in r["weight_syncs"]]
+    pause = [s["pause_s"] / scale for s in syncs] or [0.0]
+    transfer = [s["transfer_s"] / scale for s in syncs] or [0.0]
+    kept = sum(s["kept_tokens"] for s in syncs)
+    samples = sum(r["samples"] for r in recs) or 1
+
+    def mean(key: str) -> float:
+        return sum(r[key] * r["samples"] for r in recs) / samples
+
+    return {
+        "syncs": len(syncs),
+        "pause_s_mean": sum(pause) / len(pause),
+        "pause_s_max": max(pause),
+        "transfer_s_mean": sum(transfer) / len(transfer),
+        "kept_tokens_per_step": kept / max(len(recs), 1),
+        "kept_share": kept / max(tokens, 1),
+        "spanned_share": mean("spanned_share"),
+        "span_max": max(r["span_max"] for r in recs),
+        "staleness_gen_mean": mean("staleness_gen_mean"),
+        "staleness_queue_mean": mean("staleness_queue_mean"),
     }
 
 
@@ -373,6 +424,10 @@ def _print_line(name: str, stats: dict[str, Any], base: float, tried: dict[int, 
         skew=round(stats["skew_bubble"], 3),
         train_idle=round(1 - stats["train_busy"], 3),
         stale=stats["staleness_max"],
+        pause=round(stats["pause_s_mean"], 2),
+        pause_max=round(stats["pause_s_max"], 2),
+        kept_per_step=round(stats["kept_tokens_per_step"]),
+        spanned=round(stats["spanned_share"], 3),
         splits=" ".join(f"{g}:{v:.2f}" for g, v in tried.items()),
     )
 
@@ -380,16 +435,23 @@ def _print_line(name: str, stats: dict[str, Any], base: float, tried: dict[int, 
 def _print_table(table: dict[str, dict[str, Any]]) -> None:
     base = next(iter(table.values()))["samples_per_s"]
     print(
-        "\n| schedule | samples/s | tokens/s | vs colocated-sync | gen busy | pipeline "
-        "bubble | skew bubble | train idle |"
+        "\n| schedule | samples/s | tokens/s | vs first | gen busy | pipeline "
+        "bubble | skew bubble | train idle | pause mean / max (s) | kept tokens/step |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, s in table.items():
         print(
             f"| {name} | {s['samples_per_s']:.2f} | {s['tokens_per_s']:.0f} | "
             f"{s['samples_per_s'] / base:.2f}x | {s['gen_busy']:.2f} | "
-            f"{s['pipeline_bubble']:.2f} | {s['skew_bubble']:.2f} | {1 - s['train_busy']:.2f} |"
+            f"{s['pipeline_bubble']:.2f} | {s['skew_bubble']:.2f} | {1 - s['train_busy']:.2f} | "
+            f"{s['pause_s_mean']:.2f} / {s['pause_s_max']:.2f} | "
+            f"{s['kept_tokens_per_step']:.0f} ({s['kept_share']:.1%}) |"
         )
+    if "async-k2" in table:
+        for name in ("async-k2-partial", "async-k2-skew-partial"):
+            if name in table:
+                ratio = table[name]["samples_per_s"] / table["async-k2"]["samples_per_s"]
+                line(f"{name} / async-k2 (best splits)", ratio, "x")
 
 
 def _compare(tables: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, float]]:

@@ -62,6 +62,9 @@ class SimulatedRun:
     success_rate: float = 0.5
     samples: RaySamples | None = None
     """The sample store the generators share across processes (``deploy=ray``)."""
+    partial: bool = False
+    """Interruptible generation: updates stop running sequences at a token boundary and they
+    continue on the new weights (``rollout.partial``)."""
 
 
 def generator(
@@ -83,6 +86,7 @@ def generator(
         seed=run.seed + index,
         version=0,
         samples=samples if samples is not None else run.samples,
+        partial=run.partial,
     )
 
 

@@ -77,21 +77,67 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
 
 
-@dataclass
+@dataclass(init=False)
 class Generation:
-    """One sampled response."""
+    """One sampled response, with the weights version that sampled each of its tokens.
+
+    ``token_versions[t]`` is the version of the weights that computed ``logprobs[t]`` and drew
+    ``token_ids[t]``. An engine that takes new weights in the middle of a response (partial
+    rollouts: the update interrupts it at a token boundary and decoding goes on with the new
+    weights) reports a non-decreasing run of versions; otherwise every entry is the same.
+    ``version`` is the **oldest** token's version (the first token's), the one the staleness
+    bound ``max_staleness`` is checked against; for an empty response it is the version the
+    engine held. Give either: ``token_versions`` alone sets ``version`` to its minimum,
+    ``version`` alone fills ``token_versions`` with it.
+    """
 
     token_ids: torch.Tensor  # [T] int64: the response only, prompt excluded
     logprobs: torch.Tensor  # [T] float32: log p(token_t | prefix) under the sampling policy
     finish_reason: str  # "stop" (EOS or a stop token) or "length" (max_new_tokens reached)
-    version: int = -1  # weights version that produced every token of this sample
+    version: int  # weights version of the oldest token (see the class docstring)
+    token_versions: torch.Tensor  # [T] int64: weights version that sampled each token
 
-    def __post_init__(self) -> None:
-        if self.token_ids.shape != self.logprobs.shape:
+    def __init__(
+        self,
+        token_ids: torch.Tensor,
+        logprobs: torch.Tensor,
+        finish_reason: str,
+        version: int = -1,
+        token_versions: torch.Tensor | None = None,
+    ) -> None:
+        if token_ids.shape != logprobs.shape:
             raise ValueError(
-                f"token_ids {tuple(self.token_ids.shape)} and logprobs "
-                f"{tuple(self.logprobs.shape)} must have the same shape"
+                f"token_ids {tuple(token_ids.shape)} and logprobs "
+                f"{tuple(logprobs.shape)} must have the same shape"
             )
+        self.token_ids, self.logprobs, self.finish_reason = token_ids, logprobs, finish_reason
+        if token_versions is None:
+            self.version = version
+            self.token_versions = torch.full(token_ids.shape, version, dtype=torch.int64)
+            return
+        if token_versions.shape != token_ids.shape:
+            raise ValueError(
+                f"token_versions {tuple(token_versions.shape)} must have the shape of "
+                f"token_ids {tuple(token_ids.shape)}"
+            )
+        self.token_versions = token_versions.to(torch.int64)
+        if token_versions.numel() == 0:
+            self.version = version
+            return
+        oldest = int(self.token_versions.min())
+        if version not in (-1, oldest):
+            raise ValueError(
+                f"version {version} is not the oldest token's version {oldest}: leave version "
+                "out when token_versions is given"
+            )
+        self.version = oldest
+
+    @property
+    def version_span(self) -> int:
+        """Versions the response spans: newest token's minus oldest token's (0: one version)."""
+        if self.token_versions.numel() == 0:
+            return 0
+        return int(self.token_versions.max()) - self.version
 
 
 @runtime_checkable
@@ -109,8 +155,11 @@ class GenerationEngine(Protocol):
         """Sample one response per prompt.
 
         Called by the rollout adapter once per micro-batch; several calls may be in flight at
-        once. Every returned ``Generation.version`` is the version of the weights that produced
-        all of its tokens: an engine must not swap weights in the middle of a call.
+        once. Every returned ``Generation`` says which weights version sampled each of its
+        tokens (``token_versions``; ``version`` is the oldest). An engine either never swaps
+        weights under a running response (every token one version) or, with partial rollouts,
+        interrupts it at a token boundary and goes on with the new weights, recording the
+        switch there.
         """
         ...
 
@@ -118,7 +167,9 @@ class GenerationEngine(Protocol):
         """Load new weights in place (no restart) and adopt ``version``.
 
         Called by the weight-sync path when the trainer publishes. It waits for the calls in
-        flight to finish (a micro-batch boundary) or pauses them, loads, then resumes.
+        flight to finish (a micro-batch boundary), or, with partial rollouts, pauses the running
+        responses at a token boundary; loads; then resumes (the paused responses go on with the
+        new weights). Returns once the new weights are in use.
         """
         ...
 
@@ -145,9 +196,12 @@ class TrainBatch:
     response_ids: list[torch.Tensor]  # B x [T_i] int
     behaviour_logprobs: list[torch.Tensor]  # B x [T_i] float32, recorded at generation
     advantages: torch.Tensor  # [B] float32, one per sample (GRPO: group-normalized reward)
-    versions: torch.Tensor  # [B] int64, weights version that generated each sample
+    versions: torch.Tensor  # [B] int64, weights version of each sample's oldest token
     ref_logprobs: list[torch.Tensor] | None = None  # B x [T_i] float32, for the KL term
     extra: dict[str, Any] = field(default_factory=dict)
+    """More per-sample inputs; ``extra["token_versions"]`` (B x [T_i] int64), when the train
+    stage has them, is the weights version that sampled each response token, -1 for a token the
+    model did not generate (an episode's observation and template tokens)."""
     loss_mask: list[torch.Tensor] | None = None
     """B x [T_i] bool: the response tokens the loss covers (a multi-turn episode's own turns;
     its observation and template tokens are false). None: every response token."""

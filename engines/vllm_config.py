@@ -9,7 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["WEIGHT_BACKEND", "WORKER_EXTENSION", "VLLMEngineConfig"]
+__all__ = ["UPDATE_MODES", "WEIGHT_BACKEND", "WORKER_EXTENSION", "VLLMEngineConfig"]
+
+UPDATE_MODES = ("wait", "abort", "partial")
+"""Values of :attr:`VLLMEngineConfig.update_mode`."""
 
 WEIGHT_BACKEND = "asyncflow_shm"
 """Name of the weight-transfer backend :mod:`engines.vllm_worker` registers in vLLM's workers."""
@@ -45,9 +48,13 @@ class VLLMEngineConfig:
     offset"), so chunking stays off there."""
     seed: int = 0
     """Engine seed, used by requests whose call gives no seed."""
-    update_mode: Literal["wait", "abort"] = "wait"
+    update_mode: Literal["wait", "abort", "partial"] = "wait"
     """What an update does to running requests: "wait" lets them finish on the old weights;
-    "abort" restarts them on the new weights."""
+    "abort" restarts them on the new weights; "partial" (interruptible generation,
+    ``rollout.partial``) stops them at a token boundary and continues them on the new weights,
+    keeping their tokens and log-probs: vLLM's ``pause_generation(mode="keep")`` where the
+    installed vLLM has it (the KV cache recomputed with the new weights), else abort and submit
+    each again with its tokens so far appended to its prompt."""
     version: int = -1
     """Version label of the weights loaded at startup."""
     transfer_dir: str | None = None
@@ -69,8 +76,8 @@ class VLLMEngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        if self.update_mode not in ("wait", "abort"):
-            raise ValueError(f'update_mode must be "wait" or "abort", got {self.update_mode!r}')
+        if self.update_mode not in UPDATE_MODES:
+            raise ValueError(f"update_mode must be one of {UPDATE_MODES}, got {self.update_mode!r}")
         if self.update_timeout_s <= 0:
             raise ValueError(f"update_timeout_s must be > 0, got {self.update_timeout_s}")
         for key in ("weight_transfer_config", "worker_extension_cls"):

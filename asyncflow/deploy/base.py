@@ -44,6 +44,7 @@ from typing import Any
 from adapters import StepReport
 from asyncflow.feeder import AdmissionState, Predictor
 from asyncflow.metrics import Timeline
+from asyncflow.registry import WeightSync
 from engines.tasks import Task
 from transferqueue import AsyncClient
 
@@ -89,6 +90,11 @@ class Deployment(ABC):
     async def collect(self) -> dict[str, dict[str, float]]:
         """Merge what stage hosts recorded since the last call into :attr:`timeline`; returns
         per stage the means of its adapters' metrics over that time."""
+
+    async def weight_syncs(self) -> list[WeightSync]:
+        """The generators' weight syncs since the last call, in order (for the step records:
+        each sync's transfer and pause times). None by default."""
+        return []
 
     @abstractmethod
     async def save_policy(self, directory: Path) -> None:

@@ -36,7 +36,7 @@ from asyncflow.config import RunConfig
 from asyncflow.deploy.base import Deployment, Job
 from asyncflow.hosts import GeneratorHost, check_engine
 from asyncflow.metrics import Timeline
-from asyncflow.registry import Registry
+from asyncflow.registry import Registry, WeightSync
 from asyncflow.stage_runner import StageRunner
 from asyncflow.transport import WeightSender, make_transport, sync_metrics
 from engines.protocols import ScoringEngine, TrainingEngine
@@ -98,6 +98,7 @@ class LocalDeployment(Deployment):
         self._rollout: Adapter | None = None
         self._closed = False
         self.restarts: dict[str, int] = {}
+        self._syncs_seen = 0  # weight syncs handed to the driver so far
 
     async def open(self) -> None:
         cfg = self.cfg
@@ -238,6 +239,10 @@ class LocalDeployment(Deployment):
 
     async def collect(self) -> dict[str, dict[str, float]]:
         return {r.name: m for r in self._runners if (m := r.drain_metrics())}
+
+    async def weight_syncs(self) -> list[WeightSync]:
+        syncs, self._syncs_seen = await self._registry.weight_syncs(self._syncs_seen)
+        return syncs
 
     async def summary(self) -> dict[str, Any]:
         stats = await self._registry.stats()

@@ -75,6 +75,7 @@ from asyncflow.deploy.ray_hosts import (
 from asyncflow.deploy.ray_weights import ObjectStoreWeights
 from asyncflow.deploy.remote import Coordinator, RemoteRegistry, remote_cause
 from asyncflow.metrics import Timeline
+from asyncflow.registry import WeightSync
 from asyncflow.stage_runner import StageError
 from transferqueue.aio import within
 from transferqueue.wire.auth import ClientKeys
@@ -147,6 +148,7 @@ class RayDeployment(Deployment):
         self._rollout: Any = None
         self._workers: list[tuple[str, Any]] = []
         self.restarts: dict[str, int] = {}
+        self._syncs_seen = 0  # weight syncs handed to the driver so far
         self._closed = False
 
     # -- start ------------------------------------------------------------------------------
@@ -503,6 +505,10 @@ class RayDeployment(Deployment):
             await asyncio.gather(*(t.save_policy.remote(str(directory.resolve())) for t in ranks))
         except ray.exceptions.RayTaskError as e:  # the trainer's own error, not Ray's wrapper
             raise remote_cause(e) from None
+
+    async def weight_syncs(self) -> list[WeightSync]:
+        syncs, self._syncs_seen = await self._registry.weight_syncs(self._syncs_seen)
+        return syncs
 
     async def summary(self) -> dict[str, Any]:
         stats = await self._registry.stats()

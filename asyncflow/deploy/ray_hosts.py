@@ -367,12 +367,13 @@ class WorkerActor(_Host):
 class _DataParallelTrain(TrainAdapter):
     """The train stage on rank 0 of ``dp_size`` ranks (see :class:`TrainerActor`).
 
-    Only the rewards are read here, for the filter and the group advantages. The micro-batch
-    (whole groups of the step's window, its filtered groups left out) is split across the
-    ranks: with a token budget by tokens (:func:`engines.packing.balance_by_tokens` over the
-    rows' ``length`` headers, prompt + response tokens), else into parts of equal rows (±1)
-    and near-equal tokens (the ``balanced`` sampler's split). Each rank reads its part's
-    columns itself and accumulates its gradients (in packed calls under the budget); the
+    Only the rewards (for the filter and the group advantages) and the version columns (for
+    the step's report) are read here. The micro-batch (whole groups of the step's window, its
+    filtered groups left out) is split across the ranks: with a token budget by tokens
+    (:func:`engines.packing.balance_by_tokens` over the rows' ``length`` headers, prompt +
+    response tokens), else into parts of equal rows (±1) and near-equal tokens (the
+    ``balanced`` sampler's split). Each rank reads its part's columns itself and accumulates
+    its gradients (in packed calls under the budget); the
     optimizer step all-reduces them on every rank at once.
     """
 
@@ -384,7 +385,7 @@ class _DataParallelTrain(TrainAdapter):
         if self.max_tokens is None:
             self.sampler = "balanced"
             self.sampler_options = {**self.sampler_options, "dp_size": self.dp}
-        self.read_fields = ("reward", *SUMMARY_FIELDS)
+        self.read_fields = ("reward", "token_versions", "generated_at", *SUMMARY_FIELDS)
 
     def _shares(self, meta: BatchMeta) -> list[np.ndarray]:
         if self.max_tokens is None:  # the sampler's split, unless filtering changed the rows

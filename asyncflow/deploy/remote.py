@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from adapters import InstanceLostError, StepReport
-from asyncflow.registry import Registry, Snapshot
+from asyncflow.registry import Registry, Snapshot, WeightSync
 from engines.protocols import Generation, SamplingParams
 from transferqueue.aio import wait_event, within
 
@@ -112,9 +112,23 @@ class RemoteRegistry:
         return None if result is None else int(result)
 
     async def updated(
-        self, name: str, version: int, seconds: float, pause_s: float | None = None
+        self,
+        name: str,
+        version: int,
+        seconds: float,
+        *,
+        transfer_s: float = 0.0,
+        pause_s: float = 0.0,
+        kept_tokens: int = 0,
     ) -> None:
-        await self._h.updated.remote(name, version, seconds, pause_s)
+        await self._h.updated.remote(
+            name,
+            version,
+            seconds,
+            transfer_s=transfer_s,
+            pause_s=pause_s,
+            kept_tokens=kept_tokens,
+        )
 
     async def update_failed(self, name: str) -> None:
         await self._h.update_failed.remote(name)
@@ -153,6 +167,10 @@ class RemoteRegistry:
     async def stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = await self._h.stats.remote()
         return stats
+
+    async def weight_syncs(self, after: int) -> tuple[list[WeightSync], int]:
+        syncs, count = await self._h.weight_syncs.remote(after)
+        return list(syncs), int(count)
 
 
 class GeneratorView:

@@ -42,9 +42,10 @@ FAILED = ("error", "timeout")
 
 
 def token_versions(gen: Generation) -> torch.Tensor:
-    """Per-token versions of one generation: every token of it sampled by ``gen.version`` (an
-    engine that swapped weights within a call would report one version per token here)."""
-    return torch.full((int(gen.token_ids.numel()),), gen.version, dtype=torch.int64)
+    """Per-token versions of one generation (``Generation.token_versions``): one version
+    throughout, or, when a weight update interrupted the turn (partial rollouts), the older
+    version up to the switch and the newer one after it."""
+    return gen.token_versions.to(torch.int64)
 
 
 @dataclass

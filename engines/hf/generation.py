@@ -19,11 +19,20 @@ agreement). Conventions:
   from the untruncated policy.
 
 Concurrency: the blocking torch work runs on one dedicated worker thread per engine, so the
-event loop is never blocked and calls run one at a time in arrival order. ``update_weights``
-queued behind a ``generate`` waits for it to finish (a call boundary) and every later call
-sees the new weights: a ``Generation`` never mixes versions. A lock additionally guards the
-model against direct use of the blocking methods from other threads. Concurrent ``generate``
-calls are not merged into one batch.
+event loop is never blocked and calls run one at a time in arrival order. Concurrent
+``generate`` calls are not merged into one batch. A lock additionally guards the model against
+direct use of the blocking methods from other threads. What a weight update does to the call
+running when it arrives depends on ``partial``:
+
+- ``partial=False`` (default): ``update_weights`` is queued behind the calls before it (a call
+  boundary), so every token of a ``Generation`` comes from one version.
+- ``partial=True`` (interruptible generation, ``rollout.partial``): the update is handed to the
+  running call, which loads it at its next token boundary (between two decode steps), then
+  recomputes the KV cache of every sequence (prompt and tokens so far) with the new weights
+  and goes on decoding. Tokens sampled before keep their log-probs and their version, those
+  after get the new ones (``Generation.token_versions``), so each recorded log-prob is exactly
+  ``log p_v(token | prefix)`` for the version ``v`` that drew it. With no call running the
+  update loads at once. Either way ``update_weights`` returns once the weights are in use.
 """
 
 from __future__ import annotations
@@ -32,7 +41,8 @@ import asyncio
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -57,6 +67,8 @@ class HFGenerationEngine:
             pass 0 when they are the trainer's initial weights.
         max_batch_size: prompts sampled together in one batch; larger calls are chunked.
         pad_id: id used for padding (masked out, any id works); default the model's pad id or 0.
+        partial: interruptible generation: an update lands at the running call's next token
+            boundary instead of after it (see the module docstring).
     """
 
     def __init__(
@@ -69,6 +81,7 @@ class HFGenerationEngine:
         version: int = -1,
         max_batch_size: int = 64,
         pad_id: int | None = None,
+        partial: bool = False,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -82,6 +95,15 @@ class HFGenerationEngine:
         self._rng = torch.Generator().manual_seed(seed)
         self._version = version
         self._lock = threading.Lock()
+        self.partial = partial
+        # updates handed to the running call (partial): (state, version, done), in order
+        self._pending: list[tuple[Mapping[str, torch.Tensor], int, Future[None]]] = []
+        self._pending_lock = threading.Lock()
+        self.tokens_decoded = 0
+        """Tokens sampled so far by this engine (finished sequences' padding not counted)."""
+        self.kept_tokens = 0
+        """Tokens of running sequences that weight updates interrupted and kept (partial):
+        what aborting and generating them again would have thrown away."""
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-generate")
         self._finalizer = weakref.finalize(self, self._executor.shutdown, wait=False)
 
@@ -103,15 +125,49 @@ class HFGenerationEngine:
         return await loop.run_in_executor(self._executor, self.generate_sync, prompts, params)
 
     async def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
-        """Load ``state`` after the calls queued before this one, then adopt ``version``."""
+        """Load ``state`` and adopt ``version``: after the calls queued before this one, or,
+        with ``partial``, at the running call's next token boundary."""
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._executor, self.load_weights, state, version)
+        if not self.partial:
+            await loop.run_in_executor(self._executor, self.load_weights, state, version)
+            return
+        done: Future[None] = Future()
+        with self._pending_lock:
+            self._pending.append((state, version, done))
+        # With no call running, the worker loads it as soon as it is free.
+        self._executor.submit(self._load_pending_now)
+        await asyncio.wrap_future(done)
 
     def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Blocking form of ``update_weights``: copy ``state`` in place under the lock."""
         with self._lock:
             load_weights(self._model, dict(state))
             self._version = version
+
+    def _load_pending_now(self) -> None:
+        with self._lock:
+            self._load_pending()
+
+    def _load_pending(self, running_tokens: int = 0) -> bool:
+        """Load the updates handed over so far, in order (the lock is held); True if any
+        landed, then ``running_tokens`` (the running sequences' tokens) count as kept. A
+        refused state fails its own ``update_weights`` and changes nothing."""
+        with self._pending_lock:
+            pending, self._pending = self._pending, []
+        landed: list[Future[None]] = []
+        for state, version, done in pending:
+            try:
+                load_weights(self._model, dict(state))
+            except Exception as exc:
+                done.set_exception(exc)
+                continue
+            self._version = version
+            landed.append(done)
+        if landed:
+            self.kept_tokens += running_tokens  # before the updates return: they report it
+        for done in landed:
+            done.set_result(None)
+        return bool(landed)
 
     def generate_sync(
         self, prompts: Sequence[torch.Tensor], params: SamplingParams
@@ -124,6 +180,8 @@ class HFGenerationEngine:
                     f"{tuple(prompt.shape)}"
                 )
         with self._lock:
+            if self.partial:
+                self._load_pending()  # an update that came while this call was queued
             seed = params.seed
             if seed is None:
                 seed = int(torch.randint(0, 2**62, (1,), generator=self._rng))
@@ -143,38 +201,39 @@ class HFGenerationEngine:
         stops: frozenset[int],
         generator: torch.Generator,
     ) -> list[Generation]:
-        model, device = self._model, self._device
-        ids, attn = left_pad(prompts, self._pad_id)  # [B, P]
-        ids, attn = ids.to(device), attn.to(device)
-        batch = ids.shape[0]
-        positions = (attn.cumsum(-1) - 1).clamp(min=0)  # [B, P]
+        device = self._device
+        batch = len(prompts)
         stop_ids = torch.tensor(sorted(stops), dtype=torch.long, device=device)
-        cache = DynamicCache(config=model.config)
-        out = model(
-            input_ids=ids,
-            attention_mask=attn,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        next_pos = positions[:, -1] + 1  # [B]
+        out, attn, next_pos = self._prefill(list(prompts))
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
         lengths = torch.zeros(batch, dtype=torch.long, device=device)
         tokens: list[torch.Tensor] = []
         logps: list[torch.Tensor] = []
+        versions: list[int] = []  # per decode step: every row's token of that step
         for step in range(params.max_new_tokens):
             logits = out.logits[:, -1, :].float()  # [B, V]
             token, logp = sample_tokens(logits, params, generator)  # [B], [B]
             token = torch.where(finished, self._pad_id, token)
             tokens.append(token)
             logps.append(logp)
+            versions.append(self._version)
+            live = int((~finished).sum())
             lengths += (~finished).long()
+            self.tokens_decoded += live
             finished |= torch.isin(token, stop_ids)
             if bool(finished.all()) or step == params.max_new_tokens - 1:
                 break
+            if self.partial and self._pending and self._load_pending(int(lengths[~finished].sum())):
+                # a token boundary: recompute every sequence's cache with the new weights
+                so_far = torch.stack(tokens, 1).cpu()  # [B, step + 1]
+                seqs = [
+                    torch.cat([p.reshape(-1).long(), so_far[i, : int(lengths[i])]])
+                    for i, p in enumerate(prompts)
+                ]
+                out, attn, next_pos = self._prefill(seqs)
+                continue
             attn = torch.cat([attn, torch.ones((batch, 1), dtype=attn.dtype, device=device)], 1)
-            out = model(
+            out = self._model(
                 input_ids=token[:, None],
                 attention_mask=attn,
                 position_ids=next_pos[:, None],
@@ -184,6 +243,7 @@ class HFGenerationEngine:
             next_pos = next_pos + 1
         all_tokens = torch.stack(tokens, 1).cpu()  # [B, steps]
         all_logps = torch.stack(logps, 1).cpu()
+        step_versions = torch.tensor(versions, dtype=torch.int64)  # [steps]
         results = []
         for i in range(batch):
             n = int(lengths[i])
@@ -192,10 +252,29 @@ class HFGenerationEngine:
                     token_ids=all_tokens[i, :n].clone(),
                     logprobs=all_logps[i, :n].clone(),
                     finish_reason="stop" if bool(finished[i]) else "length",
-                    version=self._version,
+                    version=self._version if n == 0 else -1,
+                    token_versions=step_versions[:n].clone(),
                 )
             )
         return results
+
+    def _prefill(self, seqs: list[torch.Tensor]) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """Run the sequences (left-padded) through the model with a fresh cache: ``(output
+        whose last logits predict the next token, attention mask [B, L], next positions
+        [B])``."""
+        device = self._device
+        ids, attn = left_pad(seqs, self._pad_id)  # [B, L]
+        ids, attn = ids.to(device), attn.to(device)
+        positions = (attn.cumsum(-1) - 1).clamp(min=0)  # [B, L]
+        out = self._model(
+            input_ids=ids,
+            attention_mask=attn,
+            position_ids=positions,
+            past_key_values=DynamicCache(config=self._model.config),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out, attn, positions[:, -1] + 1
 
     def close(self) -> None:
         """Stop the worker thread (idempotent); queued calls still finish."""

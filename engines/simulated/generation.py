@@ -29,9 +29,14 @@ choose a larger ``time_scale``) resynchronizes and counts the loss in ``stats.la
 
 Weight updates follow vLLM's ``pause_generation(mode="wait")``: new requests wait, running ones
 finish on the old weights, then the engine sleeps ``sync_s`` (modelled weight load) and adopts
-the version. A :class:`~engines.protocols.Generation` therefore never mixes versions; the
-requests of one call that had not started when an update came run on the new weights (as in
-vLLM), so samples of one call may carry different versions, each exact.
+the version. The requests of one call that had not started when an update came run on the new
+weights (as in vLLM), so samples of one call may carry different versions, each exact. With
+``partial=True`` they follow ``mode="keep"`` instead (interruptible generation): the running
+sequences stop at the end of the iteration in progress (a token boundary), the engine sleeps
+``sync_s``, adopts the version, and they go on decoding where they stopped; each token records
+the version that produced it (``Generation.token_versions``), so a sample may span versions.
+The KV cache of the stopped sequences is modelled as recomputed within the load (vLLM's
+``clear_cache=True`` recomputes it as part of the next prefill; not charged here).
 
 Sample index (what makes the ``n`` samples of a prompt differ; a sample's length and tokens
 depend only on its prompt and index, never on timing or weights version): with
@@ -139,7 +144,13 @@ class GenerationStats:
     sync_s: float = 0.0
     """Modelled seconds spent loading weights."""
     drain_s: float = 0.0
-    """Modelled seconds updates waited for running requests to finish."""
+    """Modelled seconds updates waited for running requests to finish (``partial``: for the
+    iteration in progress)."""
+    interrupted: int = 0
+    """Running sequences that updates interrupted and continued (``partial``)."""
+    kept_tokens: int = 0
+    """Tokens those sequences had when interrupted: what aborting them and generating them
+    again would have thrown away."""
     lag_s: float = 0.0
     """Real seconds lost to late wake-ups beyond ``max_lag_s`` (nonzero: machine overloaded)."""
 
@@ -156,8 +167,9 @@ class _Request:
     offset: int = 0
     budget: int = 0
     produced: int = 0
-    version: int = -1
+    version: int = -1  # weights version of its first token
     cancelled: bool = False
+    switches: list[tuple[int, int]] = field(default_factory=list)  # (produced, new version)
 
 
 @dataclass
@@ -172,6 +184,7 @@ class _State:
     drained: asyncio.Future[None] | None = None  # set while an update waits for running requests
     update_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     paused: bool = False
+    frozen: bool = False  # partial: running sequences stop at the next iteration boundary
 
 
 class SimulatedGenerationEngine:
@@ -200,6 +213,8 @@ class SimulatedGenerationEngine:
             across its instances, as with ``shared_counts``.
         max_lag_s: real seconds the scheduler may fall behind its ideal clock and still catch
             up; beyond it resynchronizes (counted in ``stats.lag_s``).
+        partial: interruptible generation: an update stops the running sequences at a token
+            boundary and they continue on the new weights (see the module docstring).
     """
 
     def __init__(
@@ -217,6 +232,7 @@ class SimulatedGenerationEngine:
         continuations: dict[bytes, Any] | None = None,
         samples: SampleStore | None = None,
         max_lag_s: float = 0.02,
+        partial: bool = False,
     ) -> None:
         if time_scale <= 0 or sync_s < 0 or max_lag_s < 0:
             raise ValueError(
@@ -236,6 +252,7 @@ class SimulatedGenerationEngine:
         self.eos_token_id = eos_token_id
         self.seed = seed
         self.max_lag_s = max_lag_s
+        self.partial = partial
         self.stats = GenerationStats()
         self._version = version
         if samples is not None and (shared_counts is not None or continuations is not None):
@@ -294,28 +311,39 @@ class SimulatedGenerationEngine:
             raise
 
     async def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
-        """Wait for the running requests, sleep ``sync_s``, adopt ``version``; ``state`` unused.
+        """Wait for the running requests (``partial``: stop them at the end of the iteration in
+        progress), sleep ``sync_s``, adopt ``version``; ``state`` unused.
 
         Requests arriving meanwhile (and those queued behind a full batch) start on the new
-        weights. Concurrent updates are applied one after the other.
+        weights; with ``partial`` the stopped ones go on with them. Concurrent updates are
+        applied one after the other.
         """
         st = self._bind()
         async with st.update_lock:
             loop = st.loop
             started = loop.time()
             st.paused = True
+            st.frozen = self.partial
             try:
-                if st.running:
+                if st.running and st.task is not None and not st.task.done():
                     st.drained = loop.create_future()
+                    if st.frozen and st.waiter is not None and not st.waiter.done():
+                        st.waiter.set_result(True)  # stop at the iteration in progress
                     await st.drained
                 drained = loop.time()
                 await asyncio.sleep(self.sync_s * self.time_scale)
                 self._version = version
+                for r in st.running:  # stopped mid-sequence (partial): the rest is newer
+                    if not r.cancelled:
+                        r.switches.append((r.produced, version))
+                        self.stats.interrupted += 1
+                        self.stats.kept_tokens += r.produced
                 self.stats.updates += 1
                 self.stats.sync_s += self.sync_s
                 self.stats.drain_s += (drained - started) / self.time_scale
             finally:
                 st.paused = False
+                st.frozen = False
                 st.drained = None
                 self._kick(st)
 
@@ -345,6 +373,12 @@ class SimulatedGenerationEngine:
             ),
             default=0,
         )
+
+    @property
+    def kept_tokens(self) -> int:
+        """Tokens of running sequences that ``partial`` updates stopped and kept (what the
+        weight-sync path reports per update)."""
+        return self.stats.kept_tokens
 
     @property
     def in_flight(self) -> int:
@@ -461,7 +495,8 @@ class SimulatedGenerationEngine:
     def _kick(self, st: _State) -> None:
         """Start the scheduler, or wake it early when a waiting request can join."""
         if st.task is None or st.task.done():
-            if self._joinable(st):
+            resumable = not st.frozen and any(not r.cancelled for r in st.running)
+            if self._joinable(st) or resumable:
                 st.task = st.loop.create_task(self._schedule(st))
         elif st.waiter is not None and not st.waiter.done() and self._joinable(st):
             st.waiter.set_result(True)
@@ -494,7 +529,7 @@ class SimulatedGenerationEngine:
             while True:
                 prefill = self._admit(st)
                 st.running = [r for r in st.running if not r.cancelled]
-                if not st.running:
+                if not st.running or st.frozen:
                     break
                 now = loop.time()
                 if now - clock > self.max_lag_s:
@@ -525,7 +560,8 @@ class SimulatedGenerationEngine:
             st.waiting.clear()
             raise
         finally:
-            if st.drained is not None and not st.drained.done() and not st.running:
+            stopped = not st.running or st.frozen
+            if st.drained is not None and not st.drained.done() and stopped:
                 st.drained.set_result(None)
 
     async def _sleep(self, st: _State, deadline: float) -> bool:
@@ -578,13 +614,17 @@ class SimulatedGenerationEngine:
         return tokens[offset : offset + n], logprobs[offset : offset + n].float()
 
     def _generation(self, r: _Request) -> Generation:
-        """Deterministic tokens and negative log-probs for a finished request."""
+        """Deterministic tokens and negative log-probs for a finished request, each token with
+        the version that produced it."""
         tokens, logprobs = self._tokens(r.key, r.index, r.natural, r.offset, r.target)
+        versions = torch.full((r.target,), r.version, dtype=torch.int64)
+        for at, version in r.switches:
+            versions[at:] = version
         return Generation(
             token_ids=tokens.clone(),
             logprobs=logprobs.clone(),
             finish_reason="length" if r.truncated else "stop",
-            version=r.version,
+            token_versions=versions,
         )
 
 

@@ -161,6 +161,11 @@ def test_migration_continues_long_samples_on_the_long_instance() -> None:
         assert torch.equal(a, b)
     assert ref.columns["finish_reason"] == out.columns["finish_reason"]
     assert (out.version == 1).all()  # migrated samples: the older part's version
+    for tokens, versions in zip(
+        out.columns["response_ids"], out.columns["token_versions"], strict=True
+    ):  # each token with the version of the instance that drew it
+        n = len(tokens)
+        assert versions.tolist() == [1] * min(n, 20) + [3] * max(n - 20, 0)
     assert [lane for lane, *_ in out.spans] == ["instance1", "instance0"]
     assert long_first[0].stats.requests == migrating.migrated
 
@@ -168,3 +173,47 @@ def test_migration_continues_long_samples_on_the_long_instance() -> None:
 def test_migration_needs_budget_below_the_cap() -> None:
     with pytest.raises(ValueError, match="migrate_after"):
         RolloutAdapter(_sim_engines([0]), SamplingParams(), migrate_after=-1)
+
+
+class _PartlyStale:
+    """An instance whose samples start on weights ``first`` and end on ``last``. It claims
+    ``last`` until its first call, then ``after`` (a restarted instance reports its initial
+    weights)."""
+
+    def __init__(self, first: int, last: int, after: int) -> None:
+        self.first, self.last, self.after, self.calls = first, last, after, 0
+
+    @property
+    def version(self) -> int:
+        return self.last if self.calls == 0 else self.after
+
+    async def generate(
+        self, prompts: Sequence[torch.Tensor], params: SamplingParams
+    ) -> list[Generation]:
+        self.calls += 1
+        versions = torch.tensor([self.first, self.last, self.last])
+        return [
+            Generation(
+                torch.ones(3, dtype=torch.long), -torch.ones(3), "stop", token_versions=versions
+            )
+            for _ in prompts
+        ]
+
+
+def test_the_bound_is_checked_on_the_oldest_token() -> None:
+    """A batch that needs version 2 never keeps a sample whose first token came from version
+    1, however new its later tokens: it is generated again elsewhere; the rows' version is the
+    oldest token's and token_versions carries every token's."""
+    stale, fresh = _PartlyStale(1, 2, after=1), _PartlyStale(2, 3, after=3)
+    adapter = RolloutAdapter([stale, fresh], SamplingParams(), version_field="min_gen_version")
+    meta, cols = _meta(4)
+    cols["min_gen_version"] = torch.full((4,), 2, dtype=torch.long)
+
+    async def go() -> StageOutput:
+        return await adapter.process(meta, cols)
+
+    out = run_virtual(go())
+    assert stale.calls == 1 and fresh.calls == 1 and adapter.retries == 1
+    assert out.version.tolist() == [2] * 4  # the oldest token's, within the bound
+    assert [v.tolist() for v in out.columns["token_versions"]] == [[2, 3, 3]] * 4
+    assert out.columns["generated_at"].dtype == torch.float64

@@ -13,10 +13,12 @@ import torch
 
 import transferqueue
 from adapters import StepReport, TrainAdapter
+from adapters.episodes import episode_columns
 from adapters.train import FILTER_LIMIT, tied_groups
 from asyncflow.metrics import Timeline
 from asyncflow.stage_runner import StageError, StageRunner
-from engines.protocols import TrainBatch
+from engines.episodes import Episode
+from engines.protocols import Generation, TrainBatch
 from transferqueue.aio import within
 
 N = 4  # rows per group
@@ -52,23 +54,10 @@ class _Recorder:
         return {}
 
 
-def _one_turn(responses: list[torch.Tensor]) -> dict[str, Any]:
-    """What the rollout writes of one-turn episodes besides the response: every token the
-    model's (loss mask true), of version 0, one turn that ended done."""
-    n = len(responses)
-    return {
-        "loss_mask": [torch.ones(len(r), dtype=torch.bool) for r in responses],
-        "token_versions": [torch.zeros(len(r), dtype=torch.int32) for r in responses],
-        "num_turns": torch.ones(n, dtype=torch.int32),
-        "end_reason": ["done"] * n,
-        "episode_info": [{} for _ in range(n)],
-    }
-
-
 def _put(tq: transferqueue.TransferQueue, rewards: dict[int, list[float]], lengths: Any) -> None:
     """Whole groups: response ``g`` repeated (length from ``lengths(g, i)``), a 3-token
-    prompt, the given rewards, the episode columns the rollout writes; then the partition is
-    finished."""
+    prompt, the given rewards, the columns the rollout writes (every token of version 0);
+    then the partition is finished."""
     client = tq.client()
     client.declare_tasks(["train"], partition="train")
     responses, groups, reward = [], [], []
@@ -78,13 +67,13 @@ def _put(tq: transferqueue.TransferQueue, rewards: dict[int, list[float]], lengt
             groups.append(g)
             reward.append(r)
     n = len(groups)
+    gens = [Generation(r.long(), torch.zeros(len(r)), "stop", version=0) for r in responses]
     client.put(
         {
             "prompt_ids": [torch.ones(3, dtype=torch.int32)] * n,
-            "response_ids": responses,
-            "behaviour_logprobs": [torch.zeros(len(r)) for r in responses],
+            **episode_columns([Episode.single(g) for g in gens]),
             "reward": torch.tensor(reward, dtype=torch.float32),
-            **_one_turn(responses),
+            "generated_at": torch.zeros(n, dtype=torch.float64),
         },
         group=np.asarray(groups),
         version=0,

@@ -273,6 +273,7 @@ def _kill_and_resume(tmp_path: Path, overrides: list[str], steps: int, every: in
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("k", [0, 1])
 def test_killed_local_run_resumes_as_if_never_stopped(tmp_path: Path, k: int) -> None:
@@ -351,6 +352,7 @@ def _kill_and_resume_filtering(tmp_path: Path, overrides: list[str], steps: int)
     assert sorted(filtered + [g for r in records for g in r["groups"]]) == list(range(consumed))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_killed_local_run_with_dynamic_sampling_resumes_without_a_group_twice(
     tmp_path: Path,

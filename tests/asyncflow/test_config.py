@@ -96,6 +96,7 @@ def test_the_controller_state_dir_is_for_a_controller_this_run_starts(tmp_path: 
         load_config(overrides=["transferqueue.mode=service", "transferqueue.fsync=often"])
 
 
+@pytest.mark.slow
 @pytest.mark.service
 def test_a_service_run_gives_its_controller_the_state_dir(tmp_path: Path) -> None:
     from asyncflow.deploy.local import open_transferqueue
@@ -113,6 +114,7 @@ def test_a_service_run_gives_its_controller_the_state_dir(tmp_path: Path) -> Non
             service.close()
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_a_ray_run_gives_its_controller_actor_the_state_dir(
     ray_cluster: None, tmp_path: Path

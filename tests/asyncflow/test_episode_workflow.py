@@ -65,6 +65,43 @@ def test_episodes_keep_the_staleness_bound_and_every_token_version(
         assert all(r["multi_version_episodes"] == 0.0 for r in result.records)
 
 
+def test_partial_rollouts_within_episodes(out_dir: Path, deploy: list[str]) -> None:
+    """Multi-turn episodes with ``rollout.partial`` (k = 2, eager weight sync, turns long
+    enough for updates to land inside them): every group is still trained once within the
+    bound on each episode's oldest model token (checked token by token by
+    :class:`CheckingTrain`: -1 exactly on the observations), some episodes span versions, and
+    the step's ``spanned_share`` is the share of episodes whose *model* tokens carry more than
+    one version (the -1 tokens count in no version)."""
+    k = 2
+    cfg = small_config(
+        out_dir,
+        "task=guess_number",
+        "rollout.max_turns=2",
+        "rollout.max_new_tokens=24",
+        "rollout.max_episode_tokens=96",
+        "rollout.partial=true",
+        "rollout.weight_sync=eager",
+        f"train.max_staleness={k}",
+        "train.steps=6",
+        *deploy,
+        "train.dp_size=1",
+    )
+    result = run(
+        cfg,
+        adapters={"train": CheckingTrain},
+        factories=EngineFactories(trainer=mask_checking_trainer),
+    )
+    _check_groups(result, cfg, k)
+    for rep in result.reports:
+        for oldest, newest in zip(rep.sample_versions, rep.newest_versions, strict=True):
+            assert 0 <= oldest <= newest <= rep.step
+    for r in result.records:
+        assert r["versions_checked"] == 1.0
+        assert r["spanned_share"] == pytest.approx(r["multi_version_episodes"])
+        assert 0 <= r["span_max"] <= k
+    assert sum(r["spanned_share"] for r in result.records) > 0
+
+
 @pytest.mark.parametrize(
     "deploy_mode",
     [

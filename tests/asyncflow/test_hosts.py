@@ -98,10 +98,9 @@ class _Elsewhere:
         except TimeoutError:
             return None
 
-    async def updated(
-        self, name: str, version: int, seconds: float, pause_s: float | None = None
-    ) -> None:
-        assert pause_s is not None and 0 <= pause_s <= seconds  # the load, within the update
+    async def updated(self, name: str, version: int, seconds: float, **timings: float) -> None:
+        pause_s, transfer_s = timings["pause_s"], timings["transfer_s"]
+        assert 0 <= pause_s <= seconds and 0 <= transfer_s <= seconds  # parts of the update
         self.done.append(version)
         self.updated_ev.set()
 

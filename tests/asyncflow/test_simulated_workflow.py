@@ -13,7 +13,7 @@ from engines.tasks import make_task
 from engines.tiny import build_tokenizer
 
 
-def _run(out: Path, k: int, *extra: str) -> RunResult:
+def _run(out: Path, k: int, *extra: str, partial: bool = False) -> RunResult:
     cal = calibrated()
     tok = build_tokenizer()
     task = make_task("countdown", seed=1)
@@ -31,6 +31,7 @@ def _run(out: Path, k: int, *extra: str) -> RunResult:
             seed=i,
             shared_counts=counts,
             continuations=cuts,
+            partial=partial,
         )
         for i in range(3)
     ]
@@ -88,3 +89,36 @@ def test_bound_holds_across_instances(tmp_path: Path, k: int, mode: str) -> None
         assert result.extra["ranker_error"] is not None
     if mode == "migrating":  # median 60, sigma 1: about a quarter of the samples pass 64 tokens
         assert result.extra["migrated"] > 0
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+@pytest.mark.parametrize("mode", ["eager", "migrating"])
+def test_partial_rollouts_bound_the_oldest_token(tmp_path: Path, k: int, mode: str) -> None:
+    """Interruptible generation: updates stop running sequences at a token boundary and
+    they go on with the new weights. The bound holds on every sample's oldest token, nothing
+    is dropped, and with k >= 1 samples do span versions (their tokens were kept)."""
+    extra = ["rollout.weight_sync=eager", "rollout.partial=true"]
+    if mode == "migrating":
+        extra += [*SKEW, "rollout.migrate_after=64"]
+    result = _run(tmp_path, k, *extra, partial=True)
+    trained = []
+    for rep in result.reports:
+        assert max(rep.staleness) <= k and min(rep.staleness) >= 0
+        for oldest, newest, ended in zip(
+            rep.sample_versions, rep.newest_versions, rep.ended_versions, strict=True
+        ):
+            assert oldest <= ended <= rep.step and oldest <= newest <= rep.step
+            assert rep.step - oldest <= k  # the bound, on the oldest token
+        trained += rep.groups
+    assert trained == list(range(36))  # every group once: nothing was dropped
+    spanned = sum(r["spanned_share"] * r["samples"] for r in result.records)
+    syncs = [s for r in result.records for s in r["weight_syncs"]]
+    assert syncs and all(s["pause_s"] >= 0 and s["transfer_s"] >= 0 for s in syncs)
+    if k == 0:  # synchronous: no trained sample was running when weights changed
+        assert spanned == 0
+    else:
+        assert spanned > 0 and max(r["span_max"] for r in result.records) >= 1
+        assert sum(r["kept_tokens"] for r in result.records) > 0
+    for r in result.records:  # the split adds up to the staleness of the step's samples
+        total = r["staleness_gen_mean"] + r["staleness_queue_mean"]
+        assert total == pytest.approx(r["staleness_mean"])

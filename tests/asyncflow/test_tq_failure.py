@@ -50,6 +50,7 @@ def _kill_after_first_step(
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_groups_a_dead_unit_took_are_regenerated_and_each_trained_once(tmp_path: Path) -> None:
     out = tmp_path / "run"
     steps, per_step, staleness = 10, 2, 1
@@ -112,6 +113,7 @@ class _KillsUnitOnce(Adapter):
         return StageOutput(columns={"y": x * 2})
 
 
+@pytest.mark.slow
 def test_a_stage_whose_batch_loses_rows_gives_the_rest_back_and_goes_on() -> None:
     with (
         transferqueue.serve(num_units=2, spread_bytes=0, max_restarts=0) as svc,

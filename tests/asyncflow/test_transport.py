@@ -418,6 +418,7 @@ def hosts() -> Iterator[list[Host]]:
             host.kill()
 
 
+@pytest.mark.slow
 @pytest.mark.service
 @pytest.mark.parametrize("name", ["shm", "broadcast", "ipc"])
 def test_processes_round_trip_kill_and_join(name: str, hosts: list[Host]) -> None:
@@ -475,6 +476,7 @@ def test_processes_round_trip_kill_and_join(name: str, hosts: list[Host]) -> Non
     assert not shm_files(), "version files left in /dev/shm"
 
 
+@pytest.mark.slow
 @pytest.mark.service
 def test_broadcast_hung_receiver_is_bounded_and_rejoins(hosts: list[Host]) -> None:
     """A receiver that stops answering (SIGSTOP) costs one publish at most ``timeout_s``;
@@ -603,6 +605,7 @@ def _never() -> None:
     time.sleep(600)  # (cancelled by the test)
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_ray_object_store_weights_reach_an_actor_newest_first_and_a_stuck_fetch_is_bounded(
     ray_cluster: Any,

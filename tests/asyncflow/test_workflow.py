@@ -66,6 +66,44 @@ def test_staleness_bound_holds_and_every_group_is_trained_once(
     assert all(x["version"] - x["generator_version"] <= k + 1 for x in lines)
 
 
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_partial_rollouts_bound_the_oldest_token(out_dir: Path, deploy: list[str], k: int) -> None:
+    """``rollout.partial``: a weight update lands in the HF generator's running call at a
+    token boundary and decoding goes on with the new weights. Every group is trained once,
+    within the bound on its samples' oldest token; with k >= 1 some samples span versions;
+    every weight sync is recorded with its transfer and pause times."""
+    cfg = small_config(
+        out_dir,
+        f"train.max_staleness={k}",
+        "train.steps=8",
+        "rollout.partial=true",
+        "rollout.weight_sync=eager",
+        "rollout.max_new_tokens=48",  # long enough for updates to land mid-call
+        *deploy,
+    )
+    result = run(cfg)
+    b = cfg.train.groups_per_step
+    trained: list[int] = []
+    for rep in result.reports:
+        assert rep.groups == list(range(rep.step * b, (rep.step + 1) * b))
+        for oldest, newest, ended in zip(
+            rep.sample_versions, rep.newest_versions, rep.ended_versions, strict=True
+        ):
+            assert 0 <= rep.step - oldest <= k, f"step {rep.step}: oldest token {oldest}"
+            assert oldest <= newest <= rep.step and oldest <= ended <= rep.step
+        trained += rep.groups
+    assert trained == list(range(8 * b))  # nothing dropped, nothing twice
+    lines = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    syncs = [s for x in lines for s in x["weight_syncs"]]
+    assert syncs and all(s["transfer_s"] >= 0 and s["pause_s"] >= 0 for s in syncs)
+    assert all(x["staleness_max"] <= k for x in lines)
+    spanned = sum(x["spanned_share"] for x in lines)
+    if k == 0:
+        assert spanned == 0  # synchronous: no trained sample ran across an update
+    else:
+        assert spanned > 0 and sum(x["kept_tokens"] for x in lines) > 0
+
+
 def test_generator_version_metric_is_the_newest_generator_version(out_dir: Path) -> None:
     """One of two generators never takes new weights (the oldest version stays 0): the
     ``generator_version`` of the records follows the other one, the newest."""
@@ -90,7 +128,9 @@ def test_generator_version_metric_is_the_newest_generator_version(out_dir: Path)
 RECORD_KEYS = {
     "step", "reward", "reward_std", "version", "samples", "tokens", "time_s", "step_s",
     "staleness_max", "staleness_mean", "staleness_hist", "generator_version", "stages",
-    "queue", "stage_metrics", "restarts", "loss", "kl", "grad_norm",
+    "queue", "stage_metrics", "restarts", "loss", "kl", "grad_norm", "spanned_share",
+    "span_max", "staleness_gen_mean", "staleness_gen_max", "staleness_queue_mean",
+    "staleness_queue_max", "weight_syncs", "kept_tokens",
 }  # fmt: skip
 """What every line of metrics.jsonl carries (the run's own fields, then the engine's)."""
 

@@ -8,6 +8,7 @@ test and in the workflow tests.
 from __future__ import annotations
 
 import asyncio
+import copy
 import math
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from engines.envs import StepResult, environment_factory
 from engines.envs.tool_use import ToolUseTask
@@ -30,6 +31,7 @@ from engines.episodes import (
     TurnFormat,
 )
 from engines.episodes.reference import reference_episode
+from engines.hf import HFGenerationEngine, HFScoringEngine
 from engines.hf.text import encode_prompts
 from engines.protocols import Generation, SamplingParams
 from engines.tiny import build_tokenizer
@@ -323,3 +325,64 @@ def test_a_stuck_environment_call_does_not_keep_the_process_alive() -> None:
         [sys.executable, "-c", STUCK], capture_output=True, text=True, timeout=120, check=True
     )
     assert out.stdout.strip() == "timeout"
+
+
+class Chatty:
+    """An environment that always answers ``ok`` and never ends the episode."""
+
+    def reset(self, row: Mapping[str, Any]) -> None:
+        return None
+
+    def step(self, action: str) -> StepResult:
+        return StepResult(observation="ok")
+
+
+def test_a_partial_update_inside_a_turn_keeps_its_tokens_with_their_versions(
+    tiny_model: PreTrainedModel, tiny_tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """Partial rollouts within an episode (HF engine, ``partial=True``, the tiny model): an
+    update lands in the middle of the first turn; that turn keeps its tokens, goes on with
+    the new weights, and records both versions; the observation carries -1; the next turn is
+    all new weights; the episode's version is its oldest model token's. Each model token's
+    log-prob is that of the version recorded for it, given everything before it (the
+    observation included)."""
+    gen = HFGenerationEngine(copy.deepcopy(tiny_model), version=0, partial=True)
+    new_model = copy.deepcopy(tiny_model)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in new_model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    runner = EpisodeRunner(
+        Chatty, TurnFormat(tiny_tokenizer), EpisodeLimits(max_turns=2, max_tokens=400)
+    )
+    prompt = encode_prompts(tiny_tokenizer, ["What is 12 * 7?"])[0]
+    params = SamplingParams(max_new_tokens=64, temperature=0.8, seed=3)
+
+    async def generate(p: torch.Tensor, sp: SamplingParams) -> Generation:
+        return (await gen.generate([p], sp))[0]
+
+    async def update_during_the_first_turn() -> Any:
+        episode = asyncio.ensure_future(runner.run(prompt, {}, generate, params))
+        while gen.tokens_decoded < 8:
+            await asyncio.sleep(0.001)
+        await gen.update_weights(new_model.state_dict(), 1)
+        return await episode
+
+    ep = asyncio.run(update_during_the_first_turn())
+    gen.close()
+    runner.close()
+    assert ep.num_turns == 2
+    second = int(ep.turn_offsets[1])
+    first_turn = ep.versions[:second][ep.loss_mask[:second]]
+    switch = int((first_turn == 0).sum())
+    assert 8 <= switch < first_turn.numel()  # the update landed inside the first turn
+    assert first_turn.tolist() == [0] * switch + [1] * (first_turn.numel() - switch)
+    assert ep.versions[~ep.loss_mask].eq(-1).all() and (~ep.loss_mask).any()
+    assert ep.versions[second:].eq(1).all()
+    assert ep.version == 0
+    assert gen.kept_tokens == switch
+    old = HFScoringEngine(tiny_model, temperature=0.8).logprobs([prompt], [ep.token_ids])[0]
+    new = HFScoringEngine(new_model, temperature=0.8).logprobs([prompt], [ep.token_ids])[0]
+    for version, scored in ((0, old), (1, new)):
+        at = ep.versions == version
+        assert float((ep.logprobs[at] - scored[at]).abs().max()) < 1e-4

@@ -159,6 +159,50 @@ def test_update_weights_changes_outputs_and_version(
     gen.close()
 
 
+def test_partial_update_lands_at_a_token_boundary_with_exact_per_token_versions(
+    tiny_model: PreTrainedModel, prompts: list[torch.Tensor]
+) -> None:
+    """``partial=True``: an update during a call lands at its next token boundary; every token
+    records the version that drew it, and its log-prob is that version's (scored afresh over
+    the prompt and the tokens before it), so nothing sampled before the update is lost."""
+    gen = HFGenerationEngine(copy.deepcopy(tiny_model), version=0, partial=True)
+    new_model = copy.deepcopy(tiny_model)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in new_model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    params = SamplingParams(max_new_tokens=200, temperature=0.8, seed=3)
+
+    async def update_during_generation() -> list[Generation]:
+        running = asyncio.ensure_future(gen.generate(prompts, params))
+        while gen.tokens_decoded < 8 * len(prompts):  # a few tokens in
+            await asyncio.sleep(0.001)
+        await gen.update_weights(new_model.state_dict(), 1)
+        assert gen.version == 1 and not running.done()  # landed mid-call, not after it
+        return await running
+
+    gens = asyncio.run(update_during_generation())
+    old = HFScoringEngine(tiny_model, temperature=0.8).logprobs(
+        prompts, [g.token_ids for g in gens]
+    )
+    new = HFScoringEngine(new_model, temperature=0.8).logprobs(prompts, [g.token_ids for g in gens])
+    switch = max(int((g.token_versions == 0).sum()) for g in gens)  # the boundary
+    assert 8 <= switch < 200
+    for g, o, n in zip(gens, old, new, strict=True):
+        v = g.token_versions
+        assert v.tolist() == [0] * min(switch, len(v)) + [1] * max(len(v) - switch, 0)
+        assert g.version == 0 and g.version_span == (1 if len(v) > switch else 0)
+        assert float((g.logprobs[v == 0] - o[v == 0]).abs().max()) < 1e-4
+        assert float((g.logprobs[v == 1] - n[v == 1]).abs().max()) < 1e-4
+        assert float((g.logprobs[v == 1] - o[v == 1]).abs().max()) > 1e-3  # new weights
+    assert gen.kept_tokens == switch * sum(len(g.token_ids) > switch for g in gens)
+    # nothing running: the next update loads at once
+    asyncio.run(gen.update_weights(tiny_model.state_dict(), 2))
+    (after,) = gen.generate_sync(prompts[:1], SamplingParams(max_new_tokens=4))
+    assert after.token_versions.tolist() == [2] * 4
+    gen.close()
+
+
 def _batch(
     tiny_model: PreTrainedModel, prompts: list[torch.Tensor], temperature: float
 ) -> TrainBatch:

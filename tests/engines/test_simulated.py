@@ -207,6 +207,55 @@ def test_update_waits_for_running_requests_and_versions_never_mix() -> None:
     assert events["first"] == pytest.approx(0.12 + 0.1)
 
 
+def test_partial_update_interrupts_at_a_token_boundary_and_records_each_tokens_version() -> None:
+    """``partial``: the update stops the running pair at the end of the iteration in
+    progress, loads, and they go on where they stopped; the queued request starts on the new
+    weights. Each token's version is the one whose iteration produced it; nothing is lost."""
+    eng = engine(0.01, 0.0, max_batch=2, time_scale=0.2, sync_s=0.1, partial=True)
+    whole = engine(0.01, 0.0, max_batch=2, time_scale=0.2)  # the same samples, never updated
+    events: dict[str, float] = {}
+
+    async def main() -> tuple[list[Generation], list[Generation]]:
+        first = asyncio.create_task(eng.generate([prompt(50, tag=t) for t in range(3)], PARAMS))
+        await asyncio.sleep(0.0205)  # 10 iterations and a quarter of the 11th
+        update = asyncio.create_task(eng.update_weights({}, 1))
+        await update
+        events["update"] = now()
+        assert eng.version == 1
+        out = await first
+        events["first"] = now()
+        return out, await whole.generate([prompt(50, tag=t) for t in range(3)], PARAMS)
+
+    out, reference = run_virtual(main())
+    # the 11th iteration (in progress) finished on v0, the rest of the pair on v1
+    for g in out[:2]:
+        assert g.token_versions.tolist() == [0] * 11 + [1] * 39
+        assert g.version == 0 and g.version_span == 1
+    assert out[2].token_versions.tolist() == [1] * 50 and out[2].version == 1
+    for g, r in zip(out, reference, strict=True):  # same tokens as if never interrupted
+        assert torch.equal(g.token_ids, r.token_ids) and torch.equal(g.logprobs, r.logprobs)
+    # the update took the rest of the 11th iteration (1.5 ms) and the load (20 ms), no drain
+    assert events["update"] == pytest.approx(11 * 0.002 + 0.02)
+    # the pair's 39 remaining iterations, then the queued one's 50
+    assert events["first"] == pytest.approx(events["update"] + 39 * 0.002 + 50 * 0.002)
+    assert eng.stats.interrupted == 2 and eng.stats.kept_tokens == 22
+    assert eng.stats.drain_s == pytest.approx(0.0015 / 0.2)
+    assert eng.drain_tokens == 0  # an update never waits for running sequences here
+
+
+def test_partial_update_with_nothing_running_loads_at_once() -> None:
+    eng = engine(0.01, 0.0, time_scale=0.2, sync_s=0.1, partial=True)
+
+    async def main() -> float:
+        _, took = await timed(eng.update_weights({}, 3))
+        (g,) = await eng.generate([prompt(4)], PARAMS)
+        assert g.token_versions.tolist() == [3] * 4
+        return took
+
+    assert run_virtual(main()) == pytest.approx(0.02)
+    assert eng.stats.interrupted == 0
+
+
 def test_cancelled_call_leaves_the_batch() -> None:
     eng = engine(0.01, 0.0, time_scale=0.2)
 

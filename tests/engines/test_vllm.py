@@ -226,6 +226,42 @@ def test_update_during_generation_keeps_versions_exact(
     runner.run(engine.update_weights(hf_model.state_dict(), version=new_version + 1))
 
 
+def test_partial_update_keeps_tokens_with_each_tokens_version(
+    engine, runner, prompts, hf_model
+) -> None:
+    """``mode="partial"``: running requests go on with the new weights where they stopped;
+    every token's version is the one whose weights drew it and its log-prob is that version's
+    (the KV cache is recomputed with the new weights), so nothing is generated twice."""
+    models = {engine.version: hf_model}
+    new_version = engine.version + 1
+    models[new_version] = perturbed(hf_model, seed=new_version)
+    params = SamplingParams(max_new_tokens=96, temperature=TEMPERATURE, seed=11)
+    regenerated_before, kept_before = engine.stats["regenerated"], engine.stats["kept_tokens"]
+
+    async def scenario() -> list[Generation]:
+        running = asyncio.ensure_future(engine.generate(prompts * 4, params))
+        await asyncio.sleep(0.3)  # let the 32 requests start decoding
+        assert not running.done()
+        await engine.update_weights(
+            models[new_version].state_dict(), version=new_version, mode="partial"
+        )
+        return await running
+
+    during = runner.run(scenario())
+    assert any(g.version_span == 1 for g in during)  # decoding went on across the update
+    assert engine.stats["regenerated"] == regenerated_before
+    assert engine.stats["kept_tokens"] > kept_before
+    for p, g in zip(prompts * 4, during, strict=True):
+        v = g.token_versions
+        assert bool((v[1:] >= v[:-1]).all()) and g.version == int(v.min())
+        for version, model in models.items():
+            mine = v == version
+            if bool(mine.any()):
+                (ref,) = reference_logprobs(model, [p], [g.token_ids], TEMPERATURE)
+                assert float((ref[mine] - g.logprobs[mine]).abs().mean()) < TOLERANCE
+    runner.run(engine.update_weights(hf_model.state_dict(), version=new_version + 1))
+
+
 def test_mismatched_state_is_rejected_before_pausing(engine, runner, prompts, hf_model) -> None:
     version = engine.version
     state = dict(hf_model.state_dict())

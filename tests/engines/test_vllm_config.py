@@ -12,6 +12,7 @@ import torch
 
 from engines.vllm_config import WORKER_EXTENSION
 from engines.vllm_engine import VLLMEngineConfig, VLLMGenerationEngine, VLLMUnavailableError
+from engines.vllm_outputs import ResponseParts, switch_positions, token_versions
 from engines.weights_io import (
     TensorSpec,
     checkpoint_shapes,
@@ -149,3 +150,34 @@ def test_mismatches_name_every_kind_of_problem(tmp_path: Path) -> None:
     assert floats is not None and "'ids' has dtype torch.float32" in floats
     names = mismatches(specs, [*good[1:], ("bogus", (1,), f32)])
     assert names is not None and "unknown: ['bogus'] (1), missing: ['embed'] (1)" in names
+
+
+def test_vllm_outputs_per_token_versions_and_parts() -> None:
+    """Runs of version labels become one version per output token; parts of a response
+    submitted again join with their versions; a mismatch or an unknown label fails."""
+    from types import SimpleNamespace as Span
+
+    labels = {"default": 0, "4": 4, "5": 5}
+
+    def version_of(label: str) -> int:
+        if label not in labels:
+            raise KeyError(label)
+        return labels[label]
+
+    spans = [Span(start=3, end=5, version="5"), Span(start=0, end=3, version="4")]
+    assert token_versions(spans, 5, version_of, current=9) == [4, 4, 4, 5, 5]
+    assert token_versions([], 2, version_of, current=9) == [9, 9]
+    with pytest.raises(RuntimeError, match="labelled 5 output tokens"):
+        token_versions(spans, 6, version_of, current=9)
+    with pytest.raises(KeyError):
+        token_versions([Span(start=0, end=1, version="broken")], 1, version_of, current=9)
+    assert switch_positions([4, 4, 4, 5, 5, 6]) == [3, 5]
+    parts = ResponseParts()
+    parts.add([11, 12, 13], [-0.1, -0.2, -0.3], [4, 4, 4])
+    parts.add([14], [-0.4], [5])
+    gen = parts.generation("stop", current=5)
+    assert gen.token_ids.tolist() == [11, 12, 13, 14] and gen.version == 4
+    assert gen.token_versions.tolist() == [4, 4, 4, 5] and gen.version_span == 1
+    assert ResponseParts().generation("length", current=7).version == 7
+    with pytest.raises(ValueError, match="one version per token"):
+        parts.add([1], [-0.1], [])

@@ -88,6 +88,7 @@ def test_a_client_with_the_keys_works(service: transferqueue.LocalService, keys:
         assert client.stats()["controller"]["partitions"]["keyed"]["rows_put"] == 16
 
 
+@pytest.mark.slow
 def test_without_a_trusted_key_nothing_is_answered(
     service: transferqueue.LocalService, keys: Path
 ) -> None:

@@ -132,6 +132,7 @@ def test_connect_then_client_without_keeping_the_handle() -> None:
         assert client.stats()["controller"]["rows_live"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.service
 @pytest.mark.parametrize("call", ["get_meta", "put"])
 def test_a_wait_notices_a_dead_controller(monkeypatch: pytest.MonkeyPatch, call: str) -> None:

@@ -23,7 +23,7 @@ from transferqueue.meta import BatchMeta
 from transferqueue.schema import FieldSpec
 from transferqueue.wire import messages as m
 
-pytestmark = pytest.mark.service
+pytestmark = [pytest.mark.service, pytest.mark.slow]  # (every test restarts a controller)
 
 SLACK_S = 60.0  # a restart on a loaded 2-core machine: a new interpreter, recovery, units
 

@@ -32,6 +32,7 @@ def _expected(value_of: dict[int, torch.Tensor], meta: BatchMeta) -> torch.Tenso
     return torch.stack([value_of[i] for i in meta.indexes.tolist()])
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_a_controller_actor_killed_on_ray_comes_back_with_its_state(
     ray_cluster: None, tmp_path: Path
@@ -114,6 +115,7 @@ def test_a_controller_actor_killed_on_ray_comes_back_with_its_state(
         until(lambda: (state / "address").read_text() == address, 10, "address kept")
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.parametrize("moves", [False, True], ids=["same-port", "unit-moves"])
 def test_the_controller_and_a_unit_killed_together_on_ray_both_come_back(
@@ -189,6 +191,7 @@ def _put_on_both(c: transferqueue.Client, start: int, n: int) -> BatchMeta:
     raise AssertionError("the client never reached both units")
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_a_controller_restarted_on_ray_finds_a_unit_that_moved(
     ray_cluster: None, tmp_path: Path
@@ -291,6 +294,7 @@ def _fake_controller() -> type:
     return FakeController
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_a_restarted_unit_finds_its_controller_even_while_that_restarts(
     ray_cluster: None,

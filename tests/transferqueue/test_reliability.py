@@ -107,6 +107,7 @@ def test_uncommitted_allocations_are_reclaimed_after_their_deadline() -> None:
 
 
 # -- the local service -----------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_unit_killed_under_serve_loses_only_its_rows_and_is_restarted() -> None:
     with (
         transferqueue.serve(num_units=2, spread_bytes=0) as svc,
@@ -141,6 +142,7 @@ def test_a_unit_killed_under_serve_loses_only_its_rows_and_is_restarted() -> Non
         assert svc.alive()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not shm_available(), reason="no writable /dev/shm on this host")
 def test_a_client_sharing_memory_with_a_unit_goes_on_after_the_unit_restarts() -> None:
     """The restarted unit has none of this client's shared-memory arenas (request, read and
@@ -240,6 +242,7 @@ def test_a_restarted_unit_takes_new_rows_only_once_its_registration_is_answered(
     assert first is None  # a unit the controller was started with takes rows at once
 
 
+@pytest.mark.slow
 def test_puts_go_on_through_a_unit_restart_and_what_returned_is_never_lost_later() -> None:
     """Puts keep going while a unit is killed and restarted. A put whose write meets the
     dead unit, or the restarted one before the controller answered its registration, is
@@ -272,6 +275,7 @@ def test_puts_go_on_through_a_unit_restart_and_what_returned_is_never_lost_later
             assert got.tolist() == list(range(first, first + len(meta)))
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_a_unit_actor_killed_on_ray_is_restarted_where_it_listened(ray_cluster: None) -> None:
     """The Ray deployment's supervisor is Ray (max_restarts): the restarted unit binds the
@@ -305,6 +309,7 @@ def test_a_unit_actor_killed_on_ray_is_restarted_where_it_listened(ray_cluster: 
         c.ack(got)
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_a_unit_restarted_on_a_new_address_is_found_by_connected_clients(
     ray_cluster: None,
@@ -397,6 +402,7 @@ def _unit_1_back_unannounced() -> Iterator[
             twin.wait(10)
 
 
+@pytest.mark.slow
 def test_a_unit_back_before_any_heartbeat_missed_it_still_reports_its_rows_lost() -> None:
     # A unit restarted between two heartbeats, not registered yet: reads and writes of its
     # old rows meet an empty unit. They must fail as lost rows (the controller asks the
@@ -414,6 +420,7 @@ def test_a_unit_back_before_any_heartbeat_missed_it_still_reports_its_rows_lost(
         assert (task["done"], task["lost"]) == (500, 500)
 
 
+@pytest.mark.slow
 def test_a_read_that_meets_a_restarted_unit_while_the_controller_restarts_asks_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -438,6 +445,7 @@ def test_a_read_that_meets_a_restarted_unit_while_the_controller_restarts_asks_a
         assert sorted(np.asarray(err.value.indexes).tolist()) == on1.tolist()
 
 
+@pytest.mark.slow
 def test_a_read_that_meets_a_restarted_unit_with_the_controller_dead_is_peer_gone() -> None:
     # The controller does not come back: whether the rows were lost cannot be known, which
     # is PeerGoneError (call again later), not the unit's UnknownRowError.
@@ -448,6 +456,7 @@ def test_a_read_that_meets_a_restarted_unit_with_the_controller_dead_is_peer_gon
             c.get_data(held)
 
 
+@pytest.mark.slow
 def test_with_a_unit_dead_the_other_keeps_serving_and_blocked_calls_fail_fast() -> None:
     with (
         transferqueue.serve(num_units=2, spread_bytes=0, max_restarts=0) as svc,
@@ -480,6 +489,7 @@ def test_with_a_unit_dead_the_other_keeps_serving_and_blocked_calls_fail_fast() 
         assert svc.alive()  # one unit still serves
 
 
+@pytest.mark.slow
 def test_a_call_blocked_on_a_killed_controller_fails_within_the_bound() -> None:
     with (
         transferqueue.serve(num_units=1) as svc,
@@ -502,6 +512,7 @@ def _unit_pid(cli_pid: int, unit: int) -> int:
     return found[0]
 
 
+@pytest.mark.slow
 def test_a_unit_killed_under_the_cli_leaves_the_service_serving() -> None:
     proc = subprocess.Popen(
         [
@@ -582,6 +593,7 @@ def _shm_mapped_bytes(pid: int) -> int:
     return total
 
 
+@pytest.mark.slow
 def test_a_producer_killed_mid_put_leaves_no_rows_and_no_shared_memory() -> None:
     with (
         transferqueue.serve(num_units=1, allocation_s=2.0) as svc,

@@ -228,6 +228,7 @@ def _kill_and_recover(
     assert all(u["rows"] == 0 for i, u in enumerate(units) if i != 1), units
 
 
+@pytest.mark.slow
 @pytest.mark.service
 def test_a_unit_killed_under_serve_with_replicas_loses_no_row() -> None:
     with (
@@ -256,6 +257,7 @@ def _unit_pid(cli_pid: int, unit: int) -> int:
     return found[0]
 
 
+@pytest.mark.slow
 @pytest.mark.service
 def test_a_unit_killed_under_the_cli_with_replicas_loses_no_row() -> None:
     cmd = [sys.executable, "-m", "transferqueue.deploy.cli", "serve", "--units", "2"]
@@ -283,6 +285,7 @@ def test_a_unit_killed_under_the_cli_with_replicas_loses_no_row() -> None:
             proc.wait(10)
 
 
+@pytest.mark.slow
 def test_a_copy_the_writer_found_gone_is_dropped_and_the_rows_keep_the_other() -> None:
     # A client may lose sight of a unit the controller still hears (it stalled, or the
     # network between them did): the put lands on each row's other copy, and the commit
@@ -332,6 +335,7 @@ def test_a_copy_the_writer_found_gone_is_dropped_and_the_rows_keep_the_other() -
             )
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_a_unit_actor_killed_on_ray_with_replicas_loses_no_row(ray_cluster: None) -> None:
     import ray

@@ -264,6 +264,7 @@ def _read_all(c: transferqueue.Client, task: str, want: Expected, n: int) -> lis
     return seen
 
 
+@pytest.mark.slow
 @pytest.mark.service
 def test_a_second_unit_killed_after_re_replication_loses_no_row() -> None:
     with (

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -26,6 +27,7 @@ from transferqueue.controller.core import Controller
 from transferqueue.errors import PeerGoneError, UnknownLeaseError, UnknownRowError
 from transferqueue.schema import FieldSpec
 from transferqueue.wire import messages as m
+from transferqueue.wire.rpc import RpcClient
 
 SLACK_S = 120.0
 
@@ -127,6 +129,7 @@ def test_a_commit_of_new_rows_sent_again_that_finds_them_freed_had_landed() -> N
         _call(RemoteControllerLink(_Rpc(freed), ride_through_s=30.0), commit)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 @pytest.mark.service
 def test_a_stream_rides_through_its_controller_killed_mid_stream(tmp_path: Path) -> None:
     """A producer and a consumer run while the controller is SIGKILLed (twice) and restarted
@@ -180,3 +183,60 @@ def test_a_stream_rides_through_its_controller_killed_mid_stream(tmp_path: Path)
         assert sorted(delivered) == list(range(total))  # every row, each once
         assert c.async_client._ctl.calls_resent > 0  # type: ignore[attr-defined]
         assert len(c.get_meta("t", ["x"], 32, partition="p", timeout_s=0.5)) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.service
+def test_a_connect_during_a_controller_restart_waits_for_it_within_ride_through_s(
+    tmp_path: Path,
+) -> None:
+    """``connect(ride_through_s=...)`` made while the controller is down (SIGKILLed, being
+    restarted with its state) succeeds once the restarted one answers, and finds the rows."""
+    with transferqueue.serve(num_units=2, state_dir=tmp_path / "state") as svc:
+        with transferqueue.connect(svc.address) as tq:
+            c = tq.client()
+            c.put({"x": row_values(0, 8)}, partition="p")
+        old = svc.pids[-1]
+        os.kill(old, signal.SIGKILL)
+        # (before: PeerGoneError, "no TransferQueue controller answered", the restart or not)
+        with transferqueue.connect(svc.address, ride_through_s=SLACK_S) as tq:
+            assert svc.pids[-1] != old or svc.controller_restarts[0] == 1
+            c = tq.client()
+            b = c.get_meta("t", ["x"], 8, partition="p", timeout_s=SLACK_S)
+            assert torch.equal(c.get_data(b)["x"], row_values(0, 8))  # type: ignore[arg-type]
+            c.ack(b)
+
+
+def test_a_connect_without_ride_through_asks_once_and_with_it_asks_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No controller at the address: a connect asks once and fails after
+    ``connect_timeout_s``; with ``ride_through_s`` it asks again until that has passed, and
+    its error names both."""
+    asks: list[float] = []
+    call = RpcClient.call
+
+    async def counted(self: RpcClient, msg: Any, **kw: Any) -> Any:
+        if isinstance(msg, m.Hello):
+            asks.append(time.monotonic())
+        return await call(self, msg, **kw)
+
+    monkeypatch.setattr(RpcClient, "call", counted)
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    with pytest.raises(
+        PeerGoneError, match=r"within 1 s \(connect_timeout_s=1, ride_through_s=0\)"
+    ):
+        transferqueue.connect(address, connect_timeout_s=1.0)
+    assert len(asks) == 1
+    asks.clear()
+    with pytest.raises(
+        PeerGoneError, match=r"within 3 s \(connect_timeout_s=1, ride_through_s=3\)"
+    ):
+        transferqueue.connect(address, connect_timeout_s=1.0, ride_through_s=3.0)
+    assert len(asks) >= 2 and asks[-1] - asks[0] < 3.0  # (asked again, none after the bound)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -158,6 +158,7 @@ CONSUMER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_killed_consumer_process_rows_go_to_another_consumer() -> None:
     with transferqueue.serve(num_units=2) as svc, transferqueue.connect(svc.address) as tq:
         client = tq.client()

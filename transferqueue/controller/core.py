@@ -18,7 +18,7 @@ them (and reports ``stats``)::
                                                          reset_consumption
     copies        second copies under way                plan_copies, copies_made,
                                                          drop_copies
-    retirement    loss log per task                      lost_rows, retire_groups
+    retirement    loss log per task and per partition    lost_rows, retire_groups
     health        allocation deadlines, loss counters    lose_unit, unit_back, reclaim
     status        custom metadata per row                status, set/get_custom_meta
     keys          key map per partition                  key_rows, delete_keys, list_keys

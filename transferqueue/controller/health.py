@@ -136,6 +136,7 @@ class UnitHealth:
             assert part is not None
             mine = slots if pids.size == slots.size and (pids == pid).all() else slots[pids == pid]
             requeue = []
+            self._retirement.partition_rows_lost(part, mine)
             for task in part.tasks.values():
                 state = task.state[mine]
                 task.lost += int((state != DONE).sum())

@@ -67,7 +67,8 @@ __all__ = [
     "read_snapshot",
 ]
 
-FORMAT_VERSION = 3  # 2: copy plans (header "copying", unit_epochs); 3: the core in parts
+FORMAT_VERSION = 4  # 2: copy plans (header "copying", unit_epochs); 3: the core in parts;
+# 4: the loss log of each partition (rows lost before a task's first poll count for it)
 FSYNC_POLICIES = ("never", "batch", "always")
 SNAPSHOT = "snapshot"
 _LOG = "log."

@@ -34,10 +34,14 @@ from transferqueue.errors import BadRequestError, CapacityError, UnknownTaskErro
 from transferqueue.limits import MAX_TASKS
 from transferqueue.wire.replies import DONE, QUEUED, WAITING
 
-__all__ = ["OnFree", "Partitions"]
+__all__ = ["OnClear", "OnFree", "OnNewTask", "Partitions"]
 
 OnFree = Callable[[int, np.ndarray], None]
 """Told the partition id and indexes of rows that leave (what it keeps per row goes)."""
+OnNewTask = Callable[[PartitionState, TaskState], None]
+"""Told of a task new to a partition (its first poll), before its ready rows are queued."""
+OnClear = Callable[[PartitionState], None]
+"""Told of a partition cleared (what it keeps per partition goes)."""
 
 
 class Partitions:
@@ -51,6 +55,8 @@ class Partitions:
         self._by_name: dict[str, PartitionState] = {}
         self._by_id: dict[int, PartitionState] = {}
         self.on_free: list[OnFree] = []
+        self.on_new_task: list[OnNewTask] = []
+        self.on_clear: list[OnClear] = []
 
     def __iter__(self) -> Iterator[PartitionState]:
         return iter(list(self._by_name.values()))
@@ -133,6 +139,8 @@ class Partitions:
         if not fields:
             raise ValueError(f"task {name!r} is new: give the fields it consumes")
         task = self.add_task(part, name, fields, sampler, options)
+        for hook in self.on_new_task:
+            hook(part, task)
         self.enqueue_ready(task, self._rows.live_slots(part.id))
         return task
 
@@ -169,6 +177,18 @@ class Partitions:
         """The partition and task a lease is of."""
         part = self._by_id[lease.task[0]]
         return part, part.tasks[lease.task[1]]
+
+    def cleared(self, part: PartitionState) -> None:
+        """Every row of ``part`` left (``clear``): its tasks stay with empty queues and zero
+        counters, it is open again, and the parts keeping something per partition drop it
+        (``on_clear``)."""
+        for task in part.tasks.values():
+            task.sampler.clear()
+            task.leased = task.done = task.dropped = task.lost = task.retired = 0
+        part.rows_put = part.rows_freed = part.rows_lost = part.rows_retired = 0
+        part.finished = False
+        for hook in self.on_clear:
+            hook(part)
 
     # -- queues ------------------------------------------------------------------------------
     def enqueue_ready(self, task: TaskState, slots: np.ndarray) -> bool:

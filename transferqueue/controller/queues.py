@@ -102,12 +102,8 @@ class Queues:
             live = self._rows.live_slots(part.id)
             if live.size:
                 self._partitions.free(part, live, changes)
-            for task in part.tasks.values():
-                task.sampler.clear()
-                task.leased = task.done = task.dropped = task.lost = 0
-                changes.woken.add(task.key)
-            part.rows_put = part.rows_freed = part.rows_lost = 0
-            part.finished = False
+            self._partitions.cleared(part)
+            changes.woken |= {task.key for task in part.tasks.values()}
         return changes
 
     # -- batches -----------------------------------------------------------------------------
@@ -148,9 +144,7 @@ class Queues:
                 changes.merge(self._partitions.mark_done(part, t, slots, dropped=True))
         avail = t.sampler.available(max_group)
         full = avail >= t.sampler.batch_rows(batch_size)
-        # Finished and nothing still waiting for upstream fields: no wait can fill the batch.
-        queued = avail if max_group is None else t.sampler.available()
-        drained = part.finished and t.done + t.lost + t.leased + queued == part.rows_put
+        drained = self.drained(part, t)
         if not (full or short_ok or (drained and (avail > 0 or t.leased == 0))):
             if part.finished and avail == 0 and t.leased == 0:
                 self._never(part, t)
@@ -182,18 +176,29 @@ class Queues:
         )
         return meta, changes
 
+    @staticmethod
+    def drained(part: PartitionState, task: TaskState) -> bool:
+        """The end-of-stream rule: ``part`` is finished and no row of it still waits for
+        ``task``'s fields. Every row ever put is then consumed, lost or retired (counted for
+        the task even when it happened before its first poll, see
+        :meth:`~transferqueue.controller.retire.Retirement.catch_up`), leased, or held by its
+        sampler; a leased one may come back, a held one is handed out or can never be (a
+        group that will never be whole), so no wait can bring more."""
+        settled = task.done + task.lost + task.retired
+        return part.finished and settled + task.leased + task.sampler.held() == part.rows_put
+
     def _never(self, part: PartitionState, task: TaskState) -> None:
         """Raise when ``task`` waits for fields nobody ever wrote while nothing in its finished
         partition is still being processed (a misspelt field: no row will ever get them).
         Another task with rows left, or a declared task not started yet, may write them."""
         specs = self._rows.specs
         missing = [f for f in task.fields if f not in specs]
-        if not missing or task.done + task.lost == part.rows_put:
+        if not missing or task.done + task.lost + task.retired == part.rows_put:
             return
         if part.declared is not None and set(part.declared) - set(part.tasks):
             return  # a declared task has not started yet
         for other in part.tasks.values():
-            if other is not task and other.done + other.lost < part.rows_put:
+            if other is not task and other.done + other.lost + other.retired < part.rows_put:
                 return
         raise UnknownFieldError(
             f"task {task.key[1]!r} waits for fields {missing} of partition {part.name!r}, "

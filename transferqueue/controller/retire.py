@@ -16,6 +16,13 @@ each lease that ends:
   regenerates the groups in the train task's log trains each group exactly once. The log is
   read with a cursor; the most recent ``LOSS_LOG_ROWS`` rows per task are kept (a reader that
   fell further behind learns how many it missed).
+- **losses before a task's first poll**: a task exists from its first poll on, but the rows
+  its partition lost or retired before then were pending for it as for any other (a late
+  consumer must find them, see ``declare_tasks``): a new task starts with the partition's
+  counts of lost and retired rows and with its loss log (every committed row it lost so far),
+  so its end of stream comes once what survives is consumed (:meth:`Retirement.catch_up`).
+  ``lost_rows`` of a task that has not polled yet reads that partition log: the same rows at
+  the same cursors as the task's own log will hold.
 - **retiring groups** (:meth:`Retirement.retire_groups`): every live row of the named groups
   leaves every task's queue and lease and is freed on its unit, as if lost, but deliberately
   (counted as ``retired``, never logged as lost). A group a task holds leased right now is
@@ -35,7 +42,7 @@ from transferqueue.controller.journal import Recorder, journaled
 from transferqueue.controller.leases import Lease, LeaseTable
 from transferqueue.controller.partitions import Partitions
 from transferqueue.controller.rows import RowTable
-from transferqueue.controller.state import Changes, TaskState
+from transferqueue.controller.state import Changes, PartitionState, TaskState
 from transferqueue.errors import BadRequestError
 from transferqueue.wire.replies import DONE, LEASED, QUEUED, LostRows, Retired
 
@@ -62,6 +69,13 @@ class LossLog:
         while self._kept > LOSS_LOG_ROWS and len(self._pages) > 1:
             self._kept -= int(self._pages.popleft()[1].size)
 
+    def copy(self) -> LossLog:
+        """A log holding the same rows at the same cursors (the pages are never changed)."""
+        out = LossLog()
+        out._pages = deque(self._pages)
+        out.total, out._kept = self.total, self._kept
+        return out
+
     def read(self, after: int, limit: int) -> LostRows:
         first_kept = self._pages[0][0] if self._pages else self.total
         missed = max(0, first_kept - after)
@@ -83,7 +97,7 @@ class LossLog:
 
 
 class Retirement:
-    """Loss logs per task, and group retirement (see the module)."""
+    """Loss logs per task and per partition, and group retirement (see the module)."""
 
     recorder: Recorder | None = None  # (set by a journaled controller)
 
@@ -92,8 +106,11 @@ class Retirement:
         self._partitions = partitions
         self._leases = leases
         self._logs: dict[tuple[int, str], LossLog] = {}
+        self._partition_logs: dict[int, LossLog] = {}  # committed rows lost, per partition
         self.rows_retired = 0
         leases.on_close = self._lease_closed
+        partitions.on_new_task.append(self.catch_up)
+        partitions.on_clear.append(self._forget)
 
     def _log(self, task: TaskState) -> LossLog:
         log = self._logs.get(task.key)
@@ -102,6 +119,30 @@ class Retirement:
         return log
 
     # -- rows lost with a unit (told by UnitHealth) ------------------------------------------
+    def partition_rows_lost(self, part: PartitionState, slots: np.ndarray) -> None:
+        """``slots`` of ``part`` are lost now: the committed ones join the partition's log
+        (what a task that has not polled yet lost, see the module)."""
+        h = self._rows.header
+        slots = slots[h["committed"][slots]]
+        log = self._partition_logs.get(part.id)
+        if log is None:
+            log = self._partition_logs[part.id] = LossLog()
+        log.append(h["index"][slots], h["group"][slots])
+
+    def catch_up(self, part: PartitionState, task: TaskState) -> None:
+        """``task`` is new to ``part`` (its first poll): every row the partition lost or
+        retired so far was pending for it (see the module). Told by ``Partitions``."""
+        task.lost = part.rows_lost
+        task.retired = part.rows_retired
+        log = self._partition_logs.get(part.id)
+        if log is not None:
+            self._logs[task.key] = log.copy()
+
+    def _forget(self, part: PartitionState) -> None:
+        """``part`` was cleared: a task new to it from now on has lost nothing (the logs of
+        its tasks keep their rows: readers hold cursors into them)."""
+        self._partition_logs.pop(part.id, None)
+
     def rows_lost(self, task: TaskState, slots: np.ndarray) -> None:
         """``slots`` (of ``task``'s partition) are lost now: log those the task had not
         consumed and did not hold; leave those it held with their lease until it ends. Rows
@@ -145,9 +186,12 @@ class Retirement:
         t = part.tasks.get(task)
         if not isinstance(after, int) or after < 0:
             raise BadRequestError(f"lost_rows: after must be a cursor >= 0, got {after!r}")
-        if t is None:
+        if t is not None:
+            log = self._log(t)
+        elif part.declared is None or task in part.declared:  # (a task yet to poll)
+            log = self._partition_logs.get(part.id) or LossLog()
+        else:
             return LostRows(np.empty(0, np.int64), np.empty(0, np.int64), after)
-        log = self._log(t)
         if after > log.total:
             raise BadRequestError(
                 f"lost_rows: cursor {after} is past the end of task {task!r}'s loss log "

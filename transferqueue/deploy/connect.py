@@ -7,6 +7,7 @@ client code does not change with the deployment.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import os
@@ -27,6 +28,8 @@ from transferqueue.wire.rpc import DEFAULT_CALL_TIMEOUT_S, RpcClient, check_addr
 __all__ = ["connect"]
 
 _RELOCATE_WAIT_S = 4.0  # a unit gone: how long a client waits for the controller to say where
+_HELLO_AGAIN_S = (0.1, 1.0)  # pauses before asking a controller gone again: first, longest
+_HELLO_MIN_S = 1.0  # the shortest wait of a hello asked again near the ride-through deadline
 
 
 def connect(
@@ -60,7 +63,10 @@ def connect(
     (``state_dir``): a call that finds the controller gone is sent again until the restarted
     one answers, for at most this long, when sending it twice is safe (puts, ``get_meta``,
     acks, reads: :data:`RESENDABLE`); a put whose commit may have landed is then neither lost
-    nor stored twice. 0 (default): such calls fail with :class:`PeerGoneError`.
+    nor stored twice. ``connect`` itself waits so: a controller that does not answer is asked
+    again until this long has passed (a connect that meets a restart succeeds once the
+    restarted controller answers). 0 (default): such calls, and a connect, fail with
+    :class:`PeerGoneError` (a connect after ``connect_timeout_s``).
     """
     if ride_through_s < 0:
         raise ValueError(f"ride_through_s must be >= 0, got {ride_through_s}")
@@ -84,7 +90,7 @@ def connect(
         link = RemoteControllerLink(ctl, ride_through_s)
         rpcs.append(ctl)
         try:
-            hello = await ctl.call(m.Hello(), wait_s=connect_timeout_s)
+            hello = await _hello(ctl, connect_timeout_s, ride_through_s)
         except PeerGoneError:
             hint = (
                 "; a service beyond loopback answers only clients with its keys (keys=DIR, "
@@ -92,9 +98,11 @@ def connect(
                 if ckeys is None
                 else "; or these keys are not the service's"
             )
+            waited = max(connect_timeout_s, ride_through_s)
             raise PeerGoneError(
-                f"no TransferQueue controller answered at {address} within "
-                f"{connect_timeout_s} s; start one with `transferqueue serve`{hint}"
+                f"no TransferQueue controller answered at {address} within {waited:g} s "
+                f"(connect_timeout_s={connect_timeout_s:g}, ride_through_s={ride_through_s:g}); "
+                f"start one with `transferqueue serve`{hint}"
             ) from None
         if hello.protocol != PROTOCOL_VERSION:
             raise ProtocolError(
@@ -141,3 +149,23 @@ def connect(
     return TransferQueue(
         io, ctl_link, unit_links, closers=[close_sockets], address=address, mode="remote"
     )
+
+
+async def _hello(ctl: RpcClient, connect_timeout_s: float, ride_through_s: float) -> m.HelloReply:
+    """The controller's first answer: asked once for up to ``connect_timeout_s``; with
+    ``ride_through_s``, asked again (a controller restarting with its state comes back on
+    its address) until that long has passed since the first ask."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + ride_through_s
+    wait_s = connect_timeout_s
+    pause, longest = _HELLO_AGAIN_S
+    while True:
+        try:
+            return await ctl.call(m.Hello(), wait_s=wait_s)
+        except PeerGoneError:
+            left = deadline - loop.time() - pause
+            if left <= 0:
+                raise
+        await asyncio.sleep(pause)
+        pause = min(2 * pause, longest)
+        wait_s = min(connect_timeout_s, max(left, _HELLO_MIN_S))

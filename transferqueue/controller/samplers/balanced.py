@@ -53,6 +53,9 @@ class BalancedSampler(Sampler):
     def available(self, max_group: int | None = None) -> int:
         return self._base.available(max_group)
 
+    def held(self) -> int:
+        return self._base.held()
+
     def batch_rows(self, batch_size: int) -> int:
         return self._base.batch_rows(batch_size)
 

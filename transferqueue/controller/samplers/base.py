@@ -84,6 +84,11 @@ class Sampler(ABC):
         taken; it changes nothing."""
         return None
 
+    def held(self) -> int:
+        """Rows it holds, whether ``sample`` could hand them out now or not (a group
+        sampler's incomplete groups too): the controller's end-of-stream count."""
+        return self.available()
+
     def batch_rows(self, batch_size: int) -> int:
         """Rows in a full batch of ``batch_size`` (a group sampler rounds down to groups)."""
         return batch_size

@@ -3,7 +3,9 @@
 Rows carry a ``group`` id in their header. A group is complete for a task once
 ``group_size`` of its rows are ready for that task; only complete groups are handed out, never
 split across batches. A group that receives more than ``group_size`` rows completes at
-``group_size`` and the extra rows start a new group with the same id.
+``group_size`` and the extra rows start a new group with the same id. A group that can never
+complete (its partition is finished and it has fewer rows: a row lost with a storage unit, a
+short last group) is never handed out: the task's stream ends without it.
 
 ``order`` says which complete groups go first:
 
@@ -63,6 +65,7 @@ class GroupSampler(Sampler):
         self.group_size = group_size
         self.supports_max_group = order == "group"  # bounds the key; only ids are group ids
         self._partial: dict[int, list[int]] = {}  # group id -> ready rows so far
+        self._partial_rows = 0  # rows in self._partial
         self._complete: VersionQueue | KeyedGroupQueue = (
             VersionQueue() if order == "version" else KeyedGroupQueue()
         )
@@ -84,8 +87,10 @@ class GroupSampler(Sampler):
             if members is None:
                 members = self._partial[g] = []
             members.append(idx)
+            self._partial_rows += 1
             if len(members) == gs:
                 del self._partial[g]
+                self._partial_rows -= gs
                 self._push(np.asarray(members, dtype=np.int64), front=False)
 
     def _push(self, rows: np.ndarray, *, front: bool) -> None:
@@ -136,8 +141,12 @@ class GroupSampler(Sampler):
     def _stale(self, rows: np.ndarray, min_version: int) -> bool:
         return bool(int(self.header.versions(rows).min()) < min_version)
 
+    def held(self) -> int:
+        return self._complete.rows + self._partial_rows
+
     def clear(self) -> None:
         self._partial.clear()
+        self._partial_rows = 0
         self._complete.clear()
 
     @property
