@@ -357,7 +357,10 @@ def _kill_and_resume_filtering(tmp_path: Path, overrides: list[str], steps: int)
 def test_killed_local_run_with_dynamic_sampling_resumes_without_a_group_twice(
     tmp_path: Path,
 ) -> None:
-    _kill_and_resume_filtering(tmp_path, ["train.max_staleness=1"], steps=10)
+    """With partial rollouts too: all three of issue 39's options on."""
+    _kill_and_resume_filtering(
+        tmp_path, ["train.max_staleness=1", "rollout.partial=true"], steps=10
+    )
 
 
 @pytest.mark.ray
