@@ -38,10 +38,16 @@ from typing import Protocol
 
 import torch
 
+from asyncflow.transport.base import VersionError
 from engines.protocols import Generation, GenerationEngine, SamplingParams
 from transferqueue.aio import wait_event
 
 __all__ = ["GeneratorHost", "RegistryAPI", "WeightSource", "check_engine"]
+
+_FETCH_TRIES = 5
+"""How often the follower takes a newer version when the one it picked was freed before it
+could pin it (every try sees a newer one; more than a few in a row means publishing outruns
+the fetch, and the error says so)."""
 
 
 class RegistryAPI(Protocol):
@@ -91,7 +97,8 @@ class WeightSource(Protocol):
         ...
 
     def get(self, version: int) -> Mapping[str, torch.Tensor]:
-        """The weights of ``version`` (valid until :meth:`release`)."""
+        """The weights of ``version`` (valid until :meth:`release`); raises
+        :class:`~asyncflow.transport.base.VersionError` when it is no longer available."""
         ...
 
     def release(self, version: int) -> None: ...
@@ -265,8 +272,7 @@ class GeneratorHost:
                 continue
             t0 = time.perf_counter()
             try:
-                version = await asyncio.to_thread(self._fetchable, target)
-                state = await asyncio.to_thread(self.weights.get, version)
+                version, state = await asyncio.to_thread(self._fetch, target)
                 try:
                     if self._busy_again():  # hand it back; the registry decides again
                         self.declined += 1
@@ -297,6 +303,23 @@ class GeneratorHost:
     def _kept_tokens(self) -> int:
         """The engine's count of tokens partial updates kept (0 for engines without one)."""
         return int(getattr(self.engine, "kept_tokens", 0))
+
+    def _fetch(self, target: int) -> tuple[int, Mapping[str, torch.Tensor]]:
+        """The newest version at least ``target`` and its state, pinned (to be released).
+
+        A version picked as the newest may be superseded, and freed, before ``get`` pins it
+        (a newer one was published in between): then the newer one is taken, a bounded number
+        of times (each retry sees a strictly newer version, and publishing is one step apart).
+        """
+        for _ in range(_FETCH_TRIES - 1):
+            version = self._fetchable(target)
+            try:
+                return version, self.weights.get(version)
+            except VersionError:
+                if self.weights.newest() <= version:  # not superseded: a real error
+                    raise
+        version = self._fetchable(target)
+        return version, self.weights.get(version)
 
     def _fetchable(self, target: int) -> int:
         """The newest version the weight source has, at least ``target`` (published means

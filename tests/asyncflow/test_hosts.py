@@ -236,3 +236,45 @@ def test_the_rollout_routes_by_the_engines_count_plus_what_it_sent_since_the_rep
         assert proxy.in_flight == 0  # no call in flight, whatever the last report said
 
     asyncio.run(go())
+
+
+class _PublishedBetween:
+    """A receiver whose first ``get`` comes just after the sender published a newer version,
+    so that the version the follower picked as the newest was freed before it could pin it
+    (the race of an eager sync every step)."""
+
+    def __init__(self, receiver: object, sender: object) -> None:
+        self.receiver, self.sender, self.raced = receiver, sender, False
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.receiver, name)
+
+    def get(self, version: int) -> Mapping[str, torch.Tensor]:
+        if not self.raced:
+            self.raced = True
+            self.sender.publish({"w": torch.full((2,), 2.0)}, version + 1)  # type: ignore[attr-defined]
+        return self.receiver.get(version)  # type: ignore[attr-defined,no-any-return]
+
+
+def test_a_version_superseded_before_it_is_pinned_gives_way_to_the_newer_one() -> None:
+    """The follower is told to take version 1; version 2 is published between its look at the
+    newest and its ``get(1)``, which frees 1: it takes 2 instead of failing the run."""
+
+    async def go() -> None:
+        engine, registry = _Engine(), _Elsewhere()
+        transport = make_transport("inprocess")
+        sender = transport.sender()
+        weights = _PublishedBetween(transport.receiver("g0"), sender)
+        host = GeneratorHost("g0", engine, registry, weights, report_s=1.0)  # type: ignore[arg-type]
+        await host.start()
+        runner = asyncio.ensure_future(host.run())
+        await registry.next_report()
+        sender.publish({"w": torch.ones(2)}, 1)  # type: ignore[attr-defined]
+        registry.decide.put_nowait(1)
+        await within(registry.updated_ev.wait(), BOUND_S)
+        assert weights.raced and (engine.updated, registry.done) == ([2], [2])
+        assert not registry.failed.is_set()
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+
+    asyncio.run(go())  # real time: the follower fetches in a thread
