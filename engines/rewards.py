@@ -22,7 +22,6 @@ imports a user's by import path (``mypkg.rewards:exact``; see :func:`load_reward
 
 from __future__ import annotations
 
-import importlib
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -30,6 +29,7 @@ from fractions import Fraction
 from typing import Any
 
 from engines.expressions import ExpressionError, evaluate
+from engines.imports import import_path
 
 __all__ = [
     "REWARDS",
@@ -316,32 +316,7 @@ def load_reward(path: str, **options: Any) -> RewardCallable:
     built-in rewards). The module must be importable from ``sys.path`` (``PYTHONPATH``).
     Raises ``ValueError`` naming ``path`` and what to change.
     """
-    module_name, _, attribute = path.partition(":")
-    if not module_name or not attribute or ":" in attribute:
-        raise ValueError(
-            f"reward import path {path!r} must look like 'module.path:function', e.g. "
-            "'mypkg.rewards:exact'"
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        raise ValueError(
-            f"reward {path!r}: no module named {e.name!r}; put the module's folder on "
-            "PYTHONPATH or install its package"
-        ) from None
-    except Exception as e:  # the user's module itself failed: say so, in one line
-        raise ValueError(
-            f"reward {path!r}: importing {module_name!r} failed: {type(e).__name__}: {e}"
-        ) from None
-    obj: Any = module
-    for part in attribute.split("."):
-        if not hasattr(obj, part):
-            public = sorted(n for n in dir(module) if not n.startswith("_"))
-            raise ValueError(
-                f"reward {path!r}: {module_name!r} has no attribute {attribute!r}; it defines "
-                f"{public}"
-            )
-        obj = getattr(obj, part)
+    obj = import_path(path, "reward", target="function", example="mypkg.rewards:exact")
     if isinstance(obj, type):
         obj = obj(**options)
     elif options:

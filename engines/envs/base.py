@@ -26,11 +26,12 @@ Built-in environments by name (:data:`ENVIRONMENTS`), or any class or factory by
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
+
+from engines.imports import import_path
 
 __all__ = [
     "ENVIRONMENTS",
@@ -92,29 +93,7 @@ def register_environment(name: str, path: str) -> None:
 
 
 def _import(path: str) -> Any:
-    module_name, _, attribute = path.partition(":")
-    if not module_name or not attribute:
-        raise ValueError(
-            f"environment import path {path!r} must look like 'module.path:attribute', e.g. "
-            "'mypkg.envs:MazeEnv'"
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        raise ValueError(
-            f"environment {path!r}: no module named {e.name!r}; put the module's folder on "
-            "PYTHONPATH or install its package"
-        ) from None
-    obj: Any = module
-    for part in attribute.split("."):
-        if not hasattr(obj, part):
-            public = sorted(n for n in dir(module) if not n.startswith("_"))
-            raise ValueError(
-                f"environment {path!r}: {module_name!r} has no attribute {attribute!r}; it "
-                f"defines {public}"
-            )
-        obj = getattr(obj, part)
-    return obj
+    return import_path(path, "environment", target="attribute", example="mypkg.envs:MazeEnv")
 
 
 @dataclass(frozen=True)
