@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,6 +32,21 @@ DEPLOYS = [
 embedded TransferQueue (``local``) or over a TransferQueue service in processes of its own
 (``local-service``: every column crosses ZeroMQ or shared memory), and every stage a Ray actor
 over TransferQueue on Ray (``ray``: a local Ray cluster)."""
+
+
+def deploys_by_k(ray_ks: tuple[int, ...], ks: tuple[int, ...] = (0, 1, 2)) -> list[Any]:
+    """``(deploy, k)`` parameters for ``parametrize(("deploy", "k"), ..., indirect=["deploy"])``:
+    every ``k`` of ``ks`` in the in-process deployments, only ``ray_ks`` on Ray. A Ray run
+    costs half a minute of actor start-up on the 2-core machine; where a combined Ray test
+    already checks the bound for every ``k`` (the multi-turn episodes with partial rollouts:
+    ``tests/asyncflow/test_episode_workflow.py``), the others need not repeat all three."""
+    by_deploy = {p.values[0] if hasattr(p, "values") else p: p for p in DEPLOYS}
+    params: list[Any] = []
+    for name, param in by_deploy.items():
+        marks = list(getattr(param, "marks", ()))
+        for k in ray_ks if name == "ray" else ks:
+            params.append(pytest.param(name, k, marks=marks, id=f"{name}-{k}"))
+    return params
 
 
 def small_config(out: Path, *overrides: str) -> RunConfig:

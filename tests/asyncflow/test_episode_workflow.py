@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from asyncflow import EngineFactories, RunConfig, RunResult, run
-from tests.asyncflow.conftest import RAY_START, RAY_TEST_TIMEOUT_S, small_config
+from tests.asyncflow.conftest import RAY_START, RAY_TEST_TIMEOUT_S, deploys_by_k, small_config
 from tests.asyncflow.episodes import CheckingTrain, mask_checking_trainer
 
 EPISODES = [
@@ -41,10 +41,12 @@ def _check_groups(result: RunResult, cfg: RunConfig, k: int) -> None:
     assert trained == list(range(cfg.train.steps * b))  # every episode once, none dropped
 
 
-@pytest.mark.parametrize("k", [0, 1, 2])
+@pytest.mark.parametrize(("deploy", "k"), deploys_by_k(ray_ks=()), indirect=["deploy"])
 def test_episodes_keep_the_staleness_bound_and_every_token_version(
     out_dir: Path, deploy: list[str], k: int
 ) -> None:
+    """In process and over the service (on Ray, with partial rollouts on too:
+    :func:`test_partial_rollouts_within_episodes`)."""
     cfg = small_config(
         out_dir, *EPISODES, f"train.max_staleness={k}", "train.steps=6", *deploy, "train.dp_size=1"
     )
@@ -65,14 +67,18 @@ def test_episodes_keep_the_staleness_bound_and_every_token_version(
         assert all(r["multi_version_episodes"] == 0.0 for r in result.records)
 
 
-def test_partial_rollouts_within_episodes(out_dir: Path, deploy: list[str]) -> None:
-    """Multi-turn episodes with ``rollout.partial`` (k = 2, eager weight sync, turns long
-    enough for updates to land inside them): every group is still trained once within the
-    bound on each episode's oldest model token (checked token by token by
-    :class:`CheckingTrain`: -1 exactly on the observations), some episodes span versions, and
-    the step's ``spanned_share`` is the share of episodes whose *model* tokens carry more than
-    one version (the -1 tokens count in no version)."""
-    k = 2
+@pytest.mark.parametrize(
+    ("deploy", "k"), deploys_by_k(ray_ks=(0, 1, 2), ks=(2,)), indirect=["deploy"]
+)
+def test_partial_rollouts_within_episodes(out_dir: Path, deploy: list[str], k: int) -> None:
+    """Multi-turn episodes with ``rollout.partial`` (eager weight sync, turns long enough for
+    updates to land inside them): every group is still trained once within the bound on each
+    episode's oldest model token (checked token by token by :class:`CheckingTrain`: -1
+    exactly on the observations), with k >= 1 some episodes span versions, and the step's
+    ``spanned_share`` is the share of episodes whose *model* tokens carry more than one
+    version (the -1 tokens count in no version); every weight sync is recorded with its
+    transfer and pause times. On Ray (generators, rollout and reward in actors) this is the
+    test of the bound for every ``k``, of episodes and of partial rollouts alike."""
     cfg = small_config(
         out_dir,
         "task=guess_number",
@@ -95,11 +101,20 @@ def test_partial_rollouts_within_episodes(out_dir: Path, deploy: list[str]) -> N
     for rep in result.reports:
         for oldest, newest in zip(rep.sample_versions, rep.newest_versions, strict=True):
             assert 0 <= oldest <= newest <= rep.step
+        if k == 0:  # synchronous: every token of a step's episodes from the step's weights
+            assert set(rep.sample_versions) == set(rep.newest_versions) == {rep.step}
     for r in result.records:
-        assert r["versions_checked"] == 1.0
+        assert r["versions_checked"] == 1.0  # every trained row went through the checks
+        assert 0.0 < r["loss_mask_frac"] < 1.0  # the observations are masked out
         assert r["spanned_share"] == pytest.approx(r["multi_version_episodes"])
         assert 0 <= r["span_max"] <= k
-    assert sum(r["spanned_share"] for r in result.records) > 0
+        assert all(s["transfer_s"] >= 0 and s["pause_s"] >= 0 for s in r["weight_syncs"])
+    assert sum(r["turns_mean"] for r in result.records) > len(result.records)  # multi-turn
+    spanned = sum(r["spanned_share"] for r in result.records)
+    if k == 0:
+        assert spanned == 0  # no trained episode ran across an update
+    else:
+        assert spanned > 0 and sum(r["kept_tokens"] for r in result.records) > 0
 
 
 @pytest.mark.parametrize(

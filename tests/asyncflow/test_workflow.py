@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from asyncflow import EngineFactories, RunConfig, StageError, run
-from tests.asyncflow.conftest import small_config
+from tests.asyncflow.conftest import deploys_by_k, small_config
 from tests.asyncflow.faulty import (
     BadWeights,
     DyingEngine,
@@ -32,10 +32,12 @@ ERROR_BOUND_S = 120.0
 2-core machine); starting them may take up to ``deploy.start_timeout_s`` before that."""
 
 
-@pytest.mark.parametrize("k", [0, 1, 2])
+@pytest.mark.parametrize(("deploy", "k"), deploys_by_k(ray_ks=(2,)), indirect=["deploy"])
 def test_staleness_bound_holds_and_every_group_is_trained_once(
     out_dir: Path, deploy: list[str], k: int
 ) -> None:
+    """Every ``k`` in process and over the service; on Ray the most asynchronous one (the
+    bound for every ``k`` on Ray: ``test_partial_rollouts_within_episodes``)."""
     cfg = small_config(out_dir, f"train.max_staleness={k}", "train.steps=8", *deploy)
     result = run(cfg)
     n, b = cfg.rollout.group_size, cfg.train.groups_per_step
@@ -66,12 +68,14 @@ def test_staleness_bound_holds_and_every_group_is_trained_once(
     assert all(x["version"] - x["generator_version"] <= k + 1 for x in lines)
 
 
-@pytest.mark.parametrize("k", [0, 1, 2])
+@pytest.mark.parametrize(("deploy", "k"), deploys_by_k(ray_ks=()), indirect=["deploy"])
 def test_partial_rollouts_bound_the_oldest_token(out_dir: Path, deploy: list[str], k: int) -> None:
     """``rollout.partial``: a weight update lands in the HF generator's running call at a
     token boundary and decoding goes on with the new weights. Every group is trained once,
     within the bound on its samples' oldest token; with k >= 1 some samples span versions;
-    every weight sync is recorded with its transfer and pause times."""
+    every weight sync is recorded with its transfer and pause times. (On Ray, where the
+    generators are actors: ``test_partial_rollouts_within_episodes``, the same rule on
+    episodes, one-turn rows being one-turn episodes.)"""
     cfg = small_config(
         out_dir,
         f"train.max_staleness={k}",
