@@ -4,11 +4,14 @@ from asyncflow import load_config, run
 result = run(load_config(overrides=["train.steps=40", "output.dir=runs/demo"]))
 """
 
-from asyncflow.build import Components, EngineFactories, build_components
-from asyncflow.config import RunConfig
-from asyncflow.config.load import load_config
-from asyncflow.stage_runner import StageError
-from asyncflow.workflow import RunResult, Workflow, run
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from asyncflow.build import Components, EngineFactories, build_components
+    from asyncflow.config import RunConfig
+    from asyncflow.config.load import load_config
+    from asyncflow.stage_runner import StageError
+    from asyncflow.workflow import RunResult, Workflow, run
 
 __all__ = [
     "Components",
@@ -21,3 +24,32 @@ __all__ = [
     "load_config",
     "run",
 ]
+
+_LAZY = {
+    "Components": "asyncflow.build",
+    "EngineFactories": "asyncflow.build",
+    "build_components": "asyncflow.build",
+    "RunConfig": "asyncflow.config",
+    "load_config": "asyncflow.config.load",
+    "StageError": "asyncflow.stage_runner",
+    "RunResult": "asyncflow.workflow",
+    "Workflow": "asyncflow.workflow",
+    "run": "asyncflow.workflow",
+}
+"""Public names imported on first use (PEP 562): a Ray actor that runs one part of a
+deployment (the coordinator) imports that part, not torch and transformers."""
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'asyncflow' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -41,8 +41,13 @@ def start_ray(num_cpus: int) -> None:
         log_to_driver=False,
         runtime_env={"env_vars": {"PYTHONPATH": path}},
         # no idle workers started ahead for the logical slots: on a few cores they only cost
-        # start-up CPU (every actor gets a worker of its own anyway)
-        _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False},
+        # start-up CPU (every actor gets a worker of its own anyway); niceness 0: the actors
+        # get the driver's share of the cores (Ray's default of 15 starves them)
+        _system_config={
+            "enable_worker_prestart": False,
+            "prestart_worker_first_driver": False,
+            "worker_niceness": 0,
+        },
     )
 
 

@@ -184,7 +184,13 @@ def ray_cluster() -> Iterator[None]:
             runtime_env={"env_vars": {"PYTHONPATH": path}},
             # no idle workers started ahead for the logical slots: on 2 cores they only cost
             # start-up CPU (actors get their own workers anyway)
-            _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False},
+            _system_config={
+                "enable_worker_prestart": False,
+                "prestart_worker_first_driver": False,
+                # Ray's default niceness (15) starves the actors whenever the other pytest
+                # worker runs anything: the Ray tests took twice their quiet time in CI
+                "worker_niceness": 0,
+            },
         )
     yield
     if started:

@@ -18,6 +18,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -266,3 +268,28 @@ def test_the_checker_sees_every_package(pkg: str) -> None:
     names = [m for m in MODULES if m.split(".")[0] == pkg]
     assert len(names) > 3
     assert any(MODULES[n].imports for n in names)
+
+
+def test_the_light_entry_points_import_no_tensor_library() -> None:
+    """``import transferqueue`` / ``import asyncflow`` load their public names on first use,
+    and the coordinator actor's module imports no engine, adapter or tensor library: every
+    Ray stage host's start waits on the coordinator, and torch plus transformers cost seconds
+    of CPU per process on the 2-core machine. Checked in a fresh interpreter."""
+    code = (
+        "import sys, transferqueue, transferqueue.aio, asyncflow, asyncflow.deploy.coordinator\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'adapters', 'engines', 'numpy')"
+        " if m in sys.modules)\n"
+        "print(','.join(heavy))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.strip() == "", f"imported on start: {out.stdout.strip()}"
+    # and the lazy names still resolve
+    import asyncflow
+    import transferqueue
+
+    assert callable(transferqueue.connect) and callable(asyncflow.run)
+    assert transferqueue.BatchMeta.__module__ == "transferqueue.meta"
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        transferqueue.nope  # noqa: B018

@@ -12,13 +12,8 @@ Producers ``put`` columns of rows; consumer tasks lease batches of rows whose fi
     cols = client.get_data(meta)
 """
 
-from transferqueue.client.async_client import AsyncClient
-from transferqueue.client.handle import TransferQueue
-from transferqueue.client.sync_client import Client
-from transferqueue.controller.samplers import Sampler, register_sampler
-from transferqueue.deploy.connect import connect
-from transferqueue.deploy.embedded import start
-from transferqueue.deploy.service import LocalService, serve
+from typing import TYPE_CHECKING, Any
+
 from transferqueue.errors import (
     AuthError,
     CapacityError,
@@ -42,11 +37,59 @@ from transferqueue.errors import (
     UnknownRowError,
     UnknownTaskError,
 )
-from transferqueue.meta import BatchMeta
-from transferqueue.ragged import Ragged
-from transferqueue.schema import FieldSpec
-from transferqueue.wire.liveness import Liveness
-from transferqueue.wire.replies import KeyListing, LostRows, PartitionStatus, Retired
+
+if TYPE_CHECKING:
+    from transferqueue.client.async_client import AsyncClient
+    from transferqueue.client.handle import TransferQueue
+    from transferqueue.client.sync_client import Client
+    from transferqueue.controller.samplers import Sampler, register_sampler
+    from transferqueue.deploy.connect import connect
+    from transferqueue.deploy.embedded import start
+    from transferqueue.deploy.service import LocalService, serve
+    from transferqueue.meta import BatchMeta
+    from transferqueue.ragged import Ragged
+    from transferqueue.schema import FieldSpec
+    from transferqueue.wire.liveness import Liveness
+    from transferqueue.wire.replies import KeyListing, LostRows, PartitionStatus, Retired
+
+_LAZY = {
+    "AsyncClient": "transferqueue.client.async_client",
+    "TransferQueue": "transferqueue.client.handle",
+    "Client": "transferqueue.client.sync_client",
+    "Sampler": "transferqueue.controller.samplers",
+    "register_sampler": "transferqueue.controller.samplers",
+    "connect": "transferqueue.deploy.connect",
+    "start": "transferqueue.deploy.embedded",
+    "LocalService": "transferqueue.deploy.service",
+    "serve": "transferqueue.deploy.service",
+    "BatchMeta": "transferqueue.meta",
+    "Ragged": "transferqueue.ragged",
+    "FieldSpec": "transferqueue.schema",
+    "Liveness": "transferqueue.wire.liveness",
+    "KeyListing": "transferqueue.wire.replies",
+    "LostRows": "transferqueue.wire.replies",
+    "PartitionStatus": "transferqueue.wire.replies",
+    "Retired": "transferqueue.wire.replies",
+}
+"""Public names imported on first use (PEP 562): a process that needs one part of the package
+(a controller, a unit, a helper such as :mod:`transferqueue.aio`) does not pay for the client's
+imports (torch among them), which is seconds of CPU per Ray actor on a small machine."""
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'transferqueue' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "AsyncClient",

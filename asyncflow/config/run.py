@@ -244,6 +244,12 @@ class DeployConfig:
     uses the one this process already initialized."""
     num_cpus: int | None = None
     """``ray``, a local cluster started here: its CPU slots (None: Ray's default)."""
+    worker_niceness: int = 0
+    """``ray``, a local cluster started here: the niceness of its worker processes (the stage
+    hosts and TransferQueue's actors). Ray's own default is 15, under which every actor
+    yields the cores to any other process on the machine (the driver, a benchmark, another
+    test): on a small machine the stages then run at a fraction of their speed. 0 gives them
+    the driver's share; a cluster joined through ``address`` keeps its own setting."""
     weight_transport: str = "auto"
     """How generators receive published weights with ``ray``: ``shm`` (one shared-memory
     file per version, same host), ``ipc`` (CUDA IPC handles of the trainer's device tensors:
@@ -271,6 +277,11 @@ class DeployConfig:
             )
         if self.start_timeout_s <= 0:
             raise ValueError(f"deploy.start_timeout_s must be > 0, got {self.start_timeout_s}")
+        if not 0 <= self.worker_niceness <= 19:
+            raise ValueError(
+                f"deploy.worker_niceness must be in 0..19 (Ray's default is 15), got "
+                f"{self.worker_niceness}"
+            )
         if self.max_restarts < 0:
             raise ValueError(f"deploy.max_restarts must be >= 0, got {self.max_restarts}")
 

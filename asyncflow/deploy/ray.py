@@ -65,6 +65,7 @@ from asyncflow.build import EngineFactories
 from asyncflow.checkpoint import CheckpointPlan, ResumePoint
 from asyncflow.config import PlacementConfig, RunConfig
 from asyncflow.deploy.base import Deployment, Job
+from asyncflow.deploy.coordinator import Coordinator
 from asyncflow.deploy.ray_hosts import (
     GeneratorActor,
     RolloutActor,
@@ -73,7 +74,7 @@ from asyncflow.deploy.ray_hosts import (
     WorkerActor,
 )
 from asyncflow.deploy.ray_weights import ObjectStoreWeights
-from asyncflow.deploy.remote import Coordinator, RemoteRegistry, remote_cause
+from asyncflow.deploy.remote import RemoteRegistry, remote_cause
 from asyncflow.metrics import Timeline
 from asyncflow.registry import WeightSync
 from asyncflow.stage_runner import StageError
@@ -169,6 +170,9 @@ class RayDeployment(Deployment):
             num_cpus=num_cpus if cfg.address is None else None,
             include_dashboard=False,
             log_to_driver=True,
+            _system_config=(
+                {"worker_niceness": cfg.worker_niceness} if cfg.address is None else None
+            ),
         )
         self._started_ray = True
 
@@ -261,8 +265,7 @@ class RayDeployment(Deployment):
         self._coord = coord_cls.options(name=coord_name, num_cpus=0).remote(
             start_version, policy=cfg.rollout.weight_sync
         )
-        self._actors.append(self._coord)
-        await self._coord.ping.remote()
+        self._actors.append(self._coord)  # not waited for: it starts beside the hosts
         registry = RemoteRegistry(self._coord)
         self.registry = self._registry = registry
         self._coord_name = coord_name

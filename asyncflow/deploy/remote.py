@@ -15,68 +15,20 @@ is a long poll with its own ``timeout_s``: none can hang.
 
 from __future__ import annotations
 
-import asyncio
 import logging
+import pickle
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from adapters import InstanceLostError, StepReport
-from asyncflow.registry import Registry, Snapshot, WeightSync
+from asyncflow.registry import Snapshot, WeightSync
 from engines.protocols import Generation, SamplingParams
-from transferqueue.aio import wait_event, within
 
-__all__ = ["Coordinator", "GeneratorView", "RemoteGenerator", "RemoteRegistry"]
+__all__ = ["GeneratorView", "RemoteGenerator", "RemoteRegistry"]
 
 log = logging.getLogger(__name__)
-
-
-class Coordinator(Registry):
-    """The registry as an actor, with the step reports the trainer hands the driver."""
-
-    def __init__(self, initial_version: int = 0, *, policy: str = "eager") -> None:
-        super().__init__(initial_version, policy=policy)
-        self._reports: asyncio.Queue[StepReport] = asyncio.Queue()
-        self._weights: tuple[int, list[Any]] = (-1, [])
-        self._weights_changed = asyncio.Event()
-
-    async def put_weights(self, version: int, refs: list[Any]) -> None:
-        """The object-store weight transport: the newest version's object refs (held here so
-        they stay alive; the previous version's are dropped)."""
-        if version > self._weights[0]:
-            self._weights = (version, refs)
-            self._weights_changed.set()
-
-    async def weights_after(self, version: int, timeout_s: float) -> tuple[int, list[Any]]:
-        """The newest weights' ``(version, refs)`` once newer than ``version`` (or the current
-        ones after ``timeout_s``)."""
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while self._weights[0] <= version:
-            left = deadline - asyncio.get_running_loop().time()
-            if left <= 0:
-                break
-            self._weights_changed.clear()
-            await wait_event(self._weights_changed, left)
-        return self._weights
-
-    async def step_done(self, report: StepReport) -> None:
-        """The trainer finished a step (its weights are already published)."""
-        self._reports.put_nowait(report)
-
-    async def next_report(self, timeout_s: float) -> StepReport | None:
-        """The next finished step, or None after ``timeout_s``."""
-        try:
-            return await within(self._reports.get(), timeout_s)
-        except TimeoutError:
-            return None
-
-    async def ping(self) -> bool:
-        return True
-
-    async def close(self) -> None:
-        """Drop the weights held for the object-store transport."""
-        self._weights = (self._weights[0], [])
 
 
 class RemoteRegistry:
@@ -158,10 +110,15 @@ class RemoteRegistry:
         return result
 
     async def step_done(self, report: StepReport) -> None:
-        await self._h.step_done.remote(report)
+        # pickled here and unpickled by the driver: the coordinator only holds the bytes, so
+        # its process never imports the adapters (and torch) to read a report
+        await self._h.step_done.remote(pickle.dumps(report))
 
     async def next_report(self, timeout_s: float) -> StepReport | None:
-        report: StepReport | None = await self._h.next_report.remote(timeout_s)
+        data: bytes | None = await self._h.next_report.remote(timeout_s)
+        if data is None:
+            return None
+        report: StepReport = pickle.loads(data)
         return report
 
     async def stats(self) -> dict[str, Any]:

@@ -43,7 +43,12 @@ def main() -> None:
     loopback = {"node_ip_address": "127.0.0.1"}
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 2, "resources": {"node_a": 10}, **loopback},
+        head_node_args={
+            "num_cpus": 2,
+            "resources": {"node_a": 10},
+            "_system_config": {"worker_niceness": 0},  # (tests/conftest.py: ray_cluster)
+            **loopback,
+        },
     )
     try:
         for label in ("node_b", "node_c"):

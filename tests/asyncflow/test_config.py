@@ -70,6 +70,9 @@ def test_a_section_with_a_mode_takes_a_bare_word() -> None:
     assert cfg.deploy.mode == "ray" and cfg.transferqueue.mode == "service"
     with pytest.raises(ValueError, match=r"deploy\.mode must be local or ray"):
         load_config(overrides=["deploy=slurm"])
+    assert cfg.deploy.worker_niceness == 0  # (Ray's own default, 15, starves the actors)
+    with pytest.raises(ValueError, match=r"deploy\.worker_niceness must be in 0\.\.19"):
+        load_config(overrides=["deploy.mode=ray", "deploy.worker_niceness=20"])
 
 
 def test_unknown_engine_option_is_a_clear_error(out_dir: Path) -> None:

@@ -614,8 +614,8 @@ def test_ray_object_store_weights_reach_an_actor_newest_first_and_a_stuck_fetch_
     object; an actor that asks after version -1 gets only the newest, bit-exact; an older
     version is refused at the sender; a fetch whose object never arrives fails within the
     transport's ``timeout_s`` with an error naming it, instead of hanging the generator."""
+    from asyncflow.deploy.coordinator import Coordinator
     from asyncflow.deploy.ray_weights import ObjectStoreWeights
-    from asyncflow.deploy.remote import Coordinator
 
     ray = ray_cluster
     name = f"weights-coordinator-{os.getpid()}"
