@@ -48,7 +48,14 @@ from transferqueue.wire.counters import KindCounters, RequestCounters, frames_nb
 from transferqueue.wire.liveness import DEFAULT_LIVENESS, Liveness
 from transferqueue.wire.protocol import TRUSTED, Caller, Handler, Request
 
-__all__ = ["RpcClient", "RpcServer", "SendThenRelease", "bind_address", "check_address"]
+__all__ = [
+    "RpcClient",
+    "RpcServer",
+    "SendThenRelease",
+    "bind_address",
+    "check_address",
+    "tune_socket",
+]
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +88,7 @@ _LATE_MEMORY = 1024  # failed calls whose late replies are still undone (see on_
 _RELOCATE_S = 5.0  # bound on asking the controller where a unit that went away listens now
 
 
-def _tune(sock: zmq.Socket[Any]) -> None:
+def tune_socket(sock: zmq.Socket[Any]) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     # Unbounded queues: flow control is ours (capacity, leases), never a silent drop.
     sock.setsockopt(zmq.SNDHWM, 0)
@@ -133,7 +140,7 @@ class _LoopSocket:
         self, ctx: zmq.asyncio.Context, kind: int, on_message: Callable[[list[Any]], None]
     ) -> None:
         self.sock: zmq.Socket[Any] = zmq.Context.shadow(ctx.underlying).socket(kind)
-        _tune(self.sock)
+        tune_socket(self.sock)
         self._on_message = on_message
         self._loop: asyncio.AbstractEventLoop | None = None
         self.closed = False
