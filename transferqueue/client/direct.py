@@ -46,7 +46,6 @@ from transferqueue.wire import messages as m
 from transferqueue.wire import protocol
 from transferqueue.wire.auth import ClientKeys
 from transferqueue.wire.liveness import Liveness
-from transferqueue.wire.rpc import tune_socket
 
 __all__ = ["DirectCalls"]
 
@@ -62,7 +61,8 @@ class _Socket:
 
     def __init__(self, ctx: zmq.Context[Any], address: str, keys: ClientKeys | None, wake: int):
         self.sock: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
-        tune_socket(self.sock)
+        for option in (zmq.LINGER, zmq.SNDHWM, zmq.RCVHWM):  # (as the loop's sockets: no
+            self.sock.setsockopt(option, 0)  # linger at close, no silent drop when full)
         self.mon: zmq.Socket[Any] | None = None
         try:
             if keys is not None:

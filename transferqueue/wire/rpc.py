@@ -48,14 +48,7 @@ from transferqueue.wire.counters import KindCounters, RequestCounters, frames_nb
 from transferqueue.wire.liveness import DEFAULT_LIVENESS, Liveness
 from transferqueue.wire.protocol import TRUSTED, Caller, Handler, Request
 
-__all__ = [
-    "RpcClient",
-    "RpcServer",
-    "SendThenRelease",
-    "bind_address",
-    "check_address",
-    "tune_socket",
-]
+__all__ = ["RpcClient", "RpcServer", "SendThenRelease", "bind_address", "check_address"]
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +81,7 @@ _LATE_MEMORY = 1024  # failed calls whose late replies are still undone (see on_
 _RELOCATE_S = 5.0  # bound on asking the controller where a unit that went away listens now
 
 
-def tune_socket(sock: zmq.Socket[Any]) -> None:
+def _tune(sock: zmq.Socket[Any]) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     # Unbounded queues: flow control is ours (capacity, leases), never a silent drop.
     sock.setsockopt(zmq.SNDHWM, 0)
@@ -140,7 +133,7 @@ class _LoopSocket:
         self, ctx: zmq.asyncio.Context, kind: int, on_message: Callable[[list[Any]], None]
     ) -> None:
         self.sock: zmq.Socket[Any] = zmq.Context.shadow(ctx.underlying).socket(kind)
-        tune_socket(self.sock)
+        _tune(self.sock)
         self._on_message = on_message
         self._loop: asyncio.AbstractEventLoop | None = None
         self.closed = False
@@ -152,13 +145,11 @@ class _LoopSocket:
         self._loop.call_soon(self.drain)
 
     def drain(self) -> None:
-        sock = self.sock
         while not self.closed:
-            try:
-                # (asking first: a receive that finds nothing raises, which costs more)
-                if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            try:  # (asking first: a receive that finds nothing raises, which costs more)
+                if not int(self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                     return
-                msg = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                msg = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             except zmq.ZMQError as e:
