@@ -5,6 +5,7 @@ test in test_service.py)."""
 from __future__ import annotations
 
 import math
+import struct
 
 import fuzzwire
 import msgspec
@@ -110,6 +111,46 @@ def test_unpicklable_things_are_refused() -> None:
 def test_malformed_messages_raise_protocol_error(frames: list[bytes]) -> None:
     with pytest.raises(ProtocolError):
         decode(frames)
+
+
+def _general_array_ext(a: np.ndarray) -> bytes:
+    """The ext 2 payload of ``a`` as the module docstring lays it out (built by hand)."""
+    code = [np.dtype(n) for n in wire._NUMPY].index(a.dtype)
+    shape = struct.pack(f"<BB{a.ndim}q", code, a.ndim, *a.shape)
+    return shape + b"\x00" + a.tobytes()  # (inline: 0 + the bytes)
+
+
+@pytest.mark.parametrize("dtype", ["int64", "int32", "uint8", "bool", "float16", "float64"])
+@pytest.mark.parametrize("n", [0, 1, 64, 127, 128, 1024])
+def test_small_1d_arrays_take_the_short_path_and_keep_the_wire_bytes(dtype: str, n: int) -> None:
+    """BatchMeta's columns (small 1-D arrays) are encoded and decoded by a shorter path:
+    the bytes are those of the general one, and an inline array decodes to a writable copy."""
+    a = (np.arange(n) % 7).astype(dtype)[::-1]  # (non-contiguous too)
+    frames = [bytes(f) for f in encode(a)]
+    if a.nbytes <= INLINE_BYTES:
+        want = msgspec.msgpack.encode(msgspec.msgpack.Ext(2, _general_array_ext(a)))
+        assert frames == [want]
+    else:
+        assert len(frames) == 2  # (the general path: the buffer in a frame of its own)
+    back = decode(frames)
+    assert back.dtype == a.dtype and np.array_equal(back, a)
+    assert back.flags.writeable or a.nbytes > INLINE_BYTES  # (a frame's memory: as it came)
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        struct.pack("<BBqB", 7, 1, 3, 0) + bytes(16),  # says 3 int64, holds 2
+        struct.pack("<BBqB", 7, 1, 1, 0) + bytes(16),  # says 1 int64, holds 2: bytes past the end
+        struct.pack("<BBqB", 7, 1, -1, 0),  # a negative dimension
+        struct.pack("<BBqB", 99, 1, 0, 0),  # an unknown dtype code
+        struct.pack("<BBqB", 7, 1, 2, 9) + bytes(16),  # an unknown buffer reference kind
+    ],
+    ids=["short", "long", "negative", "dtype", "ref"],
+)
+def test_malformed_small_arrays_are_still_refused(payload: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        decode([msgspec.msgpack.encode(msgspec.msgpack.Ext(2, payload))])
 
 
 # -- hostile messages ----------------------------------------------------------------------------

@@ -39,13 +39,14 @@ from transferqueue.client.device_io import DeviceSide, to_device
 from transferqueue.client.kv import KeyValue
 from transferqueue.client.links import OFFLOAD_BYTES, ControllerLink, UnitLink, link_of
 from transferqueue.client.lost import lost_with_unit
-from transferqueue.client.put import Writer, by_unit, lease_s_of, take_rows, timeout_of
+from transferqueue.client.put import Writer, by_unit, take_rows
 from transferqueue.client.replicas import (
     UnitReadError,
     fall_back,
     meta_units,
     tag,
 )
+from transferqueue.client.requests import ack_request, get_meta_request, release_request
 from transferqueue.client.specs import Specs
 from transferqueue.client.status import StatusCalls
 from transferqueue.device.shared import ProducerGoneError, is_ref_column
@@ -179,17 +180,17 @@ class AsyncClient:
         sampler with ``order="group"``). Sampler options (``group_size=``, ``dp_size=``,
         ``order=``) go as keywords.
         """
-        msg = m.GetMeta(
-            task=task,
+        msg = get_meta_request(
+            task,
+            fields,
+            batch_size,
             partition=partition,
-            fields=None if fields is None else list(fields),
-            batch_size=batch_size,
-            lease_s=lease_s_of(lease_s),
+            timeout_s=timeout_s,
+            lease_s=lease_s,
             sampler=sampler,
-            sampler_options=sampler_options,
             min_version=min_version,
             max_group=max_group,
-            timeout_s=timeout_of(timeout_s),
+            **sampler_options,
         )
         return await self._io.run_async(self._ctl.call(msg))
 
@@ -371,20 +372,17 @@ class AsyncClient:
     # -- consumption -------------------------------------------------------------------------
     async def ack(self, meta: BatchMeta) -> None:
         """Consume the batch's rows for its task (idempotent)."""
-        if meta.lease_id is None:
-            raise ValueError("this BatchMeta holds no lease (it came from put, or was empty)")
-        if meta.acked:
+        msg = ack_request(meta)
+        if msg is None:
             return
-        await self._io.run_async(
-            self._ctl.call(m.Ack(lease_id=meta.lease_id, indexes=meta.indexes))
-        )
+        await self._io.run_async(self._ctl.call(msg))
         meta.acked = True
 
     async def release(self, meta: BatchMeta) -> None:
         """Give the batch's rows back to its task unconsumed (e.g. a consumer shutting down)."""
-        if meta.lease_id is None or meta.acked:
+        msg = release_request(meta)
+        if msg is None:
             return
-        msg = m.Release(lease_id=meta.lease_id, indexes=meta.indexes)
         await self._io.run_async(self._ctl.call(msg))
         meta.acked = True
 

@@ -17,10 +17,19 @@ from transferqueue.wire import messages as m
 from transferqueue.wire import protocol
 from transferqueue.wire.rpc import RpcClient
 
-__all__ = ["RESENDABLE", "WAIT_SLICE_S", "RemoteControllerLink"]
+__all__ = [
+    "RESENDABLE",
+    "WAIT_SLICE_S",
+    "RemoteControllerLink",
+    "Resend",
+    "deadline_of",
+    "next_slice",
+    "undo_of",
+]
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
+Q = TypeVar("Q", bound=msgspec.Struct)
 
 # A blocking get_meta waits on the server in slices of this length, so that a controller that
 # died is noticed within a slice plus the call timeout, never never.
@@ -74,11 +83,7 @@ class RemoteControllerLink:
         """A call failed as gone, and its request reached a restarted controller all the
         same (it was still queued): give back the batch it leased, discard the rows it
         allocated, as the caller never learned of them (``RpcClient(on_late=...)``)."""
-        undo: protocol.ControllerRequest[None] | None = None
-        if isinstance(msg, m.GetMeta) and isinstance(result, BatchMeta) and result.lease_id:
-            undo = m.Release(lease_id=result.lease_id)
-        elif isinstance(msg, m.Allocate) and isinstance(result, BatchMeta) and len(result):
-            undo = m.Discard(indexes=result.indexes)
+        undo = undo_of(msg, result)
         if undo is not None:
             sent = self.rpc.request(undo)
             asyncio.ensure_future(sent).add_done_callback(_quiet)
@@ -90,23 +95,17 @@ class RemoteControllerLink:
         if self.ride_through_s <= 0 or type(msg) not in RESENDABLE:
             return await self._call(msg)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.ride_through_s
-        sent_again = False
-        pause = _RESEND_FIRST_S
+        resend = Resend(self, msg, loop.time())
         while True:
             try:
                 return await self._call(msg)
             except PeerGoneError:
-                if loop.time() + pause > deadline:
+                pause = resend.pause(loop.time())
+                if pause is None:
                     raise
                 await asyncio.sleep(pause)
-                pause = min(2 * pause, _RESEND_MAX_S)
-                sent_again = True
-                self.calls_resent += 1
             except UnknownRowError:
-                # a commit of new rows sent again finds them freed: its first sending landed
-                # (only committed rows are freed; uncommitted ones are lost: RowsLostError)
-                if sent_again and isinstance(msg, m.Commit) and msg.lease_id is None:
+                if resend.landed(msg):
                     return None  # type: ignore[return-value]
                 raise
 
@@ -114,17 +113,76 @@ class RemoteControllerLink:
         if not msg.waits:
             return await self.rpc.call(msg)
         loop = asyncio.get_running_loop()
-        timeout_s = getattr(msg, "timeout_s", None)
-        deadline = None if timeout_s is None else loop.time() + max(0.0, timeout_s)
+        deadline = deadline_of(msg, loop.time())
+        first = True
         while True:
-            remaining = None if deadline is None else max(0.0, deadline - loop.time())
-            last = remaining is not None and remaining <= WAIT_SLICE_S
-            wait = remaining if last else WAIT_SLICE_S
-            assert wait is not None
-            part = msgspec.structs.replace(msg, timeout_s=wait, partial=last)
+            part, wait = next_slice(msg, deadline, loop.time(), first)
             result = await self.rpc.call(part, wait_s=wait + self.rpc.call_timeout_s)
             if result is not None:
                 return result
+            first = False
+
+
+class Resend:
+    """When a call that found the controller gone is sent again (``ride_through_s``): the
+    pauses between sendings, and the deadline after which its PeerGoneError stands. Shared
+    by the loop's link and the sync client's direct calls
+    (:mod:`transferqueue.client.direct`)."""
+
+    def __init__(self, link: RemoteControllerLink, msg: Any, now: float) -> None:
+        self._link = link
+        self._deadline = now + (link.ride_through_s if type(msg) in RESENDABLE else 0.0)
+        self._pause = _RESEND_FIRST_S
+        self.sent_again = False
+
+    def pause(self, now: float) -> float | None:
+        """The pause before sending again, or None: give up (the deadline is near)."""
+        pause = self._pause
+        if now + pause > self._deadline:
+            return None
+        self._pause = min(2 * pause, _RESEND_MAX_S)
+        self.sent_again = True
+        self._link.calls_resent += 1
+        return pause
+
+    def landed(self, msg: Any) -> bool:
+        """A commit of new rows sent again finds them freed: its first sending landed
+        (only committed rows are freed; uncommitted ones are lost: RowsLostError)."""
+        return self.sent_again and isinstance(msg, m.Commit) and msg.lease_id is None
+
+
+def deadline_of(msg: Any, now: float) -> float | None:
+    """When a call of a kind that waits must be answered by (None: no bound)."""
+    timeout_s = getattr(msg, "timeout_s", None)
+    return None if timeout_s is None else now + max(0.0, timeout_s)
+
+
+def next_slice(msg: Q, deadline: float | None, now: float, first: bool) -> tuple[Q, float]:
+    """The next slice of a call that waits until ``deadline``, and its wait: at most
+    ``WAIT_SLICE_S``; the last one (``partial=True``) returns a short batch, the others None
+    when they run out."""
+    timeout_s = getattr(msg, "timeout_s", None)
+    if (
+        first
+        and timeout_s is not None
+        and timeout_s <= WAIT_SLICE_S
+        and getattr(msg, "partial", False)
+    ):
+        return msg, timeout_s  # (a call this short is its own only slice: sent as it is)
+    remaining = None if deadline is None else max(0.0, deadline - now)
+    if remaining is not None and remaining <= WAIT_SLICE_S:
+        return msgspec.structs.replace(msg, timeout_s=remaining, partial=True), remaining
+    return msgspec.structs.replace(msg, timeout_s=WAIT_SLICE_S, partial=False), WAIT_SLICE_S
+
+
+def undo_of(msg: Any, result: Any) -> protocol.ControllerRequest[None] | None:
+    """What undoes a call's late result, which its caller never learned of: the release of
+    the batch it leased, the discard of the rows it allocated (None: nothing to undo)."""
+    if isinstance(msg, m.GetMeta) and isinstance(result, BatchMeta) and result.lease_id:
+        return m.Release(lease_id=result.lease_id)
+    if isinstance(msg, m.Allocate) and isinstance(result, BatchMeta) and len(result):
+        return m.Discard(indexes=result.indexes)
+    return None
 
 
 def _quiet(fut: asyncio.Future[Any]) -> None:

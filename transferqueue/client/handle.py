@@ -14,6 +14,7 @@ from types import TracebackType
 from transferqueue.client.async_client import AsyncClient
 from transferqueue.client.buffers import ResultBuffers
 from transferqueue.client.device_io import DeviceSide
+from transferqueue.client.direct import DirectCalls
 from transferqueue.client.links import ControllerLink, UnitLink
 from transferqueue.client.sync_client import Client
 from transferqueue.device.staging import CHUNK_BYTES, DeviceStaging
@@ -35,12 +36,16 @@ class TransferQueue:
         closers: Sequence[Callable[[], None]] = (),
         address: str | None = None,
         mode: str = "embedded",
+        direct: DirectCalls | None = None,
     ) -> None:
+        """``direct``: where sync clients send their consumer calls without the loop (a
+        connected handle's, see :mod:`transferqueue.client.direct`; closed by ``closers``)."""
         self._io = io
         self._controller = controller
         self._units = list(units)
         self.address = address
         self.mode = mode
+        self._direct = direct
         self._closers = list(closers)
         self._buffers = ResultBuffers()  # reused by the reads of every client made here
         # device columns: pinned chunks, shared columns (nothing made before it is needed)
@@ -64,7 +69,7 @@ class TransferQueue:
 
     def client(self) -> Client:
         """A blocking client, safe to share across threads."""
-        return Client(self.async_client(), self._io)
+        return Client(self.async_client(), self._io, self._direct)
 
     def configure_device(self, *, pinned_bytes: int, chunk_bytes: int = CHUNK_BYTES) -> None:
         """Size the pinned memory that CUDA columns move through (default

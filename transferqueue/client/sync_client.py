@@ -4,6 +4,10 @@ Each method is the async method of the same name, run on the handle's I/O loop u
 (:func:`_blocking` derives it, signature and docstring included, so the API is written once,
 in :class:`AsyncClient`); errors raised there are re-raised here. Use ``tq.async_client()``
 inside async code instead: a blocking call would stall your event loop.
+
+On a connected handle, ``get_meta``, ``ack`` and ``release`` (one controller request each)
+skip the loop: the calling thread sends the request itself (:mod:`transferqueue.client.direct`,
+the same request built by :mod:`transferqueue.client.requests`, the same guarantees).
 """
 
 from __future__ import annotations
@@ -15,10 +19,13 @@ from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, TypeVar,
 import torch
 
 from transferqueue.client.async_client import AsyncClient, as_format, check_format
+from transferqueue.client.direct import DirectCalls
+from transferqueue.client.requests import ack_request, get_meta_request, release_request
 from transferqueue.errors import ClosedError
 from transferqueue.loop import LoopThread
 from transferqueue.meta import BatchMeta
 from transferqueue.schema import Column
+from transferqueue.wire.protocol import ControllerRequest
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -27,6 +34,24 @@ __all__ = ["Client"]
 
 P = ParamSpec("P")
 T = TypeVar("T")
+
+
+def _consumer(
+    fn: Callable[Concatenate[AsyncClient, P], Coroutine[Any, Any, T]],
+    request: Callable[P, ControllerRequest[T]],
+) -> Callable[Concatenate[Client, P], T]:
+    """:func:`_blocking`, but sent straight from the calling thread where the handle allows
+    it (``request`` builds the controller request from the call's arguments)."""
+
+    def call(self: Client, *args: P.args, **kwargs: P.kwargs) -> T:
+        direct = self._direct
+        if direct is None or self._io.in_loop():
+            return self._io.run(fn(self._a, *args, **kwargs))
+        return direct.call(request(*args, **kwargs))
+
+    call.__name__ = call.__qualname__ = fn.__name__
+    call.__doc__ = f"Blocking :meth:`AsyncClient.{fn.__name__}`.\n\n{fn.__doc__ or ''}"
+    return call
 
 
 def _blocking(
@@ -43,18 +68,45 @@ def _blocking(
 class Client:
     """Sync TransferQueue client. Get one from ``tq.client()``; safe to share across threads."""
 
-    def __init__(self, aclient: AsyncClient, io: LoopThread) -> None:
+    def __init__(
+        self, aclient: AsyncClient, io: LoopThread, direct: DirectCalls | None = None
+    ) -> None:
         self._a = aclient
         self._io = io
+        self._direct = direct  # (a connected handle's; None: every call runs on the loop)
 
     @property
     def async_client(self) -> AsyncClient:
         return self._a
 
     put = _blocking(AsyncClient.put)
-    get_meta = _blocking(AsyncClient.get_meta)
-    ack = _blocking(AsyncClient.ack)
-    release = _blocking(AsyncClient.release)
+    get_meta = _consumer(AsyncClient.get_meta, get_meta_request)
+
+    def ack(self, meta: BatchMeta) -> None:
+        """Blocking :meth:`AsyncClient.ack`: consume the batch's rows for its task
+        (idempotent)."""
+        self._settle(meta, ack_request, self._a.ack)
+
+    def release(self, meta: BatchMeta) -> None:
+        """Blocking :meth:`AsyncClient.release`: give the batch's rows back to its task
+        unconsumed (e.g. a consumer shutting down)."""
+        self._settle(meta, release_request, self._a.release)
+
+    def _settle(
+        self,
+        meta: BatchMeta,
+        request: Callable[[BatchMeta], ControllerRequest[None] | None],
+        on_loop: Callable[[BatchMeta], Coroutine[Any, Any, None]],
+    ) -> None:
+        direct = self._direct
+        if direct is None or self._io.in_loop():
+            return self._io.run(on_loop(meta))
+        msg = request(meta)
+        if msg is not None:
+            direct.call(msg)
+            meta.acked = True
+        return None
+
     declare_tasks = _blocking(AsyncClient.declare_tasks)
     finish = _blocking(AsyncClient.finish)
     clear = _blocking(AsyncClient.clear)

@@ -15,6 +15,7 @@ import os
 import zmq.asyncio
 
 from transferqueue.client.controller_link import RemoteControllerLink
+from transferqueue.client.direct import DirectCalls
 from transferqueue.client.handle import TransferQueue
 from transferqueue.client.unit_link import SHM_MAX_BYTES, RemoteUnitLink
 from transferqueue.errors import PeerGoneError, ProtocolError
@@ -135,19 +136,30 @@ def connect(
         for rpc in rpcs:
             await rpc.close()
 
+    direct: list[DirectCalls] = []
+
     def close_sockets() -> None:
+        for calls in direct:
+            calls.close()
         if not io.closed:
             io.run(teardown(), timeout=10)
         ctx.term()  # (every socket is closed by now: term does not wait)
 
     try:
         ctl_link, unit_links = io.run(setup())
+        direct.append(DirectCalls(ctl_link, keys=ckeys, liveness=liveness))
     except BaseException:
         close_sockets()
         io.close()
         raise
     return TransferQueue(
-        io, ctl_link, unit_links, closers=[close_sockets], address=address, mode="remote"
+        io,
+        ctl_link,
+        unit_links,
+        closers=[close_sockets],
+        address=address,
+        mode="remote",
+        direct=direct[0],
     )
 
 

@@ -102,6 +102,10 @@ _NUMPY = [np.dtype(n) for n in ("bool", "int8", "uint8", "int16", "uint16", "int
 _NUMPY += [np.dtype(n) for n in ("int64", "uint64", "float16", "float32", "float64")]
 _NUMPY_CODE = {dt: i for i, dt in enumerate(_NUMPY)}
 _HEAD = struct.Struct("<BB")
+_HEAD1 = {dt: _HEAD.pack(i, 1) for dt, i in _NUMPY_CODE.items()}  # a 1-D array's header
+_I64 = struct.Struct("<q")
+_INLINE = bytes([0])  # (_REF_INLINE)
+_ARRAY1 = struct.Struct("<BBqB")  # a 1-D array with its buffer inline: code, 1, size, 0
 _U32X2 = struct.Struct("<II")
 _SHM = struct.Struct("<QB")
 _RID = struct.Struct("<Q")
@@ -153,6 +157,13 @@ def _tensor_payload(t: torch.Tensor) -> bytes:
 
 
 def _enc_hook(obj: Any) -> Any:
+    if type(obj) is np.ndarray and obj.ndim == 1 and obj.nbytes <= INLINE_BYTES:
+        # (the columns of a BatchMeta: the same bytes as below, without the general path)
+        head = _HEAD1.get(obj.dtype)
+        if head is not None:
+            return msgspec.msgpack.Ext(
+                _EXT_ARRAY, head + _I64.pack(obj.size) + _INLINE + obj.tobytes()
+            )
     if isinstance(obj, torch.Tensor):
         return msgspec.msgpack.Ext(_EXT_TENSOR, _tensor_payload(obj))
     if isinstance(obj, np.ndarray):
@@ -311,11 +322,28 @@ def _tensor(data: memoryview, pos: int) -> tuple[torch.Tensor | ChunkedTensor, i
     return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape), end
 
 
+def _inline_array1(data: memoryview) -> np.ndarray | None:
+    """A 1-D array whose buffer is inline and ends the extension (the columns of a
+    BatchMeta), read without the general path; None: anything else, left to it (which also
+    refuses what is malformed)."""
+    if len(data) < _ARRAY1.size:
+        return None
+    dt_code, ndim, n, ref = _ARRAY1.unpack_from(data)
+    if ndim != 1 or ref != _REF_INLINE or dt_code >= len(_NUMPY) or not 0 <= n <= MAX_DIM:
+        return None
+    dt = _NUMPY[dt_code]
+    if _ARRAY1.size + n * dt.itemsize != len(data):
+        return None
+    return np.frombuffer(bytearray(data[_ARRAY1.size :]), dtype=dt)  # (writable, like a frame)
+
+
 def _ext_hook(code: int, data: memoryview) -> Any:
     t: Any
     try:
         if code == _EXT_TENSOR:
             t, end = _tensor(data, 0)
+        elif code == _EXT_ARRAY and (t := _inline_array1(data)) is not None:
+            end = len(data)
         elif code == _EXT_ARRAY:
             dt_code, shape, count, pos = _shape(data, 0)
             if dt_code >= len(_NUMPY):
