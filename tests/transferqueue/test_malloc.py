@@ -29,10 +29,12 @@ def _minor_faults(pid: int) -> int:
 @glibc
 def test_tuned_process_reuses_freed_buffers() -> None:
     # A fresh interpreter, so that nothing this test process allocated before shapes the
-    # allocator's adaptive thresholds.
+    # allocator's adaptive thresholds; with the modules a unit's process imports (with torch
+    # alone, one run in about a dozen on a loaded machine faulted 2,700 pages).
     code = textwrap.dedent(
         """
         import resource, torch
+        import transferqueue.deploy.server  # what a unit's process has imported when it tunes
         from transferqueue.storage.malloc import keep_freed_memory
         assert keep_freed_memory()
         def cycle():
