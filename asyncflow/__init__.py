@@ -4,7 +4,9 @@ from asyncflow import load_config, run
 result = run(load_config(overrides=["train.steps=40", "output.dir=runs/demo"]))
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from transferqueue.lazy import lazy_names
 
 if TYPE_CHECKING:
     from asyncflow.build import Components, EngineFactories, build_components
@@ -40,16 +42,4 @@ _LAZY = {
 deployment (the coordinator) imports that part, not torch and transformers."""
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'asyncflow' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, globals())

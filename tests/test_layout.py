@@ -293,3 +293,9 @@ def test_the_light_entry_points_import_no_tensor_library() -> None:
     assert transferqueue.BatchMeta.__module__ == "transferqueue.meta"
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         transferqueue.nope  # noqa: B018
+    import asyncflow.deploy
+
+    assert {"Deployment", "LocalDeployment"} <= set(dir(asyncflow.deploy))
+    assert "start" in dir(transferqueue) and "Workflow" in dir(asyncflow)
+    with pytest.raises(AttributeError, match="'asyncflow.deploy' has no attribute 'nope'"):
+        asyncflow.deploy.nope  # noqa: B018

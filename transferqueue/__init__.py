@@ -12,7 +12,7 @@ Producers ``put`` columns of rows; consumer tasks lease batches of rows whose fi
     cols = client.get_data(meta)
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from transferqueue.errors import (
     AuthError,
@@ -37,6 +37,7 @@ from transferqueue.errors import (
     UnknownRowError,
     UnknownTaskError,
 )
+from transferqueue.lazy import lazy_names
 
 if TYPE_CHECKING:
     from transferqueue.client.async_client import AsyncClient
@@ -76,19 +77,7 @@ _LAZY = {
 imports (torch among them), which is seconds of CPU per Ray actor on a small machine."""
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'transferqueue' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, globals())
 
 
 __all__ = [

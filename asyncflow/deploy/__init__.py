@@ -1,7 +1,9 @@
 """Deployments of the workflow: ``local`` (one process) and ``ray`` (a Ray actor per stage
 instance). See :mod:`asyncflow.deploy.base` for what the driver gets from either."""
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from transferqueue.lazy import lazy_names
 
 if TYPE_CHECKING:
     from asyncflow.deploy.base import Deployment
@@ -14,12 +16,4 @@ _LAZY = {"Deployment": "asyncflow.deploy.base", "LocalDeployment": "asyncflow.de
 :mod:`asyncflow.deploy.coordinator` without the deployments' engines."""
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'asyncflow.deploy' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, globals())
