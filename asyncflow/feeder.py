@@ -7,25 +7,34 @@ Staleness is bounded where it is cheapest: before generation. With ``max_stalene
 carries that bound in the field ``min_gen_version``, and the rollout only gives the group to a
 generator holding such weights. Group ``j`` is admitted only while
 
-    j < (v_gen + k + 1) * B
+    j < (v_pub + k + 1) * B
 
-where ``v_gen`` is the newest weights version any generator holds (so at least one generator
-can take it). Then ``t - v <= k`` for every sample, no sample is generated only to be
-dropped, and a generator still busy with an old long-tail request holds back neither
-admission nor the other generators. ``k = 0`` is synchronous on-policy training.
+where ``v_pub`` is the newest weights version the trainer has published. Then ``t - v <= k``
+for every sample, no sample is generated only to be dropped, and a generator still busy with
+an old long-tail request holds back neither admission nor the other generators. ``k = 0`` is
+synchronous on-policy training.
+
+Admission counts from the published version, not from the newest version a generator has
+loaded: a group whose ``min_gen_version`` no generator holds yet is put at once, and the
+feeder tells the registry those weights are needed (:meth:`Registry.demand`, which makes a
+generator take them under the ``on_demand`` policy); the rollout gives the group to a
+generator only once one holds them. So the put into TransferQueue, the rollout's lease and
+the weight load overlap rather than follow each other (with ``deploy=ray`` each of those is a
+cross-process hop on every synchronous step), and the bound is the same: it is enforced per
+group at routing.
 
 **With dynamic sampling** the train stage filters groups whose rewards all tie (never trained,
 see ``adapters.train``) and each step trains the ``B`` unfiltered groups after the previous
 step's: an unfiltered group ``j`` is trained at step ``floor(rank_j / B)``, ``rank_j`` the
 number of unfiltered groups before it. Admission counts only the groups not known to be
 filtered: with ``c_j = j - f`` (``f`` the groups the registry has reported filtered when ``j``
-is admitted), group ``j`` is admitted only while ``c_j < (v_gen + k + 1) * B``, and its rows
+is admitted), group ``j`` is admitted only while ``c_j < (v_pub + k + 1) * B``, and its rows
 carry ``min_gen_version = floor(c_j / B) - k``. The rule is exact: every group reported
 filtered precedes ``j``, so ``rank_j <= c_j``, the step ``t`` that trains ``j`` is at most
-``floor(c_j / B)``, and ``t - v <= k``; a generator holding ``floor(c_j / B) - k`` exists by
-the admission rule. Each filtered group frees one count, so the feeder admits a replacement
-(the next prompt) and every step still trains ``B`` groups. Without filtering, ``c_j = j``: the
-rule above.
+``floor(c_j / B)``, and ``t - v <= k``; weights of version ``floor(c_j / B) - k`` are
+published by the admission rule. Each filtered group frees one count, so the feeder admits a
+replacement (the next prompt) and every step still trains ``B`` groups. Without filtering,
+``c_j = j``: the rule above.
 
 With partial rollouts (``rollout.partial``) a sample's tokens may come from several versions:
 an update stops it at a token boundary and it goes on with newer weights. The bound is on its
@@ -130,10 +139,10 @@ class PromptFeeder:
         self.readmitted: list[int] = []  # groups put again, in order
         self._required: dict[int, int] = {}  # group -> min_gen_version, for readmit
 
-    def limit(self, v_gen: int) -> int:
+    def limit(self, v_pub: int) -> int:
         """Groups that may have been admitted (not counting filtered ones) by now, with
-        ``v_gen`` the newest generator version."""
-        return min(self.total_groups, (v_gen + self.max_staleness + 1) * self.groups_per_step)
+        ``v_pub`` the newest published weights version."""
+        return min(self.total_groups, (v_pub + self.max_staleness + 1) * self.groups_per_step)
 
     def required(self, counted: int) -> int:
         """``min_gen_version`` of a group admitted as the ``counted``-th unfiltered one."""
@@ -150,10 +159,8 @@ class PromptFeeder:
             if self.dynamic_sampling:
                 filtered += await reg.filtered_count()
             counted = self.admitted - filtered
-            limit = self.limit(newest)
+            limit = self.limit(published)
             if counted >= limit:
-                if published > newest:  # newer weights exist: have a generator take them
-                    reg.demand(newest + 1)
                 await reg.wait_changed(seen, timeout_s=1.0)
                 continue
             count = min(limit - counted, self.max_groups_per_put)
@@ -169,11 +176,12 @@ class PromptFeeder:
             groups = range(self.admitted, self.admitted + count)
             required = [self.required(counted + i) for i in range(count)]
             await self._put(groups, required)
+            if required[-1] > newest:  # no generator holds them yet: have one take them
+                reg.demand(required[-1])
             self._required.update(zip(groups, required, strict=True))
-            # the version admission counted from (a generator may have adopted newer since:
-            # the log records what the bound was checked against)
-            v = newest
-            self.admission_log += [(j, v) for j in groups]
+            # the version admission counted from (the log records what the bound was checked
+            # against)
+            self.admission_log += [(j, published) for j in groups]
             self.admitted += count
             await asyncio.sleep(0)
 

@@ -31,14 +31,14 @@ needs a home of its own; see ``asyncflow.deploy.ray``).
   (vLLM's ``pause_generation(mode="wait")``): with long-tailed lengths an instance that runs
   one 8k-token sample admits nothing new until it ends.
 - ``on_demand``: when the generator is idle (nothing in flight, so nothing to drain), or when
-  the workflow needs newer weights than any generator holds (the feeder may not admit the
-  next step's groups, or the rollout holds a group no generator is recent enough for:
-  :meth:`demand`). Then only one lagging generator updates: the one likely to drain soonest
-  (``drain_tokens``: its running requests' likely remaining tokens, as its engine estimates
-  them). Generators a version or two behind keep taking the groups their weights are recent
-  enough for, so the staleness bound holds exactly as with ``eager`` (it is enforced per group
-  at routing); what changes is that a long-running sample no longer stalls its instance at
-  every step. Engines that do not report ``in_flight`` count as idle (updated at once).
+  the workflow needs newer weights than any generator holds (the feeder admitted groups no
+  generator is recent enough for, or the rollout holds one: :meth:`demand`). Then only one
+  lagging generator updates: the one likely to drain soonest (``drain_tokens``: its running
+  requests' likely remaining tokens, as its engine estimates them). Generators a version or
+  two behind keep taking the groups their weights are recent enough for, so the staleness
+  bound holds exactly as with ``eager`` (it is enforced per group at routing); what changes is
+  that a long-running sample no longer stalls its instance at every step. Engines that do not
+  report ``in_flight`` count as idle (updated at once).
 
 A restarted generator registers again under its name: it counts as a restart, and its
 version is what it reports then (its initial weights), never the dead incarnation's, so no

@@ -119,3 +119,44 @@ def test_a_finite_task_that_runs_out_fails_naming_the_options() -> None:
 
     with transferqueue.start(num_units=1) as tq:
         asyncio.run(go(tq))
+
+
+def test_admission_counts_from_the_published_version_and_demands_it() -> None:
+    """B = 2, k = 0, one on_demand generator holding version 0 and busy (so it takes newer
+    weights only when they are demanded). Version 0 admits step 0's two groups and no more.
+    Once version 1 is published, step 1's groups are admitted at once, before any generator
+    holds version 1 (their rows require it: the rollout routes them only to a generator that
+    does), and the feeder demands version 1, which lets the busy generator update."""
+
+    async def go(tq: transferqueue.TransferQueue) -> None:
+        client = tq.async_client()
+        await client.declare_tasks(["rollout"], partition="train")
+        reg = _Waits(0, policy="on_demand")
+        await reg.register("gen0", 0)
+        await reg.report("gen0", in_flight=3)  # busy: no update without a demand
+        feeder = _feeder(client, reg, dynamic_sampling=False)
+        job = asyncio.create_task(feeder.run())
+        try:
+            await _until(lambda: feeder.admitted == 2)
+            waits = reg.waits
+            await _until(lambda: reg.waits > waits)  # it looked again and waits: the bound
+            assert feeder.admitted == 2
+            assert await reg.wait_update("gen0", timeout_s=0.05) is None  # nothing published
+            await reg.publish(1)
+            await _until(lambda: feeder.admitted == 4)
+            assert await reg.newest_generator_version() == 0  # admitted before any load
+            assert feeder.admission_log == [(0, 0), (1, 0), (2, 1), (3, 1)]
+            # the feeder's demand lets the busy generator take version 1
+            assert await reg.wait_update("gen0", timeout_s=5.0) == 1
+        finally:
+            job.cancel()
+        meta = await client.get_meta(
+            "rollout", ["min_gen_version"], batch_size=8, partition="train", timeout_s=5
+        )
+        col = (await client.get_data(meta, ["min_gen_version"]))["min_gen_version"]
+        assert isinstance(col, torch.Tensor)
+        got = dict(zip(meta.groups.tolist(), col.tolist(), strict=True))
+        assert got == {0: 0, 1: 0, 2: 1, 3: 1}
+
+    with transferqueue.start(num_units=1) as tq:
+        asyncio.run(go(tq))

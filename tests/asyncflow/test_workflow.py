@@ -53,7 +53,7 @@ def test_staleness_bound_holds_and_every_group_is_trained_once(
         assert rep.samples == len(rep.groups) * n
         trained += rep.groups
     assert trained == list(range(8 * b))  # nothing dropped, nothing twice
-    # admission control: group j admitted only while j < (v_gen + k + 1) * B
+    # admission control: group j admitted only while j < (v_pub + k + 1) * B (v_pub: published)
     for j, v in result.admission:
         assert j < (v + k + 1) * b
     if k >= 1:  # generation ran ahead of training (the point of asynchrony)
