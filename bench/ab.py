@@ -10,26 +10,32 @@ benchmark module once from each tree (the order alternates between rounds, so dr
 shared machine falls on both), as a separate process whose ``PYTHONPATH`` and working
 directory are that tree. The benchmark's JSON results are collected, and for every numeric
 result whose name matches ``--keys`` (default: GB/s and rates, higher is better) it prints
-the ratio this/other of the best round on each side, and beside it the ratio of the medians.
+the ratio this/other.
 
-The best round is the verdict, for the reason the benchmarks themselves report the best of
-several tries: on a shared machine noise only slows a run down (another process, the host
-taking the core back), so the fastest of N rounds estimates what the code can do, and it
-converges as N grows while the median keeps the noise. Each run's CPU time stolen by the host
-and the load average are recorded beside its results (``runs_env``), so a round that ran on a
-busy machine can be seen. Writes ``ab-<module>.json`` to ``bench/results/``.
+The verdict is the geometric mean of the rounds' paired ratios (each round's this/other, the
+two runs next to each other in time), with its 95% confidence interval from the spread of
+those ratios (Student's t on their logarithms). Pairing cancels the machine's drift between
+rounds; the mean uses every round, where the best or the median of each side keeps one run's
+luck (on a 2-core machine the same code moves by 15-20% from one process to the next, and
+not only downwards: a large copy's speed depends on where its pages land). The ratios of the
+best rounds and of the medians are printed beside it. The interval says whether the rounds
+were enough: a case whose interval holds 1.0 is not shown to differ. Each run's CPU time
+stolen by the host and the load average are recorded beside its results (``runs_env``).
+Writes ``ab-<module>.json`` to ``bench/results/``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -76,12 +82,47 @@ def run_once(
     return _flatten(json.loads((out_dir / f"{name}.json").read_text())), state
 
 
-def compare(other: list[float], this: list[float]) -> tuple[float, float]:
-    """(best this / best other, median this / median other) of one higher-is-better result."""
-    best_other, med_other = max(other), statistics.median(other)
-    best = max(this) / best_other if best_other else float("nan")
-    median = statistics.median(this) / med_other if med_other else float("nan")
-    return best, median
+_T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
+"""Student's t, two-sided 95%, by degrees of freedom (2.0 from 10 on: within 5% of it)."""
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One higher-is-better result, this tree against the other, over paired rounds."""
+
+    ratio: float
+    """Geometric mean of the rounds' this/other ratios: the verdict."""
+    low: float
+    high: float
+    """Its 95% confidence interval (``nan`` with one round)."""
+    best_ratio: float
+    """Best round of this side over best round of the other."""
+    median_ratio: float
+    """Median of this side over median of the other."""
+
+
+def compare(other: list[float], this: list[float]) -> Comparison:
+    """``this`` against ``other``, round by round (the two lists pair up in round order)."""
+    if len(other) != len(this) or not other:
+        raise ValueError(
+            f"need the same number of rounds on each side, got {len(other)} and {len(this)}"
+        )
+    if min(other) <= 0 or min(this) <= 0:
+        nan = float("nan")
+        return Comparison(nan, nan, nan, nan, nan)
+    logs = [math.log(b / a) for a, b in zip(other, this, strict=True)]
+    mean = statistics.fmean(logs)
+    if len(logs) > 1:
+        half = _T95.get(len(logs) - 1, 2.0) * statistics.stdev(logs) / math.sqrt(len(logs))
+    else:
+        half = float("nan")
+    return Comparison(
+        ratio=math.exp(mean),
+        low=math.exp(mean - half),
+        high=math.exp(mean + half),
+        best_ratio=max(this) / max(other),
+        median_ratio=statistics.median(this) / statistics.median(other),
+    )
 
 
 def main() -> int:
@@ -114,25 +155,24 @@ def main() -> int:
     summary: dict[str, Any] = {"module": a.module, "args": args, "rounds": a.rounds}
     worst = float("inf")
     for k in keys:
-        ratio, median_ratio = compare(
-            [run[k] for run in runs["other"]], [run[k] for run in runs["this"]]
-        )
-        best_this, best_other = (
-            max(run[k] for run in runs["this"]),
-            max(run[k] for run in runs["other"]),
-        )
+        c = compare([run[k] for run in runs["other"]], [run[k] for run in runs["this"]])
         summary[k] = {
-            "other": best_other,
-            "this": best_this,
-            "ratio": ratio,
-            "median_ratio": median_ratio,
+            "other": statistics.median(run[k] for run in runs["other"]),
+            "this": statistics.median(run[k] for run in runs["this"]),
+            **asdict(c),
         }
         line(
-            f"{k}: this {best_this:.4g} vs other {best_other:.4g}", ratio, "x", median=median_ratio
+            f"{k}",
+            c.ratio,
+            "x",
+            ci95=f"{c.low:.3f}-{c.high:.3f}",
+            best=c.best_ratio,
+            median=c.median_ratio,
         )
-        worst = min(worst, ratio)
+        if not math.isnan(c.ratio):
+            worst = min(worst, c.ratio)
     summary["worst_ratio"] = worst
-    line("slowest case (best round each side)", worst, "x")
+    line("slowest case (geometric mean of paired rounds)", worst, "x")
     summary["runs"] = runs
     summary["runs_env"] = runs_env
     write_json(f"ab-{a.module.rsplit('.', 1)[-1]}", summary)

@@ -1,27 +1,39 @@
-"""bench.ab's verdict: the best round of each side, the medians beside it."""
+"""bench.ab's verdict: the geometric mean of paired rounds, with its confidence interval."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
+
 from bench.ab import _flatten, compare
 
 
-def test_the_verdict_is_the_best_round_of_each_side() -> None:
-    # One slow round on "this" (the host took the core) moves the median, not the verdict.
-    other = [100.0, 98.0, 101.0]
-    this = [60.0, 99.0, 102.0]
-    best, median = compare(other, this)
-    assert best == 102.0 / 101.0
-    assert median == 99.0 / 100.0
-    # A real regression shows in both.
-    best, median = compare(other, [80.0, 82.0, 81.0])
-    assert best < 0.85 and median < 0.85
+def test_the_verdict_pairs_rounds_and_cancels_drift() -> None:
+    # The machine slows down round after round; "this" is 5% faster in every round. The best
+    # and the median of each side mix the drift in; the paired ratio does not.
+    other = [100.0, 90.0, 80.0, 70.0]
+    this = [105.0, 94.5, 84.0, 73.5]
+    c = compare(other, this)
+    assert c.ratio == pytest.approx(1.05)
+    assert c.low == pytest.approx(1.05) and c.high == pytest.approx(1.05)  # no spread
+    assert c.best_ratio == pytest.approx(1.05)
+    assert c.median_ratio == pytest.approx(89.25 / 85.0)
 
 
-def test_a_zero_baseline_is_not_a_ratio() -> None:
-    best, median = compare([0.0, 0.0], [1.0, 2.0])
-    assert math.isnan(best) and math.isnan(median)
+def test_the_interval_shows_when_the_rounds_cannot_tell() -> None:
+    noisy = compare([100.0, 100.0, 100.0], [80.0, 120.0, 100.0])
+    assert noisy.low < 1.0 < noisy.high  # not shown to differ
+    slower = compare([100.0, 101.0, 99.0, 100.0], [80.0, 82.0, 79.0, 81.0])
+    assert slower.high < 0.85  # a real regression is outside any doubt
+    one = compare([100.0], [90.0])
+    assert one.ratio == pytest.approx(0.9) and math.isnan(one.low)
+
+
+def test_bad_rounds_are_refused_or_not_a_ratio() -> None:
+    with pytest.raises(ValueError, match="same number of rounds"):
+        compare([1.0, 2.0], [1.0])
+    assert math.isnan(compare([0.0, 1.0], [1.0, 2.0]).ratio)
 
 
 def test_results_flatten_to_named_numbers() -> None:
