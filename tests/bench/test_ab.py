@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import math
+import sys
+from pathlib import Path
 
 import pytest
 
+import bench.common
+from bench import ab
 from bench.ab import _flatten, compare
 
 
@@ -39,3 +44,29 @@ def test_bad_rounds_are_refused_or_not_a_ratio() -> None:
 def test_results_flatten_to_named_numbers() -> None:
     flat = _flatten({"GBps": {"raw zmq": {"dense": 1.5}}, "ok": True, "n": 3, "name": "x"})
     assert flat == {"GBps/raw zmq/dense": 1.5, "n": 3.0}
+
+
+def test_pooled_rounds_give_the_verdict_without_the_baselines(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--rounds 0 --add``: the verdict from earlier rounds; the benchmark's own baseline
+    (the same code on both sides) is the noise floor, never the slowest case."""
+    rounds = {
+        "other": [{"GBps/raw zmq/dense": 2.0, "GBps/tq/dense": 1.0}] * 3,
+        "this": [{"GBps/raw zmq/dense": 1.6, "GBps/tq/dense": 0.97}] * 3,
+    }
+    earlier = tmp_path / "ab-throughput.json"
+    earlier.write_text(json.dumps({"module": "bench.throughput", "runs": rounds}))
+    monkeypatch.setattr(bench.common, "RESULTS_DIR", tmp_path / "out")
+    argv = ["bench.ab", str(tmp_path), "--rounds", "0", "--add", str(earlier)]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert ab.main() == 0
+    out = json.loads((tmp_path / "out" / "ab-throughput.json").read_text())
+    assert out["rounds"] == 3
+    assert out["worst"] == {"case": "GBps/tq/dense", "ratio": pytest.approx(0.97)}
+    assert out["baseline_ratios"] == [pytest.approx(0.8), pytest.approx(0.8)]
+    assert "slowest case: GBps/tq/dense" in capsys.readouterr().out
+    # rounds of another benchmark are refused, naming both
+    monkeypatch.setattr(sys, "argv", [*argv[:-1], str(earlier), "--module", "bench.controller"])
+    with pytest.raises(SystemExit, match=r"'bench\.throughput', not of 'bench\.controller'"):
+        ab.main()
