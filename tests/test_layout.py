@@ -297,5 +297,5 @@ def test_the_light_entry_points_import_no_tensor_library() -> None:
 
     assert {"Deployment", "LocalDeployment"} <= set(dir(asyncflow.deploy))
     assert "start" in dir(transferqueue) and "Workflow" in dir(asyncflow)
-    with pytest.raises(AttributeError, match="'asyncflow.deploy' has no attribute 'nope'"):
+    with pytest.raises(AttributeError, match=r"'asyncflow\.deploy' has no attribute 'nope'"):
         asyncflow.deploy.nope  # noqa: B018
