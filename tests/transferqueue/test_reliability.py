@@ -176,17 +176,15 @@ def test_a_client_sharing_memory_with_a_unit_goes_on_after_the_unit_restarts() -
         assert isinstance(link, RemoteUnitLink)
         assert all(shared(link)), shared(link)  # memory is shared every way
         os.kill(svc.pids[0], signal.SIGKILL)
+
         # Until the controller has heard of the restart, rows it gives the unit may still be
         # counted with the dead incarnation's (a put then raises RowsLostError): wait for it.
-        until(
-            lambda: (
-                svc.restarts[0] == 1
-                and _ctl(c)["units_alive"] == [True]
-                and _ctl(c)["rows_lost"] == 128
-            ),
-            LIVENESS.bound_s + SLACK_S + 30,
-            "restart",
-        )
+        # One snapshot: read from two, "alive" could predate the loss and "lost" follow it.
+        def back() -> bool:
+            ctl = _ctl(c)
+            return ctl["rows_lost"] == 128 and ctl["units_alive"] == [True]
+
+        until(lambda: svc.restarts[0] == 1 and back(), LIVENESS.bound_s + SLACK_S + 30, "restart")
         for seed in (1, 2, 3):
             put_and_read(c, seed)
         assert link.arenas_forgotten >= 1  # the old arenas met the new unit, and were dropped
