@@ -175,9 +175,9 @@ class PromptFeeder:
                 count = available - self.admitted
             groups = range(self.admitted, self.admitted + count)
             required = [self.required(counted + i) for i in range(count)]
-            await self._put(groups, required)
             if required[-1] > newest:  # no generator holds them yet: have one take them
-                reg.demand(required[-1])
+                reg.demand(required[-1])  # (first: its weight load overlaps the put)
+            await self._put(groups, required)
             self._required.update(zip(groups, required, strict=True))
             # the version admission counted from (the log records what the bound was checked
             # against)
