@@ -5,10 +5,10 @@ all socket I/O happen on that loop, so sync callers on any thread and async call
 other loop share one consistent view without locks. One thread at a time runs the loop (it
 holds ``_drive``).
 
-Two ways to run it:
+Three ways to run it:
 
-- ``always=True`` (servers, the embedded deployment): the daemon thread runs the loop for the
-  handle's lifetime, and every call hops onto it.
+- ``always=True`` (servers): the daemon thread runs the loop for the handle's lifetime, and
+  every call hops onto it.
 - ``always=False`` (a connected client): the loop runs only while somebody waits on it. A
   blocking call from a thread with no loop of its own, finding the loop free, runs the loop
   itself until its call is done: its replies wake the calling thread directly, with no hop
@@ -16,6 +16,14 @@ Two ways to run it:
   of four calls). Calls that find the loop taken (another thread's call, async callers on
   other loops) are handed to whoever runs it; when a caller leaves work behind (tasks still
   pending, calls handed to it), the daemon thread takes the loop over until that is done.
+- ``always=True, lend=True`` (the embedded deployment, whose controller has work of its own:
+  lease expiry, timers): the daemon thread runs the loop whenever no blocking caller does,
+  and lends it to them. A blocking call that finds the daemon running the loop asks for it
+  (the daemon stops after its current step and hands the loop over); the calls that follow
+  from any thread with no loop of its own run it themselves, as in ``always=False``, and the
+  daemon takes it back once callers have left it alone for ``_LINGER_S`` (or at once when a
+  call is handed to it from another event loop). Background work thus never waits longer
+  than that, and a thread making calls back to back pays no hop at all.
 """
 
 from __future__ import annotations
@@ -23,9 +31,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import signal
 import threading
+import time
 import weakref
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
+from types import FrameType
 from typing import Any, TypeVar
 
 from transferqueue.aio import within
@@ -35,6 +46,16 @@ __all__ = ["LoopThread"]
 
 T = TypeVar("T")
 
+# ``lend``: how long blocking callers may leave the loop idle before the daemon takes it back
+# (the longest the controller's own timers then wait), and the longest the daemon sleeps
+# between looks while a caller runs the loop.
+_LINGER_S = 0.01
+_LOOK_MAX_S = 0.05
+# How long a blocking call waits for the daemon to hand the loop over before it hands its
+# call to whoever runs the loop instead (another caller took it first, or the daemon is in
+# a long step).
+_HANDOVER_S = 0.02
+
 
 class _State:
     """What the daemon thread and the finalizer share (never the LoopThread itself)."""
@@ -43,6 +64,11 @@ class _State:
         self.drive = threading.Lock()  # held by the thread running the loop
         self.want = threading.Event()  # the daemon thread should run the loop
         self.closing = False
+        # ``lend``: the daemon is in run_forever (a caller may ask for the loop); a caller
+        # asked; when a blocking caller last left the loop (monotonic).
+        self.forever = False
+        self.asked = False
+        self.left_at = 0.0
 
 
 async def _until_idle() -> None:
@@ -71,13 +97,32 @@ def _stop(loop: asyncio.AbstractEventLoop, thread: threading.Thread, state: _Sta
         thread.join(timeout=5)
 
 
-class LoopThread:
-    """An event loop and the daemon thread that runs it (always, or when callers leave work
-    behind: see the module docstring)."""
+def _await_turn(state: _State) -> None:
+    """``lend``: return holding the loop's drive once work was handed to the daemon, or once
+    blocking callers have left the loop alone for ``_LINGER_S``."""
+    look = _LINGER_S
+    while True:
+        if state.want.wait(look) or state.closing:
+            state.drive.acquire()  # (a caller running the loop does that work meanwhile)
+            return
+        if time.monotonic() - state.left_at >= _LINGER_S and state.drive.acquire(blocking=False):
+            return
+        # a caller runs the loop: look less often the longer it does
+        look = min(look * 2, _LOOK_MAX_S) if state.drive.locked() else _LINGER_S
 
-    def __init__(self, name: str = "transferqueue-io", *, always: bool = True) -> None:
+
+class LoopThread:
+    """An event loop and the daemon thread that runs it (always, when callers leave work
+    behind, or whenever blocking callers lend it: see the module docstring)."""
+
+    def __init__(
+        self, name: str = "transferqueue-io", *, always: bool = True, lend: bool = False
+    ) -> None:
+        if lend and not always:
+            raise ValueError("LoopThread(lend=True) needs always=True")
         self.loop = asyncio.new_event_loop()
         self.always = always
+        self.lend = lend
         state = self._state = _State()
         loop = self.loop
         if always:
@@ -88,16 +133,33 @@ class LoopThread:
             asyncio.set_event_loop(loop)
             ready.set()
             while True:
-                state.want.wait()
-                with state.drive:
+                if lend:
+                    _await_turn(state)
+                else:
+                    state.want.wait()
+                    state.drive.acquire()
+                try:
                     state.want.clear()
                     if state.closing:
                         break
                     with contextlib.suppress(RuntimeError):  # stopped by close
-                        if always:
+                        if not always:
+                            loop.run_until_complete(_until_idle())
+                        elif not lend:
                             loop.run_forever()
                         else:
-                            loop.run_until_complete(_until_idle())
+                            state.forever = True
+                            try:
+                                loop.run_forever()
+                            finally:
+                                state.forever = False
+                            if state.asked:  # stopped to lend the loop: linger from now
+                                state.asked = False
+                                state.left_at = time.monotonic()
+                                # (calls handed over meanwhile: the borrower runs the loop)
+                                state.want.clear()
+                finally:
+                    state.drive.release()
             with state.drive:
                 # Cancel what is left so no task is destroyed while pending.
                 pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
@@ -142,29 +204,67 @@ class LoopThread:
                 "a sync TransferQueue call was made on its own I/O loop; use the async client "
                 "(tq.async_client()) inside async code"
             )
-        if not self.always and not _has_loop() and self._state.drive.acquire(blocking=False):
-            try:
-                if self.closed:
-                    coro.close()
-                    raise ClosedError("the TransferQueue handle is closed")
-                main = coro if timeout is None else within(coro, timeout)
-                try:
-                    return self.loop.run_until_complete(main)
-                except RuntimeError:
-                    if self.closed:  # close() stopped the loop under this call
-                        raise ClosedError("the TransferQueue handle was closed") from None
-                    raise
-            finally:
-                left = not self.loop.is_closed() and _pending(self.loop)
-                self._state.drive.release()
-                if left:  # tasks still pending: the daemon thread runs the loop until done
-                    self._state.want.set()
+        state = self._state
+        if (not self.always or self.lend) and not _has_loop():
+            if state.drive.acquire(blocking=False):
+                return self._run_here(coro, timeout)
+            if self.lend and state.forever and self._borrow():
+                if timeout is not None:
+                    timeout = max(timeout - _HANDOVER_S, 0.0)
+                return self._run_here(coro, timeout)
+        fut = self.submit(coro)
         try:
-            return self.submit(coro).result(timeout)
+            return fut.result(timeout)
         except concurrent.futures.CancelledError:
             if self.closed:  # close() cancelled the call
                 raise ClosedError("the TransferQueue handle was closed") from None
             raise
+        except BaseException:  # a timeout, Ctrl-C: the call must not go on without its caller
+            fut.cancel()
+            raise
+
+    def _borrow(self) -> bool:
+        """``lend``: ask the daemon for the loop; True once this thread holds its drive."""
+        with contextlib.suppress(RuntimeError):  # (closed meanwhile: the caller says so)
+            self.loop.call_soon_threadsafe(self._lent)
+        return self._state.drive.acquire(timeout=_HANDOVER_S)
+
+    def _lent(self) -> None:
+        """On the loop: a blocking caller asked for it; the daemon stops after this step."""
+        state = self._state
+        if state.forever and threading.current_thread() is self.thread:
+            state.asked = True
+            self.loop.stop()
+
+    def _run_here(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
+        """Run the loop on this thread until ``coro`` is done (the drive is held)."""
+        state = self._state
+        try:
+            if self.closed:
+                coro.close()
+                raise ClosedError("the TransferQueue handle is closed")
+            main = coro if timeout is None else within(coro, timeout)
+            task = self.loop.create_task(main)
+            with _ctrl_c_cancels(task) as interrupted:
+                try:
+                    return self.loop.run_until_complete(task)
+                except asyncio.CancelledError:
+                    if interrupted:
+                        raise KeyboardInterrupt from None
+                    raise
+                except RuntimeError:
+                    if self.closed:  # close() stopped the loop under this call
+                        raise ClosedError("the TransferQueue handle was closed") from None
+                    raise
+        finally:
+            if self.lend:  # the daemon takes the loop back once callers leave it alone
+                state.left_at = time.monotonic()
+                state.drive.release()
+            else:
+                left = not self.loop.is_closed() and _pending(self.loop)
+                state.drive.release()
+                if left:  # tasks still pending: the daemon thread runs the loop until done
+                    state.want.set()
 
     async def run_async(self, coro: Coroutine[Any, Any, T]) -> T:
         """Await ``coro`` on the loop from async code on any loop."""
@@ -174,6 +274,36 @@ class LoopThread:
 
     def close(self) -> None:
         self._finalizer()
+
+
+@contextlib.contextmanager
+def _ctrl_c_cancels(task: asyncio.Task[Any]) -> Iterator[list[bool]]:
+    """While the main thread runs the loop for ``task``, Ctrl-C cancels the task (at an await:
+    the controller's state is never left half-changed, as a ``KeyboardInterrupt`` raised in
+    the middle of a handler would) and the call then raises ``KeyboardInterrupt``; a second
+    Ctrl-C raises it at once. The way ``asyncio.run`` treats Ctrl-C. Yields the flag (a
+    one-item list once interrupted)."""
+    interrupted: list[bool] = []
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield interrupted  # (another thread, or the program handles Ctrl-C itself)
+        return
+    loop = task.get_loop()
+
+    def on_ctrl_c(signum: int, frame: FrameType | None) -> None:
+        if interrupted or task.done():
+            raise KeyboardInterrupt
+        interrupted.append(True)
+        task.cancel()
+        loop.call_soon_threadsafe(lambda: None)  # (wakes the loop out of its select)
+
+    signal.signal(signal.SIGINT, on_ctrl_c)
+    try:
+        yield interrupted
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _has_loop() -> bool:

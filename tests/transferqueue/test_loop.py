@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -20,19 +23,22 @@ async def _where() -> threading.Thread:
     return threading.current_thread()
 
 
-@pytest.fixture(params=[True, False], ids=["always", "on-demand"])
+@pytest.fixture(params=["always", "on-demand", "lend"])
 def io(request: pytest.FixtureRequest) -> Iterator[LoopThread]:
-    loop = LoopThread("test-io", always=request.param)
+    loop = LoopThread("test-io", always=request.param != "on-demand", lend=request.param == "lend")
     yield loop
     loop.close()
 
 
 def test_a_blocking_call_runs_on_the_caller_when_the_loop_is_on_demand(io: LoopThread) -> None:
-    where = io.run(_where())
-    if io.always:
-        assert where is io.thread
+    where = [io.run(_where()) for _ in range(20)]
+    if not io.always:
+        assert all(w is threading.current_thread() for w in where)  # no hop to the daemon
+    elif io.lend:  # the daemon lends the loop (unless it keeps it past the hand-over bound)
+        assert threading.current_thread() in where
+        assert set(where) <= {threading.current_thread(), io.thread}
     else:
-        assert where is threading.current_thread()  # no hop to the daemon thread
+        assert all(w is io.thread for w in where)
     with pytest.raises(RuntimeError, match="own I/O loop"):
 
         async def nested() -> None:
@@ -135,3 +141,110 @@ def test_a_connected_client_calls_without_the_hop_and_shares_across_threads() ->
         th.join(60)
         assert sorted(got) == list(range(6))
         assert tq.client().stats()["controller"]["rows_live"] == 0
+
+
+def test_a_lent_loop_runs_its_own_timers_while_callers_call_and_once_they_stop() -> None:
+    """The embedded controller's lease expiry and timeouts are timers on its loop: they fire
+    while blocking callers run the loop (back to back) and once they have stopped calling."""
+    io = LoopThread("test-io", lend=True)
+    try:
+        ticks: list[tuple[float, threading.Thread]] = []
+
+        async def arm() -> None:
+            loop = asyncio.get_running_loop()
+
+            def tick() -> None:
+                ticks.append((time.monotonic(), threading.current_thread()))
+                if len(ticks) < 200:
+                    loop.call_later(0.005, tick)
+
+            loop.call_later(0.005, tick)
+
+        io.run(arm())
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 0.5:  # callers run the loop back to back
+            io.run(_where())
+        busy = [t for t, _ in ticks]
+        assert len(busy) >= 10, f"the loop's timers stalled while callers ran it: {len(busy)}"
+        assert threading.current_thread() in {w for _, w in ticks}  # (run by the borrower)
+        n = len(ticks)
+        deadline = time.monotonic() + 10
+        while len(ticks) < n + 10 and time.monotonic() < deadline:  # nobody calls now
+            time.sleep(0.01)
+        assert len(ticks) >= n + 10, "the daemon did not take the loop back"
+        assert ticks[-1][1] is io.thread
+    finally:
+        io.close()
+
+
+def test_a_lent_loop_serves_every_thread_and_loop_at_once() -> None:
+    """Blocking callers on several threads and async callers on another loop at once: each
+    call completes exactly once, whoever runs the loop."""
+    io = LoopThread("test-io", lend=True)
+    try:
+        count = 0
+
+        async def bump() -> int:
+            nonlocal count
+            await asyncio.sleep(0)
+            count += 1
+            return count
+
+        def blocking() -> list[int]:
+            return [io.run(bump(), timeout=60) for _ in range(300)]
+
+        async def hopping() -> list[int]:
+            return [await io.run_async(bump()) for _ in range(300)]
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            futs = [pool.submit(blocking) for _ in range(3)]
+            futs.append(pool.submit(asyncio.run, hopping()))
+            got = [v for f in futs for v in f.result(timeout=120)]
+        assert sorted(got) == list(range(1, 1201))  # every call ran once, none was lost
+    finally:
+        io.close()
+
+
+def test_ctrl_c_during_a_blocking_call_cancels_it(io: LoopThread) -> None:
+    """Ctrl-C while a blocking call waits (on the loop this thread runs, or on another's)
+    raises ``KeyboardInterrupt`` from the call and cancels it: nothing goes on running for a
+    caller that is gone, and the loop keeps serving."""
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("the test runner handles Ctrl-C itself")
+    cancelled = threading.Event()
+
+    async def wait_long() -> None:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    for _ in range(2):  # (the second call: on a loop this thread now runs, if lent)
+        cancelled.clear()
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+        t0 = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            io.run(wait_long())
+        assert time.monotonic() - t0 < 30
+        assert cancelled.wait(10), "the interrupted call went on running on the loop"
+        assert io.run(_where()) is not None
+
+
+def test_ctrl_c_in_an_embedded_wait_does_not_leave_a_waiter_behind() -> None:
+    """The main thread runs the embedded controller's loop during its calls: a get_meta
+    interrupted by Ctrl-C is withdrawn, so the rows put next go to the next get_meta, not to
+    the interrupted one (which would hold them leased until the lease expired)."""
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("the test runner handles Ctrl-C itself")
+    with transferqueue.start(num_units=1) as tq:
+        client = tq.client()
+        client.declare_tasks(["t"])
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt):
+            client.get_meta("t", ["x"], 4, timeout_s=60)
+        client.put({"x": torch.arange(4)})
+        meta = client.get_meta("t", ["x"], 4, timeout_s=10)
+        assert torch.equal(client.get_data(meta)["x"], torch.arange(4))  # type: ignore[arg-type]
+        client.ack(meta)
+        assert client.stats()["controller"]["rows_live"] == 0

@@ -2,7 +2,10 @@
 
 No serialization at all: a put copies each column once into a unit's preallocated buffers, a
 read gathers once into the returned batch. Large copies run on a small thread pool so the I/O
-loop keeps answering other clients meanwhile.
+loop keeps answering other clients meanwhile. A blocking call runs that loop on the calling
+thread (its daemon thread lends it, and takes it back for the controller's timers once
+callers leave it alone: :class:`~transferqueue.loop.LoopThread`), so a thread calling back to
+back never waits for another thread to be scheduled.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ def start(
     if num_units < 1:
         raise ValueError(f"num_units must be >= 1, got {num_units}")
     check_replicas(replicas)
-    io = LoopThread("transferqueue-embedded")
+    io = LoopThread("transferqueue-embedded", lend=True)
     executor = ThreadPoolExecutor(max_workers=max(2, num_units), thread_name_prefix="tq-copy")
     units = [StorageUnit(i, capacity_bytes=unit_capacity_bytes) for i in range(num_units)]
     links = [LocalUnitLink(u, executor) for u in units]
