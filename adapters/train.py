@@ -4,7 +4,7 @@
 |-----------------------------------------------------------|---------------------------|
 | prompt_ids, response_ids, behaviour_logprobs, loss_mask,  | nothing (acks the rows);  |
 | token_versions (``TrainBatch.extra``), generated_at,      | a step report per step    |
-| reward, num_turns, end_reason, episode_info               |                           |
+| reward, num_turns, end_reason, episode_info, episode_stats|                           |
 | (+ ref_logprobs with a reference stage)                   |                           |
 
 Each step trains exactly ``B = groups_per_step`` groups: those of its *window*, consecutive
