@@ -13,7 +13,7 @@ dataset with another seed, ``eval.seed``) greedily: ``eval/reward``. It writes t
 the other examples: ``metrics.jsonl`` (one record per step), ``reward.png``, ``timeline.json``,
 TensorBoard logs and the trained ``policy/``.
 
-Measured (2 CPU cores shared with other work, defaults): 300 steps in RUN_S s; mean reward
+Measured (2 CPU cores shared with other work, defaults): 600 steps in RUN_S s; mean reward
 FIRST (first 10% of steps) -> LAST (last 10%), held-out eval/reward EVAL0 (step 50) -> EVAL1
 (last step).
 
@@ -37,6 +37,7 @@ DEFAULTS = [
     "task.options.config={min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1, "
     "operators: ['+'], allow_parentheses: false, allow_negation: false}",
     "task.options.size=2000",
+    "train.steps=600",
     "eval.every_steps=50",
     "eval.prompts=64",
 ]
