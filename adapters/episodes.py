@@ -15,11 +15,15 @@ episodes of one prompt). ``T`` is the number of tokens after the prompt, ``n`` t
 | turn_offsets       | ragged int32 [n]     | where each model turn starts in response_ids       |
 | turn_rewards       | ragged float32 [n]   | the environment's reward per turn (NaN: none)      |
 | num_turns          | dense int32          | n                                                  |
-| end_reason         | object str           | done, max_turns, max_tokens, error, timeout        |
-| episode_reward     | dense float32        | sum of turn_rewards; NaN: no verdict (no           |
-|                    |                      | environment, or it failed)                         |
+| end_reason         | object str           | done, max_turns, max_tokens, timeout, env_error    |
+| episode_reward     | dense float32        | sum of turn_rewards (``timeout``: the timeout      |
+|                    |                      | reward); NaN: no verdict (no environment, or its   |
+|                    |                      | infrastructure failed: ``env_error``)              |
 | episode_info       | object dict          | the environment's counters summed over the turns   |
 |                    |                      | (e.g. ``tool_calls``), ``truncated_observations``  |
+| episode_stats      | object dict          | how its time went: ``reset_s``/``step_s`` (each    |
+|                    |                      | call's latency), ``engine_s``, ``env_s``,          |
+|                    |                      | ``retries`` (``engines.episodes.EpisodeStats``)    |
 | finish_reason      | object str           | of the last turn: stop or length                   |
 
 and the row's header ``version`` is the oldest version among its tokens (what the staleness
@@ -39,10 +43,12 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from engines.episodes import END_REASONS, Episode, EpisodeRunner, TurnBatcher
 from engines.episodes.batcher import BatchGenerate
+from engines.episodes.record import FAILED
 from engines.protocols import SamplingParams
 from transferqueue import Ragged
 from transferqueue.schema import Column
@@ -53,6 +59,7 @@ __all__ = [
     "EpisodeTally",
     "episode_columns",
     "episode_metrics",
+    "failed_groups",
     "rows_of",
     "run_episodes",
 ]
@@ -69,10 +76,11 @@ EPISODE_FIELDS = (
     "end_reason",
     "episode_reward",
     "episode_info",
+    "episode_stats",
 )
 """The fields the rollout writes onto each episode's row."""
 
-SUMMARY_FIELDS = ("num_turns", "end_reason", "episode_info")
+SUMMARY_FIELDS = ("num_turns", "end_reason", "episode_info", "episode_stats")
 """What the train stage reads of each episode for its step's summary (:class:`EpisodeTally`)."""
 
 
@@ -90,60 +98,114 @@ def episode_columns(episodes: Sequence[Episode]) -> dict[str, Any]:
         "end_reason": [e.end_reason for e in episodes],
         "episode_reward": torch.tensor([e.episode_reward for e in episodes], dtype=torch.float32),
         "episode_info": [dict(e.info) for e in episodes],
+        "episode_stats": [dict(e.stats) for e in episodes],
     }
 
 
+def failed_groups(cols: dict[str, Column], groups: np.ndarray) -> list[int]:
+    """The groups (ids, sorted) with an episode whose environment failed (``env_error``):
+    the train stage drops them whole."""
+    reasons = cols["end_reason"]
+    if not isinstance(reasons, list):
+        raise TypeError("end_reason must be an object column")
+    return sorted({int(g) for g, r in zip(groups.tolist(), reasons, strict=True) if r in FAILED})
+
+
 class EpisodeTally:
-    """The episodes of one train step, summed: what each step's record says of them."""
+    """The episodes of one train step, summed: what each step's record says of them.
+
+    | key                      | what (over the step's episodes: trained, filtered, dropped) |
+    |--------------------------|-------------------------------------------------------------|
+    | ``turns_mean``           | model turns per episode                                     |
+    | ``episode_end_reasons``  | episodes per end reason (those that occurred)               |
+    | ``episode_end_rates``    | share of each end reason (every reason, 0 included)         |
+    | ``env_retries``          | tries thrown away because the environment failed            |
+    | ``env_counters``         | each numeric counter of the environment's ``info``, summed  |
+    | ``tool_calls_per_episode``| ``tool_calls`` per episode, where the environment counts it|
+    | ``env_latency_s``        | ``reset``/``step`` call latency: ``*_p50``, ``*_p99``       |
+    | ``episode_wait_s``       | seconds per episode waiting on the ``engine`` / the ``env`` |
+
+    The last four only where the episodes had an environment that reported them.
+    """
 
     def __init__(self) -> None:
-        self._turns: list[int] = []
-        self._reasons: dict[str, int] = {}
-        self._tool_calls = 0.0
+        self._reset()
 
     def _reset(self) -> None:
-        self._turns, self._reasons, self._tool_calls = [], {}, 0.0
+        self._turns: list[int] = []
+        self._reasons: dict[str, int] = {}
+        self._counters: dict[str, float] = {}
+        self._calls: dict[str, list[float]] = {"reset": [], "step": []}
+        self._wait = {"engine": 0.0, "env": 0.0}
+        self._retries = 0
+        self._timed = 0
 
     def add(self, cols: dict[str, Column]) -> None:
         """One micro-batch's :data:`SUMMARY_FIELDS` columns."""
         turns, reasons, infos = cols["num_turns"], cols["end_reason"], cols["episode_info"]
+        stats = cols["episode_stats"]
         if not isinstance(turns, torch.Tensor) or not isinstance(reasons, list):
             raise TypeError("num_turns must be a dense column and end_reason an object column")
-        if not isinstance(infos, list):
-            raise TypeError("episode_info must be an object column")
+        if not isinstance(infos, list) or not isinstance(stats, list):
+            raise TypeError("episode_info and episode_stats must be object columns")
         self._turns += [int(t) for t in turns.tolist()]
         for reason in reasons:
             self._reasons[str(reason)] = self._reasons.get(str(reason), 0) + 1
-        self._tool_calls += sum(float(i.get("tool_calls", 0.0)) for i in infos)
+        for info in infos:
+            for k, v in info.items():
+                if isinstance(v, int | float):
+                    self._counters[k] = self._counters.get(k, 0.0) + float(v)
+        for st in stats:
+            if not st:  # an episode no runner ran
+                continue
+            self._timed += 1
+            self._calls["reset"] += st.get("reset_s", [])
+            self._calls["step"] += st.get("step_s", [])
+            self._wait["engine"] += float(st.get("engine_s", 0.0))
+            self._wait["env"] += float(st.get("env_s", 0.0))
+            self._retries += int(st.get("retries", 0))
 
     def summary(self) -> dict[str, Any]:
-        """``turns_mean``, ``tool_calls_per_episode`` and ``episode_end_reasons`` (counts per
-        reason) of the episodes added since the last summary, which starts a new tally."""
+        """The table above, of the episodes added since the last summary, which starts a new
+        tally."""
         n = max(len(self._turns), 1)
-        out = {
+        out: dict[str, Any] = {
             "turns_mean": sum(self._turns) / n,
-            "tool_calls_per_episode": self._tool_calls / n,
             "episode_end_reasons": dict(sorted(self._reasons.items())),
+            "episode_end_rates": {r: self._reasons.get(r, 0) / n for r in END_REASONS},
+            "env_retries": self._retries,
+            "env_counters": dict(sorted(self._counters.items())),
         }
+        if "tool_calls" in self._counters:
+            out["tool_calls_per_episode"] = self._counters["tool_calls"] / n
+        latency = {}
+        for call, values in self._calls.items():
+            if values:
+                latency[f"{call}_p50"] = float(np.percentile(values, 50))
+                latency[f"{call}_p99"] = float(np.percentile(values, 99))
+        if latency:
+            out["env_latency_s"] = latency
+        if self._timed:
+            out["episode_wait_s"] = {k: v / self._timed for k, v in self._wait.items()}
         self._reset()
         return out
 
 
 def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
-    """Means over a batch's episodes: ``turns_mean``, ``tool_calls_per_episode``, the share
+    """Means over a batch's episodes (the rollout stage's metrics): ``turns_mean``, the share
     of each end reason (``end_reason/<reason>``), ``episode_reward`` (over those with a
-    verdict) and the other counters of the environment (``env/<name>``, per episode)."""
+    verdict), ``model_tokens_mean`` and the environment's own counters (``env/<name>``, per
+    episode: only those it reported)."""
     n = max(len(episodes), 1)
     rewards = [e.episode_reward for e in episodes if not math.isnan(e.episode_reward)]
     out = {
         "turns_mean": sum(e.num_turns for e in episodes) / n,
-        "tool_calls_per_episode": sum(e.info.get("tool_calls", 0.0) for e in episodes) / n,
         "episode_reward": sum(rewards) / len(rewards) if rewards else math.nan,
         "model_tokens_mean": sum(e.model_tokens for e in episodes) / n,
     }
     for reason in END_REASONS:
         out[f"end_reason/{reason}"] = sum(e.end_reason == reason for e in episodes) / n
-    for key in sorted({k for e in episodes for k in e.info} - {"tool_calls"}):
+    for key in sorted({k for e in episodes for k in e.info}):
         out[f"env/{key}"] = sum(e.info.get(key, 0.0) for e in episodes) / n
     return out
 

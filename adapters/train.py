@@ -4,7 +4,7 @@
 |-----------------------------------------------------------|---------------------------|
 | prompt_ids, response_ids, behaviour_logprobs, loss_mask,  | nothing (acks the rows);  |
 | token_versions (``TrainBatch.extra``), generated_at,      | a step report per step    |
-| reward, num_turns, end_reason, episode_info               |                           |
+| reward, num_turns, end_reason, episode_info, episode_stats|                           |
 | (+ ref_logprobs with a reference stage)                   |                           |
 
 Each step trains exactly ``B = groups_per_step`` groups: those of its *window*, consecutive
@@ -25,6 +25,15 @@ group's step depends only on how many groups before it were filtered: the bound 
 admission relies on (``asyncflow.feeder``). A step that filters more than
 ``FILTER_LIMIT * B`` groups fails the run (the rewards never separate: the task is too easy or
 too hard for the policy).
+
+**Dropped groups** (always, with or without dynamic sampling): a group with an episode that
+ended ``env_error`` (its environment's infrastructure failed on every try, see
+``engines.episodes.runner``) is never trained, not even its episodes that succeeded: it goes
+the filtered groups' way (acknowledged, counted in the step's ``filtered`` and ``dropped``,
+told to ``on_filtered`` so that the feeder admits a new prompt in its place, the window grows
+by one group). So a group is trained whole or not at all, each group exactly once, and the
+staleness bound holds by the same argument. ``timeout`` episodes (the policy's failure) are
+trained with their reward.
 
 **Token budgets** (``max_tokens_per_micro_batch``): a leased micro-batch of groups is packed
 into engine calls of at most that many tokens (prompt + response, :mod:`engines.packing`);
@@ -64,7 +73,7 @@ import numpy as np
 import torch
 
 from adapters.base import Adapter, StageOutput
-from adapters.episodes import SUMMARY_FIELDS, EpisodeTally
+from adapters.episodes import SUMMARY_FIELDS, EpisodeTally, failed_groups
 from engines.packing import pack_by_tokens
 from engines.protocols import TrainBatch, TrainingEngine
 from transferqueue import BatchMeta, Ragged
@@ -245,7 +254,11 @@ class StepReport:
     groups: list[int]
     metrics: dict[str, float] = field(default_factory=dict)
     filtered: list[int] = field(default_factory=list)
-    """Groups of the step's window not trained: their rewards all tied (dynamic sampling)."""
+    """Groups of the step's window not trained: their rewards all tied (dynamic sampling), or
+    dropped (``dropped``)."""
+    dropped: list[int] = field(default_factory=list)
+    """Groups of ``filtered`` dropped because an episode's environment failed
+    (``env_error``)."""
     next_group: int = -1
     """The first group of the next step's window (every group before it was consumed)."""
     newest_versions: list[int] = field(default_factory=list)
@@ -255,8 +268,9 @@ class StepReport:
     docstring): ``ended - oldest`` of its staleness was spent generating, ``step - ended``
     queued."""
     episodes: dict[str, Any] = field(default_factory=dict)
-    """The step's episodes: ``turns_mean``, ``tool_calls_per_episode``,
-    ``episode_end_reasons`` (:class:`adapters.episodes.EpisodeTally`)."""
+    """The step's episodes (trained, filtered and dropped): end reasons and their rates, the
+    environment's counters, call latencies and wait times
+    (:meth:`adapters.episodes.EpisodeTally.summary`)."""
 
 
 class TrainAdapter(Adapter):
@@ -338,6 +352,7 @@ class TrainAdapter(Adapter):
             "tokens": [],
             "metrics": [],
             "filtered": [],
+            "dropped": [],
             "call_tokens": [],
             "rank_ratio": [],
         }
@@ -364,11 +379,14 @@ class TrainAdapter(Adapter):
                 f"step {self.step} got groups {sorted(set(meta.groups.tolist()))} outside its "
                 f"window {lo}..{hi}; group ids must be admission indexes"
             )
+        self.tally.add(cols)  # every episode the step consumes, trained or not
+        dropped = failed_groups(cols, meta.groups)
         tied = tied_groups(reward, meta.groups) if self.dynamic_sampling else []
+        tied = [g for g in tied if g not in dropped]
         tokens = 0
-        if tied:
-            self._filter(tied)
-            keep = np.flatnonzero(~np.isin(meta.groups, tied))
+        if tied or dropped:
+            self._filter(tied, dropped)
+            keep = np.flatnonzero(~np.isin(meta.groups, tied + dropped))
             meta, cols = meta.select(keep), select_columns(cols, keep)
             reward = cols["reward"]
             assert isinstance(reward, torch.Tensor)
@@ -385,23 +403,32 @@ class TrainAdapter(Adapter):
             acc["groups"] += meta.groups.tolist()
             acc["tokens"].append(tokens)
             acc["metrics"].append((len(meta), metrics))
-            self.tally.add(cols)  # the trained episodes (not the filtered ones)
             self._groups_done += len(meta) // self.group_size
         if self._groups_done >= self.groups_per_step:
             await self._finish_step()
         return StageOutput(tokens=tokens)
 
-    def _filter(self, groups: list[int]) -> None:
+    def _filter(self, tied: list[int], dropped: list[int]) -> None:
         filtered = self._acc["filtered"]
-        filtered += groups
-        self._just_filtered += groups
-        if len(filtered) > FILTER_LIMIT * self.groups_per_step:
+        filtered += tied + dropped
+        self._acc["dropped"] += dropped
+        self._just_filtered += tied + dropped
+        if len(filtered) <= FILTER_LIMIT * self.groups_per_step:
+            return
+        limit = f"more than {FILTER_LIMIT} x train.groups_per_step={self.groups_per_step}"
+        drops = len(self._acc["dropped"])
+        if drops * 2 >= len(filtered):
             raise RuntimeError(
-                f"step {self.step} filtered {len(filtered)} groups whose rewards all tied "
-                f"(more than {FILTER_LIMIT} x train.groups_per_step={self.groups_per_step}): "
-                "the rewards do not separate the policy's answers; make the task harder or "
-                "easier, or set train.dynamic_sampling=false"
+                f"step {self.step} dropped {drops} groups whose environment failed on every "
+                f"try (env_error) and filtered {len(filtered) - drops} ({limit}): the "
+                "environment's infrastructure keeps failing; see the episodes' errors in the "
+                "log, raise env.retries or env.timeout_s, or fix the environment"
             )
+        raise RuntimeError(
+            f"step {self.step} filtered {len(filtered)} groups whose rewards all tied "
+            f"({limit}): the rewards do not separate the policy's answers; make the task "
+            "harder or easier, or set train.dynamic_sampling=false"
+        )
 
     def _version_columns(
         self, meta: BatchMeta, cols: dict[str, Column]
@@ -487,6 +514,7 @@ class TrainAdapter(Adapter):
             groups=sorted(set(acc["groups"])),
             metrics=merged,
             filtered=sorted(acc["filtered"]),
+            dropped=sorted(acc["dropped"]),
             next_group=next_group,
             newest_versions=list(acc["newest"]),
             ended_versions=list(acc["ended"]),

@@ -162,6 +162,10 @@ def build_episodes(
         max_tokens=cfg.rollout.max_episode_tokens,
         timeout_s=env.timeout_s,
         max_observation_tokens=env.max_observation_tokens,
+        retries=env.retries,
+        episode_timeout_s=env.episode_timeout_s,
+        timeout_reward=env.timeout_reward,
+        max_concurrent=env.max_concurrent,
     )
     return EpisodeRunner(
         environment_factory(name, env.options),

@@ -36,6 +36,11 @@ published by the admission rule. Each filtered group frees one count, so the fee
 replacement (the next prompt) and every step still trains ``B`` groups. Without filtering,
 ``c_j = j``: the rule above.
 
+**Dropped groups** take the same path with or without dynamic sampling: a run with an
+environment (``refill=True``) may see a group dropped because an episode's environment failed
+on every try (``env_error``, see ``adapters.train``); the train stage reports it like a
+filtered one and the feeder admits a new prompt in its place, under the same rule.
+
 With partial rollouts (``rollout.partial``) a sample's tokens may come from several versions:
 an update stops it at a token boundary and it goes on with newer weights. The bound is on its
 **oldest** token, and the same admission still makes dropping unnecessary: the group goes only
@@ -116,6 +121,7 @@ class PromptFeeder:
         admission_log: list[tuple[int, int]] | None = None,
         dynamic_sampling: bool = False,
         filtered_before: int = 0,
+        refill: bool = False,
     ) -> None:
         self.client = client
         self.task = task
@@ -132,6 +138,8 @@ class PromptFeeder:
         self.predict = predict
         self.admitted = start
         self.dynamic_sampling = dynamic_sampling
+        self.refill = dynamic_sampling or refill
+        """Groups may be filtered or dropped: admit one more for each, until the run ends."""
         self.filtered_before = filtered_before
         """Groups before ``start`` that were filtered (a resumed run's checkpoint)."""
         # (group, generator version at admission)
@@ -149,14 +157,15 @@ class PromptFeeder:
         return counted // self.groups_per_step - self.max_staleness
 
     async def run(self) -> None:
-        """Admit groups until the run has them all. With dynamic sampling it never returns
-        (a filtered group needs a replacement until the last step); the driver cancels it."""
+        """Admit groups until the run has them all. With refills (dynamic sampling, an
+        environment) it never returns (a filtered or dropped group needs a replacement until
+        the last step); the driver cancels it."""
         reg = self.registry
         available = self.task.num_items()
-        while self.dynamic_sampling or self.admitted - self.filtered_before < self.total_groups:
+        while self.refill or self.admitted - self.filtered_before < self.total_groups:
             newest, published, seen = await reg.admission_view()
             filtered = self.filtered_before
-            if self.dynamic_sampling:
+            if self.refill:
                 filtered += await reg.filtered_count()
             counted = self.admitted - filtered
             limit = self.limit(published)
@@ -168,8 +177,8 @@ class PromptFeeder:
                 if self.admitted >= available:
                     raise RuntimeError(
                         f"the task's {available} prompts are all admitted, {filtered} of them "
-                        "filtered by dynamic sampling, and the run needs more: raise "
-                        "task.options.epochs, lower train.steps or set "
+                        "filtered by dynamic sampling or dropped (env_error), and the run "
+                        "needs more: raise task.options.epochs, lower train.steps or set "
                         "train.dynamic_sampling=false"
                     )
                 count = available - self.admitted

@@ -123,8 +123,10 @@ def step_record(
         "version": report.version,
         "samples": report.samples,
         "groups": report.groups,
-        "groups_filtered": len(report.filtered),
+        "groups_filtered": len(report.filtered) - len(report.dropped),
+        "groups_dropped": len(report.dropped),
         "filtered": report.filtered,
+        "dropped": report.dropped,
         "tokens": report.tokens,
         "time_s": now,
         "step_s": now - since,
@@ -135,7 +137,7 @@ def step_record(
         "stages": timeline.summary(since, now),
         "queue": {k: {"queued": v["queued"], "waiting": v["waiting"]} for k, v in tq_tasks.items()},
     }
-    record.update(report.episodes)  # turns_mean, tool_calls_per_episode, episode_end_reasons
+    record.update(report.episodes)  # end reasons and rates, env counters, latency, waits
     for k, v in report.metrics.items():  # engine scalars; never shadow the run's own fields
         record.setdefault(k if k not in record else f"engine_{k}", v)
     return record

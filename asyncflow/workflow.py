@@ -32,7 +32,9 @@ TransferQueue is closed and the error is raised as :class:`StageError` naming th
 stage's own as is); no task is left running. Lost rows are not a failure. With
 ``train.dynamic_sampling`` the train stage filters the groups whose rewards all tie and the
 feeder admits one more group per filtered one (each record's ``groups_filtered`` and
-``filtered``; a checkpoint lists them, so a resumed run neither trains nor counts them).
+``filtered``; a checkpoint lists them, so a resumed run neither trains nor counts them). With
+an environment, a group with an episode whose environment failed on every try (``env_error``)
+is dropped and refilled the same way (``groups_dropped``, ``dropped``).
 
 Around the steps, the driver also resumes from a checkpoint (``resume``) and saves the trained
 policy as a Hugging Face folder, ``output.dir/policy``, when the run ends.
@@ -264,6 +266,7 @@ def _feeder(cfg: RunConfig, dep: Deployment, state: DriverState | None) -> Promp
         admission_log=None if state is None else state.admission,
         dynamic_sampling=cfg.train.dynamic_sampling,
         filtered_before=0 if state is None else len(state.filtered),
+        refill=cfg.environment() is not None,  # a group may be dropped (env_error)
     )
 
 

@@ -14,9 +14,12 @@ completion that is malformed (no number, an unsafe or invalid expression) is a v
 | FormatReward      | (none)               | 1 if the completion matches a regular expression    |
 | CountdownReward   | answer, numbers      | 1 if the expression uses the numbers and hits answer|
 | EpisodeReward     | episode_reward       | the environment's return of a multi-turn episode    |
+| reasoning_gym     | rg_spec, rg_index    | the reasoning-gym dataset's own ``score_answer``    |
+|                   |                      | (:mod:`engines.reasoning_gym`)                      |
 | WeightedReward    | those of its parts   | weighted sum of its parts                           |
 
-:func:`make_reward` builds one by name (``math``, ``format``, ``countdown``, ``episode``) or
+:func:`make_reward` builds one by name (``math``, ``format``, ``countdown``, ``episode``,
+``reasoning_gym``) or
 imports a user's by import path (``mypkg.rewards:exact``; see :func:`load_reward`).
 """
 
@@ -276,11 +279,18 @@ class WeightedReward:
         return totals
 
 
+def _reasoning_gym(**options: Any) -> RewardCallable:
+    from engines.reasoning_gym import ReasoningGymReward  # its library only when called
+
+    return ReasoningGymReward(**options)
+
+
 REWARDS: dict[str, Callable[..., RewardCallable]] = {
     "math": MathAnswerReward,
     "format": FormatReward,
     "countdown": CountdownReward,
     "episode": EpisodeReward,
+    "reasoning_gym": _reasoning_gym,
 }
 """Reward factories by name, for configs and command lines."""
 

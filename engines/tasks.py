@@ -21,6 +21,9 @@ episodes run over several turns with an environment (``tool_use``, ``guess_numbe
 :mod:`engines.envs`) name it in ``Task.environment`` and give a correct episode's model turns
 in ``turns``.
 
+Procedural tasks from reasoning-gym, scored by their own scorers: task ``reasoning_gym``
+(:mod:`engines.reasoning_gym`, an optional extra).
+
 Called by the prompt data loader of the workflow, by examples, and by the tiny-model warm start.
 """
 
@@ -86,6 +89,9 @@ class Task(ABC):
     environment: ClassVar[str | None] = None
     """The environment (``engines.envs``) whose episodes the task's prompts start; None: a
     one-turn task (the response is judged by reward functions)."""
+    default_reward: ClassVar[str] = "math"
+    """The reward function (``engines.rewards.REWARDS``) of a one-turn run of this task that
+    names none (``reward.functions`` null)."""
 
     def __init__(self, seed: int) -> None:
         self.seed = seed
@@ -307,6 +313,7 @@ TASKS: dict[str, str] = {
     "file": "engines.file_task:FileTask",
     "tool_use": "engines.envs.tool_use:ToolUseTask",
     "guess_number": "engines.envs.guess_number:GuessNumberTask",
+    "reasoning_gym": "engines.reasoning_gym:ReasoningGymTask",
 }
 """Task classes by name, as import paths (a task's module is imported only when it is used)."""
 

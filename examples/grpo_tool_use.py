@@ -54,7 +54,7 @@ def main() -> None:
     first, last = result.reward_first_last(0.1)
     records = result.records
     k = max(1, len(records) // 10)
-    calls = [r["tool_calls_per_episode"] for r in records]
+    calls = [r.get("tool_calls_per_episode", 0.0) for r in records]
     turns = [r["turns_mean"] for r in records]
     print(
         f"{len(records)} steps in {result.wall_s:.0f} s: mean reward {first:.3f} (first 10% of "

@@ -162,6 +162,8 @@ def _check_task(cfg: RunConfig) -> Task:
     t = cfg.task
     try:
         task = make_task(t.name, seed=t.seed, **t.options)
+    except ImportError as e:  # an optional extra the task needs
+        raise ConfigError(f"task={t.name}: {_one_line(e)}") from None
     except (ValueError, TypeError) as e:
         raise ConfigError(f"task.options of task {t.name!r}: {_one_line(e)}") from None
     clash = sorted(set(task.columns()) & set(RESERVED_COLUMNS))

@@ -371,8 +371,10 @@ class RunConfig:
         return None if name == "none" else name
 
     def reward_functions(self) -> list[str]:
-        """``reward.functions``, or its default: ``[episode]`` with an environment, else
-        ``[math]``."""
+        """``reward.functions``, or its default: ``[episode]`` with an environment, else the
+        task's own (``Task.default_reward``: ``math``; ``reasoning_gym`` for that task)."""
         if self.reward.functions is not None:
             return list(self.reward.functions)
-        return ["episode"] if self.environment() is not None else ["math"]
+        if self.environment() is not None:
+            return ["episode"]
+        return [task_class(self.task.name).default_reward]

@@ -351,9 +351,21 @@ class EnvConfig:
     options: dict[str, Any] = field(default_factory=dict)
     """Keyword options of the environment, e.g. ``{call_reward: 0.1}`` for ``tool_use``."""
     timeout_s: float = 10.0
-    """Bound of each environment call (building it, ``reset``, ``step``, ``close``); a call
-    past it ends its episode with the reason ``timeout`` (an error: ``error``). Either way the
-    episode has no verdict (reward NaN: advantage 0, not learned from) and the run goes on."""
+    """Bound of each environment call (building it, ``reset``, ``step``, ``close``). A call
+    past it, like one that raises or answers something malformed, is an infrastructure
+    failure: the episode is tried again (``retries``), then ends ``env_error`` and its group
+    is dropped and replaced by a new prompt, never trained (``docs/environments.md``)."""
+    retries: int = 2
+    """Tries of an episode after the first when its environment's infrastructure fails,
+    each from the start on a fresh environment."""
+    episode_timeout_s: float | None = None
+    """Wall-clock budget of an episode (one try), or null: none. Past it the episode ends
+    ``timeout``, the policy's failure: it is trained, with the return ``timeout_reward``."""
+    timeout_reward: float = 0.0
+    """The return of an episode that ended ``timeout``."""
+    max_concurrent: int | None = None
+    """Environments open at once per rollout worker at most (null: one per running
+    episode); an episode waits for a slot before building its environment."""
     max_observation_tokens: int = 64
     """Tokens of one observation's text at most; a longer one is cut and ends with
     ``... [truncated]``."""
@@ -370,6 +382,13 @@ class EnvConfig:
             )
         if self.name is not None and not self.name:
             raise ValueError("env.name must be a name, an import path, none, or null")
+        if self.retries < 0:
+            raise ValueError(f"env.retries must be >= 0, got {self.retries}")
+        budget = self.episode_timeout_s
+        if budget is not None and not budget > 0:
+            raise ValueError(f"env.episode_timeout_s must be > 0 or null, got {budget}")
+        if self.max_concurrent is not None and self.max_concurrent < 1:
+            raise ValueError(f"env.max_concurrent must be >= 1 or null, got {self.max_concurrent}")
 
 
 @dataclass(kw_only=True)

@@ -16,6 +16,7 @@ import path ``module.path:attribute``.
 
 from engines.envs.base import (
     ENVIRONMENTS,
+    EnvError,
     EnvFactory,
     Environment,
     StepResult,
@@ -25,6 +26,7 @@ from engines.envs.base import (
 
 __all__ = [
     "ENVIRONMENTS",
+    "EnvError",
     "EnvFactory",
     "Environment",
     "StepResult",

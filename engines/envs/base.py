@@ -14,11 +14,14 @@ runner), a game, a simulator. One environment object serves one episode:
 ``reset`` and ``step`` may be plain methods or coroutines. Plain methods run in a worker
 thread of the runner's own pool, so a slow one never blocks the event loop; every call is
 bounded by the runner's ``timeout_s``. An environment that raises, hangs past the bound, or
-returns something that is not a :class:`StepResult` ends its episode with the reason
-``error`` or ``timeout``: the run goes on (see :mod:`engines.episodes`). Text the model writes
-that the environment cannot use (a malformed tool call) is not an error: the environment
-answers it like any other action (an error message as the observation, or the end of the
-episode with no reward).
+returns something that is not a :class:`StepResult` has failed as *infrastructure*
+(``env_error``): the runner plays the episode again from its start on a fresh environment, and
+if every try fails the episode's whole group is dropped and another prompt takes its place,
+never trained (see :mod:`engines.episodes.runner`). An environment (or an integration speaking
+to a server) says so explicitly by raising :class:`EnvError` ("the server closed the session").
+Text the model writes that the environment cannot use (a malformed tool call) is not a
+failure: the environment answers it like any other action (an error message as the
+observation, or the end of the episode with no reward), and it is trained.
 
 Built-in environments by name (:data:`ENVIRONMENTS`), or any class or factory by import path
 ``module.path:attribute``, built with keyword options: :func:`environment_factory`.
@@ -35,12 +38,24 @@ from engines.imports import import_path
 
 __all__ = [
     "ENVIRONMENTS",
+    "EnvError",
     "EnvFactory",
     "Environment",
     "StepResult",
     "environment_factory",
     "register_environment",
 ]
+
+
+class EnvError(RuntimeError):
+    """The environment's infrastructure failed, not the policy: a server unreachable or
+    gone, a session closed under the episode, a reply that does not parse.
+
+    Raised by environments and integrations from ``reset``, ``step`` or their constructor
+    (any other exception there is treated the same way; this one says it on purpose and
+    carries a message meant for the run's log). The episode runner raises it too, for a call
+    past its bound and for a malformed answer. Its episode is retried on a fresh environment
+    and, failing that, ends ``env_error`` and its group is dropped (never trained)."""
 
 
 @dataclass

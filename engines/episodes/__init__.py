@@ -7,7 +7,7 @@
 | :mod:`engines.episodes.format`         | :class:`TurnFormat`: observation tokens between    |
 |                                        | turns (the chat template's), turn text             |
 | :mod:`engines.episodes.runner`         | :class:`EpisodeRunner`: the turn loop, bounds,     |
-|                                        | environment errors and timeouts                    |
+|                                        | retries, failures and timeouts                     |
 | :mod:`engines.episodes.batcher`        | :class:`TurnBatcher`: turns of many episodes in    |
 |                                        | few ``generate`` calls                             |
 
@@ -18,7 +18,7 @@ rollout adapter (``adapters.rollout``) turns episodes into columns.
 from engines.episodes.batcher import TurnBatcher
 from engines.episodes.format import TRUNCATION_MARKER, TurnFormat
 from engines.episodes.record import END_REASONS, Episode, EpisodeBuilder, token_versions
-from engines.episodes.runner import EpisodeLimits, EpisodeRunner, TurnGenerate
+from engines.episodes.runner import EpisodeLimits, EpisodeRunner, EpisodeStats, TurnGenerate
 
 __all__ = [
     "END_REASONS",
@@ -27,6 +27,7 @@ __all__ = [
     "EpisodeBuilder",
     "EpisodeLimits",
     "EpisodeRunner",
+    "EpisodeStats",
     "TurnBatcher",
     "TurnFormat",
     "TurnGenerate",

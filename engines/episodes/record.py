@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -31,14 +32,16 @@ from engines.protocols import Generation
 
 __all__ = ["END_REASONS", "Episode", "EpisodeBuilder", "token_versions"]
 
-END_REASONS = ("done", "max_turns", "max_tokens", "error", "timeout")
+END_REASONS = ("done", "max_turns", "max_tokens", "timeout", "env_error")
 """Why an episode ended: the environment said done (or, with no environment, the response
-ended); ``max_turns`` turns were taken; the token budget ran out; the environment raised or
-answered something malformed; an environment call outlived its bound."""
+ended); ``max_turns`` turns were taken; the token budget ran out; the episode outlived its
+wall-clock budget (the policy's failure: trained with the timeout reward); the environment's
+infrastructure failed on every try (raised, hung past its bound or answered something
+malformed: never trained, its group is dropped)."""
 
-FAILED = ("error", "timeout")
+FAILED = ("env_error",)
 """End reasons that leave an episode without a verdict (its return is NaN, see
-:attr:`Episode.episode_reward`)."""
+:attr:`Episode.episode_reward`): its group is dropped, never trained."""
 
 
 def token_versions(gen: Generation) -> torch.Tensor:
@@ -63,7 +66,14 @@ class Episode:
     info: dict[str, float] = field(default_factory=dict)
     """Numbers of the environment's ``StepResult.info``, summed over the turns."""
     error: str | None = None
-    """What went wrong, for ``error`` and ``timeout`` endings."""
+    """What went wrong, for ``env_error`` and ``timeout`` endings."""
+    final_reward: float | None = None
+    """The return set by the runner instead of the turns' sum (a ``timeout``: the timeout
+    reward); None: the sum of ``turn_rewards``."""
+    stats: dict[str, Any] = field(default_factory=dict)
+    """How the episode's time went (the runner's :class:`EpisodeStats` as a dict: per-call
+    latencies of ``reset``/``step``, time waiting on the engine and on the environment,
+    retries); empty for an episode no runner ran."""
 
     def __post_init__(self) -> None:
         shape = self.token_ids.shape
@@ -93,9 +103,14 @@ class Episode:
     @property
     def episode_reward(self) -> float:
         """The return: the sum of the turn rewards (a turn the environment never judged, cut
-        by the token budget, counts 0); NaN, "no verdict", when the episode failed
-        (``error``, ``timeout``) or had no environment."""
-        if self.end_reason in FAILED or bool(self.turn_rewards.isnan().any()):
+        by the token budget, counts 0), or ``final_reward`` where the runner set one (a
+        ``timeout``); NaN, "no verdict", when the environment failed (``env_error``) or there
+        was none."""
+        if self.end_reason in FAILED:
+            return math.nan
+        if self.final_reward is not None:
+            return self.final_reward
+        if bool(self.turn_rewards.isnan().any()):
             return math.nan
         return float(self.turn_rewards.sum())
 
@@ -171,7 +186,9 @@ class EpisodeBuilder:
         """Add to one of the episode's counters (``Episode.info``)."""
         self._info[name] = self._info.get(name, 0.0) + amount
 
-    def finish(self, end_reason: str, error: str | None = None) -> Episode:
+    def finish(
+        self, end_reason: str, error: str | None = None, *, final_reward: float | None = None
+    ) -> Episode:
         def cat(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
             return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
 
@@ -186,4 +203,5 @@ class EpisodeBuilder:
             finish_reason=self._finish,
             info=dict(self._info),
             error=error,
+            final_reward=final_reward,
         )

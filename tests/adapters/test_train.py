@@ -5,6 +5,7 @@ group's id, so the test sees which groups each call trained."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -54,24 +55,35 @@ class _Recorder:
         return {}
 
 
-def _put(tq: transferqueue.TransferQueue, rewards: dict[int, list[float]], lengths: Any) -> None:
+def _put(
+    tq: transferqueue.TransferQueue,
+    rewards: dict[int, list[float]],
+    lengths: Any,
+    failed: frozenset[tuple[int, int]] = frozenset(),
+) -> None:
     """Whole groups: response ``g`` repeated (length from ``lengths(g, i)``), a 3-token
-    prompt, the given rewards, the columns the rollout writes (every token of version 0);
-    then the partition is finished."""
+    prompt, the given rewards, the columns the rollout writes (every token of version 0;
+    episode ``i`` of group ``g`` ended ``env_error`` where ``(g, i)`` is in ``failed``); then
+    the partition is finished."""
     client = tq.client()
     client.declare_tasks(["train"], partition="train")
-    responses, groups, reward = [], [], []
+    responses, groups, reward, reasons = [], [], [], []
     for g, rs in rewards.items():
         for i, r in enumerate(rs):
             responses.append(torch.full((lengths(g, i),), g, dtype=torch.int32))
             groups.append(g)
             reward.append(r)
+            reasons.append("env_error" if (g, i) in failed else "done")
     n = len(groups)
     gens = [Generation(r.long(), torch.zeros(len(r)), "stop", version=0) for r in responses]
+    episodes = [
+        dataclasses.replace(Episode.single(g), end_reason=reason)
+        for g, reason in zip(gens, reasons, strict=True)
+    ]
     client.put(
         {
             "prompt_ids": [torch.ones(3, dtype=torch.int32)] * n,
-            **episode_columns([Episode.single(g) for g in gens]),
+            **episode_columns(episodes),
             "reward": torch.tensor(reward, dtype=torch.float32),
             "generated_at": torch.zeros(n, dtype=torch.float64),
         },
@@ -138,6 +150,46 @@ def test_filtered_groups_are_acked_counted_never_trained_and_the_window_grows() 
     assert sorted(g for batch in told for g in batch) == [1, 2, 4]  # each told once
     trained = {g for groups, _ in engine.calls for g in groups}
     assert trained.isdisjoint({1, 2, 4})
+
+
+def test_a_group_with_a_failed_environment_is_dropped_whole_and_refilled() -> None:
+    """B = 2, no dynamic sampling. One episode of group 1 and one of group 3 ended
+    ``env_error``: both groups are dropped whole (their other episodes succeeded, and are not
+    trained either), counted, told to ``on_filtered`` (the feeder refills them), and the
+    windows grow: step 0 trains 0 and 2, step 1 trains 4 and 5."""
+    varied = [0.0, 1.0, 0.0, 1.0]
+    rewards = {g: varied for g in range(6)}
+    engine = _Recorder()
+    reports: list[StepReport] = []
+    told: list[list[int]] = []
+
+    async def on_step(report: StepReport) -> None:
+        reports.append(report)
+
+    async def on_filtered(groups: list[int]) -> None:
+        told.append(groups)
+
+    adapter = TrainAdapter(
+        engine,  # type: ignore[arg-type]
+        group_size=N,
+        groups_per_step=2,
+        micro_batch_groups=1,
+        on_step=on_step,
+        on_filtered=on_filtered,
+    )
+    with transferqueue.start(num_units=1) as tq:
+        _put(tq, rewards, lambda g, i: 2, failed=frozenset({(1, 2), (3, 0)}))
+        _train(tq, adapter)
+    assert engine.steps == [[0, 2], [4, 5]]
+    assert [r.dropped for r in reports] == [[1], [3]] and [r.filtered for r in reports] == [
+        [1],
+        [3],
+    ]
+    assert [r.samples for r in reports] == [2 * N] * 2  # whole groups only
+    assert sorted(g for batch in told for g in batch) == [1, 3]
+    assert {g for groups, _ in engine.calls for g in groups}.isdisjoint({1, 3})
+    # the step's episodes, dropped ones included: 3 groups of N, one env_error in each of two
+    assert reports[0].episodes["episode_end_reasons"] == {"done": 3 * N - 1, "env_error": 1}
 
 
 def test_without_dynamic_sampling_tied_groups_are_trained() -> None:

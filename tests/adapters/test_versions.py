@@ -59,6 +59,7 @@ def _rows(
         "num_turns": torch.ones(n, dtype=torch.int32),
         "end_reason": ["done"] * n,
         "episode_info": [{} for _ in range(n)],
+        "episode_stats": [{} for _ in range(n)],
     }
     return meta, cols
 

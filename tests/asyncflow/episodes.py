@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ import torch
 from adapters import TrainAdapter
 from asyncflow import RunConfig
 from asyncflow.build import build_trainer
-from engines.envs import StepResult
+from engines.envs import EnvError, StepResult
 from engines.envs.guess_number import GuessNumberEnv
 from engines.protocols import TrainBatch, TrainingEngine
 from transferqueue import BatchMeta, Ragged
@@ -26,19 +25,30 @@ from transferqueue.schema import Column
 
 
 class FlakyEnv(GuessNumberEnv):
-    """Guess the number, except that the step of a secret that is 1 mod 4 raises and that of
-    a secret that is 2 mod 4 hangs (sync, 3 s: past the tests' ``env.timeout_s``; the thread
-    it holds comes back afterwards, so that the other episodes keep being played)."""
+    """Guess the number on a flaky game server: the step of a secret that is 1 mod 4 always
+    fails (the server is gone for it: its episodes end ``env_error`` and their group is
+    dropped); every third environment this process builds fails once (a dropped session:
+    retried, then played); the step of a secret that is 2 mod 4 is slow (async, 0.3 s: past
+    the tests' ``env.episode_timeout_s``: those episodes end ``timeout``, the policy's)."""
+
+    built = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        FlakyEnv.built += 1
+        self.transient = FlakyEnv.built % 3 == 0
 
     def reset(self, row: Mapping[str, Any]) -> None:
         super().reset(row)
         self.secret = int(row["answer"])
 
-    def step(self, action: str) -> StepResult:
+    async def step(self, action: str) -> StepResult:  # type: ignore[override]
         if self.secret % 4 == 1:
             raise ConnectionError("the game server went away")
+        if self.transient:
+            raise EnvError("the server closed the session")
         if self.secret % 4 == 2:
-            time.sleep(3.0)  # abandoned after env.timeout_s; its thread ends on its own
+            await asyncio.sleep(0.3)
         return super().step(action)
 
 

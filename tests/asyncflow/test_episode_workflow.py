@@ -127,12 +127,14 @@ def test_partial_rollouts_within_episodes(out_dir: Path, deploy: list[str], k: i
         ),
     ],
 )
-def test_environment_errors_and_timeouts_are_counted_not_fatal(
+def test_environment_failures_are_retried_or_refilled_and_timeouts_trained(
     out_dir: Path, request: pytest.FixtureRequest, deploy_mode: str
 ) -> None:
-    """A quarter of the secrets make the environment raise, a quarter make it hang: those
-    episodes end as ``error`` / ``timeout`` (counted in the records, no verdict: not learned
-    from), the others play on, and every group is still trained once."""
+    """A quarter of the secrets make the environment fail on every try: their episodes end
+    ``env_error`` and their groups are dropped whole and refilled from new prompts (never
+    trained, counted); one environment in three fails once and is retried; a quarter of the
+    secrets are too slow for the episode's budget: ``timeout``, trained with its reward. Every
+    step still trains ``B`` whole groups, each group is consumed once, and the run goes on."""
     extra = []
     if deploy_mode == "ray":
         request.getfixturevalue("ray_cluster")
@@ -141,20 +143,32 @@ def test_environment_errors_and_timeouts_are_counted_not_fatal(
         out_dir,
         *EPISODES,
         "env.name=tests.asyncflow.episodes:FlakyEnv",
-        "env.timeout_s=0.5",
+        "env.episode_timeout_s=0.25",
+        "env.timeout_reward=-1.0",
         "env.threads=8",
         "train.steps=4",
         *extra,
     )
     result = run(cfg)
-    _check_groups(result, cfg, cfg.train.max_staleness)
+    b, n = cfg.train.groups_per_step, cfg.rollout.group_size
+    consumed: list[int] = []
+    for rep in result.reports:
+        assert rep.samples == b * n and len(rep.groups) == b  # B whole groups per step
+        assert set(rep.dropped) <= set(rep.filtered) and not set(rep.groups) & set(rep.filtered)
+        consumed += rep.groups + rep.filtered
+    assert sorted(consumed) == list(range(len(consumed)))  # each group once, none skipped
+    records = result.records
+    dropped = sum(r["groups_dropped"] for r in records)
     reasons: dict[str, int] = {}
-    for r in result.records:
+    for r in records:
         for reason, count in r["episode_end_reasons"].items():
             reasons[reason] = reasons.get(reason, 0) + count
-    assert reasons.get("error", 0) > 0 and reasons.get("timeout", 0) > 0, reasons
-    assert sum(reasons.values()) == cfg.train.steps * cfg.train.groups_per_step * 4
-    assert reasons.get("error", 0) + reasons.get("timeout", 0) < sum(reasons.values())
+        assert abs(sum(r["episode_end_rates"].values()) - 1.0) < 1e-9
+    assert dropped > 0 and reasons["env_error"] > 0 and reasons["timeout"] > 0, reasons
+    assert reasons["env_error"] <= dropped * n  # every env_error episode in a dropped group
+    assert sum(reasons.values()) == len(consumed) * n
+    assert sum(r["env_retries"] for r in records) > 0  # the transient failures were retried
+    assert min(r["reward"] for r in records) >= -1.0  # the timeout reward, trained
 
 
 @pytest.mark.ray

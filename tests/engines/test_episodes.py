@@ -21,7 +21,7 @@ import pytest
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from engines.envs import StepResult, environment_factory
+from engines.envs import EnvError, StepResult, environment_factory
 from engines.envs.tool_use import ToolUseTask
 from engines.episodes import (
     TRUNCATION_MARKER,
@@ -201,23 +201,25 @@ class AsyncHangingEnv:
 @pytest.mark.parametrize(
     ("mode", "reason"),
     [
-        ("reset", "error"),
-        ("raise", "error"),
-        ("malformed", "error"),
-        ("nan", "error"),
-        ("hang", "timeout"),
-        ("async-hang", "timeout"),
+        ("reset", "env_error"),
+        ("raise", "env_error"),
+        ("malformed", "env_error"),
+        ("nan", "env_error"),
+        ("hang", "env_error"),
+        ("async-hang", "env_error"),
     ],
 )
 def test_environment_failures_end_the_episode_not_the_run(
     tokenizer: PreTrainedTokenizerBase, mode: str, reason: str
 ) -> None:
+    """Every infrastructure failure (an exception, a call past its bound, a malformed answer)
+    is retried on a fresh environment and, failing every try, ends ``env_error``: no verdict."""
     release = threading.Event()
 
     def factory() -> Any:
         return AsyncHangingEnv() if mode == "async-hang" else FailingEnv(mode, release)
 
-    limits = EpisodeLimits(timeout_s=0.5)
+    limits = EpisodeLimits(timeout_s=0.5, retries=1)
     runner = EpisodeRunner(factory, TurnFormat(tokenizer), limits)
     engine = ScriptedEngine(tokenizer, solver)
     t0 = time.monotonic()
@@ -226,7 +228,95 @@ def test_environment_failures_end_the_episode_not_the_run(
     release.set()
     assert ep.end_reason == reason and ep.error
     assert math.isnan(ep.episode_reward)  # no verdict: not trained on
-    assert ep.num_turns == (0 if mode == "reset" else 1)
+    assert ep.num_turns == (0 if mode == "reset" else 1)  # the last try's turns only
+    assert ep.stats["retries"] == 1 and len(ep.stats["reset_s"]) == 2
+    runner.close()
+
+
+class FlakyEnv:
+    """Its first ``fails`` instances fail as infrastructure (an explicit ``EnvError`` in
+    ``step``); the later ones are a working ``tool_use`` environment. Counts the open ones."""
+
+    built = 0
+    open = 0
+    most_open = 0
+
+    def __init__(self, fails: int = 0, step_s: float = 0.0) -> None:
+        cls = type(self)
+        cls.built += 1
+        cls.open += 1
+        cls.most_open = max(cls.most_open, cls.open)
+        self.broken = cls.built <= fails
+        self.step_s = step_s
+        self.inner = environment_factory("tool_use")()
+
+    def reset(self, row: Mapping[str, Any]) -> Any:
+        return self.inner.reset(row)
+
+    async def step(self, action: str) -> StepResult:
+        await asyncio.sleep(self.step_s)
+        if self.broken:
+            raise EnvError("the server closed the session")
+        result = self.inner.step(action)
+        assert isinstance(result, StepResult)
+        return result
+
+    def close(self) -> None:
+        type(self).open -= 1
+
+
+def test_an_infrastructure_failure_is_retried_from_the_start(
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    FlakyEnv.built = FlakyEnv.open = 0
+    runner = EpisodeRunner(lambda: FlakyEnv(fails=2), TurnFormat(tokenizer), EpisodeLimits())
+    engine = ScriptedEngine(tokenizer, solver)
+    ep = run_one(runner, engine, tokenizer, {"answer": 1776})
+    assert FlakyEnv.built == 3 and FlakyEnv.open == 0  # three tries, each env closed
+    assert ep.end_reason == "done" and ep.episode_reward == 1.0 and ep.error is None
+    assert ep.num_turns == 2  # the last try's turns, not the failed ones'
+    stats = ep.stats
+    assert stats["retries"] == 2 and len(stats["reset_s"]) == 3 and len(stats["step_s"]) == 4
+    assert stats["engine_s"] > 0 and stats["env_s"] >= sum(stats["reset_s"] + stats["step_s"])
+    runner.close()
+
+
+def test_a_timeout_is_the_policys_and_is_trained(tokenizer: PreTrainedTokenizerBase) -> None:
+    """Past the episode's wall-clock budget the episode ends ``timeout`` with the configured
+    return (a verdict: trained), never retried."""
+    limits = EpisodeLimits(episode_timeout_s=0.05, timeout_reward=-0.5)
+    runner = EpisodeRunner(environment_factory("tool_use"), TurnFormat(tokenizer), limits)
+    engine = ScriptedEngine(tokenizer, solver)
+
+    async def slow(p: torch.Tensor, sp: SamplingParams) -> Generation:
+        await asyncio.sleep(0.1)  # a policy slower than the budget
+        return (await engine.generate([p], sp))[0]
+
+    ids = encode_prompts(tokenizer, ["What is 37 * 48?"])[0]
+    ep = asyncio.run(runner.run(ids, {"answer": 1776}, slow, PARAMS))
+    assert ep.end_reason == "timeout" and ep.episode_reward == -0.5 and ep.num_turns == 1
+    assert ep.stats["retries"] == 0 and ep.stats["engine_s"] >= 0.1
+    runner.close()
+
+
+def test_max_concurrent_bounds_open_environments(tokenizer: PreTrainedTokenizerBase) -> None:
+    FlakyEnv.built = FlakyEnv.open = FlakyEnv.most_open = 0
+    limits = EpisodeLimits(max_concurrent=2)
+    runner = EpisodeRunner(lambda: FlakyEnv(step_s=0.02), TurnFormat(tokenizer), limits)
+    engine = ScriptedEngine(tokenizer, solver)
+    ids = encode_prompts(tokenizer, ["What is 37 * 48?"])[0]
+
+    async def generate(p: torch.Tensor, sp: SamplingParams) -> Generation:
+        return (await engine.generate([p], sp))[0]
+
+    async def main() -> list[Any]:
+        return await asyncio.gather(
+            *(runner.run(ids, {"answer": 1776}, generate, PARAMS) for _ in range(6))
+        )
+
+    episodes = asyncio.run(main())
+    assert all(e.end_reason == "done" for e in episodes) and FlakyEnv.built == 6
+    assert FlakyEnv.most_open == 2 and FlakyEnv.open == 0
     runner.close()
 
 
@@ -312,7 +402,8 @@ class Stuck:
 async def generate(prompt, params):
     return Generation(torch.tensor([5]), torch.tensor([-1.0]), "stop", version=0)
 
-runner = EpisodeRunner(Stuck, TurnFormat(build_tokenizer()), EpisodeLimits(timeout_s=0.2))
+limits = EpisodeLimits(timeout_s=0.2, retries=0)
+runner = EpisodeRunner(Stuck, TurnFormat(build_tokenizer()), limits)
 episode = asyncio.run(runner.run(torch.tensor([1]), {}, generate, SamplingParams()))
 print(episode.end_reason)
 """
@@ -324,7 +415,7 @@ def test_a_stuck_environment_call_does_not_keep_the_process_alive() -> None:
     out = subprocess.run(
         [sys.executable, "-c", STUCK], capture_output=True, text=True, timeout=120, check=True
     )
-    assert out.stdout.strip() == "timeout"
+    assert out.stdout.strip() == "env_error"
 
 
 class Chatty:
