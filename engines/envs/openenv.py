@@ -50,7 +50,8 @@ reset data, e.g. seeded), otherwise it raises :class:`OpenEnvError`.
 ``CAPACITY_REACHED`` (naming the cap). Clients of one server in one process share a counter:
 at most ``max_sessions`` open at once (None: the server's cap, learnt from its first refusal);
 a refused client waits for a session of this process to close, then tries again, all within
-``timeout_s``.
+``timeout_s``. A slot is freed once the server has closed the session's environment (its close
+frame comes after), except for a session dropped on a timeout or a lost socket.
 
 Called by the episode runner (:mod:`engines.episodes.runner`), one client per episode, its
 coroutines on the runner's event loop; built by name (``env.name=openenv``) with
@@ -304,11 +305,17 @@ class OpenEnvClient:
 
     async def close(self) -> None:
         """End the session (idempotent): ``close`` sent, the socket closed, the slot freed."""
+        from websockets.exceptions import ConnectionClosed
+
         ws, self._ws = self._ws, None
         if ws is not None:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(self.timeout_s):
                     await ws.send(json.dumps({"type": "close"}))
+                    # the server closes the socket once it has closed the session's
+                    # environment: waiting for that keeps its count within the cap
+                    with contextlib.suppress(ConnectionClosed):
+                        await ws.recv()
                     await ws.close()
         slots, self._slots = self._slots, None
         if slots is not None:
