@@ -50,6 +50,62 @@ def test_an_episode_is_one_session_with_several_steps() -> None:
     assert counts == {"open": 0, "peak": 1, "episodes": 1}  # one session, closed
 
 
+def shout(text: str) -> dict[str, object]:
+    """An action function of the tests' own (``action=`` by import path)."""
+    return {"message": text.upper() + " 5"}
+
+
+def bracketed(observation: dict[str, object]) -> str:
+    """A rendering of the tests' own (``render=`` by import path)."""
+    return f"[{observation['text']}]"
+
+
+def wrong_field(text: str) -> dict[str, object]:
+    return {"guess": text}  # the server's action has ``message``, not ``guess``
+
+
+def test_action_and_rendering_are_the_users_functions() -> None:
+    async def play(url: str) -> tuple[object, object]:
+        env = _client(
+            url,
+            reset_fields=["answer"],
+            action="tests.engines.test_openenv:shout",
+            render="tests.engines.test_openenv:bracketed",
+        )
+        try:
+            first = await env.reset({"answer": 5})  # type: ignore[attr-defined]
+            return first, await env.step("go")  # type: ignore[attr-defined]
+        finally:
+            await env.close()  # type: ignore[attr-defined]
+
+    with serve() as (url, _):
+        first, result = asyncio.run(play(url))
+    assert first == "[Your guess?]"
+    assert (result.reward, result.done) == (1.0, True)  # type: ignore[attr-defined]
+
+
+def test_an_error_reply_is_the_infrastructure_error() -> None:
+    """An action the server cannot validate gets an error reply: :class:`OpenEnvError`
+    naming the server's message; the session is closed cleanly afterwards."""
+    from engines.envs.openenv import OpenEnvError
+
+    async def play(url: str) -> str:
+        env = _client(url, action="tests.engines.test_openenv:wrong_field")
+        try:
+            await env.reset({})  # type: ignore[attr-defined]
+            with pytest.raises(OpenEnvError, match="'step' failed on the server") as e:
+                await env.step("3")  # type: ignore[attr-defined]
+            return str(e.value)
+        finally:
+            await env.close()  # type: ignore[attr-defined]
+
+    with serve() as (url, _):
+        message = asyncio.run(play(url))
+        counts = get(url + "/sessions")
+    assert "VALIDATION_ERROR" in message
+    assert counts["open"] == 0
+
+
 def test_the_servers_cap_is_learnt_and_never_exceeded() -> None:
     """The server allows 2 sessions; 6 episodes at once with no cap of their own: the refused
     ones wait for a slot and all finish; the server never had more than 2 environments."""
