@@ -27,7 +27,8 @@ reward 0.570 over the first 10% of steps -> 0.462 over the last 10% (steps range
 With ``model.warm_start_steps=30``: 0.239 -> 0.241 in 193 s. The reward does not rise within
 40 steps: this example shows the integration end to end (sessions, cap, turns, episodes
 counted by the server), not a learning result; ``grpo_tool_use.py`` is the multi-turn one
-that learns.
+that learns. The same recipe with the game in-process (``env.name=guess_number``, run through
+``grpo_tool_use.py`` with this file's settings): 40 steps in 80 s, 0.555 -> 0.485.
 """
 
 from __future__ import annotations
