@@ -49,9 +49,10 @@ reset data, e.g. seeded), otherwise it raises :class:`OpenEnvError`.
 **Session cap.** OpenEnv servers declare a cap of concurrent sessions and refuse one more with
 ``CAPACITY_REACHED`` (naming the cap). Clients of one server in one process share a counter:
 at most ``max_sessions`` open at once (None: the server's cap, learnt from its first refusal);
-a refused client waits for a session of this process to close, then tries again, all within
-``timeout_s``. A slot is freed once the server has closed the session's environment (its close
-frame comes after), except for a session dropped on a timeout or a lost socket.
+a refused client waits for a session of this process to close (or a backoff, as other
+processes' sessions may close), then tries again, all within ``timeout_s``. A slot is freed
+once the server has closed the session's environment (its close frame comes after), except
+for a session dropped on a timeout or a lost socket.
 
 Called by the episode runner (:mod:`engines.episodes.runner`), one client per episode, its
 coroutines on the runner's event loop; built by name (``env.name=openenv``) with
@@ -153,16 +154,18 @@ class _Slots:
             self.open -= 1
             self._changed.notify_all()
 
-    async def refused(self, server_cap: int | None) -> None:
-        """The server refused a session: give the slot back and learn its cap (never more
-        than what this process has open once ours is returned, never less than 1)."""
+    async def refused(self, server_cap: int | None, wait_s: float) -> None:
+        """The server refused a session: give the slot back, take the server's cap as ours
+        (when it is lower), and wait up to ``wait_s`` for one of this process's sessions to
+        close (sessions of other clients of the server may close meanwhile: hence the bound)."""
         async with self._changed:
             self.open -= 1
-            learnt = max(1, self.open)
             if server_cap is not None and server_cap >= 1:
-                learnt = min(learnt, server_cap)
-            self.cap = learnt if self.cap is None else min(self.cap, learnt)
+                self.cap = server_cap if self.cap is None else min(self.cap, server_cap)
             self._changed.notify_all()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait_s):
+                    await self._changed.wait()
 
 
 _SLOTS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, _Slots]] = (
@@ -326,7 +329,7 @@ class OpenEnvClient:
         """A new session, reset: waits for a slot, retries a refused or dropped start."""
         await self._drop()
         deadline = time.monotonic() + self.timeout_s
-        failures = 0
+        failures = refusals = 0
         while True:
             if self._slots is None:
                 slots = _slots(self.url, self.max_sessions)
@@ -346,7 +349,15 @@ class OpenEnvClient:
                 await self._drop()
                 slots, self._slots = self._slots, None
                 assert slots is not None
-                await slots.refused(refused.server_cap)
+                refusals += 1
+                wait_s = min(0.05 * 2**refusals, 1.0, max(deadline - time.monotonic(), 0.0))
+                await slots.refused(refused.server_cap, wait_s)
+                if time.monotonic() >= deadline:
+                    raise OpenEnvError(
+                        f"openenv {self.url}: the server refused a session {refusals} time(s) "
+                        f"within timeout_s={self.timeout_s}: at its cap of "
+                        f"{refused.server_cap} sessions (held by other clients?)"
+                    ) from None
             except (_Dropped, OSError, TimeoutError) as e:
                 await self._drop()
                 failures += 1
