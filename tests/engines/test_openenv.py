@@ -155,7 +155,7 @@ def test_a_dead_server_raises_the_infrastructure_error() -> None:
     assert isinstance(mid, RuntimeError) and isinstance(start, RuntimeError)
 
 
-def test_replay_carries_an_episode_across_a_new_server() -> None:
+def test_replay_carries_an_episode_across_a_new_session() -> None:
     """``replay=True``: the socket drops mid-episode (closed under the client: the server
     ends that session and its environment), the client opens a new session, resets it with
     the same data, replays the turns taken, and the episode goes on."""
