@@ -46,12 +46,12 @@ from asyncflow import load_config, run
 DEFAULTS = [
     "task.name=guess_number",
     "env.name=openenv",
-    "model.warm_start_steps=60",
+    "model.warm_start_steps=30",
     "rollout.max_new_tokens=4",
     "rollout.max_turns=4",
     "rollout.max_episode_tokens=64",
     "env.timeout_s=30",
-    "train.steps=40",
+    "train.steps=120",
     "train.max_staleness=1",
 ]
 """The recipe (over the config's defaults; the command line's overrides win)."""
