@@ -343,7 +343,9 @@ class EnvConfig:
     between its turns. The episode's fields in TransferQueue: ``docs/multi-turn.md``."""
 
     name: str | None = None
-    """``tool_use`` (a calculator), ``guess_number`` (a game), an import path
+    """``tool_use`` (a calculator), ``guess_number`` (a game), ``openenv`` (an OpenEnv
+    server: ``env.options.url``), ``skyrl_gym:<id>`` (a SkyRL-Gym environment; both
+    ``docs/environments-external.md``), an import path
     ``module.path:attribute`` of your own (a class or factory with ``reset(row)`` and
     ``step(action)``), ``none`` (one-turn responses), or null: the task's own environment
     (``tool_use`` and ``guess_number`` have one, the others none). ``env=NAME`` is

@@ -9,7 +9,11 @@ in :mod:`engines.episodes`. Built-in environments (``engines.envs.<name>``):
 | ``tool_use``     | calls a calculator, then answers  | 1 if the answer is right        |
 | ``guess_number`` | guesses, is told higher or lower  | 1, minus 0.1 per extra turn     |
 
-Each comes with a task of the same name (``engines.tasks.TASKS``) whose prompts start its
+From other libraries (optional extras, imported only when named): ``openenv`` (an OpenEnv
+server over its WebSocket session, :mod:`engines.envs.openenv`) and ``skyrl_gym:<id>`` (a
+SkyRL-Gym environment, :mod:`engines.envs.skyrl_gym`).
+
+Each built-in comes with a task of the same name (``engines.tasks.TASKS``) whose prompts start its
 episodes. Your own: any class (or factory) with ``reset(row)`` and ``step(action)``, named by
 import path ``module.path:attribute``.
 """

@@ -24,7 +24,16 @@ failure: the environment answers it like any other action (an error message as t
 observation, or the end of the episode with no reward), and it is trained.
 
 Built-in environments by name (:data:`ENVIRONMENTS`), or any class or factory by import path
-``module.path:attribute``, built with keyword options: :func:`environment_factory`.
+``module.path:attribute``, built with keyword options: :func:`environment_factory`. Those
+from other libraries (one module each, their library imported only when used):
+
+| ``env.name``       | module                          | extra         |
+|--------------------|---------------------------------|---------------|
+| ``openenv``        | :mod:`engines.envs.openenv`     | ``openenv``   |
+| ``skyrl_gym:<id>`` | :mod:`engines.envs.skyrl_gym`   | ``skyrl-gym`` |
+
+A target with a ``check_options(options)`` attribute has it called by
+:func:`environment_factory`, so a missing extra or a bad option fails before a run starts.
 """
 
 from __future__ import annotations
@@ -93,8 +102,13 @@ EnvFactory = Callable[[], Environment]
 ENVIRONMENTS: dict[str, str] = {
     "tool_use": "engines.envs.tool_use:ToolUseEnv",
     "guess_number": "engines.envs.guess_number:GuessNumberEnv",
+    "openenv": "engines.envs.openenv:OpenEnvClient",
 }
 """Built-in environments by name, as import paths (imported only when used)."""
+
+
+SKYRL_GYM_PREFIX = "skyrl_gym:"
+"""``env.name`` prefix of SkyRL-Gym environments (``skyrl_gym:<id>``)."""
 
 
 def register_environment(name: str, path: str) -> None:
@@ -125,15 +139,20 @@ class _Factory:
 
 
 def environment_factory(name: str, options: Mapping[str, Any] | None = None) -> EnvFactory:
-    """The factory of environment ``name`` (a built-in, or ``module.path:attribute``) with
-    keyword ``options``.
+    """The factory of environment ``name`` (a built-in, ``skyrl_gym:<id>``, or
+    ``module.path:attribute``) with keyword ``options``.
 
     Checks what it can without building an environment, so that a bad name or option fails
     before a run starts: the name (``ValueError`` listing the built-ins), the import, that the
-    target is callable, the option names against its signature, and that a class has
-    ``reset`` and ``step``.
+    target is callable, the option names against its signature, that a class has ``reset``
+    and ``step``, and the target's own ``check_options(options)`` where it has one (its
+    missing extra, its option values).
     """
-    if ":" in name:
+    opts = dict(options or {})
+    if name.startswith(SKYRL_GYM_PREFIX):
+        path = "engines.envs.skyrl_gym:SkyRLGymEnv"
+        opts["env_id"] = name[len(SKYRL_GYM_PREFIX) :]
+    elif ":" in name:
         path = name
     else:
         try:
@@ -148,7 +167,6 @@ def environment_factory(name: str, options: Mapping[str, Any] | None = None) -> 
         raise ValueError(
             f"environment {name!r} ({path}) is a {type(target).__name__}, not callable"
         )
-    opts = dict(options or {})
     try:
         inspect.signature(target).bind(**opts)
     except TypeError as e:
@@ -162,4 +180,7 @@ def environment_factory(name: str, options: Mapping[str, Any] | None = None) -> 
                 f"environment {name!r} ({path}) is a class without {missing}; an environment "
                 "needs reset(row) and step(action)"
             )
+    check = getattr(target, "check_options", None)
+    if callable(check):
+        check(opts)
     return _Factory(path, tuple(sorted(opts.items())))

@@ -194,3 +194,27 @@ def test_custom_engine_example_writes_its_columns(tmp_path: Path) -> None:
 def test_transferqueue_quickstart(mode: list[str]) -> None:
     out = _run("examples/transferqueue_quickstart.py", *mode)
     assert "rows still stored: 0" in out
+
+
+@pytest.mark.slow  # ~40 s on 2 loaded cores: OpenEnv's server imports, then the run
+def test_openenv_game_trains_against_its_own_server(tmp_path: Path) -> None:
+    out = _run(
+        "examples/openenv_game.py",
+        "--output-dir",
+        str(tmp_path),
+        "--max-sessions",
+        "3",
+        "train.steps=3",
+        "model.warm_start_steps=5",
+        "output.progress=false",
+    )
+    assert "mean reward" in out and "(max_sessions=3)" in out
+    served = int(out.split("the server served ")[1].split()[0])
+    peak = int(out.split("at most ")[1].split()[0])
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == list(range(3))
+    assert served >= sum(r["samples"] for r in lines) and 1 <= peak <= 3
+    assert all(set(r["episode_end_reasons"]) <= {"done", "max_turns", "max_tokens"} for r in lines)
+    assert (tmp_path / "reward.png").is_file() and (
+        tmp_path / "policy" / "model.safetensors"
+    ).is_file()
