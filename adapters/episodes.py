@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from engines.episodes import END_REASONS, Episode, EpisodeRunner, TurnBatcher
+from engines.episodes import END_REASONS, Episode, EpisodeSource, TurnBatcher
 from engines.episodes.batcher import BatchGenerate
 from engines.protocols import SamplingParams
 from transferqueue import Ragged
@@ -168,7 +168,7 @@ def rows_of(cols: dict[str, Column], names: Sequence[str], size: int) -> list[di
 
 
 async def run_episodes(
-    runner: EpisodeRunner,
+    runner: EpisodeSource,
     prompts: Sequence[torch.Tensor],
     rows: Sequence[dict[str, Any]],
     generate: BatchGenerate,

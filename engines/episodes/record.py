@@ -64,6 +64,9 @@ class Episode:
     """Numbers of the environment's ``StepResult.info``, summed over the turns."""
     error: str | None = None
     """What went wrong, for ``error`` and ``timeout`` endings."""
+    prompt_ids: torch.Tensor | None = None
+    """[P] int64: the prompt the tokens follow, when it is not the row's own (an agent's
+    first call, :mod:`engines.agents`); None: the row's ``prompt_ids``."""
 
     def __post_init__(self) -> None:
         shape = self.token_ids.shape

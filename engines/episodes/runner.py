@@ -48,7 +48,7 @@ import threading
 import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -57,12 +57,32 @@ from engines.episodes.format import TurnFormat
 from engines.episodes.record import Episode, EpisodeBuilder
 from engines.protocols import Generation, SamplingParams
 
-__all__ = ["EpisodeLimits", "EpisodeRunner", "TurnGenerate"]
+__all__ = ["EpisodeLimits", "EpisodeRunner", "EpisodeSource", "TurnGenerate"]
 
 log = logging.getLogger(__name__)
 
 TurnGenerate = Callable[[torch.Tensor, SamplingParams], Awaitable[Generation]]
 """Samples one turn: ``(conversation so far [L] int64, params) -> Generation``."""
+
+
+class EpisodeSource(Protocol):
+    """What the rollout adapter runs a row's episode with: an :class:`EpisodeRunner`
+    (environments) or an ``engines.agents.AgentRunner`` (agents)."""
+
+    def run(
+        self,
+        prompt: torch.Tensor,
+        row: Mapping[str, Any],
+        generate: TurnGenerate,
+        params: SamplingParams,
+    ) -> Awaitable[Episode]:
+        """One episode of the row (``prompt``: its prompt ids), its turns through ``generate``
+        (the batch's instance). Called by the rollout adapter for every row of a batch."""
+        ...
+
+    def close(self) -> None:
+        """Release what the source holds (the adapter calls it when the stage stops)."""
+        ...
 
 
 @dataclass(kw_only=True, frozen=True)
