@@ -90,8 +90,11 @@ class AgentRunner:
         tokenizer: the policy's tokenizer.
         limits: the episode's turn and token budgets; ``timeout_s`` bounds the whole agent run.
         options: keyword options of an agent class.
-        model, host, port, api_key, max_prompt_tokens: of the endpoint
-            (:class:`engines.agents.server.OpenAIServer`).
+        model: the served model name (what agents put in ``model=``).
+        host: where the endpoint listens (loopback by default).
+        port: its port (0: a free one).
+        api_key: the bearer token it asks of every request (None: none).
+        max_prompt_tokens: longer first prompts get 400 ``context_length_exceeded``.
     """
 
     writes_prompt = True
@@ -161,6 +164,7 @@ class AgentRunner:
         end: str | None = None
         error: str | None = None
         timeout = self.limits.timeout_s
+        bound: asyncio.Timeout | None = None
         try:
             agent = self.factory()
             async with asyncio.timeout(timeout) as bound:
@@ -168,8 +172,8 @@ class AgentRunner:
             reward = _reward(result)
         except _BadReward as e:
             end, error = "error", str(e)
-        except Exception as e:
-            if bound_expired(locals().get("bound")):
+        except Exception as e:  # the agent's failure ends its episode only
+            if bound is not None and bound.expired():
                 end, error = "timeout", f"the agent ran longer than timeout_s={timeout}"
             else:
                 end, error = "error", f"the agent raised {type(e).__name__}: {e}"
@@ -198,10 +202,6 @@ class AgentRunner:
 
 class _BadReward(Exception):
     pass
-
-
-def bound_expired(bound: Any) -> bool:
-    return bool(bound is not None and bound.expired())
 
 
 def _reward(result: object) -> float | None:

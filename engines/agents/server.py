@@ -71,7 +71,8 @@ class OpenAIServer:
         model: the name clients put in ``model``.
         engine: serves requests outside a session (None: those get 404).
         params: sampling defaults outside a session.
-        host, port: where to listen (loopback; port 0: a free one).
+        host: where to listen (loopback by default).
+        port: the port (0: a free one).
         api_key: the bearer token requests must carry (None: none needed).
         max_prompt_tokens: longer prompts get 400 ``context_length_exceeded``.
     """

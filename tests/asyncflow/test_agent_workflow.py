@@ -11,41 +11,17 @@ prompt.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
-from transformers import AutoTokenizer
 
-from asyncflow import EngineFactories, RunConfig, run
-from engines.protocols import TrainBatch
-from tests.asyncflow.agents import PREFIX
-from tests.asyncflow.conftest import small_config
-from tests.asyncflow.episodes import CheckingTrain, MaskCheckingTrainer, mask_checking_trainer
-
-
-class PromptCheckingTrainer(MaskCheckingTrainer):
-    """Also checks that every prompt it trains on is the agent's own (its first call's)."""
-
-    def __init__(self, inner: Any, path: Path) -> None:
-        super().__init__(inner)
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-
-    def forward_backward(self, batch: TrainBatch, loss_scale: float) -> dict[str, float]:
-        for p in batch.prompt_ids:
-            text = self.tokenizer.decode(p.tolist())
-            if PREFIX not in text:
-                raise AssertionError(
-                    f"the train stage got the row's prompt, not the agent's: {text!r}"
-                )
-        return super().forward_backward(batch, loss_scale)
-
-
-def prompt_checking_trainer(cfg: RunConfig, path: Path, rank: int = 0) -> MaskCheckingTrainer:
-    return PromptCheckingTrainer(mask_checking_trainer(cfg, path, rank).inner, path)
-
+from asyncflow import EngineFactories, run
+from tests.asyncflow.conftest import deploys_by_k, small_config
 
 pytest.importorskip("openai")
 pytest.importorskip("aiohttp")
+
+from tests.asyncflow.agents import prompt_checking_trainer
+from tests.asyncflow.episodes import CheckingTrain
 
 AGENT = [
     "rollout.agent=tests.asyncflow.agents:check_twice",
@@ -56,11 +32,14 @@ AGENT = [
 ]
 
 
-@pytest.mark.parametrize("k", [0, 1, 2])
+@pytest.mark.parametrize(("deploy", "k"), deploys_by_k(ray_ks=(1,)), indirect=["deploy"])
 def test_agent_episodes_keep_the_staleness_bound_and_every_token_version(
-    out_dir: Path, k: int
+    out_dir: Path, deploy: list[str], k: int
 ) -> None:
-    cfg = small_config(out_dir, *AGENT, f"train.max_staleness={k}", "train.steps=5")
+    """In process, over the service, and on Ray (the agents run in the rollout actors)."""
+    cfg = small_config(
+        out_dir, *AGENT, f"train.max_staleness={k}", "train.steps=5", *deploy, "train.dp_size=1"
+    )
     result = run(
         cfg,
         adapters={"train": CheckingTrain},
