@@ -59,3 +59,29 @@ def test_agent_episodes_keep_the_staleness_bound_and_every_token_version(
         assert set(r["episode_end_reasons"]) <= {"done", "max_tokens"}
     if k == 0:
         assert all(set(rep.sample_versions) == {rep.step} for rep in result.reports)
+
+
+def test_partial_rollouts_inside_agent_calls(out_dir: Path) -> None:
+    """With ``rollout.partial``, weight updates land inside agent calls and episodes: their
+    tokens carry several versions (checked token by token against the bound)."""
+    cfg = small_config(
+        out_dir,
+        *AGENT,
+        "rollout.max_new_tokens=24",
+        "rollout.max_episode_tokens=96",
+        "rollout.partial=true",
+        "rollout.weight_sync=eager",
+        "train.max_staleness=2",
+        "train.steps=6",
+    )
+    result = run(
+        cfg,
+        adapters={"train": CheckingTrain},
+        factories=EngineFactories(trainer=prompt_checking_trainer),
+    )
+    for rep in result.reports:
+        assert max(rep.staleness) <= 2
+        for oldest, newest in zip(rep.sample_versions, rep.newest_versions, strict=True):
+            assert 0 <= oldest <= newest <= rep.step
+    assert all(r["versions_checked"] == 1.0 for r in result.records)
+    assert sum(r["multi_version_episodes"] for r in result.records) > 0

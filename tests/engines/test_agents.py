@@ -6,6 +6,8 @@ across a weight update, budgets, history rewrites, agents that raise or hang."""
 from __future__ import annotations
 
 import asyncio
+import copy
+import json
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -312,3 +314,59 @@ def test_a_call_on_a_finished_session_is_refused(
             await runner.aclose()
 
     asyncio.run(within(main(), 60.0))
+
+
+class ScriptedEngine:
+    """A generation engine that writes a given text (then EOS) for every prompt, log-prob
+    -0.5 per token: a model that calls a tool, for the tool-call path."""
+
+    def __init__(self, tokenizer: Any, text: str) -> None:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        self.ids = torch.tensor(ids, dtype=torch.int64)
+        self.version = 0
+        self.prompts: list[list[int]] = []
+
+    async def generate(self, prompts: list[torch.Tensor], params: SamplingParams) -> list[Any]:
+        self.prompts += [p.tolist() for p in prompts]
+        n = int(self.ids.numel())
+        return [Generation(self.ids, torch.full((n,), -0.5), "stop", self.version) for _ in prompts]
+
+
+def test_tools_reach_the_chat_template_and_tool_calls_come_back(tiny_tokenizer: Any) -> None:
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.chat_template = (  # the tiny template, with the tools listed first
+        "{% if tools %}TOOLS {% for t in tools %}{{ t.function.name }} {% endfor %}\n{% endif %}"
+        + tiny_tokenizer.chat_template
+    )
+    call = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+    engine = ScriptedEngine(tokenizer, call)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+
+    async def agent(row: dict[str, Any], client: Any) -> float:
+        messages: list[Any] = [{"role": "user", "content": "2 + 3?"}]
+        r = await client.chat.completions.create(model="policy", messages=messages, tools=tools)
+        (tc,) = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls" and tc.function.name == "add"
+        assert json.loads(tc.function.arguments) == {"a": 2, "b": 3}
+        messages += [r.choices[0].message, {"role": "tool", "tool_call_id": tc.id, "content": "5"}]
+        await client.chat.completions.create(model="policy", messages=messages, tools=tools)
+        return 1.0
+
+    async def main() -> Episode:
+        runner = AgentRunner(agent, tokenizer, EpisodeLimits(max_tokens=200))
+
+        async def generate(prompt: torch.Tensor, params: SamplingParams) -> Generation:
+            return (await engine.generate([prompt], params))[0]
+
+        try:
+            return await runner.run(torch.tensor([1]), {}, generate, PARAMS)
+        finally:
+            await runner.aclose()
+
+    ep = asyncio.run(within(main(), 60.0))
+    assert ep.end_reason == "done" and ep.num_turns == 2, ep.error
+    assert tokenizer.decode(engine.prompts[0]).startswith("TOOLS add")
+    # the second prompt is the first, the model's call as sampled, then the tool's answer
+    assert engine.prompts[1][: len(engine.prompts[0])] == engine.prompts[0]
+    assert torch.equal(ep.token_ids[ep.loss_mask], torch.cat([engine.ids, engine.ids]))
+    assert "5" in tokenizer.decode(ep.token_ids[~ep.loss_mask].tolist())
