@@ -370,3 +370,45 @@ def test_tools_reach_the_chat_template_and_tool_calls_come_back(tiny_tokenizer: 
     assert engine.prompts[1][: len(engine.prompts[0])] == engine.prompts[0]
     assert torch.equal(ep.token_ids[ep.loss_mask], torch.cat([engine.ids, engine.ids]))
     assert "5" in tokenizer.decode(ep.token_ids[~ep.loss_mask].tolist())
+
+
+def test_the_simulated_agent_makes_the_environment_seams_episodes(
+    tiny_tokenizer: Any, engine: HFGenerationEngine
+) -> None:
+    """The same environment through both seams, greedy: the same episodes, token for token."""
+    from engines.envs import environment_factory
+    from engines.episodes import EpisodeRunner, TurnFormat
+    from engines.hf.text import encode_prompts
+    from engines.simulated.agent import SimulatedAgent
+
+    options = {"time_scale": 0.001, "observation_tokens": 6, "min_turns": 2, "max_turns": 3}
+    limits = EpisodeLimits(max_turns=3, max_tokens=120, max_observation_tokens=16)
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+    env = EpisodeRunner(
+        environment_factory("engines.simulated.environment:SimulatedEnvironment", options),
+        TurnFormat(tiny_tokenizer),
+        limits,
+    )
+    agents = AgentRunner(SimulatedAgent, tiny_tokenizer, limits, options=options)
+
+    async def generate(prompt: torch.Tensor, params: SamplingParams) -> Generation:
+        return (await engine.generate([prompt], params))[0]
+
+    async def main() -> list[tuple[Episode, Episode]]:
+        pairs = []
+        try:
+            for q in ("What is 2 + 3?", "Name a color.", "Count to three."):
+                row = {"prompt": q}
+                (prompt,) = encode_prompts(tiny_tokenizer, [q])
+                a = await env.run(prompt, row, generate, greedy)
+                b = await agents.run(prompt, row, generate, greedy)
+                pairs.append((a, b))
+        finally:
+            env.close()
+            await agents.aclose()
+        return pairs
+
+    for a, b in asyncio.run(within(main(), 60.0)):
+        assert torch.equal(a.token_ids, b.token_ids) and torch.equal(a.loss_mask, b.loss_mask)
+        assert torch.equal(a.turn_offsets, b.turn_offsets) and a.num_turns >= 2
+        assert a.end_reason == b.end_reason and a.episode_reward == b.episode_reward
