@@ -85,3 +85,20 @@ def test_partial_rollouts_inside_agent_calls(out_dir: Path) -> None:
             assert 0 <= oldest <= newest <= rep.step
     assert all(r["versions_checked"] == 1.0 for r in result.records)
     assert sum(r["multi_version_episodes"] for r in result.records) > 0
+
+
+def test_a_missing_extra_or_a_bad_agent_fails_before_the_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+
+    from asyncflow.config import ConfigError
+    from asyncflow.config.check import resolve_config
+
+    with pytest.raises(ConfigError, match="not_there"):
+        resolve_config(None, ["rollout.agent=tests.asyncflow.agents:not_there"])
+    with pytest.raises(ValueError, match="both"):
+        resolve_config(None, [*AGENT, "env.name=tool_use"])
+    monkeypatch.setitem(sys.modules, "aiohttp", None)  # what an absent package does
+    with pytest.raises(ConfigError, match=r"pip install 'asyncflow\[agents\]'"):
+        resolve_config(None, AGENT)
