@@ -255,7 +255,7 @@ class OpenAIServer:
             _response("text_completion", self.model, session, ids, gen, choice)
         )
 
-    # --- helpers ----------------------------------------------------------------------------
+    # --- internals --------------------------------------------------------------------------
 
     def _session_of(self, request: web.Request) -> Session | None:
         sid = request.match_info.get("session")
