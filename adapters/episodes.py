@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engines.episodes import END_REASONS, Episode, EpisodeRunner, TurnBatcher
+from engines.episodes import END_REASONS, Episode, EpisodeSource, TurnBatcher
 from engines.episodes.batcher import BatchGenerate
 from engines.episodes.record import FAILED
 from engines.protocols import SamplingParams
@@ -230,7 +230,7 @@ def rows_of(cols: dict[str, Column], names: Sequence[str], size: int) -> list[di
 
 
 async def run_episodes(
-    runner: EpisodeRunner,
+    runner: EpisodeSource,
     prompts: Sequence[torch.Tensor],
     rows: Sequence[dict[str, Any]],
     generate: BatchGenerate,

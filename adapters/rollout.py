@@ -79,7 +79,7 @@ from adapters.episodes import (
     run_episodes,
 )
 from adapters.ranker import LengthRanker
-from engines.episodes import Episode, EpisodeRunner
+from engines.episodes import Episode, EpisodeSource
 from engines.protocols import Generation, SamplingParams
 from transferqueue import BatchMeta, Ragged
 from transferqueue.schema import Column
@@ -212,7 +212,7 @@ class RolloutAdapter(Adapter):
 
     task = "rollout"
     input_fields: tuple[str, ...] = ("prompt_ids",)
-    output_fields = (*EPISODE_FIELDS, "generated_at")
+    output_fields: tuple[str, ...] = (*EPISODE_FIELDS, "generated_at")
 
     def __init__(
         self,
@@ -230,7 +230,7 @@ class RolloutAdapter(Adapter):
         on_demand: Callable[[int], None] | None = None,
         on_done: Callable[[], None] | None = None,
         max_retries: int = 3,
-        episodes: EpisodeRunner | None = None,
+        episodes: EpisodeSource | None = None,
         row_columns: Sequence[str] = (),
         turn_gather_s: float = 0.005,
     ) -> None:
@@ -273,6 +273,10 @@ class RolloutAdapter(Adapter):
         """Columns handed to the environment's ``reset`` (the task's prompt and answer...)."""
         if episodes is not None:
             self.input_fields = (*self.input_fields, *self.row_columns)
+        self.writes_prompt = bool(getattr(episodes, "writes_prompt", False))
+        """Agents choose their own prompt: each row's ``prompt_ids`` is rewritten with it."""
+        if self.writes_prompt:
+            self.output_fields = (*type(self).output_fields, "prompt_ids")
         self.turn_gather_s = turn_gather_s
 
     async def process(self, meta: BatchMeta, cols: dict[str, Column]) -> StageOutput:
@@ -321,11 +325,19 @@ class RolloutAdapter(Adapter):
         response_lens = np.array([int(e.token_ids.numel()) for e in episodes], dtype=np.int64)
         if self.ranker is not None:
             self._observe(meta, prompts, response_lens)
+        columns = {
+            **episode_columns(episodes),
+            "generated_at": torch.full((len(episodes),), generated_at, dtype=torch.float64),
+        }
+        if self.writes_prompt:
+            own = [
+                e.prompt_ids if e.prompt_ids is not None else p
+                for e, p in zip(episodes, ids, strict=True)
+            ]
+            columns["prompt_ids"] = [p.to(torch.int32) for p in own]
+            prompt_lens = np.array([int(p.numel()) for p in own], dtype=np.int64)
         return StageOutput(
-            columns={
-                **episode_columns(episodes),
-                "generated_at": torch.full((len(episodes),), generated_at, dtype=torch.float64),
-            },
+            columns=columns,
             version=np.array(versions, dtype=np.int64),
             length=prompt_lens + response_lens,
             tokens=sum(e.model_tokens for e in episodes),
@@ -368,6 +380,9 @@ class RolloutAdapter(Adapter):
 
     async def close(self) -> None:
         if self.episodes is not None:
+            aclose = getattr(self.episodes, "aclose", None)
+            if aclose is not None:  # an agent runner's endpoint runs on this loop
+                await aclose()
             self.episodes.close()
 
     def _loads(self) -> list[int]:

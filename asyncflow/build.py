@@ -21,7 +21,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from asyncflow.config import RunConfig
 from engines.envs import environment_factory
-from engines.episodes import EpisodeLimits, EpisodeRunner, TurnFormat
+from engines.episodes import EpisodeLimits, EpisodeRunner, EpisodeSource, TurnFormat
 from engines.protocols import GenerationEngine, RewardFn, ScoringEngine, TrainingEngine
 from engines.rewards import WeightedReward, make_reward
 from engines.tasks import Task, make_task
@@ -145,16 +145,18 @@ def build_generator(cfg: RunConfig, path: Path, index: int) -> GenerationEngine:
 
 def build_episodes(
     cfg: RunConfig, tokenizer: PreTrainedTokenizerBase | None
-) -> EpisodeRunner | None:
-    """The rollout's :class:`engines.episodes.EpisodeRunner` (its environment, its bounds,
-    observations in the policy's chat template), or None without an environment."""
+) -> EpisodeSource | None:
+    """The rollout's episode source: an :class:`engines.episodes.EpisodeRunner` (its
+    environment, its bounds, observations in the policy's chat template), an
+    :class:`engines.agents.AgentRunner` (``rollout.agent``), or None (one-turn responses)."""
     name = cfg.environment()
-    if name is None:
+    agent = cfg.rollout.agent
+    if name is None and agent is None:
         return None
     if tokenizer is None:
         raise ValueError(
-            f"environment {name!r}: the rollout needs the policy's tokenizer to write "
-            "observations (pass tokenizer= to the rollout adapter's builder)"
+            f"{'agent' if agent else 'environment'} {agent or name!r}: the rollout needs the "
+            "policy's tokenizer (pass tokenizer= to the rollout adapter's builder)"
         )
     env = cfg.env
     limits = EpisodeLimits(
@@ -167,6 +169,19 @@ def build_episodes(
         timeout_reward=env.timeout_reward,
         max_concurrent=env.max_concurrent,
     )
+    if agent is not None:
+        from engines.agents import AgentRunner
+
+        r = cfg.rollout
+        return AgentRunner(
+            agent,
+            tokenizer,
+            limits,
+            options=r.agent_options,
+            model=r.agent_model,
+            api_key=r.agent_api_key,
+        )
+    assert name is not None
     return EpisodeRunner(
         environment_factory(name, env.options),
         TurnFormat(tokenizer, role=env.observation_role),

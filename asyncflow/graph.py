@@ -198,7 +198,7 @@ def reward_adapter(
     if evaluation:
         name, options = cfg.eval.task_spec(name, options)
     columns = task_columns(name, **options)  # the row's answer and extras
-    if cfg.environment() is not None:
+    if cfg.episodic():
         columns = (*columns, "episode_reward")  # what the ``episode`` reward reads
     return cls(  # type: ignore[call-arg]
         reward_fn, tokenizer, columns=columns, batch_size=cfg.reward.batch_size

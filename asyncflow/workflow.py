@@ -266,7 +266,7 @@ def _feeder(cfg: RunConfig, dep: Deployment, state: DriverState | None) -> Promp
         admission_log=None if state is None else state.admission,
         dynamic_sampling=cfg.train.dynamic_sampling,
         filtered_before=0 if state is None else len(state.filtered),
-        refill=cfg.environment() is not None,  # a group may be dropped (env_error)
+        refill=cfg.episodic(),  # a group may be dropped (env_error: an environment or an agent)
     )
 
 

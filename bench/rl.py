@@ -90,6 +90,10 @@ class Schedule:
     partial: bool = False
     weight_sync: str = ""
     """The weight-sync policy ("": the setup's)."""
+    agent: bool = False
+    """Agentic workload: the episodes through the agent seam (``engines.simulated.agent``:
+    the same environment, driven over the OpenAI-compatible endpoint) instead of the
+    environment seam."""
 
 
 SCHEDULES = [
@@ -243,7 +247,7 @@ def run_schedule(
             f"rollout.migrate_after={setup.migrate_after}",
         ]
     if setup.workload == "agentic":
-        overrides += AGENTIC.overrides(setup.time_scale, lengths.max_len)
+        overrides += AGENTIC.overrides(setup.time_scale, lengths.max_len, agent=sched.agent)
     if deploy == "local":
         return run(load_config(overrides=overrides), local_components(spec, n_gen))
     overrides += ["deploy.mode=ray", "deploy.start_timeout_s=900"]
@@ -495,6 +499,11 @@ def main() -> None:
         "--real-steps", type=int, default=None, help="0 skips the real pair (agentic: default 0)"
     )
     ap.add_argument(
+        "--agents",
+        action="store_true",
+        help="agentic: run each schedule through the agent seam (HTTP) too, and print the ratio",
+    )
+    ap.add_argument(
         "--deploy",
         choices=["local", "ray", "both"],
         default="local",
@@ -543,6 +552,10 @@ def main() -> None:
         f"tokens; deploy {' and '.join(modes)}"
     )
     chosen = [s for s in SCHEDULES if not args.schedules or s.name in args.schedules.split(",")]
+    if args.agents:
+        if setup.workload != "agentic":
+            raise SystemExit("--agents needs --workload agentic")
+        chosen = [t for s in chosen for t in (s, replace(s, name=f"{s.name}-agent", agent=True))]
     results: dict[str, dict[str, tuple[RunResult, dict[str, Any]]]] = {m: {} for m in modes}
     if "ray" in modes:  # slots for the largest schedule's actors: generators, trainer, reward
         start_ray(num_cpus=setup.gpus + 8)
@@ -592,6 +605,9 @@ def main() -> None:
             print(f"\ndeploy={mode}:")
         _print_table(tables[mode])
         table = tables[mode]
+        for name in [n for n in table if f"{n}-agent" in table]:
+            ratio = table[f"{name}-agent"]["samples_per_s"] / table[name]["samples_per_s"]
+            line(f"{name} agent seam / environment seam [{mode}]", ratio, "x")
         if "async-k2" in table and "colocated-sync" in table:
             ratio = table["async-k2"]["samples_per_s"] / table["colocated-sync"]["samples_per_s"]
             line(f"{setup.workload} async-k2 / colocated-sync [{mode}]", ratio, "x")

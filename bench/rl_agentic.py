@@ -61,8 +61,12 @@ class AgenticWorkload:
     def mean_turns(self) -> float:
         return (self.min_turns + self.max_turns) / 2
 
-    def overrides(self, time_scale: float, max_turn_tokens: int) -> list[str]:
-        """Config overrides that make a run's samples these episodes."""
+    def overrides(
+        self, time_scale: float, max_turn_tokens: int, *, agent: bool = False
+    ) -> list[str]:
+        """Config overrides that make a run's samples these episodes (``agent``: played by
+        :class:`engines.simulated.agent.SimulatedAgent` through the OpenAI-compatible endpoint,
+        HTTP in the loop, instead of the environment seam)."""
         options: dict[str, Any] = {
             "time_scale": time_scale,
             "median_s": self.env_median_s,
@@ -74,10 +78,22 @@ class AgenticWorkload:
         }
         flow = ", ".join(f"{k}: {v}" for k, v in options.items())
         budget = self.max_turns * (max_turn_tokens + self.observation_tokens + 16)
+        # an environment call, or (agent) a whole episode: every turn and step
+        timeout_s = max(10.0, 2 * self.env_max_s * time_scale) * (self.max_turns if agent else 1)
+        seam = (
+            [
+                "rollout.agent=engines.simulated.agent:SimulatedAgent",
+                f"rollout.agent_options={{{flow}}}",
+            ]
+            if agent
+            else [
+                "env.name=engines.simulated.environment:SimulatedEnvironment",
+                f"env.options={{{flow}}}",
+            ]
+        )
         return [
-            "env.name=engines.simulated.environment:SimulatedEnvironment",
-            f"env.options={{{flow}}}",
-            f"env.timeout_s={max(10.0, 2 * self.env_max_s * time_scale)}",
+            *seam,
+            f"env.timeout_s={timeout_s}",
             f"env.max_observation_tokens={self.observation_tokens + 8}",
             f"rollout.max_turns={self.max_turns}",
             f"rollout.max_episode_tokens={budget}",

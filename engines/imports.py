@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["import_path"]
+__all__ = ["MissingExtraError", "import_path", "require"]
 
 
 def import_path(path: str, what: str, *, target: str, example: str) -> Any:
@@ -42,3 +42,18 @@ def import_path(path: str, what: str, *, target: str, example: str) -> Any:
             )
         obj = getattr(obj, part)
     return obj
+
+
+class MissingExtraError(ImportError):
+    """An optional extra is not installed; the message is the ``pip install`` line to type."""
+
+
+def require(module: str, *, extra: str, what: str) -> Any:
+    """Import ``module`` of the optional extra ``extra``, or raise :class:`MissingExtraError`
+    in one line: what needs it and the ``pip install`` to type."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise MissingExtraError(
+            f"{what} needs {e.name or module}: pip install 'asyncflow[{extra}]'"
+        ) from None

@@ -149,6 +149,8 @@ def _check_strategy(cfg: RunConfig) -> None:
 
 
 def _check_env(cfg: RunConfig) -> None:
+    if cfg.rollout.agent is not None:
+        _check_agent(cfg)
     name = cfg.environment()
     if name is None:
         return
@@ -156,6 +158,20 @@ def _check_env(cfg: RunConfig) -> None:
         environment_factory(name, cfg.env.options)
     except ValueError as e:
         raise ConfigError(f"env.name / env.options: {_one_line(e)}") from None
+
+
+def _check_agent(cfg: RunConfig) -> None:
+    from engines.agents import agent_factory
+    from engines.imports import MissingExtraError, require
+
+    try:
+        for module in ("aiohttp", "openai"):
+            require(module, extra="agents", what="rollout.agent")
+        agent_factory(cfg.rollout.agent or "", cfg.rollout.agent_options)
+    except MissingExtraError as e:
+        raise ConfigError(str(e)) from None
+    except ValueError as e:
+        raise ConfigError(f"rollout.agent / rollout.agent_options: {_one_line(e)}") from None
 
 
 def _check_task(cfg: RunConfig) -> Task:

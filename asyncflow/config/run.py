@@ -355,16 +355,28 @@ class RunConfig:
             raise ValueError(
                 "reference.instances > 1 needs deploy.mode=ray (one model copy per actor)"
             )
-        if self.rollout.migrate_after and self.environment() is not None:
+        if self.rollout.agent is not None and self.env.name not in (None, "none"):
+            raise ValueError(
+                f"rollout.agent={self.rollout.agent!r} and env.name={self.env.name!r}: an "
+                "episode has an environment or an agent, not both; set one to null"
+            )
+        if self.rollout.migrate_after and self.episodic():
             raise ValueError(
                 "rollout.migrate_after continues one-turn responses on another instance; the "
-                f"episodes of environment {self.environment()!r} keep theirs: set "
+                f"episodes of {self.environment() or self.rollout.agent!r} keep theirs: set "
                 "rollout.migrate_after=0"
             )
 
+    def episodic(self) -> bool:
+        """Rows are episodes of an environment or an agent (not one-turn responses)."""
+        return self.environment() is not None or self.rollout.agent is not None
+
     def environment(self) -> str | None:
         """The environment of the run's episodes: ``env.name``, or the task's own when it is
-        null; None (``env.name=none``, or a task without one): one-turn responses."""
+        null; None (``env.name=none``, a task without one, or an agent): one-turn responses
+        or the agent's episodes."""
+        if self.rollout.agent is not None:
+            return None
         name = self.env.name
         if name is None:
             return task_class(self.task.name).environment
@@ -375,6 +387,6 @@ class RunConfig:
         task's own (``Task.default_reward``: ``math``; ``reasoning_gym`` for that task)."""
         if self.reward.functions is not None:
             return list(self.reward.functions)
-        if self.environment() is not None:
+        if self.episodic():
             return ["episode"]
         return [task_class(self.task.name).default_reward]

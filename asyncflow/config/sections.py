@@ -221,6 +221,20 @@ class RolloutConfig:
     """Token budget of an episode after its prompt: its turns and the observations between
     them; a turn gets at most what is left (and at most ``max_new_tokens``). One that uses it
     up ends with the reason ``max_tokens``."""
+    agent: str | None = None
+    """An agent (``docs/agents.md``): the import path ``module.path:attribute`` of an async
+    function ``(row, client) -> reward or None``, or of a class of such callables, called once
+    per episode with an ``openai.AsyncOpenAI`` client bound to the episode's session on the
+    rollout's OpenAI-compatible endpoint. Its calls are the episode (``max_turns``,
+    ``max_episode_tokens``; ``env.timeout_s`` bounds the whole agent run). Needs the
+    ``agents`` extra; excludes ``env.name``."""
+    agent_options: dict[str, Any] = field(default_factory=dict)
+    """Keyword options of an agent class (one instance per episode)."""
+    agent_model: str = "policy"
+    """The model name the endpoint serves (what agents put in ``model=``)."""
+    agent_api_key: str | None = None
+    """The bearer token the endpoint asks of every request (None: none; it listens on
+    loopback only)."""
     turn_gather_s: float = 0.005
     """Multi-turn: how long a turn waits for the turns of the batch's other episodes, to go
     to the engine in one ``generate`` call (the HF engine runs calls one after another; vLLM

@@ -255,7 +255,7 @@ class RolloutActor(_Host):
         self.instances = [RemoteGenerator(n, actor(h), self.view) for n, h in generators]
         self.ranker = LengthRanker() if cfg.rollout.ranker else None
         # the policy's tokenizer writes the observations of multi-turn episodes
-        tokenizer = factories.tokenizer(model) if cfg.environment() is not None else None
+        tokenizer = factories.tokenizer(model) if cfg.episodic() else None
         cls = graph.adapter_classes(adapters)["rollout"]
         self.adapter = graph.rollout_adapter(
             cls,

@@ -18,7 +18,13 @@ rollout adapter (``adapters.rollout``) turns episodes into columns.
 from engines.episodes.batcher import TurnBatcher
 from engines.episodes.format import TRUNCATION_MARKER, TurnFormat
 from engines.episodes.record import END_REASONS, Episode, EpisodeBuilder, token_versions
-from engines.episodes.runner import EpisodeLimits, EpisodeRunner, EpisodeStats, TurnGenerate
+from engines.episodes.runner import (
+    EpisodeLimits,
+    EpisodeRunner,
+    EpisodeSource,
+    EpisodeStats,
+    TurnGenerate,
+)
 
 __all__ = [
     "END_REASONS",
@@ -27,6 +33,7 @@ __all__ = [
     "EpisodeBuilder",
     "EpisodeLimits",
     "EpisodeRunner",
+    "EpisodeSource",
     "EpisodeStats",
     "TurnBatcher",
     "TurnFormat",

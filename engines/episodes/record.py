@@ -74,6 +74,9 @@ class Episode:
     """How the episode's time went (the runner's :class:`EpisodeStats` as a dict: per-call
     latencies of ``reset``/``step``, time waiting on the engine and on the environment,
     retries); empty for an episode no runner ran."""
+    prompt_ids: torch.Tensor | None = None
+    """[P] int64: the prompt the tokens follow, when it is not the row's own (an agent's
+    first call, :mod:`engines.agents`); None: the row's ``prompt_ids``."""
 
     def __post_init__(self) -> None:
         shape = self.token_ids.shape

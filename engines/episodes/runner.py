@@ -67,7 +67,7 @@ import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -76,12 +76,32 @@ from engines.episodes.format import TurnFormat
 from engines.episodes.record import Episode, EpisodeBuilder
 from engines.protocols import Generation, SamplingParams
 
-__all__ = ["EpisodeLimits", "EpisodeRunner", "EpisodeStats", "TurnGenerate"]
+__all__ = ["EpisodeLimits", "EpisodeRunner", "EpisodeSource", "EpisodeStats", "TurnGenerate"]
 
 log = logging.getLogger(__name__)
 
 TurnGenerate = Callable[[torch.Tensor, SamplingParams], Awaitable[Generation]]
 """Samples one turn: ``(conversation so far [L] int64, params) -> Generation``."""
+
+
+class EpisodeSource(Protocol):
+    """What the rollout adapter runs a row's episode with: an :class:`EpisodeRunner`
+    (environments) or an ``engines.agents.AgentRunner`` (agents)."""
+
+    def run(
+        self,
+        prompt: torch.Tensor,
+        row: Mapping[str, Any],
+        generate: TurnGenerate,
+        params: SamplingParams,
+    ) -> Awaitable[Episode]:
+        """One episode of the row (``prompt``: its prompt ids), its turns through ``generate``
+        (the batch's instance). Called by the rollout adapter for every row of a batch."""
+        ...
+
+    def close(self) -> None:
+        """Release what the source holds (the adapter calls it when the stage stops)."""
+        ...
 
 
 @dataclass(kw_only=True, frozen=True)

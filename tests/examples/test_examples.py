@@ -218,3 +218,23 @@ def test_openenv_game_trains_against_its_own_server(tmp_path: Path) -> None:
     assert (tmp_path / "reward.png").is_file() and (
         tmp_path / "policy" / "model.safetensors"
     ).is_file()
+
+
+def test_grpo_openai_agent_trains_the_agent_through_the_endpoint(tmp_path: Path) -> None:
+    pytest.importorskip("openai")
+    pytest.importorskip("aiohttp")
+    out = _run(
+        "examples/grpo_openai_agent.py",
+        "--output-dir",
+        str(tmp_path),
+        "train.steps=3",
+        "model.warm_start_steps=20",  # the recipe's 105 steps take ~15 s: the path, shortened
+        "output.progress=false",
+    )
+    assert "mean reward" in out and "turns per episode" in out
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == list(range(3))
+    for r in lines:
+        assert 1.0 <= r["turns_mean"] <= 3.0  # the agent's calls, one trajectory per episode
+        assert sum(r["episode_end_reasons"].values()) == r["samples"]
+        assert set(r["episode_end_reasons"]) <= {"done", "max_turns", "max_tokens"}
