@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -134,6 +135,7 @@ def test_a_consumer_process_killed_holding_rows_gives_them_back_within_the_bound
         finally:
             proc.kill()
             proc.wait(10)
+        print(f"consumer process killed holding 16 rows: back in {back_s:.2f} s")
         assert back_s < 5.0 + SLACK_S
         # every row reaches the task once: the 16 held ones again, the other 24 for the first time
         seen: list[int] = []
@@ -211,3 +213,42 @@ def test_embedded_leases_are_held_but_never_silent() -> None:
         assert tq.holder.started  # (no heartbeat needed in-process)
         c.ack(meta)
         assert c.stats()["controller"]["returned_leases"] == 0
+
+
+@pytest.mark.slow
+def test_a_restarted_controller_waits_its_grace_for_holders_then_returns_the_dead_ones(
+    tmp_path: Path,
+) -> None:
+    """A consumer process and the journaled controller SIGKILLed together: the restarted
+    controller restores both leases, keeps the live consumer's (its heartbeat goes on), and
+    returns the dead one's after ``holder_grace_s``, not before."""
+    grace = Liveness(holder_grace_s=6.0)
+    with (
+        transferqueue.serve(num_units=1, state_dir=tmp_path / "state", liveness=grace) as svc,
+        transferqueue.connect(svc.address, ride_through_s=120.0) as tq,
+    ):
+        c = tq.client()
+        c.put({"x": torch.arange(20).view(20, 1)})
+        mine = c.get_meta("t", ["x"], 10, timeout_s=10, lease_s=LEASE_S)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _CONSUMER, svc.address, "10"], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert proc.stdout is not None
+            theirs = [int(i) for i in proc.stdout.readline().split()]
+            assert len(theirs) == 10
+            os.kill(proc.pid, signal.SIGKILL)
+            old = svc.pids[-1]
+            os.kill(old, signal.SIGKILL)  # before the consumer's silence is noticed
+        finally:
+            proc.kill()
+            proc.wait(10)
+        until(lambda: svc.controller_restarts[0] == 1 and svc.pids[-1] != old, 60, "restart")
+        back_at = time.monotonic()
+        assert _ctl(c)["returned_rows"] == 0  # within the grace: nothing returned yet
+        until(lambda: _ctl(c)["returned_rows"] == 10, 6.0 + SLACK_S, "the dead holder's rows")
+        assert time.monotonic() - back_at >= 6.0 - 1.0  # not before its grace (less a tick)
+        c.ack(mine)  # the live holder's lease survived the restart and its grace
+        again = c.get_meta("t", ["x"], 10, timeout_s=10)
+        assert sorted(again.indexes.tolist()) == sorted(theirs)
+        c.ack(again)

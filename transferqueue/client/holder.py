@@ -115,7 +115,8 @@ class Holder:
             thread = self._thread
         if thread is None:
             return  # (never took a lease: nothing to give back)
-        thread.join(_JOIN_S)
+        if thread is not threading.current_thread():  # (a finalizer may run on it)
+            thread.join(_JOIN_S)
         assert self._send is not None
         with contextlib.suppress(Exception):  # (a controller gone: the silence says it)
             self._send(m.HolderGone(holder=self.id))
