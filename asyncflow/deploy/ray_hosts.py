@@ -142,7 +142,15 @@ class _Host:
             )
             # A host Ray restarted replaces its dead incarnation: the rows that one held go
             # back to their queues now, not after its silence (holder_dead_after_s).
-            back = self._tq.replace_earlier_holders()
+            try:
+                back = self._tq.replace_earlier_holders()
+            except transferqueue.TQError as e:  # (their silence returns the rows instead)
+                log.warning(
+                    "stage host %s could not replace its earlier incarnation: %r",
+                    self._tq.holder.name,
+                    e,
+                )
+                back = 0
             if back:
                 log.warning(
                     "stage host %s replaces its dead incarnation: %d leased rows returned",

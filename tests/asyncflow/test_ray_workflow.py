@@ -337,14 +337,15 @@ def test_groups_a_dead_unit_actor_took_are_regenerated_on_the_ray_workflow(
         assert min(r.staleness) >= 0 and max(r.staleness) <= k, r
 
 
-def test_a_killed_rollout_host_costs_seconds_not_its_lease(
-    ray_cluster: None, tmp_path: Path
+@pytest.mark.parametrize(("target", "job"), [("-rollout", "rollout"), ("-reward-0", "reward")])
+def test_a_killed_stage_host_costs_seconds_not_its_lease(
+    ray_cluster: None, tmp_path: Path, target: str, job: str
 ) -> None:
-    """SIGKILL the rollout stage host mid-run, its leases as long as the default (120 s): the
-    rows it held come back when it is seen gone (its heartbeat stops; its replacement says
-    it replaces it), so the step that meets the kill costs at most 10 s more than a normal
-    one, every group is trained once, within the staleness bound, and the step records show
-    the restart and the rows returned."""
+    """SIGKILL a stage host (rollout, reward) mid-run, its leases as long as the default
+    (120 s): the rows it held come back when it is seen gone (its heartbeat stops; its
+    replacement says it replaces it), so the step that meets the kill costs at most 10 s more
+    than a normal one, every group is trained once, within the staleness bound, and the step
+    records show the restart and the rows returned."""
     out = tmp_path / "run"
     k, steps, kill_after = 1, 14, 4
     cfg = small_config(
@@ -357,19 +358,19 @@ def test_a_killed_rollout_host_costs_seconds_not_its_lease(
     )
     killed: list[str] = []
     killer = threading.Thread(
-        target=_kill_when, args=(out, kill_after, ["-rollout"], killed), daemon=True
+        target=_kill_when, args=(out, kill_after, [target], killed), daemon=True
     )
     killer.start()
     result = run(cfg)
     killer.join(timeout=60)
-    assert killed == ["-rollout"]
+    assert killed == [target]
     b = cfg.train.groups_per_step
     trained: list[int] = []
     for rep in result.reports:
         assert min(rep.staleness) >= 0 and max(rep.staleness) <= k
         trained += rep.groups
     assert trained == list(range(steps * b))  # every group trained exactly once
-    assert result.extra["restarts"].get("rollout", 0) >= 1
+    assert result.extra["restarts"].get(job, 0) >= 1
     records = result.records
     normal = sorted(r["step_s"] for r in records[1:kill_after])
     median = normal[len(normal) // 2]
@@ -377,7 +378,7 @@ def test_a_killed_rollout_host_costs_seconds_not_its_lease(
     restart_s = sum(r["restart_s"] for r in records)
     returned = sum(r["rows_returned"] for r in records)
     print(
-        f"rollout host killed: worst step {worst:.2f} s, normal {median:.2f} s, restart "
+        f"{job} host killed: worst step {worst:.2f} s, normal {median:.2f} s, restart "
         f"{restart_s:.2f} s, rows returned {returned}"
     )
     assert worst <= median + 10.0, [round(r["step_s"], 2) for r in records]

@@ -58,7 +58,6 @@ RESENDABLE: frozenset[type[protocol.ControllerRequest[Any]]] = frozenset(
         m.SetCustomMeta,
         m.Commit,  # (a lease it acked already: a no-op; rows it committed and freed: above)
         m.Alive,
-        m.HolderGone,  # (leases returned already: none left to return)
         # what the dead controller gave and nobody learned of comes back on its own (a lease
         # expires, an allocation is discarded at the restart or its deadline), or is undone
         # by undo_late when a restarted controller answers the first sending
