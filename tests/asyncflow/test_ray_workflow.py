@@ -381,6 +381,9 @@ def test_a_killed_stage_host_costs_seconds_not_its_lease(
         f"{job} host killed: worst step {worst:.2f} s, normal {median:.2f} s, restart "
         f"{restart_s:.2f} s, rows returned {returned}"
     )
-    assert worst <= median + 10.0, [round(r["step_s"], 2) for r in records]
+    # at most 10 s over a normal step, unless Ray took longer than that to start the
+    # replacement (a one-instance stage waits for it; a loaded machine): never the lease
+    assert worst <= median + max(10.0, restart_s + 3.0), [round(r["step_s"], 2) for r in records]
+    assert worst < 60.0
     assert sum(r["rows_returned"] for r in records) >= 1
     assert sum(r["restart_s"] for r in records) > 0
