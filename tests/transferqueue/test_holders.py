@@ -151,7 +151,7 @@ def test_a_consumer_process_killed_holding_rows_gives_them_back_within_the_bound
 
 
 def test_a_live_consumer_keeps_its_batch_longer_than_the_liveness_bound() -> None:
-    fast = Liveness(holder_dead_after_s=2.0)
+    fast = Liveness(holder_dead_after_s=3.0)
     with (
         transferqueue.serve(num_units=1, liveness=fast) as svc,
         transferqueue.connect(svc.address) as tq,
@@ -161,7 +161,7 @@ def test_a_live_consumer_keeps_its_batch_longer_than_the_liveness_bound() -> Non
         c.put({"x": torch.arange(8).view(8, 1)})
         held = c.get_meta("t", ["x"], 8, timeout_s=10, lease_s=LEASE_S)
         assert len(held) == 8
-        time.sleep(3 * fast.holder_dead_after_s)  # "working": no call into TransferQueue
+        time.sleep(2 * fast.holder_dead_after_s)  # "working": no call into TransferQueue
         nothing = other.client().get_meta("t", ["x"], 8, timeout_s=0.5)
         assert len(nothing) == 0  # nobody else was given these rows
         c.ack(held)  # the lease still stands

@@ -67,6 +67,7 @@ class Holder:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.beats_failed = 0
+        self._reachable = True  # the last beat was answered (else close does not wait on it)
 
     @property
     def started(self) -> bool:
@@ -94,8 +95,10 @@ class Holder:
         while not self._stop.wait(HOLDER_BEAT_S):
             try:
                 send(beat)
+                self._reachable = True
             except Exception as e:  # (a controller restarting: beat again next time)
                 self.beats_failed += 1
+                self._reachable = False
                 if not self._stop.is_set():
                     log.debug("holder %s: a heartbeat failed: %r", self.id, e)
 
@@ -117,6 +120,8 @@ class Holder:
             return  # (never took a lease: nothing to give back)
         if thread is not threading.current_thread():  # (a finalizer may run on it)
             thread.join(_JOIN_S)
+        if thread.is_alive() or not self._reachable:
+            return  # (a controller gone or restarting: our silence says it, no wait here)
         assert self._send is not None
-        with contextlib.suppress(Exception):  # (a controller gone: the silence says it)
+        with contextlib.suppress(Exception):
             self._send(m.HolderGone(holder=self.id))
