@@ -66,6 +66,8 @@ class StepRecorder:
         dep = self.deployment
         timeline = dep.timeline
         last_t = timeline.now()
+        # rows that dead holders' leases gave back, as of the previous step
+        returned = int((await dep.client.stats())["controller"].get("returned_rows", 0))
         for _ in self.steps:
             report = await dep.next_report()
             stage_metrics = await dep.collect()
@@ -76,6 +78,14 @@ class StepRecorder:
             record = step_record(report, timeline, last_t, now, tq_tasks, versions[0])
             record["stage_metrics"] = stage_metrics
             record["restarts"] = sum(dep.restarts.values())
+            # Recovery: seconds from a stage host's death to its replacement answering, for
+            # the restarts that ended in this step, and the rows its leases gave back.
+            record["restart_s"] = sum(
+                back - died for _, died, back in dep.restart_times if last_t < back <= now
+            )
+            now_returned = int(stats["controller"].get("returned_rows", 0))
+            record["rows_returned"] = now_returned - returned
+            returned = now_returned
             record.update(
                 version_metrics(
                     report.step,

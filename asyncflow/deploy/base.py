@@ -68,6 +68,9 @@ class Deployment(ABC):
     tokenizer: Any
     restarts: dict[str, int]
     """Stage hosts restarted so far, by name (``ray``; always empty with ``local``)."""
+    restart_times: list[tuple[str, float, float]]
+    """Each restart of a stage host: (name, when its death was seen, when its replacement
+    answered), on the run's timeline (``ray``; always empty with ``local``)."""
 
     @property
     def predict(self) -> Predictor | None:

@@ -98,6 +98,7 @@ class LocalDeployment(Deployment):
         self._rollout: Adapter | None = None
         self._closed = False
         self.restarts: dict[str, int] = {}
+        self.restart_times: list[tuple[str, float, float]] = []
         self._syncs_seen = 0  # weight syncs handed to the driver so far
 
     async def open(self) -> None:

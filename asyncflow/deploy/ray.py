@@ -149,6 +149,7 @@ class RayDeployment(Deployment):
         self._rollout: Any = None
         self._workers: list[tuple[str, Any]] = []
         self.restarts: dict[str, int] = {}
+        self.restart_times: list[tuple[str, float, float]] = []
         self._syncs_seen = 0  # weight syncs handed to the driver so far
         self._closed = False
 
@@ -438,7 +439,9 @@ class RayDeployment(Deployment):
                             f"{self.cfg.deploy.max_restarts}): {e}"
                         ) from e
                     log.warning("stage host %r died; Ray restarts it (restart %d)", name, used)
+                    died = self.timeline.now()
                     await self._until_alive(name, host, e)
+                    self.restart_times.append((name, died, self.timeline.now()))
 
         return supervised
 

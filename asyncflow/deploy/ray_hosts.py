@@ -101,6 +101,19 @@ def actor(name: str, timeout_s: float = 60.0) -> Any:
             time.sleep(0.1)
 
 
+def _holder_name() -> str | None:
+    """The Ray actor's name (the same in every incarnation): the holder of its leases."""
+    try:
+        import ray
+
+        name = ray.get_runtime_context().get_actor_name()
+    except Exception:  # (not in an actor)
+        return None
+    if not name or "/" in name or len(name) > 96:
+        return None  # (host:pid; its rows come back after its silence)
+    return str(name)
+
+
 @dataclass(frozen=True)
 class TQAccess:
     """How a stage host reaches the run's TransferQueue: its address, and the CURVE keys
@@ -125,8 +138,25 @@ class _Host:
         self.client: AsyncClient | None = None
         if tq is not None:
             self._tq = transferqueue.connect(
-                tq.address, keys=tq.keys, ride_through_s=tq.ride_through_s
+                tq.address, keys=tq.keys, ride_through_s=tq.ride_through_s, holder=_holder_name()
             )
+            # A host Ray restarted replaces its dead incarnation: the rows that one held go
+            # back to their queues now, not after its silence (holder_dead_after_s).
+            try:
+                back = self._tq.replace_earlier_holders()
+            except transferqueue.TQError as e:  # (their silence returns the rows instead)
+                log.warning(
+                    "stage host %s could not replace its earlier incarnation: %r",
+                    self._tq.holder.name,
+                    e,
+                )
+                back = 0
+            if back:
+                log.warning(
+                    "stage host %s replaces its dead incarnation: %d leased rows returned",
+                    self._tq.holder.name,
+                    back,
+                )
             self.client = self._tq.async_client()
         self.runners: list[StageRunner] = []
 

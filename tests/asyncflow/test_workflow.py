@@ -134,7 +134,7 @@ RECORD_KEYS = {
     "staleness_max", "staleness_mean", "staleness_hist", "generator_version", "stages",
     "queue", "stage_metrics", "restarts", "loss", "kl", "grad_norm", "spanned_share",
     "span_max", "staleness_gen_mean", "staleness_gen_max", "staleness_queue_mean",
-    "staleness_queue_max", "weight_syncs", "kept_tokens",
+    "staleness_queue_max", "weight_syncs", "kept_tokens", "restart_s", "rows_returned",
 }  # fmt: skip
 """What every line of metrics.jsonl carries (the run's own fields, then the engine's)."""
 

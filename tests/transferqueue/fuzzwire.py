@@ -67,6 +67,8 @@ EXAMPLES: dict[tuple[str, str], protocol.Request[Any]] = {
     ("controller", "ack"): m.Ack(lease_id=12345, indexes=np.array([0])),
     ("controller", "release"): m.Release(lease_id=12345),
     ("controller", "renew"): m.Renew(lease_id=12345, lease_s=5.0),
+    ("controller", "alive"): m.Alive(holder="host:1/ab12"),
+    ("controller", "holder_gone"): m.HolderGone(name="rollout", keep="rollout/ab12"),
     ("controller", "declare_tasks"): m.DeclareTasks(partition="fuzz2", tasks=["a"]),
     ("controller", "finish"): m.Finish(partition="fuzz3"),
     ("controller", "clear"): m.Clear(partition="fuzz"),

@@ -299,3 +299,30 @@ def test_ray_deployment_serves_metrics(ray_cluster: None) -> None:
         assert value(u, "transferqueue_requests_total", server="unit", kind="write") == 1
     finally:
         tq.close()
+
+
+def test_returned_leases_counted(
+    svc: transferqueue.LocalService, client: transferqueue.Client
+) -> None:
+    assert svc.metrics_address is not None
+    s = scrape(svc.metrics_address)
+    before = [
+        value(s, f"transferqueue_{name}_total")
+        for name in ("leases_returned", "rows_returned", "holders_lost")
+    ]
+    client.put({"h": torch.zeros(3, 4)}, group=0, partition="holders")
+    other = transferqueue.connect(svc.address)
+    other.client().get_meta("held", ["h"], 3, partition="holders", timeout_s=10, lease_s=600)
+    other.close()  # a handle closed holding rows: they go back at once
+    s = scrape(svc.metrics_address)
+    after = [
+        value(s, f"transferqueue_{name}_total")
+        for name in ("leases_returned", "rows_returned", "holders_lost")
+    ]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [1, 3, 1]
+    assert (
+        value(s, "transferqueue_task_rows", partition="holders", task="held", state="queued") == 3
+    )
+    from transferqueue.deploy.top import render  # (here: its output stream binds at import)
+
+    assert f"returned {after[0]:,.0f} ({after[1]:,.0f} rows)" in render(client.stats())

@@ -36,6 +36,7 @@ from transferqueue.client import assemble
 from transferqueue.client.buffers import ResultBuffers
 from transferqueue.client.checkpoint import Checkpoints
 from transferqueue.client.device_io import DeviceSide, to_device
+from transferqueue.client.holder import Holder
 from transferqueue.client.kv import KeyValue
 from transferqueue.client.links import OFFLOAD_BYTES, ControllerLink, UnitLink, link_of
 from transferqueue.client.lost import lost_with_unit
@@ -109,10 +110,12 @@ class AsyncClient:
         buffers: ResultBuffers | None = None,
         owner: object = None,
         device: DeviceSide | None = None,
+        holder: Holder | None = None,
     ):
         # The handle this client came from: held, so that the handle (and its connections)
         # lives as long as any of its clients (``connect(address).client()`` works).
         self._owner = owner
+        self._holder = holder  # (the handle's: the leases' holder, see client.holder)
         self._io = io
         self._ctl = controller
         self._units = {u.unit_id: u for u in units}
@@ -128,6 +131,11 @@ class AsyncClient:
         self._checkpoints = Checkpoints(
             io, controller, self._specs, self._writer, self._get_data_or_lost
         )
+
+    @property
+    def holder(self) -> Holder | None:
+        """The holder the leases this client takes are held under (its handle's)."""
+        return self._holder
 
     @property
     def puts_again(self) -> int:
@@ -192,6 +200,11 @@ class AsyncClient:
             max_group=max_group,
             **sampler_options,
         )
+        holder = self._holder
+        if holder is not None:
+            if not holder.started:
+                await asyncio.to_thread(holder.start)
+            msg.holder = holder.id
         return await self._io.run_async(self._ctl.call(msg))
 
     @overload

@@ -57,6 +57,7 @@ RESENDABLE: frozenset[type[protocol.ControllerRequest[Any]]] = frozenset(
         m.Renew,
         m.SetCustomMeta,
         m.Commit,  # (a lease it acked already: a no-op; rows it committed and freed: above)
+        m.Alive,
         # what the dead controller gave and nobody learned of comes back on its own (a lease
         # expires, an allocation is discarded at the restart or its deadline), or is undone
         # by undo_late when a restarted controller answers the first sending

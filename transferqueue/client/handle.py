@@ -15,6 +15,7 @@ from transferqueue.client.async_client import AsyncClient
 from transferqueue.client.buffers import ResultBuffers
 from transferqueue.client.device_io import DeviceSide
 from transferqueue.client.direct import DirectCalls
+from transferqueue.client.holder import Holder
 from transferqueue.client.links import ControllerLink, UnitLink
 from transferqueue.client.sync_client import Client
 from transferqueue.device.staging import CHUNK_BYTES, DeviceStaging
@@ -37,9 +38,12 @@ class TransferQueue:
         address: str | None = None,
         mode: str = "embedded",
         direct: DirectCalls | None = None,
+        holder: str | None = None,
     ) -> None:
         """``direct``: where sync clients send their consumer calls without the loop (a
-        connected handle's, see :mod:`transferqueue.client.direct`; closed by ``closers``)."""
+        connected handle's, see :mod:`transferqueue.client.direct`; closed by ``closers``).
+        ``holder``: the name the leases of this handle are held under (default ``host:pid``;
+        see :mod:`transferqueue.client.holder`)."""
         self._io = io
         self._controller = controller
         self._units = list(units)
@@ -51,6 +55,10 @@ class TransferQueue:
         # device columns: pinned chunks, shared columns (nothing made before it is needed)
         self._device = DeviceSide(io, controller)
         self._closers.insert(0, self._device.close)  # (while the loop still runs)
+        # the leases' holder: beats over the direct sockets (a connected handle), and says it
+        # is gone before they close
+        self.holder = Holder(holder, None if direct is None else direct.call)
+        self._closers.insert(0, self.holder.close)
         self._finalizer = weakref.finalize(self, _close_all, self._closers, io)
 
     @property
@@ -64,7 +72,7 @@ class TransferQueue:
     def async_client(self) -> AsyncClient:
         """An asyncio client (its calls hop onto this handle's I/O loop when needed)."""
         return AsyncClient(
-            self._io, self._controller, self._units, self._buffers, self, self._device
+            self._io, self._controller, self._units, self._buffers, self, self._device, self.holder
         )
 
     def client(self) -> Client:
@@ -89,6 +97,13 @@ class TransferQueue:
     def add_closer(self, closer: Callable[[], None]) -> None:
         """Run ``closer`` when the handle closes (after the ones given at construction)."""
         self._closers.append(closer)
+
+    def replace_earlier_holders(self) -> int:
+        """Say that this handle replaces every earlier handle of its holder name (a stage
+        host restarted by its deployment, connected with the same ``holder=``): their leases'
+        rows go back to their queues now instead of after their silence. Returns the rows
+        given back."""
+        return self.holder.replace_earlier()
 
     def reset(self) -> None:
         """Forget everything stored: rows, tasks, leases and field specs, for every client

@@ -25,6 +25,7 @@ from transferqueue.errors import ClosedError
 from transferqueue.loop import LoopThread
 from transferqueue.meta import BatchMeta
 from transferqueue.schema import Column
+from transferqueue.wire.messages import GetMeta
 from transferqueue.wire.protocol import ControllerRequest
 
 if TYPE_CHECKING:
@@ -47,7 +48,13 @@ def _consumer(
         direct = self._direct
         if direct is None or self._io.in_loop():
             return self._io.run(fn(self._a, *args, **kwargs))
-        return direct.call(request(*args, **kwargs))
+        msg = request(*args, **kwargs)
+        if isinstance(msg, GetMeta):
+            holder = self._a.holder
+            if holder is not None:
+                holder.start()
+                msg.holder = holder.id
+        return direct.call(msg)
 
     call.__name__ = call.__qualname__ = fn.__name__
     call.__doc__ = f"Blocking :meth:`AsyncClient.{fn.__name__}`.\n\n{fn.__doc__ or ''}"

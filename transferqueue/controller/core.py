@@ -174,6 +174,8 @@ class Controller:
             "next_index": self.rows.next_index,
             "active_leases": len(self.leases),
             "expired_leases": self.leases.expired,
+            "returned_leases": self.leases.returned,
+            "returned_rows": self.leases.rows_returned,
             "unit_bytes": self.placement.unit_bytes.tolist(),
             "units_alive": self.placement.alive.tolist(),
             "units_lost": health.units_lost,

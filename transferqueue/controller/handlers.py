@@ -9,7 +9,7 @@ as the core's parts are::
     AdminHandlers     hello, ping, register_unit, stats, reset
     RowHandlers       register_fields, get_specs, lost, allocate, discard, commit
     QueueHandlers     get_meta, ack, release, renew, declare_tasks, finish, clear,
-                      reset_consumption
+                      reset_consumption, alive, holder_gone
     StatusHandlers    status, set_custom_meta, get_custom_meta, lost_rows, retire_groups
     KeyHandlers       kv_rows, kv_delete, kv_list
     SnapshotHandlers  export_state, hold_export, import_rows, import_tasks
@@ -98,11 +98,11 @@ class AdminHandlers(_Handlers):
         # stats after these sees their payload dropped (not a free still on the wire).
         if self.service.frees_pending():
             return self._stats_later()
-        return self.ctl.stats()
+        return self.service.stats()
 
     async def _stats_later(self) -> dict[str, Any]:
         await self.service.frees_sent()
-        return self.ctl.stats()
+        return self.service.stats()
 
     async def reset(self, msg: m.Reset, caller: Caller) -> None:
         """Forget everything (see :meth:`ControllerService.reset`)."""
@@ -174,6 +174,8 @@ class QueueHandlers(_Handlers):
         AsyncClient.get_meta). ``partial=False``: at the timeout, answer None instead of a
         short batch (a client waiting in slices)."""
         self.service.not_loading(msg.partition)
+        if msg.holder is not None:
+            self.service.holders.seen(msg.holder)
         if msg.timeout_s is None or msg.timeout_s > 0:
             self.service.apply(self.ctl.queues.expire())
             meta = self._poll(msg, caller, short_ok=False)
@@ -194,6 +196,7 @@ class QueueHandlers(_Handlers):
             max_group=msg.max_group,
             short_ok=short_ok,
             owner=caller.identity,
+            holder=msg.holder,
         )
         self.service.apply(changes)
         if meta is not None and meta.lease_id is not None:
@@ -226,6 +229,27 @@ class QueueHandlers(_Handlers):
     def renew(self, msg: m.Renew, caller: Caller) -> None:
         self.ctl.queues.renew(msg.lease_id, msg.lease_s, msg.indexes, caller.identity)
         self.service.poke()
+
+    def alive(self, msg: m.Alive, caller: Caller) -> None:
+        self.service.holders.beat(msg.holder)
+
+    def holder_gone(self, msg: m.HolderGone, caller: Caller) -> int:
+        """Return the leases of ``msg.holder``, or of every holder named ``msg.name`` but
+        ``msg.keep`` (see :class:`~transferqueue.wire.messages.HolderGone`)."""
+        if (msg.holder is None) == (msg.name is None):
+            raise BadRequestError(
+                "holder_gone names either holder (one handle) or name (every handle of that "
+                f"name but keep), got holder={msg.holder!r}, name={msg.name!r}"
+            )
+        if msg.holder is not None:
+            holders, why = [msg.holder], "closed"
+        else:
+            assert msg.name is not None
+            holders = self.ctl.leases.holders()
+            holders, why = self.service.holders.named(holders, msg.name, msg.keep), "replaced"
+        if not holders:
+            return 0
+        return self.service.return_holders(holders, why, caller.identity)
 
     def declare_tasks(self, msg: m.DeclareTasks, caller: Caller) -> None:
         self.ctl.queues.declare_tasks(msg.partition, msg.tasks)

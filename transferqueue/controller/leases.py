@@ -6,6 +6,11 @@ the deadline passes first, the controller returns the rows to the task's queue a
 id is remembered as expired, so a late ack from a consumer that was only slow gets a clear
 :class:`LeaseExpiredError` instead of silently consuming rows someone else now holds.
 
+A lease also names its *holder*: the client handle that took it (``name/token``, see
+:mod:`transferqueue.controller.holders`). When the holder is known to be dead, its leases close
+as ``returned`` and their rows go back at once, as at a deadline; a late ack then gets the
+same :class:`LeaseExpiredError`.
+
 Lease ids are random 63-bit numbers (nobody can guess another consumer's), and a lease taken
 by an authenticated client (its key: the ``owner``) answers only to that client: to anyone
 else it is a lease never issued.
@@ -39,6 +44,7 @@ class Lease:
     deadline: float
     remaining: int
     owner: str | None = None  # the key of the client that took it (None: no keys in use)
+    holder: str | None = None  # the handle that took it (None: not told; only the deadline)
     # rows lost with a unit while leased, (indexes, groups): consumed if the lease is acked,
     # else logged as lost for its task when it ends (see transferqueue.controller.retire)
     lost: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
@@ -59,6 +65,9 @@ class LeaseTable:
         self._heap: list[tuple[float, int]] = []
         self._closed: OrderedDict[int, str] = OrderedDict()
         self.expired = 0  # leases whose deadline passed before their rows were acknowledged
+        self.returned = 0  # leases closed because their holder died (see holders)
+        self.rows_returned = 0  # the rows those leases held when they closed
+        self._by_holder: dict[str, set[int]] = {}
         # called with (lease, why) as each lease closes (the controller's loss log)
         self.on_close: Callable[[Lease, str], None] | None = None
         # draws a lease id (a journaled controller records the ids drawn and replays them,
@@ -77,15 +86,29 @@ class LeaseTable:
             )
         return float(lease_s)
 
+    def __setstate__(self, state: dict[str, object]) -> None:
+        """(A snapshot written before holders were recorded: none known, nothing returned.)"""
+        state.setdefault("returned", 0)
+        state.setdefault("rows_returned", 0)
+        state.setdefault("_by_holder", {})
+        self.__dict__.update(state)
+
     def open(
-        self, task: TaskKey, indexes: np.ndarray, lease_s: float, owner: str | None = None
+        self,
+        task: TaskKey,
+        indexes: np.ndarray,
+        lease_s: float,
+        owner: str | None = None,
+        holder: str | None = None,
     ) -> Lease:
         deadline = self._clock() + self.check_lease_s(lease_s)
         lease_id = self.new_id()
         while lease_id == 0 or lease_id in self._active or lease_id in self._closed:
             lease_id = self.new_id()
-        lease = Lease(lease_id, task, indexes, deadline, int(indexes.size), owner)
+        lease = Lease(lease_id, task, indexes, deadline, int(indexes.size), owner, holder)
         self._active[lease_id] = lease
+        if holder is not None:
+            self._by_holder.setdefault(holder, set()).add(lease_id)
         heapq.heappush(self._heap, (lease.deadline, lease_id))
         return lease
 
@@ -106,6 +129,13 @@ class LeaseTable:
                 f"{lease.task[1]!r}. Ask for a longer lease_s or acknowledge sooner"
             )
         why = self._closed.get(lease_id)
+        if why == "returned":
+            raise LeaseExpiredError(
+                f"lease {lease_id} was returned: its holder (the client that took it) was "
+                "declared gone (silent past the controller's holder_dead_after_s, closed, or "
+                "replaced by a restarted host), and its rows were handed out again; drop this "
+                "batch. A live client keeps its leases as long as it runs"
+            )
         if why == "expired":
             raise LeaseExpiredError(
                 f"lease {lease_id} expired and its rows were handed out again; "
@@ -136,6 +166,12 @@ class LeaseTable:
 
     def close(self, lease: Lease, why: str) -> None:
         self._active.pop(lease.lease_id, None)
+        if lease.holder is not None:
+            held = self._by_holder.get(lease.holder)
+            if held is not None:
+                held.discard(lease.lease_id)
+                if not held:
+                    del self._by_holder[lease.holder]
         self._closed[lease.lease_id] = why
         if self.on_close is not None:
             self.on_close(lease, why)
@@ -154,6 +190,20 @@ class LeaseTable:
                 self.expired += 1
                 out.append(lease)
         return out
+
+    def holders(self) -> list[str]:
+        """The holders of active leases."""
+        return list(self._by_holder)
+
+    def of_holder(self, holder: str) -> list[Lease]:
+        """The active leases ``holder`` took."""
+        return [self._active[lid] for lid in self._by_holder.get(holder, ())]
+
+    def give_back(self, lease: Lease, rows: int) -> None:
+        """Close ``lease`` as returned (its holder is gone), its ``rows`` going back."""
+        self.close(lease, "returned")
+        self.returned += 1
+        self.rows_returned += rows
 
     def next_deadline(self) -> float | None:
         while self._heap:

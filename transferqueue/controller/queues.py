@@ -122,10 +122,12 @@ class Queues:
         max_group: int | None = None,
         short_ok: bool = False,
         owner: str | None = None,
+        holder: str | None = None,
     ) -> tuple[BatchMeta | None, Changes]:
         """Hand out a batch if one is due: full, end of stream, or (``short_ok``) whatever is
         queued. Returns (None, changes) when the caller should wait. The lease is ``owner``'s
-        (the client's key). A wait that can never end is an error (see :meth:`_never`)."""
+        (the client's key) and ``holder``'s (the handle that took it, see
+        :meth:`return_holders`). A wait that can never end is an error (see :meth:`_never`)."""
         self.leases.check_lease_s(lease_s)
         part = self._partitions.partition(partition)
         t = self._partitions.task(part, task, fields, sampler, sampler_options or {})
@@ -159,7 +161,7 @@ class Queues:
             reason = "drain" if drained else "timeout"
         lease_id = None
         if sel.indexes.size:
-            lease = self.leases.open(t.key, sel.indexes, lease_s, owner)
+            lease = self.leases.open(t.key, sel.indexes, lease_s, owner, holder)
             lease_id = lease.lease_id
             t.state[slots] = LEASED
             t.lease[slots] = lease_id
@@ -255,14 +257,35 @@ class Queues:
         """Return the rows of leases past their deadline to their tasks' queues."""
         changes = Changes()
         for lease in self.leases.due():
-            _, task = self._partitions.task_of(lease)
-            slots = self._leased_slots(lease, task)
-            task.leased -= int(slots.size)
-            task.lease[slots] = -1
-            task.state[slots] = QUEUED
-            task.sampler.add(self._rows.header["index"][slots], returned=True)
-            changes.woken.add(task.key)
+            self._requeue(lease, changes)
         return changes
+
+    @journaled
+    def return_holders(self, holders: Sequence[str], owner: str | None = None) -> Changes:
+        """The clients ``holders`` are gone (silent past the liveness bound, closed, or
+        replaced): every lease they hold closes as ``returned`` and its rows go back to their
+        task's queue now, as at a deadline (a late ack is refused the same way). With keys in
+        use, only the leases of ``owner`` (the caller's key) are returned."""
+        changes = Changes()
+        for holder in holders:
+            for lease in self.leases.of_holder(holder):
+                if owner is not None and lease.owner is not None and lease.owner != owner:
+                    continue
+                rows = self._requeue(lease, changes)
+                self.leases.give_back(lease, rows)
+        return changes
+
+    def _requeue(self, lease: Lease, changes: Changes) -> int:
+        """The live rows ``lease`` holds go back to its task's queue (front of their
+        version); returns how many."""
+        _, task = self._partitions.task_of(lease)
+        slots = self._leased_slots(lease, task)
+        task.leased -= int(slots.size)
+        task.lease[slots] = -1
+        task.state[slots] = QUEUED
+        task.sampler.add(self._rows.header["index"][slots], returned=True)
+        changes.woken.add(task.key)
+        return int(slots.size)
 
     def next_deadline(self) -> float | None:
         return self.leases.next_deadline()

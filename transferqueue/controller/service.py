@@ -8,6 +8,9 @@ adds what needs time:
 - ``allocate`` waits for capacity (back-pressure) up to ``timeout_s``;
 - a timer returns the rows of expired leases to their tasks, and discards the rows of
   allocations no commit touched before their deadline (a producer that died mid-put);
+- the same timer returns the leases of holders gone silent (a client that died holding rows,
+  :mod:`transferqueue.controller.holders`), and :meth:`return_holders` those of holders known
+  gone (a handle closing, a restarted host replacing earlier ones), counted and logged;
 - a storage unit that died (its server tells :meth:`lose_unit`) loses its rows at once;
 - rows freed by the controller are dropped from the storage units through ``free_rows``;
 - new rows get grants (:mod:`transferqueue.wire.grants`) for the units they are placed on.
@@ -32,6 +35,7 @@ import numpy as np
 
 from transferqueue.aio import wait_event
 from transferqueue.controller.core import Changes, Controller
+from transferqueue.controller.holders import HOLDER_DEAD_AFTER_S, HOLDER_GRACE_S, Holders
 from transferqueue.controller.journaled import JournaledController
 from transferqueue.controller.leases import TaskKey
 from transferqueue.controller.snapshot import ExportHolds
@@ -59,9 +63,21 @@ class ControllerService:
     """Blocking get_meta, lease expiry and capacity waits on top of a Controller."""
 
     def __init__(
-        self, controller: Controller, free_rows: FreeRows, *, grants: Grants | None = None
+        self,
+        controller: Controller,
+        free_rows: FreeRows,
+        *,
+        grants: Grants | None = None,
+        holder_dead_after_s: float = HOLDER_DEAD_AFTER_S,
+        holder_grace_s: float = HOLDER_GRACE_S,
     ) -> None:
+        """``holder_dead_after_s``: silence after which a client holding leases is gone and
+        its rows go back; ``holder_grace_s``: how long, after a restart, holders of restored
+        leases have to beat again (see :mod:`transferqueue.controller.holders`)."""
         self.controller = controller
+        self.holders = Holders(
+            controller.clock, dead_after_s=holder_dead_after_s, grace_s=holder_grace_s
+        )
         self._free_rows = free_rows
         self._grants = grants  # None: units in this process, nothing to sign
         self._waiters: dict[TaskKey, set[asyncio.Future[None]]] = {}
@@ -146,9 +162,17 @@ class ControllerService:
 
     async def _expire_loop(self) -> None:
         loop = asyncio.get_running_loop()
+        looked = loop.time()
         while True:
             ctl = self.controller  # (re-read: a reset replaces it)
+            now = loop.time()
+            if now - looked > self.holders.dead_after_s / 2:  # (we, not they, were silent)
+                self.holders.stalled(now - looked - _MAX_TIMER_SLEEP_S)
+            looked = now
             self.apply(ctl.queues.expire())
+            silent = self.holders.silent(ctl.leases.holders())
+            if silent:
+                self.return_holders(silent, "silent past holder_dead_after_s")
             self.apply(ctl.health.reclaim())
             self.send_frees(self.holds.expire())
             if isinstance(ctl, JournaledController):
@@ -162,6 +186,35 @@ class ControllerService:
             self._poke.clear()
             self._wake_at = loop.time() + wait
             await wait_event(self._poke, wait)
+
+    def return_holders(self, holders: list[str], why: str, owner: str | None = None) -> int:
+        """The clients ``holders`` are gone (``why``): their leases' rows go back to their
+        queues now (``Queues.return_holders``); logged, counted. Returns the rows returned."""
+        leases = self.controller.leases
+        before = (leases.returned, leases.rows_returned)
+        self.apply(self.controller.queues.return_holders(holders, owner))
+        for holder in holders:
+            self.holders.gone(holder)
+        n, rows = leases.returned - before[0], leases.rows_returned - before[1]
+        if n == 0:
+            return 0
+        self.holders.holders_lost += len(holders)
+        log.warning(
+            "lease holder(s) %s gone (%s): %d lease(s), %d row(s) returned to their queues",
+            ", ".join(holders),
+            why,
+            n,
+            rows,
+        )
+        return rows
+
+    def stats(self) -> dict[str, Any]:
+        """The core's stats, and the holders': beating now, and gone with leases so far."""
+        out = self.controller.stats()
+        out["holders_beating"] = len(self.holders)
+        out["holders_lost"] = self.holders.holders_lost
+        out["holder_dead_after_s"] = self.holders.dead_after_s
+        return out
 
     def leased(self, lease_s: float) -> None:
         """A lease was handed out: wake the timer if it ends before the timer wakes anyway

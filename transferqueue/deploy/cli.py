@@ -46,7 +46,12 @@ def _serve(args: argparse.Namespace) -> int:
         advertise_host=args.advertise_host,
         keys=args.keys,
         max_lease_s=args.max_lease_s,
-        liveness=Liveness(heartbeat_s=args.heartbeat_s, dead_after_s=args.dead_after_s),
+        liveness=Liveness(
+            heartbeat_s=args.heartbeat_s,
+            dead_after_s=args.dead_after_s,
+            holder_dead_after_s=args.holder_dead_after_s,
+            holder_grace_s=args.holder_grace_s,
+        ),
         allocation_s=args.allocation_s,
         max_restarts=args.max_restarts,
         metrics_port=args.metrics_port,
@@ -214,6 +219,20 @@ def main(argv: list[str] | None = None) -> int:
         default=DEFAULT_LIVENESS.dead_after_s,
         help="a unit silent this long is dead: its rows are lost and it is restarted "
         f"(default {DEFAULT_LIVENESS.dead_after_s})",
+    )
+    s.add_argument(
+        "--holder-dead-after-s",
+        type=float,
+        default=DEFAULT_LIVENESS.holder_dead_after_s,
+        help="a client holding leases silent this long is dead: its rows go back to their "
+        f"queues (default {DEFAULT_LIVENESS.holder_dead_after_s})",
+    )
+    s.add_argument(
+        "--holder-grace-s",
+        type=float,
+        default=DEFAULT_LIVENESS.holder_grace_s,
+        help="after a restart with --state-dir, how long holders of restored leases have to "
+        f"beat again (default {DEFAULT_LIVENESS.holder_grace_s})",
     )
     s.add_argument(
         "--allocation-s",

@@ -42,6 +42,7 @@ def connect(
     keys: ClientKeys | str | os.PathLike[str] | None = None,
     liveness: Liveness = DEFAULT_LIVENESS,
     ride_through_s: float = 0.0,
+    holder: str | None = None,
 ) -> TransferQueue:
     """Connect to a TransferQueue service (``transferqueue serve`` prints its address,
     ``tcp://HOST:PORT``; anything else fails at once, saying so).
@@ -68,6 +69,12 @@ def connect(
     again until this long has passed (a connect that meets a restart succeeds once the
     restarted controller answers). 0 (default): such calls, and a connect, fail with
     :class:`PeerGoneError` (a connect after ``connect_timeout_s``).
+
+    ``holder``: the name this handle's leases are held under (default ``host:pid``): the
+    handle sends the controller a heartbeat from its first ``get_meta`` on, and the rows it
+    holds go back to their queues within ``holder_dead_after_s`` (default 5 s) of its death,
+    at once when it is closed or when a later handle of the same name calls
+    ``replace_earlier_holders()`` (see :mod:`transferqueue.client.holder`).
     """
     if ride_through_s < 0:
         raise ValueError(f"ride_through_s must be >= 0, got {ride_through_s}")
@@ -160,6 +167,7 @@ def connect(
         address=address,
         mode="remote",
         direct=direct[0],
+        holder=holder,
     )
 
 

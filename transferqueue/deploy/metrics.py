@@ -19,6 +19,7 @@ with prometheus_client's locked metric objects.
     rows_live, rows_put_total, ...          partition                 controller
     task_rows                               partition, task, state    controller
     leases_active, leases_expired_total                               controller
+    leases_returned_total, rows_returned_total, holders_lost_total    controller
     unit_rows, unit_bytes, shm_attached_bytes, shm_used_bytes  unit   unit
 
 ``state`` of ``task_rows`` is queued, leased, waiting (fields not all written yet), done,
@@ -215,6 +216,14 @@ def _controller_families(stats: dict[str, Any]) -> Iterator[Any]:
     )
     expired.add_metric([], stats["expired_leases"])
     yield expired
+    for name, key, doc in (
+        ("leases_returned", "returned_leases", "leases returned because their holder died"),
+        ("rows_returned", "returned_rows", "rows those returned leases gave back"),
+        ("holders_lost", "holders_lost", "lease holders declared gone (silent, closed, replaced)"),
+    ):
+        fam = CounterMetricFamily(f"transferqueue_{name}", doc)
+        fam.add_metric([], stats.get(key, 0))
+        yield fam
     one = GaugeMetricFamily(
         "transferqueue_rows_one_copy",
         "live rows with one copy left although the service keeps two (replicas=2)",

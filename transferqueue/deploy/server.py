@@ -411,7 +411,13 @@ class ControllerServer:
                 )
                 for i, a in enumerate(self.unit_addresses):
                     controller.health.set_unit_host(i, _host_of(a))
-            self.service = ControllerService(controller, self._free_rows, grants=grants)
+            self.service = ControllerService(
+                controller,
+                self._free_rows,
+                grants=grants,
+                holder_dead_after_s=liveness.holder_dead_after_s,
+                holder_grace_s=liveness.holder_grace_s,
+            )
             self._admin = AdminHandlers(self.service)
             self._grants = grants
             self.copier = Copier(self.service, self._copy)
@@ -506,7 +512,7 @@ class ControllerServer:
             "server": "controller",
             "requests": self.rpc.counters.snapshot(),
             "memory": process_memory(SHM_DIR),
-            "controller": self.service.controller.stats(),
+            "controller": self.service.stats(),
         }
 
     def stats(self, msg: m.Stats, caller: Caller) -> dict[str, Any] | Awaitable[dict[str, Any]]:

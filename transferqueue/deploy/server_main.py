@@ -133,6 +133,10 @@ def _child_main(argv: list[str]) -> None:
     ap.add_argument("--controller", default=None)
     ap.add_argument("--heartbeat-s", type=float, default=DEFAULT_LIVENESS.heartbeat_s)
     ap.add_argument("--dead-after-s", type=float, default=DEFAULT_LIVENESS.dead_after_s)
+    ap.add_argument(
+        "--holder-dead-after-s", type=float, default=DEFAULT_LIVENESS.holder_dead_after_s
+    )
+    ap.add_argument("--holder-grace-s", type=float, default=DEFAULT_LIVENESS.holder_grace_s)
     ap.add_argument("--allocation-s", type=float, default=ALLOCATION_S)
     ap.add_argument("--metrics-port", type=int, default=None)
     ap.add_argument("--metrics-host", default="127.0.0.1")
@@ -157,7 +161,12 @@ def _child_main(argv: list[str]) -> None:
                 a.max_lease_s,
                 a.parent,
                 keys,
-                Liveness(heartbeat_s=a.heartbeat_s, dead_after_s=a.dead_after_s),
+                Liveness(
+                    heartbeat_s=a.heartbeat_s,
+                    dead_after_s=a.dead_after_s,
+                    holder_dead_after_s=a.holder_dead_after_s,
+                    holder_grace_s=a.holder_grace_s,
+                ),
                 a.allocation_s,
                 metrics,
                 a.replicas,

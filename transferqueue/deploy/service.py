@@ -159,6 +159,8 @@ class LocalService:
             units = [_advertised(a, public) for a in bound]
             args = ["--heartbeat-s", str(liveness.heartbeat_s)]
             args += ["--dead-after-s", str(liveness.dead_after_s)]
+            args += ["--holder-dead-after-s", str(liveness.holder_dead_after_s)]
+            args += ["--holder-grace-s", str(liveness.holder_grace_s)]
             args += ["--allocation-s", str(allocation_s)]
             args += ["--replicas", str(replicas)]
             if state_dir is not None:

@@ -57,6 +57,8 @@ def render(stats: dict[str, Any], before: dict[str, Any] | None = None, dt_s: fl
         + ("" if cap is None else f" of {cap:,}")
         + f"   leases active {ctl['active_leases']:,}"
         + f"   expired {ctl.get('expired_leases', 0):,}"
+        + f"   returned {ctl.get('returned_leases', 0):,}"
+        + f" ({ctl.get('returned_rows', 0):,} rows)"
         + f"   rows lost {ctl['rows_lost']:,}",
         "",
         f"{'partition':<16} {'task':<16} {'live':>8} {'queued':>8} {'leased':>8} "

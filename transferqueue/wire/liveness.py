@@ -18,6 +18,13 @@ pings and is never given up on.
 |----------------|---------|--------------------------------------------------------------|
 | heartbeat_s    | 0.5     | silence after which a ping is sent; the watch's tick         |
 | dead_after_s   | 4.0     | silence after which the peer is declared gone                |
+| holder_dead_after_s | 5.0 | (a controller's) silence of a client holding leases after   |
+|                |         | which its rows go back (:mod:`transferqueue.controller.holders`) |
+| holder_grace_s | 15.0    | (a restarted controller's) wait for holders to beat again    |
+
+The other direction works the same way with the roles swapped: a client that holds leases
+sends the controller a heartbeat (``alive``) every second from a thread of its own, and the
+controller returns the rows of a client silent for ``holder_dead_after_s``.
 """
 
 from __future__ import annotations
@@ -26,7 +33,11 @@ import math
 import secrets
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_LIVENESS", "Liveness", "new_incarnation"]
+__all__ = ["DEFAULT_LIVENESS", "HOLDER_BEAT_S", "Liveness", "new_incarnation"]
+
+HOLDER_BEAT_S = 1.0
+"""How often a connected handle holding leases sends its ``alive`` heartbeat (a holder's
+``holder_dead_after_s`` must be at least twice it)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,14 +48,24 @@ class Liveness:
     """Silence of a peer after which it is pinged; also how often the watch looks."""
     dead_after_s: float = 4.0
     """Silence of a peer after which it is declared gone (calls waiting on it fail)."""
+    holder_dead_after_s: float = 5.0
+    """A controller's: silence of a client holding leases after which they are returned."""
+    holder_grace_s: float = 15.0
+    """A restarted controller's: how long holders of restored leases have to beat again."""
 
     def __post_init__(self) -> None:
-        for name in ("heartbeat_s", "dead_after_s"):
+        for name in ("heartbeat_s", "dead_after_s", "holder_dead_after_s", "holder_grace_s"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
                 raise ValueError(
                     f"Liveness.{name} must be a positive number of seconds, got {value!r}"
                 )
+        if self.holder_dead_after_s < 2 * HOLDER_BEAT_S:
+            raise ValueError(
+                f"Liveness.holder_dead_after_s={self.holder_dead_after_s} must be at least "
+                f"twice the holders' heartbeat ({HOLDER_BEAT_S} s), or live clients would "
+                "lose their leases"
+            )
         if self.dead_after_s < 2 * self.heartbeat_s:
             raise ValueError(
                 f"Liveness.dead_after_s={self.dead_after_s} must be at least twice "

@@ -17,7 +17,8 @@ column values) are :class:`Check` objects in the field's ``Annotated`` metadata,
 | server     | kinds                                                                          |
 |------------|--------------------------------------------------------------------------------|
 | controller | hello, ping, register_unit**, lost, register_fields, get_specs, allocate,      |
-|            | discard, commit, get_meta, ack, release, renew, declare_tasks, finish, clear*, |
+|            | discard, commit, get_meta, ack, release, renew, alive, holder_gone,            |
+|            | declare_tasks, finish, clear*,                                                 |
 |            | stats, reset*, status, reset_consumption, set_custom_meta, get_custom_meta,    |
 |            | lost_rows, retire_groups, kv_rows, kv_delete, kv_list, export_state,           |
 |            | hold_export, import_rows, import_tasks                                         |
@@ -70,6 +71,12 @@ from transferqueue.wire.replies import (
     StoreExport,
     TaskImports,
 )
+
+HolderName = Annotated[str, Meta(min_length=1, max_length=96)]
+"""The name part of a holder id (a host and process, a stage host's name)."""
+HolderId = Annotated[str, Meta(min_length=1, max_length=128)]
+"""A lease holder: ``name/token``, the token drawn by each handle (see
+:mod:`transferqueue.controller.holders`)."""
 
 
 # -- controller ----------------------------------------------------------------------------------
@@ -185,6 +192,28 @@ class GetMeta(ControllerRequest[BatchMeta]):
     max_group: Int64 | None = None
     timeout_s: WaitS | None = None
     partial: bool = True
+    holder: HolderId | None = None
+
+
+class Alive(ControllerRequest[None]):
+    """A holder's heartbeat (see :mod:`transferqueue.controller.holders`): the client that
+    takes leases under ``holder`` is alive. Sent every ``HOLDER_BEAT_S`` by a connected
+    handle from its first ``get_meta`` on, the first before that ``get_meta``."""
+
+    kind = "alive"
+    holder: HolderId
+
+
+class HolderGone(ControllerRequest[int]):
+    """Holders that will never acknowledge their leases: ``holder`` (a handle closing), or
+    every holder named ``name`` except ``keep`` (a restarted stage host announcing that it
+    replaces the earlier ones of its name). Their leases' rows go back to their tasks'
+    queues now; the reply is how many rows went back."""
+
+    kind = "holder_gone"
+    holder: HolderId | None = None
+    name: HolderName | None = None
+    keep: HolderId | None = None
 
 
 class Ack(ControllerRequest[None]):

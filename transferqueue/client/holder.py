@@ -1,0 +1,127 @@
+"""``Holder``: the lease holder of one handle, and the heartbeat that keeps its leases.
+
+Every lease a handle's clients take (``get_meta``) names the handle's holder id,
+``name/token`` (``name``: ``host:pid`` unless the deployment names it, e.g. a stage host;
+``token``: drawn per handle). The controller returns the rows of a holder it learns is gone
+(:mod:`transferqueue.controller.holders`), so the handle says it is alive:
+
+- a connected handle, from its first ``get_meta`` on, sends ``alive`` every ``HOLDER_BEAT_S``
+  from a daemon thread of its own over its direct sockets (:mod:`transferqueue.client.direct`),
+  never through the handle's event loop, which runs only while someone waits on it: a process
+  busy with a batch for an hour still beats (liveness, not progress). The first beat is
+  answered before that ``get_meta`` is sent, so the controller watches the holder before it
+  holds anything;
+- closing the handle (or dropping it and all its clients) stops the beat and tells the
+  controller the holder is gone (``holder_gone``): its rows go back at once;
+- :meth:`replace_earlier` says that this handle replaces every earlier handle of its name (a
+  stage host restarted by its deployment): their rows go back at once, without waiting for
+  their silence.
+
+An embedded handle's holder never beats (the controller lives and dies with it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from transferqueue.wire import messages as m
+from transferqueue.wire.liveness import HOLDER_BEAT_S
+
+__all__ = ["Holder", "default_holder_name"]
+
+log = logging.getLogger(__name__)
+
+Send = Callable[[Any], Any]
+"""Sends one controller request and returns its reply (a direct call, from any thread)."""
+
+_JOIN_S = 2.0
+
+
+def default_holder_name() -> str:
+    """``host:pid`` (what logs name a holder by unless its deployment names it)."""
+    return f"{socket.gethostname()[:64]}:{os.getpid()}"
+
+
+class Holder:
+    """One handle's holder id and heartbeat (see the module). ``send``: None for an
+    embedded handle (no heartbeat, nothing to tell at close)."""
+
+    def __init__(self, name: str | None = None, send: Send | None = None) -> None:
+        name = default_holder_name() if name is None else name
+        if not name or "/" in name or len(name) > 96:
+            raise ValueError(
+                f"holder name must be 1-96 characters without '/', got {name!r}; name a "
+                "stage host, e.g. 'rollout-0'"
+            )
+        self.name = name
+        self.id = f"{name}/{secrets.token_hex(6)}"
+        self._send = send
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.beats_failed = 0
+        self._reachable = True  # the last beat was answered (else close does not wait on it)
+
+    @property
+    def started(self) -> bool:
+        """Whether the heartbeat runs (or needs none: embedded)."""
+        return self._send is None or self._thread is not None
+
+    def start(self) -> None:
+        """Before the first ``get_meta``: one beat answered, then a beat every
+        ``HOLDER_BEAT_S`` from a daemon thread (idempotent; blocking: call it off the loop)."""
+        if self.started:
+            return
+        with self._lock:
+            if self._thread is not None or self._stop.is_set():
+                return
+            assert self._send is not None
+            self._send(m.Alive(holder=self.id))  # (a failure here fails the get_meta)
+            thread = threading.Thread(
+                target=self._beat, args=(self._send,), name="transferqueue-holder", daemon=True
+            )
+            thread.start()
+            self._thread = thread
+
+    def _beat(self, send: Send) -> None:
+        beat = m.Alive(holder=self.id)
+        while not self._stop.wait(HOLDER_BEAT_S):
+            try:
+                send(beat)
+                self._reachable = True
+            except Exception as e:  # (a controller restarting: beat again next time)
+                self.beats_failed += 1
+                self._reachable = False
+                if not self._stop.is_set():
+                    log.debug("holder %s: a heartbeat failed: %r", self.id, e)
+
+    def replace_earlier(self) -> int:
+        """Every earlier holder of this name is gone (this one replaces it): their leases'
+        rows go back now. Returns how many rows went back (0 with an embedded handle)."""
+        if self._send is None:
+            return 0
+        return int(self._send(m.HolderGone(name=self.name, keep=self.id)))
+
+    def close(self) -> None:
+        """Stop the heartbeat and tell the controller this holder is gone (idempotent)."""
+        with self._lock:
+            if self._stop.is_set():
+                return
+            self._stop.set()
+            thread = self._thread
+        if thread is None:
+            return  # (never took a lease: nothing to give back)
+        if thread is not threading.current_thread():  # (a finalizer may run on it)
+            thread.join(_JOIN_S)
+        if thread.is_alive() or not self._reachable:
+            return  # (a controller gone or restarting: our silence says it, no wait here)
+        assert self._send is not None
+        with contextlib.suppress(Exception):
+            self._send(m.HolderGone(holder=self.id))
