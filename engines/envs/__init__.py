@@ -20,6 +20,7 @@ from engines.envs.base import (
     Environment,
     StepResult,
     environment_factory,
+    environment_recipe,
     register_environment,
 )
 
@@ -29,5 +30,6 @@ __all__ = [
     "Environment",
     "StepResult",
     "environment_factory",
+    "environment_recipe",
     "register_environment",
 ]
