@@ -2,14 +2,17 @@
 
 asyncflow run [CONFIG.yaml] [section.field=value ...]    # one training run
 asyncflow run --resume DIR [overrides ...]                # continue from DIR's newest checkpoint
-asyncflow config [CONFIG.yaml] [overrides ...]            # check and print the resolved config
+asyncflow config [CONFIG.yaml] [overrides ...]            # check and print the resolved config,
+                                                          # each value with where it came from
 asyncflow run --help                                      # every config field, type, default, doc
 
 Both commands load and check the config the same way (:func:`asyncflow.config.check.
 resolve_config`); a bad config, a missing file or malformed YAML prints one line
 ``asyncflow: bad config: ...`` naming the field and the fix, and exits with status 2.
-``--resume DIR`` is the override ``resume=DIR``. A finished run prints where its trained
-policy is and the one line that loads it.
+``--resume DIR`` is the override ``resume=DIR``. ``asyncflow config`` prints the config as
+YAML with a comment after every value naming its source: ``default``, ``environment NAME`` or
+``task NAME`` (their recipes), ``file PATH`` or ``command line``. A finished run prints where
+its trained policy is and the one line that loads it.
 """
 
 from __future__ import annotations
@@ -19,11 +22,9 @@ import json
 import logging
 import sys
 
-import yaml
-
-from asyncflow.config.check import resolve_config
+from asyncflow.config.check import resolve_config_sources
 from asyncflow.config.help import fields_help
-from asyncflow.config.load import config_to_dict
+from asyncflow.config.sources import annotated_yaml
 
 BAD_CONFIG_EXIT = 2
 
@@ -40,7 +41,11 @@ def _parser(with_fields: bool) -> argparse.ArgumentParser:
     epilog = fields_help() if with_fields else None  # read from the source: only for --help
     for name, text in (
         ("run", "train: GRPO through TransferQueue"),
-        ("config", "check the config as run does and print it resolved, as YAML"),
+        (
+            "config",
+            "check the config as run does and print it resolved, as YAML, each value with "
+            "where it came from (default, environment, task, file, command line)",
+        ),
     ):
         p = sub.add_parser(
             name,
@@ -66,13 +71,13 @@ def main(argv: list[str] | None = None) -> int:
     if ns.resume is not None:
         overrides = [*overrides, f"resume={json.dumps(ns.resume)}"]  # a YAML string, always
     try:
-        cfg = resolve_config(path, overrides)
+        cfg, sources = resolve_config_sources(path, overrides)
     except (ValueError, TypeError) as e:  # ConfigError and the sections' own checks
         message = " ".join(str(e).split())  # one line, whatever the source wrote
         print(f"asyncflow: bad config: {message}", file=sys.stderr)
         return BAD_CONFIG_EXIT
     if ns.cmd == "config":
-        print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+        print(annotated_yaml(cfg, sources), end="")
         return 0
     logging.basicConfig(level=logging.WARNING)
     from asyncflow.workflow import run

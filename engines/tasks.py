@@ -15,6 +15,8 @@ with the same arguments see the same items.
 
 ``TaskItem.row()`` gives the columns a data loader writes (prompt, answer, extra columns);
 ``reference`` is a correct completion, used by :func:`engines.tiny.warm_start` and examples.
+A task that needs other settings than a run's defaults to learn declares them in its
+``recipe`` (:class:`engines.recipe.Recipe`).
 Prompts and answers read from files come from :class:`engines.file_task.FileTask` (task
 ``file``): the same interface, a finite set of rows reshuffled every epoch. Tasks whose
 episodes run over several turns with an environment (``tool_use``, ``guess_number``: see
@@ -37,6 +39,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar, TypeAlias
 
 from engines.expressions import evaluate
+from engines.recipe import Recipe
 
 __all__ = [
     "TASKS",
@@ -92,6 +95,10 @@ class Task(ABC):
     default_reward: ClassVar[str] = "math"
     """The reward function (``engines.rewards.REWARDS``) of a one-turn run of this task that
     names none (``reward.functions`` null)."""
+    recipe: ClassVar[Recipe] = Recipe()
+    """The settings the task learns with where they differ from a run's defaults (tokens per
+    turn, turns, warm start, steps: :class:`engines.recipe.Recipe`); a run with
+    ``task=NAME`` starts from them, and its config file and command line override them."""
 
     def __init__(self, seed: int) -> None:
         self.seed = seed

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from adapters.episodes import EPISODE_FIELDS
 from asyncflow import checkpoint
-from asyncflow.config.load import config_to_dict, load_config
+from asyncflow.config.load import config_to_dict, load_config_sources
 from asyncflow.config.run import RunConfig
 from asyncflow.config.sections import ConfigError
 from asyncflow.loggers import missing_packages
@@ -28,7 +28,7 @@ from engines.envs import environment_factory
 from engines.rewards import make_reward
 from engines.tasks import Task, make_task
 
-__all__ = ["RESERVED_COLUMNS", "check_config", "resolve_config"]
+__all__ = ["RESERVED_COLUMNS", "check_config", "resolve_config", "resolve_config_sources"]
 
 RESERVED_COLUMNS = (
     "prompt_ids",
@@ -41,15 +41,26 @@ RESERVED_COLUMNS = (
 
 
 def resolve_config(path: str | Path | None, overrides: list[str]) -> RunConfig:
-    """Load (defaults < file < overrides) and check a config, as ``asyncflow run`` does."""
-    cfg = load_config(path, overrides)
+    """Load (defaults < the task's recipe < file < overrides) and check a config, as
+    ``asyncflow run`` does."""
+    return resolve_config_sources(path, overrides)[0]
+
+
+def resolve_config_sources(
+    path: str | Path | None, overrides: list[str]
+) -> tuple[RunConfig, dict[str, str]]:
+    """:func:`resolve_config`, and where each value came from (dotted key -> label, see
+    :func:`asyncflow.config.load.load_config_sources`): what ``asyncflow config`` prints."""
+    cfg, sources = load_config_sources(path, overrides)
     if cfg.resume is not None:
-        cfg = _resumed(cfg, path, overrides)
+        cfg, sources = _resumed(cfg, sources, path, overrides)
     check_config(cfg)
-    return cfg
+    return cfg, sources
 
 
-def _resumed(cfg: RunConfig, path: str | Path | None, overrides: list[str]) -> RunConfig:
+def _resumed(
+    cfg: RunConfig, sources: dict[str, str], path: str | Path | None, overrides: list[str]
+) -> tuple[RunConfig, dict[str, str]]:
     """The config of a resumed run: the checkpoint's (unless a file is given), overridden."""
     resume = cfg.resume
     assert resume is not None
@@ -58,13 +69,13 @@ def _resumed(cfg: RunConfig, path: str | Path | None, overrides: list[str]) -> R
     except FileNotFoundError as e:
         raise ConfigError(str(e)) from None
     if path is None:
-        cfg = load_config(found / "config.yaml", overrides)
+        cfg, sources = load_config_sources(found / "config.yaml", overrides)
     saved = checkpoint.read_driver_state(found)
     try:
         checkpoint.check_resumable(config_to_dict(cfg), resume, found, saved)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    return cfg
+    return cfg, sources
 
 
 def check_config(cfg: RunConfig) -> Task:

@@ -1,6 +1,7 @@
 """Every config field with its type, default and docstring: what ``asyncflow run --help`` lists.
 
-Also the options of each task (``task.options``), from the tasks' config dataclasses.
+Also the options of each task (``task.options``), from the tasks' config dataclasses, and the
+defaults a task and its environment bring (their recipes, :mod:`asyncflow.config.sources`).
 
 The docstrings are the string literals under each field in ``asyncflow/config.py``, read with
 ``ast`` from the source (Python keeps no runtime trace of them); types come from
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncflow.config.run import RunConfig
+from asyncflow.config.sources import recipe_layers
 from engines.tasks import TASKS, task_config_class
 
 __all__ = ["FieldDoc", "field_docs", "fields_help"]
@@ -55,7 +57,8 @@ def field_docs(cls: type[Any] = RunConfig, prefix: str = "") -> list[FieldDoc]:
 def fields_help(width: int = 100) -> str:
     """The field listing as text, grouped by section, for an argparse epilog."""
     lines = [
-        "config fields (defaults < CONFIG.yaml < section.field=value overrides; values are YAML):"
+        "config fields (defaults < the task's recipe < CONFIG.yaml < section.field=value "
+        "overrides; values are YAML):"
     ]
     section = None
     for doc in field_docs():
@@ -69,6 +72,9 @@ def fields_help(width: int = 100) -> str:
         lines += _wrapped(doc.doc, width)
     for task in TASKS:
         lines += ["", f"task.options of task.name={task}:"]
+        for label, keys in recipe_layers({"task": task}):
+            brings = ", ".join(f"{key}={value}" for key, value in keys.items())
+            lines += _wrapped(f"defaults it brings ({label}): {brings}", width)
         for doc in field_docs(task_config_class(task)):
             lines.append(f"  {doc.key} ({doc.type}) = {doc.default}")
             lines += _wrapped(doc.doc, width)

@@ -1,11 +1,13 @@
-"""Loading a run's configuration: defaults, then a YAML file, then ``key=value`` overrides,
-into :class:`~asyncflow.config.RunConfig`, with one-line :class:`ConfigError` messages that
+"""Loading a run's configuration: defaults, then the recipe of the run's environment and
+task, then a YAML file, then ``key=value`` overrides, into :class:`~asyncflow.config.RunConfig`
+(the layers: :mod:`asyncflow.config.sources`), with one-line :class:`ConfigError` messages that
 name the key and the fix (unknown keys with the closest names, wrong types with an example).
 The sections and their own checks are in :mod:`asyncflow.config`.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import types
@@ -17,8 +19,24 @@ import yaml
 
 from asyncflow.config.run import RunConfig
 from asyncflow.config.sections import RENAMED_KEYS, ConfigError
+from asyncflow.config.sources import (
+    COMMAND_LINE,
+    DEFAULT,
+    leaf_keys,
+    merge,
+    nested,
+    recipe_layers,
+    section_value,
+    touched,
+)
 
-__all__ = ["apply_overrides", "config_to_dict", "load_config", "read_config_file"]
+__all__ = [
+    "apply_overrides",
+    "config_to_dict",
+    "load_config",
+    "load_config_sources",
+    "read_config_file",
+]
 
 
 # -- loading -----------------------------------------------------------------------------------
@@ -47,11 +65,7 @@ def _build(cls: type[Any], data: dict[str, Any], where: str) -> Any:
     for name, value in data.items():
         hint = hints[name]
         if dataclasses.is_dataclass(hint) and isinstance(hint, type):
-            section_fields = {f.name for f in dataclasses.fields(hint)}
-            if isinstance(value, str) and "mode" in section_fields:
-                value = {"mode": value}  # ``deploy=ray`` is ``deploy.mode=ray``
-            elif isinstance(value, str) and "name" in section_fields:
-                value = {"name": value}  # ``task=tool_use`` is ``task.name=tool_use``
+            value = section_value(hint, value)  # ``deploy=ray`` is ``deploy.mode=ray``
             # a partial section starts from the field's own default (e.g. a placement whose
             # default differs from the class defaults), not from the bare class
             factory = defaults[name].default_factory
@@ -180,8 +194,29 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Defaults, then the YAML file (if any), then the overrides."""
-    data = read_config_file(path) if path is not None else {}
-    data = apply_overrides(data, overrides or [])
-    cfg: RunConfig = _build(RunConfig, data, "")
-    return cfg
+    """Defaults, then the recipes of the run's environment and task, then the YAML file (if
+    any), then the overrides."""
+    return load_config_sources(path, overrides)[0]
+
+
+def load_config_sources(
+    path: str | Path | None = None, overrides: list[str] | None = None
+) -> tuple[RunConfig, dict[str, str]]:
+    """:func:`load_config`, and where each value came from: dotted leaf key -> ``default``,
+    ``environment NAME``, ``task NAME``, ``file PATH`` or ``command line`` (the highest
+    layer that set it; see :mod:`asyncflow.config.sources`). ``asyncflow config`` prints both.
+    """
+    overrides = overrides or []
+    given = read_config_file(path) if path is not None else {}
+    data = apply_overrides(copy.deepcopy(given), overrides)  # the file under the overrides
+    layers = recipe_layers(data)
+    base: dict[str, Any] = {}
+    for _, keys in layers:  # the environment's, then the task's over it
+        base = merge(base, nested(keys), RunConfig)
+    cfg: RunConfig = _build(RunConfig, merge(base, data, RunConfig), "")
+    sources = dict.fromkeys(leaf_keys(RunConfig), DEFAULT)
+    for label, keys in layers:
+        sources.update(dict.fromkeys(keys, label))
+    sources.update(dict.fromkeys(touched(given, RunConfig), f"file {path}"))
+    sources.update(dict.fromkeys(touched(apply_overrides({}, overrides), RunConfig), COMMAND_LINE))
+    return cfg, sources

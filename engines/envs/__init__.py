@@ -25,6 +25,7 @@ from engines.envs.base import (
     Environment,
     StepResult,
     environment_factory,
+    environment_recipe,
     register_environment,
 )
 
@@ -35,5 +36,6 @@ __all__ = [
     "Environment",
     "StepResult",
     "environment_factory",
+    "environment_recipe",
     "register_environment",
 ]

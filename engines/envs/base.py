@@ -24,7 +24,9 @@ failure: the environment answers it like any other action (an error message as t
 observation, or the end of the episode with no reward), and it is trained.
 
 Built-in environments by name (:data:`ENVIRONMENTS`), or any class or factory by import path
-``module.path:attribute``, built with keyword options: :func:`environment_factory`. Those
+``module.path:attribute``, built with keyword options: :func:`environment_factory`. An
+environment class may declare the settings its episodes need (a ``recipe`` class attribute,
+:class:`engines.recipe.Recipe`: tokens per turn, turns): :func:`environment_recipe`. Those
 from other libraries (one module each, their library imported only when used):
 
 | ``env.name``       | module                          | extra         |
@@ -44,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from engines.imports import import_path
+from engines.recipe import Recipe
 
 __all__ = [
     "ENVIRONMENTS",
@@ -52,6 +55,7 @@ __all__ = [
     "Environment",
     "StepResult",
     "environment_factory",
+    "environment_recipe",
     "register_environment",
 ]
 
@@ -184,3 +188,27 @@ def environment_factory(name: str, options: Mapping[str, Any] | None = None) -> 
     if callable(check):
         check(opts)
     return _Factory(path, tuple(sorted(opts.items())))
+
+
+def environment_recipe(name: str) -> Recipe:
+    """The :class:`~engines.recipe.Recipe` that environment ``name`` (a built-in or an import
+    path) declares as its class attribute ``recipe``; an empty one if it declares none.
+
+    Called by the run's config loader when it lays out a run's defaults. Raises
+    ``ValueError`` for an unknown name or a failed import, as :func:`environment_factory`.
+    """
+    path = name if ":" in name else ENVIRONMENTS.get(name)
+    if path is None:
+        raise ValueError(
+            f"unknown environment {name!r}; known environments: {sorted(ENVIRONMENTS)}, or "
+            "an import path 'module.path:attribute'"
+        )
+    recipe = getattr(_import(path), "recipe", None)
+    if recipe is None:
+        return Recipe()
+    if not isinstance(recipe, Recipe):
+        raise ValueError(
+            f"environment {name!r} ({path}): its recipe must be an engines.recipe.Recipe, got "
+            f"{type(recipe).__name__}"
+        )
+    return recipe

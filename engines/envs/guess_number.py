@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from engines.envs.base import StepResult
+from engines.recipe import Recipe
 from engines.rewards import parse_final_number
 from engines.tasks import Task, TaskItem
 
@@ -68,6 +69,9 @@ class GuessNumberTask(Task):
     name = "guess_number"
     config_class = GuessNumberConfig
     environment = "guess_number"
+    # binary search over the default 16 numbers needs up to 5 guesses (a run's default 4
+    # turns leave one secret in 16 out of reach of the best policy)
+    recipe = Recipe(max_turns=5)
 
     def __init__(self, config: GuessNumberConfig | None = None, *, seed: int = 0) -> None:
         super().__init__(seed)

@@ -31,10 +31,11 @@ import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from fractions import Fraction
-from typing import Any
+from typing import Any, ClassVar
 
 from engines.envs.base import StepResult
 from engines.expressions import ExpressionError, evaluate
+from engines.recipe import Recipe
 from engines.rewards import parse_final_number
 from engines.tasks import Task, TaskItem
 
@@ -87,6 +88,12 @@ class ToolUseTask(Task):
     name = "tool_use"
     config_class = ToolUseConfig
     environment = "tool_use"
+    recipe = Recipe(
+        # 105 steps teach the call format and, now and then, copying the tool's answer: a
+        # reward of a few percent to start from, and room for RL to show
+        warm_start_steps=105,
+        train_steps=150,
+    )
 
     def __init__(self, config: ToolUseConfig | None = None, *, seed: int = 0) -> None:
         super().__init__(seed)
@@ -124,6 +131,14 @@ class ToolUseEnv:
             once per episode), a shaping term; 0 by default: only the final answer counts.
         answer_key: the row's column holding the expected answer.
     """
+
+    recipe: ClassVar[Recipe] = Recipe(
+        max_new_tokens=24,  # a call, ``<calc>37 * 48</calc>`` and EOS, is 18 tiny-model tokens
+        max_turns=3,  # a call, the answer, one turn to spare
+        max_episode_tokens=64,  # the turns and the calculator's answer between them
+    )
+    """What an episode needs: turns long enough for a call, and turns for a call and an
+    answer (the defaults of a run with this environment; ``engines.recipe``)."""
 
     def __init__(self, *, call_reward: float = 0.0, answer_key: str = "answer") -> None:
         self.call_reward = call_reward

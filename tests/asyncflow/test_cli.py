@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from asyncflow.cli import main
 from asyncflow.config import RunConfig
@@ -142,7 +143,8 @@ def test_config_accepts_what_run_accepts_and_prints_it(capsys: pytest.CaptureFix
     options = f"task.options={{path: {TRAIN}, prompt_key: question, epochs: 30}}"
     assert main(["config", "task.name=file", options, "reward.functions=[math, format]"]) == 0
     out = capsys.readouterr().out
-    assert "name: file" in out and "prompt_key: question" in out and "- format" in out
+    assert "name: file" in out and "prompt_key: question" in out
+    assert yaml.safe_load(out)["reward"]["functions"] == ["math", "format"]
 
 
 @pytest.mark.parametrize("command", ["config", "run"])
