@@ -59,7 +59,12 @@ def test_grpo_tool_use_writes_episode_metrics_per_step(tmp_path: Path) -> None:
     assert [r["step"] for r in lines] == list(range(4))
     for r in lines:
         assert 1.0 <= r["turns_mean"] <= 3.0  # what the environment counts, and nothing else:
-        assert set(r["env_counters"]) <= {"tool_calls", "tool_errors", "correct"}
+        assert set(r["env_counters"]) <= {
+            "tool_calls",
+            "tool_errors",
+            "correct",
+            "truncated_observations",
+        }
         assert sum(r["episode_end_reasons"].values()) == r["samples"]
     assert (tmp_path / "reward.png").is_file() and (tmp_path / "timeline.json").is_file()
     assert (tmp_path / "policy" / "model.safetensors").is_file()
