@@ -13,7 +13,8 @@
   inherits from classes of these packages (properties are attributes, not methods).
 - ``tqcompat`` (the ``transfer_queue`` facade) is its own room: it imports ``transferqueue``
   through the package's public names only (``import transferqueue``, ``from transferqueue
-  import X``), never a module inside it; nothing else imports ``tqcompat``.
+  import X``) and the documented Ray entry (``transferqueue.deploy.ray``), never another
+  module inside it; nothing else imports ``tqcompat``.
 - No import cycle between modules: every import counts, in a function or under
   ``TYPE_CHECKING`` too (a cycle there is still two modules that cannot be read apart).
 """
@@ -148,7 +149,7 @@ def test_tqcompat_uses_only_the_public_api_of_transferqueue() -> None:
         for m in MODULES.values()
         if m.name.split(".")[0] == "tqcompat"
         for i in sorted(m.imports)
-        if i.startswith("transferqueue.")
+        if i.startswith("transferqueue.") and i != "transferqueue.deploy.ray"
     ]
     assert not bad, "\n".join(bad)
 

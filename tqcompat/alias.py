@@ -1,10 +1,13 @@
 """The opt-in that makes ``import transfer_queue`` resolve to this facade.
 
-Nothing happens on import of :mod:`tqcompat`. Either of these switches the name, for this
-process only:
+Nothing happens on import of :mod:`tqcompat`. Each of these switches the name:
 
-    import tqcompat; tqcompat.install()          # then: import transfer_queue as tq
+    import tqcompat; tqcompat.install()          # this process; then: import transfer_queue
     python -m tqcompat your_script.py [args]     # runs it with the name switched
+    python -m tqcompat -m package.module [args]  # the same for a module
+    export PYTHONPATH="$(python -m tqcompat --shim-path)${PYTHONPATH:+:$PYTHONPATH}"
+                                                 # every process of this environment, Ray
+                                                 # workers included (tqcompat/shim)
 
 If the real TransferQueue (PyPI ``transferqueue``, which provides ``transfer_queue``) is
 installed too, ``install()`` refuses and says how to pick: ``install(force=True)`` to use
@@ -20,12 +23,15 @@ import importlib.machinery
 import importlib.util
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-__all__ = ["NAME", "install", "installed", "uninstall"]
+__all__ = ["NAME", "SHIM_PATH", "install", "install_from_shim", "installed", "uninstall"]
 
 NAME = "transfer_queue"
+SHIM_PATH = str(Path(__file__).resolve().parent / "shim")
+"""The folder to put on ``PYTHONPATH`` for the name in every process (see the module)."""
 _SUBMODULES = {
     "": "tqcompat",
     "metadata": "tqcompat.metadata",
@@ -98,6 +104,25 @@ def install(*, force: bool = False) -> None:
             file=sys.stderr,
         )
     sys.meta_path.insert(0, _finder)
+
+
+def install_from_shim(shim_file: str) -> ModuleType:
+    """Called by the shim package when ``import transfer_queue`` finds it: install the alias
+    and return the facade (which the shim puts in its place). A real TransferQueue further
+    on the path is named on stderr."""
+    shim_dir = str(Path(shim_file).resolve().parent.parent)
+    rest = [p for p in sys.path if str(Path(p or ".").resolve()) != shim_dir]
+    real = importlib.machinery.PathFinder.find_spec(NAME, rest)
+    if real is not None:
+        print(
+            f"tqcompat: transfer_queue -> tqcompat through {shim_dir} on PYTHONPATH (the real "
+            f"one at {real.origin} is hidden; drop that path to use it)",
+            file=sys.stderr,
+        )
+    if _finder not in sys.meta_path:
+        sys.meta_path.insert(0, _finder)
+    module = importlib.import_module("tqcompat")
+    return module
 
 
 def uninstall() -> None:

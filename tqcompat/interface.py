@@ -15,9 +15,9 @@ async twins, checkpoints.
 | ``metrics.enabled``                        | ignored: ``get_metrics_endpoint()`` is None   |
 | ``asyncflow.leases`` / ``asyncflow.lease_s`` | ours only: lease rows at ``get_meta``       |
 
-Under Ray the peer places its servers in named actors; this facade keeps the store in the
-process that called ``init`` (see the docs' table: Ray workers need ``transferqueue``'s Ray
-deployment).
+Without Ray the store runs in this process (``transferqueue.start``). With Ray initialized
+the store is our Ray deployment, found by every worker's ``init()`` under the peer's actor
+name (:mod:`tqcompat.on_ray`).
 
 KV calls (one or two of ours each): ``kv_put``/``kv_batch_put`` -> ``kv_batch_put`` then
 ``set_custom_meta`` for the tags; ``kv_batch_get`` -> ``kv_batch_get``; ``kv_list`` ->
@@ -27,13 +27,14 @@ KV calls (one or two of ours each): ``kv_put``/``kv_batch_put`` -> ``kv_batch_pu
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import transferqueue
 from tqcompat.client import AsyncTransferQueueClient, Options, TransferQueueClient
 from tqcompat.metadata import KVBatchMeta
+from tqcompat.on_ray import find_or_start, ray_if_initialized
 from tqcompat.sampler import native_sampler
 from tqcompat.tensors import from_columns, to_columns
 
@@ -78,7 +79,7 @@ _DEFAULTS: dict[str, Any] = {
 }
 
 _client: TransferQueueClient | None = None
-_handle: transferqueue.TransferQueue | None = None
+_close: Callable[[], None] | None = None
 
 
 def _plain(conf: Any) -> dict[str, Any]:
@@ -127,19 +128,28 @@ def _options(conf: dict[str, Any]) -> Options:
 
 
 def init(conf: Any = None) -> Any:
-    """Start the store in this process (first call) and return the merged config; later
-    calls reuse it and ignore ``conf``, as the peer's do. Refused backends and samplers
-    raise ``NotImplementedError`` before anything starts."""
-    global _client, _handle
+    """Start the store (first call; on Ray: first call on the cluster) and return the merged
+    config; later calls reuse it and ignore ``conf``, as the peer's do. Refused backends and
+    samplers raise ``NotImplementedError`` before anything starts."""
+    global _client, _close
     if _client is not None:
         return conf
     merged = _merge(_DEFAULTS, _plain(conf))
     options = _options(merged)
     simple = merged["backend"].get("SimpleStorage", {})
     units = int(simple.get("num_data_storage_units") or 2)
-    rows = simple.get("total_storage_size")
-    _handle = transferqueue.start(num_units=units, capacity_rows=int(rows) if rows else None)
-    _client = TransferQueueClient(_handle, options)
+    rows = int(simple["total_storage_size"]) if simple.get("total_storage_size") else None
+    ray = ray_if_initialized()
+    if ray is None:
+        handle = transferqueue.start(num_units=units, capacity_rows=rows)
+        _close = handle.close
+    else:
+        on_ray = find_or_start(ray, _shareable(merged), units, rows)
+        handle, _close = on_ray.handle, on_ray.close
+        if on_ray.directory is None:  # joined: the first init's settings hold
+            merged = _merge(_DEFAULTS, on_ray.config)
+            options = _options(merged)
+    _client = TransferQueueClient(handle, options)
     try:
         from omegaconf import OmegaConf
     except ImportError:
@@ -147,14 +157,27 @@ def init(conf: Any = None) -> Any:
     return OmegaConf.create(merged, flags={"allow_objects": True})
 
 
+def _shareable(conf: dict[str, Any]) -> dict[str, Any]:
+    """The config other workers read: a sampler given as a class or instance travels as its
+    name (each worker maps it again)."""
+    controller = dict(conf["controller"])
+    sampler = controller.get("sampler")
+    if not isinstance(sampler, str):
+        controller["sampler"] = (
+            sampler.__name__ if isinstance(sampler, type) else (type(sampler).__name__)
+        )
+    return {**conf, "controller": controller}
+
+
 def close() -> None:
-    """Close the store started by ``init`` (its rows are gone); idempotent."""
-    global _client, _handle
-    client, handle, _client, _handle = _client, _handle, None, None
+    """Close the store ``init`` started (its rows are gone), or this worker's connection to
+    it; idempotent."""
+    global _client, _close
+    client, closer, _client, _close = _client, _close, None, None
     if client is not None:
         client.close()
-    if handle is not None:
-        handle.close()
+    if closer is not None:
+        closer()
 
 
 def get_client() -> TransferQueueClient:

@@ -59,3 +59,19 @@ def test_a_real_transfer_queue_is_never_hidden_silently(tmp_path: Path) -> None:
     assert forced.returncode == 0, forced.stderr
     assert forced.stdout.strip() == "facade 0.1.11"
     assert "transfer_queue -> tqcompat" in forced.stderr and str(real) in forced.stderr
+
+
+def test_the_shim_path_switches_every_process_that_has_it(tmp_path: Path) -> None:
+    shim = _run(["-m", "tqcompat", "--shim-path"], tmp_path).stdout.strip()
+    script = tmp_path / "peer_code.py"
+    script.write_text(SCRIPT)
+    on_path = _run([str(script)], tmp_path, Path(shim))
+    assert on_path.returncode == 0, on_path.stderr
+    assert on_path.stdout.strip() == "facade 0.1.11" and on_path.stderr == ""
+    real = tmp_path / "site"
+    (real / "transfer_queue").mkdir(parents=True)
+    (real / "transfer_queue" / "__init__.py").write_text("print('the real one')\n")
+    both = _run([str(script)], tmp_path, Path(f"{shim}{os.pathsep}{real}"))
+    assert both.returncode == 0, both.stderr
+    assert both.stdout.strip() == "facade 0.1.11"
+    assert "the real one at" in both.stderr and str(real) in both.stderr
