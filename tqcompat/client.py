@@ -11,6 +11,7 @@ Each call lands on our public client in one or two calls:
 | ``get_data(m)``                            | ``get_data(m.native, m.field_names)``         |
 | ``set_custom_meta(m)``                     | ``set_custom_meta(indexes, metas)``           |
 | ``clear_partition(p)``                     | ``clear(p)``                                  |
+| ``clear_samples(m)``                       | ``retire_groups(m.native.groups)`` (own group)|
 | ``get_consumption_status(task, p)``        | ``status(p, task=task)``                      |
 | ``get_production_status(fields, p)``       | ``status(p, fields=fields)``                  |
 | ``reset_consumption(p, task)``             | ``reset_consumption(task, p)`` (per task)     |
@@ -280,6 +281,20 @@ class AsyncTransferQueueClient:
     async def async_clear_partition(self, partition_id: str) -> None:
         await self._a.clear(partition_id)
 
+    async def async_clear_samples(self, metadata: BatchMeta) -> None:
+        """Free the batch's rows (our ``retire_groups``: a row put through the facade is a
+        group of its own). Rows that share a group with others (put by ``transferqueue``
+        code with ``group=``) are refused, since retiring would free their group-mates."""
+        native = metadata.native
+        if native is None or len(native) == 0:
+            return
+        if not np.array_equal(native.groups, native.indexes):
+            raise ValueError(
+                "clear_samples: these rows belong to groups of several rows (written with "
+                "group= by transferqueue code); free them with transferqueue's retire_groups"
+            )
+        await self._a.retire_groups(native.groups, native.partition)
+
     async def async_get_partition_list(self) -> list[str]:
         """Partitions holding rows (a cleared one is gone, as with the peer)."""
         parts = (await self._a.stats())["controller"]["partitions"]
@@ -381,6 +396,7 @@ class TransferQueueClient(AsyncTransferQueueClient):
     ack = _blocking(AsyncTransferQueueClient.async_ack)
     set_custom_meta = _blocking(AsyncTransferQueueClient.async_set_custom_meta)
     clear_partition = _blocking(AsyncTransferQueueClient.async_clear_partition)
+    clear_samples = _blocking(AsyncTransferQueueClient.async_clear_samples)
     get_partition_list = _blocking(AsyncTransferQueueClient.async_get_partition_list)
     get_consumption_status = _blocking(AsyncTransferQueueClient.async_get_consumption_status)
     get_production_status = _blocking(AsyncTransferQueueClient.async_get_production_status)

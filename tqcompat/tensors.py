@@ -101,10 +101,11 @@ def to_columns(data: Any) -> tuple[dict[str, Any], int]:
 
 def from_columns(cols: Mapping[str, Any], rows: int) -> Any:
     """A TensorDict of ``rows`` rows over the columns ``get_data`` returned (no copy of
-    dense or ragged buffers)."""
+    dense or ragged buffers), its fields in name order as the peer's (``field_names`` is
+    sorted there)."""
     td = _tensordict()
     out: dict[str, Any] = {}
-    for name, col in cols.items():
+    for name, col in sorted(cols.items()):
         if isinstance(col, Ragged):
             out[name] = torch.nested.nested_tensor_from_jagged(col.values, col.offsets)
         elif isinstance(col, torch.Tensor):

@@ -159,6 +159,9 @@ def test_put_with_metadata_adds_fields_and_meta_operations_read(
     _, produced = store.get_production_status(["extra"], "p")
     assert produced is not None and produced.tolist() == [1, 1, 0, 0, 0]
     assert not store.check_production_status(["extra"], "p")
+    store.clear_samples(parts[0])
+    idx, _ = store.get_production_status(["input_ids"], "p")
+    assert idx is not None and idx.tolist() == [3, 4]  # rows 0..2 freed
     store.clear_partition("p")
     assert store.get_partition_list() == []
 
