@@ -41,9 +41,13 @@ import torch
 
 import transferqueue
 from tqcompat.metadata import BatchMeta
+from tqcompat.sampler import BaseSampler, Pool
 from tqcompat.tensors import from_columns, schema_of, to_columns
 
 __all__ = ["AsyncTransferQueueClient", "Options", "TransferQueueClient"]
+
+_POOL_BATCH = 4096  # rows leased into a sampler's pool per call of ours
+_POOL_LEASE_S = 86400.0  # pooled rows stay leased to this process (our longest lease)
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -67,7 +71,8 @@ class Options:
     """With ``leases``: how long a batch may stay unacknowledged before it comes back."""
     sampler: str = "fifo"
     """Our sampler serving ``get_meta`` (see :mod:`tqcompat.sampler`)."""
-    sampler_options: dict[str, Any] | None = None
+    user_sampler: BaseSampler | None = None
+    """A peer sampler run as given over a pool of leased rows (see :mod:`tqcompat.sampler`)."""
 
 
 def _check_fields(data_fields: Any) -> list[str]:
@@ -107,6 +112,7 @@ class AsyncTransferQueueClient:
         self._a = handle.async_client()
         self.options = options
         self._schemas: dict[str, dict[str, Any]] = {}
+        self._pools: dict[tuple[str, str, tuple[str, ...]], Pool] = {}
 
     @property
     def native(self) -> transferqueue.AsyncClient:
@@ -184,8 +190,10 @@ class AsyncTransferQueueClient:
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         o = self.options
-        options = dict(o.sampler_options or {})
-        options.update(sampling_config or {})
+        if o.user_sampler is not None:
+            return await self._get_meta_sampled(
+                fields, batch_size, partition_id, task_name, sampling_config or {}
+            )
         native = await self._a.get_meta(
             task_name,
             fields,
@@ -194,21 +202,81 @@ class AsyncTransferQueueClient:
             timeout_s=0.0 if o.polling_mode else o.timeout_s,
             lease_s=o.lease_s,
             sampler=o.sampler,
-            **options,
+            **(sampling_config or {}),
         )
         if len(native) < batch_size:
             if len(native):
                 await self._a.release(native)
-            if o.polling_mode:
-                return BatchMeta.empty()
-            raise TimeoutError(
-                f"Timeout while waiting for sufficient data for task {task_name}. Required: "
-                f"{batch_size}, Available: {len(native)} (fields {fields} in partition "
-                f"{partition_id!r}, waited {o.timeout_s} s: raise TQ_CONTROLLER_GET_METADATA_"
-                "TIMEOUT or use polling_mode)"
-            )
+            return self._short(task_name, fields, partition_id, batch_size, len(native))
         if not o.leases:
             await self._a.ack(native)
+        return await self._wrap(native, fields)
+
+    def _short(
+        self, task: str, fields: list[str], partition: str, wanted: int, ready: int
+    ) -> BatchMeta:
+        if self.options.polling_mode:
+            return BatchMeta.empty()
+        raise TimeoutError(
+            f"Timeout while waiting for sufficient data for task {task}. Required: "
+            f"{wanted}, Available: {ready} (fields {fields} in partition {partition!r}, "
+            f"waited {self.options.timeout_s} s: raise TQ_CONTROLLER_GET_METADATA_TIMEOUT "
+            "or use polling_mode)"
+        )
+
+    async def _refill(self, pool: Pool, task: str, fields: list[str], partition: str) -> None:
+        """Lease every row ready for ``task`` into ``pool`` (our ``get_meta``, no wait)."""
+        while True:
+            got = await self._a.get_meta(
+                task,
+                fields,
+                _POOL_BATCH,
+                partition=partition,
+                timeout_s=0.0,
+                lease_s=_POOL_LEASE_S,
+            )
+            pool.add(got)
+            if len(got) < _POOL_BATCH:
+                return
+
+    async def _get_meta_sampled(
+        self,
+        fields: list[str],
+        batch_size: int,
+        partition: str,
+        task: str,
+        sampling_config: dict[str, Any],
+    ) -> BatchMeta:
+        """``get_meta`` with a sampler run as given (see :mod:`tqcompat.sampler`)."""
+        sampler = self.options.user_sampler
+        assert sampler is not None
+        pool = self._pools.setdefault((partition, task, tuple(fields)), Pool())
+        await self._refill(pool, task, fields, partition)
+        if len(pool) < batch_size and not self.options.polling_mode:
+            more = await self._a.get_meta(
+                task,
+                fields,
+                batch_size - len(pool),
+                partition=partition,
+                timeout_s=self.options.timeout_s,
+                lease_s=_POOL_LEASE_S,
+            )
+            pool.add(more)
+        if len(pool) < batch_size:
+            return self._short(task, fields, partition, batch_size, len(pool))
+        sampled, consumed = sampler.sample(
+            pool.indexes(),
+            batch_size,
+            task_name=task,
+            partition_id=partition,
+            **sampling_config,
+        )
+        sampled = [int(i) for i in sampled]
+        if not sampled:
+            return self._short(task, fields, partition, batch_size, len(pool))
+        native = pool.take(sampled)
+        for part in pool.consume([int(i) for i in consumed]):
+            await self._a.ack(part)
         return await self._wrap(native, fields)
 
     async def async_ack(self, metadata: BatchMeta) -> None:

@@ -35,7 +35,7 @@ import transferqueue
 from tqcompat.client import AsyncTransferQueueClient, Options, TransferQueueClient
 from tqcompat.metadata import KVBatchMeta
 from tqcompat.on_ray import find_or_start, ray_if_initialized
-from tqcompat.sampler import native_sampler
+from tqcompat.sampler import resolve_sampler
 from tqcompat.tensors import from_columns, to_columns
 
 __all__ = [
@@ -115,7 +115,7 @@ def _options(conf: dict[str, Any]) -> Options:
             "use backend.storage_backend='SimpleStorage' (our storage units, shared memory on "
             "one host, ZeroMQ across hosts)"
         )
-    sampler, sampler_options = native_sampler(conf["controller"].get("sampler"))
+    sampler, user_sampler = resolve_sampler(conf["controller"].get("sampler"))
     ours = conf.get("asyncflow", {})
     return Options(
         polling_mode=bool(conf["controller"].get("polling_mode", False)),
@@ -123,7 +123,7 @@ def _options(conf: dict[str, Any]) -> Options:
         leases=bool(ours.get("leases", False)),
         lease_s=float(ours.get("lease_s", 60.0)),
         sampler=sampler,
-        sampler_options=sampler_options,
+        user_sampler=user_sampler,
     )
 
 
@@ -144,7 +144,7 @@ def init(conf: Any = None) -> Any:
         handle = transferqueue.start(num_units=units, capacity_rows=rows)
         _close = handle.close
     else:
-        on_ray = find_or_start(ray, _shareable(merged), units, rows)
+        on_ray = find_or_start(ray, merged, units, rows)
         handle, _close = on_ray.handle, on_ray.close
         if on_ray.directory is None:  # joined: the first init's settings hold
             merged = _merge(_DEFAULTS, on_ray.config)
@@ -155,18 +155,6 @@ def init(conf: Any = None) -> Any:
     except ImportError:
         return merged
     return OmegaConf.create(merged, flags={"allow_objects": True})
-
-
-def _shareable(conf: dict[str, Any]) -> dict[str, Any]:
-    """The config other workers read: a sampler given as a class or instance travels as its
-    name (each worker maps it again)."""
-    controller = dict(conf["controller"])
-    sampler = controller.get("sampler")
-    if not isinstance(sampler, str):
-        controller["sampler"] = (
-            sampler.__name__ if isinstance(sampler, type) else (type(sampler).__name__)
-        )
-    return {**conf, "controller": controller}
 
 
 def close() -> None:

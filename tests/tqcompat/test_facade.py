@@ -278,12 +278,63 @@ def test_backends_we_do_not_have_are_refused_at_init(backend: str) -> None:
         tq.get_client()  # nothing started
 
 
-def test_samplers_we_do_not_serve_are_refused_at_init() -> None:
-    class Mine(tq.BaseSampler):
-        def sample(self, ready_indexes, batch_size, *args, **kwargs):  # type: ignore[no-untyped-def]
-            return ready_indexes[:batch_size], []
+class _WithReplacement(tq.BaseSampler):
+    """A user sampler as the peer's tutorial writes one: the highest ``score`` first, and
+    nothing consumed (rows may come again)."""
 
-    for sampler in (Mine, Mine(), tq.RankAwareSampler, "GRPOGroupNSampler"):
+    def sample(self, ready_indexes, batch_size, *args, scores=None, **kwargs):  # type: ignore[no-untyped-def]
+        self._states["calls"] = self._states.get("calls", 0) + 1
+        ranked = sorted(ready_indexes, key=lambda i: -scores[i])
+        return ranked[:batch_size], ([ranked[0]] if kwargs.get("consume_best") else [])
+
+
+def test_a_user_sampler_runs_as_given() -> None:
+    sampler = _WithReplacement()
+    tq.init({"controller": {"sampler": sampler}})
+    try:
+        c = tq.get_client()
+        c.put(TensorDict({"x": torch.arange(5).view(5, 1)}, batch_size=5), partition_id="p")
+        scores = np.array([0.1, 5.0, 0.2, 9.0, 1.0])
+        cfg = {"scores": scores}
+        first = c.get_meta(["x"], 2, "p", task_name="t", sampling_config=cfg)
+        assert first.global_indexes == [3, 1]
+        assert c.get_data(first)["x"].view(-1).tolist() == [3, 1]
+        again = c.get_meta(["x"], 2, "p", task_name="t", sampling_config=cfg)
+        assert again.global_indexes == [3, 1]  # sampled, not consumed: sampled again
+        best = c.get_meta(["x"], 1, "p", task_name="t", sampling_config={**cfg, "consume_best": 1})
+        assert best.global_indexes == [3]
+        after = c.get_meta(["x"], 2, "p", task_name="t", sampling_config=cfg)
+        assert after.global_indexes == [1, 4]  # 3 was consumed
+        _, done = c.get_consumption_status("t", "p")
+        assert done is not None and done.tolist() == [0, 0, 0, 1, 0]
+        c.put(TensorDict({"x": torch.tensor([[5]])}, batch_size=1), partition_id="p")
+        scores = np.append(scores, 99.0)
+        assert c.get_meta(
+            ["x"], 1, "p", task_name="t", sampling_config={"scores": scores}
+        ).global_indexes == [5]
+        with pytest.raises(TimeoutError, match="Required: 9"):
+            c.get_meta(["x"], 9, "p", task_name="t", sampling_config=cfg)
+        assert sampler._states["calls"] == 5  # one instance, in this process
+    finally:
+        tq.close()
+
+
+def test_grpo_sampler_hands_out_whole_groups() -> None:
+    tq.init({"controller": {"sampler": tq.GRPOGroupNSampler(n_samples_per_prompt=2)}})
+    try:
+        c = tq.get_client()
+        c.put(TensorDict({"x": torch.arange(3).view(3, 1)}, batch_size=3), partition_id="p")
+        assert c.get_meta(["x"], 2, "p", task_name="t").global_indexes == [0, 1]
+        with pytest.raises(TimeoutError):  # row 2's group is not complete
+            c.get_meta(["x"], 2, "p", task_name="t")
+        c.put(TensorDict({"x": torch.tensor([[3]])}, batch_size=1), partition_id="p")
+        assert c.get_meta(["x"], 2, "p", task_name="t").global_indexes == [2, 3]
+    finally:
+        tq.close()
+
+
+def test_samplers_we_do_not_serve_are_refused_at_init() -> None:
+    for sampler in (tq.RankAwareSampler, "SeqlenBalancedSampler", tq.SeqlenBalancedSampler()):
         with pytest.raises(NotImplementedError, match="not served"):
             tq.init({"controller": {"sampler": sampler}})
     with pytest.raises(ValueError, match="Could not find sampler"):
