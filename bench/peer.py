@@ -377,6 +377,7 @@ def main() -> int:
         "command": "python -m bench.peer" + (" --quick" if quick else ""),
         "settings": {k: v for k, v in vars(args).items() if k != "setup"},
         "goal_ratio": GOAL,
+        "facade_goal_ratio": FACADE_GOAL,
         **summary,
         "raw": raw,
         "wall_s": time.perf_counter() - t0,
