@@ -16,6 +16,7 @@ nothing in ``transferqueue`` imports it.
 
 from tqcompat.alias import install, installed, uninstall
 from tqcompat.client import AsyncTransferQueueClient, TransferQueueClient
+from tqcompat.dataloader import StreamingDataLoader, StreamingDataset
 from tqcompat.interface import (
     async_kv_batch_get,
     async_kv_batch_get_by_meta,
@@ -60,6 +61,8 @@ __all__ = [
     "SeqlenBalancedSampler",
     "SequentialSampler",
     "StorageKeyNotFoundError",
+    "StreamingDataLoader",
+    "StreamingDataset",
     "TransferQueueClient",
     "async_kv_batch_get",
     "async_kv_batch_get_by_meta",

@@ -38,6 +38,7 @@ _SUBMODULES = {
     "sampler": "tqcompat.sampler",
     "client": "tqcompat.client",
     "interface": "tqcompat.interface",
+    "dataloader": "tqcompat.dataloader",
 }
 
 

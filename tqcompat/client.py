@@ -201,8 +201,7 @@ class AsyncTransferQueueClient:
             partition=partition_id,
             timeout_s=0.0 if o.polling_mode else o.timeout_s,
             lease_s=o.lease_s,
-            sampler=o.sampler,
-            **(sampling_config or {}),
+            sampler=o.sampler,  # (takes no options: sampling_config is for samplers run as given)
         )
         if len(native) < batch_size:
             if len(native):
@@ -373,7 +372,11 @@ class AsyncTransferQueueClient:
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``(global_indexes, consumed)``: every live row of the partition and whether
         ``task_name`` consumed it (1) or not (0)."""
-        st = await self._a.status(partition_id, task=task_name)
+        try:
+            st = await self._a.status(partition_id, task=task_name)
+        except transferqueue.UnknownTaskError:  # a task that never asked: nothing consumed
+            st = await self._a.status(partition_id)
+            return torch.from_numpy(st.indexes.copy()), torch.zeros(len(st), dtype=torch.int8)
         done = st.state_names()
         flags = torch.tensor([s == "done" for s in done], dtype=torch.int8)
         return torch.from_numpy(st.indexes.copy()), flags

@@ -46,6 +46,7 @@ __all__ = [
     "async_kv_clear",
     "async_kv_list",
     "async_kv_put",
+    "client_for",
     "close",
     "get_client",
     "get_metrics_endpoint",
@@ -75,11 +76,12 @@ _DEFAULTS: dict[str, Any] = {
         "SimpleStorage": {"num_data_storage_units": 2, "total_storage_size": None},
     },
     "metrics": {"enabled": False, "port": 0},
-    "asyncflow": {"leases": False, "lease_s": 60.0},
+    "asyncflow": {"leases": False, "lease_s": 60.0, "address": None},
 }
 
 _client: TransferQueueClient | None = None
 _close: Callable[[], None] | None = None
+_pid = 0  # the process that made _client (a forked DataLoader worker must not use it)
 
 
 def _plain(conf: Any) -> dict[str, Any]:
@@ -131,8 +133,8 @@ def init(conf: Any = None) -> Any:
     """Start the store (first call; on Ray: first call on the cluster) and return the merged
     config; later calls reuse it and ignore ``conf``, as the peer's do. Refused backends and
     samplers raise ``NotImplementedError`` before anything starts."""
-    global _client, _close
-    if _client is not None:
+    global _client, _close, _pid
+    if _client is not None and _pid == os.getpid():
         return conf
     merged = _merge(_DEFAULTS, _plain(conf))
     options = _options(merged)
@@ -149,7 +151,8 @@ def init(conf: Any = None) -> Any:
         if on_ray.directory is None:  # joined: the first init's settings hold
             merged = _merge(_DEFAULTS, on_ray.config)
             options = _options(merged)
-    _client = TransferQueueClient(handle, options)
+        merged["asyncflow"]["address"] = handle.address
+    _client, _pid = TransferQueueClient(handle, options), os.getpid()
     try:
         from omegaconf import OmegaConf
     except ImportError:
@@ -170,9 +173,28 @@ def close() -> None:
 
 def get_client() -> TransferQueueClient:
     """The process's client (``init`` first)."""
-    if _client is None:
+    if _client is None or _pid != os.getpid():
         raise RuntimeError("TransferQueue is not initialized: call transfer_queue.init() first")
     return _client
+
+
+def client_for(config: Any) -> TransferQueueClient:
+    """A client for code handed the config ``init`` returned (the streaming dataset): this
+    process's own if it called ``init``, else one connected to the address in the config (a
+    DataLoader worker process; needs the store to be a service: Ray or ``transferqueue
+    serve``, not embedded in another process)."""
+    if _client is not None and _pid == os.getpid():
+        return _client
+    conf = _merge(_DEFAULTS, _plain(config))
+    address = conf["asyncflow"].get("address")
+    if not address:
+        raise RuntimeError(
+            "this process has no TransferQueue client and the config names no address: the "
+            "store is embedded in the process that called init() (without Ray), so other "
+            "processes (DataLoader workers: num_workers > 0) cannot reach it; use "
+            "num_workers=0, or ray.init() before tq.init()"
+        )
+    return TransferQueueClient(transferqueue.connect(address), _options(conf))
 
 
 def get_metrics_endpoint() -> str | None:

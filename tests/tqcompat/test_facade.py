@@ -358,3 +358,42 @@ def test_bad_input_gives_the_peers_errors(store: tq.TransferQueueClient) -> None
         store.put(_batch(1))
     with pytest.raises(TimeoutError):  # an unknown partition: nothing to hand out, bounded
         store.get_meta(["x"], 1, "nowhere", task_name="t")
+
+
+def test_streaming_dataloader_with_two_ranks(store: tq.TransferQueueClient) -> None:
+    conf = tq.init()  # (already initialized: the peer returns what it is given)
+    store.put(TensorDict({"idx": torch.arange(10).view(10, 1)}, batch_size=10), partition_id="p")
+
+    def loader(rank: int) -> tq.StreamingDataLoader:
+        dataset = tq.StreamingDataset(
+            config=conf,
+            batch_size=4,
+            micro_batch_size=2,
+            data_fields=["idx"],
+            partition_id="p",
+            task_name="train",
+            dp_rank=rank,
+            should_check_consumption_status=True,
+        )
+        dataset._sleep_s = 0.05
+        return tq.StreamingDataLoader(dataset, num_workers=0)
+
+    store.put(TensorDict({"idx": torch.arange(10, 12).view(2, 1)}, batch_size=2), partition_id="p")
+    ranks = [iter(loader(0)), iter(loader(1))]
+    seen: dict[int, list[int]] = {0: [], 1: []}
+    for rank in (0, 1, 0):
+        for _ in range(2):  # a batch of 4 rows is 2 micro-batches of 2
+            batch, meta = next(ranks[rank])
+            assert batch.batch_size == torch.Size([2]) and meta.size == 2
+            assert batch["idx"].view(-1).tolist() == meta.global_indexes
+            seen[rank] += meta.global_indexes
+    assert sorted(seen[0] + seen[1]) == list(range(12))  # every row once, across the ranks
+    assert not set(seen[0]) & set(seen[1])
+    with pytest.raises(StopIteration):  # every row consumed: the finite mode ends
+        next(ranks[1])
+
+
+def test_dataloader_workers_need_a_store_they_can_reach(store: tq.TransferQueueClient) -> None:
+    dataset = tq.StreamingDataset(tq.init(), 1, 1, ["x"], "p", "t", dp_rank=0)
+    with pytest.raises(RuntimeError, match="num_workers=0"):
+        next(iter(tq.StreamingDataLoader(dataset, num_workers=1)))
