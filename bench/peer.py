@@ -25,6 +25,12 @@ case per round:
   alone: the peer marks rows consumed there, ours leases them); ours with its ``ack`` (a
   second round trip, for exactly-once delivery) is printed beside it.
 
+A third column, ``facade``, runs the peer's own runner (``bench/peer_runner.py``, the peer's
+calls: ``tq.init``, ``put``/``get_meta``/``get_data`` with TensorDicts, ``clear_samples``)
+unchanged in our virtualenv under ``python -m tqcompat``: ``transfer_queue`` is our facade,
+so the same calls run on our store (its Ray deployment, as the runner starts Ray). Its ratio
+to the peer is printed beside ours (goal: >= 3x).
+
 GB/s = 2 x payload / (put + get_meta + get_data). Prints medians and ratios ours / peer (goal:
 >= 5x on every case), writes ``bench/results/peer.json`` and ``bench/results/peer.png``.
 """
@@ -55,6 +61,7 @@ PEER_PINS = (
     ("transferqueue==0.1.11", "ray[default]==2.60.0", "tensordict==0.15.3"),
 )
 GOAL = 5.0  # ours / peer, every case
+FACADE_GOAL = 3.0  # the peer's calls through tqcompat on our store / peer, every case
 _CALL_TIMEOUT_S = 1800.0  # one command (a million-row fill of the peer takes ~30 s)
 
 
@@ -93,7 +100,7 @@ class Runner:
     def __init__(self, name: str, python: Path | str, module: str, args: list[str]) -> None:
         self.name = name
         env = dict(os.environ)
-        if name == "ours":
+        if name in ("ours", "facade"):
             env["PYTHONPATH"] = os.pathsep.join([str(REPO_DIR), env.get("PYTHONPATH", "")])
         else:  # nothing of ours on the peer's path but bench/ (found from the working dir)
             env.pop("PYTHONPATH", None)
@@ -151,6 +158,10 @@ def start_runners(scale: str, units: int) -> dict[str, Runner]:
     try:
         runners["ours"] = Runner("ours", sys.executable, "bench.peer_ours", args)
         runners["peer"] = Runner("peer", peer_python(), "bench.peer_runner", args)
+        # the peer's runner, unchanged, with transfer_queue = our facade (tqcompat)
+        runners["facade"] = Runner(
+            "facade", sys.executable, "tqcompat", ["-m", "bench.peer_runner", *args]
+        )
     except BaseException:
         for r in runners.values():
             r.close()
@@ -170,9 +181,9 @@ def run_units(units: int, args: argparse.Namespace) -> dict[str, Any]:
             out["init_s"][name] = r.hello["init_s"]
             out["describe"][name] = r.call(op="describe")
         d = out["describe"]
-        if (
-            d["ours"]["digests"] != d["peer"]["digests"]
-            or d["ours"]["nbytes"] != d["peer"]["nbytes"]
+        if any(
+            d[name]["digests"] != d["peer"]["digests"] or d[name]["nbytes"] != d["peer"]["nbytes"]
+            for name in systems
         ):
             raise RuntimeError(f"the two runners built different payloads: {d}")
         cases = list(d["ours"]["nbytes"])
@@ -181,11 +192,11 @@ def run_units(units: int, args: argparse.Namespace) -> dict[str, Any]:
                 out["first"].setdefault(case, {})[name] = runners[name].call(
                     op="cycle", case=case, reps=1, verify=True
                 )
-        print(f"  {units} unit(s): both systems' data bit-exact on the first rep", flush=True)
+        print(f"  {units} unit(s): every system's data bit-exact on the first rep", flush=True)
         # Throughput rounds first, then meta-rate rounds: the meta fills (a million rows
         # each) would otherwise sit in both stores during later throughput rounds.
         for rnd in range(args.rounds):
-            order = systems if rnd % 2 == 0 else systems[::-1]
+            order = systems[rnd % len(systems) :] + systems[: rnd % len(systems)]
             for case in cases:
                 for name in order:
                     got = runners[name].call(op="cycle", case=case, reps=args.reps)
@@ -198,7 +209,7 @@ def run_units(units: int, args: argparse.Namespace) -> dict[str, Any]:
                     ]
             print(f"  {units} unit(s): put+get round {rnd + 1}/{args.rounds} done", flush=True)
         for rnd in range(args.rounds):
-            order = systems if rnd % 2 == 0 else systems[::-1]
+            order = systems[rnd % len(systems) :] + systems[: rnd % len(systems)]
             for live in args.meta_live:
                 for name in order:
                     got = runners[name].call(
@@ -219,6 +230,7 @@ def summarize(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         "meta_samples_per_s": {},
         "ratios": {},
         "ratios_with_ack": {},
+        "ratios_facade": {},
     }
     for units, res in raw.items():
         nbytes = res["describe"]["ours"]["nbytes"]
@@ -239,12 +251,16 @@ def summarize(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
                     "get_data_ms": 1e3 * statistics.median(r["get_data_s"] for r in reps),
                 }
             summary["ratios"][f"{case} {units}u"] = med["ours"] / med["peer"]
+            if "facade" in med:
+                summary["ratios_facade"][f"{case} {units}u"] = med["facade"] / med["peer"]
         for live, per in res["meta"].items():
             med = {n: statistics.median(x["samples_per_s"] for x in v) for n, v in per.items()}
             med["ours_with_ack"] = statistics.median(x["samples_per_s_whole"] for x in per["ours"])
             summary["meta_samples_per_s"][f"{live} {units}u"] = med
             summary["ratios"][f"meta {live} {units}u"] = med["ours"] / med["peer"]
             summary["ratios_with_ack"][f"meta {live} {units}u"] = med["ours_with_ack"] / med["peer"]
+            if "facade" in med:
+                summary["ratios_facade"][f"meta {live} {units}u"] = med["facade"] / med["peer"]
     return summary
 
 
@@ -271,8 +287,13 @@ def report(summary: dict[str, Any], raw: dict[str, Any]) -> None:
         if key in summary["ratios_with_ack"]:
             extra["with_ack"] = summary["ratios_with_ack"][key]
         line(f"ratio ours/peer {key}", ratio, "x", target=f">={GOAL:g}", **extra)
+    for key, ratio in summary["ratios_facade"].items():
+        line(f"ratio facade/peer {key}", ratio, "x", target=f">={FACADE_GOAL:g}")
     worst = min(summary["ratios"].values())
     print(f"worst ratio {worst:.2f}x (goal >= {GOAL:g}x on every case)", flush=True)
+    if summary["ratios_facade"]:
+        worst = min(summary["ratios_facade"].values())
+        print(f"worst facade ratio {worst:.2f}x (goal >= {FACADE_GOAL:g}x)", flush=True)
 
 
 def plot(summary: dict[str, Any], path: Path) -> None:
@@ -285,17 +306,30 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     keys = list(summary["GBps"])
     x = np.arange(len(keys))
-    for k, (name, label) in enumerate((("ours", "ours"), ("peer", "transferqueue 0.1.11"))):
+    bars = [
+        (name, label)
+        for name, label in (
+            ("ours", "ours"),
+            ("facade", "peer's calls on ours (tqcompat)"),
+            ("peer", "transferqueue 0.1.11"),
+        )
+        if all(name in summary["GBps"][key] for key in keys)
+    ]
+    width = 0.8 / len(bars)
+    for k, (name, label) in enumerate(bars):
         vals = [summary["GBps"][key][name]["median"] for key in keys]
-        ax1.bar(x + (k - 0.5) * 0.4, vals, 0.4, label=label)
+        ax1.bar(x + (k - (len(bars) - 1) / 2) * width, vals, width, label=label)
     ax1.set_xticks(x, [k.replace("u", " unit(s)") for k in keys], fontsize=8)
     ax1.set_ylabel("2 x payload / (put + get_meta + get_data), GB/s")
     ax1.set_title("put + get, medians", fontsize=10)
     top = max(v["median"] for per in summary["GBps"].values() for v in per.values())
     ax1.set_ylim(0, top * 1.3)
-    ax1.legend(loc="upper center", ncol=2)
+    ax1.legend(loc="upper center", ncol=len(bars), fontsize=8)
     meta = summary["meta_samples_per_s"]
-    for name, style in (("ours", "-o"), ("ours_with_ack", ":o"), ("peer", "--s")):
+    styles = (("ours", "-o"), ("ours_with_ack", ":o"), ("facade", "-.^"), ("peer", "--s"))
+    for name, style in styles:
+        if not all(name in v for v in meta.values()):
+            continue
         for units in sorted({k.split()[1] for k in meta}):
             pts = sorted((int(k.split()[0]), v[name]) for k, v in meta.items() if k.endswith(units))
             label = f"{name.replace('_with_ack', ' +ack')} {units.replace('u', ' unit(s)')}"
@@ -343,6 +377,7 @@ def main() -> int:
         "command": "python -m bench.peer" + (" --quick" if quick else ""),
         "settings": {k: v for k, v in vars(args).items() if k != "setup"},
         "goal_ratio": GOAL,
+        "facade_goal_ratio": FACADE_GOAL,
         **summary,
         "raw": raw,
         "wall_s": time.perf_counter() - t0,

@@ -11,6 +11,10 @@
 - At most 15 Python files directly in ``transferqueue/``.
 - No module over 700 lines; no class with more than 25 public methods, counting those it
   inherits from classes of these packages (properties are attributes, not methods).
+- ``tqcompat`` (the ``transfer_queue`` facade) is its own room: it imports ``transferqueue``
+  through the package's public names only (``import transferqueue``, ``from transferqueue
+  import X``) and the documented Ray entry (``transferqueue.deploy.ray``), never another
+  module inside it; nothing else imports ``tqcompat``.
 - No import cycle between modules: every import counts, in a function or under
   ``TYPE_CHECKING`` too (a cycle there is still two modules that cannot be read apart).
 """
@@ -27,7 +31,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("transferqueue", "asyncflow", "engines", "adapters")
+PACKAGES = ("transferqueue", "asyncflow", "engines", "adapters", "tqcompat")
 MAX_LINES = 700
 MAX_PUBLIC_METHODS = 25
 MAX_TOP_FILES = 15
@@ -37,6 +41,7 @@ MAY_IMPORT = {
     "engines": set(),
     "adapters": {"transferqueue", "engines"},
     "asyncflow": {"transferqueue", "engines", "adapters"},
+    "tqcompat": {"transferqueue"},
 }
 # what each folder of transferqueue may import ("" = the shared modules at the top)
 TQ_LAYERS = {
@@ -135,6 +140,17 @@ def test_transferqueue_folders_import_one_way() -> None:
                 bad.append(f"{m.name} imports the package transferqueue (import the module)")
             elif m.name != "transferqueue" and _folder(i) not in TQ_LAYERS[_folder(m.name)]:
                 bad.append(f"{m.name} ({_folder(m.name) or 'top'}) imports {i}")
+    assert not bad, "\n".join(bad)
+
+
+def test_tqcompat_uses_only_the_public_api_of_transferqueue() -> None:
+    bad = [
+        f"{m.name} imports {i} (use the names of the package transferqueue)"
+        for m in MODULES.values()
+        if m.name.split(".")[0] == "tqcompat"
+        for i in sorted(m.imports)
+        if i.startswith("transferqueue.") and i != "transferqueue.deploy.ray"
+    ]
     assert not bad, "\n".join(bad)
 
 

@@ -1,0 +1,488 @@
+"""The peer's ``AsyncTransferQueueClient`` / ``TransferQueueClient``, over our client.
+
+Each call lands on our public client in one or two calls:
+
+| peer call                                  | ours                                          |
+|--------------------------------------------|-----------------------------------------------|
+| ``get_meta(fields, B, partition, task)``   | ``get_meta(task, fields, B, timeout_s=...)``, |
+|                                            | then ``ack`` (at-most-once, the default)      |
+| ``put(td, partition_id=p)``                | ``put(columns, partition=p)``                 |
+| ``put(td, metadata=m)``                    | ``put(columns, meta=m.native)`` (acks a lease)|
+| ``get_data(m)``                            | ``get_data(m.native, m.field_names)``         |
+| ``set_custom_meta(m)``                     | ``set_custom_meta(indexes, metas)``           |
+| ``clear_partition(p)``                     | ``clear(p)``                                  |
+| ``clear_samples(m)``                       | ``retire_groups(m.native.groups)`` (own group)|
+| ``get_consumption_status(task, p)``        | ``status(p, task=task)``                      |
+| ``get_production_status(fields, p)``       | ``status(p, fields=fields)``                  |
+| ``reset_consumption(p, task)``             | ``reset_consumption(task, p)`` (per task)     |
+| ``get_partition_list()``                   | ``stats()`` (its partitions)                  |
+
+``get_meta`` waits as the peer's controller does: up to ``timeout_s`` (the peer's
+``TQ_CONTROLLER_GET_METADATA_TIMEOUT``, 1 s) for ``batch_size`` ready rows, then a
+``TimeoutError``; with ``polling_mode`` it does not wait and returns an empty ``BatchMeta``.
+A short batch goes back to the task (``release``) either way, as the peer never hands out one.
+With ``leases=True`` (see :mod:`tqcompat.interface`) rows are leased, not consumed, at
+``get_meta``: ``put(..., metadata=m)`` or ``ack(m)`` consumes them, and a batch whose consumer
+dies comes back after ``lease_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import threading
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any, ParamSpec, TypeVar
+
+import numpy as np
+import torch
+
+import transferqueue
+from tqcompat.metadata import BatchMeta
+from tqcompat.sampler import BaseSampler, Pool
+from tqcompat.tensors import from_columns, schema_of, to_columns
+
+__all__ = ["AsyncTransferQueueClient", "Options", "TransferQueueClient"]
+
+_POOL_BATCH = 4096  # rows leased into a sampler's pool per call of ours
+_POOL_LEASE_S = 86400.0  # pooled rows stay leased to this process (our longest lease)
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+_DTYPES = {
+    str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
+}
+
+
+@dataclass(kw_only=True)
+class Options:
+    """How the facade consumes (set by ``init``; see :mod:`tqcompat.interface`)."""
+
+    polling_mode: bool = False
+    """The peer's ``controller.polling_mode``: an empty batch instead of waiting."""
+    timeout_s: float = 1.0
+    """How long a non-polling ``get_meta`` waits for ``batch_size`` ready rows."""
+    leases: bool = False
+    """False: rows are consumed at ``get_meta`` (the peer). True: leased until acked."""
+    lease_s: float = 60.0
+    """With ``leases``: how long a batch may stay unacknowledged before it comes back."""
+    sampler: str = "fifo"
+    """Our sampler serving ``get_meta`` (see :mod:`tqcompat.sampler`)."""
+    user_sampler: BaseSampler | None = None
+    """A peer sampler run as given over a pool of leased rows (see :mod:`tqcompat.sampler`)."""
+
+
+def _check_fields(data_fields: Any) -> list[str]:
+    if isinstance(data_fields, str):
+        data_fields = [data_fields]
+    if not isinstance(data_fields, Sequence) or not data_fields:
+        raise ValueError(f"data_fields must be a non-empty list of names, got {data_fields!r}")
+    if not all(isinstance(f, str) and f for f in data_fields):
+        raise ValueError(f"data_fields must hold non-empty strings, got {data_fields!r}")
+    return list(data_fields)
+
+
+def _schema_from_spec(spec: str) -> dict[str, Any]:
+    """The peer's schema entry of one of our field specs as ``stats`` describes it
+    (``"dense int64 [2]"``, ``"ragged float32 []"``, ``"object"``)."""
+    kind, *rest = spec.split(" ", 2)
+    if kind == "object":
+        return {"dtype": None, "shape": None, "is_nested": False, "is_non_tensor": True}
+    dtype = _DTYPES.get(rest[0]) if rest else None
+    dims = rest[1].strip("[]") if len(rest) > 1 else ""
+    shape = tuple(int(d) for d in dims.split(",") if d.strip())
+    return {
+        "dtype": dtype,
+        "shape": torch.Size(shape) if kind == "dense" else None,
+        "is_nested": kind == "ragged",
+        "is_non_tensor": False,
+    }
+
+
+class AsyncTransferQueueClient:
+    """The peer's asyncio client: ``async_get_meta``, ``async_put``, ``async_get_data``...
+    Get the process's client from ``tq.get_client()`` (a :class:`TransferQueueClient`, which
+    has both the ``async_*`` calls and their blocking twins)."""
+
+    def __init__(self, handle: transferqueue.TransferQueue, options: Options) -> None:
+        self._handle = handle
+        self._a = handle.async_client()
+        self.options = options
+        self._schemas: dict[str, dict[str, Any]] = {}
+        self._pools: dict[tuple[str, str, tuple[str, ...]], Pool] = {}
+
+    @property
+    def native(self) -> transferqueue.AsyncClient:
+        """Our async client under the facade, for calls the peer does not have."""
+        return self._a
+
+    async def _schema(self, fields: Sequence[str]) -> dict[str, dict[str, Any]]:
+        if any(f not in self._schemas for f in fields):
+            specs = (await self._a.stats())["controller"]["fields"]
+            for name, spec in specs.items():
+                self._schemas.setdefault(name, _schema_from_spec(spec))
+        return {f: dict(self._schemas[f]) for f in fields if f in self._schemas}
+
+    async def write_columns(
+        self, write: Callable[[dict[str, Any]], Awaitable[T]], cols: dict[str, Any]
+    ) -> T:
+        """Run ``write(cols)`` (a put of ours); where a dense column's dtype differs from its
+        field's (the peer keeps a dtype per row, we one per field), cast it to the field's
+        dtype when the cast is exact, and write again. An inexact cast keeps our
+        ``SchemaError``."""
+        try:
+            return await write(cols)
+        except transferqueue.SchemaError:
+            specs = (await self._a.stats())["controller"]["fields"]
+            cast = dict(cols)
+            for name, col in cols.items():
+                known = _schema_from_spec(specs[name]) if name in specs else None
+                if (
+                    known is None
+                    or not isinstance(col, torch.Tensor)
+                    or known["dtype"] is None
+                    or known["is_nested"]
+                    or col.dtype == known["dtype"]
+                ):
+                    continue
+                as_known = col.to(known["dtype"])
+                if torch.equal(as_known.to(col.dtype), col):
+                    cast[name] = as_known
+            if all(cast[n] is cols[n] for n in cols):
+                raise
+            return await write(cast)
+
+    async def _wrap(self, native: transferqueue.BatchMeta, fields: Sequence[str]) -> BatchMeta:
+        n = len(native)
+        custom = await self._a.get_custom_meta(native.indexes) if n else []
+        return BatchMeta(
+            native.indexes.tolist(),
+            [native.partition] * n,
+            await self._schema(fields),
+            np.ones(n, np.int8),
+            custom_meta=custom,
+            native=native,
+        )
+
+    # -- consumers ---------------------------------------------------------------------------
+    async def async_get_meta(
+        self,
+        data_fields: list[str],
+        batch_size: int,
+        partition_id: str,
+        mode: str = "fetch",
+        task_name: str | None = None,
+        sampling_config: dict[str, Any] | None = None,
+    ) -> BatchMeta:
+        """``batch_size`` rows of ``partition_id`` whose ``data_fields`` are all written, not
+        yet consumed by ``task_name`` (see the module for the wait and the semantics)."""
+        fields = _check_fields(data_fields)
+        if mode != "fetch":
+            raise ValueError(
+                f"get_meta mode {mode!r} is not supported by this store: use mode='fetch' "
+                "(force_fetch and insert are the peer's internals)"
+            )
+        if task_name is None:
+            raise ValueError("get_meta(mode='fetch') needs task_name=")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        o = self.options
+        if o.user_sampler is not None:
+            return await self._get_meta_sampled(
+                fields, batch_size, partition_id, task_name, sampling_config or {}
+            )
+        native = await self._a.get_meta(
+            task_name,
+            fields,
+            batch_size,
+            partition=partition_id,
+            timeout_s=0.0 if o.polling_mode else o.timeout_s,
+            lease_s=o.lease_s,
+            sampler=o.sampler,  # (takes no options: sampling_config is for samplers run as given)
+        )
+        if len(native) < batch_size:
+            if len(native):
+                await self._a.release(native)
+            return self._short(task_name, fields, partition_id, batch_size, len(native))
+        if not o.leases:
+            await self._a.ack(native)
+        return await self._wrap(native, fields)
+
+    def _short(
+        self, task: str, fields: list[str], partition: str, wanted: int, ready: int
+    ) -> BatchMeta:
+        if self.options.polling_mode:
+            return BatchMeta.empty()
+        raise TimeoutError(
+            f"Timeout while waiting for sufficient data for task {task}. Required: "
+            f"{wanted}, Available: {ready} (fields {fields} in partition {partition!r}, "
+            f"waited {self.options.timeout_s} s: raise TQ_CONTROLLER_GET_METADATA_TIMEOUT "
+            "or use polling_mode)"
+        )
+
+    async def _refill(self, pool: Pool, task: str, fields: list[str], partition: str) -> None:
+        """Lease every row ready for ``task`` into ``pool`` (our ``get_meta``, no wait)."""
+        while True:
+            got = await self._a.get_meta(
+                task,
+                fields,
+                _POOL_BATCH,
+                partition=partition,
+                timeout_s=0.0,
+                lease_s=_POOL_LEASE_S,
+            )
+            pool.add(got)
+            if len(got) < _POOL_BATCH:
+                return
+
+    async def _get_meta_sampled(
+        self,
+        fields: list[str],
+        batch_size: int,
+        partition: str,
+        task: str,
+        sampling_config: dict[str, Any],
+    ) -> BatchMeta:
+        """``get_meta`` with a sampler run as given (see :mod:`tqcompat.sampler`)."""
+        sampler = self.options.user_sampler
+        assert sampler is not None
+        pool = self._pools.setdefault((partition, task, tuple(fields)), Pool())
+        await self._refill(pool, task, fields, partition)
+        if len(pool) < batch_size and not self.options.polling_mode:
+            more = await self._a.get_meta(
+                task,
+                fields,
+                batch_size - len(pool),
+                partition=partition,
+                timeout_s=self.options.timeout_s,
+                lease_s=_POOL_LEASE_S,
+            )
+            pool.add(more)
+        if len(pool) < batch_size:
+            return self._short(task, fields, partition, batch_size, len(pool))
+        sampled, consumed = sampler.sample(
+            pool.indexes(),
+            batch_size,
+            task_name=task,
+            partition_id=partition,
+            **sampling_config,
+        )
+        sampled = [int(i) for i in sampled]
+        if not sampled:
+            return self._short(task, fields, partition, batch_size, len(pool))
+        native = pool.take(sampled)
+        for part in pool.consume([int(i) for i in consumed]):
+            await self._a.ack(part)
+        return await self._wrap(native, fields)
+
+    async def async_ack(self, metadata: BatchMeta) -> None:
+        """With leases: consume the batch's rows (a ``put`` with it does too). Not a peer
+        call: the peer consumes at ``get_meta``."""
+        if metadata.native is not None and metadata.native.lease_id is not None:
+            await self._a.ack(metadata.native)
+
+    async def async_get_data(self, metadata: BatchMeta) -> Any:
+        """The batch's rows as a TensorDict of its ``field_names``, in the batch's order."""
+        if metadata.size == 0:
+            return from_columns({}, 0)
+        if metadata.native is None:
+            raise ValueError(
+                "get_data needs a BatchMeta from get_meta or put (this one was built by hand "
+                "and names no stored rows)"
+            )
+        cols = await self._a.get_data(metadata.native, metadata.field_names or None)
+        return from_columns(cols, metadata.size)
+
+    # -- producers ---------------------------------------------------------------------------
+    async def async_put(
+        self,
+        data: Any,
+        metadata: BatchMeta | None = None,
+        partition_id: str | None = None,
+        data_parser: Callable[[Any], Any] | None = None,
+    ) -> BatchMeta:
+        """Write a TensorDict: new rows of ``partition_id``, or (``metadata``) new fields of
+        the batch's rows. Returns the rows' ``BatchMeta`` with the new fields."""
+        if data_parser is not None:
+            data = data_parser(data)
+        cols, rows = to_columns(data)
+        schema = schema_of(cols)
+        self._schemas.update(
+            {k: {x: y for x, y in v.items() if x != "per_sample_shapes"} for k, v in schema.items()}
+        )
+        if metadata is None:
+            if partition_id is None:
+                raise ValueError("put needs metadata= or partition_id=")
+            native = await self.write_columns(
+                lambda c: self._a.put(c, partition=partition_id), cols
+            )
+            return BatchMeta(
+                native.indexes.tolist(),
+                [partition_id] * rows,
+                schema,
+                np.ones(rows, np.int8),
+                native=native,
+            )
+        if metadata.native is None:
+            raise ValueError("put(metadata=...) needs a BatchMeta from get_meta or put")
+        if metadata.size != rows:
+            raise ValueError(f"put: the TensorDict has {rows} rows, the metadata {metadata.size}")
+        leased = metadata.native.lease_id is not None and not metadata.native.acked
+        native = metadata.native
+        await self.write_columns(lambda c: self._a.put(c, meta=native, ack=leased), cols)
+        if any(metadata.custom_meta):
+            await self._a.set_custom_meta(metadata.native.indexes, metadata.custom_meta)
+        out = metadata.copy()
+        out.field_schema.update(schema)
+        out.production_status[:] = 1
+        return out
+
+    async def async_set_custom_meta(self, metadata: BatchMeta) -> None:
+        """Store the batch's per-row ``custom_meta`` (readable from any client)."""
+        await self._a.set_custom_meta(metadata.global_indexes, metadata.custom_meta)
+
+    # -- partitions --------------------------------------------------------------------------
+    async def async_clear_partition(self, partition_id: str) -> None:
+        await self._a.clear(partition_id)
+
+    async def async_clear_samples(self, metadata: BatchMeta) -> None:
+        """Free the batch's rows (our ``retire_groups``: a row put through the facade is a
+        group of its own). Rows that share a group with others (put by ``transferqueue``
+        code with ``group=``) are refused, since retiring would free their group-mates."""
+        native = metadata.native
+        if native is None or len(native) == 0:
+            return
+        if not np.array_equal(native.groups, native.indexes):
+            raise ValueError(
+                "clear_samples: these rows belong to groups of several rows (written with "
+                "group= by transferqueue code); free them with transferqueue's retire_groups"
+            )
+        await self._a.retire_groups(native.groups, native.partition)
+
+    async def async_get_partition_list(self) -> list[str]:
+        """Partitions holding rows (a cleared one is gone, as with the peer)."""
+        parts = (await self._a.stats())["controller"]["partitions"]
+        return [name for name, info in parts.items() if info.get("rows_live")]
+
+    async def async_get_consumption_status(
+        self, task_name: str, partition_id: str
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(global_indexes, consumed)``: every live row of the partition and whether
+        ``task_name`` consumed it (1) or not (0)."""
+        try:
+            st = await self._a.status(partition_id, task=task_name)
+        except transferqueue.UnknownTaskError:  # a task that never asked: nothing consumed
+            st = await self._a.status(partition_id)
+            return torch.from_numpy(st.indexes.copy()), torch.zeros(len(st), dtype=torch.int8)
+        done = st.state_names()
+        flags = torch.tensor([s == "done" for s in done], dtype=torch.int8)
+        return torch.from_numpy(st.indexes.copy()), flags
+
+    async def async_get_production_status(
+        self, data_fields: list[str], partition_id: str
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(global_indexes, produced)``: every live row and whether all ``data_fields``
+        are written (1) or not (0)."""
+        st = await self._a.status(partition_id, fields=_check_fields(data_fields))
+        ready = np.logical_and.reduce([st.ready[f] for f in data_fields]) if len(st) else []
+        return torch.from_numpy(st.indexes.copy()), torch.as_tensor(ready, dtype=torch.int8)
+
+    async def async_check_consumption_status(self, task_name: str, partition_id: str) -> bool:
+        _, flags = await self.async_get_consumption_status(task_name, partition_id)
+        return flags is not None and flags.numel() > 0 and bool(flags.all())
+
+    async def async_check_production_status(
+        self, data_fields: list[str], partition_id: str
+    ) -> bool:
+        _, flags = await self.async_get_production_status(data_fields, partition_id)
+        return flags is not None and flags.numel() > 0 and bool(flags.all())
+
+    async def async_reset_consumption(
+        self, partition_id: str, task_name: str | None = None
+    ) -> bool:
+        """Hand the partition's rows to ``task_name`` (every task: None) once more."""
+        if task_name is None:
+            parts = (await self._a.stats())["controller"]["partitions"]
+            tasks = list(parts.get(partition_id, {}).get("tasks", {}))
+        else:
+            tasks = [task_name]
+        for task in tasks:
+            await self._a.reset_consumption(task, partition_id)
+        return True
+
+    def close(self) -> None:
+        """Nothing to do: the store belongs to ``tq.init``/``tq.close``."""
+
+
+class _Loop:
+    """The blocking client's own event loop, on a daemon thread (the peer's client has one
+    too): blocking calls submit their coroutine and wait for it, so they work from any
+    thread, also one that runs an event loop of its own (a Ray actor, a notebook)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="tq-compat", daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._thread is threading.current_thread():
+            coro.close()
+            raise RuntimeError("a blocking transfer_queue call from inside its own loop")
+        fut: concurrent.futures.Future[T] = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return fut.result()
+
+    def close(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=5.0)
+        if not self.loop.is_running():
+            self.loop.close()
+
+
+def _blocking(
+    fn: Callable[..., Coroutine[Any, Any, T]],
+) -> Callable[..., T]:
+    @functools.wraps(fn)
+    def call(self: TransferQueueClient, *args: Any, **kwargs: Any) -> T:
+        return self._io.run(fn(self, *args, **kwargs))
+
+    call.__name__ = call.__qualname__ = fn.__name__.removeprefix("async_")
+    return call
+
+
+class TransferQueueClient(AsyncTransferQueueClient):
+    """The peer's blocking client: each ``async_x`` call also as ``x``, run on the facade's
+    own loop thread (safe from any thread that is not running that loop)."""
+
+    def __init__(self, handle: transferqueue.TransferQueue, options: Options) -> None:
+        super().__init__(handle, options)
+        self._io = _Loop()
+
+    get_meta = _blocking(AsyncTransferQueueClient.async_get_meta)
+    get_data = _blocking(AsyncTransferQueueClient.async_get_data)
+    put = _blocking(AsyncTransferQueueClient.async_put)
+    ack = _blocking(AsyncTransferQueueClient.async_ack)
+    set_custom_meta = _blocking(AsyncTransferQueueClient.async_set_custom_meta)
+    clear_partition = _blocking(AsyncTransferQueueClient.async_clear_partition)
+    clear_samples = _blocking(AsyncTransferQueueClient.async_clear_samples)
+    get_partition_list = _blocking(AsyncTransferQueueClient.async_get_partition_list)
+    get_consumption_status = _blocking(AsyncTransferQueueClient.async_get_consumption_status)
+    get_production_status = _blocking(AsyncTransferQueueClient.async_get_production_status)
+    check_consumption_status = _blocking(AsyncTransferQueueClient.async_check_consumption_status)
+    check_production_status = _blocking(AsyncTransferQueueClient.async_check_production_status)
+    reset_consumption = _blocking(AsyncTransferQueueClient.async_reset_consumption)
+
+    @property
+    def native_sync(self) -> transferqueue.Client:
+        """Our blocking client under the facade (``save``/``load`` and other calls)."""
+        return self._handle.client()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run a coroutine of the facade (the module-level KV calls) on this client's loop."""
+        return self._io.run(coro)
+
+    def close(self) -> None:
+        self._io.close()

@@ -1,0 +1,451 @@
+"""The peer's ``BatchMeta`` and ``KVBatchMeta``, over our :class:`transferqueue.BatchMeta`.
+
+A facade ``BatchMeta`` is the peer's columnar metadata (``global_indexes``, ``partition_ids``,
+``field_schema``, ``production_status``, ``extra_info``, ``custom_meta``) plus, where it came
+from our store, the native batch it names (``native``: row placement and, with leases, the
+lease). Row operations (``select_samples``, ``reorder``, ``chunk``, ``concat``) apply to both,
+so a chunk of a fetched batch is still readable with ``get_data``. A ``BatchMeta`` built by
+hand (the metadata tutorial) has no native batch: it is metadata only.
+
+| peer                     | here                                                         |
+|--------------------------|--------------------------------------------------------------|
+| ``production_status``    | int8 per row, 1 = every field written (``is_ready``)         |
+| ``custom_meta``          | list of dicts, one per row; stored by ``set_custom_meta``    |
+| ``union(other)``         | same rows, fields merged (other's schema wins)               |
+| ``concat(batches)``      | rows appended; one partition, no lease (a read-only handle)  |
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Sequence
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+
+import transferqueue
+
+__all__ = ["BatchMeta", "KVBatchMeta"]
+
+Native = transferqueue.BatchMeta
+
+
+def _take(native: Native | None, positions: Sequence[int]) -> Native | None:
+    return None if native is None else native.select(list(positions))
+
+
+def _concat_native(parts: Sequence[Native | None]) -> Native | None:
+    if not parts or any(p is None for p in parts):
+        return None
+    natives = [p for p in parts if p is not None]
+    if len({n.partition for n in natives}) != 1:
+        return None
+
+    def cat(name: str) -> np.ndarray:
+        return np.concatenate([getattr(n, name) for n in natives])
+
+    return Native(
+        cat("indexes"),
+        cat("units"),
+        cat("groups"),
+        cat("versions"),
+        cat("lengths"),
+        partition=natives[0].partition,
+        fields=natives[0].fields,
+    )
+
+
+class _SampleView:
+    """Read-only view of one row (``batch.samples[i]``)."""
+
+    __slots__ = ("_batch", "_i")
+
+    def __init__(self, batch: BatchMeta, i: int) -> None:
+        self._batch, self._i = batch, i
+
+    @property
+    def global_index(self) -> int:
+        return self._batch.global_indexes[self._i]
+
+    @property
+    def partition_id(self) -> str:
+        return self._batch.partition_ids[self._i]
+
+    @property
+    def production_status(self) -> int:
+        return int(self._batch.production_status[self._i])
+
+    @property
+    def custom_meta(self) -> MappingProxyType[str, Any]:
+        return MappingProxyType(self._batch.custom_meta[self._i])
+
+    @property
+    def fields(self) -> MappingProxyType[str, MappingProxyType[str, Any]]:
+        out: dict[str, MappingProxyType[str, Any]] = {}
+        for name, meta in self._batch.field_schema.items():
+            row = {k: v for k, v in meta.items() if k != "per_sample_shapes"}
+            if meta.get("per_sample_shapes") is not None:
+                row["shape"] = meta["per_sample_shapes"][self._i]
+            out[name] = MappingProxyType(row)
+        return MappingProxyType(out)
+
+    def __repr__(self) -> str:
+        return (
+            f"_SampleView(global_index={self.global_index}, partition_id={self.partition_id!r}, "
+            f"production_status={self.production_status}, "
+            f"fields={list(self._batch.field_schema)})"
+        )
+
+
+class _Samples:
+    __slots__ = ("_batch",)
+
+    def __init__(self, batch: BatchMeta) -> None:
+        self._batch = batch
+
+    def __len__(self) -> int:
+        return len(self._batch)
+
+    def __getitem__(self, i: int) -> _SampleView:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sample {i} out of range for a batch of {len(self)}")
+        return _SampleView(self._batch, i % len(self))
+
+    def __iter__(self) -> Any:
+        return (_SampleView(self._batch, i) for i in range(len(self)))
+
+
+class BatchMeta:
+    """The peer's batch metadata (see the module). Made by ``get_meta`` and ``put``, or by
+    hand: ``BatchMeta(global_indexes=[...], partition_ids=[...], field_schema={...})``."""
+
+    def __init__(
+        self,
+        global_indexes: Sequence[int],
+        partition_ids: Sequence[str],
+        field_schema: dict[str, dict[str, Any]] | None = None,
+        production_status: np.ndarray | Sequence[int] | None = None,
+        extra_info: dict[str, Any] | None = None,
+        custom_meta: Sequence[dict[str, Any]] | None = None,
+        *,
+        native: Native | None = None,
+    ) -> None:
+        self.global_indexes = [int(i) for i in global_indexes]
+        self.partition_ids = list(partition_ids)
+        n = len(self.global_indexes)
+        if len(self.partition_ids) != n:
+            raise ValueError(
+                f"Length mismatch: global_indexes has {n}, partition_ids has "
+                f"{len(self.partition_ids)}"
+            )
+        self.field_schema = {k: dict(v) for k, v in (field_schema or {}).items()}
+        for name, meta in self.field_schema.items():
+            shapes = meta.get("per_sample_shapes")
+            if shapes is not None and len(shapes) != n:
+                raise ValueError(
+                    f"Field '{name}' per_sample_shapes length {len(shapes)} != batch_size {n}"
+                )
+        status = np.zeros(n, np.int8) if production_status is None else production_status
+        self.production_status = np.array(status, dtype=np.int8, copy=True)
+        if self.production_status.shape != (n,):
+            raise ValueError(f"production_status length {self.production_status.size} != {n}")
+        self.extra_info: dict[str, Any] = dict(extra_info or {})
+        self.custom_meta = [dict(d) for d in custom_meta] if custom_meta else [{} for _ in range(n)]
+        if len(self.custom_meta) != n:
+            raise ValueError(f"custom_meta length {len(self.custom_meta)} != batch_size {n}")
+        if native is not None and len(native) != n:
+            raise ValueError(f"native batch has {len(native)} rows, expected {n}")
+        self.native = native
+
+    # -- shape -------------------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        return len(self.global_indexes)
+
+    def __len__(self) -> int:
+        return self.size
+
+    @property
+    def field_names(self) -> list[str]:
+        return sorted(self.field_schema)
+
+    @property
+    def samples(self) -> _Samples:
+        return _Samples(self)
+
+    @property
+    def is_ready(self) -> bool:
+        return self.size > 0 and bool(np.all(self.production_status == 1))
+
+    def get_dtypes(self, field_name: str) -> list[Any]:
+        return [self._schema(field_name).get("dtype")] * self.size
+
+    def get_shapes(self, field_name: str) -> list[Any]:
+        meta = self._schema(field_name)
+        shapes = meta.get("per_sample_shapes")
+        return list(shapes) if shapes is not None else [meta.get("shape")] * self.size
+
+    def _schema(self, field_name: str) -> dict[str, Any]:
+        if field_name not in self.field_schema:
+            raise KeyError(f"Field '{field_name}' not found in field_schema")
+        return self.field_schema[field_name]
+
+    # -- batch- and row-level extras ---------------------------------------------------------
+    def get_extra_info(self, key: str, default: Any = None) -> Any:
+        return self.extra_info.get(key, default)
+
+    def set_extra_info(self, key: str, value: Any) -> None:
+        self.extra_info[key] = value
+
+    def get_all_extra_info(self) -> dict[str, Any]:
+        return copy.deepcopy(self.extra_info)
+
+    def update_extra_info(self, info_dict: dict[str, Any]) -> None:
+        self.extra_info.update(info_dict)
+
+    def remove_extra_info(self, key: str) -> Any:
+        return self.extra_info.pop(key, None)
+
+    def clear_extra_info(self) -> None:
+        self.extra_info.clear()
+
+    def has_extra_info(self, key: str) -> bool:
+        return key in self.extra_info
+
+    def get_all_custom_meta(self) -> list[dict[str, Any]]:
+        return copy.deepcopy(self.custom_meta)
+
+    def update_custom_meta(self, custom_meta: Sequence[dict[str, Any]]) -> None:
+        if len(custom_meta) != self.size:
+            raise ValueError(
+                f"custom_meta length {len(custom_meta)} != batch_size {self.size}; one per row"
+            )
+        for row, new in zip(self.custom_meta, custom_meta, strict=True):
+            row.update(new)
+
+    def clear_custom_meta(self) -> None:
+        self.custom_meta = [{} for _ in range(self.size)]
+
+    # -- fields ------------------------------------------------------------------------------
+    def add_fields(self, tensor_dict: Any, set_all_ready: bool = True) -> BatchMeta:
+        """Add the TensorDict's fields to the schema (all rows ready unless told not)."""
+        from tqcompat.tensors import schema_of, to_columns
+
+        cols, rows = to_columns(tensor_dict)
+        if rows != self.size:
+            raise ValueError(f"add_fields: the TensorDict has {rows} rows, the batch {self.size}")
+        self.field_schema.update(schema_of(cols))
+        if set_all_ready:
+            self.production_status[:] = 1
+        return self
+
+    def select_fields(self, field_names: Sequence[str]) -> BatchMeta:
+        missing = [f for f in field_names if f not in self.field_schema]
+        if missing:
+            raise KeyError(f"fields {missing} not in this batch's fields {self.field_names}")
+        out = self._rows(range(self.size))
+        out.field_schema = {k: dict(self.field_schema[k]) for k in field_names}
+        return out
+
+    # -- rows --------------------------------------------------------------------------------
+    def _rows(self, positions: Sequence[int]) -> BatchMeta:
+        pos = list(positions)
+        schema = {}
+        for name, meta in self.field_schema.items():
+            meta = dict(meta)
+            if meta.get("per_sample_shapes") is not None:
+                meta["per_sample_shapes"] = [meta["per_sample_shapes"][p] for p in pos]
+            schema[name] = meta
+        return BatchMeta(
+            [self.global_indexes[p] for p in pos],
+            [self.partition_ids[p] for p in pos],
+            schema,
+            self.production_status[pos],
+            copy.deepcopy(self.extra_info),
+            [copy.deepcopy(self.custom_meta[p]) for p in pos],
+            native=_take(self.native, pos),
+        )
+
+    def select_samples(self, sample_indices: Sequence[int]) -> BatchMeta:
+        bad = [i for i in sample_indices if not 0 <= i < self.size]
+        if bad:
+            raise IndexError(f"select_samples: positions {bad} out of range 0..{self.size - 1}")
+        return self._rows(sample_indices)
+
+    def copy(self) -> BatchMeta:
+        return self._rows(range(self.size))
+
+    def __getitem__(self, item: int | slice) -> BatchMeta:
+        if isinstance(item, int):
+            return self.select_samples([item % self.size if item < 0 else item])
+        return self._rows(range(self.size)[item])
+
+    def reorder(self, indices: Sequence[int]) -> None:
+        """Reorder the rows in place (``indices``: a permutation of positions)."""
+        if sorted(indices) != list(range(self.size)):
+            raise ValueError(f"reorder needs a permutation of 0..{self.size - 1}, got {indices}")
+        other = self._rows(indices)
+        for slot in vars(other):
+            setattr(self, slot, getattr(other, slot))
+
+    def chunk(self, chunks: int) -> list[BatchMeta]:
+        """``chunks`` consecutive parts, the first ones one row longer where it does not
+        divide (the peer's split)."""
+        if chunks < 1:
+            raise ValueError(f"chunks must be >= 1, got {chunks}")
+        base, extra = divmod(self.size, chunks)
+        out, start = [], 0
+        for i in range(chunks):
+            stop = start + base + (1 if i < extra else 0)
+            out.append(self._rows(range(start, stop)))
+            start = stop
+        return out
+
+    def chunk_by_partition(self) -> list[BatchMeta]:
+        order: dict[str, list[int]] = {}
+        for i, p in enumerate(self.partition_ids):
+            order.setdefault(p, []).append(i)
+        return [self._rows(pos) for pos in order.values()]
+
+    def union(self, other: BatchMeta) -> BatchMeta:
+        """The same rows with both batches' fields (``other``'s schema wins on a clash)."""
+        if self.global_indexes != other.global_indexes:
+            raise ValueError(
+                "union needs batches of the same rows in the same order: global_indexes "
+                f"{self.global_indexes} vs {other.global_indexes}"
+            )
+        out = self.copy()
+        out.field_schema.update({k: dict(v) for k, v in other.field_schema.items()})
+        out.production_status = np.minimum(self.production_status, other.production_status)
+        out.extra_info.update(other.extra_info)
+        for row, extra in zip(out.custom_meta, other.custom_meta, strict=True):
+            row.update(extra)
+        return out
+
+    @classmethod
+    def concat(cls, data: Sequence[BatchMeta], validate: bool = True) -> BatchMeta:
+        """Rows of every batch, in order (same fields in each when ``validate``)."""
+        parts = [d for d in data if d.size]
+        if not parts:
+            return cls.empty()
+        if validate and len({tuple(p.field_names) for p in parts}) > 1:
+            raise ValueError(
+                f"concat needs batches with the same fields, got {[p.field_names for p in parts]}"
+            )
+        schema = {k: dict(v) for k, v in parts[0].field_schema.items()}
+        for name, meta in schema.items():
+            if meta.get("per_sample_shapes") is not None:
+                meta["per_sample_shapes"] = [
+                    s for p in parts for s in p.field_schema[name].get("per_sample_shapes") or []
+                ]
+        extra: dict[str, Any] = {}
+        for p in parts:
+            extra.update(p.extra_info)
+        return cls(
+            [i for p in parts for i in p.global_indexes],
+            [i for p in parts for i in p.partition_ids],
+            schema,
+            np.concatenate([p.production_status for p in parts]),
+            extra,
+            [copy.deepcopy(c) for p in parts for c in p.custom_meta],
+            native=_concat_native([p.native for p in parts]),
+        )
+
+    @classmethod
+    def empty(cls, extra_info: dict[str, Any] | None = None) -> BatchMeta:
+        return cls([], [], extra_info=extra_info)
+
+    def __str__(self) -> str:
+        return (
+            f"BatchMeta(size={self.size}, field_names={self.field_names}, "
+            f"is_ready={self.is_ready}, global_indexes={self.global_indexes}, "
+            f"extra_info={self.extra_info})"
+        )
+
+    __repr__ = __str__
+
+
+@dataclasses.dataclass
+class KVBatchMeta:
+    """The peer's key-value batch handle: keys, their tags, partition and fields."""
+
+    keys: list[str] = dataclasses.field(default_factory=list)
+    tags: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    partition_id: str | None = None
+    fields: list[str] | None = None
+    extra_info: dict[str, Any] | None = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if len(self.keys) != len(self.tags):
+            raise ValueError(
+                f"keys and tags must have same length, but got {len(self.keys)} and "
+                f"{len(self.tags)}"
+            )
+        if len(self.keys) != len(set(self.keys)):
+            raise ValueError("Got duplicated keys.")
+        if self.fields is not None and len(self.fields) != len(set(self.fields)):
+            raise ValueError("Got duplicated fields.")
+        self.tags = copy.deepcopy(self.tags)
+        self.extra_info = copy.deepcopy(self.extra_info)
+
+    @property
+    def size(self) -> int:
+        return len(self.keys)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __str__(self) -> str:
+        return (
+            f"KVBatchMeta(size={self.size}, field_names={self.fields}, "
+            f"extra_info={self.extra_info})"
+        )
+
+    def _rows(self, pos: Sequence[int]) -> KVBatchMeta:
+        return KVBatchMeta(
+            [self.keys[p] for p in pos],
+            [self.tags[p] for p in pos],
+            self.partition_id,
+            self.fields,
+            self.extra_info,
+        )
+
+    def select_keys(self, keys_to_select: Sequence[str]) -> KVBatchMeta:
+        where = {k: i for i, k in enumerate(self.keys)}
+        missing = [k for k in keys_to_select if k not in where]
+        if missing:
+            raise ValueError(f"keys {missing} are not in this KVBatchMeta")
+        return self._rows([where[k] for k in keys_to_select])
+
+    def reorder(self, indexes: Sequence[int]) -> None:
+        if sorted(indexes) != list(range(self.size)):
+            raise ValueError(f"reorder needs a permutation of 0..{self.size - 1}, got {indexes}")
+        other = self._rows(indexes)
+        self.keys, self.tags = other.keys, other.tags
+
+    def chunk(self, chunks: int) -> list[KVBatchMeta]:
+        if chunks < 1:
+            raise ValueError(f"chunks must be >= 1, got {chunks}")
+        base, extra = divmod(self.size, chunks)
+        out, start = [], 0
+        for i in range(chunks):
+            stop = start + base + (1 if i < extra else 0)
+            out.append(self._rows(range(start, stop)))
+            start = stop
+        return out
+
+    @classmethod
+    def concat(cls, data: Sequence[KVBatchMeta]) -> KVBatchMeta:
+        if not data:
+            return cls()
+        if len({d.partition_id for d in data}) > 1:
+            raise ValueError("concat needs KVBatchMetas of one partition")
+        return cls(
+            [k for d in data for k in d.keys],
+            [t for d in data for t in d.tags],
+            data[0].partition_id,
+            data[0].fields,
+            data[0].extra_info,
+        )

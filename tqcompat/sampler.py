@@ -1,0 +1,214 @@
+"""The peer's samplers: ``SequentialSampler`` mapped to ours, every other one run as given.
+
+| peer sampler                 | here                                                         |
+|------------------------------|--------------------------------------------------------------|
+| ``SequentialSampler``        | our ``fifo`` sampler in the controller (arrival order)       |
+| a user ``BaseSampler``       | run as given, in the process that calls ``get_meta``, over   |
+|                              | the rows it pooled (:class:`Pool`)                           |
+| ``GRPOGroupNSampler(n)``     | the same: whole runs of ``n`` consecutive indexes            |
+| ``SeqlenBalancedSampler``    | refused at ``init``: use our ``balanced`` sampler            |
+| ``RankAwareSampler``         | refused at ``init``: use ``transferqueue``'s dataset         |
+
+**How a sampler runs as given.** The peer's controller keeps, per task, the rows ready and
+not consumed, calls ``sample(ready_indexes, batch_size, **sampling_config)`` and marks the
+returned ``consumed`` rows. Here the facade leases every ready row of the task into a pool
+(our ``get_meta``, one lease per refill), calls the sampler over the pool, and acknowledges
+the consumed rows (our ``ack`` of that sub-batch): rows sampled but not consumed stay in the
+pool, to be sampled again (sampling with replacement). Two calls of ours per ``get_meta``.
+The sampler's state lives in the process that calls ``get_meta``; two processes consuming
+one task with a user sampler each pool their own rows (the peer's controller holds one).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+
+import transferqueue
+
+__all__ = [
+    "BaseSampler",
+    "GRPOGroupNSampler",
+    "Pool",
+    "RankAwareSampler",
+    "SeqlenBalancedSampler",
+    "SequentialSampler",
+    "resolve_sampler",
+]
+
+
+class BaseSampler(ABC):
+    """The peer's sampler seam: ``sample(ready_indexes, batch_size, **sampling_config)``
+    returns ``(sampled, consumed)`` global indexes. Subclass it as with the peer."""
+
+    native: ClassVar[str | None] = None
+    """Our sampler that serves this one in the controller (None: run as given)."""
+    refused: ClassVar[str | None] = None
+    """Why ``init`` refuses it, and what to use instead (None: it runs)."""
+
+    def __init__(self) -> None:
+        self._states: dict[Any, Any] = {}
+
+    @abstractmethod
+    def sample(
+        self, ready_indexes: list[int], batch_size: int, *args: Any, **kwargs: Any
+    ) -> tuple[list[int], list[int]]:
+        """``(sampled, consumed)`` global indexes out of ``ready_indexes``."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple[list[int], list[int]]:
+        return self.sample(*args, **kwargs)
+
+
+class SequentialSampler(BaseSampler):
+    """Ready rows in arrival order, each consumed once per task: our ``fifo``."""
+
+    native: ClassVar[str | None] = "fifo"
+
+    def sample(
+        self, ready_indexes: list[int], batch_size: int, *args: Any, **kwargs: Any
+    ) -> tuple[list[int], list[int]]:
+        picked = list(ready_indexes[:batch_size])
+        return picked, list(picked)
+
+
+class GRPOGroupNSampler(BaseSampler):
+    """Whole groups of ``n_samples_per_prompt`` consecutive global indexes (``g*n`` to
+    ``g*n + n - 1``), oldest group first, only groups whose rows are all ready;
+    ``batch_size`` counts rows (a multiple of ``n``)."""
+
+    def __init__(self, n_samples_per_prompt: int = 1) -> None:
+        super().__init__()
+        if n_samples_per_prompt < 1:
+            raise ValueError(f"n_samples_per_prompt must be > 0, got {n_samples_per_prompt}")
+        self.n_samples_per_prompt = n_samples_per_prompt
+
+    def sample(
+        self, ready_indexes: list[int], batch_size: int, *args: Any, **kwargs: Any
+    ) -> tuple[list[int], list[int]]:
+        n = self.n_samples_per_prompt
+        if batch_size % n:
+            raise ValueError(f"batch_size {batch_size} is not a multiple of n={n}")
+        ready = set(ready_indexes)
+        picked: list[int] = []
+        for g in sorted({i // n for i in ready_indexes}):
+            rows = list(range(g * n, g * n + n))
+            if ready.issuperset(rows):
+                picked += rows
+                if len(picked) == batch_size:
+                    return picked, list(picked)
+        return [], []
+
+
+class SeqlenBalancedSampler(GRPOGroupNSampler):
+    """Length-balanced parts across ``dp_size`` ranks: refused (see the module)."""
+
+    refused: ClassVar[str | None] = (
+        "use transferqueue's 'balanced' sampler (dp_size=, rows put with length=)"
+    )
+
+    def __init__(self, n_samples_per_prompt: int = 1, dp_size: int = 1) -> None:
+        super().__init__(n_samples_per_prompt)
+        if dp_size <= 0:
+            raise ValueError(f"dp_size must be positive, got {dp_size}")
+        self.dp_size = dp_size
+
+
+class RankAwareSampler(SequentialSampler):
+    """Ranks of one data-parallel group receive the same rows: refused (see the module)."""
+
+    native: ClassVar[str | None] = None
+    refused: ClassVar[str | None] = (
+        "use transferqueue.client.dataset.StreamingDataset (one leader per DP group)"
+    )
+
+
+_KNOWN = {
+    c.__name__: c
+    for c in (SequentialSampler, GRPOGroupNSampler, SeqlenBalancedSampler, RankAwareSampler)
+}
+
+
+def resolve_sampler(spec: Any) -> tuple[str, BaseSampler | None]:
+    """Our controller sampler's name and, for a sampler run as given, its instance, for the
+    peer's ``controller.sampler`` (a name, a class or an instance). A refused one is a
+    ``NotImplementedError`` naming it and what to use instead."""
+    if isinstance(spec, str):
+        if spec not in _KNOWN:
+            raise ValueError(f"Could not find sampler {spec} (known: {sorted(_KNOWN)})")
+        spec = _KNOWN[spec]
+    if isinstance(spec, type) and issubclass(spec, BaseSampler):
+        cls: type[BaseSampler] = spec
+        instance: BaseSampler | None = None
+    elif isinstance(spec, BaseSampler):
+        cls, instance = type(spec), spec
+    else:
+        raise ValueError(
+            f"controller.sampler must be a sampler name, a BaseSampler subclass or instance, "
+            f"got {spec!r}"
+        )
+    if cls.refused is not None:
+        raise NotImplementedError(
+            f"sampler {cls.__name__} is not served by the transfer_queue facade over "
+            f"transferqueue: {cls.refused}"
+        )
+    if cls.native is not None and cls.sample is SequentialSampler.sample:
+        return cls.native, None
+    return "fifo", instance if instance is not None else cls()
+
+
+class Pool:
+    """One task's rows leased into this process for a sampler run as given (see the
+    module): chunks of our batches, one per refill, and where each pooled row sits."""
+
+    def __init__(self) -> None:
+        self._chunks: list[transferqueue.BatchMeta] = []
+        self._where: dict[int, tuple[int, int]] = {}  # index -> (chunk, position)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def indexes(self) -> list[int]:
+        """The pooled rows, oldest first (the ready rows the sampler is shown)."""
+        return sorted(self._where)
+
+    def add(self, meta: transferqueue.BatchMeta) -> None:
+        if len(meta) == 0:
+            return
+        self._chunks.append(meta)
+        c = len(self._chunks) - 1
+        for pos, index in enumerate(meta.indexes.tolist()):
+            self._where[index] = (c, pos)
+
+    def take(self, indexes: Sequence[int]) -> transferqueue.BatchMeta:
+        """Our batch of the pooled rows ``indexes``, in that order, without a lease (for
+        reads); an index not pooled is a ``ValueError`` naming it."""
+        missing = [i for i in indexes if i not in self._where]
+        if missing:
+            raise ValueError(f"the sampler returned indexes {missing} that are not ready rows")
+        parts = [self._chunks[c].select([p]) for c, p in (self._where[i] for i in indexes)]
+
+        def cat(name: str) -> np.ndarray:
+            return np.concatenate([getattr(p, name) for p in parts])
+
+        first = self._chunks[0]
+        return transferqueue.BatchMeta(
+            cat("indexes"),
+            cat("units"),
+            cat("groups"),
+            cat("versions"),
+            cat("lengths"),
+            partition=first.partition,
+            fields=first.fields,
+        )
+
+    def consume(self, indexes: Sequence[int]) -> list[transferqueue.BatchMeta]:
+        """Drop ``indexes`` from the pool; returns, per lease, the sub-batch to acknowledge."""
+        by_chunk: dict[int, list[int]] = {}
+        for i in indexes:
+            if i in self._where:
+                c, p = self._where.pop(i)
+                by_chunk.setdefault(c, []).append(p)
+        return [self._chunks[c].select(pos) for c, pos in by_chunk.items()]
