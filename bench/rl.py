@@ -76,6 +76,7 @@ from bench.rl_agentic import AgenticWorkload, failure_comparison, failure_counts
 from bench.rl_engines import SimulatedRun, local_components, ray_factories
 from bench.rl_ray import deploy_plot, ray_samples, start_ray, stop_ray
 from engines.simulated import Calibration, LognormalLengths, calibrated
+from engines.simulated.environment import forget_failures
 from engines.tasks import make_task
 from engines.tiny import build_tokenizer
 
@@ -499,6 +500,7 @@ def failures(
             sched = by_name[name]
             g = setup.gpus if sched.colocated else gen
             run_setup = replace(setup, env_failure_rate=r)
+            forget_failures()  # every run meets the same failures
             res = run_schedule(sched, run_setup, cal, Path(tmp) / f"{name}-{tag}", g)
             stats = analyse(res, run_setup, g, setup.gpus if sched.colocated else setup.gpus - g)
             return {**stats, "failures": failure_counts(res.records)}

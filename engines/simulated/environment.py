@@ -16,7 +16,8 @@ fresh environment (``env.retries``), then ends it ``env_error`` and its group is
 Every draw is a hash of the episode's prompt and the model's text so far (never of timing or
 call order), so the same samples make the same episodes in every schedule, process and run. A
 failure's draw also counts the episode's earlier failed tries in this process, so that a
-retry is a fresh draw (a transient failure), as deterministic as the rest.
+retry is a fresh draw (a transient failure), as deterministic as the rest
+(:func:`forget_failures` starts the count again).
 Sleeps last ``time_scale`` real seconds per modelled second, as the simulated engines'.
 """
 
@@ -31,10 +32,16 @@ from typing import Any
 from engines.envs.base import EnvError, StepResult
 from engines.simulated.hashing import normal, uniform
 
-__all__ = ["EnvLatency", "SimulatedEnvironment"]
+__all__ = ["EnvLatency", "SimulatedEnvironment", "forget_failures"]
 
 _FAILED: dict[tuple[int, str], int] = {}
 """Failed tries so far per (seed, episode key) in this process: a retry draws afresh."""
+
+
+def forget_failures() -> None:
+    """Forget the failed tries counted so far (called by a benchmark before each run, so that
+    every run of one process meets the same failures)."""
+    _FAILED.clear()
 
 
 @dataclass(frozen=True, kw_only=True)

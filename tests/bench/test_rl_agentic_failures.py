@@ -12,7 +12,7 @@ from bench.rl import SCHEDULE_BY_NAME, Setup, run_schedule
 from bench.rl_agentic import failure_counts
 from engines.envs import EnvError
 from engines.simulated import calibrated
-from engines.simulated.environment import _FAILED, SimulatedEnvironment
+from engines.simulated.environment import SimulatedEnvironment, forget_failures
 
 
 async def _play(env: SimulatedEnvironment, prompt: str) -> int:
@@ -32,14 +32,14 @@ def test_failures_are_seeded_shared_as_asked_and_a_retry_draws_afresh() -> None:
     def fresh(seed: int) -> SimulatedEnvironment:
         return SimulatedEnvironment(time_scale=1e-6, failure_rate=0.3, seed=seed)
 
-    _FAILED.clear()
+    forget_failures()
     prompts = [f"p{i}" for i in range(400)]
     first = [asyncio.run(_play(fresh(7), p)) for p in prompts]
     failed = [p for p, r in zip(prompts, first, strict=True) if r < 0]
     assert 0.2 < len(failed) / len(prompts) < 0.4  # the share asked for
     second = [asyncio.run(_play(fresh(7), p)) for p in failed]  # the retries
     assert 0.15 < sum(r < 0 for r in second) / len(failed) < 0.45  # a fresh draw, not a replay
-    _FAILED.clear()  # a new process: the same seed, the same failures
+    forget_failures()  # a new run: the same seed, the same failures
     assert [asyncio.run(_play(fresh(7), p)) for p in prompts] == first
     clean = SimulatedEnvironment(time_scale=1e-6, seed=7)
     assert all(asyncio.run(_play(clean, p)) > 0 for p in prompts[:50])  # rate 0: none
@@ -57,10 +57,12 @@ def test_a_short_benchmark_run_retries_and_refills_and_trains_whole_groups(
                   workload="agentic", env_failure_rate=0.3, env_retries=0)  # fmt: skip
     cal = calibrated()
     sched = SCHEDULE_BY_NAME["async-k1"]
+    forget_failures()
     result = run_schedule(sched, setup, cal, tmp_path / "no-retry", gen_gpus=2)
     counts = failure_counts(result.records)
     assert counts["env_error"] > 0 and counts["groups_refilled"] > 0 and counts["retries"] == 0
     assert [rep.samples for rep in result.reports] == [8] * 3  # whole groups, every step
+    forget_failures()
     retried = run_schedule(
         sched, Setup(**{**setup.__dict__, "env_retries": None}), cal, tmp_path / "retry", 2
     )
