@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from asyncflow.config import RunConfig
+from asyncflow.config import EnvConfig, RunConfig
 from engines.envs import environment_factory
 from engines.episodes import EpisodeLimits, EpisodeRunner, EpisodeSource, TurnFormat
 from engines.protocols import GenerationEngine, RewardFn, ScoringEngine, TrainingEngine
@@ -167,7 +167,7 @@ def build_episodes(
         retries=env.retries,
         episode_timeout_s=env.episode_timeout_s,
         timeout_reward=env.timeout_reward,
-        max_concurrent=env.max_concurrent,
+        max_concurrent=max_concurrent(name, env),
     )
     if agent is not None:
         from engines.agents import AgentRunner
@@ -188,6 +188,17 @@ def build_episodes(
         limits,
         threads=env.threads,
     )
+
+
+def max_concurrent(name: str | None, env: EnvConfig) -> int | None:
+    """The rollout worker's bound of open environments: ``env.max_concurrent``, lowered for
+    an OpenEnv server to its ``max_sessions`` option (episodes past the session cap then wait
+    in the runner, not in ``reset`` where the wait counts against ``timeout_s``)."""
+    cap = env.max_concurrent
+    sessions = env.options.get("max_sessions") if name == "openenv" else None
+    if isinstance(sessions, int) and (cap is None or sessions < cap):
+        cap = sessions
+    return cap
 
 
 def build_reward(cfg: RunConfig) -> RewardFn:

@@ -72,10 +72,11 @@ import numpy as np
 from asyncflow import RunResult, load_config, run
 from asyncflow.metrics import merge_intervals
 from bench.common import RESULTS_DIR, line, write_json
-from bench.rl_agentic import AgenticWorkload
+from bench.rl_agentic import AgenticWorkload, failure_comparison, failure_counts
 from bench.rl_engines import SimulatedRun, local_components, ray_factories
 from bench.rl_ray import deploy_plot, ray_samples, start_ray, stop_ray
 from engines.simulated import Calibration, LognormalLengths, calibrated
+from engines.simulated.environment import forget_failures
 from engines.tasks import make_task
 from engines.tiny import build_tokenizer
 
@@ -136,6 +137,10 @@ class Setup:
     workload's 90th percentile, rounded up to 128; 0: no migration)."""
     weight_sync: str = "on_demand"
     """When generators take new weights (``asyncflow.weights``), the same for every schedule."""
+    env_failure_rate: float = 0.0
+    """Agentic workload: the share of episode tries whose environment fails (``EnvError``)."""
+    env_retries: int | None = None
+    """Tries of a failed episode after the first (None: ``env.retries``'s default)."""
 
 
 AGENTIC = AgenticWorkload()
@@ -247,7 +252,11 @@ def run_schedule(
             f"rollout.migrate_after={setup.migrate_after}",
         ]
     if setup.workload == "agentic":
-        overrides += AGENTIC.overrides(setup.time_scale, lengths.max_len, agent=sched.agent)
+        overrides += AGENTIC.overrides(
+            setup.time_scale, lengths.max_len, setup.env_failure_rate, agent=sched.agent
+        )
+        if setup.env_retries is not None:
+            overrides.append(f"env.retries={setup.env_retries}")
     if deploy == "local":
         return run(load_config(overrides=overrides), local_components(spec, n_gen))
     overrides += ["deploy.mode=ray", "deploy.start_timeout_s=900"]
@@ -482,6 +491,30 @@ def _compare(tables: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str
     return out
 
 
+SCHEDULE_BY_NAME = {s.name: s for s in SCHEDULES}
+
+
+def failures(
+    chosen: list[Schedule], setup: Setup, cal: Calibration, gen: int, rate: float, rounds: int
+) -> None:
+    """``--env-failure-rate``: each schedule without and with environment failures on one
+    split (:func:`bench.rl_agentic.failure_comparison`); writes ``rl_agentic_failures``."""
+    by_name = {s.name: s for s in chosen}
+    with tempfile.TemporaryDirectory(prefix="asyncflow-bench-") as tmp:
+
+        def one_run(name: str, r: float, tag: str) -> dict[str, Any]:
+            sched = by_name[name]
+            g = setup.gpus if sched.colocated else gen
+            run_setup = replace(setup, env_failure_rate=r)
+            forget_failures()  # every run meets the same failures
+            res = run_schedule(sched, run_setup, cal, Path(tmp) / f"{name}-{tag}", g)
+            stats = analyse(res, run_setup, g, setup.gpus if sched.colocated else setup.gpus - g)
+            return {**stats, "failures": failure_counts(res.records)}
+
+        table = failure_comparison(list(by_name), rounds, one_run, rate)
+    write_json("rl_agentic_failures", {"setup": setup.__dict__, "rate": rate, "schedules": table})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer steps and groups")
@@ -509,11 +542,24 @@ def main() -> None:
         default="local",
         help="stages in this process, each stage instance a Ray actor, or both alternately",
     )
+    ap.add_argument(
+        "--env-failure-rate",
+        type=float,
+        default=0.0,
+        help="agentic: share of episode tries whose environment fails; runs each schedule\n"
+        "(default async-k2) without and with them, prints the throughput ratio",
+    )
+    ap.add_argument("--env-retries", type=int, default=None, help="env.retries (default 2)")
+    ap.add_argument("--rounds", type=int, default=1, help="pairs per schedule (failures)")
+    ap.add_argument("--steps", type=int, default=0, help="training steps (0: 10, --quick 5)")
+    ap.add_argument("--groups", type=int, default=0, help="groups per step (0: 32, --quick 16)")
     args = ap.parse_args()
+    if args.env_failure_rate and args.workload != "agentic":
+        ap.error("--env-failure-rate needs --workload agentic")
     setup = Setup(
         gpus=args.gpus,
-        steps=5 if args.quick else 10,
-        groups_per_step=16 if args.quick else 32,
+        steps=args.steps or (5 if args.quick else 10),
+        groups_per_step=args.groups or (16 if args.quick else 32),
         time_scale=args.time_scale,
         workload=args.workload,
         max_batch=args.max_batch,
@@ -521,6 +567,7 @@ def main() -> None:
         long_max_batch=args.long_max_batch,
         migrate_after=args.migrate_after,
         weight_sync=args.weight_sync,
+        env_retries=args.env_retries,
     )
     cal = calibrated()
     tokenizer = build_tokenizer()
@@ -552,6 +599,16 @@ def main() -> None:
         f"tokens; deploy {' and '.join(modes)}"
     )
     chosen = [s for s in SCHEDULES if not args.schedules or s.name in args.schedules.split(",")]
+    if args.env_failure_rate:
+        failures(
+            chosen if args.schedules else [SCHEDULE_BY_NAME["async-k2"]],
+            setup,
+            cal,
+            splits[0] if args.gen_gpus else balanced,
+            args.env_failure_rate,
+            args.rounds,
+        )
+        return  # fmt: skip
     if args.agents:
         if setup.workload != "agentic":
             raise SystemExit("--agents needs --workload agentic")

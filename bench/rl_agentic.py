@@ -15,16 +15,26 @@ it models no prefix cache across turns, which costs every schedule alike).
 The episode's reward is the environment's (success 50%). Long-tail migration is off (an
 episode keeps its instance); the skew-aware schedules keep their ranker and dedicated
 instances, which see whole episodes.
+
+    python -m bench.rl --workload agentic --env-failure-rate 0.05
+
+adds infrastructure failures: that share of episode tries fails at one of its steps (the
+simulated environment raises ``EnvError``, seeded); the runner retries the episode
+(``env.retries``), then its group is dropped and refilled. Each chosen schedule (default
+``async-k2``) runs without and with the failures, alternately, on one split (the balanced one
+or ``--gen-gpus``); printed: samples/s of both, their ratio, the retries, ``env_error``
+episodes and refilled groups (:func:`failure_comparison`; ``rl_agentic_failures.json``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from engines.simulated import Calibration, LognormalLengths
 
-__all__ = ["AgenticWorkload"]
+__all__ = ["AgenticWorkload", "failure_comparison", "failure_counts"]
 
 
 @dataclass(frozen=True)
@@ -62,12 +72,19 @@ class AgenticWorkload:
         return (self.min_turns + self.max_turns) / 2
 
     def overrides(
-        self, time_scale: float, max_turn_tokens: int, *, agent: bool = False
+        self,
+        time_scale: float,
+        max_turn_tokens: int,
+        failure_rate: float = 0.0,
+        *,
+        agent: bool = False,
     ) -> list[str]:
-        """Config overrides that make a run's samples these episodes (``agent``: played by
+        """Config overrides that make a run's samples these episodes (``failure_rate``: the
+        share of episode tries whose environment fails; ``agent``: played by
         :class:`engines.simulated.agent.SimulatedAgent` through the OpenAI-compatible endpoint,
         HTTP in the loop, instead of the environment seam)."""
         options: dict[str, Any] = {
+            "failure_rate": failure_rate,
             "time_scale": time_scale,
             "median_s": self.env_median_s,
             "sigma": self.env_sigma,
@@ -100,3 +117,44 @@ class AgenticWorkload:
             "rollout.turn_gather_s=0",  # the simulated engine batches concurrent calls
             "rollout.migrate_after=0",
         ]
+
+
+def failure_counts(records: list[dict[str, Any]]) -> dict[str, int]:
+    """What the failures cost a run, from its step records: episode retries, episodes that
+    ended ``env_error``, groups dropped (and refilled by the feeder)."""
+    return {
+        "retries": int(sum(r["env_retries"] for r in records)),
+        "env_error": int(sum(r["episode_end_reasons"].get("env_error", 0) for r in records)),
+        "groups_refilled": int(sum(r["groups_dropped"] for r in records)),
+    }
+
+
+def failure_comparison(
+    names: list[str],
+    rounds: int,
+    one_run: Callable[[str, float, str], dict[str, Any]],
+    rate: float,
+) -> dict[str, Any]:
+    """Per schedule: ``rounds`` pairs of runs without and with failures, alternately (both
+    see the same machine load), through ``one_run(schedule, failure_rate, tag) -> stats``
+    (``bench.rl``: a run and its :func:`failure_counts`). Prints each run, then the ratio
+    of the summed samples/s (with failures / without); returns the table."""
+    from bench.common import line
+
+    table: dict[str, Any] = {}
+    for name in names:
+        runs: dict[str, list[dict[str, Any]]] = {"clean": [], "failing": []}
+        for i in range(rounds):
+            for case, r in (("clean", 0.0), ("failing", rate)):
+                stats = one_run(name, r, f"{case}-{i}")
+                runs[case].append(stats)
+                line(f"{name} env failures {r:g} #{i}", stats["samples_per_s"], "samples/s",
+                     **stats["failures"])  # fmt: skip
+        clean = sum(s["samples_per_s"] for s in runs["clean"])
+        failing = sum(s["samples_per_s"] for s in runs["failing"])
+        ratio = failing / clean
+        keys = runs["failing"][0]["failures"]
+        totals = {k: sum(s["failures"][k] for s in runs["failing"]) for k in keys}
+        line(f"{name} failing/clean (rate {rate:g})", ratio, "x", **totals)
+        table[name] = {"ratio": ratio, "runs": runs, "failures": totals}
+    return table

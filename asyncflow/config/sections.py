@@ -381,7 +381,9 @@ class EnvConfig:
     """The return of an episode that ended ``timeout``."""
     max_concurrent: int | None = None
     """Environments open at once per rollout worker at most (null: one per running
-    episode); an episode waits for a slot before building its environment."""
+    episode); an episode waits for a slot before building its environment. With
+    ``env.name=openenv`` the bound is also at most ``env.options.max_sessions`` (the
+    sessions of one server from one process)."""
     max_observation_tokens: int = 64
     """Tokens of one observation's text at most; a longer one is cut and ends with
     ``... [truncated]``."""

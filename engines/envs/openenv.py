@@ -34,11 +34,12 @@ exchange on one socket. ``websockets`` is small, pure Python, and the library Op
 client uses. Servers are written with OpenEnv's own server library (the tests and
 ``examples/openenv_game.py`` do; install ``openenv`` where the server runs).
 
-**Failures.** What is the server's fault, not the policy's, raises :class:`OpenEnvError` (a
-``RuntimeError``): the server unreachable, the session closed under us, a reply that is not the
-protocol's, an error reply (an exception inside the server's ``reset``/``step``), no reply
-within ``timeout_s``, no session slot before ``timeout_s``. The episode runner ends such an
-episode as failed and the run goes on.
+**Failures.** What is the server's fault, not the policy's, raises :class:`OpenEnvError` (an
+:class:`~engines.envs.base.EnvError`): the server unreachable, the session closed under us, a
+reply that is not the protocol's, an error reply (an exception inside the server's
+``reset``/``step``), no reply within ``timeout_s``, no session slot before ``timeout_s``. The
+episode runner retries such an episode from its start on a fresh session (``env.retries``),
+then ends it ``env_error`` and its group is dropped and refilled; the run goes on.
 
 **Reconnecting.** Connecting is retried (``connect_retries``, with backoff) and so is a
 ``reset`` whose socket dropped. A socket that drops after ``reset`` lost the server's
@@ -53,6 +54,14 @@ a refused client waits for a session of this process to close (or a backoff, as 
 processes' sessions may close), then tries again, all within ``timeout_s``. A slot is freed
 once the server has closed the session's environment (its close frame comes after), except
 for a session dropped on a timeout or a lost socket.
+
+Which bound bounds what: ``env.max_concurrent`` bounds the environments open at once in one
+rollout worker (an episode waits for it before building its client, without a deadline);
+``max_sessions`` bounds the sessions of one server from one process (waited for inside
+``reset``, within ``timeout_s``); the server's own cap bounds every client together. With
+``env.name=openenv`` the rollout worker's bound is the smaller of ``env.max_concurrent`` and
+``max_sessions`` (``asyncflow.build``), so episodes beyond the session cap queue in the runner
+instead of spending ``timeout_s`` in ``reset`` and failing as ``env_error``.
 
 Called by the episode runner (:mod:`engines.episodes.runner`), one client per episode, its
 coroutines on the runner's event loop; built by name (``env.name=openenv``) with
@@ -71,7 +80,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from engines.envs.base import StepResult
+from engines.envs.base import EnvError, StepResult
 from engines.imports import import_path
 
 __all__ = [
@@ -87,9 +96,10 @@ INSTALL_HINT = "pip install 'asyncflow[openenv]'"
 """The one line to type when the client's WebSocket library is missing."""
 
 
-class OpenEnvError(RuntimeError):
+class OpenEnvError(EnvError):
     """The OpenEnv server failed (unreachable, session closed, malformed or error reply, no
-    reply in time): the environment's infrastructure, not the policy."""
+    reply in time): the environment's infrastructure, not the policy (an ``env_error`` once
+    the episode's retries are spent)."""
 
 
 def check_available() -> None:

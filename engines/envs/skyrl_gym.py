@@ -24,6 +24,14 @@ which returns chat messages to show, a reward, ``done`` and metadata. One
 |                                 | episode they are its final ``get_metrics()``                |
 | ``close()``                     | ``close()``                                                 |
 
+**Failures.** SkyRL-Gym environments run in this process: an exception raised by ``make``,
+``init`` or ``step`` (their own services unreachable, e.g. ``search``'s retriever), like a
+``step`` reply without ``reward`` and ``done`` (raised here as
+:class:`~engines.envs.base.EnvError`), is an infrastructure failure to the episode runner:
+retried on a fresh environment, then ``env_error``. What the model writes that the
+environment cannot parse is answered by the environment itself (its reward and observation),
+as before.
+
 Messages of several roles in one observation are shown as one message (of
 ``env.observation_role``): the runner's seam carries text, and the chat template wraps it.
 
@@ -38,7 +46,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from engines.envs.base import StepResult
+from engines.envs.base import EnvError, StepResult
 
 __all__ = ["INSTALL_HINT", "SkyRLGymEnv", "check_options"]
 
@@ -154,7 +162,7 @@ class SkyRLGymEnv:
             raise RuntimeError(f"skyrl_gym {self.env_id}: step() before reset()")
         out = self._env.step(action)
         if not isinstance(out, Mapping) or "reward" not in out or "done" not in out:
-            raise TypeError(
+            raise EnvError(
                 f"skyrl_gym {self.env_id}: step returned {str(out)[:200]!r}, not "
                 "{observations, reward, done, metadata}"
             )

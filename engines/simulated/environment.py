@@ -8,8 +8,16 @@ that waits on a slow service or a test suite), then answers an observation of ab
 ``observation_tokens`` tokens. The last step ends the episode with reward 1 with probability
 ``success_rate``.
 
+With ``failure_rate`` > 0, that share of an episode's tries meets an infrastructure failure:
+at one of its steps (drawn uniformly) the environment raises :class:`~engines.envs.EnvError`
+after the step's time, as a server that dies mid-episode; the episode runner retries it on a
+fresh environment (``env.retries``), then ends it ``env_error`` and its group is refilled.
+
 Every draw is a hash of the episode's prompt and the model's text so far (never of timing or
-call order), so the same samples make the same episodes in every schedule, process and run.
+call order), so the same samples make the same episodes in every schedule, process and run. A
+failure's draw also counts the episode's earlier failed tries in this process, so that a
+retry is a fresh draw (a transient failure), as deterministic as the rest
+(:func:`forget_failures` starts the count again).
 Sleeps last ``time_scale`` real seconds per modelled second, as the simulated engines'.
 """
 
@@ -21,10 +29,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from engines.envs.base import StepResult
+from engines.envs.base import EnvError, StepResult
 from engines.simulated.hashing import normal, uniform
 
-__all__ = ["EnvLatency", "SimulatedEnvironment"]
+__all__ = ["EnvLatency", "SimulatedEnvironment", "forget_failures"]
+
+_FAILED: dict[tuple[int, str], int] = {}
+"""Failed tries so far per (seed, episode key) in this process: a retry draws afresh."""
+
+
+def forget_failures() -> None:
+    """Forget the failed tries counted so far (called by a benchmark before each run, so that
+    every run of one process meets the same failures)."""
+    _FAILED.clear()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,6 +88,7 @@ class SimulatedEnvironment:
         max_turns: int = 8,
         observation_tokens: int = 32,
         success_rate: float = 0.5,
+        failure_rate: float = 0.0,
         seed: int = 0,
     ) -> None:
         if time_scale <= 0 or not 1 <= min_turns <= max_turns or observation_tokens < 0:
@@ -78,6 +96,10 @@ class SimulatedEnvironment:
                 f"need time_scale > 0, 1 <= min_turns <= max_turns, observation_tokens >= 0; "
                 f"got {time_scale}, {min_turns}, {max_turns}, {observation_tokens}"
             )
+        if not 0.0 <= failure_rate < 1.0:
+            raise ValueError(f"need 0 <= failure_rate < 1, got {failure_rate}")
+        self.failure_rate = failure_rate
+        self._fail_at = 0
         self.latency = EnvLatency(median_s=median_s, sigma=sigma, max_s=max_s)
         self.time_scale = time_scale
         self.min_turns, self.max_turns = min_turns, max_turns
@@ -100,10 +122,15 @@ class SimulatedEnvironment:
             self._key = f"{self._key}|{action}"
             span = self.max_turns - self.min_turns + 1
             self._turns = self.min_turns + int(uniform(self.seed, "turns", self._key) * span)
+            self._fail_at = self._failing_turn()
         self._turn += 1
         wait = self.latency.draw(self.seed, "step", self._key, self._turn)
         self.waited_s += wait
         await asyncio.sleep(wait * self.time_scale)
+        if self._turn == self._fail_at:
+            failed = (self.seed, self._key)
+            _FAILED[failed] = _FAILED.get(failed, 0) + 1
+            raise EnvError(f"simulated infrastructure failure at step {self._turn}")
         if self._turn >= self._turns:
             won = uniform(self.seed, "reward", self._key) < self.success_rate
             return StepResult(None, reward=float(won), done=True, info={"tool_calls": 1})
@@ -111,3 +138,13 @@ class SimulatedEnvironment:
         digits = int(uniform(self.seed, "obs", self._key, self._turn) * 1e9)
         text = "".join(str((digits >> i) % 10) for i in range(self.observation_tokens))
         return StepResult(text, info={"tool_calls": 1})
+
+    def _failing_turn(self) -> int:
+        """The step at which this try fails (0: none), drawn from the episode's key and its
+        earlier failed tries."""
+        if not self.failure_rate:
+            return 0
+        tries = _FAILED.get((self.seed, self._key), 0)
+        if uniform(self.seed, "fail", self._key, tries) >= self.failure_rate:
+            return 0
+        return 1 + int(uniform(self.seed, "fail-at", self._key, tries) * self._turns)

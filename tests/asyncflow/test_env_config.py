@@ -54,3 +54,21 @@ def test_help_documents_the_multi_turn_fields() -> None:
         "task.options of task.name=tool_use",
     ):
         assert key in text, key
+
+
+def test_an_openenv_session_cap_bounds_the_rollout_workers_environments() -> None:
+    """``env.options.max_sessions`` of an OpenEnv server lowers ``env.max_concurrent`` (so
+    episodes past the cap wait in the runner, not in ``reset`` against its timeout); other
+    environments keep ``env.max_concurrent`` as it is."""
+    from asyncflow.build import max_concurrent
+
+    def cap(*overrides: str) -> int | None:
+        cfg = load_config(overrides=list(overrides))
+        return max_concurrent(cfg.environment() or "", cfg.env)
+
+    url = "env.options={url: 'http://127.0.0.1:1', max_sessions: 2}"
+    assert cap("env.name=openenv", url) == 2
+    assert cap("env.name=openenv", url, "env.max_concurrent=8") == 2
+    assert cap("env.name=openenv", url, "env.max_concurrent=1") == 1
+    assert cap("env.name=openenv", "env.options={url: 'http://127.0.0.1:1'}") is None
+    assert cap("task=tool_use", "env.max_concurrent=3") == 3

@@ -5,6 +5,7 @@ killed mid-run."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from pathlib import Path
@@ -62,31 +63,54 @@ def test_a_run_plays_multi_step_episodes_on_the_server_within_its_session_cap(
 
 
 def test_a_server_killed_mid_run_costs_episodes_not_the_run(out_dir: Path) -> None:
-    """The server is killed once it has served 24 episodes: the run still takes its ten
-    steps; the episodes after the kill end as errors (the server unreachable)."""
-    with serve(max_sessions=8) as (url, proc):
-        killed = threading.Event()
+    """The server is killed once it has served 24 episodes and comes back on its port a few
+    seconds later (as a container restarted by its orchestrator): the episodes that met the
+    dead server end ``env_error`` once their retry is spent (the server unreachable is the
+    environment's failure, not the policy's) and their groups are dropped whole and refilled
+    from new prompts; every step still trains whole groups, each group once, and the run
+    takes its ten steps."""
+    with contextlib.ExitStack() as stack:
+        url, proc = stack.enter_context(serve(max_sessions=8))
+        port = int(url.rsplit(":", 1)[1])
+        killed, back = threading.Event(), threading.Event()
 
-        def kill_after_some_episodes() -> None:
+        def kill_then_restart() -> None:
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:
-                try:
+                with contextlib.suppress(OSError):
                     if get(url + "/sessions")["episodes"] >= 24:
                         break
-                except OSError:
-                    return
                 time.sleep(0.05)
             proc.kill()
+            proc.wait()
             killed.set()
+            time.sleep(3.0)  # down long enough for episodes to spend their retry
+            stack.enter_context(serve(max_sessions=8, port=port))
+            back.set()
 
-        killer = threading.Thread(target=kill_after_some_episodes, daemon=True)
+        killer = threading.Thread(target=kill_then_restart, daemon=True)
         killer.start()
-        cfg = _config(out_dir, url, "env.options.timeout_s=1.0", "env.options.connect_retries=1")
+        cfg = _config(
+            out_dir,
+            url,
+            "env.options.timeout_s=1.0",
+            "env.options.connect_retries=1",
+            "env.retries=1",
+        )
         result = run(cfg)  # type: ignore[arg-type]
-        killer.join(timeout=10)
-    assert killed.is_set()
+        killer.join(timeout=60)
+    assert killed.is_set() and back.is_set()
+    b, n = cfg.train.groups_per_step, cfg.rollout.group_size  # type: ignore[attr-defined]
     assert [rep.step for rep in result.reports] == list(range(STEPS))
+    consumed: list[int] = []
+    for rep in result.reports:
+        assert rep.samples == b * n and len(rep.groups) == b  # whole groups, never partial
+        assert set(rep.dropped) <= set(rep.filtered) and not set(rep.groups) & set(rep.filtered)
+        consumed += rep.groups + rep.filtered
+    assert sorted(consumed) == list(range(len(consumed)))  # each group once: no sample twice
     reasons = _reasons(result)
-    assert reasons.get("error", 0) > 0, reasons
-    assert set(reasons) <= {"done", "max_turns", "max_tokens", "error"}, reasons
-    assert sum(reasons.values()) - reasons["error"] > 0, reasons  # played before the kill
+    dropped = sum(r["groups_dropped"] for r in result.records)
+    assert reasons.get("env_error", 0) > 0 and dropped > 0, (reasons, dropped)
+    assert reasons["env_error"] <= dropped * n  # every env_error episode in a dropped group
+    assert set(reasons) <= {"done", "max_turns", "max_tokens", "env_error"}, reasons
+    assert sum(reasons.values()) == len(consumed) * n

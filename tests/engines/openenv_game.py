@@ -111,10 +111,12 @@ def get(url: str) -> Any:
 
 
 @contextlib.contextmanager
-def serve(max_sessions: int = 8, timeout_s: float = 60.0) -> Iterator[tuple[str, subprocess.Popen]]:
-    """The game's server in a process of its own on a free loopback port: ``(url, process)``;
-    stopped (killed if need be) on exit."""
-    port = free_port()
+def serve(
+    max_sessions: int = 8, timeout_s: float = 60.0, port: int | None = None
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """The game's server in a process of its own on loopback (``port``, or a free one):
+    ``(url, process)``; stopped (killed if need be) on exit."""
+    port = port or free_port()
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     log = tempfile.TemporaryFile()  # noqa: SIM115  (closed in the finally below)
     proc = subprocess.Popen(

@@ -134,6 +134,9 @@ def test_the_servers_cap_is_learnt_and_never_exceeded() -> None:
 
 
 def test_a_dead_server_raises_the_infrastructure_error() -> None:
+    """A server killed mid-episode, then one not there at all: both are the taxonomy's
+    infrastructure failure (:class:`engines.envs.EnvError`, an ``env_error`` episode)."""
+    from engines.envs import EnvError
     from engines.envs.openenv import OpenEnvError
 
     async def play(url: str, proc: object) -> tuple[BaseException, BaseException]:
@@ -152,7 +155,7 @@ def test_a_dead_server_raises_the_infrastructure_error() -> None:
 
     with serve() as (url, proc):
         mid, start = asyncio.run(play(url, proc))
-    assert isinstance(mid, RuntimeError) and isinstance(start, RuntimeError)
+    assert isinstance(mid, EnvError) and isinstance(start, EnvError)
 
 
 def test_replay_carries_an_episode_across_a_new_session() -> None:
