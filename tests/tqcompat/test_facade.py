@@ -11,6 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
+pytest.importorskip("tensordict", reason="needs the compat extra")  # the vLLM venv has no extras
+
 from tensordict import NonTensorStack, TensorDict
 
 import tqcompat as tq
