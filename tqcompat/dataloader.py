@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from tqcompat.interface import client_for
+from tqcompat.interface import client_for, reachable_address
 from tqcompat.metadata import BatchMeta
 
 __all__ = ["StreamingDataLoader", "StreamingDataset", "chunk_batch_fn", "default_fetch_batch_fn"]
@@ -166,6 +166,10 @@ class StreamingDataLoader(torch.utils.data.DataLoader[Any]):
         persistent_workers: bool = False,
         pin_memory_device: str = "",
     ) -> None:
+        if num_workers > 0:
+            # Refused here, before any worker is forked from a process whose threads may hold
+            # locks the child would wait on forever.
+            reachable_address(dataset.config)
         super().__init__(
             dataset,
             batch_size=None,

@@ -186,7 +186,14 @@ def client_for(config: Any) -> TransferQueueClient:
     if _client is not None and _pid == os.getpid():
         return _client
     conf = _merge(_DEFAULTS, _plain(config))
-    address = conf["asyncflow"].get("address")
+    return TransferQueueClient(transferqueue.connect(reachable_address(conf)), _options(conf))
+
+
+def reachable_address(config: Any) -> str:
+    """The store's address other processes connect to, from the config ``init`` returned;
+    ``RuntimeError`` naming the fix when the store is embedded in the process that called
+    ``init`` (no address to reach it by)."""
+    address = _merge(_DEFAULTS, _plain(config))["asyncflow"].get("address")
     if not address:
         raise RuntimeError(
             "this process has no TransferQueue client and the config names no address: the "
@@ -194,7 +201,7 @@ def client_for(config: Any) -> TransferQueueClient:
             "processes (DataLoader workers: num_workers > 0) cannot reach it; use "
             "num_workers=0, or ray.init() before tq.init()"
         )
-    return TransferQueueClient(transferqueue.connect(address), _options(conf))
+    return str(address)
 
 
 def get_metrics_endpoint() -> str | None:

@@ -398,5 +398,6 @@ def test_streaming_dataloader_with_two_ranks(store: tq.TransferQueueClient) -> N
 
 def test_dataloader_workers_need_a_store_they_can_reach(store: tq.TransferQueueClient) -> None:
     dataset = tq.StreamingDataset(tq.init(), 1, 1, ["x"], "p", "t", dp_rank=0)
+    # refused when the loader is built, before a worker is forked from this threaded process
     with pytest.raises(RuntimeError, match="num_workers=0"):
-        next(iter(tq.StreamingDataLoader(dataset, num_workers=1)))
+        tq.StreamingDataLoader(dataset, num_workers=1)
