@@ -49,7 +49,7 @@ import torch
 from engines.episodes import END_REASONS, Episode, EpisodeSource, TurnBatcher
 from engines.episodes.batcher import BatchGenerate
 from engines.episodes.record import FAILED
-from engines.protocols import SamplingParams
+from engines.protocols import Generation, SamplingParams
 from transferqueue import Ragged
 from transferqueue.schema import Column
 
@@ -62,6 +62,7 @@ __all__ = [
     "failed_groups",
     "rows_of",
     "run_episodes",
+    "single_turn_columns",
 ]
 
 EPISODE_FIELDS = (
@@ -99,6 +100,28 @@ def episode_columns(episodes: Sequence[Episode]) -> dict[str, Any]:
         "episode_reward": torch.tensor([e.episode_reward for e in episodes], dtype=torch.float32),
         "episode_info": [dict(e.info) for e in episodes],
         "episode_stats": [dict(e.stats) for e in episodes],
+    }
+
+
+def single_turn_columns(gens: Sequence[Generation]) -> dict[str, Any]:
+    """:func:`episode_columns` of one-turn responses (``Episode.single`` of each), built
+    straight from the generations: the same values and dtypes without an :class:`Episode`
+    per row (the rollout's hot path when no environment runs)."""
+    n = len(gens)
+    lens = [int(g.token_ids.numel()) for g in gens]
+    return {
+        "response_ids": [g.token_ids.to(torch.int32) for g in gens],
+        "behaviour_logprobs": [g.logprobs.to(torch.float32) for g in gens],
+        "finish_reason": [g.finish_reason for g in gens],
+        "loss_mask": [torch.ones(t, dtype=torch.bool) for t in lens],
+        "token_versions": [g.token_versions.to(torch.int32) for g in gens],
+        "turn_offsets": [torch.zeros(1, dtype=torch.int32) for _ in range(n)],
+        "turn_rewards": [torch.full((1,), math.nan, dtype=torch.float32) for _ in range(n)],
+        "num_turns": torch.ones(n, dtype=torch.int32),
+        "end_reason": ["done" if g.finish_reason == "stop" else "max_tokens" for g in gens],
+        "episode_reward": torch.full((n,), math.nan, dtype=torch.float32),
+        "episode_info": [{} for _ in range(n)],
+        "episode_stats": [{} for _ in range(n)],
     }
 
 

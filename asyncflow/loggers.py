@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import queue
 import re
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -32,6 +34,7 @@ __all__ = [
     "MetricsLogger",
     "MlflowLogger",
     "TensorBoardLogger",
+    "TrackerThread",
     "WandbLogger",
     "flatten",
     "make_loggers",
@@ -55,9 +58,10 @@ INSTALL_HINTS = {
 class MetricsLogger(Protocol):
     """One experiment tracker.
 
-    :class:`asyncflow.metrics.MetricsWriter` calls ``log`` once per train step, in step order,
-    after the step's JSONL line is written, and ``close`` once when the run ends (also when
-    it fails).
+    :class:`asyncflow.metrics.MetricsWriter` has ``log`` called once per train step, in step
+    order, after the step's JSONL line is written, and ``close`` once when the run ends (also
+    when it fails); both on the trackers' own thread (:class:`TrackerThread`), never on the
+    run's event loop.
     """
 
     def log(self, step: int, values: Mapping[str, float]) -> None:
@@ -92,7 +96,9 @@ def scalars(record: Mapping[str, Any]) -> dict[str, float]:
 
 
 class TensorBoardLogger:
-    """``tensorboard/`` under the run's output folder (torch's ``SummaryWriter``)."""
+    """``tensorboard/`` under the run's output folder (torch's ``SummaryWriter``): one event
+    per step holding all of its scalars (a scalar per event costs a protobuf and a queue
+    hand-off each, ~100 per step)."""
 
     def __init__(self, out_dir: Path) -> None:
         from torch.utils.tensorboard import SummaryWriter
@@ -100,11 +106,89 @@ class TensorBoardLogger:
         self._writer = SummaryWriter(str(out_dir / "tensorboard"))
 
     def log(self, step: int, values: Mapping[str, float]) -> None:
-        for key, value in values.items():
-            self._writer.add_scalar(key, value, step)
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        summary = Summary(
+            value=[Summary.Value(tag=k, simple_value=float(v)) for k, v in values.items()]
+        )
+        self._writer._get_file_writer().add_summary(summary, step)
 
     def close(self) -> None:
         self._writer.close()
+
+
+class TrackerThread:
+    """Feeds the trackers from a thread of their own, so that a tracker's work (protobufs and
+    file writes, a W&B or MLflow request) never runs on, or blocks, the run's event loop.
+
+    :class:`asyncflow.metrics.MetricsWriter` calls :meth:`log` per step (it returns at once;
+    the steps queue up, at most ``max_pending``, in order) and :meth:`close` at the end: the
+    queue drains within ``close_timeout_s``, then every tracker is closed. A tracker's error
+    is raised by the next :meth:`log` or by :meth:`close` (the thread stops logging then).
+    """
+
+    def __init__(
+        self,
+        loggers: list[MetricsLogger],
+        *,
+        max_pending: int = 1024,
+        close_timeout_s: float = 120.0,
+    ) -> None:
+        self.loggers = loggers
+        self.close_timeout_s = close_timeout_s
+        self._queue: queue.Queue[tuple[int, Mapping[str, float]] | None] = queue.Queue(max_pending)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="asyncflow-trackers", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if self._error is not None:
+                continue  # drained, not logged: the error is raised to the writer
+            try:
+                for logger in self.loggers:
+                    logger.log(*item)
+            except BaseException as e:  # raised by the writer's next call
+                self._error = e
+
+    def log(self, step: int, values: Mapping[str, float]) -> None:
+        """Queue the step's scalars (blocks only when ``max_pending`` steps wait, up to
+        ``close_timeout_s``)."""
+        if self._error is not None:
+            raise self._error
+        try:
+            self._queue.put((step, values), timeout=self.close_timeout_s)
+        except queue.Full:
+            raise RuntimeError(
+                f"the experiment trackers fell {self._queue.maxsize} steps behind for "
+                f"{self.close_timeout_s:.0f} s: a tracker hangs (its server or disk); "
+                "drop it from output.loggers"
+            ) from None
+
+    def close(self) -> None:
+        """Drain the queue, then close every tracker (all of them, even if one fails)."""
+        errors: list[BaseException] = []
+        try:
+            self._queue.put(None, timeout=self.close_timeout_s)
+        except queue.Full:
+            errors.append(RuntimeError("the experiment trackers' queue did not drain"))
+        self._thread.join(self.close_timeout_s)
+        if self._thread.is_alive():
+            errors.append(
+                RuntimeError(
+                    f"the experiment trackers did not finish within {self.close_timeout_s:.0f}"
+                    " s of the run's end: a tracker hangs (its server or disk)"
+                )
+            )
+        if self._error is not None:
+            errors.append(self._error)
+        for logger in self.loggers:
+            try:
+                logger.close()
+            except Exception as e:  # the other trackers still get their runs ended
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
 
 class WandbLogger:

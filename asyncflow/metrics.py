@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from asyncflow.loggers import MetricsLogger, scalars
+from asyncflow.loggers import MetricsLogger, TrackerThread, scalars
 from asyncflow.registry import WeightSync
 
 __all__ = [
@@ -279,6 +279,7 @@ class MetricsWriter:
             self._jsonl.write(json.dumps(record, default=_jsonable) + "\n")
         self._jsonl.flush()
         self.loggers = list(loggers)
+        self._trackers = TrackerThread(self.loggers) if self.loggers else None
         self._bar: Any = None
         if progress:
             from tqdm import tqdm
@@ -295,10 +296,8 @@ class MetricsWriter:
         self.records.append(record)
         self._jsonl.write(json.dumps(record, default=_jsonable) + "\n")
         self._jsonl.flush()
-        if self.loggers:
-            values = scalars(record)
-            for logger in self.loggers:
-                logger.log(record["step"], values)
+        if self._trackers is not None:  # on their own thread: never on the run's loop
+            self._trackers.log(record["step"], scalars(record))
         if self._bar is not None:
             self._bar.update(1)
             self._bar.set_postfix(
@@ -312,14 +311,8 @@ class MetricsWriter:
         self._jsonl.close()
         if self._bar is not None:
             self._bar.close()
-        errors: list[BaseException] = []
-        for logger in self.loggers:
-            try:
-                logger.close()
-            except Exception as e:  # the other trackers still get their runs ended
-                errors.append(e)
-        if errors:
-            raise errors[0]
+        if self._trackers is not None:
+            self._trackers.close()
 
 
 def _jsonable(x: Any) -> Any:

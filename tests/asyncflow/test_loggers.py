@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import struct
+import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -205,3 +207,44 @@ def test_chrome_trace_lanes_and_events() -> None:
     assert spans[(3, 1)]["args"] == {"samples": 8, "tokens": 80}
     [counter] = [e for e in events if e["ph"] == "C"]
     assert counter["ts"] == pytest.approx(1.5e6) and counter["args"] == {"reward": 0.5}
+
+
+class _SlowTracker(_Tracker):
+    """A tracker whose ``log`` blocks until released (a hung server), or fails."""
+
+    def __init__(self, fail_log: bool = False) -> None:
+        super().__init__(fail_close=False)
+        self.release = threading.Event()
+        self.fail_log = fail_log
+
+    def log(self, step: int, values: Mapping[str, float]) -> None:
+        if self.fail_log:
+            raise ValueError(f"tracker refused step {step}")
+        assert self.release.wait(10)
+        super().log(step, values)
+
+
+def test_a_slow_tracker_never_holds_the_writer(tmp_path: Path) -> None:
+    slow = _SlowTracker()
+    writer = MetricsWriter(tmp_path, total_steps=5, progress=False, loggers=[slow])
+    t0 = time.perf_counter()
+    for step in range(5):
+        writer.write({"step": step, "reward": 1.0})
+    assert time.perf_counter() - t0 < 2.0  # the tracker is blocked; the writer is not
+    assert slow.steps == [] and len(writer.path.read_text().splitlines()) == 5
+    slow.release.set()
+    writer.close()  # drains the queue in order, then closes
+    assert slow.steps == [0, 1, 2, 3, 4] and slow.closed
+
+
+def test_a_failing_tracker_is_raised_by_the_writer(tmp_path: Path) -> None:
+    bad = _SlowTracker(fail_log=True)
+    writer = MetricsWriter(tmp_path, total_steps=3, progress=False, loggers=[bad])
+    writer.write({"step": 0, "reward": 1.0})
+    with pytest.raises(ValueError, match="refused step 0"):
+        for step in range(1, 200):  # raised by a later write once the thread has failed
+            writer.write({"step": step, "reward": 1.0})
+            time.sleep(0.01)
+    with pytest.raises(ValueError, match="refused step 0"):
+        writer.close()
+    assert bad.closed
