@@ -75,7 +75,7 @@ CASES: dict[str, dict[str, Any]] = {
             "train.micro_batch_groups=1",
             "train.lr=1.0e-5",
         ],
-        "prompts": 400,
+        "prompts": 2400,
         "threshold": 0.60,
     },
 }
