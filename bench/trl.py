@@ -145,6 +145,10 @@ def trl_args(cfg: Any, steps: int) -> dict[str, Any]:
         "save_strategy": "no",
         "disable_tqdm": True,
         "dataloader_num_workers": 0,
+        # TRL's own defaults differ from TrainingArguments': bf16 mixed precision and
+        # gradient checkpointing on. Ours computes in model.dtype, without checkpointing.
+        "bf16": cfg.model.dtype == "bfloat16",
+        "gradient_checkpointing": False,
     }
 
 
@@ -329,7 +333,15 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="30 steps, 1 seed: a smoke test")
     ap.add_argument("--steps", type=int, default=None, help="default 300 (quick: 30)")
     ap.add_argument("--seeds", type=int, default=None, help="default 3 (quick: 1)")
-    ap.add_argument("--staleness", type=int, nargs="+", default=list(STALENESS))
+    ap.add_argument("--staleness", type=int, nargs="*", default=list(STALENESS))
+    ap.add_argument(
+        "--trl-arg",
+        nargs="*",
+        default=[],
+        metavar="KEY=JSON",
+        help="override a GRPOConfig argument, e.g. bf16=true gradient_checkpointing=true "
+        "(TRL's shipped defaults)",
+    )
     ap.add_argument("--threshold", type=float, default=None, help="reward to reach")
     ap.add_argument("--window", type=int, default=20, help="steps of the trailing mean")
     args = ap.parse_args()
@@ -343,6 +355,12 @@ def main() -> int:
         setup()
     t0 = time.perf_counter()
     spec, not_matched = build_spec(args.case, steps)
+    for item in args.trl_arg:
+        key, eq, value = item.partition("=")
+        if not (key and eq and value):
+            raise SystemExit(f"--trl-arg {item!r}: expected KEY=JSON, e.g. bf16=true")
+        spec["trl_args"][key] = json.loads(value)
+        not_matched.append(f"TRL's {key} set to {value} by --trl-arg")
     print(f"== bench.trl case {args.case}: {steps} steps x {seeds} seed(s)", flush=True)
     print("matched (GRPOConfig):", json.dumps(spec["trl_args"]), flush=True)
     print("not matched:", flush=True)
@@ -366,7 +384,7 @@ def main() -> int:
                     res, spec["trl_args"]["per_device_train_batch_size"], threshold, args.window
                 )
                 print(
-                    f"  seed {seed} {system}: {s['steps']} steps, {s['samples_per_s']:.0f} "
+                    f"  seed {seed} {system}: {s['steps']} steps, {s['samples_per_s']:.3g} "
                     f"samples/s, first step at {s['first_step_s']:.1f} s, reward "
                     f"{s['reward_first']:.3f} -> {s['reward_last']:.3f}",
                     flush=True,
@@ -386,6 +404,7 @@ def main() -> int:
     goals = report(summary, threshold, args.window)
     cmd = "python -m bench.trl" + (f" --case {args.case}" if args.case != "arithmetic" else "")
     cmd += " --quick" if args.quick else ""
+    cmd += "".join(f" --trl-arg {x}" for x in args.trl_arg)
     results = {
         "command": cmd,
         "settings": {

@@ -41,6 +41,8 @@ def test_the_grpo_config_matches_the_demo_defaults(spec: dict[str, Any]) -> None
     assert (a["learning_rate"], a["adam_beta2"], a["max_grad_norm"]) == (2e-4, 0.99, 1.0)
     assert (a["beta"], a["loss_type"], a["lr_scheduler_type"]) == (0.0, "grpo", "constant")
     assert a["shuffle_dataset"] is False and a["max_steps"] == 300 and a["num_iterations"] == 1
+    # TRL's shipped bf16 autocast and gradient checkpointing are off: ours computes in fp32
+    assert a["bf16"] is False and a["gradient_checkpointing"] is False
     # an override of ours moves TRL's side with it
     cfg = load_config(None, ["train.lr=1e-4", "rollout.group_size=4", "train.clip_eps_high=0.28"])
     b = trl_args(cfg, 10)
