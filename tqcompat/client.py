@@ -73,6 +73,22 @@ class Options:
     """Our sampler serving ``get_meta`` (see :mod:`tqcompat.sampler`)."""
     user_sampler: BaseSampler | None = None
     """A peer sampler run as given over a pool of leased rows (see :mod:`tqcompat.sampler`)."""
+    shared: bool = False
+    """The ranks of a ``dp_rank`` share each batch by claim (``RankAwareSampler``)."""
+
+
+def _claim_name(task: str, sampling_config: dict[str, Any]) -> str:
+    """The name the ranks of one group claim a batch under (see :mod:`tqcompat.sampler`)."""
+    try:
+        dp_rank, batch_index = int(sampling_config["dp_rank"]), int(sampling_config["batch_index"])
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(
+            "RankAwareSampler: get_meta needs sampling_config={'dp_rank': int, 'batch_index': "
+            f"int}} (StreamingDataset passes both), got {sampling_config!r}"
+        ) from None
+    if dp_rank < 0:
+        raise ValueError(f"dp_rank {dp_rank} must be greater than or equal to 0")
+    return f"rank-aware/{task}/{dp_rank}/{batch_index}"
 
 
 def _check_fields(data_fields: Any) -> list[str]:
@@ -194,6 +210,12 @@ class AsyncTransferQueueClient:
             return await self._get_meta_sampled(
                 fields, batch_size, partition_id, task_name, sampling_config or {}
             )
+        claim = None
+        if o.shared:
+            claim = _claim_name(task_name, sampling_config or {})
+            claimed = await self._a.claim(claim, partition=partition_id)
+            if len(claimed):  # (a rank of the group took this batch first)
+                return await self._wrap(claimed, fields)
         native = await self._a.get_meta(
             task_name,
             fields,
@@ -207,6 +229,11 @@ class AsyncTransferQueueClient:
             if len(native):
                 await self._a.release(native)
             return self._short(task_name, fields, partition_id, batch_size, len(native))
+        if claim is not None:
+            claimed = await self._a.claim(claim, native.indexes, partition=partition_id)
+            if not np.array_equal(claimed.indexes, native.indexes):
+                await self._a.release(native)  # (lost the race: the group's batch is claimed)
+                return await self._wrap(claimed, fields)
         if not o.leases:
             await self._a.ack(native)
         return await self._wrap(native, fields)

@@ -337,7 +337,7 @@ def test_grpo_sampler_hands_out_whole_groups() -> None:
 
 
 def test_samplers_we_do_not_serve_are_refused_at_init() -> None:
-    for sampler in (tq.RankAwareSampler, "SeqlenBalancedSampler", tq.SeqlenBalancedSampler()):
+    for sampler in ("SeqlenBalancedSampler", tq.SeqlenBalancedSampler()):
         with pytest.raises(NotImplementedError, match="not served"):
             tq.init({"controller": {"sampler": sampler}})
     with pytest.raises(ValueError, match="Could not find sampler"):
@@ -394,6 +394,35 @@ def test_streaming_dataloader_with_two_ranks(store: tq.TransferQueueClient) -> N
     assert not set(seen[0]) & set(seen[1])
     with pytest.raises(StopIteration):  # every row consumed: the finite mode ends
         next(ranks[1])
+
+
+def test_rank_aware_sampler_gives_a_groups_ranks_the_same_rows() -> None:
+    """Ranks of one dp_rank get the same rows for each batch_index, whoever asks first; two
+    groups never the same row."""
+    tq.init({"controller": {"sampler": tq.RankAwareSampler, "polling_mode": True}})
+    try:
+        conf = tq.init()
+        ranks = {}
+        for rank, dp in ((0, 0), (1, 0), (2, 1), (3, 1)):
+            dataset = tq.StreamingDataset(conf, 2, 2, ["idx"], "p", "train", dp_rank=dp)
+            dataset._sleep_s = 0.05
+            ranks[(rank, dp)] = iter(tq.StreamingDataLoader(dataset))
+        c = tq.get_client()
+        c.put(TensorDict({"idx": torch.arange(8).view(8, 1)}, batch_size=8), partition_id="p")
+        seen: dict[tuple[int, int], list[list[int]]] = {key: [] for key in ranks}
+        for order in ([(0, 0), (2, 1), (1, 0), (3, 1)], [(3, 1), (1, 0), (0, 0), (2, 1)]):
+            for key in order:
+                batch, meta = next(ranks[key])
+                assert batch["idx"].view(-1).tolist() == meta.global_indexes
+                seen[key].append(meta.global_indexes)
+        assert seen[(0, 0)] == seen[(1, 0)] and seen[(2, 1)] == seen[(3, 1)]
+        group0 = {i for b in seen[(0, 0)] for i in b}
+        group1 = {i for b in seen[(2, 1)] for i in b}
+        assert len(group0) == len(group1) == 4 and not group0 & group1
+        with pytest.raises(ValueError, match="dp_rank"):  # the claim needs the group's name
+            c.get_meta(["idx"], 2, "p", task_name="train", sampling_config={})
+    finally:
+        tq.close()
 
 
 def test_dataloader_workers_need_a_store_they_can_reach(store: tq.TransferQueueClient) -> None:

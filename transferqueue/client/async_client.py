@@ -12,7 +12,7 @@ the part)::
     part          module       calls
     Writer        put          put
     StatusCalls   status       status, reset_consumption, set/get_custom_meta, lost_rows,
-                               retire_groups
+                               retire_groups, claim
     KeyValue      kv           kv_put, kv_batch_put, kv_get, kv_batch_get, kv_meta, kv_list,
                                kv_delete, kv_clear
     Checkpoints   checkpoint   save, load
@@ -151,6 +151,7 @@ class AsyncClient:
     get_custom_meta = _part_call(lambda c: c._status, StatusCalls.get_custom_meta)
     lost_rows = _part_call(lambda c: c._status, StatusCalls.lost_rows)
     retire_groups = _part_call(lambda c: c._status, StatusCalls.retire_groups)
+    claim = _part_call(lambda c: c._status, StatusCalls.claim)
     kv_put = _part_call(lambda c: c._kv, KeyValue.kv_put)
     kv_batch_put = _part_call(lambda c: c._kv, KeyValue.kv_batch_put)
     kv_get = _part_call(lambda c: c._kv, KeyValue.kv_get)
