@@ -178,6 +178,28 @@ def test_custom_meta_travels_with_the_rows(store: tq.TransferQueueClient) -> Non
     assert got.samples[1].custom_meta["v"] == 1
 
 
+def test_custom_meta_is_read_when_first_used(store: tq.TransferQueueClient) -> None:
+    """A blocking get_meta's batch reads its custom metadata on first use: its parts read
+    the whole batch's, a put with an unread batch keeps the store's, a changed one writes."""
+    meta = store.put(_batch(4), partition_id="p")
+    meta.update_custom_meta([{"k": i} for i in range(4)])
+    store.set_custom_meta(meta)
+    got = store.get_meta(["mask"], 4, "p", task_name="t")
+    assert not got.custom_meta_loaded
+    first, second = got.chunk(2)
+    store.put(TensorDict({"y": torch.zeros(2)}, batch_size=2), metadata=first)
+    assert second.custom_meta == [{"k": 2}, {"k": 3}] and got.custom_meta_loaded
+    first.update_custom_meta([{"k": 10}, {"k": 11}])
+    store.put(TensorDict({"z": torch.zeros(2)}, batch_size=2), metadata=first)
+    store.reset_consumption("p", "t")
+    again = store.get_meta(["mask"], 4, "p", task_name="t")
+    assert again.custom_meta == [{"k": 10}, {"k": 11}, {"k": 2}, {"k": 3}]
+    assert (
+        again.custom_meta
+        == store.run(store.async_get_meta(["mask"], 4, "p", "fetch", "u")).custom_meta
+    )
+
+
 def test_batch_meta_by_hand() -> None:
     schema = {"x": {"dtype": torch.int64, "shape": (4,), "is_nested": False}}
     a = BatchMeta([0, 1, 2], ["p"] * 3, schema)

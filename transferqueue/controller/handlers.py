@@ -200,7 +200,12 @@ class QueueHandlers(_Handlers):
         )
         self.service.apply(changes)
         if meta is not None and meta.lease_id is not None:
-            self.service.leased(msg.lease_s)
+            if msg.consume and len(meta) == msg.batch_size:  # (at most once: see GetMeta)
+                done = self.ctl.queues.ack(meta.lease_id, meta.indexes, caller.identity)
+                self.service.apply(done)
+                meta.acked = True
+            else:
+                self.service.leased(msg.lease_s)
         return meta
 
     async def _get_meta_later(self, msg: m.GetMeta, caller: Caller) -> BatchMeta | None:

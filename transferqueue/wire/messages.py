@@ -193,6 +193,9 @@ class GetMeta(ControllerRequest[BatchMeta]):
     timeout_s: WaitS | None = None
     partial: bool = True
     holder: HolderId | None = None
+    consume: bool = False
+    """At most once: a full batch is acknowledged as it is handed out (one round trip; the
+    reply says ``acked``). A short batch stays leased, for the caller to release or ack."""
 
 
 class Alive(ControllerRequest[None]):
