@@ -104,6 +104,20 @@ def _check_get_meta(
     return fields, task_name
 
 
+def _check_names(values: Any, kind: type, what: str, kind_name: str) -> list[Any]:
+    """``values`` as a non-empty list of ``kind`` (one value: a list of it), the peer's
+    ``ValueError`` (empty) and ``TypeError`` (wrong kind) otherwise."""
+    if isinstance(values, kind) and not isinstance(values, bool):
+        return [values]
+    if not isinstance(values, list):
+        raise TypeError(f"Only {kind_name} or list of {kind_name} are allowed as `{what}`.")
+    if not values:
+        raise ValueError(f"Received an empty list as `{what}`.")
+    if not all(isinstance(v, kind) and not isinstance(v, bool) for v in values):
+        raise TypeError(f"Not all elements in `{what}` are {kind_name}.")
+    return list(values)
+
+
 def _check_fields(data_fields: Any) -> list[str]:
     if isinstance(data_fields, str):
         data_fields = [data_fields]
@@ -430,6 +444,38 @@ class AsyncTransferQueueClient:
             )
         await self._a.retire_groups(native.groups, native.partition)
 
+    # -- keys --------------------------------------------------------------------------------
+    async def async_kv_retrieve_meta(
+        self, keys: list[str] | str, partition_id: str, create: bool = False
+    ) -> BatchMeta:
+        """The rows of ``keys`` (our ``kv_meta``), with the fields every row has. An unknown
+        key is our ``UnknownKeyError`` (the peer's ``StorageKeyNotFoundError``);
+        ``create=True`` (the peer's internal step of ``kv_batch_put``) is refused."""
+        names = _check_names(keys, str, "keys", "string")
+        if create:
+            raise NotImplementedError(
+                "kv_retrieve_meta(create=True) is not served by the transfer_queue facade: "
+                "kv_batch_put creates the rows of new keys with their data"
+            )
+        native = await self._a.kv_meta(names, partition=partition_id)
+        return await self._wrap(native, list(native.fields))
+
+    async def async_kv_retrieve_keys(
+        self, global_indexes: list[int] | int, partition_id: str
+    ) -> list[str]:
+        """The keys of rows, by global index (our ``kv_list`` of the partition); a row without
+        a key is a ``RuntimeError`` naming it, as the peer's."""
+        wanted = _check_names(global_indexes, int, "global_indexes", "int")
+        listing = await self._a.kv_list(partition_id)
+        key_of = dict(zip(listing.indexes.tolist(), listing.keys, strict=True))
+        missing = [i for i in wanted if i not in key_of]
+        if missing:
+            raise RuntimeError(
+                f"Some global_indexes have no corresponding keys! {missing[:10]} of partition "
+                f"{partition_id!r} have none (put them with kv_put / kv_batch_put)"
+            )
+        return [key_of[i] for i in wanted]
+
     async def async_get_partition_list(self) -> list[str]:
         """Partitions holding rows (a cleared one is gone, as with the peer)."""
         parts = (await self._a.stats())["controller"]["partitions"]
@@ -553,6 +599,8 @@ class TransferQueueClient(AsyncTransferQueueClient):
     ack = _blocking(AsyncTransferQueueClient.async_ack)
     set_custom_meta = _blocking(AsyncTransferQueueClient.async_set_custom_meta)
     clear_partition = _blocking(AsyncTransferQueueClient.async_clear_partition)
+    kv_retrieve_meta = _blocking(AsyncTransferQueueClient.async_kv_retrieve_meta)
+    kv_retrieve_keys = _blocking(AsyncTransferQueueClient.async_kv_retrieve_keys)
     clear_samples = _blocking(AsyncTransferQueueClient.async_clear_samples)
     get_partition_list = _blocking(AsyncTransferQueueClient.async_get_partition_list)
     get_consumption_status = _blocking(AsyncTransferQueueClient.async_get_consumption_status)

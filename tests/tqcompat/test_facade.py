@@ -222,6 +222,30 @@ def test_batch_meta_by_hand() -> None:
         tq.close()
 
 
+def test_kv_retrieve_meta_and_keys(store: tq.TransferQueueClient) -> None:
+    tq.kv_batch_put(["a", "b"], "T", TensorDict({"ids": torch.tensor([[1], [2]])}, batch_size=2))
+    tq.kv_put("b", "T", tag={"step": 3})
+    meta = store.kv_retrieve_meta(["b", "a"], "T")
+    assert meta.field_names == ["ids"] and meta.custom_meta == [{"step": 3}, {}]
+    assert store.get_data(meta)["ids"].view(-1).tolist() == [2, 1]
+    assert store.kv_retrieve_keys(meta.global_indexes, "T") == ["b", "a"]
+    assert store.kv_retrieve_keys(meta.global_indexes[1], "T") == ["a"]
+    one = store.run(store.async_kv_retrieve_meta("a", "T"))
+    assert one.global_indexes == meta.global_indexes[1:]
+    assert store.run(store.async_kv_retrieve_keys(one.global_indexes, "T")) == ["a"]
+    put = store.put(TensorDict({"ids": torch.tensor([[9]])}, batch_size=1), partition_id="T")
+    with pytest.raises(RuntimeError, match="no corresponding keys"):
+        store.kv_retrieve_keys(put.global_indexes, "T")
+    with pytest.raises(tq.StorageKeyNotFoundError):
+        store.kv_retrieve_meta(["nope"], "T")
+    with pytest.raises(NotImplementedError, match="kv_batch_put"):
+        store.kv_retrieve_meta(["c"], "T", create=True)
+    with pytest.raises(ValueError, match="empty list"):
+        store.kv_retrieve_keys([], "T")
+    with pytest.raises(TypeError, match="string"):
+        store.kv_retrieve_meta([1], "T")  # type: ignore[list-item]
+
+
 def test_kv_calls_and_their_async_twins(store: tq.TransferQueueClient) -> None:
     kv = tq.kv_put("0_0", "Train", fields={"ids": torch.tensor([1, 2, 3])}, tag={"step": 0})
     assert (kv.keys, kv.tags, kv.fields) == (["0_0"], [{"step": 0}], ["ids"])
