@@ -181,6 +181,13 @@ class BatchMeta:
             raise ValueError(f"custom_meta length {len(value)} != batch_size {self.size}")
         self._custom, self._load = value, None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (a DataLoader worker's batch on its way to the main process) with its
+        ``custom_meta`` read: a loader does not travel."""
+        state = dict(self.__dict__)
+        state["_custom"], state["_load"] = self.custom_meta, None
+        return state
+
     @property
     def custom_meta_loaded(self) -> bool:
         """False while ``custom_meta`` is still only in the store (never read or changed

@@ -5,6 +5,7 @@ checkpoints, refused backends and samplers, and bad input."""
 from __future__ import annotations
 
 import asyncio
+import pickle
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -193,6 +194,9 @@ def test_custom_meta_is_read_when_first_used(store: tq.TransferQueueClient) -> N
     store.put(TensorDict({"z": torch.zeros(2)}, batch_size=2), metadata=first)
     store.reset_consumption("p", "t")
     again = store.get_meta(["mask"], 4, "p", task_name="t")
+    # pickled (a DataLoader worker's batch) with its metadata read: the loader stays here
+    part = pickle.loads(pickle.dumps(again[1:3]))
+    assert part.custom_meta_loaded and part.custom_meta == [{"k": 11}, {"k": 2}]
     assert again.custom_meta == [{"k": 10}, {"k": 11}, {"k": 2}, {"k": 3}]
     assert (
         again.custom_meta
