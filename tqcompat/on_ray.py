@@ -54,7 +54,8 @@ class RayStore:
         if self.directory is not None:
             import ray
 
-            ray.kill(self.directory)
+            if ray.is_initialized():  # (else Ray ended it with this driver)
+                ray.kill(self.directory)
 
 
 def ray_if_initialized() -> Any:
