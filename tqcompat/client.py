@@ -4,8 +4,8 @@ Each call lands on our public client in one or two calls:
 
 | peer call                                  | ours                                          |
 |--------------------------------------------|-----------------------------------------------|
-| ``get_meta(fields, B, partition, task)``   | ``get_meta(task, fields, B, timeout_s=...)``, |
-|                                            | then ``ack`` (at-most-once, the default)      |
+| ``get_meta(fields, B, partition, task)``   | ``get_meta(task, fields, B, timeout_s=...,    |
+|                                            | consume=True)`` (at-most-once, the default)   |
 | ``put(td, partition_id=p)``                | ``put(columns, partition=p)``                 |
 | ``put(td, metadata=m)``                    | ``put(columns, meta=m.native)`` (acks a lease)|
 | ``get_data(m)``                            | ``get_data(m.native, m.field_names)``         |
@@ -28,11 +28,8 @@ dies comes back after ``lease_s``.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import functools
-import threading
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
@@ -73,6 +70,52 @@ class Options:
     """Our sampler serving ``get_meta`` (see :mod:`tqcompat.sampler`)."""
     user_sampler: BaseSampler | None = None
     """A peer sampler run as given over a pool of leased rows (see :mod:`tqcompat.sampler`)."""
+    shared: bool = False
+    """The ranks of a ``dp_rank`` share each batch by claim (``RankAwareSampler``)."""
+
+
+def _claim_name(task: str, sampling_config: dict[str, Any]) -> str:
+    """The name the ranks of one group claim a batch under (see :mod:`tqcompat.sampler`)."""
+    try:
+        dp_rank, batch_index = int(sampling_config["dp_rank"]), int(sampling_config["batch_index"])
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(
+            "RankAwareSampler: get_meta needs sampling_config={'dp_rank': int, 'batch_index': "
+            f"int}} (StreamingDataset passes both), got {sampling_config!r}"
+        ) from None
+    if dp_rank < 0:
+        raise ValueError(f"dp_rank {dp_rank} must be greater than or equal to 0")
+    return f"rank-aware/{task}/{dp_rank}/{batch_index}"
+
+
+def _check_get_meta(
+    data_fields: Any, batch_size: Any, mode: str, task_name: str | None
+) -> tuple[list[str], str]:
+    fields = _check_fields(data_fields)
+    if mode != "fetch":
+        raise ValueError(
+            f"get_meta mode {mode!r} is not supported by this store: use mode='fetch' "
+            "(force_fetch and insert are the peer's internals)"
+        )
+    if task_name is None:
+        raise ValueError("get_meta(mode='fetch') needs task_name=")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    return fields, task_name
+
+
+def _check_names(values: Any, kind: type, what: str, kind_name: str) -> list[Any]:
+    """``values`` as a non-empty list of ``kind`` (one value: a list of it), the peer's
+    ``ValueError`` (empty) and ``TypeError`` (wrong kind) otherwise."""
+    if isinstance(values, kind) and not isinstance(values, bool):
+        return [values]
+    if not isinstance(values, list):
+        raise TypeError(f"Only {kind_name} or list of {kind_name} are allowed as `{what}`.")
+    if not values:
+        raise ValueError(f"Received an empty list as `{what}`.")
+    if not all(isinstance(v, kind) and not isinstance(v, bool) for v in values):
+        raise TypeError(f"Not all elements in `{what}` are {kind_name}.")
+    return list(values)
 
 
 def _check_fields(data_fields: Any) -> list[str]:
@@ -119,12 +162,20 @@ class AsyncTransferQueueClient:
         """Our async client under the facade, for calls the peer does not have."""
         return self._a
 
-    async def _schema(self, fields: Sequence[str]) -> dict[str, dict[str, Any]]:
-        if any(f not in self._schemas for f in fields):
-            specs = (await self._a.stats())["controller"]["fields"]
-            for name, spec in specs.items():
-                self._schemas.setdefault(name, _schema_from_spec(spec))
+    def _known_schema(self, fields: Sequence[str], specs: dict[str, str] | None = None) -> Any:
+        """The peer's schema of ``fields`` from what this client learnt (``specs``: our
+        field specs, learnt first); None while one of them is unknown here."""
+        for name, spec in (specs or {}).items():
+            self._schemas.setdefault(name, _schema_from_spec(spec))
+        if specs is None and any(f not in self._schemas for f in fields):
+            return None  # (ask the store's stats once, then it is known)
         return {f: dict(self._schemas[f]) for f in fields if f in self._schemas}
+
+    async def _schema(self, fields: Sequence[str]) -> dict[str, dict[str, Any]]:
+        got = self._known_schema(fields)
+        if got is None:
+            got = self._known_schema(fields, (await self._a.stats())["controller"]["fields"])
+        return got
 
     async def write_columns(
         self, write: Callable[[dict[str, Any]], Awaitable[T]], cols: dict[str, Any]
@@ -179,37 +230,67 @@ class AsyncTransferQueueClient:
     ) -> BatchMeta:
         """``batch_size`` rows of ``partition_id`` whose ``data_fields`` are all written, not
         yet consumed by ``task_name`` (see the module for the wait and the semantics)."""
-        fields = _check_fields(data_fields)
-        if mode != "fetch":
-            raise ValueError(
-                f"get_meta mode {mode!r} is not supported by this store: use mode='fetch' "
-                "(force_fetch and insert are the peer's internals)"
-            )
-        if task_name is None:
-            raise ValueError("get_meta(mode='fetch') needs task_name=")
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        o = self.options
-        if o.user_sampler is not None:
+        fields, task = _check_get_meta(data_fields, batch_size, mode, task_name)
+        if self.options.user_sampler is not None:
             return await self._get_meta_sampled(
-                fields, batch_size, partition_id, task_name, sampling_config or {}
+                fields, batch_size, partition_id, task, sampling_config or {}
             )
-        native = await self._a.get_meta(
-            task_name,
-            fields,
-            batch_size,
-            partition=partition_id,
-            timeout_s=0.0 if o.polling_mode else o.timeout_s,
-            lease_s=o.lease_s,
-            sampler=o.sampler,  # (takes no options: sampling_config is for samplers run as given)
+        plan = self._get_meta_plan(fields, batch_size, partition_id, task, sampling_config)
+        try:
+            step = next(plan)
+            while True:
+                name, args, kwargs = step
+                step = plan.send(await getattr(self._a, name)(*args, **kwargs))
+        except StopIteration as done:
+            native = done.value
+        if isinstance(native, int):
+            return self._short(task, fields, partition_id, batch_size, native)
+        return await self._wrap(native, fields)
+
+    def _get_meta_plan(
+        self,
+        fields: list[str],
+        batch_size: int,
+        partition: str,
+        task: str,
+        sampling_config: dict[str, Any] | None,
+    ) -> Generator[tuple[str, tuple[Any, ...], dict[str, Any]], Any, transferqueue.BatchMeta | int]:
+        """``get_meta`` as the calls of ours it makes, yielded as ``(name, args, kwargs)`` and
+        sent back their results: the async client awaits them, the blocking one calls our
+        blocking client (its consumer calls go without an event loop). Returns our batch, or
+        how many rows were ready when too few were (given back)."""
+        o = self.options
+        claim = None
+        if o.shared:
+            claim = _claim_name(task, sampling_config or {})
+            claimed = yield "claim", (claim,), {"partition": partition}
+            if len(claimed):  # (a rank of the group took this batch first)
+                return claimed
+        native = yield (
+            "get_meta",
+            (task, fields, batch_size),
+            {
+                "partition": partition,
+                "timeout_s": 0.0 if o.polling_mode else o.timeout_s,
+                "lease_s": o.lease_s,
+                # (takes no options: sampling_config is for samplers run as given)
+                "sampler": o.sampler,
+                # at most once, in one round trip (a batch to claim is acked once it won)
+                "consume": not o.leases and claim is None,
+            },
         )
         if len(native) < batch_size:
             if len(native):
-                await self._a.release(native)
-            return self._short(task_name, fields, partition_id, batch_size, len(native))
-        if not o.leases:
-            await self._a.ack(native)
-        return await self._wrap(native, fields)
+                yield "release", (native,), {}
+            return len(native)
+        if claim is not None:
+            claimed = yield "claim", (claim, native.indexes), {"partition": partition}
+            if not np.array_equal(claimed.indexes, native.indexes):
+                yield "release", (native,), {}  # (lost the race: the group's batch is claimed)
+                return claimed
+        if not o.leases and not native.acked:
+            yield "ack", (native,), {}
+        return native
 
     def _short(
         self, task: str, fields: list[str], partition: str, wanted: int, ready: int
@@ -333,7 +414,7 @@ class AsyncTransferQueueClient:
         leased = metadata.native.lease_id is not None and not metadata.native.acked
         native = metadata.native
         await self.write_columns(lambda c: self._a.put(c, meta=native, ack=leased), cols)
-        if any(metadata.custom_meta):
+        if metadata.custom_meta_loaded and any(metadata.custom_meta):
             await self._a.set_custom_meta(metadata.native.indexes, metadata.custom_meta)
         out = metadata.copy()
         out.field_schema.update(schema)
@@ -342,7 +423,8 @@ class AsyncTransferQueueClient:
 
     async def async_set_custom_meta(self, metadata: BatchMeta) -> None:
         """Store the batch's per-row ``custom_meta`` (readable from any client)."""
-        await self._a.set_custom_meta(metadata.global_indexes, metadata.custom_meta)
+        if metadata.custom_meta_loaded:  # (else the store holds them as they are)
+            await self._a.set_custom_meta(metadata.global_indexes, metadata.custom_meta)
 
     # -- partitions --------------------------------------------------------------------------
     async def async_clear_partition(self, partition_id: str) -> None:
@@ -361,6 +443,38 @@ class AsyncTransferQueueClient:
                 "group= by transferqueue code); free them with transferqueue's retire_groups"
             )
         await self._a.retire_groups(native.groups, native.partition)
+
+    # -- keys --------------------------------------------------------------------------------
+    async def async_kv_retrieve_meta(
+        self, keys: list[str] | str, partition_id: str, create: bool = False
+    ) -> BatchMeta:
+        """The rows of ``keys`` (our ``kv_meta``), with the fields every row has. An unknown
+        key is our ``UnknownKeyError`` (the peer's ``StorageKeyNotFoundError``);
+        ``create=True`` (the peer's internal step of ``kv_batch_put``) is refused."""
+        names = _check_names(keys, str, "keys", "string")
+        if create:
+            raise NotImplementedError(
+                "kv_retrieve_meta(create=True) is not served by the transfer_queue facade: "
+                "kv_batch_put creates the rows of new keys with their data"
+            )
+        native = await self._a.kv_meta(names, partition=partition_id)
+        return await self._wrap(native, list(native.fields))
+
+    async def async_kv_retrieve_keys(
+        self, global_indexes: list[int] | int, partition_id: str
+    ) -> list[str]:
+        """The keys of rows, by global index (our ``kv_list`` of the partition); a row without
+        a key is a ``RuntimeError`` naming it, as the peer's."""
+        wanted = _check_names(global_indexes, int, "global_indexes", "int")
+        listing = await self._a.kv_list(partition_id)
+        key_of = dict(zip(listing.indexes.tolist(), listing.keys, strict=True))
+        missing = [i for i in wanted if i not in key_of]
+        if missing:
+            raise RuntimeError(
+                f"Some global_indexes have no corresponding keys! {missing[:10]} of partition "
+                f"{partition_id!r} have none (put them with kv_put / kv_batch_put)"
+            )
+        return [key_of[i] for i in wanted]
 
     async def async_get_partition_list(self) -> list[str]:
         """Partitions holding rows (a cleared one is gone, as with the peer)."""
@@ -417,56 +531,76 @@ class AsyncTransferQueueClient:
         """Nothing to do: the store belongs to ``tq.init``/``tq.close``."""
 
 
-class _Loop:
-    """The blocking client's own event loop, on a daemon thread (the peer's client has one
-    too): blocking calls submit their coroutine and wait for it, so they work from any
-    thread, also one that runs an event loop of its own (a Ray actor, a notebook)."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="tq-compat", daemon=True)
-        self._thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        if self._thread is threading.current_thread():
-            coro.close()
-            raise RuntimeError("a blocking transfer_queue call from inside its own loop")
-        fut: concurrent.futures.Future[T] = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        return fut.result()
-
-    def close(self) -> None:
-        if self.loop.is_running():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(timeout=5.0)
-        if not self.loop.is_running():
-            self.loop.close()
-
-
 def _blocking(
     fn: Callable[..., Coroutine[Any, Any, T]],
 ) -> Callable[..., T]:
     @functools.wraps(fn)
     def call(self: TransferQueueClient, *args: Any, **kwargs: Any) -> T:
-        return self._io.run(fn(self, *args, **kwargs))
+        return self._handle.run(fn(self, *args, **kwargs))
 
     call.__name__ = call.__qualname__ = fn.__name__.removeprefix("async_")
     return call
 
 
 class TransferQueueClient(AsyncTransferQueueClient):
-    """The peer's blocking client: each ``async_x`` call also as ``x``, run on the facade's
-    own loop thread (safe from any thread that is not running that loop)."""
+    """The peer's blocking client: each ``async_x`` call also as ``x``. ``get_meta`` makes
+    the calls of our blocking client (its consumer calls go on the calling thread, without
+    an event loop); the others run their ``async_x`` on our handle's I/O loop (safe from any
+    thread but that loop's). A batch's ``custom_meta`` is read from the store when first
+    used (the peer reads it in ``get_meta``: most batches never use it)."""
 
     def __init__(self, handle: transferqueue.TransferQueue, options: Options) -> None:
         super().__init__(handle, options)
-        self._io = _Loop()
+        self._sync = handle.client()
 
-    get_meta = _blocking(AsyncTransferQueueClient.async_get_meta)
+    def get_meta(
+        self,
+        data_fields: list[str],
+        batch_size: int,
+        partition_id: str,
+        mode: str = "fetch",
+        task_name: str | None = None,
+        sampling_config: dict[str, Any] | None = None,
+    ) -> BatchMeta:
+        """The blocking ``async_get_meta``."""
+        fields, task = _check_get_meta(data_fields, batch_size, mode, task_name)
+        if self.options.user_sampler is not None:
+            return self.run(
+                self._get_meta_sampled(
+                    fields, batch_size, partition_id, task, sampling_config or {}
+                )
+            )
+        sync = self._sync
+        plan = self._get_meta_plan(fields, batch_size, partition_id, task, sampling_config)
+        try:
+            step = next(plan)
+            while True:
+                name, args, kwargs = step
+                step = plan.send(getattr(sync, name)(*args, **kwargs))
+        except StopIteration as done:
+            native = done.value
+        if isinstance(native, int):
+            return self._short(task, fields, partition_id, batch_size, native)
+        schema = self._known_schema(fields)
+        if schema is None:
+            schema = self._known_schema(fields, sync.stats()["controller"]["fields"])
+        n, indexes = len(native), native.indexes
+        return BatchMeta(
+            indexes.tolist(),
+            [native.partition] * n,
+            schema,
+            np.ones(n, np.int8),
+            native=native,
+            custom_meta_loader=lambda: sync.get_custom_meta(indexes),
+        )
+
     get_data = _blocking(AsyncTransferQueueClient.async_get_data)
     put = _blocking(AsyncTransferQueueClient.async_put)
     ack = _blocking(AsyncTransferQueueClient.async_ack)
     set_custom_meta = _blocking(AsyncTransferQueueClient.async_set_custom_meta)
     clear_partition = _blocking(AsyncTransferQueueClient.async_clear_partition)
+    kv_retrieve_meta = _blocking(AsyncTransferQueueClient.async_kv_retrieve_meta)
+    kv_retrieve_keys = _blocking(AsyncTransferQueueClient.async_kv_retrieve_keys)
     clear_samples = _blocking(AsyncTransferQueueClient.async_clear_samples)
     get_partition_list = _blocking(AsyncTransferQueueClient.async_get_partition_list)
     get_consumption_status = _blocking(AsyncTransferQueueClient.async_get_consumption_status)
@@ -481,8 +615,5 @@ class TransferQueueClient(AsyncTransferQueueClient):
         return self._handle.client()
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run a coroutine of the facade (the module-level KV calls) on this client's loop."""
-        return self._io.run(coro)
-
-    def close(self) -> None:
-        self._io.close()
+        """Run a coroutine of the facade (the module-level KV calls) on our handle's loop."""
+        return self._handle.run(coro)

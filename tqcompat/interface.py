@@ -117,7 +117,7 @@ def _options(conf: dict[str, Any]) -> Options:
             "use backend.storage_backend='SimpleStorage' (our storage units, shared memory on "
             "one host, ZeroMQ across hosts)"
         )
-    sampler, user_sampler = resolve_sampler(conf["controller"].get("sampler"))
+    sampler, user_sampler, shared = resolve_sampler(conf["controller"].get("sampler"))
     ours = conf.get("asyncflow", {})
     return Options(
         polling_mode=bool(conf["controller"].get("polling_mode", False)),
@@ -126,6 +126,7 @@ def _options(conf: dict[str, Any]) -> Options:
         lease_s=float(ours.get("lease_s", 60.0)),
         sampler=sampler,
         user_sampler=user_sampler,
+        shared=shared,
     )
 
 

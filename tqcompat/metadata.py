@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -131,7 +131,10 @@ class BatchMeta:
         custom_meta: Sequence[dict[str, Any]] | None = None,
         *,
         native: Native | None = None,
+        custom_meta_loader: Callable[[], Sequence[dict[str, Any]]] | None = None,
     ) -> None:
+        """``custom_meta_loader``: where ``custom_meta`` is not given, reads it from the store
+        on first use (a batch of the blocking ``get_meta``: most batches never read it)."""
         self.global_indexes = [int(i) for i in global_indexes]
         self.partition_ids = list(partition_ids)
         n = len(self.global_indexes)
@@ -152,12 +155,44 @@ class BatchMeta:
         if self.production_status.shape != (n,):
             raise ValueError(f"production_status length {self.production_status.size} != {n}")
         self.extra_info: dict[str, Any] = dict(extra_info or {})
-        self.custom_meta = [dict(d) for d in custom_meta] if custom_meta else [{} for _ in range(n)]
-        if len(self.custom_meta) != n:
-            raise ValueError(f"custom_meta length {len(self.custom_meta)} != batch_size {n}")
+        self._load: Callable[[], Sequence[dict[str, Any]]] | None = None
+        self._custom: list[dict[str, Any]] | None = None
+        if custom_meta_loader is not None and not custom_meta and n:
+            self._load = custom_meta_loader
+        else:
+            self.custom_meta = [dict(d) for d in custom_meta or ()] or [{} for _ in range(n)]
         if native is not None and len(native) != n:
             raise ValueError(f"native batch has {len(native)} rows, expected {n}")
         self.native = native
+
+    @property
+    def custom_meta(self) -> list[dict[str, Any]]:
+        """One dict per row (read from the store on first use where the batch was made with
+        a loader: a row freed since is the store's ``UnknownRowError``)."""
+        if self._custom is None:
+            load, self._load = self._load, None
+            self.custom_meta = [dict(d) for d in load()] if load is not None else []
+        assert self._custom is not None
+        return self._custom
+
+    @custom_meta.setter
+    def custom_meta(self, value: list[dict[str, Any]]) -> None:
+        if len(value) != self.size:
+            raise ValueError(f"custom_meta length {len(value)} != batch_size {self.size}")
+        self._custom, self._load = value, None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (a DataLoader worker's batch on its way to the main process) with its
+        ``custom_meta`` read: a loader does not travel."""
+        state = dict(self.__dict__)
+        state["_custom"], state["_load"] = self.custom_meta, None
+        return state
+
+    @property
+    def custom_meta_loaded(self) -> bool:
+        """False while ``custom_meta`` is still only in the store (never read or changed
+        here: writing it back would change nothing)."""
+        return self._custom is not None
 
     # -- shape -------------------------------------------------------------------------------
     @property
@@ -258,14 +293,20 @@ class BatchMeta:
             if meta.get("per_sample_shapes") is not None:
                 meta["per_sample_shapes"] = [meta["per_sample_shapes"][p] for p in pos]
             schema[name] = meta
+
+        def custom() -> list[dict[str, Any]]:
+            return [copy.deepcopy(self.custom_meta[p]) for p in pos]
+
+        lazy = not self.custom_meta_loaded
         return BatchMeta(
             [self.global_indexes[p] for p in pos],
             [self.partition_ids[p] for p in pos],
             schema,
             self.production_status[pos],
             copy.deepcopy(self.extra_info),
-            [copy.deepcopy(self.custom_meta[p]) for p in pos],
+            None if lazy else custom(),
             native=_take(self.native, pos),
+            custom_meta_loader=custom if lazy else None,  # (a part reads the whole on use)
         )
 
     def select_samples(self, sample_indices: Sequence[int]) -> BatchMeta:

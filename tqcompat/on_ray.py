@@ -54,7 +54,8 @@ class RayStore:
         if self.directory is not None:
             import ray
 
-            ray.kill(self.directory)
+            if ray.is_initialized():  # (else Ray ended it with this driver)
+                ray.kill(self.directory)
 
 
 def ray_if_initialized() -> Any:
@@ -82,6 +83,9 @@ def find_or_start(ray: Any, config: dict[str, Any], units: int, rows: int | None
     if handle.address is None:
         handle.close()
         raise RuntimeError("the Ray deployment gave no address to share with other workers")
+    # (the address goes into the config the actor hands out: a worker's DataLoader workers
+    # connect by it)
+    config = {**config, "asyncflow": {**config.get("asyncflow", {}), "address": handle.address}}
     actor_cls: Any = ray.remote(num_cpus=0)(Directory)
     try:
         directory = actor_cls.options(name=ACTOR_NAME, namespace=NAMESPACE).remote(

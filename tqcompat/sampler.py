@@ -7,7 +7,7 @@
 |                              | the rows it pooled (:class:`Pool`)                           |
 | ``GRPOGroupNSampler(n)``     | the same: whole runs of ``n`` consecutive indexes            |
 | ``SeqlenBalancedSampler``    | refused at ``init``: use our ``balanced`` sampler            |
-| ``RankAwareSampler``         | refused at ``init``: use ``transferqueue``'s dataset         |
+| ``RankAwareSampler``         | our ``fifo`` sampler, the batch shared by claim (below)      |
 
 **How a sampler runs as given.** The peer's controller keeps, per task, the rows ready and
 not consumed, calls ``sample(ready_indexes, batch_size, **sampling_config)`` and marks the
@@ -17,6 +17,16 @@ the consumed rows (our ``ack`` of that sub-batch): rows sampled but not consumed
 pool, to be sampled again (sampling with replacement). Two calls of ours per ``get_meta``.
 The sampler's state lives in the process that calls ``get_meta``; two processes consuming
 one task with a user sampler each pool their own rows (the peer's controller holds one).
+
+**How ranks share a batch** (``RankAwareSampler``). The peer's controller caches, per
+``(partition, task, dp_rank, batch_index)``, the rows the first rank sampled and hands the same
+rows to every other rank of the group. Here the group agrees through our controller's atomic
+``claim`` (:mod:`transferqueue.controller.claims`), under the name
+``rank-aware/{task}/{dp_rank}/{batch_index}``: a rank first looks the name up (a later rank
+gets the group's rows at once); a first rank takes a batch of ready rows (our ``get_meta``)
+and claims it: if another rank of its group claimed first, it releases its batch (the rows go
+back to the task) and returns the claimed rows. The rows are consumed by the rank that won;
+the others read them without a lease.
 """
 
 from __future__ import annotations
@@ -48,6 +58,8 @@ class BaseSampler(ABC):
     """Our sampler that serves this one in the controller (None: run as given)."""
     refused: ClassVar[str | None] = None
     """Why ``init`` refuses it, and what to use instead (None: it runs)."""
+    shared: ClassVar[bool] = False
+    """True: the ranks of a group share each batch through our ``claim`` (see the module)."""
 
     def __init__(self) -> None:
         self._states: dict[Any, Any] = {}
@@ -117,12 +129,32 @@ class SeqlenBalancedSampler(GRPOGroupNSampler):
 
 
 class RankAwareSampler(SequentialSampler):
-    """Ranks of one data-parallel group receive the same rows: refused (see the module)."""
+    """Ranks of one data-parallel group (``sampling_config``'s ``dp_rank``) receive the same
+    rows for a ``batch_index``: ready rows in arrival order, shared by claim (see the
+    module). ``sample`` is the peer's, for a sampler run as given in one process."""
 
-    native: ClassVar[str | None] = None
-    refused: ClassVar[str | None] = (
-        "use transferqueue.client.dataset.StreamingDataset (one leader per DP group)"
-    )
+    shared: ClassVar[bool] = True
+
+    def sample(
+        self,
+        ready_indexes: list[int],
+        batch_size: int,
+        dp_rank: int = 0,
+        batch_index: int = 0,
+        task_name: str = "",
+        partition_id: str = "",
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[list[int], list[int]]:
+        if dp_rank < 0:
+            raise ValueError(f"dp_rank {dp_rank} must be greater than or equal to 0")
+        group = self._states.setdefault((partition_id, task_name, dp_rank), {})
+        if batch_index not in group:
+            picked = list(ready_indexes[:batch_size])
+            if len(picked) < batch_size:
+                return [], []
+            group[batch_index] = picked
+        return list(group[batch_index]), list(group[batch_index])
 
 
 _KNOWN = {
@@ -131,10 +163,11 @@ _KNOWN = {
 }
 
 
-def resolve_sampler(spec: Any) -> tuple[str, BaseSampler | None]:
-    """Our controller sampler's name and, for a sampler run as given, its instance, for the
-    peer's ``controller.sampler`` (a name, a class or an instance). A refused one is a
-    ``NotImplementedError`` naming it and what to use instead."""
+def resolve_sampler(spec: Any) -> tuple[str, BaseSampler | None, bool]:
+    """Our controller sampler's name, for a sampler run as given its instance, and whether
+    the ranks of a group share batches by claim, for the peer's ``controller.sampler`` (a
+    name, a class or an instance). A refused one is a ``NotImplementedError`` naming it and
+    what to use instead."""
     if isinstance(spec, str):
         if spec not in _KNOWN:
             raise ValueError(f"Could not find sampler {spec} (known: {sorted(_KNOWN)})")
@@ -154,9 +187,9 @@ def resolve_sampler(spec: Any) -> tuple[str, BaseSampler | None]:
             f"sampler {cls.__name__} is not served by the transfer_queue facade over "
             f"transferqueue: {cls.refused}"
         )
-    if cls.native is not None and cls.sample is SequentialSampler.sample:
-        return cls.native, None
-    return "fifo", instance if instance is not None else cls()
+    if cls.native is not None and cls.sample in (SequentialSampler.sample, RankAwareSampler.sample):
+        return cls.native, None, cls.shared
+    return "fifo", instance if instance is not None else cls(), False
 
 
 class Pool:

@@ -121,7 +121,9 @@ def schema_of(cols: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     schema: dict[str, dict[str, Any]] = {}
     for name, col in cols.items():
         if isinstance(col, Ragged):
-            shapes = [tuple(r.shape) for r in col.unbind()]
+            inner = tuple(col.values.shape[1:])
+            lengths = (col.offsets[1:] - col.offsets[:-1]).tolist()  # (no view per row)
+            shapes = [(int(n), *inner) for n in lengths]
             schema[name] = {
                 "dtype": col.dtype,
                 "shape": torch.Size(shapes[0]) if shapes else None,

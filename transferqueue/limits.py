@@ -25,6 +25,7 @@ workloads (an RL batch is thousands of rows) and far below what would hurt a ser
 | MAX_META_REQUEST_BYTES | 64 MiB    | custom metadata set or returned by one request              |
 | MAX_KEY_CHARS      | 512           | one key of the key-value calls (a non-empty string)         |
 | MAX_KEYS           | 65,536        | keys in one key-value request (put, get, delete)            |
+| MAX_CLAIMS         | 65,536        | claimed names a partition keeps (the oldest dropped first)  |
 
 Times must be finite: NaN, infinity and negatives are refused where a time is expected.
 Storage units accept new rows only under a grant the controller signed for them (see
@@ -34,6 +35,7 @@ Storage units accept new rows only under a grant the controller signed for them 
 from __future__ import annotations
 
 __all__ = [
+    "MAX_CLAIMS",
     "MAX_DIM",
     "MAX_DIMS",
     "MAX_FIELDS",
@@ -72,3 +74,4 @@ MAX_META_BYTES = 4096
 MAX_META_REQUEST_BYTES = 64 << 20
 MAX_KEY_CHARS = 512
 MAX_KEYS = 1 << 16
+MAX_CLAIMS = 1 << 16

@@ -128,7 +128,8 @@ class BatchMeta:
         return self.reason == "end"
 
     def select(self, positions: np.ndarray | list[int]) -> BatchMeta:
-        """A sub-batch (same lease): acknowledging it acknowledges only these rows."""
+        """A sub-batch (same lease): acknowledging it acknowledges only these rows (of an
+        acknowledged batch: acknowledged already)."""
         pos = np.asarray(positions, dtype=np.int64)
         return BatchMeta(
             self.indexes[pos],
@@ -142,6 +143,7 @@ class BatchMeta:
             lease_id=self.lease_id,
             lease_s=self.lease_s,
             reason=self.reason,
+            acked=self.acked,
             replica_units=None if self.replica_units is None else self.replica_units[pos],
         )
 

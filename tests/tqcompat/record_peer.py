@@ -2,7 +2,7 @@
 ``tests/tqcompat/expected/NAME.txt`` (their stdout, raw)::
 
     python -m bench.peer --setup                 # once: the peer's own virtualenv
-    PYTHONPATH=. python tests/tqcompat/record_peer.py
+    PYTHONPATH=. python tests/tqcompat/record_peer.py [NAME ...]   # default: every tutorial
 
 Runs in the peer's virtualenv (``bench/.peer-venv``) against a Ray head of 8 logical CPUs
 that this script starts and stops (the peer's actors ask for a CPU each: the tutorials'
@@ -41,13 +41,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = fetch_tutorials(Path(tmp))
         EXPECTED.mkdir(exist_ok=True)
+        names = sys.argv[1:] or list(RUNNABLE)
+        unknown = sorted(set(names) - set(RUNNABLE))
+        if unknown:
+            sys.exit(f"unknown tutorials {unknown}; known: {list(RUNNABLE)}")
         args = []
-        for name in RUNNABLE:
+        for name in names:
             args += [str(root / "tutorial" / f"{name}.py"), str(EXPECTED / f"{name}.txt")]
         env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
         env.pop("PYTHONPATH", None)  # the peer's own packages only
         subprocess.run([str(PEER_PYTHON), "-c", _DRIVER, *args], check=True, env=env, cwd=tmp)
-    print(f"recorded {len(RUNNABLE)} tutorials in {EXPECTED}")
+    print(f"recorded {len(names)} tutorials in {EXPECTED}")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ checkpoints, refused backends and samplers, and bad input."""
 from __future__ import annotations
 
 import asyncio
+import pickle
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -178,6 +179,31 @@ def test_custom_meta_travels_with_the_rows(store: tq.TransferQueueClient) -> Non
     assert got.samples[1].custom_meta["v"] == 1
 
 
+def test_custom_meta_is_read_when_first_used(store: tq.TransferQueueClient) -> None:
+    """A blocking get_meta's batch reads its custom metadata on first use: its parts read
+    the whole batch's, a put with an unread batch keeps the store's, a changed one writes."""
+    meta = store.put(_batch(4), partition_id="p")
+    meta.update_custom_meta([{"k": i} for i in range(4)])
+    store.set_custom_meta(meta)
+    got = store.get_meta(["mask"], 4, "p", task_name="t")
+    assert not got.custom_meta_loaded
+    first, second = got.chunk(2)
+    store.put(TensorDict({"y": torch.zeros(2)}, batch_size=2), metadata=first)
+    assert second.custom_meta == [{"k": 2}, {"k": 3}] and got.custom_meta_loaded
+    first.update_custom_meta([{"k": 10}, {"k": 11}])
+    store.put(TensorDict({"z": torch.zeros(2)}, batch_size=2), metadata=first)
+    store.reset_consumption("p", "t")
+    again = store.get_meta(["mask"], 4, "p", task_name="t")
+    # pickled (a DataLoader worker's batch) with its metadata read: the loader stays here
+    part = pickle.loads(pickle.dumps(again[1:3]))
+    assert part.custom_meta_loaded and part.custom_meta == [{"k": 11}, {"k": 2}]
+    assert again.custom_meta == [{"k": 10}, {"k": 11}, {"k": 2}, {"k": 3}]
+    assert (
+        again.custom_meta
+        == store.run(store.async_get_meta(["mask"], 4, "p", "fetch", "u")).custom_meta
+    )
+
+
 def test_batch_meta_by_hand() -> None:
     schema = {"x": {"dtype": torch.int64, "shape": (4,), "is_nested": False}}
     a = BatchMeta([0, 1, 2], ["p"] * 3, schema)
@@ -198,6 +224,30 @@ def test_batch_meta_by_hand() -> None:
             tq.get_client().get_data(a)
     finally:
         tq.close()
+
+
+def test_kv_retrieve_meta_and_keys(store: tq.TransferQueueClient) -> None:
+    tq.kv_batch_put(["a", "b"], "T", TensorDict({"ids": torch.tensor([[1], [2]])}, batch_size=2))
+    tq.kv_put("b", "T", tag={"step": 3})
+    meta = store.kv_retrieve_meta(["b", "a"], "T")
+    assert meta.field_names == ["ids"] and meta.custom_meta == [{"step": 3}, {}]
+    assert store.get_data(meta)["ids"].view(-1).tolist() == [2, 1]
+    assert store.kv_retrieve_keys(meta.global_indexes, "T") == ["b", "a"]
+    assert store.kv_retrieve_keys(meta.global_indexes[1], "T") == ["a"]
+    one = store.run(store.async_kv_retrieve_meta("a", "T"))
+    assert one.global_indexes == meta.global_indexes[1:]
+    assert store.run(store.async_kv_retrieve_keys(one.global_indexes, "T")) == ["a"]
+    put = store.put(TensorDict({"ids": torch.tensor([[9]])}, batch_size=1), partition_id="T")
+    with pytest.raises(RuntimeError, match="no corresponding keys"):
+        store.kv_retrieve_keys(put.global_indexes, "T")
+    with pytest.raises(tq.StorageKeyNotFoundError):
+        store.kv_retrieve_meta(["nope"], "T")
+    with pytest.raises(NotImplementedError, match="kv_batch_put"):
+        store.kv_retrieve_meta(["c"], "T", create=True)
+    with pytest.raises(ValueError, match="empty list"):
+        store.kv_retrieve_keys([], "T")
+    with pytest.raises(TypeError, match="string"):
+        store.kv_retrieve_meta([1], "T")  # type: ignore[list-item]
 
 
 def test_kv_calls_and_their_async_twins(store: tq.TransferQueueClient) -> None:
@@ -337,7 +387,7 @@ def test_grpo_sampler_hands_out_whole_groups() -> None:
 
 
 def test_samplers_we_do_not_serve_are_refused_at_init() -> None:
-    for sampler in (tq.RankAwareSampler, "SeqlenBalancedSampler", tq.SeqlenBalancedSampler()):
+    for sampler in ("SeqlenBalancedSampler", tq.SeqlenBalancedSampler()):
         with pytest.raises(NotImplementedError, match="not served"):
             tq.init({"controller": {"sampler": sampler}})
     with pytest.raises(ValueError, match="Could not find sampler"):
@@ -394,6 +444,35 @@ def test_streaming_dataloader_with_two_ranks(store: tq.TransferQueueClient) -> N
     assert not set(seen[0]) & set(seen[1])
     with pytest.raises(StopIteration):  # every row consumed: the finite mode ends
         next(ranks[1])
+
+
+def test_rank_aware_sampler_gives_a_groups_ranks_the_same_rows() -> None:
+    """Ranks of one dp_rank get the same rows for each batch_index, whoever asks first; two
+    groups never the same row."""
+    tq.init({"controller": {"sampler": tq.RankAwareSampler, "polling_mode": True}})
+    try:
+        conf = tq.init()
+        ranks = {}
+        for rank, dp in ((0, 0), (1, 0), (2, 1), (3, 1)):
+            dataset = tq.StreamingDataset(conf, 2, 2, ["idx"], "p", "train", dp_rank=dp)
+            dataset._sleep_s = 0.05
+            ranks[(rank, dp)] = iter(tq.StreamingDataLoader(dataset))
+        c = tq.get_client()
+        c.put(TensorDict({"idx": torch.arange(8).view(8, 1)}, batch_size=8), partition_id="p")
+        seen: dict[tuple[int, int], list[list[int]]] = {key: [] for key in ranks}
+        for order in ([(0, 0), (2, 1), (1, 0), (3, 1)], [(3, 1), (1, 0), (0, 0), (2, 1)]):
+            for key in order:
+                batch, meta = next(ranks[key])
+                assert batch["idx"].view(-1).tolist() == meta.global_indexes
+                seen[key].append(meta.global_indexes)
+        assert seen[(0, 0)] == seen[(1, 0)] and seen[(2, 1)] == seen[(3, 1)]
+        group0 = {i for b in seen[(0, 0)] for i in b}
+        group1 = {i for b in seen[(2, 1)] for i in b}
+        assert len(group0) == len(group1) == 4 and not group0 & group1
+        with pytest.raises(ValueError, match="dp_rank"):  # the claim needs the group's name
+            c.get_meta(["idx"], 2, "p", task_name="train", sampling_config={})
+    finally:
+        tq.close()
 
 
 def test_dataloader_workers_need_a_store_they_can_reach(store: tq.TransferQueueClient) -> None:

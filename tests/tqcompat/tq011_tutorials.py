@@ -6,7 +6,11 @@ recorded in ``expected/`` by :mod:`record_peer` (run it where the peer is instal
 
 Lines that legitimately differ are masked before comparing, each pattern with its reason:
 random values the tutorial draws itself, and the way a tensor prints where the two stores
-return a different (documented) container.
+return a different (documented) container. What Ray workers print (tutorial 06's producers
+and ranks, relayed by Ray as ``(name pid=N) line``) interleaves in an order no system
+defines: those lines are compared as a sorted list after the driver's own lines, and the
+rows each rank retrieved (which depend on which producer wrote first) are checked by
+:func:`retrieved_by_worker` instead of by value.
 """
 
 from __future__ import annotations
@@ -18,7 +22,14 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EXPECTED", "RUNNABLE", "VERSION", "fetch_tutorials", "normalize"]
+__all__ = [
+    "EXPECTED",
+    "RUNNABLE",
+    "VERSION",
+    "fetch_tutorials",
+    "normalize",
+    "retrieved_by_worker",
+]
 
 VERSION = "0.1.11"
 EXPECTED = Path(__file__).resolve().parent / "expected"
@@ -28,9 +39,9 @@ RUNNABLE = (
     "03_metadata_concepts",
     "04_understanding_controller",
     "05_custom_sampler",
+    "06_streaming_dataloader",
 )
-"""The tutorials that run on the facade (06 needs the RankAwareSampler and the
-StreamingDataLoader: refused, see docs/transferqueue/compat.md)."""
+"""The tutorials that run on the facade: all six of the distribution."""
 
 _MASKS: tuple[tuple[str, Any, str], ...] = (
     # (pattern, replacement, why)
@@ -53,15 +64,39 @@ _MASKS: tuple[tuple[str, Any, str], ...] = (
 )
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_WORKER = re.compile(r"^\((\w+) pid=(\d+)(?:, ip=[^)]*)?\) ?(.*)$")
+_RETRIEVED = re.compile(r"^\[Update Worker@(\d+)\]: dp_rank (\d+) retrieved samples: \[(.*)\]$")
+
+
+def retrieved_by_worker(text: str) -> dict[tuple[int, int], list[list[int]]]:
+    """Tutorial 06: per ``(rank, dp_rank)``, the sample ids of each step, in step order."""
+    out: dict[tuple[int, int], list[list[int]]] = {}
+    for raw in text.splitlines():
+        m = _WORKER.match(_ANSI.sub("", raw).rstrip())
+        hit = _RETRIEVED.match(m[3]) if m else None
+        if hit:
+            ids = [int(i) for i in hit[3].split(",") if i.strip()]
+            out.setdefault((int(hit[1]), int(hit[2])), []).append(ids)
+    return out
+
+
 def normalize(text: str) -> list[str]:
     """The stdout lines that must match: non-empty, right-stripped, with the masks applied.
     A masked value printed over several lines (a TensorDict, a 2-D tensor) drops its
-    continuation lines (indented 4 or more, or a closing brace)."""
+    continuation lines (indented 4 or more, or a closing brace). Ray workers' lines follow
+    the driver's, sorted, without their pids (see the module)."""
     out: list[str] = []
+    workers: list[str] = []
     skipping = False
     for raw in text.splitlines():
-        line = raw.rstrip()
+        line = _ANSI.sub("", raw).rstrip()
         if not line.strip():
+            continue
+        worker = _WORKER.match(line)
+        if worker:
+            said = re.sub(r"retrieved samples: \[.*\]", "retrieved samples: <ids>", worker[3])
+            workers.append(f"({worker[1]}) {said}")
             continue
         if skipping and line.startswith(("    ", "}")):
             continue
@@ -71,7 +106,7 @@ def normalize(text: str) -> list[str]:
             skipping = skipping or (new != line and isinstance(repl, str) and repl.endswith(">"))
             line = new
         out.append(line)
-    return out
+    return out + (["-- Ray workers' lines, sorted --", *sorted(workers)] if workers else [])
 
 
 def fetch_tutorials(cache: Path) -> Path:

@@ -95,6 +95,7 @@ EXAMPLES: dict[tuple[str, str], protocol.Request[Any]] = {
     ),
     ("controller", "kv_delete"): m.KvDelete(partition="fuzz", keys=["k1"]),
     ("controller", "kv_list"): m.KvList(partition="fuzz", fields=["fz"], all_fields=True),
+    ("controller", "claim"): m.Claim(partition="fuzz", name="g/0", indexes=np.arange(2)),
     ("controller", "export_state"): m.ExportState(partitions=["fuzz"], hold_s=1.0),
     ("controller", "hold_export"): m.HoldExport(snapshot_id=7, hold_s=0.0),
     ("controller", "import_rows"): m.ImportRows(

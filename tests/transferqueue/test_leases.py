@@ -197,3 +197,21 @@ def test_an_expired_lease_cannot_be_renewed_or_acked() -> None:
         ctl.queues.renew(lease, 10.0)
     with pytest.raises(LeaseExpiredError):
         ctl.queues.ack(lease)
+
+
+def test_consume_acks_a_full_batch_as_it_is_handed_out(client: Client) -> None:
+    """``consume=True``: a full batch comes back acknowledged (never handed out again, even
+    after its lease would have run out); a short one stays leased, to release."""
+    _put(client, 5)
+    full = client.get_meta(
+        task="t", fields=["x"], batch_size=3, timeout_s=5.0, lease_s=0.2, consume=True
+    )
+    assert len(full) == 3 and full.acked
+    client.ack(full)  # (acks are idempotent: nothing to send)
+    short = client.get_meta(task="t", fields=["x"], batch_size=3, timeout_s=0.0, consume=True)
+    assert len(short) == 2 and not short.acked
+    client.release(short)
+    time.sleep(0.3)
+    rest = client.get_meta(task="t", fields=["x"], batch_size=5, timeout_s=0.0)
+    assert sorted(rest.indexes.tolist()) == sorted(short.indexes.tolist())
+    assert client.stats()["controller"]["partitions"]["default"]["tasks"]["t"]["done"] == 3

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from types import TracebackType
+from typing import Any, TypeVar
 
 from transferqueue.client.async_client import AsyncClient
 from transferqueue.client.buffers import ResultBuffers
@@ -23,6 +24,8 @@ from transferqueue.loop import LoopThread
 from transferqueue.wire import messages as m
 
 __all__ = ["TransferQueue"]
+
+T = TypeVar("T")
 
 
 class TransferQueue:
@@ -78,6 +81,12 @@ class TransferQueue:
     def client(self) -> Client:
         """A blocking client, safe to share across threads."""
         return Client(self.async_client(), self._io, self._direct)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run a coroutine of this handle's async clients on its I/O loop and wait for it,
+        from any thread but the loop's own: for blocking calls layered over the async client
+        (a compatibility facade), whose awaits then land on the loop without a hop each."""
+        return self._io.run(coro, timeout)
 
     def configure_device(self, *, pinned_bytes: int, chunk_bytes: int = CHUNK_BYTES) -> None:
         """Size the pinned memory that CUDA columns move through (default

@@ -26,6 +26,7 @@ def get_meta_request(
     sampler: str = "fifo",
     min_version: int | None = None,
     max_group: int | None = None,
+    consume: bool = False,
     **sampler_options: Any,
 ) -> m.GetMeta:
     """The request of ``get_meta`` (same arguments; see ``AsyncClient.get_meta``)."""
@@ -40,6 +41,7 @@ def get_meta_request(
         min_version=min_version,
         max_group=max_group,
         timeout_s=timeout_of(timeout_s),
+        consume=consume,
     )
 
 

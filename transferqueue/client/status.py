@@ -42,7 +42,7 @@ def _indexes(rows: Indexes) -> np.ndarray:
 
 class StatusCalls:
     """``status``, ``reset_consumption``, ``set_custom_meta``, ``get_custom_meta``,
-    ``lost_rows``, ``retire_groups``."""
+    ``lost_rows``, ``retire_groups``, ``claim``."""
 
     def __init__(self, io: LoopThread, controller: ControllerLink) -> None:
         self._io = io
@@ -125,4 +125,18 @@ class StatusCalls:
         (ask again once that lease ends). See :mod:`transferqueue.controller.retire`."""
         arr = np.asarray(groups, dtype=np.int64).reshape(-1)
         msg = m.RetireGroups(partition=partition, groups=arr, unless_leased_by=unless_leased_by)
+        return await self._io.run_async(self._ctl.call(msg))
+
+    async def claim(
+        self, name: str, indexes: Indexes | None = None, *, partition: str = "default"
+    ) -> BatchMeta:
+        """Bind ``name`` to the rows ``indexes`` unless it is bound already, atomically on
+        the controller; returns the rows ``name`` is bound to (without ``indexes``: a lookup,
+        an empty batch when unbound). For consumers that must share one batch (the ranks of
+        a data-parallel group): each takes a batch (``get_meta``), claims it under a name they
+        agree on, and releases its own batch if the claim returns other rows. The batch
+        returned holds no lease (read it with ``get_data``). See
+        :mod:`transferqueue.controller.claims`."""
+        rows = None if indexes is None else _indexes(indexes)
+        msg = m.Claim(partition=partition, name=name, indexes=rows)
         return await self._io.run_async(self._ctl.call(msg))

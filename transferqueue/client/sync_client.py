@@ -124,6 +124,7 @@ class Client:
     get_custom_meta = _blocking(AsyncClient.get_custom_meta)
     lost_rows = _blocking(AsyncClient.lost_rows)
     retire_groups = _blocking(AsyncClient.retire_groups)
+    claim = _blocking(AsyncClient.claim)
     kv_put = _blocking(AsyncClient.kv_put)
     kv_batch_put = _blocking(AsyncClient.kv_batch_put)
     kv_get = _blocking(AsyncClient.kv_get)

@@ -22,6 +22,7 @@ them (and reports ``stats``)::
     health        allocation deadlines, loss counters    lose_unit, unit_back, reclaim
     status        custom metadata per row                status, set/get_custom_meta
     keys          key map per partition                  key_rows, delete_keys, list_keys
+    claims        names bound once to rows, per partition claim
     snapshots     -                                      export_partition, import_rows,
                                                          import_tasks
 
@@ -40,6 +41,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from transferqueue.controller.claims import Claims
 from transferqueue.controller.health import ALLOCATION_S, UnitHealth
 from transferqueue.controller.keys import KeyedRows
 from transferqueue.controller.leases import LeaseTable
@@ -105,6 +107,7 @@ class Controller:
         )
         self.status = RowStatus(self.rows, self.partitions)
         self.keys = KeyedRows(self.rows, self.partitions, self.writes)
+        self.claims = Claims(self.rows, self.partitions)
         self.snapshots = Snapshots(
             self.rows,
             self.partitions,
@@ -135,6 +138,7 @@ class Controller:
             self.health,
             self.status,
             self.keys,
+            self.claims,
             self.snapshots,
         ]
 
@@ -163,6 +167,7 @@ class Controller:
                 "rows_lost": part.rows_lost,
                 "rows_retired": part.rows_retired,
                 "keys": self.keys.count(part.id),
+                "claims": self.claims.count(part.name),
                 "finished": part.finished,
                 "declared_tasks": part.declared,
                 "tasks": tasks,

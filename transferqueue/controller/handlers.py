@@ -11,7 +11,7 @@ as the core's parts are::
     QueueHandlers     get_meta, ack, release, renew, declare_tasks, finish, clear,
                       reset_consumption, alive, holder_gone
     StatusHandlers    status, set_custom_meta, get_custom_meta, lost_rows, retire_groups
-    KeyHandlers       kv_rows, kv_delete, kv_list
+    KeyHandlers       kv_rows, kv_delete, kv_list, claim
     SnapshotHandlers  export_state, hold_export, import_rows, import_tasks
 
 :func:`handlers` gives all of them for :func:`~transferqueue.wire.protocol.handlers` (a server
@@ -200,7 +200,12 @@ class QueueHandlers(_Handlers):
         )
         self.service.apply(changes)
         if meta is not None and meta.lease_id is not None:
-            self.service.leased(msg.lease_s)
+            if msg.consume and len(meta) == msg.batch_size:  # (at most once: see GetMeta)
+                done = self.ctl.queues.ack(meta.lease_id, meta.indexes, caller.identity)
+                self.service.apply(done)
+                meta.acked = True
+            else:
+                self.service.leased(msg.lease_s)
         return meta
 
     async def _get_meta_later(self, msg: m.GetMeta, caller: Caller) -> BatchMeta | None:
@@ -325,6 +330,10 @@ class KeyHandlers(_Handlers):
 
     def kv_list(self, msg: m.KvList, caller: Caller) -> KeyListing:
         return self.ctl.keys.list_keys(msg.partition, msg.fields, msg.all_fields)
+
+    def claim(self, msg: m.Claim, caller: Caller) -> BatchMeta:
+        """A name bound once to rows (see :mod:`transferqueue.controller.claims`)."""
+        return self.ctl.claims.claim(msg.partition, msg.name, msg.indexes)
 
 
 class SnapshotHandlers(_Handlers):

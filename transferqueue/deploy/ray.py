@@ -519,6 +519,10 @@ def _started(ray: Any, refs: list[Any], timeout_s: float, what: str) -> list[Any
 def _kill(actors: list[Any]) -> None:
     import ray
 
+    if not ray.is_initialized():
+        # This driver left Ray already (its exit hook ran first, a handle closed at exit):
+        # Ray ends the actors it owned, and a call here would connect again mid-teardown.
+        return
     for a in actors:
         with contextlib.suppress(Exception):  # the actor may be gone already
             ray.get(a.shutdown.remote(), timeout=10)

@@ -20,7 +20,7 @@ column values) are :class:`Check` objects in the field's ``Annotated`` metadata,
 |            | discard, commit, get_meta, ack, release, renew, alive, holder_gone,            |
 |            | declare_tasks, finish, clear*,                                                 |
 |            | stats, reset*, status, reset_consumption, set_custom_meta, get_custom_meta,    |
-|            | lost_rows, retire_groups, kv_rows, kv_delete, kv_list, export_state,           |
+|            | lost_rows, retire_groups, kv_rows, kv_delete, kv_list, claim, export_state,    |
 |            | hold_export, import_rows, import_tasks                                         |
 | unit       | write, read, free, ping, clear*, stats, reset*, shm_attach, shm_detach,        |
 |            | inventory*, copy_rows**                                                        |
@@ -193,6 +193,9 @@ class GetMeta(ControllerRequest[BatchMeta]):
     timeout_s: WaitS | None = None
     partial: bool = True
     holder: HolderId | None = None
+    consume: bool = False
+    """At most once: a full batch is acknowledged as it is handed out (one round trip; the
+    reply says ``acked``). A short batch stays leased, for the caller to release or ack."""
 
 
 class Alive(ControllerRequest[None]):
@@ -371,6 +374,17 @@ class KvList(ControllerRequest[KeyListing]):
     partition: Name
     fields: Names | None = None
     all_fields: bool = False
+
+
+class Claim(ControllerRequest[BatchMeta]):
+    """Bind ``name`` in ``partition`` to the rows ``indexes`` unless it is bound already;
+    replies with the rows it is bound to (an empty batch: unbound, looked up without
+    ``indexes``). See :mod:`transferqueue.controller.claims`."""
+
+    kind = "claim"
+    partition: Name
+    name: Key
+    indexes: Rows | None = None
 
 
 class ExportState(ControllerRequest[StoreExport]):
