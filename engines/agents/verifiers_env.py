@@ -166,8 +166,26 @@ class VerifiersAgent:
         out = await self.env.run_rollout(
             rollout_input(row), self.vf.OpenAIChatCompletionsClient(client), self.model, sampling
         )
+        error = out.get("error")
+        if isinstance(error, Mapping) and error.get("error") in _infra_errors(self.vf):
+            # the environment's infrastructure (a sandbox, a tunnel), not the policy: the
+            # episode ends env_error and is tried again (the environments' failure taxonomy)
+            raise RuntimeError(f"verifiers {error.get('error')}: {error.get('message')}")
         reward = out.get("reward")
         return None if reward is None else float(reward)
+
+
+def _infra_errors(vf: Any) -> set[str]:
+    """Names of verifiers' ``InfraError`` and its subclasses. Its other errors (the model's
+    response unusable, a tool call that fails) are the policy's: the rubric's reward stands."""
+    base = getattr(vf, "InfraError", None)
+    names: set[str] = set()
+    todo = [base] if isinstance(base, type) else []
+    while todo:
+        cls = todo.pop()
+        names.add(cls.__name__)
+        todo += cls.__subclasses__()
+    return names
 
 
 def agent_from_spec(

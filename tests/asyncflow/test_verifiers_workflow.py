@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from asyncflow import EngineFactories, run
-from tests.asyncflow.conftest import small_config
+from tests.asyncflow.conftest import DEPLOYS, small_config
 
 pytest.importorskip("verifiers", reason="the verifiers extra: pip install 'asyncflow[verifiers]'")
 pytest.importorskip("aiohttp")
@@ -73,6 +73,18 @@ def test_a_verifiers_environment_trains_ten_steps(out_dir: Path, env: str) -> No
     else:  # the warm-started policy calls the tool in (almost) every episode of its first step
         assert result.records[0]["turns_mean"] > 1.5
         assert result.records[0]["loss_mask_frac"] < 1.0
+
+
+@pytest.mark.parametrize("deploy", [DEPLOYS[-1]], indirect=True)  # ray
+def test_a_verifiers_environment_on_ray(out_dir: Path, deploy: list[str]) -> None:
+    """The environment is loaded in the data loader and in each rollout actor (by its import
+    path, off the main thread), and its episodes train as in one process."""
+    cfg = small_config(out_dir, *verifiers_run("single_turn", "train.steps=3"), *deploy)
+    result = run(cfg)
+    assert [r["step"] for r in result.records] == [0, 1, 2]
+    for r in result.records:
+        assert sum(r["episode_end_reasons"].values()) == 8 and r["turns_mean"] == 1.0
+        assert math.isfinite(r["reward"]) and 0.0 < r["reward"] <= 1.5
 
 
 def test_a_verifiers_run_needs_its_task_and_its_extra(monkeypatch: pytest.MonkeyPatch) -> None:

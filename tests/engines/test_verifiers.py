@@ -117,3 +117,26 @@ def test_a_missing_extra_names_the_pip_install(
     monkeypatch.setitem(sys.modules, "verifiers", None)
     with pytest.raises(MissingExtraError, match=r"pip install 'asyncflow\[verifiers\]'"):
         AgentRunner("verifiers:some_env", tiny_tokenizer)
+
+
+def test_an_infrastructure_error_of_the_environment_is_env_error(tiny_tokenizer: Any) -> None:
+    """verifiers' InfraError (a sandbox down) is not the policy's: the episode ends
+    ``env_error`` (tried again, then its group refilled) instead of taking the rubric's 0."""
+    import verifiers as vf
+
+    from engines.agents import verifiers_env
+
+    env = verifiers_env.load_environment("tests.asyncflow.vf_envs:tool_env")
+
+    async def setup_state(state: Any) -> Any:
+        raise vf.SandboxError("the sandbox did not start")
+
+    gen = Scripted(tiny_tokenizer, ["5"])
+    row = row_of(TOOLS.removeprefix("verifiers:"))
+    original = env.setup_state
+    env.setup_state = setup_state
+    try:
+        ep = run_episode(tiny_tokenizer, TOOLS, row, gen)
+    finally:
+        env.setup_state = original
+    assert ep.end_reason == "env_error" and "SandboxError" in (ep.error or ""), ep.error
