@@ -24,7 +24,8 @@ episodes run over several turns with an environment (``tool_use``, ``guess_numbe
 in ``turns``.
 
 Procedural tasks from reasoning-gym, scored by their own scorers: task ``reasoning_gym``
-(:mod:`engines.reasoning_gym`, an optional extra).
+(:mod:`engines.reasoning_gym`, an optional extra). A verifiers environment's dataset: task
+``verifiers`` (:mod:`engines.agents.verifiers_env`, an optional extra).
 
 Called by the prompt data loader of the workflow, by examples, and by the tiny-model warm start.
 """
@@ -321,6 +322,7 @@ TASKS: dict[str, str] = {
     "tool_use": "engines.envs.tool_use:ToolUseTask",
     "guess_number": "engines.envs.guess_number:GuessNumberTask",
     "reasoning_gym": "engines.reasoning_gym:ReasoningGymTask",
+    "verifiers": "engines.agents.verifiers_env:VerifiersTask",
 }
 """Task classes by name, as import paths (a task's module is imported only when it is used)."""
 

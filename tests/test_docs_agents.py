@@ -52,3 +52,34 @@ def test_the_custom_agent_runs_as_written(tmp_path: Path, monkeypatch: pytest.Mo
         assert sum(reasons.values()) == 8 and set(reasons) <= {"done", "max_tokens"}
         assert r["turns_mean"] == 2.0  # both calls of every episode, one trajectory each
     sys.modules.pop("my_agents", None)
+
+
+def test_the_verifiers_environment_runs_as_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("verifiers", reason="the verifiers extra")
+    text = PAGE.read_text()
+    (tmp_path / "my_envs.py").write_text(_block(text, "<!-- verifiers-env -->"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (command,) = _block(text, "<!-- verifiers-command -->").splitlines()
+    words = shlex.split(command)
+    assert words[0] == "PYTHONPATH=." and words[1].endswith("asyncflow") and words[2] == "run"
+    cfg = load_config(
+        overrides=[
+            *words[3:],
+            f"output.dir={tmp_path / 'run'}",
+            "output.progress=false",
+            "output.loggers=[jsonl]",
+            "output.plot=false",
+            "train.steps=2",  # the page's run, shortened
+            "train.groups_per_step=2",
+            "rollout.group_size=4",
+            "model.warm_start_steps=0",
+        ]
+    )
+    result = run(cfg)
+    assert [r["step"] for r in result.records] == [0, 1]
+    for r in result.records:
+        assert r["episode_end_reasons"] == {"done": 8} and r["turns_mean"] == 1.0
+        assert 0.0 <= r["reward"] <= 1.0  # the rubric's: right or not
+    sys.modules.pop("my_envs", None)

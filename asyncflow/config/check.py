@@ -178,11 +178,35 @@ def _check_agent(cfg: RunConfig) -> None:
     try:
         for module in ("aiohttp", "openai"):
             require(module, extra="agents", what="rollout.agent")
-        agent_factory(cfg.rollout.agent or "", cfg.rollout.agent_options)
+        agent = cfg.rollout.agent or ""
+        if agent.startswith("verifiers:"):
+            _check_verifiers(cfg, agent[len("verifiers:") :].strip())
+        agent_factory(agent, cfg.rollout.agent_options, model=cfg.rollout.agent_model)
     except MissingExtraError as e:
         raise ConfigError(str(e)) from None
     except ValueError as e:
         raise ConfigError(f"rollout.agent / rollout.agent_options: {_one_line(e)}") from None
+
+
+def _check_verifiers(cfg: RunConfig, spec: str) -> None:
+    """A verifiers environment's rows are its dataset: the task must be ``verifiers`` on the
+    same environment and arguments (engines.agents.verifiers_env)."""
+    from engines.imports import require
+
+    require("verifiers", extra="verifiers", what="rollout.agent=verifiers:...")
+    t = cfg.task
+    same = (
+        t.name == "verifiers"
+        and t.options.get("environment") == spec
+        and dict(t.options.get("env_args") or {}) == dict(cfg.rollout.agent_options)
+    )
+    if not same:
+        raise ValueError(
+            f"rollout.agent=verifiers:{spec} draws its prompts from the environment's dataset: "
+            f"set task.name=verifiers task.options.environment={spec} (and task.options.env_args "
+            f"equal to rollout.agent_options); got task.name={t.name!r}, "
+            f"task.options={dict(t.options)!r}"
+        )
 
 
 def _check_task(cfg: RunConfig) -> Task:

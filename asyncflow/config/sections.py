@@ -227,7 +227,9 @@ class RolloutConfig:
     per episode with an ``openai.AsyncOpenAI`` client bound to the episode's session on the
     rollout's OpenAI-compatible endpoint. Its calls are the episode (``max_turns``,
     ``max_episode_tokens``; ``env.timeout_s`` bounds the whole agent run). Needs the
-    ``agents`` extra; excludes ``env.name``."""
+    ``agents`` extra; excludes ``env.name``. ``verifiers:ENV`` runs a verifiers environment
+    (``module:attribute`` or an installed id; ``agent_options``: its loader's arguments) with
+    ``task.name=verifiers task.options.environment=ENV``: the ``verifiers`` extra."""
     agent_options: dict[str, Any] = field(default_factory=dict)
     """Keyword options of an agent class (one instance per episode)."""
     agent_model: str = "policy"

@@ -11,9 +11,12 @@
 |                                     | model's sampled ids (token-in/token-out)             |
 | :mod:`engines.agents.runner`        | :class:`AgentRunner`: the agent seam                 |
 |                                     | (``rollout.agent=module:attribute``)                 |
+| :mod:`engines.agents.verifiers_env` | verifiers environments as agents                     |
+|                                     | (``rollout.agent=verifiers:...``, task ``verifiers``)|
 
 aiohttp and openai (the ``agents`` extra) are imported when a server starts or a runner is
-built, so this package imports without them. Nothing here knows TransferQueue.
+built, verifiers (the ``verifiers`` extra) when its environment is loaded, so this package
+imports without them. Nothing here knows TransferQueue.
 """
 
 from engines.agents.codec import ChatCodec, parse_tool_calls

@@ -57,11 +57,20 @@ Agent = Callable[[dict[str, Any], Any], Awaitable[float | None]]
 
 
 def agent_factory(
-    target: str | Callable[..., Any], options: Mapping[str, Any] | None = None
+    target: str | Callable[..., Any],
+    options: Mapping[str, Any] | None = None,
+    *,
+    model: str = "policy",
 ) -> Callable[[], Agent]:
     """What builds one episode's agent: ``target`` is an async function, a class (an instance
-    per episode, ``target(**options)``, must be an async callable) or an import path
-    ``module.path:attribute`` of either. Raises ``ValueError`` naming what is wrong."""
+    per episode, ``target(**options)``, must be an async callable), an import path
+    ``module.path:attribute`` of either, or ``verifiers:<environment>``
+    (:mod:`engines.agents.verifiers_env`: ``options`` are its loader's arguments, ``model``
+    the served name it calls). Raises ``ValueError`` naming what is wrong."""
+    if isinstance(target, str) and target.startswith("verifiers:"):
+        from engines.agents.verifiers_env import agent_from_spec
+
+        return agent_from_spec(target, options, model)
     obj = (
         import_path(target, "agent", target="agent", example="mypkg.agents:solve")
         if isinstance(target, str)
@@ -115,7 +124,7 @@ class AgentRunner:
     ) -> None:
         require("openai", extra="agents", what="the agent seam (rollout.agent)")
         require("aiohttp", extra="agents", what="the agent seam (rollout.agent)")
-        self.factory = agent_factory(agent, options)
+        self.factory = agent_factory(agent, options, model=model)
         self.limits = limits or EpisodeLimits()
         self.server = OpenAIServer(
             tokenizer,

@@ -1,6 +1,6 @@
 """Agent episodes end to end: the workflow with ``rollout.agent`` on the tiny model.
 
-An agent (:mod:`tests.asyncflow.agents`) calls the rollout's OpenAI-compatible endpoint with
+An agent (:mod:`tests.asyncflow.agent_programs`) calls the rollout's OpenAI-compatible endpoint with
 the ``openai`` client; each of its calls is a turn of its episode. The invariants of the
 environment seam hold the same (every group trained once and whole, the staleness bound on each
 episode's oldest token, every token's version checked where it is trained by
@@ -20,11 +20,11 @@ from tests.asyncflow.conftest import deploys_by_k, small_config
 pytest.importorskip("openai")
 pytest.importorskip("aiohttp")
 
-from tests.asyncflow.agents import prompt_checking_trainer
+from tests.asyncflow.agent_programs import prompt_checking_trainer
 from tests.asyncflow.episodes import CheckingTrain
 
 AGENT = [
-    "rollout.agent=tests.asyncflow.agents:check_twice",
+    "rollout.agent=tests.asyncflow.agent_programs:check_twice",
     "rollout.max_turns=2",
     "rollout.max_new_tokens=3",
     "rollout.max_episode_tokens=48",
@@ -96,7 +96,7 @@ def test_a_missing_extra_or_a_bad_agent_fails_before_the_run(
     from asyncflow.config.check import resolve_config
 
     with pytest.raises(ConfigError, match="not_there"):
-        resolve_config(None, ["rollout.agent=tests.asyncflow.agents:not_there"])
+        resolve_config(None, ["rollout.agent=tests.asyncflow.agent_programs:not_there"])
     with pytest.raises(ValueError, match="both"):
         resolve_config(None, [*AGENT, "env.name=tool_use"])
     monkeypatch.setitem(sys.modules, "aiohttp", None)  # what an absent package does

@@ -1,7 +1,10 @@
 """Agents for the workflow tests, written as anyone writes one against the ``openai`` client.
 
+(Not named ``agents``: the tests' folder is on ``sys.path``, and a module ``agents`` there would
+hide the ``agents`` package of openai-agents, which verifiers imports.)
+
 They live in an importable module (not a test module) so that the rollout, wherever it runs,
-imports them by path (``rollout.agent=tests.asyncflow.agents:check_twice``).
+imports them by path (``rollout.agent=tests.asyncflow.agent_programs:check_twice``).
 """
 
 from __future__ import annotations
