@@ -490,6 +490,17 @@ class TrainerActor(_Host):
     def version(self) -> int:
         return int(self.engine.version)
 
+    def digest(self) -> tuple[int, str]:
+        """This rank's version and a hash of its weights (ddp replicas hold the same: the
+        fault tests compare them after a rank was replaced)."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for name, t in sorted(self.engine.state_dict().items()):
+            h.update(name.encode())
+            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return int(self.engine.version), h.hexdigest()
+
     def write_state(self, directory: Path) -> None:
         """This rank's state (weights, optimizer, version, RNGs) in the checkpoint format,
         into ``directory`` (rank 0, for a replacement rank: see :meth:`adopt_state`)."""

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from asyncflow import EngineFactories, StageError, run
+from asyncflow.deploy.ray import RayDeployment
 from asyncflow.feeder import PromptFeeder
 from tests.asyncflow.conftest import RAY_START, RAY_TEST_TIMEOUT_S, small_config
 from tests.asyncflow.faulty import slow_reward_factory, train_leased
@@ -272,7 +273,7 @@ def test_a_dead_trainer_rank_0_ends_the_run_naming_it(ray_cluster: None, tmp_pat
 
 
 def test_a_killed_trainer_rank_is_replaced_and_its_step_redone(
-    ray_cluster: None, tmp_path: Path
+    ray_cluster: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """SIGKILL trainer rank 1 of two (ddp) mid-run: Ray restarts it, rank 0 hands it its
     weights and optimizer state, the group forms again and the step in flight is redone, so
@@ -293,10 +294,21 @@ def test_a_killed_trainer_rank_is_replaced_and_its_step_redone(
     killer = threading.Thread(
         target=_kill_when, args=(out, kill_after, ["-train-rank1"], killed), daemon=True
     )
+    digests: list[tuple[int, str]] = []
+    real_close = RayDeployment.close
+
+    async def close(dep: RayDeployment) -> None:  # the ranks' state before they stop
+        if not digests:
+            digests.extend(await asyncio.gather(*(t.digest.remote() for t in dep._trainers)))
+        await real_close(dep)
+
+    monkeypatch.setattr(RayDeployment, "close", close)
     killer.start()
     result = run(cfg)
     killer.join(timeout=60)
     assert killed == ["-train-rank1"]
+    # the replacement holds rank 0's weights and version: it adopted them and stepped with it
+    assert len(digests) == 2 and digests[0] == digests[1] and digests[0][0] == steps
     b = cfg.train.groups_per_step
     trained: list[int] = []
     for rep in result.reports:
