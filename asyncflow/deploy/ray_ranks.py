@@ -235,7 +235,9 @@ class DataParallelTrain(TrainAdapter):
         version = int(self.local.engine.version)
         calls = [self.local.optimizer_step(atomic=self.restartable)]
         calls += [
-            rank_call(h.optimizer_step.remote(atomic=self.restartable), r, restartable=True)
+            rank_call(
+                h.optimizer_step.remote(atomic=self.restartable), r, restartable=self.restartable
+            )
             for r, h in enumerate(self.ranks, 1)
         ]
         results = await asyncio.gather(*calls, return_exceptions=True)
