@@ -160,6 +160,7 @@ class DataParallelTrain(TrainAdapter):
         self.restart_timeout_s = restart_timeout_s
         self.recoveries: list[float] = []  # seconds each recovery took
         self._recovery_s = 0.0  # in the step in flight
+        self._redone = 0  # parts of the step in flight trained again by replacements
         self._parts: dict[int, list[Part]] = {r: [] for r in range(1, self.dp)}
         if self.max_tokens is None:
             self.sampler = "balanced"
@@ -264,13 +265,15 @@ class DataParallelTrain(TrainAdapter):
 
     def _done(self, metrics: dict[str, float]) -> dict[str, float]:
         """The step is taken: forget its parts; report the seconds recoveries took in it
-        (``rank_recovery_s``, restartable ranks only)."""
+        and the parts trained again (``rank_recovery_s``, ``rank_parts_redone``; restartable
+        ranks only)."""
         for parts in self._parts.values():
             parts.clear()
         if not self.restartable:
             return metrics
         spent, self._recovery_s = self._recovery_s, 0.0
-        return {**metrics, "rank_recovery_s": spent}
+        redone, self._redone = self._redone, 0
+        return {**metrics, "rank_recovery_s": spent, "rank_parts_redone": float(redone)}
 
     async def _recover(self, lost: list[int], *, replay: bool) -> dict[int, Result]:
         """Bring the replacements of ranks ``lost`` into the group with rank 0's state, then
@@ -303,6 +306,7 @@ class DataParallelTrain(TrainAdapter):
                 for part, cols, adv, scale in self._parts[r]:
                     ref = self.ranks[r - 1].train_cols.remote(part, cols, adv, scale)
                     res = await rank_call(ref, r, restartable=True)
+                    self._redone += 1
                 out[r] = res
         seconds = time.monotonic() - t0
         self.recoveries.append(seconds)

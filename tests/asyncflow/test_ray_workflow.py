@@ -24,7 +24,7 @@ from asyncflow import EngineFactories, StageError, run
 from asyncflow.deploy.ray import RayDeployment
 from asyncflow.feeder import PromptFeeder
 from tests.asyncflow.conftest import RAY_START, RAY_TEST_TIMEOUT_S, small_config
-from tests.asyncflow.faulty import slow_reward_factory, train_leased
+from tests.asyncflow.faulty import rank1_dying_trainer_factory, slow_reward_factory, train_leased
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(RAY_TEST_TIMEOUT_S)]
 
@@ -331,6 +331,47 @@ def test_a_killed_trainer_rank_is_replaced_and_its_step_redone(
     )
     assert worst <= median + max(10.0, restart_s + 3.0), [round(r["step_s"], 2) for r in records]
     assert worst < 60.0
+
+
+@pytest.mark.parametrize("where", ["forward_backward", "optimizer_step"])
+def test_a_trainer_rank_killed_at_a_known_point_of_its_step_is_recovered_exactly(
+    ray_cluster: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """Trainer rank 1 SIGKILLs its own process at a known point of step 3: in its second
+    micro-batch (rank 0 has the replacement train the step's two parts again), or in its
+    optimizer step after the gradient all-reduce (rank 0 has stepped: the replacement takes
+    the stepped state). Either way every group is trained once, every step is one version,
+    and both ranks end with the same weights and version."""
+    out = tmp_path / "run"
+    steps = 8
+    cfg = small_config(
+        out,
+        "deploy.mode=ray",
+        "train.dp_size=2",
+        "train.micro_batch_groups=1",  # two micro-batches a step
+        f"train.steps={steps}",
+        RAY_START,
+    )
+    digests: list[tuple[int, str]] = []
+    real_close = RayDeployment.close
+
+    async def close(dep: RayDeployment) -> None:
+        if not digests:
+            digests.extend(await asyncio.gather(*(t.digest.remote() for t in dep._trainers)))
+        await real_close(dep)
+
+    monkeypatch.setattr(RayDeployment, "close", close)
+    result = run(cfg, factories=EngineFactories(trainer=rank1_dying_trainer_factory(where)))
+    assert (out / "rank1-killed").exists()
+    b = cfg.train.groups_per_step
+    assert [g for r in result.reports for g in r.groups] == list(range(steps * b))
+    assert [r.version for r in result.reports] == list(range(1, steps + 1))
+    assert result.extra["restarts"].get("train/rank1", 0) == 1
+    assert sum(r["rank_recovery_s"] for r in result.records) > 0
+    # the dead rank's parts of step 3 trained again (both micro-batches), or none: stepped
+    redone = [r["rank_parts_redone"] for r in result.records]
+    assert redone == [0] * 3 + [2 if where == "forward_backward" else 0] + [0] * (steps - 4)
+    assert len(digests) == 2 and digests[0] == digests[1] and digests[0][0] == steps
 
 
 def test_groups_a_dead_unit_actor_took_are_regenerated_on_the_ray_workflow(
