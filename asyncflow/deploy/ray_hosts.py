@@ -59,7 +59,7 @@ from asyncflow.checkpoint import (
 )
 from asyncflow.config import RunConfig
 from asyncflow.deploy import sharded
-from asyncflow.deploy.ray_ranks import DataParallelTrain, RankRestartedError
+from asyncflow.deploy.ray_ranks import DataParallelTrain, RankRestartedError, ranks_restartable
 from asyncflow.deploy.remote import GeneratorView, RemoteGenerator, RemoteRegistry
 from asyncflow.hosts import GeneratorHost, WeightSource, check_engine
 from asyncflow.metrics import Timeline
@@ -397,12 +397,6 @@ class WorkerActor(_Host):
                     tg.create_task(r.run())
         except ExceptionGroup as eg:  # a stage failed: its StageError, as with one stage
             raise eg.exceptions[0] from None
-
-
-def ranks_restartable(cfg: RunConfig) -> bool:
-    """Whether Ray restarts trainer ranks 1.. of this run (and rank 0 recovers them):
-    ``train.strategy=ddp`` with several ranks and ``deploy.max_restarts`` > 0."""
-    return cfg.train.dp_size > 1 and cfg.train.strategy != "fsdp" and cfg.deploy.max_restarts > 0
 
 
 class TrainerActor(_Host):

@@ -59,6 +59,7 @@ __all__ = [
     "DataParallelTrain",
     "RankLostError",
     "RankRestartedError",
+    "ranks_restartable",
     "read_state",
     "write_state",
 ]
@@ -71,6 +72,12 @@ reference stage)."""
 
 Part = tuple[BatchMeta, dict[str, Column], torch.Tensor, float]
 Result = tuple[dict[str, float], int, int, list[int]]
+
+
+def ranks_restartable(cfg: Any) -> bool:
+    """Whether Ray restarts trainer ranks 1.. of this run (and rank 0 recovers them):
+    ``train.strategy=ddp`` with several ranks and ``deploy.max_restarts`` > 0."""
+    return cfg.train.dp_size > 1 and cfg.train.strategy != "fsdp" and cfg.deploy.max_restarts > 0
 
 
 class RankRestartedError(RuntimeError):
