@@ -99,30 +99,47 @@ def _buckets(
         yield bucket
 
 
-def all_reduce_gradients(module: torch.nn.Module, *, bucket_bytes: int = BUCKET_BYTES) -> int:
+def all_reduce_gradients(
+    module: torch.nn.Module, *, bucket_bytes: int = BUCKET_BYTES, atomic: bool = False
+) -> int:
     """Sum every trainable parameter's gradient over the group, in place; returns the
-    collectives issued. Call on every rank, between the last ``backward`` and the step."""
+    collectives issued. Call on every rank, between the last ``backward`` and the step.
+
+    ``atomic``: the sums are written back only once every bucket is reduced, so a collective
+    that fails (a rank died) leaves this rank's own gradients untouched and the step can be
+    redone (one more copy of the gradients, held until the end)."""
     world = dist.get_world_size()
     params = [p for p in module.parameters() if p.requires_grad]
     calls = 0
     if world == 1:
         return calls
+    reduced: list[tuple[list[torch.nn.Parameter], torch.Tensor]] = []
     for bucket in _buckets(params, bucket_bytes):
         flat = torch.cat(
             [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket]
         )
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
         calls += 1
-        offset = 0
-        for p in bucket:
-            n = p.numel()
-            summed = flat[offset : offset + n].view_as(p)
-            if p.grad is None:
-                p.grad = summed.clone()
-            else:
-                p.grad.copy_(summed)
-            offset += n
+        if atomic:
+            reduced.append((bucket, flat))
+        else:
+            _write_back(bucket, flat)
+    for bucket, flat in reduced:
+        _write_back(bucket, flat)
     return calls
+
+
+def _write_back(bucket: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
+    """The summed gradients of ``bucket`` (``flat``, in parameter order) into their ``grad``."""
+    offset = 0
+    for p in bucket:
+        n = p.numel()
+        summed = flat[offset : offset + n].view_as(p)
+        if p.grad is None:
+            p.grad = summed.clone()
+        else:
+            p.grad.copy_(summed)
+        offset += n
 
 
 def max_over_ranks(value: int, device: torch.device) -> int:

@@ -12,8 +12,10 @@ What runs where (``asyncflow.deploy.ray_hosts`` for the actors):
 | rollout dispatcher    | 1                   | none (I/O)              | restarted         |
 | reward worker         | reward.instances    | reward.placement        | restarted         |
 | reference worker      | reference.instances | reference.placement     | restarted         |
-| trainer rank          | train.dp_size       | train.placement         | the run fails,    |
+| trainer rank 0        | 1                   | train.placement         | the run fails,    |
 |                       |                     |                         | naming the rank   |
+| trainer ranks 1..     | train.dp_size - 1   | train.placement         | restarted (ddp),  |
+|                       |                     |                         | state from rank 0 |
 
 Restarts are Ray's (``deploy.max_restarts`` per actor).
 
@@ -31,9 +33,12 @@ lease runs out (``transferqueue.lease_s``), and a ``generate`` call in flight on
 generator fails at once in the dispatcher, which generates the batch on another instance. A
 restarted generator registers again with its initial weights and takes no batch until it
 holds weights recent enough for it (the staleness bound is checked per sample, whatever
-happens). A trainer rank is not restarted: the optimizer state would be gone; the run fails
-with an error naming the rank (never a hang: every collective has a timeout); resume the
-run from its last checkpoint (``asyncflow run --resume DIR``).
+happens). A trainer rank ``r >= 1`` of ``train.strategy=ddp`` is restarted too: rank 0 gives
+its replacement its own weights and optimizer state, the group forms again and the step in
+flight is redone exactly (``asyncflow.deploy.ray_ranks``). Rank 0 (it runs the train stage)
+and the ranks of ``fsdp`` (no rank holds the whole state) are not: the run fails with an
+error naming the rank (never a hang: every collective has a timeout); resume the run from
+its last checkpoint (``asyncflow run --resume DIR``).
 
 **Checkpoints and resume.** Trainer rank 0 writes the trainer's part of a checkpoint in its
 actor (``asyncflow.checkpoint``; with ``train.strategy=fsdp`` every rank writes its shards:
@@ -72,6 +77,7 @@ from asyncflow.deploy.ray_hosts import (
     TQAccess,
     TrainerActor,
     WorkerActor,
+    ranks_restartable,
 )
 from asyncflow.deploy.ray_weights import ObjectStoreWeights
 from asyncflow.deploy.remote import RemoteRegistry, remote_cause
@@ -272,9 +278,11 @@ class RayDeployment(Deployment):
         self._coord_name = coord_name
 
         trainer_cls: Any = ray.remote(TrainerActor)
+        rank_restart = restart if ranks_restartable(cfg) else {}
         for rank, opts in enumerate(self._placed(cfg.train.placement, cfg.train.dp_size)):
             name = f"{prefix}-train-rank{rank}"
-            actor = trainer_cls.options(name=name, **opts, **env).remote(
+            again = rank_restart if rank else {}  # rank 0 runs the stage: never restarted
+            actor = trainer_cls.options(name=name, **opts, **again, **env).remote(
                 rank, cfg, model, f, self._adapters, address, coord_name, origin
             )
             self._trainers.append(actor)
@@ -394,8 +402,10 @@ class RayDeployment(Deployment):
             lambda: trainers[0].run.remote(trainers[1:], self._weights, self._plan, first_group),
             restartable=False,
         )
+        again = ranks_restartable(self.cfg)  # rank 0 recovers them (ray_ranks)
         for r, t in enumerate(trainers[1:], start=1):
-            jobs[f"train/rank{r}"] = self._job(f"train/rank{r}", t.hold.remote, restartable=False)
+            name = f"train/rank{r}"
+            jobs[name] = self._job(name, t.hold.remote, restartable=again, host=t)
         for name, g in self._generators:
             run = functools.partial(g.run.remote, self._weights)
             jobs[f"rollout/{name}"] = self._job(f"rollout/{name}", run, restartable=True, host=g)

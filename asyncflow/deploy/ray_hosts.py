@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import Sequence
@@ -46,7 +47,6 @@ import torch
 
 import transferqueue
 from adapters import Adapter, LengthRanker, StepReport
-from adapters.episodes import SUMMARY_FIELDS
 from adapters.train import TrainAdapter, token_parts, train_micro_batches
 from asyncflow import graph
 from asyncflow.build import EngineFactories
@@ -59,19 +59,24 @@ from asyncflow.checkpoint import (
 )
 from asyncflow.config import RunConfig
 from asyncflow.deploy import sharded
+from asyncflow.deploy.ray_ranks import DataParallelTrain, RankRestartedError, ranks_restartable
 from asyncflow.deploy.remote import GeneratorView, RemoteGenerator, RemoteRegistry
 from asyncflow.hosts import GeneratorHost, WeightSource, check_engine
 from asyncflow.metrics import Timeline
 from asyncflow.stage_runner import StageRunner
-from engines.packing import balance_by_tokens
 from engines.protocols import Generation, SamplingParams, ScoringEngine, TrainingEngine
 from transferqueue import AsyncClient, BatchMeta
 from transferqueue.aio import within
-from transferqueue.meta import balance_lengths
 from transferqueue.schema import Column
 from transferqueue.wire.auth import ClientKeys
 
-__all__ = ["GeneratorActor", "RolloutActor", "TrainerActor", "WorkerActor"]
+__all__ = [
+    "GeneratorActor",
+    "RolloutActor",
+    "TrainerActor",
+    "WorkerActor",
+    "ranks_restartable",
+]
 
 log = logging.getLogger(__name__)
 
@@ -394,88 +399,6 @@ class WorkerActor(_Host):
             raise eg.exceptions[0] from None
 
 
-class _DataParallelTrain(TrainAdapter):
-    """The train stage on rank 0 of ``dp_size`` ranks (see :class:`TrainerActor`).
-
-    Only the rewards (for the filter and the group advantages) and the version columns (for
-    the step's report) are read here. The micro-batch (whole groups of the step's window, its
-    filtered groups left out) is split across the ranks: with a token budget by tokens
-    (:func:`engines.packing.balance_by_tokens` over the rows' ``length`` headers, prompt +
-    response tokens), else into parts of equal rows (±1) and near-equal tokens (the
-    ``balanced`` sampler's split). Each rank reads its part's columns itself and accumulates
-    its gradients (in packed calls under the budget); the
-    optimizer step all-reduces them on every rank at once.
-    """
-
-    def __init__(self, *args: Any, ranks: list[Any], local: TrainerActor, **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self.ranks = ranks  # actor handles of ranks 1..dp_size-1
-        self.local = local
-        self.dp = len(ranks) + 1
-        if self.max_tokens is None:
-            self.sampler = "balanced"
-            self.sampler_options = {**self.sampler_options, "dp_size": self.dp}
-        self.read_fields = ("reward", "token_versions", "generated_at", *SUMMARY_FIELDS)
-
-    def _shares(self, meta: BatchMeta) -> list[np.ndarray]:
-        if self.max_tokens is None:  # the sampler's split, unless filtering changed the rows
-            if meta.splits is not None:
-                return meta.splits
-            return balance_lengths(meta.lengths, self.dp)
-        if len(meta) and int(meta.lengths.min()) < 0:
-            raise ValueError(
-                "train.max_tokens_per_micro_batch with train.dp_size > 1 splits by the rows' "
-                "length headers, and some are unknown (-1): the rollout adapter must set "
-                "StageOutput.length (prompt + response tokens)"
-            )
-        return balance_by_tokens(meta.lengths, self.dp)
-
-    async def train_batch(
-        self,
-        meta: BatchMeta,
-        cols: dict[str, Column],
-        advantages: torch.Tensor,
-        loss_scale: float,
-    ) -> tuple[dict[str, float], int]:
-        shares = self._shares(meta)
-        calls = []
-        for r, pos in enumerate(shares):
-            part, adv = meta.select(pos), advantages[torch.from_numpy(pos)]
-            if r == 0:
-                calls.append(self.local.train_part(part, adv, loss_scale))
-            else:
-                handle = self.ranks[r - 1]
-                calls.append(_rank_call(handle.train_part.remote(part, adv, loss_scale), r))
-        results = await asyncio.gather(*calls)
-        rows = sum(n for _, _, n, _ in results) or 1
-        merged: dict[str, float] = {}
-        for metrics, _, n, _ in results:
-            for k, v in metrics.items():
-                merged[k] = merged.get(k, 0.0) + float(v) * n / rows
-        self.record_split(
-            [t for *_, done in results for t in done], [sum(done) for *_, done in results]
-        )
-        return merged, sum(t for _, t, _, _ in results)
-
-    async def optimizer_step(self) -> dict[str, float]:
-        calls = [self.local.optimizer_step()]
-        calls += [_rank_call(h.optimizer_step.remote(), r) for r, h in enumerate(self.ranks, 1)]
-        return (await asyncio.gather(*calls))[0]
-
-
-async def _rank_call(ref: Any, rank: int) -> Any:
-    """A call to trainer rank ``rank``; its death is an error naming the rank."""
-    import ray
-
-    try:
-        return await ref
-    except ray.exceptions.RayActorError as e:
-        raise RuntimeError(
-            f"trainer rank {rank} died ({e}); a trainer rank is not restarted: resume the run "
-            "from a checkpoint"
-        ) from e
-
-
 class TrainerActor(_Host):
     """One data-parallel rank of the trainer; rank 0 runs the train stage."""
 
@@ -500,6 +423,7 @@ class TrainerActor(_Host):
         self._plan: CheckpointPlan | None = None
         self._ranks: list[Any] = []
         self._sharding: sharded.Sharding | None = None  # fsdp, once joined
+        self._joined = False  # in the data-parallel group (a restarted rank: not yet)
         self.use_reference = cfg.reference.enabled
 
     # -- data-parallel group ----------------------------------------------------------------
@@ -536,6 +460,59 @@ class TrainerActor(_Host):
 
         await asyncio.to_thread(setup)
         self._sharding = sharding
+        self._joined = True
+
+    async def regroup(self, world: int, address: str, port: int) -> None:
+        """Leave the group a dead rank broke and form a new one with its replacement (every
+        rank at once, called by rank 0's recovery: ``asyncflow.deploy.ray_ranks``). The
+        weights are not broadcast: the replacement adopted rank 0's state before."""
+        import torch.distributed as dist
+
+        from engines.distributed import backend_for, init_group
+
+        backend = backend_for(self._device())
+
+        def setup() -> None:
+            if dist.is_initialized():
+                with contextlib.suppress(Exception):  # (a group with a dead peer)
+                    dist.destroy_process_group()
+            init_group(self.rank, world, address, port, backend=backend)
+
+        await asyncio.to_thread(setup)
+        self._joined = True
+
+    def version(self) -> int:
+        return int(self.engine.version)
+
+    def digest(self) -> tuple[int, str]:
+        """This rank's version and a hash of its weights (ddp replicas hold the same: the
+        fault tests compare them after a rank was replaced)."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for name, t in sorted(self.engine.state_dict().items()):
+            h.update(name.encode())
+            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return int(self.engine.version), h.hexdigest()
+
+    def write_state(self, directory: Path) -> None:
+        """This rank's state (weights, optimizer, version, RNGs) in the checkpoint format,
+        into ``directory`` (rank 0, for a replacement rank: see :meth:`adopt_state`)."""
+        write_trainer_part(self.engine, directory)
+
+    async def adopt_state(self, files: dict[str, bytes]) -> int:
+        """A replacement rank: take rank 0's state (the files of :meth:`write_state`); returns
+        the version it now holds."""
+        from asyncflow.deploy.ray_ranks import write_state
+
+        await asyncio.to_thread(write_state, files, functools.partial(restore_trainer, self.engine))
+        return int(self.engine.version)
+
+    def _check_joined(self) -> None:
+        if self.cfg.train.dp_size > 1 and not self._joined:
+            raise RankRestartedError(
+                f"trainer rank {self.rank} was restarted and has not joined the group yet"
+            )
 
     def _module(self) -> torch.nn.Module:
         module = getattr(self.engine, "model", None)
@@ -552,6 +529,7 @@ class TrainerActor(_Host):
         """Read this rank's part of a micro-batch and accumulate its gradients (in calls of at
         most ``train.max_tokens_per_micro_batch`` tokens); returns (metrics, response tokens,
         rows, prompt + response tokens of each engine call)."""
+        self._check_joined()
         sharding = self._sharding
         if not len(meta):  # fewer rows than ranks: nothing here this time
             if sharding is not None:  # ... but the collectives of the others' calls
@@ -563,6 +541,21 @@ class TrainerActor(_Host):
         if self.use_reference:
             fields.append("ref_logprobs")
         cols = await self.client.get_data(meta, fields)
+        return await self.train_cols(meta, cols, advantages, loss_scale)
+
+    async def train_cols(
+        self,
+        meta: BatchMeta,
+        cols: dict[str, Column],
+        advantages: torch.Tensor,
+        loss_scale: float,
+    ) -> tuple[dict[str, float], int, int, list[int]]:
+        """:meth:`train_part` over columns already read (rank 0's own part when ranks are
+        restartable; a replacement rank training the step's parts again)."""
+        self._check_joined()
+        sharding = self._sharding
+        if not len(meta):
+            return {}, 0, 0, []
         max_tokens = self.cfg.train.max_tokens_per_micro_batch
         most = 0
         if sharding is not None:  # agreed before any call (each call is collective)
@@ -581,15 +574,18 @@ class TrainerActor(_Host):
             await sharded.empty_calls(sharding, most - len(calls), loss_scale)
         return metrics, tokens, len(meta), calls
 
-    async def optimizer_step(self) -> dict[str, float]:
-        """Sum the gradients over the ranks (when there are several), then step."""
+    async def optimizer_step(self, atomic: bool = False) -> dict[str, float]:
+        """Sum the gradients over the ranks (when there are several), then step. ``atomic``:
+        a failed all-reduce leaves this rank's gradients its own (restartable ranks)."""
         from engines.distributed import all_reduce_gradients
+
+        self._check_joined()
 
         def step() -> dict[str, float]:
             import torch.distributed as dist
 
             if dist.is_initialized() and self._sharding is None:  # fsdp reduced them already
-                all_reduce_gradients(self._module())
+                all_reduce_gradients(self._module(), atomic=atomic)
             return self.engine.optimizer_step()
 
         return await asyncio.to_thread(step)
@@ -637,7 +633,7 @@ class TrainerActor(_Host):
             if not issubclass(cls, TrainAdapter):
                 raise TypeError("train.dp_size > 1 needs the train adapter to be a TrainAdapter")
             adapter: Adapter = graph.train_adapter(
-                _DataParallelTrain,
+                DataParallelTrain,
                 self.engine,
                 cfg,
                 self._on_step,
@@ -645,6 +641,8 @@ class TrainerActor(_Host):
                 first_group=first_group,
                 ranks=ranks,
                 local=self,
+                restartable=ranks_restartable(cfg),
+                restart_timeout_s=cfg.deploy.start_timeout_s,
             )
         else:
             adapter = graph.train_adapter(

@@ -113,3 +113,56 @@ def train_leased(controller_stats: Mapping[str, Any]) -> int:
     stage had read and then acknowledged is consumed, lost or not)."""
     parts = controller_stats["partitions"].values()
     return sum(int(p["tasks"]["train"]["leased"]) for p in parts if "train" in p["tasks"])
+
+
+def _kill_myself() -> None:
+    import os
+    import signal
+
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def rank1_dying_trainer_factory(where: str) -> Any:
+    """A trainer factory whose rank 1 SIGKILLs its own process once, at version 3: in its
+    second ``forward_backward`` of that step (``where="forward_backward"``: rank 0 then has
+    two parts of the step to have trained again) or in its ``optimizer_step``, after the
+    gradient all-reduce (``where="optimizer_step"``: rank 0 steps, its replacement takes the
+    stepped state). A marker file in ``output.dir`` keeps the replacement alive."""
+    return _DYING[where]
+
+
+def _dying(where: str, cfg: RunConfig, path: Path, rank: int) -> Any:
+    from asyncflow.build import build_trainer
+
+    engine = build_trainer(cfg, path, rank)
+    marker = Path(cfg.output.dir) / f"rank{rank}-killed"
+    if rank != 1 or marker.exists():
+        return engine
+    real = getattr(engine, where)
+    calls: dict[int, int] = {}
+
+    def dying(*args: Any, **kwargs: Any) -> Any:
+        version = int(engine.version)
+        calls[version] = calls.get(version, 0) + 1
+        due = 2 if where == "forward_backward" else 1
+        if version == 3 and calls[version] == due:
+            marker.touch()
+            _kill_myself()
+        return real(*args, **kwargs)
+
+    setattr(engine, where, dying)
+    return engine
+
+
+def _dying_in_forward_backward(cfg: RunConfig, path: Path, rank: int) -> Any:
+    return _dying("forward_backward", cfg, path, rank)
+
+
+def _dying_in_optimizer_step(cfg: RunConfig, path: Path, rank: int) -> Any:
+    return _dying("optimizer_step", cfg, path, rank)
+
+
+_DYING = {
+    "forward_backward": _dying_in_forward_backward,
+    "optimizer_step": _dying_in_optimizer_step,
+}

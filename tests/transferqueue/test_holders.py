@@ -170,6 +170,60 @@ def test_a_live_consumer_keeps_its_batch_longer_than_the_liveness_bound() -> Non
         assert stats["partitions"]["default"]["tasks"]["t"]["done"] == 8
 
 
+_BUSY_CONSUMER = textwrap.dedent(
+    """
+    import sys, time
+    import transferqueue
+    tq = transferqueue.connect(sys.argv[1])
+    c = tq.client()
+    meta = c.get_meta("t", ["x"], 8, timeout_s=60, lease_s=600)
+    print(" ".join(str(i) for i in meta.indexes.tolist()), flush=True)
+    end = time.monotonic() + float(sys.argv[2])
+    while time.monotonic() < end:  # working on the batch: CPU-bound, no call into TQ
+        sum(i * i for i in range(20000))
+    c.ack(meta)
+    print("acked", flush=True)
+    tq.close()
+    """
+)
+
+
+def test_a_busy_consumer_process_keeps_its_batch_longer_than_the_liveness_bound() -> None:
+    """A consumer in its own process, computing for twice the liveness bound without a
+    call into TransferQueue: its heartbeat thread beats meanwhile, nobody else is given its
+    rows, none is returned, and its ack after the work is taken."""
+    fast = Liveness(holder_dead_after_s=3.0)
+    work_s = 2.0 * fast.holder_dead_after_s
+    with (
+        transferqueue.serve(num_units=1, liveness=fast) as svc,
+        transferqueue.connect(svc.address) as tq,
+    ):
+        c = tq.client()
+        c.put({"x": torch.arange(8).view(8, 1)})
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _BUSY_CONSUMER, svc.address, str(work_s)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ},
+        )
+        try:
+            assert proc.stdout is not None
+            held = [int(i) for i in proc.stdout.readline().split()]
+            assert len(held) == 8
+            started = time.monotonic()
+            while time.monotonic() - started < work_s - 1.0:  # while it works, often
+                assert len(c.get_meta("t", ["x"], 8, timeout_s=0.5)) == 0
+                assert _ctl(c)["returned_leases"] == 0
+            assert proc.stdout.readline().strip() == "acked"
+            assert proc.wait(30) == 0
+        finally:
+            proc.kill()
+            proc.wait(10)
+        stats = _ctl(c)
+        assert stats["returned_leases"] == 0 and stats["holders_lost"] == 0
+        assert stats["partitions"]["default"]["tasks"]["t"]["done"] == 8
+
+
 def test_a_closed_handle_and_a_replaced_holder_give_their_rows_back_at_once() -> None:
     with (
         transferqueue.serve(num_units=1) as svc,

@@ -1,0 +1,366 @@
+"""The train stage over data-parallel trainer ranks under ``deploy=ray``, and the recovery of a
+rank that died mid-run (``asyncflow.deploy.ray_hosts.TrainerActor`` hosts the ranks).
+
+Rank 0 runs the train stage (:class:`DataParallelTrain`) and calls the other ranks for their
+part of each micro-batch and for the optimizer step. With ``train.strategy=ddp`` every rank
+holds the same weights and optimizer state, so a rank ``r >= 1`` that dies (SIGKILL, OOM) is
+replaced without losing anything:
+
+1. Ray restarts its actor (``deploy.max_restarts``); rank 0 sees the death as the failure of a
+   call to it (or, for a replacement that has not joined yet, :class:`RankRestartedError`).
+2. Rank 0 waits (bounded by ``deploy.start_timeout_s``) until the replacement answers, then
+   hands it rank 0's own state: the weights, the optimizer's moments, the version and the
+   RNGs, in the checkpoint format (``asyncflow.checkpoint.write_trainer_part``), sent as bytes
+   through Ray (no shared folder needed). Rank 0's state in memory, not the last
+   checkpoint: the checkpoint is older than the step in flight, and the replacement must
+   hold the state the other ranks hold *now* for the step's gradients to sum correctly.
+3. Every rank leaves the broken ``torch.distributed`` group and forms a new one.
+4. The step in flight is redone, never trained twice or in part: rank 0 keeps, for each other
+   rank, the parts of the step's micro-batches it sent it (with their columns: rank 0 reads
+   the whole micro-batch while ranks are restartable, because the rows of a micro-batch
+   already acknowledged are freed from TransferQueue). The replacement trains them again
+   from those columns; its gradients are the dead rank's. Then the optimizer step runs
+   (again): the gradient all-reduce is atomic on every rank (``all_reduce_gradients(...,
+   atomic=True)``: the sums are written back only once every bucket is reduced), so a rank
+   whose all-reduce failed still holds its own gradients. If rank 0's optimizer step did
+   complete before the other rank died, the step is done and the replacement takes the
+   stepped state instead.
+
+So every group is trained exactly once, with the same gradients as without the death, and the
+staleness bound holds (rows are admitted by the feeder's bound whatever the step's length).
+Rank 0 itself is not restarted (it runs the train stage: its death fails the run, naming it),
+nor is any rank of ``train.strategy=fsdp`` (no rank holds the whole state): resume those from
+a checkpoint (``asyncflow run --resume DIR``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from adapters.episodes import SUMMARY_FIELDS
+from adapters.train import TrainAdapter, select_columns
+from asyncflow.deploy.remote import remote_cause
+from engines.packing import balance_by_tokens
+from transferqueue import BatchMeta
+from transferqueue.aio import within
+from transferqueue.meta import balance_lengths
+from transferqueue.schema import Column
+
+__all__ = [
+    "TRAIN_FIELDS",
+    "DataParallelTrain",
+    "RankLostError",
+    "RankRestartedError",
+    "ranks_restartable",
+    "read_state",
+    "write_state",
+]
+
+log = logging.getLogger(__name__)
+
+TRAIN_FIELDS = ("prompt_ids", "response_ids", "behaviour_logprobs", "loss_mask", "token_versions")
+"""The columns a rank reads for its part of a micro-batch (+ ``ref_logprobs`` with a
+reference stage)."""
+
+Part = tuple[BatchMeta, dict[str, Column], torch.Tensor, float]
+Result = tuple[dict[str, float], int, int, list[int]]
+
+
+def ranks_restartable(cfg: Any) -> bool:
+    """Whether Ray restarts trainer ranks 1.. of this run (and rank 0 recovers them):
+    ``train.strategy=ddp`` with several ranks and ``deploy.max_restarts`` > 0."""
+    return cfg.train.dp_size > 1 and cfg.train.strategy != "fsdp" and cfg.deploy.max_restarts > 0
+
+
+class RankRestartedError(RuntimeError):
+    """Raised by a trainer rank that Ray restarted and that has not joined the group yet: it
+    holds the initial weights, not the group's (rank 0 then recovers it)."""
+
+
+class RankLostError(RuntimeError):
+    """A call to trainer rank ``rank`` failed because the rank died or was replaced."""
+
+    def __init__(self, rank: int, cause: BaseException) -> None:
+        super().__init__(f"trainer rank {rank} died or was restarted: {cause}")
+        self.rank = rank
+
+
+async def rank_call(ref: Any, rank: int, *, restartable: bool) -> Any:
+    """A call to trainer rank ``rank``. Its death is :class:`RankLostError` when the rank is
+    restartable, else an error naming the rank and the way to go on."""
+    import ray
+
+    try:
+        return await ref
+    except ray.exceptions.RayActorError as e:
+        if restartable:
+            raise RankLostError(rank, e) from e
+        raise RuntimeError(
+            f"trainer rank {rank} died ({e}); this rank is not restarted (rank 0, or "
+            "train.strategy=fsdp, or deploy.max_restarts=0): resume the run from a checkpoint"
+        ) from e
+    except ray.exceptions.RayTaskError as e:
+        cause = remote_cause(e)
+        if restartable and isinstance(cause, RankRestartedError):
+            raise RankLostError(rank, cause) from e
+        raise
+
+
+def read_state(write: Any) -> dict[str, bytes]:
+    """The files ``write(folder)`` writes (a trainer's checkpoint part), as bytes by relative
+    path (sent to a replacement rank, perhaps on another node)."""
+    with tempfile.TemporaryDirectory(prefix="asyncflow-rank-state-") as d:
+        root = Path(d) / "state"
+        write(root)
+        return {
+            str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+        }
+
+
+def write_state(files: dict[str, bytes], restore: Any) -> None:
+    """Write ``files`` (from :func:`read_state`) into a temporary folder and ``restore(folder)``."""
+    with tempfile.TemporaryDirectory(prefix="asyncflow-rank-state-") as d:
+        root = Path(d)
+        for rel, data in files.items():
+            path = root / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+        restore(root)
+
+
+class DataParallelTrain(TrainAdapter):
+    """The train stage on rank 0 of ``dp_size`` ranks (see the module docstring).
+
+    Only the rewards (for the filter and the group advantages) and the version columns (for
+    the step's report) are read here, unless ranks are ``restartable`` (then the whole
+    micro-batch: the step's parts are kept until its optimizer step). The micro-batch (whole
+    groups of the step's window, its filtered groups left out) is split across the ranks:
+    with a token budget by tokens (:func:`engines.packing.balance_by_tokens` over the rows'
+    ``length`` headers, prompt + response tokens), else into parts of equal rows (±1) and
+    near-equal tokens (the ``balanced`` sampler's split). Each rank reads its part's columns
+    itself and accumulates its gradients (in packed calls under the budget); the optimizer
+    step all-reduces them on every rank at once.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        ranks: list[Any],
+        local: Any,
+        restartable: bool = False,
+        restart_timeout_s: float = 300.0,
+        **kw: Any,
+    ) -> None:
+        super().__init__(*args, **kw)
+        self.ranks = ranks  # actor handles of ranks 1..dp_size-1
+        self.local = local  # rank 0's TrainerActor (this process)
+        self.dp = len(ranks) + 1
+        self.restartable = restartable
+        self.restart_timeout_s = restart_timeout_s
+        self.recoveries: list[float] = []  # seconds each recovery took
+        self._recovery_s = 0.0  # in the step in flight
+        self._redone = 0  # parts of the step in flight trained again by replacements
+        self._parts: dict[int, list[Part]] = {r: [] for r in range(1, self.dp)}
+        if self.max_tokens is None:
+            self.sampler = "balanced"
+            self.sampler_options = {**self.sampler_options, "dp_size": self.dp}
+        self.read_fields = ("reward", "token_versions", "generated_at", *SUMMARY_FIELDS)
+        if restartable:
+            fields = [*TRAIN_FIELDS, *(("ref_logprobs",) if self.use_reference else ())]
+            self.read_fields = tuple(dict.fromkeys([*self.read_fields, *fields]))
+
+    def _shares(self, meta: BatchMeta) -> list[np.ndarray]:
+        if self.max_tokens is None:  # the sampler's split, unless filtering changed the rows
+            if meta.splits is not None:
+                return meta.splits
+            return balance_lengths(meta.lengths, self.dp)
+        if len(meta) and int(meta.lengths.min()) < 0:
+            raise ValueError(
+                "train.max_tokens_per_micro_batch with train.dp_size > 1 splits by the rows' "
+                "length headers, and some are unknown (-1): the rollout adapter must set "
+                "StageOutput.length (prompt + response tokens)"
+            )
+        return balance_by_tokens(meta.lengths, self.dp)
+
+    async def train_batch(
+        self,
+        meta: BatchMeta,
+        cols: dict[str, Column],
+        advantages: torch.Tensor,
+        loss_scale: float,
+    ) -> tuple[dict[str, float], int]:
+        shares = self._shares(meta)
+        calls = []
+        for r, pos in enumerate(shares):
+            part, adv = meta.select(pos), advantages[torch.from_numpy(pos)]
+            if r == 0:
+                if self.restartable:  # the columns are here already
+                    own = select_columns(cols, pos)
+                    calls.append(self.local.train_cols(part, own, adv, loss_scale))
+                else:
+                    calls.append(self.local.train_part(part, adv, loss_scale))
+                continue
+            handle = self.ranks[r - 1]
+            if self.restartable:
+                self._parts[r].append((part, select_columns(cols, pos), adv, loss_scale))
+            ref = handle.train_part.remote(part, adv, loss_scale)
+            calls.append(rank_call(ref, r, restartable=self.restartable))
+        results: list[Any] = list(await asyncio.gather(*calls, return_exceptions=True))
+        lost = self._lost(results[1:])
+        if lost:  # the replacements train the step's parts again; this one's result is last
+            replayed = await self._recover(lost, replay=True)
+            for r in lost:
+                results[r] = replayed[r]
+        rows = sum(n for _, _, n, _ in results) or 1
+        merged: dict[str, float] = {}
+        for metrics, _, n, _ in results:
+            for k, v in metrics.items():
+                merged[k] = merged.get(k, 0.0) + float(v) * n / rows
+        self.record_split(
+            [t for *_, done in results for t in done], [sum(done) for *_, done in results]
+        )
+        return merged, sum(t for _, t, _, _ in results)
+
+    def _lost(self, results: list[Any]) -> list[int]:
+        """The ranks (1..) whose call failed because they died; any other failure raises."""
+        lost: list[int] = []
+        for res in results:
+            if isinstance(res, RankLostError):
+                lost.append(res.rank)
+            elif isinstance(res, BaseException):
+                raise res
+        return lost
+
+    async def optimizer_step(self) -> dict[str, float]:
+        version = int(self.local.engine.version)
+        calls = [self.local.optimizer_step(atomic=self.restartable)]
+        calls += [
+            rank_call(
+                h.optimizer_step.remote(atomic=self.restartable), r, restartable=self.restartable
+            )
+            for r, h in enumerate(self.ranks, 1)
+        ]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        mine = results[0]
+        lost = self._lost([r if isinstance(r, RankLostError) else None for r in results[1:]])
+        if not self.restartable or not lost:
+            for res in results:
+                if isinstance(res, BaseException):
+                    raise res
+            assert isinstance(mine, dict)
+            return self._done(mine)
+        if not isinstance(mine, BaseException):  # rank 0 stepped: the step is done
+            await self._recover(lost, replay=False)
+            return self._done(mine)
+        # rank 0's all-reduce failed with the dead rank (atomic: its gradients are its own)
+        if int(self.local.engine.version) != version:
+            raise RuntimeError(
+                f"trainer rank 0 stepped to version {self.local.engine.version} although its "
+                f"optimizer step failed ({mine!r}); the step cannot be redone exactly"
+            ) from mine
+        log.warning("trainer rank 0's optimizer step failed with rank(s) %s gone: %r", lost, mine)
+        await self._recover(lost, replay=True)
+        return await self.optimizer_step()
+
+    def _done(self, metrics: dict[str, float]) -> dict[str, float]:
+        """The step is taken: forget its parts; report the seconds recoveries took in it
+        and the parts trained again (``rank_recovery_s``, ``rank_parts_redone``; restartable
+        ranks only)."""
+        for parts in self._parts.values():
+            parts.clear()
+        if not self.restartable:
+            return metrics
+        spent, self._recovery_s = self._recovery_s, 0.0
+        redone, self._redone = self._redone, 0
+        return {**metrics, "rank_recovery_s": spent, "rank_parts_redone": float(redone)}
+
+    async def _recover(self, lost: list[int], *, replay: bool) -> dict[int, Result]:
+        """Bring the replacements of ranks ``lost`` into the group with rank 0's state, then
+        (``replay``) have them train the step's parts again; returns each one's last
+        result (the micro-batch in flight)."""
+        t0 = time.monotonic()
+        log.warning("trainer rank(s) %s died; waiting for their replacements", lost)
+        for r in lost:
+            await self._until_back(r)
+        await self._check_survivors(lost)
+        files = await asyncio.to_thread(read_state, self.local.write_state)
+        await asyncio.gather(
+            *(
+                rank_call(self.ranks[r - 1].adopt_state.remote(files), r, restartable=True)
+                for r in lost
+            )
+        )
+        host, port = self.local.endpoint()
+        await asyncio.gather(
+            self.local.regroup(self.dp, host, port),
+            *(
+                rank_call(h.regroup.remote(self.dp, host, port), r, restartable=True)
+                for r, h in enumerate(self.ranks, 1)
+            ),
+        )
+        out: dict[int, Result] = {}
+        if replay:
+            for r in lost:
+                res: Result = ({}, 0, 0, [])
+                for part, cols, adv, scale in self._parts[r]:
+                    ref = self.ranks[r - 1].train_cols.remote(part, cols, adv, scale)
+                    res = await rank_call(ref, r, restartable=True)
+                    self._redone += 1
+                out[r] = res
+        seconds = time.monotonic() - t0
+        self.recoveries.append(seconds)
+        self._recovery_s += seconds
+        log.warning(
+            "trainer rank(s) %s replaced in %.2f s (state from rank 0, %d parts trained again)",
+            lost,
+            seconds,
+            sum(len(self._parts[r]) for r in lost) if replay else 0,
+        )
+        return out
+
+    async def _until_back(self, rank: int) -> None:
+        """Wait (bounded) until Ray restarted rank ``rank``; raise if it never will."""
+        import ray
+
+        deadline = time.monotonic() + self.restart_timeout_s
+        handle = self.ranks[rank - 1]
+        while True:
+            try:
+                await within(handle.ping.remote(), max(deadline - time.monotonic(), 1.0))
+                return
+            except (ray.exceptions.ActorUnavailableError, TimeoutError) as e:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"trainer rank {rank} died and did not come back within "
+                        f"deploy.start_timeout_s={self.restart_timeout_s}"
+                    ) from e
+                await asyncio.sleep(0.2)
+            except ray.exceptions.RayActorError as e:  # dead for good (restarts spent)
+                raise RuntimeError(
+                    f"trainer rank {rank} died and is not restarted again ({e}; "
+                    "deploy.max_restarts spent): resume the run from a checkpoint"
+                ) from e
+
+    async def _check_survivors(self, lost: list[int]) -> None:
+        """Every surviving rank holds rank 0's version (none stepped alone), else the step
+        cannot be redone exactly: fail naming the ranks."""
+        mine = int(self.local.engine.version)
+        alive = [r for r in range(1, self.dp) if r not in lost]
+        versions = await asyncio.gather(
+            *(rank_call(self.ranks[r - 1].version.remote(), r, restartable=False) for r in alive)
+        )
+        odd = {r: v for r, v in zip(alive, versions, strict=True) if v != mine}
+        if odd:
+            raise RuntimeError(
+                f"trainer ranks {sorted(odd)} hold versions {odd} while rank 0 holds {mine} "
+                f"after rank(s) {lost} died mid-step: the step cannot be redone exactly; "
+                "resume the run from a checkpoint"
+            )
