@@ -12,10 +12,12 @@ What runs where (``asyncflow.deploy.ray_hosts`` for the actors):
 | rollout dispatcher    | 1                   | none (I/O)              | restarted         |
 | reward worker         | reward.instances    | reward.placement        | restarted         |
 | reference worker      | reference.instances | reference.placement     | restarted         |
-| trainer rank 0        | 1                   | train.placement         | the run fails,    |
-|                       |                     |                         | naming the rank   |
+| trainer rank 0        | 1                   | train.placement         | the run fails:    |
+|                       |                     |                         | resume it (below) |
 | trainer ranks 1..     | train.dp_size - 1   | train.placement         | restarted (ddp),  |
-|                       |                     |                         | state from rank 0 |
+|                       |                     |                         | state from rank 0;|
+|                       |                     |                         | fsdp: the run     |
+|                       |                     |                         | fails (below)     |
 
 Restarts are Ray's (``deploy.max_restarts`` per actor).
 
@@ -35,10 +37,12 @@ restarted generator registers again with its initial weights and takes no batch 
 holds weights recent enough for it (the staleness bound is checked per sample, whatever
 happens). A trainer rank ``r >= 1`` of ``train.strategy=ddp`` is restarted too: rank 0 gives
 its replacement its own weights and optimizer state, the group forms again and the step in
-flight is redone exactly (``asyncflow.deploy.ray_ranks``). Rank 0 (it runs the train stage)
-and the ranks of ``fsdp`` (no rank holds the whole state) are not: the run fails with an
-error naming the rank (never a hang: every collective has a timeout); resume the run from
-its last checkpoint (``asyncflow run --resume DIR``).
+flight is redone exactly (``asyncflow.deploy.ray_ranks``). Rank 0 (it runs the train stage:
+the step loop and its leases, weight publishing, checkpoints, step reports), the only rank of
+a single-rank trainer (no other copy of its state) and the ranks of ``fsdp`` (each holds only
+its shards) are not: the run fails with an error naming the rank and why (never a hang: every
+collective has a timeout); resume the run from its newest checkpoint (``asyncflow run
+--resume DIR``, ``DIR`` the run's ``output.dir``; ``checkpoint.every_steps`` writes them).
 
 **Checkpoints and resume.** Trainer rank 0 writes the trainer's part of a checkpoint in its
 actor (``asyncflow.checkpoint``; with ``train.strategy=fsdp`` every rank writes its shards:
@@ -79,6 +83,7 @@ from asyncflow.deploy.ray_hosts import (
     WorkerActor,
     ranks_restartable,
 )
+from asyncflow.deploy.ray_ranks import trainer_lost
 from asyncflow.deploy.ray_weights import ObjectStoreWeights
 from asyncflow.deploy.remote import RemoteRegistry, remote_cause
 from asyncflow.metrics import Timeline
@@ -401,11 +406,13 @@ class RayDeployment(Deployment):
             "train",
             lambda: trainers[0].run.remote(trainers[1:], self._weights, self._plan, first_group),
             restartable=False,
+            lost=functools.partial(trainer_lost, 0, self.cfg),
         )
         again = ranks_restartable(self.cfg)  # rank 0 recovers them (ray_ranks)
         for r, t in enumerate(trainers[1:], start=1):
             name = f"train/rank{r}"
-            jobs[name] = self._job(name, t.hold.remote, restartable=again, host=t)
+            lost = functools.partial(trainer_lost, r, self.cfg)
+            jobs[name] = self._job(name, t.hold.remote, restartable=again, host=t, lost=lost)
         for name, g in self._generators:
             run = functools.partial(g.run.remote, self._weights)
             jobs[f"rollout/{name}"] = self._job(f"rollout/{name}", run, restartable=True, host=g)
@@ -422,9 +429,11 @@ class RayDeployment(Deployment):
         *,
         restartable: bool,
         host: Any = None,
+        lost: Callable[[BaseException], Exception] | None = None,
     ) -> Job:
         """A stage host's ``run`` on the driver's loop; after Ray restarted the host, run it
-        again (each restart counted), until ``deploy.max_restarts`` is spent."""
+        again (each restart counted), until ``deploy.max_restarts`` is spent. ``lost`` words
+        the error of a death that ends the run (trainer ranks: why, and how to resume)."""
         import ray
 
         async def supervised() -> None:
@@ -440,10 +449,14 @@ class RayDeployment(Deployment):
                     ) from e
                 except ray.exceptions.RayActorError as e:
                     if not restartable or host is None:
+                        if lost is not None:
+                            raise lost(e) from e
                         raise RuntimeError(f"stage host {name!r} died: {e}") from e
                     used = self.restarts.get(name, 0) + 1
                     self.restarts[name] = used  # counted when seen: the run may end first
                     if used > self.cfg.deploy.max_restarts:
+                        if lost is not None:
+                            raise lost(e) from e
                         raise RuntimeError(
                             f"stage host {name!r} died {used} times (deploy.max_restarts="
                             f"{self.cfg.deploy.max_restarts}): {e}"

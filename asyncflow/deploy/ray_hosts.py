@@ -643,6 +643,7 @@ class TrainerActor(_Host):
                 local=self,
                 restartable=ranks_restartable(cfg),
                 restart_timeout_s=cfg.deploy.start_timeout_s,
+                run_cfg=cfg,
             )
         else:
             adapter = graph.train_adapter(

@@ -28,9 +28,20 @@ replaced without losing anything:
 
 So every group is trained exactly once, with the same gradients as without the death, and the
 staleness bound holds (rows are admitted by the feeder's bound whatever the step's length).
-Rank 0 itself is not restarted (it runs the train stage: its death fails the run, naming it),
-nor is any rank of ``train.strategy=fsdp`` (no rank holds the whole state): resume those from
-a checkpoint (``asyncflow run --resume DIR``).
+
+Which deaths end the run instead (:func:`trainer_lost` words the error, naming the rank, why
+it is not replaced and ``asyncflow run --resume DIR``):
+
+| trainer rank that died              | why it is not replaced                                  |
+|-------------------------------------|---------------------------------------------------------|
+| rank 0 (any strategy)               | it runs the train stage: the step loop, its leases, the |
+|                                     | weight publishing, checkpoints and step reports         |
+| the only rank (``train.dp_size=1``) | it holds the only copy of the weights and optimizer     |
+| any rank of ``train.strategy=fsdp`` | each rank holds only its shards: no surviving copy      |
+| any rank, ``deploy.max_restarts=0`` | Ray does not restart it                                 |
+
+Such a run goes on from its newest checkpoint (``checkpoint.every_steps``):
+``asyncflow run --resume DIR``, ``DIR`` the run's ``output.dir`` (or its ``checkpoint.dir``).
 """
 
 from __future__ import annotations
@@ -59,8 +70,10 @@ __all__ = [
     "DataParallelTrain",
     "RankLostError",
     "RankRestartedError",
+    "TrainerLostError",
     "ranks_restartable",
     "read_state",
+    "trainer_lost",
     "write_state",
 ]
 
@@ -80,6 +93,51 @@ def ranks_restartable(cfg: Any) -> bool:
     return cfg.train.dp_size > 1 and cfg.train.strategy != "fsdp" and cfg.deploy.max_restarts > 0
 
 
+class TrainerLostError(RuntimeError):
+    """A trainer rank died that the run cannot replace (see the module docstring's table); the
+    message says why and how to go on (:func:`trainer_lost`)."""
+
+
+def trainer_lost(rank: int, cfg: Any, cause: BaseException | str) -> TrainerLostError:
+    """The error for trainer rank ``rank``'s death where it is not replaced: why, and the
+    command that resumes the run (``cfg``: the run's :class:`~asyncflow.RunConfig`). Called by
+    the driver when a trainer host's actor dies, and by rank 0 when a call to a rank fails."""
+    t = cfg.train
+    if t.dp_size == 1:
+        why = (
+            "a single-rank trainer holds the only copy of the weights and optimizer state, so "
+            "no replacement could take them up"
+        )
+    elif t.strategy == "fsdp":
+        why = (
+            "with train.strategy=fsdp each rank holds only its shards of the weights and "
+            "optimizer state, so no surviving rank holds a copy of its part"
+        )
+    elif rank == 0:
+        why = (
+            "rank 0 runs the train stage (the step loop and its leases, the weight publishing, "
+            "checkpoints and step reports) and is not restarted; only ranks 1.. of "
+            "train.strategy=ddp are replaced"
+        )
+    elif cfg.deploy.max_restarts == 0:
+        why = (
+            "deploy.max_restarts=0, so Ray does not restart it (with deploy.max_restarts > 0, "
+            "ranks 1.. of train.strategy=ddp are replaced within seconds)"
+        )
+    else:
+        why = f"its restarts are spent (deploy.max_restarts={cfg.deploy.max_restarts})"
+    resume = cfg.checkpoint.dir or cfg.output.dir
+    if cfg.checkpoint.every_steps:
+        go_on = f"resume the run from its newest checkpoint: asyncflow run --resume {resume}"
+    else:
+        go_on = (
+            "this run writes no checkpoints (checkpoint.every_steps=0): start it again with "
+            "checkpoint.every_steps=N to be able to resume a run after such a death "
+            "(asyncflow run --resume DIR)"
+        )
+    return TrainerLostError(f"trainer rank {rank} died ({cause}); {why}: {go_on}")
+
+
 class RankRestartedError(RuntimeError):
     """Raised by a trainer rank that Ray restarted and that has not joined the group yet: it
     holds the initial weights, not the group's (rank 0 then recovers it)."""
@@ -93,9 +151,10 @@ class RankLostError(RuntimeError):
         self.rank = rank
 
 
-async def rank_call(ref: Any, rank: int, *, restartable: bool) -> Any:
+async def rank_call(ref: Any, rank: int, *, restartable: bool, cfg: Any = None) -> Any:
     """A call to trainer rank ``rank``. Its death is :class:`RankLostError` when the rank is
-    restartable, else an error naming the rank and the way to go on."""
+    restartable, else :class:`TrainerLostError` naming the rank and the way to go on (worded
+    from ``cfg``, the run's config, when given)."""
     import ray
 
     try:
@@ -103,9 +162,12 @@ async def rank_call(ref: Any, rank: int, *, restartable: bool) -> Any:
     except ray.exceptions.RayActorError as e:
         if restartable:
             raise RankLostError(rank, e) from e
-        raise RuntimeError(
-            f"trainer rank {rank} died ({e}); this rank is not restarted (rank 0, or "
-            "train.strategy=fsdp, or deploy.max_restarts=0): resume the run from a checkpoint"
+        if cfg is not None:
+            raise trainer_lost(rank, cfg, e) from e
+        raise TrainerLostError(
+            f"trainer rank {rank} died ({e}); it is not restarted (train.strategy=fsdp, or "
+            "deploy.max_restarts=0): resume the run from its newest checkpoint: asyncflow run "
+            "--resume DIR"
         ) from e
     except ray.exceptions.RayTaskError as e:
         cause = remote_cause(e)
@@ -157,9 +219,11 @@ class DataParallelTrain(TrainAdapter):
         local: Any,
         restartable: bool = False,
         restart_timeout_s: float = 300.0,
+        run_cfg: Any = None,
         **kw: Any,
     ) -> None:
         super().__init__(*args, **kw)
+        self.run_cfg = run_cfg  # the run's config: words a lost rank's error (trainer_lost)
         self.ranks = ranks  # actor handles of ranks 1..dp_size-1
         self.local = local  # rank 0's TrainerActor (this process)
         self.dp = len(ranks) + 1
@@ -212,7 +276,7 @@ class DataParallelTrain(TrainAdapter):
             if self.restartable:
                 self._parts[r].append((part, select_columns(cols, pos), adv, loss_scale))
             ref = handle.train_part.remote(part, adv, loss_scale)
-            calls.append(rank_call(ref, r, restartable=self.restartable))
+            calls.append(rank_call(ref, r, restartable=self.restartable, cfg=self.run_cfg))
         results: list[Any] = list(await asyncio.gather(*calls, return_exceptions=True))
         lost = self._lost(results[1:])
         if lost:  # the replacements train the step's parts again; this one's result is last
@@ -244,7 +308,10 @@ class DataParallelTrain(TrainAdapter):
         calls = [self.local.optimizer_step(atomic=self.restartable)]
         calls += [
             rank_call(
-                h.optimizer_step.remote(atomic=self.restartable), r, restartable=self.restartable
+                h.optimizer_step.remote(atomic=self.restartable),
+                r,
+                restartable=self.restartable,
+                cfg=self.run_cfg,
             )
             for r, h in enumerate(self.ranks, 1)
         ]
@@ -346,7 +413,8 @@ class DataParallelTrain(TrainAdapter):
             except ray.exceptions.RayActorError as e:  # dead for good (restarts spent)
                 raise RuntimeError(
                     f"trainer rank {rank} died and is not restarted again ({e}; "
-                    "deploy.max_restarts spent): resume the run from a checkpoint"
+                    "deploy.max_restarts spent): resume the run from its newest checkpoint: "
+                    "asyncflow run --resume DIR"
                 ) from e
 
     async def _check_survivors(self, lost: list[int]) -> None:
@@ -355,12 +423,17 @@ class DataParallelTrain(TrainAdapter):
         mine = int(self.local.engine.version)
         alive = [r for r in range(1, self.dp) if r not in lost]
         versions = await asyncio.gather(
-            *(rank_call(self.ranks[r - 1].version.remote(), r, restartable=False) for r in alive)
+            *(
+                rank_call(
+                    self.ranks[r - 1].version.remote(), r, restartable=False, cfg=self.run_cfg
+                )
+                for r in alive
+            )
         )
         odd = {r: v for r, v in zip(alive, versions, strict=True) if v != mine}
         if odd:
             raise RuntimeError(
                 f"trainer ranks {sorted(odd)} hold versions {odd} while rank 0 holds {mine} "
                 f"after rank(s) {lost} died mid-step: the step cannot be redone exactly; "
-                "resume the run from a checkpoint"
+                "resume the run from its newest checkpoint: asyncflow run --resume DIR"
             )

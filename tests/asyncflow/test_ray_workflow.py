@@ -258,7 +258,8 @@ def test_a_ray_run_rides_through_its_tq_controller_actor_killed(
 
 def test_a_dead_trainer_rank_0_ends_the_run_naming_it(ray_cluster: None, tmp_path: Path) -> None:
     """Trainer rank 0 is not restarted (it runs the train stage): its death must end the run
-    at once with an error that names it, never leave another rank waiting in a collective."""
+    at once with an error that names it, says why and names the command that resumes the run,
+    never leave another rank waiting in a collective."""
     out = tmp_path / "run"
     cfg = small_config(out, "deploy.mode=ray", "train.dp_size=2", "train.steps=40", RAY_START)
     killed: list[str] = []
@@ -266,8 +267,11 @@ def test_a_dead_trainer_rank_0_ends_the_run_naming_it(ray_cluster: None, tmp_pat
         target=_kill_when, args=(out, 2, ["-train-rank0"], killed), daemon=True
     )
     killer.start()
-    with pytest.raises(StageError, match=r"stage 'train' failed: .*died"):
+    with pytest.raises(StageError, match=r"stage 'train' failed: .*died") as failed:
         run(cfg, factories=EngineFactories(reward=slow_reward_factory))
+    text = str(failed.value)
+    assert "trainer rank 0 died" in text and "rank 0 runs the train stage" in text, text
+    assert "asyncflow run --resume DIR" in text and "checkpoint.every_steps=N" in text, text
     killer.join(timeout=60)
     assert killed == ["-train-rank0"]
 
