@@ -63,6 +63,12 @@ LOST_SERVER_HINT = (
 )
 
 
+HELD_LEASE_S = 86400.0
+"""The lease of rows an adapter holds for a whole unit of work (``Adapter.holds_leases``): a
+unit may last longer than any per-batch lease, and its rows come back when their holder dies
+(TransferQueue's holder liveness), which is the only case in which they must."""
+
+
 class StageRunner:
     """Runs one adapter against TransferQueue until stopped or the stream ends."""
 
@@ -90,6 +96,7 @@ class StageRunner:
         self.samples = 0
         self.tokens = 0
         self.lost_batches = 0  # batches given back because rows of them were lost
+        self._held: list[BatchMeta] = []  # processed, not acknowledged yet (holds_leases)
         self._metrics: dict[str, list[float]] = {}  # name -> [sum weighted by rows, rows]
 
     def drain_metrics(self) -> dict[str, float]:
@@ -119,7 +126,8 @@ class StageRunner:
                 list(a.input_fields),
                 partition=self.partition,
                 timeout_s=self.poll_s,
-                lease_s=self.lease_s,
+                # held for a whole unit of work: only the holder's death gives them back
+                lease_s=HELD_LEASE_S if a.holds_leases else self.lease_s,
                 sampler=a.sampler,
                 **a.sampler_options,
                 **req,
@@ -160,6 +168,10 @@ class StageRunner:
                         acc[0] += float(v) * len(meta)
                         acc[1] += len(meta)
                 await a.after_batch()
+                if self._held and a.settled():
+                    held, self._held = self._held, []
+                    for m in held:
+                        await self.client.ack(m)
             if meta.is_end:
                 return
 
@@ -178,6 +190,8 @@ class StageRunner:
                 length=out.length,
                 lease_s=self.lease_s,
             )
+        elif a.holds_leases:
+            self._held.append(meta)
         else:
             await self.client.ack(meta)
         return out

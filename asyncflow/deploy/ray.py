@@ -79,11 +79,10 @@ from asyncflow.deploy.ray_hosts import (
     GeneratorActor,
     RolloutActor,
     TQAccess,
-    TrainerActor,
     WorkerActor,
-    ranks_restartable,
 )
-from asyncflow.deploy.ray_ranks import trainer_lost
+from asyncflow.deploy.ray_ranks import ranks_restartable, trainer_lost
+from asyncflow.deploy.ray_trainer import TrainerActor
 from asyncflow.deploy.ray_weights import ObjectStoreWeights
 from asyncflow.deploy.remote import RemoteRegistry, remote_cause
 from asyncflow.metrics import Timeline
@@ -275,7 +274,9 @@ class RayDeployment(Deployment):
         resume = self._resume
         start_version = 0 if resume is None else resume.version
         self._coord = coord_cls.options(name=coord_name, num_cpus=0).remote(
-            start_version, policy=cfg.rollout.weight_sync
+            start_version,
+            policy=cfg.rollout.weight_sync,
+            first_group=None if resume is None else resume.next_group,
         )
         self._actors.append(self._coord)  # not waited for: it starts beside the hosts
         registry = RemoteRegistry(self._coord)
@@ -286,8 +287,7 @@ class RayDeployment(Deployment):
         rank_restart = restart if ranks_restartable(cfg) else {}
         for rank, opts in enumerate(self._placed(cfg.train.placement, cfg.train.dp_size)):
             name = f"{prefix}-train-rank{rank}"
-            again = rank_restart if rank else {}  # rank 0 runs the stage: never restarted
-            actor = trainer_cls.options(name=name, **opts, **again, **env).remote(
+            actor = trainer_cls.options(name=name, **opts, **rank_restart, **env).remote(
                 rank, cfg, model, f, self._adapters, address, coord_name, origin
             )
             self._trainers.append(actor)
@@ -402,13 +402,14 @@ class RayDeployment(Deployment):
         jobs: dict[str, Job] = {}
         trainers = self._trainers
         first_group = None if self._resume is None else self._resume.next_group
+        again = ranks_restartable(self.cfg)  # ranks recover each other (ray_ranks)
         jobs["train"] = self._job(
             "train",
             lambda: trainers[0].run.remote(trainers[1:], self._weights, self._plan, first_group),
-            restartable=False,
+            restartable=again,
+            host=trainers[0],
             lost=functools.partial(trainer_lost, 0, self.cfg),
         )
-        again = ranks_restartable(self.cfg)  # rank 0 recovers them (ray_ranks)
         for r, t in enumerate(trainers[1:], start=1):
             name = f"train/rank{r}"
             lost = functools.partial(trainer_lost, r, self.cfg)

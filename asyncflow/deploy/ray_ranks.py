@@ -73,6 +73,7 @@ __all__ = [
     "TrainerLostError",
     "ranks_restartable",
     "read_state",
+    "take_over",
     "trainer_lost",
     "write_state",
 ]
@@ -113,16 +114,10 @@ def trainer_lost(rank: int, cfg: Any, cause: BaseException | str) -> TrainerLost
             "with train.strategy=fsdp each rank holds only its shards of the weights and "
             "optimizer state, so no surviving rank holds a copy of its part"
         )
-    elif rank == 0:
-        why = (
-            "rank 0 runs the train stage (the step loop and its leases, the weight publishing, "
-            "checkpoints and step reports) and is not restarted; only ranks 1.. of "
-            "train.strategy=ddp are replaced"
-        )
     elif cfg.deploy.max_restarts == 0:
         why = (
             "deploy.max_restarts=0, so Ray does not restart it (with deploy.max_restarts > 0, "
-            "ranks 1.. of train.strategy=ddp are replaced within seconds)"
+            "every rank of train.strategy=ddp is replaced within seconds)"
         )
     else:
         why = f"its restarts are spent (deploy.max_restarts={cfg.deploy.max_restarts})"
@@ -224,6 +219,10 @@ class DataParallelTrain(TrainAdapter):
     ) -> None:
         super().__init__(*args, **kw)
         self.run_cfg = run_cfg  # the run's config: words a lost rank's error (trainer_lost)
+        # restartable: the step's rows stay leased until it is reported (with the position
+        # rank 0's replacement goes on from), then they are acknowledged
+        self.holds_leases = restartable
+        self._replay = False  # see taken_over
         self.ranks = ranks  # actor handles of ranks 1..dp_size-1
         self.local = local  # rank 0's TrainerActor (this process)
         self.dp = len(ranks) + 1
@@ -240,6 +239,17 @@ class DataParallelTrain(TrainAdapter):
         if restartable:
             fields = [*TRAIN_FIELDS, *(("ref_logprobs",) if self.use_reference else ())]
             self.read_fields = tuple(dict.fromkeys([*self.read_fields, *fields]))
+
+    def taken_over(self, taken: bool, seconds: float) -> None:
+        """This rank 0 replaces a dead one (:func:`take_over`): whether the step in flight was
+        already taken (its optimizer step ran on the survivors: its rows go into its report,
+        untrained), and the seconds the take-over cost (``rank_recovery_s`` of the step)."""
+        self._replay = taken
+        self._recovery_s += seconds
+
+    def settled(self) -> bool:
+        """No step is in progress (its rows are held until it is reported)."""
+        return self._groups_done == 0 and not self._acc["filtered"]
 
     def _shares(self, meta: BatchMeta) -> list[np.ndarray]:
         if self.max_tokens is None:  # the sampler's split, unless filtering changed the rows
@@ -261,6 +271,8 @@ class DataParallelTrain(TrainAdapter):
         advantages: torch.Tensor,
         loss_scale: float,
     ) -> tuple[dict[str, float], int]:
+        if self._replay:  # taken already: the rows only go into the step's report
+            return {}, 0
         shares = self._shares(meta)
         calls = []
         for r, pos in enumerate(shares):
@@ -304,6 +316,9 @@ class DataParallelTrain(TrainAdapter):
         return lost
 
     async def optimizer_step(self) -> dict[str, float]:
+        if self._replay:  # the survivors took this step before rank 0 died
+            self._replay = False
+            return self._done({"step_taken_over": 1.0})
         version = int(self.local.engine.version)
         calls = [self.local.optimizer_step(atomic=self.restartable)]
         calls += [
@@ -437,3 +452,85 @@ class DataParallelTrain(TrainAdapter):
                 f"after rank(s) {lost} died mid-step: the step cannot be redone exactly; "
                 "resume the run from its newest checkpoint: asyncflow run --resume DIR"
             )
+
+
+async def take_over(
+    train: DataParallelTrain, client: Any, step: int, first_group: int | None
+) -> None:
+    """On the replacement of trainer rank 0 (Ray restarted its actor), before its train stage
+    (``train``, built at the coordinator's ``train_position``: ``step`` and the first group of
+    its window) runs: bring the group back and say whether ``step`` was taken already.
+
+    1. Rows of earlier windows still leased when rank 0 died (their acknowledgement, after the
+       position was recorded, cut short) are acknowledged now.
+    2. Every other rank finishes the call it was in (``quiesce``) and says its version; the
+       one with the newest (``step`` + 1 if the step's optimizer step ran on it, else
+       ``step``) hands its state to every rank, itself and the replacement included: the
+       same weights, optimizer and RNG state everywhere, the step's gradients dropped.
+    3. Every rank forms a new group with the replacement as its rank 0.
+    The step is then trained again from its rows (they came back with the dead holder), or,
+    taken already, its rows only go into its report."""
+    t0 = time.monotonic()
+    cfg, ranks, local = train.run_cfg, train.ranks, train.local
+    if first_group is not None:
+        stale = 0
+        while True:
+            meta = await client.get_meta(
+                train.task,
+                list(train.input_fields),
+                timeout_s=0.5,
+                lease_s=60.0,
+                sampler=train.sampler,
+                **train.sampler_options,
+                batch_size=train.batch_size,
+                max_group=first_group - 1,
+            )
+            if not len(meta):
+                break
+            await client.ack(meta)
+            stale += len(meta)
+        if stale:
+            log.warning("trainer rank 0's replacement acknowledged %d settled rows", stale)
+    numbered = list(enumerate(ranks, 1))
+    versions = list(
+        await asyncio.gather(
+            *(rank_call(h.quiesce.remote(), r, restartable=False, cfg=cfg) for r, h in numbered)
+        )
+    )
+    top = max(versions)
+    if top not in (step, step + 1):
+        raise TrainerLostError(
+            f"trainer rank 0 died in step {step} and the other ranks hold versions {versions}: "
+            "the step cannot be redone exactly; resume the run from its newest checkpoint: "
+            "asyncflow run --resume DIR"
+        )
+    source = versions.index(top) + 1
+    files = await rank_call(
+        ranks[source - 1].state_files.remote(), source, restartable=False, cfg=cfg
+    )
+    await asyncio.gather(
+        local.adopt_state(files),
+        *(
+            rank_call(h.adopt_state.remote(files), r, restartable=False, cfg=cfg)
+            for r, h in numbered
+        ),
+    )
+    host, port = local.endpoint()
+    world = len(ranks) + 1
+    await asyncio.gather(
+        local.regroup(world, host, port),
+        *(
+            rank_call(h.regroup.remote(world, host, port), r, restartable=False, cfg=cfg)
+            for r, h in numbered
+        ),
+    )
+    seconds = time.monotonic() - t0
+    train.taken_over(top > step, seconds)
+    log.warning(
+        "trainer rank 0 replaced: step %d %s, state from rank %d (version %d), %.2f s",
+        step,
+        "taken already (its rows are reported, not trained)" if top > step else "trained again",
+        source,
+        top,
+        seconds,
+    )

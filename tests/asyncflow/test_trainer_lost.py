@@ -24,8 +24,9 @@ def _cfg(tmp_path: Path, *overrides: str) -> RunConfig:
         (["train.dp_size=1"], 0, "a single-rank trainer holds the only copy"),
         (["train.dp_size=2", "train.strategy=fsdp"], 1, "each rank holds only its shards"),
         (["train.dp_size=2", "train.strategy=fsdp"], 0, "each rank holds only its shards"),
-        (["train.dp_size=2"], 0, "rank 0 runs the train stage"),
+        (["train.dp_size=2", "deploy.max_restarts=0"], 0, "deploy.max_restarts=0"),
         (["train.dp_size=2", "deploy.max_restarts=0"], 1, "deploy.max_restarts=0"),
+        (["train.dp_size=2", "deploy.max_restarts=2"], 0, "restarts are spent"),
         (["train.dp_size=2", "deploy.max_restarts=2"], 1, "restarts are spent"),
     ],
 )
@@ -53,7 +54,7 @@ def test_without_checkpoints_the_error_says_how_to_have_one(tmp_path: Path) -> N
     assert str(trainer_lost(0, cfg, "killed")).endswith(f"asyncflow run --resume {elsewhere}")
 
 
-def test_only_ranks_1_up_of_a_restartable_ddp_group_are_replaced(tmp_path: Path) -> None:
+def test_the_ranks_of_a_ddp_group_of_two_or_more_are_replaced(tmp_path: Path) -> None:
     assert ranks_restartable(_cfg(tmp_path, "train.dp_size=2"))
     assert not ranks_restartable(_cfg(tmp_path, "train.dp_size=1"))
     assert not ranks_restartable(_cfg(tmp_path, "train.dp_size=2", "train.strategy=fsdp"))
