@@ -4,9 +4,10 @@ One runner drives one adapter with ``concurrency`` workers (asyncio tasks); the 
 GRPO graph and their runners are built from the config by ``asyncflow.graph``. Each worker leases
 a batch of rows whose input fields are ready, reads the columns, lets the adapter run its
 engine, and writes the output columns onto the same rows, which acknowledges the lease (an
-adapter with no output just acknowledges). A worker that fails leaves its lease open, so its
-rows go back to the task when the lease runs out, and the error propagates to the workflow,
-which stops every stage.
+adapter with no output just acknowledges; one that ``holds_leases`` acknowledges its batches
+only once its unit of work, a train step, is complete and reported). A worker that fails
+leaves its lease open, so its rows go back to the task when the lease runs out (or its holder
+dies), and the error propagates to the workflow, which stops every stage.
 
 A batch that loses rows with a dead TransferQueue storage unit while the worker reads or
 writes it (``RowsLostError``) is not a failure: the worker gives the rest of the batch back to

@@ -12,8 +12,11 @@ What runs where (``asyncflow.deploy.ray_hosts`` for the actors):
 | rollout dispatcher    | 1                   | none (I/O)              | restarted         |
 | reward worker         | reward.instances    | reward.placement        | restarted         |
 | reference worker      | reference.instances | reference.placement     | restarted         |
-| trainer rank 0        | 1                   | train.placement         | the run fails:    |
-|                       |                     |                         | resume it (below) |
+| trainer rank 0        | 1                   | train.placement         | ddp, >= 2 ranks:  |
+|                       |                     |                         | restarted, takes  |
+|                       |                     |                         | the train stage   |
+|                       |                     |                         | over; else the    |
+|                       |                     |                         | run fails (below) |
 | trainer ranks 1..     | train.dp_size - 1   | train.placement         | restarted (ddp),  |
 |                       |                     |                         | state from rank 0;|
 |                       |                     |                         | fsdp: the run     |
@@ -30,19 +33,24 @@ actor cannot call back into the driver.
 **Recovery.** Generators, the rollout dispatcher and reward/reference workers are restarted by
 Ray (``max_restarts``) and their ``run`` is called again by the driver, which counts the
 restarts (``RunResult.extra["restarts"]``, and ``restarts`` in every step's record). What a dead
-host held comes back without anyone's help: rows it had leased return to their task when the
-lease runs out (``transferqueue.lease_s``), and a ``generate`` call in flight on a dead
+host held comes back without anyone's help: rows it had leased return to their task as its
+replacement announces itself or its heartbeat stops (seconds, not ``transferqueue.lease_s``),
+and a ``generate`` call in flight on a dead
 generator fails at once in the dispatcher, which generates the batch on another instance. A
 restarted generator registers again with its initial weights and takes no batch until it
 holds weights recent enough for it (the staleness bound is checked per sample, whatever
-happens). A trainer rank ``r >= 1`` of ``train.strategy=ddp`` is restarted too: rank 0 gives
-its replacement its own weights and optimizer state, the group forms again and the step in
-flight is redone exactly (``asyncflow.deploy.ray_ranks``). Rank 0 (it runs the train stage:
-the step loop and its leases, weight publishing, checkpoints, step reports), the only rank of
-a single-rank trainer (no other copy of its state) and the ranks of ``fsdp`` (each holds only
-its shards) are not: the run fails with an error naming the rank and why (never a hang: every
-collective has a timeout); resume the run from its newest checkpoint (``asyncflow run
---resume DIR``, ``DIR`` the run's ``output.dir``; ``checkpoint.every_steps`` writes them).
+happens). Every trainer rank of a ``train.strategy=ddp`` group of two or more is restarted
+too (``asyncflow.deploy.ray_ranks``): a rank ``r >= 1``'s replacement gets rank 0's weights and
+optimizer state, the group forms again and the step in flight is redone exactly; rank 0's
+replacement (the driver runs its ``run`` again, as for other hosts) takes a surviving rank's
+state, forms the group again as its rank 0 and takes the train stage over from the step in
+flight: the step's rows, held leased until the step is reported, come back with their dead
+holder, and a step the survivors had already taken is reported, not trained again. The only
+rank of a single-rank trainer (no other copy of its state) and the ranks of ``fsdp`` (each
+holds only its shards) are not: the run fails with an error naming the rank and why (never a
+hang: every collective has a timeout); resume the run from its newest checkpoint
+(``asyncflow run --resume DIR``, ``DIR`` the run's ``output.dir``; ``checkpoint.every_steps``
+writes them).
 
 **Checkpoints and resume.** Trainer rank 0 writes the trainer's part of a checkpoint in its
 actor (``asyncflow.checkpoint``; with ``train.strategy=fsdp`` every rank writes its shards:

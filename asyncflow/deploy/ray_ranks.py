@@ -1,13 +1,15 @@
 """The train stage over data-parallel trainer ranks under ``deploy=ray``, and the recovery of a
-rank that died mid-run (``asyncflow.deploy.ray_hosts.TrainerActor`` hosts the ranks).
+rank that died mid-run (``asyncflow.deploy.ray_trainer.TrainerActor`` hosts the ranks).
 
 Rank 0 runs the train stage (:class:`DataParallelTrain`) and calls the other ranks for their
 part of each micro-batch and for the optimizer step. With ``train.strategy=ddp`` every rank
-holds the same weights and optimizer state, so a rank ``r >= 1`` that dies (SIGKILL, OOM) is
-replaced without losing anything:
+holds the same weights and optimizer state, so any rank of a group of two or more that dies
+(SIGKILL, OOM) is replaced without losing anything (``deploy.max_restarts`` > 0).
 
-1. Ray restarts its actor (``deploy.max_restarts``); rank 0 sees the death as the failure of a
-   call to it (or, for a replacement that has not joined yet, :class:`RankRestartedError`).
+**A rank r >= 1 dies.** Rank 0 recovers it:
+
+1. Ray restarts its actor; rank 0 sees the death as the failure of a call to it (or, for a
+   replacement that has not joined yet, :class:`RankRestartedError`).
 2. Rank 0 waits (bounded by ``deploy.start_timeout_s``) until the replacement answers, then
    hands it rank 0's own state: the weights, the optimizer's moments, the version and the
    RNGs, in the checkpoint format (``asyncflow.checkpoint.write_trainer_part``), sent as bytes
@@ -16,9 +18,8 @@ replaced without losing anything:
    hold the state the other ranks hold *now* for the step's gradients to sum correctly.
 3. Every rank leaves the broken ``torch.distributed`` group and forms a new one.
 4. The step in flight is redone, never trained twice or in part: rank 0 keeps, for each other
-   rank, the parts of the step's micro-batches it sent it (with their columns: rank 0 reads
-   the whole micro-batch while ranks are restartable, because the rows of a micro-batch
-   already acknowledged are freed from TransferQueue). The replacement trains them again
+   rank, the parts of the step's micro-batches it sent it, with their columns (rank 0 reads
+   the whole micro-batch while ranks are restartable). The replacement trains them again
    from those columns; its gradients are the dead rank's. Then the optimizer step runs
    (again): the gradient all-reduce is atomic on every rank (``all_reduce_gradients(...,
    atomic=True)``: the sums are written back only once every bucket is reduced), so a rank
@@ -26,19 +27,48 @@ replaced without losing anything:
    complete before the other rank died, the step is done and the replacement takes the
    stepped state instead.
 
+**Rank 0 dies.** Its replacement takes the train stage over (:func:`take_over`), because
+everything rank 0 orchestrates can be rebuilt from what survives it:
+
+- *The step's rows.* While ranks are restartable, the train stage holds every row of the step
+  in flight leased (``Adapter.holds_leases``) until the step is taken and reported, and only
+  then acknowledges them. Rank 0's leases are held under its actor's name, so its replacement,
+  announcing that it replaces it (``replace_earlier_holders``), gets them all back into the
+  train task's queue at once (else the dead holder's silence returns them within seconds).
+- *The position.* Each step report reaches the coordinator with the first group of the next
+  window (``Coordinator.step_done``) before the step's rows are acknowledged; the replacement
+  starts at the step after the last one reported (``train_position``) and first acknowledges
+  rows of earlier windows that a death cut short.
+- *The state.* The other ranks finish the call they were in (``quiesce``) and say their
+  version. Survivors at the step's version ``v`` have not stepped: every rank, the source
+  itself included, takes the state of one of them, which drops the step's gradients, and the
+  step is trained again from its rows. A survivor at ``v + 1`` has stepped (its all-reduce
+  completed, so it holds the full sum): every rank takes its state, and the step's rows are
+  gone through only for its report (``step_taken_over`` in the step's metrics), not trained
+  again. Any other version fails the run (:class:`TrainerLostError`).
+- *The group.* Every rank forms a new ``torch.distributed`` group with the replacement as its
+  rank 0 (it hosts the rendezvous).
+- *Weight publishing, checkpoints, reports* restart on the replacement with the stage: it
+  opens the weight transport's sender again (receivers join it again by themselves), publishes
+  a step it reports again under the same version (the registry takes that once), and the
+  coordinator drops a report of a step it has (``step_done``), so the driver sees each step
+  once. A checkpoint due at such a step is staged again and never completed (harmless: only
+  completed checkpoints are picked up).
+
 So every group is trained exactly once, with the same gradients as without the death, and the
-staleness bound holds (rows are admitted by the feeder's bound whatever the step's length).
+staleness bound holds (rows are admitted by the feeder's bound whatever the step's length; a
+group's step depends only on the groups before it). The cost: Ray's restart of the actor (a new
+interpreter importing torch) plus the state's transfer and the step trained again.
 
 Which deaths end the run instead (:func:`trainer_lost` words the error, naming the rank, why
 it is not replaced and ``asyncflow run --resume DIR``):
 
 | trainer rank that died              | why it is not replaced                                  |
 |-------------------------------------|---------------------------------------------------------|
-| rank 0 (any strategy)               | it runs the train stage: the step loop, its leases, the |
-|                                     | weight publishing, checkpoints and step reports         |
 | the only rank (``train.dp_size=1``) | it holds the only copy of the weights and optimizer     |
 | any rank of ``train.strategy=fsdp`` | each rank holds only its shards: no surviving copy      |
 | any rank, ``deploy.max_restarts=0`` | Ray does not restart it                                 |
+| any rank, its restarts spent        | ``deploy.max_restarts`` deaths of that actor already    |
 
 Such a run goes on from its newest checkpoint (``checkpoint.every_steps``):
 ``asyncflow run --resume DIR``, ``DIR`` the run's ``output.dir`` (or its ``checkpoint.dir``).
