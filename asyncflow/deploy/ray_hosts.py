@@ -24,10 +24,10 @@ origin; the driver drains them (:meth:`drain`) into the run's timeline at every 
 
 Checkpoints (``asyncflow.checkpoint``): trainer rank 0 writes the trainer's part after the
 optimizer step of a step the plan marks (ranks are identical); on resume every rank restores
-from the checkpoint (:meth:`TrainerActor.restore`) and generator hosts start from its policy
-folder at its version (``initial_version``, a constructor argument so that a host Ray
-restarts starts there too). Validation adds the ``eval`` stage to the rollout host and the
-``eval/reward`` stage to each reward worker, over the ``val`` partition.
+from the checkpoint (``asyncflow.deploy.ray_trainer.TrainerActor.restore``) and generator hosts
+start from its policy folder at its version (``initial_version``, a constructor argument so
+that a host Ray restarts starts there too). Validation adds the ``eval`` stage to the rollout
+host and the ``eval/reward`` stage to each reward worker, over the ``val`` partition.
 """
 
 from __future__ import annotations
