@@ -1,14 +1,19 @@
-"""Which trainer ranks a ``deploy=ray`` run replaces, and the error of one it cannot: the
-reason and the command that resumes the run (``asyncflow.deploy.ray_ranks.trainer_lost``).
-No cluster needed; the deaths themselves are in ``test_ray_workflow.py``."""
+"""Which trainer ranks a ``deploy=ray`` run replaces, the error of one it cannot (the reason
+and the command that resumes the run: ``asyncflow.deploy.ray_ranks.trainer_lost``), and what
+a replaced rank 0 relies on in the coordinator (its position; a step, a version, a filtered
+group told twice counted once). No cluster needed; the deaths themselves are in
+``test_ray_workflow.py``."""
 
 from __future__ import annotations
 
+import asyncio
+import pickle
 from pathlib import Path
 
 import pytest
 
 from asyncflow import RunConfig, load_config
+from asyncflow.deploy.coordinator import Coordinator
 from asyncflow.deploy.ray_ranks import TrainerLostError, ranks_restartable, trainer_lost
 
 RAY = ["deploy.mode=ray"]
@@ -59,3 +64,26 @@ def test_the_ranks_of_a_ddp_group_of_two_or_more_are_replaced(tmp_path: Path) ->
     assert not ranks_restartable(_cfg(tmp_path, "train.dp_size=1"))
     assert not ranks_restartable(_cfg(tmp_path, "train.dp_size=2", "train.strategy=fsdp"))
     assert not ranks_restartable(_cfg(tmp_path, "train.dp_size=2", "deploy.max_restarts=0"))
+
+
+def test_the_coordinator_keeps_where_rank_0_goes_on_and_takes_each_step_once() -> None:
+    async def go() -> None:
+        coord = Coordinator(3, first_group=12)  # a run resumed at version 3, group 12
+        assert (await coord.stats())["train_position"] == (3, 12)
+        await coord.step_done(pickle.dumps("step 3"), 3, 16)
+        assert (await coord.stats())["train_position"] == (4, 16)
+        await coord.step_done(pickle.dumps("step 3 again"), 3, 16)  # a replaced rank 0
+        await coord.step_done(pickle.dumps("step 4"), 4, 20)
+        assert (await coord.stats())["train_position"] == (5, 20)
+        got = [pickle.loads(r) for r in [await coord.next_report(1.0) for _ in range(2)] if r]
+        assert got == ["step 3", "step 4"]
+        assert await coord.next_report(0.05) is None
+        await coord.publish(4)
+        await coord.publish(4)  # the step taken over, published again: taken once
+        with pytest.raises(ValueError, match="not newer"):
+            await coord.publish(3)
+        await coord.filter_groups([5, 6])
+        await coord.filter_groups([6, 7])  # 6 told again by a replaced rank 0
+        assert await coord.filtered_count() == 3
+
+    asyncio.run(go())
