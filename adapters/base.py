@@ -69,6 +69,16 @@ class Adapter(ABC):
     async def process(self, meta: BatchMeta, cols: dict[str, Column]) -> StageOutput:
         """Run the engine on one batch; must not block the event loop (use threads)."""
 
+    holds_leases: bool = False
+    """The stage runner acknowledges a batch without output columns only once :meth:`settled`
+    (checked after :meth:`after_batch`), not after :meth:`process`: a unit of work that spans
+    batches (a train step) keeps all its rows leased until it is complete and reported, so a
+    process that dies mid-unit gives every row of it back (``asyncflow.deploy.ray_ranks``)."""
+
+    def settled(self) -> bool:
+        """Whether the batches processed so far form complete units (``holds_leases``)."""
+        return True
+
     async def after_batch(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Called by the stage runner once a processed batch is written and recorded (e.g. to
         report a finished step with that batch's time included)."""

@@ -222,6 +222,7 @@ def train_adapter(
     *,
     on_filtered: Callable[[list[int]], Awaitable[None]],
     first_group: int | None = None,
+    first_step: int | None = None,
     **extra: Any,
 ) -> Adapter:
     """The train stage from the trainer's version on (``first_group``: where a resumed run's
@@ -234,7 +235,7 @@ def train_adapter(
         micro_batch_groups=t.micro_batch_groups,
         use_reference=cfg.reference.enabled,
         on_step=on_step,
-        first_step=trainer.version,
+        first_step=trainer.version if first_step is None else first_step,
         first_group=first_group,
         dynamic_sampling=t.dynamic_sampling,
         on_filtered=on_filtered,

@@ -127,6 +127,7 @@ class Registry:
         self._changed = asyncio.Event()
         self._changes = 0  # weights published or adopted, groups filtered (the feeder waits)
         self._filtered = 0  # groups the train stage filtered (dynamic sampling)
+        self._filtered_ids: set[int] = set()  # (a replaced trainer rank 0 tells them again)
         self._watch = asyncio.Condition()
         self._seq = 0
         self._need = -1
@@ -236,7 +237,9 @@ class Registry:
     # -- trainer -----------------------------------------------------------------------------
     async def publish(self, version: int) -> None:
         """Weights of ``version`` can now be fetched through the transport."""
-        if version <= self._published and self._any_published:
+        if version == self._published and self._any_published:
+            return  # a replaced trainer rank 0 publishing the step it took over again
+        if version < self._published and self._any_published:
             raise ValueError(f"published version {version} is not newer than {self._published}")
         self._published, self._any_published = version, True
         self._published_at[version] = time.perf_counter()
@@ -247,7 +250,9 @@ class Registry:
     async def filter_groups(self, groups: list[int]) -> None:
         """The train stage filtered ``groups`` (their rewards all tied; acknowledged, never
         trained): the feeder may admit as many more."""
-        self._filtered += len(groups)
+        new = set(groups) - self._filtered_ids  # each group counts once
+        self._filtered_ids |= new
+        self._filtered += len(new)
         self._changes += 1
         self._changed.set()
 

@@ -4,9 +4,10 @@ One runner drives one adapter with ``concurrency`` workers (asyncio tasks); the 
 GRPO graph and their runners are built from the config by ``asyncflow.graph``. Each worker leases
 a batch of rows whose input fields are ready, reads the columns, lets the adapter run its
 engine, and writes the output columns onto the same rows, which acknowledges the lease (an
-adapter with no output just acknowledges). A worker that fails leaves its lease open, so its
-rows go back to the task when the lease runs out, and the error propagates to the workflow,
-which stops every stage.
+adapter with no output just acknowledges; one that ``holds_leases`` acknowledges its batches
+only once its unit of work, a train step, is complete and reported). A worker that fails
+leaves its lease open, so its rows go back to the task when the lease runs out (or its holder
+dies), and the error propagates to the workflow, which stops every stage.
 
 A batch that loses rows with a dead TransferQueue storage unit while the worker reads or
 writes it (``RowsLostError``) is not a failure: the worker gives the rest of the batch back to
@@ -63,6 +64,12 @@ LOST_SERVER_HINT = (
 )
 
 
+HELD_LEASE_S = 86400.0
+"""The lease of rows an adapter holds for a whole unit of work (``Adapter.holds_leases``): a
+unit may last longer than any per-batch lease, and its rows come back when their holder dies
+(TransferQueue's holder liveness), which is the only case in which they must."""
+
+
 class StageRunner:
     """Runs one adapter against TransferQueue until stopped or the stream ends."""
 
@@ -90,6 +97,7 @@ class StageRunner:
         self.samples = 0
         self.tokens = 0
         self.lost_batches = 0  # batches given back because rows of them were lost
+        self._held: list[BatchMeta] = []  # processed, not acknowledged yet (holds_leases)
         self._metrics: dict[str, list[float]] = {}  # name -> [sum weighted by rows, rows]
 
     def drain_metrics(self) -> dict[str, float]:
@@ -119,7 +127,8 @@ class StageRunner:
                 list(a.input_fields),
                 partition=self.partition,
                 timeout_s=self.poll_s,
-                lease_s=self.lease_s,
+                # held for a whole unit of work: only the holder's death gives them back
+                lease_s=HELD_LEASE_S if a.holds_leases else self.lease_s,
                 sampler=a.sampler,
                 **a.sampler_options,
                 **req,
@@ -160,6 +169,10 @@ class StageRunner:
                         acc[0] += float(v) * len(meta)
                         acc[1] += len(meta)
                 await a.after_batch()
+                if self._held and a.settled():
+                    held, self._held = self._held, []
+                    for m in held:
+                        await self.client.ack(m)
             if meta.is_end:
                 return
 
@@ -178,6 +191,8 @@ class StageRunner:
                 length=out.length,
                 lease_s=self.lease_s,
             )
+        elif a.holds_leases:
+            self._held.append(meta)
         else:
             await self.client.ack(meta)
         return out

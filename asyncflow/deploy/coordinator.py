@@ -27,9 +27,14 @@ __all__ = ["Coordinator"]
 class Coordinator(Registry):
     """The registry as an actor, with the step reports the trainer hands the driver."""
 
-    def __init__(self, initial_version: int = 0, *, policy: str = "eager") -> None:
+    def __init__(
+        self, initial_version: int = 0, *, policy: str = "eager", first_group: int | None = None
+    ) -> None:
         super().__init__(initial_version, policy=policy)
         self._reports: asyncio.Queue[bytes] = asyncio.Queue()
+        self._last_step = -1  # the last step reported (a replaced rank 0 may report it again)
+        # the train stage's position: (step, first group of its window; None: step * B)
+        self._position: tuple[int, int | None] = (initial_version, first_group)
         self._weights: tuple[int, list[Any]] = (-1, [])
         self._weights_changed = asyncio.Event()
 
@@ -52,11 +57,25 @@ class Coordinator(Registry):
             await wait_event(self._weights_changed, left)
         return self._weights
 
-    async def step_done(self, report: bytes) -> None:
-        """The trainer finished a step (its weights are already published): its
+    async def step_done(self, report: bytes, step: int = -1, next_group: int = -1) -> None:
+        """The trainer finished step ``step`` (its weights are already published): its
         :class:`~adapters.StepReport`, pickled (:class:`~asyncflow.deploy.remote.RemoteRegistry`
-        pickles and unpickles it)."""
+        pickles and unpickles it), and the first group of the next step's window: where a
+        replaced trainer rank 0 goes on (:meth:`train_position`; the step's rows are
+        acknowledged only after this). A step reported already is dropped: a replaced rank 0
+        reports again the step its predecessor died settling."""
+        if step >= 0 and next_group >= 0:
+            self._position = (step + 1, next_group)
+        if 0 <= step <= self._last_step:
+            return
+        self._last_step = max(self._last_step, step)
         self._reports.put_nowait(report)
+
+    async def stats(self) -> dict[str, object]:
+        """The registry's counters, and ``train_position``: where a replaced trainer rank 0 goes
+        on, the step after the last one reported and its window's first group (or the run's
+        start)."""
+        return {**await super().stats(), "train_position": self._position}
 
     async def next_report(self, timeout_s: float) -> bytes | None:
         """The next finished step's pickled report, or None after ``timeout_s``."""

@@ -12,10 +12,15 @@ What runs where (``asyncflow.deploy.ray_hosts`` for the actors):
 | rollout dispatcher    | 1                   | none (I/O)              | restarted         |
 | reward worker         | reward.instances    | reward.placement        | restarted         |
 | reference worker      | reference.instances | reference.placement     | restarted         |
-| trainer rank 0        | 1                   | train.placement         | the run fails,    |
-|                       |                     |                         | naming the rank   |
+| trainer rank 0        | 1                   | train.placement         | ddp, >= 2 ranks:  |
+|                       |                     |                         | restarted, takes  |
+|                       |                     |                         | the train stage   |
+|                       |                     |                         | over; else the    |
+|                       |                     |                         | run fails (below) |
 | trainer ranks 1..     | train.dp_size - 1   | train.placement         | restarted (ddp),  |
-|                       |                     |                         | state from rank 0 |
+|                       |                     |                         | state from rank 0;|
+|                       |                     |                         | fsdp: the run     |
+|                       |                     |                         | fails (below)     |
 
 Restarts are Ray's (``deploy.max_restarts`` per actor).
 
@@ -28,17 +33,24 @@ actor cannot call back into the driver.
 **Recovery.** Generators, the rollout dispatcher and reward/reference workers are restarted by
 Ray (``max_restarts``) and their ``run`` is called again by the driver, which counts the
 restarts (``RunResult.extra["restarts"]``, and ``restarts`` in every step's record). What a dead
-host held comes back without anyone's help: rows it had leased return to their task when the
-lease runs out (``transferqueue.lease_s``), and a ``generate`` call in flight on a dead
+host held comes back without anyone's help: rows it had leased return to their task as its
+replacement announces itself or its heartbeat stops (seconds, not ``transferqueue.lease_s``),
+and a ``generate`` call in flight on a dead
 generator fails at once in the dispatcher, which generates the batch on another instance. A
 restarted generator registers again with its initial weights and takes no batch until it
 holds weights recent enough for it (the staleness bound is checked per sample, whatever
-happens). A trainer rank ``r >= 1`` of ``train.strategy=ddp`` is restarted too: rank 0 gives
-its replacement its own weights and optimizer state, the group forms again and the step in
-flight is redone exactly (``asyncflow.deploy.ray_ranks``). Rank 0 (it runs the train stage)
-and the ranks of ``fsdp`` (no rank holds the whole state) are not: the run fails with an
-error naming the rank (never a hang: every collective has a timeout); resume the run from
-its last checkpoint (``asyncflow run --resume DIR``).
+happens). Every trainer rank of a ``train.strategy=ddp`` group of two or more is restarted
+too (``asyncflow.deploy.ray_ranks``): a rank ``r >= 1``'s replacement gets rank 0's weights and
+optimizer state, the group forms again and the step in flight is redone exactly; rank 0's
+replacement (the driver runs its ``run`` again, as for other hosts) takes a surviving rank's
+state, forms the group again as its rank 0 and takes the train stage over from the step in
+flight: the step's rows, held leased until the step is reported, come back with their dead
+holder, and a step the survivors had already taken is reported, not trained again. The only
+rank of a single-rank trainer (no other copy of its state) and the ranks of ``fsdp`` (each
+holds only its shards) are not: the run fails with an error naming the rank and why (never a
+hang: every collective has a timeout); resume the run from its newest checkpoint
+(``asyncflow run --resume DIR``, ``DIR`` the run's ``output.dir``; ``checkpoint.every_steps``
+writes them).
 
 **Checkpoints and resume.** Trainer rank 0 writes the trainer's part of a checkpoint in its
 actor (``asyncflow.checkpoint``; with ``train.strategy=fsdp`` every rank writes its shards:
@@ -75,10 +87,10 @@ from asyncflow.deploy.ray_hosts import (
     GeneratorActor,
     RolloutActor,
     TQAccess,
-    TrainerActor,
     WorkerActor,
-    ranks_restartable,
 )
+from asyncflow.deploy.ray_ranks import ranks_restartable, trainer_lost
+from asyncflow.deploy.ray_trainer import TrainerActor
 from asyncflow.deploy.ray_weights import ObjectStoreWeights
 from asyncflow.deploy.remote import RemoteRegistry, remote_cause
 from asyncflow.metrics import Timeline
@@ -270,7 +282,9 @@ class RayDeployment(Deployment):
         resume = self._resume
         start_version = 0 if resume is None else resume.version
         self._coord = coord_cls.options(name=coord_name, num_cpus=0).remote(
-            start_version, policy=cfg.rollout.weight_sync
+            start_version,
+            policy=cfg.rollout.weight_sync,
+            first_group=None if resume is None else resume.next_group,
         )
         self._actors.append(self._coord)  # not waited for: it starts beside the hosts
         registry = RemoteRegistry(self._coord)
@@ -281,8 +295,7 @@ class RayDeployment(Deployment):
         rank_restart = restart if ranks_restartable(cfg) else {}
         for rank, opts in enumerate(self._placed(cfg.train.placement, cfg.train.dp_size)):
             name = f"{prefix}-train-rank{rank}"
-            again = rank_restart if rank else {}  # rank 0 runs the stage: never restarted
-            actor = trainer_cls.options(name=name, **opts, **again, **env).remote(
+            actor = trainer_cls.options(name=name, **opts, **rank_restart, **env).remote(
                 rank, cfg, model, f, self._adapters, address, coord_name, origin
             )
             self._trainers.append(actor)
@@ -397,15 +410,18 @@ class RayDeployment(Deployment):
         jobs: dict[str, Job] = {}
         trainers = self._trainers
         first_group = None if self._resume is None else self._resume.next_group
+        again = ranks_restartable(self.cfg)  # ranks recover each other (ray_ranks)
         jobs["train"] = self._job(
             "train",
             lambda: trainers[0].run.remote(trainers[1:], self._weights, self._plan, first_group),
-            restartable=False,
+            restartable=again,
+            host=trainers[0],
+            lost=functools.partial(trainer_lost, 0, self.cfg),
         )
-        again = ranks_restartable(self.cfg)  # rank 0 recovers them (ray_ranks)
         for r, t in enumerate(trainers[1:], start=1):
             name = f"train/rank{r}"
-            jobs[name] = self._job(name, t.hold.remote, restartable=again, host=t)
+            lost = functools.partial(trainer_lost, r, self.cfg)
+            jobs[name] = self._job(name, t.hold.remote, restartable=again, host=t, lost=lost)
         for name, g in self._generators:
             run = functools.partial(g.run.remote, self._weights)
             jobs[f"rollout/{name}"] = self._job(f"rollout/{name}", run, restartable=True, host=g)
@@ -422,9 +438,11 @@ class RayDeployment(Deployment):
         *,
         restartable: bool,
         host: Any = None,
+        lost: Callable[[BaseException], Exception] | None = None,
     ) -> Job:
         """A stage host's ``run`` on the driver's loop; after Ray restarted the host, run it
-        again (each restart counted), until ``deploy.max_restarts`` is spent."""
+        again (each restart counted), until ``deploy.max_restarts`` is spent. ``lost`` words
+        the error of a death that ends the run (trainer ranks: why, and how to resume)."""
         import ray
 
         async def supervised() -> None:
@@ -440,10 +458,14 @@ class RayDeployment(Deployment):
                     ) from e
                 except ray.exceptions.RayActorError as e:
                     if not restartable or host is None:
+                        if lost is not None:
+                            raise lost(e) from e
                         raise RuntimeError(f"stage host {name!r} died: {e}") from e
                     used = self.restarts.get(name, 0) + 1
                     self.restarts[name] = used  # counted when seen: the run may end first
                     if used > self.cfg.deploy.max_restarts:
+                        if lost is not None:
+                            raise lost(e) from e
                         raise RuntimeError(
                             f"stage host {name!r} died {used} times (deploy.max_restarts="
                             f"{self.cfg.deploy.max_restarts}): {e}"

@@ -112,7 +112,12 @@ class RemoteRegistry:
     async def step_done(self, report: StepReport) -> None:
         # pickled here and unpickled by the driver: the coordinator only holds the bytes, so
         # its process never imports the adapters (and torch) to read a report
-        await self._h.step_done.remote(pickle.dumps(report))
+        await self._h.step_done.remote(pickle.dumps(report), report.step, report.next_group)
+
+    async def train_position(self) -> tuple[int, int | None]:
+        """Where a replaced trainer rank 0 goes on (the coordinator's ``stats``)."""
+        step, group = (await self.stats())["train_position"]
+        return int(step), None if group is None else int(group)
 
     async def next_report(self, timeout_s: float) -> StepReport | None:
         data: bytes | None = await self._h.next_report.remote(timeout_s)

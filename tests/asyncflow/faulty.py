@@ -131,12 +131,20 @@ def rank1_dying_trainer_factory(where: str) -> Any:
     return _DYING[where]
 
 
-def _dying(where: str, cfg: RunConfig, path: Path, rank: int) -> Any:
+def rank0_dying_trainer_factory(where: str) -> Any:
+    """:func:`rank1_dying_trainer_factory` for trainer rank 0: in its second
+    ``forward_backward`` of step 3 (rank 1 has not stepped: the step is trained again from its
+    rows) or in its ``optimizer_step`` after the all-reduce (rank 1 steps: the replacement
+    takes the stepped state and the step's rows are reported, not trained again)."""
+    return _DYING_RANK0[where]
+
+
+def _dying(where: str, cfg: RunConfig, path: Path, rank: int, target: int = 1) -> Any:
     from asyncflow.build import build_trainer
 
     engine = build_trainer(cfg, path, rank)
     marker = Path(cfg.output.dir) / f"rank{rank}-killed"
-    if rank != 1 or marker.exists():
+    if rank != target or marker.exists():
         return engine
     real = getattr(engine, where)
     calls: dict[int, int] = {}
@@ -165,4 +173,18 @@ def _dying_in_optimizer_step(cfg: RunConfig, path: Path, rank: int) -> Any:
 _DYING = {
     "forward_backward": _dying_in_forward_backward,
     "optimizer_step": _dying_in_optimizer_step,
+}
+
+
+def _rank0_dying_in_forward_backward(cfg: RunConfig, path: Path, rank: int) -> Any:
+    return _dying("forward_backward", cfg, path, rank, target=0)
+
+
+def _rank0_dying_in_optimizer_step(cfg: RunConfig, path: Path, rank: int) -> Any:
+    return _dying("optimizer_step", cfg, path, rank, target=0)
+
+
+_DYING_RANK0 = {
+    "forward_backward": _rank0_dying_in_forward_backward,
+    "optimizer_step": _rank0_dying_in_optimizer_step,
 }

@@ -24,7 +24,12 @@ from asyncflow import EngineFactories, StageError, run
 from asyncflow.deploy.ray import RayDeployment
 from asyncflow.feeder import PromptFeeder
 from tests.asyncflow.conftest import RAY_START, RAY_TEST_TIMEOUT_S, small_config
-from tests.asyncflow.faulty import rank1_dying_trainer_factory, slow_reward_factory, train_leased
+from tests.asyncflow.faulty import (
+    rank0_dying_trainer_factory,
+    rank1_dying_trainer_factory,
+    slow_reward_factory,
+    train_leased,
+)
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(RAY_TEST_TIMEOUT_S)]
 
@@ -256,30 +261,46 @@ def test_a_ray_run_rides_through_its_tq_controller_actor_killed(
     assert max(result.reports[-1].sample_versions) >= steps - 1 - k  # (generators start at 0)
 
 
-def test_a_dead_trainer_rank_0_ends_the_run_naming_it(ray_cluster: None, tmp_path: Path) -> None:
-    """Trainer rank 0 is not restarted (it runs the train stage): its death must end the run
-    at once with an error that names it, never leave another rank waiting in a collective."""
+def test_a_dead_trainer_rank_0_not_restarted_ends_the_run_naming_it(
+    ray_cluster: None, tmp_path: Path
+) -> None:
+    """Trainer rank 0 not restarted (``deploy.max_restarts=0``): its death must end the run at
+    once with an error that names it, says why and names the command that resumes the run,
+    never leave another rank waiting in a collective."""
     out = tmp_path / "run"
-    cfg = small_config(out, "deploy.mode=ray", "train.dp_size=2", "train.steps=40", RAY_START)
+    cfg = small_config(
+        out,
+        "deploy.mode=ray",
+        "train.dp_size=2",
+        "train.steps=40",
+        "deploy.max_restarts=0",
+        RAY_START,
+    )
     killed: list[str] = []
     killer = threading.Thread(
         target=_kill_when, args=(out, 2, ["-train-rank0"], killed), daemon=True
     )
     killer.start()
-    with pytest.raises(StageError, match=r"stage 'train' failed: .*died"):
+    with pytest.raises(StageError, match=r"stage 'train' failed: .*died") as failed:
         run(cfg, factories=EngineFactories(reward=slow_reward_factory))
+    text = str(failed.value)
+    assert "trainer rank 0 died" in text and "deploy.max_restarts=0" in text, text
+    assert "asyncflow run --resume DIR" in text and "checkpoint.every_steps=N" in text, text
     killer.join(timeout=60)
     assert killed == ["-train-rank0"]
 
 
+@pytest.mark.parametrize("rank", [1, 0])
 def test_a_killed_trainer_rank_is_replaced_and_its_step_redone(
-    ray_cluster: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ray_cluster: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rank: int
 ) -> None:
-    """SIGKILL trainer rank 1 of two (ddp) mid-run: Ray restarts it, rank 0 hands it its
-    weights and optimizer state, the group forms again and the step in flight is redone, so
-    the step that meets the kill costs at most 10 s over a normal one (or Ray's restart of
-    the actor plus 3 s on a loaded machine), every group is trained exactly once, within the
-    staleness bound, and the step records show the recovery."""
+    """SIGKILL trainer rank 1 or rank 0 of two (ddp) mid-run: Ray restarts it, a surviving
+    rank's weights and optimizer state go to the replacement, the group forms again and the
+    step in flight is redone (rank 0's replacement takes the train stage over, the step's
+    rows back from the dead holder), so the step that meets the kill costs at most 10 s over
+    a normal one (or Ray's restart of the actor plus 3 s on a loaded machine), every group is
+    trained exactly once, within the staleness bound, both ranks end with the same weights,
+    and the step records show the recovery."""
     out = tmp_path / "run"
     k, steps, kill_after = 1, 14, 4
     cfg = small_config(
@@ -292,7 +313,7 @@ def test_a_killed_trainer_rank_is_replaced_and_its_step_redone(
     )
     killed: list[str] = []
     killer = threading.Thread(
-        target=_kill_when, args=(out, kill_after, ["-train-rank1"], killed), daemon=True
+        target=_kill_when, args=(out, kill_after, [f"-train-rank{rank}"], killed), daemon=True
     )
     digests: list[tuple[int, str]] = []
     real_close = RayDeployment.close
@@ -306,8 +327,8 @@ def test_a_killed_trainer_rank_is_replaced_and_its_step_redone(
     killer.start()
     result = run(cfg)
     killer.join(timeout=60)
-    assert killed == ["-train-rank1"]
-    # the replacement holds rank 0's weights and version: it adopted them and stepped with it
+    assert killed == [f"-train-rank{rank}"]
+    # the replacement holds the survivor's weights and version: it adopted them and stepped
     assert len(digests) == 2 and digests[0] == digests[1] and digests[0][0] == steps
     b = cfg.train.groups_per_step
     trained: list[int] = []
@@ -317,16 +338,16 @@ def test_a_killed_trainer_rank_is_replaced_and_its_step_redone(
         trained += rep.groups
     assert trained == list(range(steps * b))  # every group trained exactly once
     assert [r.version for r in result.reports] == list(range(1, steps + 1))  # one step each
-    assert result.extra["restarts"].get("train/rank1", 0) >= 1
+    assert result.extra["restarts"].get("train/rank1" if rank else "train", 0) >= 1
     records = result.records
     recovery_s = sum(r["rank_recovery_s"] for r in records)
     restart_s = sum(r["restart_s"] for r in records)
-    assert recovery_s > 0, "rank 0 never recovered the killed rank"
+    assert recovery_s > 0, f"rank {rank} was never recovered"
     normal = sorted(r["step_s"] for r in records[1:kill_after])
     median = normal[len(normal) // 2]
     worst = max(r["step_s"] for r in records[kill_after - 1 :])
     print(
-        f"trainer rank 1 killed: worst step {worst:.2f} s, normal {median:.2f} s, Ray restart "
+        f"trainer rank {rank} killed: worst step {worst:.2f} s, normal {median:.2f} s, Ray restart "
         f"{restart_s:.2f} s, rank recovery (restart + state + regroup + redo) {recovery_s:.2f} s"
     )
     assert worst <= median + max(10.0, restart_s + 3.0), [round(r["step_s"], 2) for r in records]
@@ -371,6 +392,48 @@ def test_a_trainer_rank_killed_at_a_known_point_of_its_step_is_recovered_exactly
     # the dead rank's parts of step 3 trained again (both micro-batches), or none: stepped
     redone = [r["rank_parts_redone"] for r in result.records]
     assert redone == [0] * 3 + [2 if where == "forward_backward" else 0] + [0] * (steps - 4)
+    assert len(digests) == 2 and digests[0] == digests[1] and digests[0][0] == steps
+
+
+@pytest.mark.parametrize("where", ["forward_backward", "optimizer_step"])
+def test_trainer_rank_0_killed_at_a_known_point_of_its_step_is_taken_over_exactly(
+    ray_cluster: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """Trainer rank 0 SIGKILLs its own process at a known point of step 3: in its second
+    micro-batch (rank 1 has not stepped: the replacement trains the step again from its rows,
+    which came back with their dead holder), or in its optimizer step after the gradient
+    all-reduce (rank 1 has stepped: the replacement takes the stepped state and only reports
+    the step, its rows acknowledged, not trained again). Either way every group is trained
+    once, every step is one version, and both ranks end with the same weights and version."""
+    out = tmp_path / "run"
+    steps = 8
+    cfg = small_config(
+        out,
+        "deploy.mode=ray",
+        "train.dp_size=2",
+        "train.micro_batch_groups=1",  # two micro-batches a step
+        f"train.steps={steps}",
+        RAY_START,
+    )
+    digests: list[tuple[int, str]] = []
+    real_close = RayDeployment.close
+
+    async def close(dep: RayDeployment) -> None:
+        if not digests:
+            digests.extend(await asyncio.gather(*(t.digest.remote() for t in dep._trainers)))
+        await real_close(dep)
+
+    monkeypatch.setattr(RayDeployment, "close", close)
+    result = run(cfg, factories=EngineFactories(trainer=rank0_dying_trainer_factory(where)))
+    assert (out / "rank0-killed").exists()
+    b = cfg.train.groups_per_step
+    assert [g for r in result.reports for g in r.groups] == list(range(steps * b))
+    assert [r.version for r in result.reports] == list(range(1, steps + 1))
+    assert [r.step for r in result.reports] == list(range(steps))
+    assert result.extra["restarts"].get("train", 0) == 1
+    assert result.records[3]["rank_recovery_s"] > 0
+    taken = [r.metrics.get("step_taken_over", 0.0) for r in result.reports]
+    assert taken == [0.0] * 3 + [1.0 if where == "optimizer_step" else 0.0] + [0.0] * (steps - 4)
     assert len(digests) == 2 and digests[0] == digests[1] and digests[0][0] == steps
 
 

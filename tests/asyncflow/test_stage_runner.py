@@ -116,3 +116,44 @@ def test_an_adapter_missing_a_declared_field_fails_its_stage_instead_of_starving
 
     with pytest.raises(StageError, match=r"wrote \['y'\] \(missing \['z'\], undeclared \[\]\)"):
         _run(tq, _Declares())
+
+
+class _StepHolder(Adapter):
+    """No output; holds its leases for units of three batches (``holds_leases``), noting after
+    each batch how many rows the task then holds leased."""
+
+    task = "check"
+    input_fields = ("x",)
+    batch_size = 2
+    holds_leases = True
+
+    def __init__(self, tq: transferqueue.TransferQueue) -> None:
+        self.watch = tq.client()
+        self.batches = 0
+        self.leased: list[int] = []
+
+    async def process(self, meta: BatchMeta, cols: dict[str, Column]) -> StageOutput:
+        self.batches += 1
+        return StageOutput()
+
+    def settled(self) -> bool:
+        return self.batches % 3 == 0
+
+    async def after_batch(self) -> None:
+        stats = await asyncio.to_thread(self.watch.stats)
+        self.leased.append(int(stats["controller"]["partitions"]["p"]["tasks"]["check"]["leased"]))
+
+
+def test_an_adapter_that_holds_leases_has_its_batches_acknowledged_once_settled(
+    tq: transferqueue.TransferQueue,
+) -> None:
+    """Rows of a unit of work stay leased until the adapter says it is complete (a train step
+    whose rank 0 may die mid-step: its replacement gets every row of it back), then all of it
+    is acknowledged."""
+    adapter = _StepHolder(tq)
+    runner = StageRunner("check", adapter, tq.async_client(), Timeline(), partition="p")
+    asyncio.run(within(runner.run(), BOUND_S))
+    # batches of 2, 2, 2, 1 rows: held 2, 4, then 6 (acknowledged after), then 1
+    assert adapter.leased == [2, 4, 6, 1]
+    stats = tq.client().stats()["controller"]["partitions"]["p"]["tasks"]["check"]
+    assert stats["done"] == 6, stats  # the last batch's unit never completed: never acked
