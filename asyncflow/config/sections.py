@@ -241,6 +241,13 @@ class RolloutConfig:
     """Multi-turn: how long a turn waits for the turns of the batch's other episodes, to go
     to the engine in one ``generate`` call (the HF engine runs calls one after another; vLLM
     and the simulated engine batch concurrent calls themselves: 0 suits them)."""
+    engine_process: bool | None = None
+    """``hf`` only: run each generation instance's engine in a process of its own
+    (``engines.hf.process``), so sampling and training do not take turns on one GIL: with
+    ``deploy=local`` the rollout's model work runs on another core than the trainer's. Null
+    (default): automatic, on when the stages overlap (``train.max_staleness >= 1``) with
+    ``deploy=local``, two cores or more and at least 100 steps (``RunConfig.engine_process``).
+    Not with ``rollout.partial`` (updates land mid-call only in process)."""
     engine_options: dict[str, Any] = field(default_factory=dict)
     """Options of the engine, over what the builder derives from the rest of the config.
     ``vllm``: fields of ``engines.vllm_config.VLLMEngineConfig`` (derived: ``dtype`` =
@@ -289,6 +296,11 @@ class RolloutConfig:
         if self.partial and self.engine == "hf" and self.engine_options.get("partial") is False:
             raise ValueError(
                 "rollout.partial=true contradicts rollout.engine_options.partial=false: drop it"
+            )
+        if self.engine_process and (self.engine != "hf" or self.partial):
+            raise ValueError(
+                "rollout.engine_process=true needs rollout.engine=hf and rollout.partial=false "
+                f"(got engine={self.engine!r}, partial={self.partial}): drop engine_process"
             )
         if self.migrate_after and not self.long_instances:
             raise ValueError(
