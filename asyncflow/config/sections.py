@@ -169,8 +169,10 @@ class RolloutConfig:
     """Generation engines (each its own stage worker and weights copy)."""
     group_size: int = 8
     """Responses per prompt (the GRPO group)."""
-    micro_batch_groups: int = 4
-    """Groups per generate call (the weight-switch granularity)."""
+    micro_batch_groups: int = 8
+    """Groups per generate call (the weight-switch granularity). The default is a whole step
+    of the default ``train.groups_per_step``: on a CPU a small model's calls cost mostly
+    their fixed Python share, so fewer, larger calls are faster (``docs/benchmarks.md``)."""
     concurrency: int = 1
     """Micro-batches in flight per instance (>1 helps engines that batch continuously)."""
     ranker: bool = False
@@ -468,8 +470,11 @@ class TrainConfig:
     """Optimizer steps of the run."""
     groups_per_step: int = 8
     """GRPO groups per optimizer step (B)."""
-    micro_batch_groups: int = 4
-    """Groups per forward/backward (training streams over micro-batches of a step)."""
+    micro_batch_groups: int = 8
+    """Groups per forward/backward (training streams over micro-batches of a step; at most
+    ``groups_per_step``). The default trains the default step in one pass: fewer, larger
+    passes are faster where every operation has a fixed cost (a small model, a CPU); smaller
+    ones start training sooner after the first groups arrive."""
     max_staleness: int = 1
     """k: a sample is trained at step t only if t - v <= k, v the policy version that sampled
     its oldest token (with ``rollout.partial`` later tokens may come from newer versions; the
