@@ -334,8 +334,8 @@ class RewardConfig:
     ``[math]``."""
     weights: list[float] | None = None
     """One weight per function (default: all 1)."""
-    batch_size: int = 32
-    """Samples per reward call."""
+    batch_size: int = 64
+    """Samples per reward call (the default: a step of the default config, 8 groups of 8)."""
     instances: int = 1
     """Reward workers (``deploy.mode=ray``: an actor each; ``local``: concurrent workers of the
     one reward stage, each calling the reward function in its own thread)."""
