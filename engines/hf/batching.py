@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from transformers import DynamicCache, PreTrainedModel
 
 __all__ = [
@@ -51,16 +52,19 @@ __all__ = [
 ]
 
 
+def _lengths(seqs: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.tensor([int(s.numel()) for s in seqs], dtype=torch.long)
+
+
 def left_pad(seqs: Sequence[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Stack 1-D sequences right-aligned: ``(ids [B, L] int64, mask [B, L] int64)``."""
-    width = max((int(s.numel()) for s in seqs), default=0)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, seq in enumerate(seqs):
-        n = int(seq.numel())
-        if n:
-            ids[i, width - n :] = seq.reshape(-1).long()
-            mask[i, width - n :] = 1
+    if not seqs:
+        return torch.zeros((0, 0), dtype=torch.long), torch.zeros((0, 0), dtype=torch.long)
+    flat = [s.reshape(-1).long() for s in seqs]
+    ids = pad_sequence(flat, batch_first=True, padding_value=pad_id, padding_side="left")
+    lengths = _lengths(flat)
+    width = ids.shape[1]
+    mask = (torch.arange(width) >= (width - lengths)[:, None]).long()
     return ids, mask
 
 
@@ -68,14 +72,11 @@ def right_pad(
     seqs: Sequence[torch.Tensor], pad_value: float | int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stack 1-D sequences left-aligned: ``(values [B, L] dtype, mask [B, L] bool)``."""
-    width = max((int(s.numel()) for s in seqs), default=0)
-    values = torch.full((len(seqs), width), pad_value, dtype=dtype)
-    mask = torch.zeros((len(seqs), width), dtype=torch.bool)
-    for i, seq in enumerate(seqs):
-        n = int(seq.numel())
-        if n:
-            values[i, :n] = seq.reshape(-1).to(dtype)
-            mask[i, :n] = True
+    if not seqs:
+        return torch.zeros((0, 0), dtype=dtype), torch.zeros((0, 0), dtype=torch.bool)
+    flat = [s.reshape(-1).to(dtype) for s in seqs]
+    values = pad_sequence(flat, batch_first=True, padding_value=pad_value)
+    mask = torch.arange(values.shape[1]) < _lengths(flat)[:, None]
     return values, mask
 
 
