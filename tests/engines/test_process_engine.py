@@ -16,6 +16,7 @@ from asyncflow import load_config
 from engines.hf import HFGenerationEngine, encode_prompts
 from engines.hf.process import EngineProcessError, HFProcessGenerationEngine
 from engines.protocols import Generation, SamplingParams
+from transferqueue.aio import within
 
 PARAMS = SamplingParams(max_new_tokens=6, temperature=0.9)
 
@@ -78,12 +79,12 @@ def test_a_dead_child_fails_the_calls_and_a_bad_config_is_refused(
         os.kill(child._proc.pid, signal.SIGKILL)
         child._proc.wait(timeout=10)
         with pytest.raises(EngineProcessError, match="is gone"):
-            asyncio.run(asyncio.wait_for(child.generate(prompts, PARAMS), 30))
+            asyncio.run(within(child.generate(prompts, PARAMS), 30))
     finally:
         child.close()
     with pytest.raises(ValueError, match="partial"):
         HFProcessGenerationEngine(tiny_dir, partial=True)
-    with pytest.raises(ValueError, match="rollout.engine_process=true needs"):
+    with pytest.raises(ValueError, match=r"rollout\.engine_process=true needs"):
         load_config(None, ["rollout.engine_process=true", "rollout.partial=true"])
 
 
