@@ -293,6 +293,10 @@ def _generator(cfg: RunConfig, path: Path, dtype: torch.dtype, *, seed: int) -> 
                 f"rollout.engine_options {sorted(set(kwargs) - valid)} are not options of the "
                 f"hf engine; valid: {sorted(valid)}"
             )
+        if cfg.engine_process():
+            from engines.hf.process import HFProcessGenerationEngine
+
+            return HFProcessGenerationEngine(path, version=0, threads=cfg.torch_threads, **kwargs)
         return HFGenerationEngine(path, version=0, **kwargs)
     if engine == "vllm":
         from engines.vllm_engine import VLLMEngineConfig, VLLMGenerationEngine

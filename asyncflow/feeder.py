@@ -146,6 +146,9 @@ class PromptFeeder:
         self.admission_log: list[tuple[int, int]] = list(admission_log or [])
         self.readmitted: list[int] = []  # groups put again, in order
         self._required: dict[int, int] = {}  # group -> min_gen_version, for readmit
+        # prompts of the next groups, tokenized while admission waits (off the path from a
+        # publish to the put it allows)
+        self._encoded: dict[int, tuple[Any, torch.Tensor]] = {}
 
     def limit(self, v_pub: int) -> int:
         """Groups that may have been admitted (not counting filtered ones) by now, with
@@ -170,6 +173,7 @@ class PromptFeeder:
             counted = self.admitted - filtered
             limit = self.limit(published)
             if counted >= limit:
+                await self._encode_ahead(self.admitted, self.max_groups_per_put)
                 await reg.wait_changed(seen, timeout_s=1.0)
                 continue
             count = min(limit - counted, self.max_groups_per_put)
@@ -206,12 +210,32 @@ class PromptFeeder:
             await self._put(part, [self._required.get(g, self.required(g)) for g in part])
         self.readmitted += list(groups)
 
-    async def _put(self, group_ids: Sequence[int], required: Sequence[int]) -> None:
-        n = self.group_size
-        items = [self.task.item(j) for j in group_ids]
+    async def _encode_ahead(self, first: int, count: int) -> None:
+        """Tokenize the prompts of the next groups ``first .. first + count - 1`` (those the
+        task has), for the puts to come."""
+        available = self.task.num_items()
+        end = first + count if available is None else min(first + count, available)
+        await self._encode(range(first, end))
+
+    async def _encode(self, group_ids: Sequence[int]) -> None:
+        """Tokenize the prompts of ``group_ids`` not tokenized yet (one thread hop)."""
+        todo = [j for j in group_ids if j not in self._encoded]
+        if not todo:
+            return
+        items = [self.task.item(j) for j in todo]
         prompts = await asyncio.to_thread(
             encode_prompts, self.tokenizer, [it.prompt for it in items]
         )
+        self._encoded.update(zip(todo, zip(items, prompts, strict=True), strict=True))
+
+    async def _put(self, group_ids: Sequence[int], required: Sequence[int]) -> None:
+        n = self.group_size
+        await self._encode(group_ids)
+        items, prompts = [], []
+        for j in group_ids:
+            item, prompt = self._encoded.pop(j)
+            items.append(item)
+            prompts.append(prompt)
         ids: list[torch.Tensor] = []
         rows: dict[str, list[Any]] = {}
         for item, p in zip(items, prompts, strict=True):

@@ -140,7 +140,9 @@ def rollout_adapter(
         else None
     )
     kwargs: dict[str, Any] = {
-        "batch_size": rc.micro_batch_groups * n,
+        # never more than a step's groups: at max_staleness=0 no more are admitted, and a
+        # batch waiting for rows that cannot come would wait out the stage's poll each time
+        "batch_size": min(rc.micro_batch_groups, b) * n,
         "router": router,
         "migrate_after": rc.migrate_after,
         "on_demand": on_demand,
@@ -201,7 +203,7 @@ def reward_adapter(
     if cfg.episodic():
         columns = (*columns, "episode_reward")  # what the ``episode`` reward reads
     return cls(  # type: ignore[call-arg]
-        reward_fn, tokenizer, columns=columns, batch_size=cfg.reward.batch_size
+        reward_fn, tokenizer, columns=columns, batch_size=min(cfg.reward.batch_size, step_rows(cfg))
     )
 
 
@@ -210,8 +212,16 @@ def reference_adapter(cls: type[Adapter], engine: ScoringEngine, cfg: RunConfig)
     if budget is None:
         budget = cfg.train.max_tokens_per_micro_batch
     return cls(  # type: ignore[call-arg]
-        engine, batch_size=cfg.reference.batch_size, max_tokens_per_micro_batch=budget
+        engine,
+        batch_size=min(cfg.reference.batch_size, step_rows(cfg)),
+        max_tokens_per_micro_batch=budget,
     )
+
+
+def step_rows(cfg: RunConfig) -> int:
+    """The rows of one training step (``train.groups_per_step * rollout.group_size``): the most
+    a stage's batch should wait for (at ``max_staleness=0`` no more are admitted)."""
+    return cfg.train.groups_per_step * cfg.rollout.group_size
 
 
 def train_adapter(

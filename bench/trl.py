@@ -183,6 +183,8 @@ def unmatched(cfg: Any) -> list[str]:
         "random streams: sampling seeds are not comparable across systems (seed s drives "
         "TRL's seed and our rollout.seed)",
         "threads: each system as shipped (torch's default threads; ours: its stages' own)",
+        "processes: TRL one; ours one, plus the rollout's engine in a process of its own "
+        "where the stages overlap (rollout.engine_process, automatic: max_staleness >= 1)",
     ]
     if cfg.model.dtype != "float32":
         out.append(f"dtype: ours model.dtype={cfg.model.dtype}, TRL loads float32")

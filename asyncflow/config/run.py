@@ -8,6 +8,7 @@ field, checks in ``__post_init__`` that name the field and the fix).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,9 @@ from asyncflow.config.sections import (
 from engines.tasks import TASKS, task_class
 from transferqueue.controller.journal import FSYNC_POLICIES
 from transferqueue.wire.liveness import RIDE_THROUGH_S
+
+ENGINE_PROCESS_MIN_STEPS = 100
+"""Steps a run needs before ``rollout.engine_process`` turns on by itself."""
 
 __all__ = [
     "CheckpointConfig",
@@ -381,6 +385,25 @@ class RunConfig:
         if name is None:
             return task_class(self.task.name).environment
         return None if name == "none" else name
+
+    def engine_process(self) -> bool:
+        """Whether each ``hf`` generation instance runs in a process of its own
+        (``rollout.engine_process``; null: automatic). Automatic: yes when the rollout and the
+        trainer overlap (``train.max_staleness >= 1``), in this process (``deploy=local``; a
+        Ray actor already is one), with at least two cores to put them on, and for a run of
+        at least ``ENGINE_PROCESS_MIN_STEPS`` steps (the child's start costs seconds of a
+        core, repaid over a longer run). Never with ``rollout.partial`` or another engine."""
+        r = self.rollout
+        if r.engine != "hf" or r.partial:
+            return False
+        if r.engine_process is not None:
+            return r.engine_process
+        return (
+            self.train.max_staleness >= 1
+            and self.deploy.mode == "local"
+            and len(os.sched_getaffinity(0)) >= 2
+            and self.train.steps >= ENGINE_PROCESS_MIN_STEPS
+        )
 
     def reward_functions(self) -> list[str]:
         """``reward.functions``, or its default: ``[episode]`` with an environment, else the

@@ -169,8 +169,10 @@ class RolloutConfig:
     """Generation engines (each its own stage worker and weights copy)."""
     group_size: int = 8
     """Responses per prompt (the GRPO group)."""
-    micro_batch_groups: int = 4
-    """Groups per generate call (the weight-switch granularity)."""
+    micro_batch_groups: int = 8
+    """Groups per generate call (the weight-switch granularity). The default is a whole step
+    of the default ``train.groups_per_step``: on a CPU a small model's calls cost mostly
+    their fixed Python share, so fewer, larger calls are faster (``docs/benchmarks.md``)."""
     concurrency: int = 1
     """Micro-batches in flight per instance (>1 helps engines that batch continuously)."""
     ranker: bool = False
@@ -241,6 +243,13 @@ class RolloutConfig:
     """Multi-turn: how long a turn waits for the turns of the batch's other episodes, to go
     to the engine in one ``generate`` call (the HF engine runs calls one after another; vLLM
     and the simulated engine batch concurrent calls themselves: 0 suits them)."""
+    engine_process: bool | None = None
+    """``hf`` only: run each generation instance's engine in a process of its own
+    (``engines.hf.process``), so sampling and training do not take turns on one GIL: with
+    ``deploy=local`` the rollout's model work runs on another core than the trainer's. Null
+    (default): automatic, on when the stages overlap (``train.max_staleness >= 1``) with
+    ``deploy=local``, two cores or more and at least 100 steps (``RunConfig.engine_process``).
+    Not with ``rollout.partial`` (updates land mid-call only in process)."""
     engine_options: dict[str, Any] = field(default_factory=dict)
     """Options of the engine, over what the builder derives from the rest of the config.
     ``vllm``: fields of ``engines.vllm_config.VLLMEngineConfig`` (derived: ``dtype`` =
@@ -290,6 +299,11 @@ class RolloutConfig:
             raise ValueError(
                 "rollout.partial=true contradicts rollout.engine_options.partial=false: drop it"
             )
+        if self.engine_process and (self.engine != "hf" or self.partial):
+            raise ValueError(
+                "rollout.engine_process=true needs rollout.engine=hf and rollout.partial=false "
+                f"(got engine={self.engine!r}, partial={self.partial}): drop engine_process"
+            )
         if self.migrate_after and not self.long_instances:
             raise ValueError(
                 "rollout.migrate_after needs rollout.long_instances >= 1 (where migrated "
@@ -320,8 +334,8 @@ class RewardConfig:
     ``[math]``."""
     weights: list[float] | None = None
     """One weight per function (default: all 1)."""
-    batch_size: int = 32
-    """Samples per reward call."""
+    batch_size: int = 64
+    """Samples per reward call (the default: a step of the default config, 8 groups of 8)."""
     instances: int = 1
     """Reward workers (``deploy.mode=ray``: an actor each; ``local``: concurrent workers of the
     one reward stage, each calling the reward function in its own thread)."""
@@ -456,8 +470,11 @@ class TrainConfig:
     """Optimizer steps of the run."""
     groups_per_step: int = 8
     """GRPO groups per optimizer step (B)."""
-    micro_batch_groups: int = 4
-    """Groups per forward/backward (training streams over micro-batches of a step)."""
+    micro_batch_groups: int = 8
+    """Groups per forward/backward (training streams over micro-batches of a step; at most
+    ``groups_per_step``). The default trains the default step in one pass: fewer, larger
+    passes are faster where every operation has a fixed cost (a small model, a CPU); smaller
+    ones start training sooner after the first groups arrive."""
     max_staleness: int = 1
     """k: a sample is trained at step t only if t - v <= k, v the policy version that sampled
     its oldest token (with ``rollout.partial`` later tokens may come from newer versions; the

@@ -45,9 +45,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
-from engines.hf.batching import left_pad
+from engines.hf.batching import prefill_shared
 from engines.hf.loading import ModelSource, eos_token_ids, load_model, load_weights
 from engines.protocols import Generation, SamplingParams
 
@@ -259,21 +259,11 @@ class HFGenerationEngine:
         return results
 
     def _prefill(self, seqs: list[torch.Tensor]) -> tuple[Any, torch.Tensor, torch.Tensor]:
-        """Run the sequences (left-padded) through the model with a fresh cache: ``(output
+        """Run the sequences (left-padded) through the model with a fresh cache, each distinct
+        one once when a group's samples share their prompt (``engines.hf.batching``): ``(output
         whose last logits predict the next token, attention mask [B, L], next positions
         [B])``."""
-        device = self._device
-        ids, attn = left_pad(seqs, self._pad_id)  # [B, L]
-        ids, attn = ids.to(device), attn.to(device)
-        positions = (attn.cumsum(-1) - 1).clamp(min=0)  # [B, L]
-        out = self._model(
-            input_ids=ids,
-            attention_mask=attn,
-            position_ids=positions,
-            past_key_values=DynamicCache(config=self._model.config),
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        out, attn, positions = prefill_shared(self._model, seqs, self._pad_id)  # [B, L]
         return out, attn, positions[:, -1] + 1
 
     def close(self) -> None:

@@ -96,7 +96,7 @@ class HFTrainingConfig:
     use ``max_new_tokens``). See :mod:`engines.loss`."""
     max_tokens_per_micro_batch: int = 8192
     """Padded tokens per forward/backward pass."""
-    max_micro_batch_size: int = 32
+    max_micro_batch_size: int = 64
     """Samples per forward/backward pass."""
     loss: str = "tis"
     """The objective (:mod:`engines.loss`): ``tis`` (truncated importance sampling) or
@@ -257,6 +257,7 @@ class HFTrainingEngine:
                     batch.response_ids[part],
                     temperature=cfg.temperature,
                     with_entropy=True,
+                    share_prompts=not self.sharded,  # FSDP: the same passes on every rank
                 )
                 dev = self._device
                 behaviour = right_pad(batch.behaviour_logprobs[part], 0.0, torch.float32)[0]
@@ -330,6 +331,7 @@ class HFTrainingEngine:
                     batch.prompt_ids[part],
                     batch.response_ids[part],
                     temperature=cfg.temperature,
+                    share_prompts=not self.sharded,
                 ).logprobs
             valid = torch.zeros_like(prox, dtype=torch.bool)
             for i, r in enumerate(batch.response_ids[part]):
