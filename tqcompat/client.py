@@ -12,6 +12,8 @@ Each call lands on our public client in one or two calls:
 | ``set_custom_meta(m)``                     | ``set_custom_meta(indexes, metas)``           |
 | ``clear_partition(p)``                     | ``clear(p)``                                  |
 | ``clear_samples(m)``                       | ``retire_groups(m.native.groups)`` (own group)|
+| ``get_meta(..., mode="force_fetch")``      | ``status(p, fields=..., meta=True)`` (no wait,|
+|                                            | no lease, every live row)                     |
 | ``get_consumption_status(task, p)``        | ``status(p, task=task)``                      |
 | ``get_production_status(fields, p)``       | ``status(p, fields=fields)``                  |
 | ``reset_consumption(p, task)``             | ``reset_consumption(task, p)`` (per task)     |
@@ -92,11 +94,16 @@ def _check_get_meta(
     data_fields: Any, batch_size: Any, mode: str, task_name: str | None
 ) -> tuple[list[str], str]:
     fields = _check_fields(data_fields)
-    if mode != "fetch":
+    if mode == "insert":
         raise ValueError(
-            f"get_meta mode {mode!r} is not supported by this store: use mode='fetch' "
-            "(force_fetch and insert are the peer's internals)"
+            "get_meta(mode='insert') is not served by the transfer_queue facade: it is the "
+            "peer's internal step of put() without metadata (the peer's docs: 'should not be "
+            "used by users'); call put(data, partition_id=...) to write new rows"
         )
+    if mode not in ("fetch", "force_fetch"):
+        raise ValueError(f"Invalid mode: {mode!r} (expected 'fetch' or 'force_fetch')")
+    if mode == "force_fetch":
+        return fields, ""  # (no task, no batch size: every live row, see _force_fetch)
     if task_name is None:
         raise ValueError("get_meta(mode='fetch') needs task_name=")
     if not isinstance(batch_size, int) or batch_size < 1:
@@ -231,6 +238,8 @@ class AsyncTransferQueueClient:
         """``batch_size`` rows of ``partition_id`` whose ``data_fields`` are all written, not
         yet consumed by ``task_name`` (see the module for the wait and the semantics)."""
         fields, task = _check_get_meta(data_fields, batch_size, mode, task_name)
+        if mode == "force_fetch":
+            return await self._force_fetch(fields, partition_id)
         if self.options.user_sampler is not None:
             return await self._get_meta_sampled(
                 fields, batch_size, partition_id, task, sampling_config or {}
@@ -291,6 +300,31 @@ class AsyncTransferQueueClient:
         if not o.leases and not native.acked:
             yield "ack", (native,), {}
         return native
+
+    async def _force_fetch(self, fields: list[str], partition: str) -> BatchMeta:
+        """The peer's ``get_meta(mode="force_fetch")``: every live row of ``partition`` in
+        index order, at once (no wait, no sampler, ``batch_size`` and ``task_name`` unused),
+        consumed or not, ready or not; no task's consumption changes. ``production_status``
+        says per row whether all ``fields`` are written (a field nobody wrote: 0 for every
+        row); ``get_data`` of such a batch needs its rows ready (select them first)."""
+        schema = await self._schema(fields)
+        known = [f for f in fields if f in schema]
+        st = await self._a.status(partition, fields=known, meta=True)
+        native = st.meta
+        assert native is not None  # (asked with meta=True)
+        n = len(st)
+        ready = np.ones(n, dtype=bool) if len(known) == len(fields) else np.zeros(n, dtype=bool)
+        for f in known:
+            ready &= st.ready[f]
+        custom = await self._a.get_custom_meta(native.indexes) if n else []
+        return BatchMeta(
+            native.indexes.tolist(),
+            [native.partition] * n,
+            schema,
+            ready.astype(np.int8),
+            custom_meta=custom,
+            native=native,
+        )
 
     def _short(
         self, task: str, fields: list[str], partition: str, wanted: int, ready: int
@@ -564,6 +598,8 @@ class TransferQueueClient(AsyncTransferQueueClient):
     ) -> BatchMeta:
         """The blocking ``async_get_meta``."""
         fields, task = _check_get_meta(data_fields, batch_size, mode, task_name)
+        if mode == "force_fetch":
+            return self.run(self._force_fetch(fields, partition_id))
         if self.options.user_sampler is not None:
             return self.run(
                 self._get_meta_sampled(

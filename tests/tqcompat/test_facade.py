@@ -403,8 +403,10 @@ def test_bad_input_gives_the_peers_errors(store: tq.TransferQueueClient) -> None
         store.get_meta(["x"], 0, "p", task_name="t")
     with pytest.raises(ValueError, match="data_fields"):
         store.get_meta([], 1, "p", task_name="t")
-    with pytest.raises(ValueError, match="force_fetch"):
-        store.get_meta(["x"], 1, "p", mode="force_fetch", task_name="t")
+    with pytest.raises(ValueError, match=r"insert.*put\(data, partition_id"):
+        store.get_meta(["x"], 1, "p", mode="insert", task_name="t")
+    with pytest.raises(ValueError, match="Invalid mode"):
+        store.get_meta(["x"], 1, "p", mode="peek", task_name="t")
     with pytest.raises(ValueError, match=r"batch_size \[B\]"):
         store.put(TensorDict({"x": torch.ones(2, 3)}, batch_size=[2, 3]), partition_id="p")
     with pytest.raises(ValueError, match="partition_id"):

@@ -54,6 +54,7 @@ class StatusCalls:
         *,
         fields: Sequence[str] | None = None,
         task: str | None = None,
+        meta: bool = False,
     ) -> PartitionStatus:
         """The live rows of ``partition`` (put, not yet freed or cleared), in index order.
 
@@ -61,10 +62,15 @@ class StatusCalls:
         (production status). With ``task``: ``states``, the task's state of each row, a code
         of :data:`~transferqueue.controller.status.STATES` (``waiting``, ``queued``, ``leased``,
         ``done``; ``rows("done")`` lists the rows it consumed). An unknown partition, field
-        or task is an error naming the known ones.
+        or task is an error naming the known ones. With ``meta``: ``meta``, the same rows as
+        a ``BatchMeta`` that leases nothing, for ``get_data`` of rows whatever their state
+        (no task's consumption changes).
         """
         msg = m.Status(
-            partition=partition, fields=None if fields is None else list(fields), task=task
+            partition=partition,
+            fields=None if fields is None else list(fields),
+            task=task,
+            meta=meta,
         )
         return await self._io.run_async(self._ctl.call(msg))
 

@@ -278,7 +278,7 @@ class StatusHandlers(_Handlers):
     """What rows hold and tasks made of them, custom metadata, loss logs, retiring."""
 
     def status(self, msg: m.Status, caller: Caller) -> PartitionStatus:
-        return self.ctl.status.status(msg.partition, msg.fields, msg.task)
+        return self.ctl.status.status(msg.partition, msg.fields, msg.task, msg.meta)
 
     def set_custom_meta(self, msg: m.SetCustomMeta, caller: Caller) -> None:
         self.ctl.status.set_custom_meta(msg.indexes, msg.metas)

@@ -54,10 +54,15 @@ class RowStatus:
 
     # -- status ------------------------------------------------------------------------------
     def status(
-        self, partition: str, fields: list[str] | None = None, task: str | None = None
+        self,
+        partition: str,
+        fields: list[str] | None = None,
+        task: str | None = None,
+        meta: bool = False,
     ) -> PartitionStatus:
         """The live rows of ``partition``, which of ``fields`` each has, and ``task``'s
-        state of each. Unknown names are errors listing the known ones."""
+        state of each (``meta``: the rows as a BatchMeta too, leasing nothing). Unknown names
+        are errors listing the known ones."""
         part = self._partitions.known(partition)
         specs = self._rows.specs
         for name in fields or ():
@@ -73,7 +78,8 @@ class RowStatus:
         if task is not None:
             states = np.full(slots.size, WAITING, np.uint8) if t is None else t.state[slots]
         index = self._rows.header["index"][slots].copy()
-        return PartitionStatus(part.name, index, ready, task, states)
+        rows = self._rows.meta(slots, part.name, fields=tuple(fields or ())) if meta else None
+        return PartitionStatus(part.name, index, ready, task, states, rows)
 
     # -- custom metadata ---------------------------------------------------------------------
     @journaled

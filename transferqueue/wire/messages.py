@@ -282,12 +282,14 @@ class Reset(ControllerRequest[None]):
 
 class Status(ControllerRequest[PartitionStatus]):
     """The live rows of a partition, which of ``fields`` they have, ``task``'s state of each
-    (see :mod:`transferqueue.controller.status`)."""
+    (see :mod:`transferqueue.controller.status`). ``meta``: the reply also carries the rows
+    as a ``BatchMeta`` without a lease (to read them whatever their state)."""
 
     kind = "status"
     partition: Name
     fields: Names | None = None
     task: Name | None = None
+    meta: bool = False
 
 
 class ResetConsumption(ControllerRequest[int]):

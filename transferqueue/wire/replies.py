@@ -132,6 +132,8 @@ class PartitionStatus:
     task: str | None = None
     states: np.ndarray | None = None
     """uint8, with ``task``: the task's state of each row, a code of :data:`STATES`."""
+    meta: BatchMeta | None = None
+    """Asked with ``meta=True``: the same rows as a ``BatchMeta`` without a lease."""
 
     def __post_init__(self) -> None:  # (also what a decoded reply holds)
         n = np.asarray(self.indexes).shape

@@ -1,0 +1,47 @@
+"""TensorDict <-> our columns (tqcompat.tensors): jagged nested tensors go both ways over
+their own buffers, bit for bit, the odd layouts included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("tensordict", reason="needs the compat extra")  # the vLLM venv has no extras
+
+from tensordict import TensorDict
+
+from tqcompat.tensors import from_columns, schema_of, to_columns
+from transferqueue import Ragged
+
+
+def _rows() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(k, 2, generator=g) for k in (3, 0, 5, 1)]
+
+
+def test_jagged_columns_share_the_buffers_both_ways() -> None:
+    nt = torch.nested.as_nested_tensor(_rows(), layout=torch.jagged)
+    cols, n = to_columns(TensorDict({"x": nt}, batch_size=4))
+    col = cols["x"]
+    assert n == 4 and isinstance(col, Ragged)
+    assert col.values.data_ptr() == nt.values().data_ptr()  # put: no copy
+    assert col.offsets.tolist() == [0, 3, 3, 8, 9]
+    assert schema_of(cols)["x"]["per_sample_shapes"] == [(3, 2), (0, 2), (5, 2), (1, 2)]
+    back = from_columns(cols, 4)["x"]
+    assert back.is_nested and back.layout == torch.jagged
+    assert back.values().data_ptr() == col.values.data_ptr()  # get: no copy
+    assert torch.equal(back.offsets(), col.offsets)
+    for got, want in zip(back.unbind(), _rows(), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_a_jagged_tensor_with_holes_keeps_its_rows() -> None:
+    values = torch.arange(10, dtype=torch.float32)
+    offsets = torch.tensor([0, 4, 8, 10])
+    lengths = torch.tensor([2, 3, 1])  # rows are values[0:2], values[4:7], values[8:9]
+    nt = torch.nested.nested_tensor_from_jagged(values, offsets, lengths=lengths)
+    cols, _ = to_columns({"x": nt})
+    col = cols["x"]
+    assert isinstance(col, Ragged)
+    assert col.offsets.tolist() == [0, 2, 5, 6]
+    assert col.values.tolist() == [0.0, 1.0, 4.0, 5.0, 6.0, 8.0]
