@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
@@ -78,6 +79,8 @@ from engines.packing import pack_by_tokens
 from engines.protocols import TrainBatch, TrainingEngine
 from transferqueue import BatchMeta, Ragged
 from transferqueue.schema import Column
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "FILTER_LIMIT",
@@ -374,6 +377,22 @@ class TrainAdapter(Adapter):
         if not isinstance(reward, torch.Tensor):
             raise TypeError(f"train needs a dense reward column, got {type(reward).__name__}")
         lo, hi = self.window_start, self.window_end
+        if self.holds_leases and bool((meta.groups < lo).any()):
+            # rows of steps already trained and reported whose acknowledgement a dead holder
+            # cut short, come back once the store learnt of its death (a replacement of
+            # trainer rank 0 under Ray): acknowledged with this batch, never trained again
+            keep = np.flatnonzero(meta.groups >= lo)
+            log.warning(
+                "step %d: %d rows of settled groups %s came back; acknowledged, not trained",
+                self.step,
+                len(meta) - len(keep),
+                sorted({int(g) for g in meta.groups if g < lo}),
+            )
+            meta, cols = meta.select(keep), select_columns(cols, keep)
+            reward = cols["reward"]
+            assert isinstance(reward, torch.Tensor)
+            if not len(meta):
+                return StageOutput(tokens=0)
         if not all(lo <= int(g) <= hi for g in meta.groups):
             raise RuntimeError(
                 f"step {self.step} got groups {sorted(set(meta.groups.tolist()))} outside its "
