@@ -214,8 +214,8 @@ class HFProcessGenerationEngine:
                 kind, call_id, payload = _recv(sock)
                 with self._pending_lock:
                     fut = self._pending.pop(call_id, None)
-                if fut is None:
-                    continue
+                if fut is None or not fut.set_running_or_notify_cancel():
+                    continue  # the caller gave up on it (cancelled): the reply is dropped
                 if kind == "ok":
                     fut.set_result(payload)
                 else:

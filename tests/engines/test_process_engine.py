@@ -104,3 +104,24 @@ def test_the_automatic_rule(overrides: list[str], expected: bool) -> None:
     if len(os.sched_getaffinity(0)) < 2 and not any("engine_process" in o for o in overrides):
         expected = False
     assert load_config(None, overrides).engine_process() is expected
+
+
+def test_a_call_given_up_on_leaves_the_child_serving(
+    tiny_dir: Path, tiny_tokenizer: PreTrainedTokenizerBase
+) -> None:
+    prompts = _prompts(tiny_tokenizer)
+    child = HFProcessGenerationEngine(tiny_dir, seed=7, version=0)
+    try:
+        assert child.wait_ready(120)
+
+        async def calls() -> list[Generation]:
+            await child.generate(prompts, PARAMS)  # the hand-over
+            long = SamplingParams(max_new_tokens=200, temperature=0.9)
+            with pytest.raises(TimeoutError):  # cancelled while the child works on it
+                await within(child.generate(prompts * 8, long), 0.01)
+            return await within(child.generate(prompts, PARAMS), 60)
+
+        assert len(asyncio.run(calls())) == len(prompts)
+        assert child._reader.is_alive()
+    finally:
+        child.close()
