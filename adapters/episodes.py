@@ -108,15 +108,25 @@ def single_turn_columns(gens: Sequence[Generation]) -> dict[str, Any]:
     straight from the generations: the same values and dtypes without an :class:`Episode`
     per row (the rollout's hot path when no environment runs)."""
     n = len(gens)
-    lens = [int(g.token_ids.numel()) for g in gens]
+    lens = torch.tensor([int(g.token_ids.numel()) for g in gens], dtype=torch.int64)
+    offsets = torch.zeros(n + 1, dtype=torch.int64)
+    torch.cumsum(lens, 0, out=offsets[1:])
+    ones = torch.arange(n + 1, dtype=torch.int64)  # one element per row
+
+    def joined(parts: list[torch.Tensor], dtype: torch.dtype) -> Ragged:
+        # one concatenation and one conversion per column, not one tensor per row
+        values = torch.cat(parts).to(dtype) if n else torch.empty(0, dtype=dtype)
+        return Ragged(values, offsets)
+
+    total = int(offsets[-1])
     return {
-        "response_ids": [g.token_ids.to(torch.int32) for g in gens],
-        "behaviour_logprobs": [g.logprobs.to(torch.float32) for g in gens],
+        "response_ids": joined([g.token_ids.reshape(-1) for g in gens], torch.int32),
+        "behaviour_logprobs": joined([g.logprobs.reshape(-1) for g in gens], torch.float32),
         "finish_reason": [g.finish_reason for g in gens],
-        "loss_mask": [torch.ones(t, dtype=torch.bool) for t in lens],
-        "token_versions": [g.token_versions.to(torch.int32) for g in gens],
-        "turn_offsets": [torch.zeros(1, dtype=torch.int32) for _ in range(n)],
-        "turn_rewards": [torch.full((1,), math.nan, dtype=torch.float32) for _ in range(n)],
+        "loss_mask": Ragged(torch.ones(total, dtype=torch.bool), offsets),
+        "token_versions": joined([g.token_versions.reshape(-1) for g in gens], torch.int32),
+        "turn_offsets": Ragged(torch.zeros(n, dtype=torch.int32), ones),
+        "turn_rewards": Ragged(torch.full((n,), math.nan, dtype=torch.float32), ones),
         "num_turns": torch.ones(n, dtype=torch.int32),
         "end_reason": ["done" if g.finish_reason == "stop" else "max_tokens" for g in gens],
         "episode_reward": torch.full((n,), math.nan, dtype=torch.float32),

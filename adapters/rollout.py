@@ -332,7 +332,11 @@ class RolloutAdapter(Adapter):
             model_tokens = sum(int(g.token_ids.numel()) for g in gens)
         # wall clock: the train stage reads it in its own process
         columns["generated_at"] = torch.full((len(versions),), time.time(), dtype=torch.float64)
-        response_lens = np.array([int(r.numel()) for r in columns["response_ids"]], dtype=np.int64)
+        responses = columns["response_ids"]
+        if isinstance(responses, Ragged):
+            response_lens = responses.lengths.numpy()
+        else:
+            response_lens = np.array([int(r.numel()) for r in responses], dtype=np.int64)
         if self.ranker is not None:
             self._observe(meta, prompts, response_lens)
         if self.writes_prompt:

@@ -62,7 +62,6 @@ here: an episode's observation tokens carry version -1 in ``token_versions`` and
 from __future__ import annotations
 
 import asyncio
-import bisect
 import logging
 import math
 import time
@@ -97,34 +96,52 @@ FILTER_LIMIT = 10
 """A step that filters more than this many times ``groups_per_step`` groups fails."""
 
 
+def _group_index(groups: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
+    """The distinct group ids (sorted) and each row's index among them."""
+    ids, inverse = np.unique(np.asarray(groups), return_inverse=True)
+    return ids, torch.from_numpy(inverse.astype(np.int64, copy=False).reshape(-1))
+
+
 def group_advantages(
     rewards: torch.Tensor, groups: np.ndarray, *, eps: float = 1e-6
 ) -> torch.Tensor:
-    """GRPO advantages: rewards normalized within each group; NaN rewards give 0."""
-    adv = torch.zeros_like(rewards, dtype=torch.float32)
-    for g in np.unique(groups).tolist():
-        idx = torch.from_numpy(np.flatnonzero(groups == g))
-        r = rewards[idx].float()
-        ok = ~r.isnan()
-        if int(ok.sum()) < 2:
-            continue
-        mean = r[ok].mean()
-        std = r[ok].std(unbiased=False)
-        vals = torch.where(ok, (r - mean) / (std + eps), torch.zeros_like(r))
-        adv[idx] = vals
-    return adv
+    """GRPO advantages: rewards normalized within each group; NaN rewards give 0.
+
+    Whole-column operations (a fixed number of tensor calls per batch, not per group): each
+    group's mean and population standard deviation over its finite rewards, and 0 for a NaN
+    reward or a group with fewer than two finite ones."""
+    r = rewards.float().reshape(-1)
+    if r.numel() == 0:
+        return torch.zeros_like(r)
+    ids, idx = _group_index(groups)
+    ok = ~r.isnan()
+    okf = ok.float()
+    count = torch.zeros(len(ids)).index_add_(0, idx, okf)
+    denom = count.clamp(min=1.0)
+    mean = torch.zeros(len(ids)).index_add_(0, idx, torch.where(ok, r, 0.0)) / denom
+    dev = torch.where(ok, r - mean[idx], 0.0)
+    std = (torch.zeros(len(ids)).index_add_(0, idx, dev * dev) / denom).sqrt()
+    valid = ok & (count[idx] >= 2)
+    return torch.where(valid, dev / (std[idx] + eps), 0.0)
 
 
 def tied_groups(rewards: torch.Tensor, groups: np.ndarray) -> list[int]:
     """Ids of the groups whose rewards all tie: every finite reward equal (exactly), or fewer
     than two finite ones. Their advantages are all 0 (see :func:`group_advantages`)."""
-    tied = []
-    for g in np.unique(groups).tolist():
-        r = rewards[torch.from_numpy(np.flatnonzero(groups == g))].float()
-        r = r[torch.isfinite(r)]
-        if r.numel() < 2 or bool((r == r[0]).all()):
-            tied.append(int(g))
-    return tied
+    r = rewards.float().reshape(-1)
+    if r.numel() == 0:
+        return []
+    ids, idx = _group_index(groups)
+    finite = torch.isfinite(r)
+    count = torch.zeros(len(ids)).index_add_(0, idx, finite.float())
+    lo = torch.full((len(ids),), math.inf).scatter_reduce_(
+        0, idx, torch.where(finite, r, math.inf), "amin"
+    )
+    hi = torch.full((len(ids),), -math.inf).scatter_reduce_(
+        0, idx, torch.where(finite, r, -math.inf), "amax"
+    )
+    tied = (count < 2) | (lo == hi)
+    return [int(g) for g in ids[tied.numpy()]]
 
 
 def select_columns(cols: dict[str, Column], positions: np.ndarray) -> dict[str, Column]:
@@ -139,6 +156,23 @@ def select_columns(cols: dict[str, Column], positions: np.ndarray) -> dict[str, 
         else:
             out[name] = [col[int(i)] for i in positions]
     return out
+
+
+def _newest_versions(token_versions: Ragged, oldest: np.ndarray) -> list[int]:
+    """Per row: the newest version among its generated tokens (``>= 0``; -1 marks an
+    observation's tokens), or ``oldest`` for a row without one. One segment reduction over
+    the column's buffer, not a tensor call per row."""
+    values = token_versions.values.reshape(-1).numpy().astype(np.int64, copy=False)
+    offsets = token_versions.offsets.numpy()
+    rows = len(offsets) - 1
+    if rows == 0:
+        return []
+    # a sentinel -1 at the end: reduceat needs every start inside the buffer (empty rows)
+    padded = np.concatenate([values, np.full(1, -1, dtype=np.int64)])
+    starts = np.minimum(offsets[:-1], values.size)
+    top = np.maximum.reduceat(padded, starts)
+    top = np.where(offsets[1:] > offsets[:-1], top, -1)
+    return np.where(top >= 0, top, oldest).tolist()
 
 
 _SUMMED = ("loss", "num_tokens", "num_samples", "micro_batches")
@@ -206,6 +240,14 @@ async def train_micro_batches(
     return _merge(results), tokens, [int(lengths[pos].sum()) for pos in parts]
 
 
+def _rows(col: Ragged, dtype: torch.dtype) -> list[torch.Tensor]:
+    """The rows of ``col`` as views of one converted buffer (one conversion per column, not
+    one per row)."""
+    if not len(col):
+        return []
+    return list(torch.split(col.values.to(dtype), col.lengths.tolist(), dim=0))
+
+
 def make_train_batch(
     meta: BatchMeta, cols: dict[str, Column], advantages: torch.Tensor, use_reference: bool
 ) -> TrainBatch:
@@ -223,7 +265,7 @@ def make_train_batch(
     extra: dict[str, Any] = {}
     token_versions = cols.get("token_versions")
     if isinstance(token_versions, Ragged):  # per token (-1: not generated, an observation)
-        extra["token_versions"] = [v.long() for v in token_versions.unbind()]
+        extra["token_versions"] = _rows(token_versions, torch.int64)
     ref = None
     if use_reference:
         ref_col = cols["ref_logprobs"]
@@ -231,8 +273,8 @@ def make_train_batch(
             raise TypeError("train needs a ragged ref_logprobs column with a reference stage")
         ref = ref_col.unbind()
     return TrainBatch(
-        prompt_ids=[p.long() for p in prompts.unbind()],
-        response_ids=[r.long() for r in responses.unbind()],
+        prompt_ids=_rows(prompts, torch.int64),
+        response_ids=_rows(responses, torch.int64),
         behaviour_logprobs=blp.unbind(),
         advantages=advantages,
         versions=torch.from_numpy(meta.versions.copy()),
@@ -454,19 +496,18 @@ class TrainAdapter(Adapter):
     ) -> tuple[list[int], list[int]]:
         """Per row: its newest token's version, and the trainer's version when its generation
         ended (see the module docstring)."""
-        oldest = meta.versions.tolist()
+        oldest = meta.versions.astype(np.int64, copy=False)
         token_versions, generated_at = cols["token_versions"], cols["generated_at"]
         if not isinstance(token_versions, Ragged) or not isinstance(generated_at, torch.Tensor):
             raise TypeError("train needs a ragged token_versions and a dense generated_at column")
-        newest = [
-            int(v[v >= 0].max()) if bool((v >= 0).any()) else old  # -1: an observation token
-            for v, old in zip(token_versions.unbind(), oldest, strict=True)
-        ]
+        newest = _newest_versions(token_versions, oldest)
         first = self.step - len(self._step_times)  # the version before this stage's first step
-        ended = [
-            min(max(first + bisect.bisect_right(self._step_times, float(at)), old), self.step)
-            for at, old in zip(generated_at.tolist(), oldest, strict=True)
-        ]
+        done = np.searchsorted(
+            np.asarray(self._step_times, dtype=np.float64),
+            generated_at.double().reshape(-1).numpy(),
+            side="right",
+        )
+        ended = np.minimum(np.maximum(first + done, oldest), self.step).tolist()
         return newest, ended
 
     async def train_batch(

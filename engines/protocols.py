@@ -132,6 +132,24 @@ class Generation:
             )
         self.version = oldest
 
+    @classmethod
+    def checked_by_caller(
+        cls,
+        token_ids: torch.Tensor,
+        logprobs: torch.Tensor,
+        finish_reason: str,
+        version: int,
+        token_versions: torch.Tensor,
+    ) -> Generation:
+        """A generation whose parts the caller already holds consistent (same shapes,
+        ``token_versions`` int64, ``version`` its minimum or the engine's for an empty
+        response): an engine building a batch's rows from whole arrays skips the per-row
+        checks and conversions of the constructor (tensor calls per row)."""
+        gen = cls.__new__(cls)
+        gen.token_ids, gen.logprobs, gen.finish_reason = token_ids, logprobs, finish_reason
+        gen.version, gen.token_versions = version, token_versions
+        return gen
+
     @property
     def version_span(self) -> int:
         """Versions the response spans: newest token's minus oldest token's (0: one version)."""

@@ -313,13 +313,15 @@ class HFProcessGenerationEngine:
         rows = zip(out_lengths.tolist(), finish.tolist(), versions.tolist(), strict=True)
         for n, fin, ver in rows:
             end = start + n
+            # the child's arrays are consistent by construction: its versions are each row's
+            # oldest token's (the engine's own for an empty row), token versions int64
             out.append(
-                Generation(
-                    token_ids=tokens_t[start:end],
-                    logprobs=logprobs_t[start:end],
-                    finish_reason=_FINISH[fin],
-                    version=ver,
-                    token_versions=token_versions_t[start:end],
+                Generation.checked_by_caller(
+                    tokens_t[start:end],
+                    logprobs_t[start:end],
+                    _FINISH[fin],
+                    ver,
+                    token_versions_t[start:end],
                 )
             )
             start = end

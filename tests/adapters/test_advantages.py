@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from adapters import RewardAdapter
-from adapters.train import group_advantages
+from adapters.train import _newest_versions, group_advantages, tied_groups
 from transferqueue import BatchMeta, Ragged
 
 EPS = 1e-6
@@ -105,3 +105,53 @@ def test_none_from_the_reward_function_becomes_nan_then_zero_advantage() -> None
     std = math.sqrt(2) / 3
     up, down = (1 / 3) / (std + EPS), (-2 / 3) / (std + EPS)
     assert _adv(values.tolist(), [0] * 4) == pytest.approx([up, 0.0, down, up], abs=1e-6)
+
+
+def _per_group_reference(rewards: torch.Tensor, groups: np.ndarray) -> torch.Tensor:
+    """The definition, one group at a time (what the whole-column version must equal)."""
+    adv = torch.zeros_like(rewards, dtype=torch.float32)
+    for g in np.unique(groups).tolist():
+        idx = torch.from_numpy(np.flatnonzero(groups == g))
+        r = rewards[idx].float()
+        ok = ~r.isnan()
+        if int(ok.sum()) < 2:
+            continue
+        mean, std = r[ok].mean(), r[ok].std(unbiased=False)
+        adv[idx] = torch.where(ok, (r - mean) / (std + 1e-6), torch.zeros_like(r))
+    return adv
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_whole_column_advantages_equal_the_per_group_definition(seed: int) -> None:
+    """Random group ids (shuffled, sizes 1-9), rewards with ties, NaNs and infinities-free
+    values: every advantage equals the per-group definition (float rounding only), and a
+    group's tie verdict equals its definition."""
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1, 10, size=12)
+    groups = np.repeat(rng.permutation(100)[:12] + 1000, sizes)
+    order = rng.permutation(groups.size)
+    groups = groups[order]
+    rewards = torch.from_numpy(rng.choice([0.0, 0.5, 1.0, 0.25], size=groups.size)).float()
+    rewards[torch.from_numpy(rng.random(groups.size) < 0.15)] = float("nan")
+    got = group_advantages(rewards, groups)
+    want = _per_group_reference(rewards, groups)
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    assert not got.isnan().any()
+    tied = set(tied_groups(rewards, groups))
+    for g in np.unique(groups).tolist():
+        r = rewards[torch.from_numpy(np.flatnonzero(groups == g))]
+        r = r[torch.isfinite(r)]
+        assert (g in tied) == (r.numel() < 2 or bool((r == r[0]).all())), g
+
+
+def test_newest_version_per_row_with_observations_and_empty_rows() -> None:
+    """The newest generated token's version per row: -1 (observation) tokens never count, a
+    row without a generated token (empty, or only observations) keeps its oldest version,
+    empty rows first, in the middle and last."""
+    rows = [[], [3, 4, -1, 2], [-1, -1], [], [7], [5, -1, 6, 6], []]
+    col = Ragged.from_lists(rows, torch.int32)
+    oldest = np.array([9, 1, 4, 8, 7, 2, 6], dtype=np.int64)
+    pairs = zip(rows, oldest, strict=True)
+    want = [max((v for v in r if v >= 0), default=int(o)) for r, o in pairs]
+    assert _newest_versions(col, oldest) == want == [9, 4, 4, 8, 7, 6, 6]
+    assert _newest_versions(Ragged.from_lists([], torch.int64), oldest[:0]) == []
