@@ -503,9 +503,18 @@ def test_groups_a_dead_unit_actor_took_are_regenerated_on_the_ray_workflow(
         assert min(r.staleness) >= 0 and max(r.staleness) <= k, r
 
 
-@pytest.mark.parametrize(("target", "job"), [("-rollout", "rollout"), ("-reward-0", "reward")])
+@pytest.mark.parametrize(
+    ("target", "job", "busy"),
+    [
+        # responses long enough that generation outlasts training: the rollout host is
+        # always generating, so the kill always finds rows leased to it (with 4 tokens it
+        # waited on admission half the time and could die holding none)
+        ("-rollout", "rollout", "rollout.max_new_tokens=24"),
+        ("-reward-0", "reward", "rollout.max_new_tokens=4"),
+    ],
+)
 def test_a_killed_stage_host_costs_seconds_not_its_lease(
-    ray_cluster: None, tmp_path: Path, target: str, job: str
+    ray_cluster: None, tmp_path: Path, target: str, job: str, busy: str
 ) -> None:
     """SIGKILL a stage host (rollout, reward) mid-run, its leases as long as the default
     (120 s): the rows it held come back when it is seen gone (its heartbeat stops; its
@@ -520,6 +529,7 @@ def test_a_killed_stage_host_costs_seconds_not_its_lease(
         f"train.steps={steps}",
         f"train.max_staleness={k}",
         "transferqueue.lease_s=120",
+        busy,
         RAY_START,
     )
     killed: list[str] = []
