@@ -620,15 +620,8 @@ class TransferQueueClient(AsyncTransferQueueClient):
         schema = self._known_schema(fields)
         if schema is None:
             schema = self._known_schema(fields, sync.stats()["controller"]["fields"])
-        n, indexes = len(native), native.indexes
-        return BatchMeta(
-            indexes.tolist(),
-            [native.partition] * n,
-            schema,
-            np.ones(n, np.int8),
-            native=native,
-            custom_meta_loader=lambda: sync.get_custom_meta(indexes),
-        )
+        indexes = native.indexes
+        return BatchMeta.of_native(native, schema, lambda: sync.get_custom_meta(indexes))
 
     get_data = _blocking(AsyncTransferQueueClient.async_get_data)
     put = _blocking(AsyncTransferQueueClient.async_put)
