@@ -128,7 +128,9 @@ def _check_names(values: Any, kind: type, what: str, kind_name: str) -> list[Any
 def _check_fields(data_fields: Any) -> list[str]:
     if isinstance(data_fields, str):
         data_fields = [data_fields]
-    if not isinstance(data_fields, Sequence) or not data_fields:
+    if (type(data_fields) not in (list, tuple) and not isinstance(data_fields, Sequence)) or (
+        not data_fields
+    ):
         raise ValueError(f"data_fields must be a non-empty list of names, got {data_fields!r}")
     if not all(isinstance(f, str) and f for f in data_fields):
         raise ValueError(f"data_fields must hold non-empty strings, got {data_fields!r}")
