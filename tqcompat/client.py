@@ -128,7 +128,9 @@ def _check_names(values: Any, kind: type, what: str, kind_name: str) -> list[Any
 def _check_fields(data_fields: Any) -> list[str]:
     if isinstance(data_fields, str):
         data_fields = [data_fields]
-    if not isinstance(data_fields, Sequence) or not data_fields:
+    if (type(data_fields) not in (list, tuple) and not isinstance(data_fields, Sequence)) or (
+        not data_fields
+    ):
         raise ValueError(f"data_fields must be a non-empty list of names, got {data_fields!r}")
     if not all(isinstance(f, str) and f for f in data_fields):
         raise ValueError(f"data_fields must hold non-empty strings, got {data_fields!r}")
@@ -620,15 +622,8 @@ class TransferQueueClient(AsyncTransferQueueClient):
         schema = self._known_schema(fields)
         if schema is None:
             schema = self._known_schema(fields, sync.stats()["controller"]["fields"])
-        n, indexes = len(native), native.indexes
-        return BatchMeta(
-            indexes.tolist(),
-            [native.partition] * n,
-            schema,
-            np.ones(n, np.int8),
-            native=native,
-            custom_meta_loader=lambda: sync.get_custom_meta(indexes),
-        )
+        indexes = native.indexes
+        return BatchMeta.of_native(native, schema, lambda: sync.get_custom_meta(indexes))
 
     get_data = _blocking(AsyncTransferQueueClient.async_get_data)
     put = _blocking(AsyncTransferQueueClient.async_put)

@@ -165,6 +165,32 @@ class BatchMeta:
             raise ValueError(f"native batch has {len(native)} rows, expected {n}")
         self.native = native
 
+    @classmethod
+    def of_native(
+        cls,
+        native: Native,
+        field_schema: dict[str, dict[str, Any]],
+        custom_meta_loader: Callable[[], Sequence[dict[str, Any]]] | None = None,
+    ) -> BatchMeta:
+        """The batch of our rows ``native`` (what ``get_meta`` hands out), every row ready:
+        the same object ``__init__`` makes, without its checks and copies, which hold by
+        construction here (one partition, one index per row, no per-row shapes).
+        ``field_schema`` is taken as it is: the caller passes dicts of its own. Called once
+        per ``get_meta``, whose cost is mostly this and the round trip."""
+        n = len(native)
+        self = cls.__new__(cls)
+        self.global_indexes = native.indexes.tolist()
+        self.partition_ids = [native.partition] * n
+        self.field_schema = field_schema
+        self.production_status = np.ones(n, np.int8)
+        self.extra_info = {}
+        if custom_meta_loader is not None and n:
+            self._load, self._custom = custom_meta_loader, None
+        else:
+            self._load, self._custom = None, [{} for _ in range(n)]
+        self.native = native
+        return self
+
     @property
     def custom_meta(self) -> list[dict[str, Any]]:
         """One dict per row (read from the store on first use where the batch was made with

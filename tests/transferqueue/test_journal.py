@@ -145,6 +145,7 @@ class Driver:
                     lease_s=float(r.uniform(0.5, 4.0)),
                     short_ok=bool(r.random() < 0.5),
                     min_version=1 if r.random() < 0.1 else None,
+                    consume=bool(r.random() < 0.3),  # (at most once: acked as handed out)
                 )
                 if got is not None and got.lease_id is not None:
                     self.leases.append(got.lease_id)

@@ -215,3 +215,35 @@ def test_consume_acks_a_full_batch_as_it_is_handed_out(client: Client) -> None:
     rest = client.get_meta(task="t", fields=["x"], batch_size=5, timeout_s=0.0)
     assert sorted(rest.indexes.tolist()) == sorted(short.indexes.tolist())
     assert client.stats()["controller"]["partitions"]["default"]["tasks"]["t"]["done"] == 3
+
+
+def test_a_consumed_batch_is_acked_without_a_lease_and_frees_its_rows() -> None:
+    """``poll(consume=True)`` (``get_meta(consume=True)``): a full batch is done for the task
+    as it is handed out; its rows are freed once every declared task is done (the batch still
+    names them), no lease stays open or due, and its lease id is known as acked (an ack of
+    it is a no-op). A short batch is leased as without ``consume``."""
+    clock = _Clock()
+    ctl = _controller(clock)
+    ctl.queues.declare_tasks("p", ["t"])
+    meta, changes = ctl.queues.poll(
+        task="t", partition="p", fields=["x"], batch_size=5, lease_s=10.0, consume=True
+    )
+    assert meta is not None and meta.acked and meta.lease_id is not None
+    assert meta.indexes.tolist() == [0, 1, 2, 3, 4] and meta.groups.tolist() == [0, 1, 2, 3, 4]
+    assert sorted(np.concatenate(changes.freed).tolist()) == [0, 1, 2, 3, 4]
+    assert len(ctl.leases) == 0 and ctl.queues.next_deadline() is None
+    assert ctl.leases.closed_reason(meta.lease_id) == "acked"
+    ctl.queues.ack(meta.lease_id, meta.indexes)  # (no-op: consumed already)
+    task = ctl.stats()["partitions"]["p"]["tasks"]["t"]
+    assert task["done"] == 5 and task["leased"] == 0
+    short, _ = ctl.queues.poll(
+        task="t",
+        partition="p",
+        fields=["x"],
+        batch_size=5,
+        lease_s=10.0,
+        consume=True,
+        short_ok=True,
+    )
+    assert short is not None and not short.acked and short.indexes.tolist() == [5, 6, 7]
+    assert ctl.leases.active(short.lease_id) is not None  # leased: release or ack it

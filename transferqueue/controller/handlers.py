@@ -197,15 +197,11 @@ class QueueHandlers(_Handlers):
             short_ok=short_ok,
             owner=caller.identity,
             holder=msg.holder,
+            consume=msg.consume,  # (at most once: a full batch comes back acked, see GetMeta)
         )
         self.service.apply(changes)
-        if meta is not None and meta.lease_id is not None:
-            if msg.consume and len(meta) == msg.batch_size:  # (at most once: see GetMeta)
-                done = self.ctl.queues.ack(meta.lease_id, meta.indexes, caller.identity)
-                self.service.apply(done)
-                meta.acked = True
-            else:
-                self.service.leased(msg.lease_s)
+        if meta is not None and meta.lease_id is not None and not meta.acked:
+            self.service.leased(msg.lease_s)
         return meta
 
     async def _get_meta_later(self, msg: m.GetMeta, caller: Caller) -> BatchMeta | None:

@@ -112,6 +112,20 @@ class LeaseTable:
         heapq.heappush(self._heap, (lease.deadline, lease_id))
         return lease
 
+    def acked_at_once(self) -> int:
+        """The lease id of a batch consumed as it is handed out (``get_meta(consume=True)``):
+        drawn as :meth:`open` draws one and recorded as closed ``acked`` at once, so that an
+        ack sent with it is a no-op and a commit finds it acked, as after ``open`` and
+        ``close``; without the active lease, deadline and holder entries those would make
+        and undo in the same call."""
+        lease_id = self.new_id()
+        while lease_id == 0 or lease_id in self._active or lease_id in self._closed:
+            lease_id = self.new_id()
+        self._closed[lease_id] = "acked"
+        while len(self._closed) > _CLOSED_MEMORY:
+            self._closed.popitem(last=False)
+        return lease_id
+
     def get(self, lease_id: int, owner: str | None = None) -> Lease:
         """The active lease, or a typed error saying what became of it. A lease another
         client took (``owner`` differs) is reported as never issued."""

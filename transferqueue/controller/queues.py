@@ -123,11 +123,17 @@ class Queues:
         short_ok: bool = False,
         owner: str | None = None,
         holder: str | None = None,
+        consume: bool = False,
     ) -> tuple[BatchMeta | None, Changes]:
         """Hand out a batch if one is due: full, end of stream, or (``short_ok``) whatever is
         queued. Returns (None, changes) when the caller should wait. The lease is ``owner``'s
         (the client's key) and ``holder``'s (the handle that took it, see
-        :meth:`return_holders`). A wait that can never end is an error (see :meth:`_never`)."""
+        :meth:`return_holders`). A wait that can never end is an error (see :meth:`_never`).
+
+        ``consume`` (``get_meta(consume=True)``, at most once): a batch of ``batch_size`` rows
+        is consumed as it is handed out, as if acknowledged at once (``acked``; its lease id
+        is recorded as acked, see :meth:`LeaseTable.acked_at_once`), without the lease that
+        an ``ack`` in the same call would open and close; a short batch is leased."""
         self.leases.check_lease_s(lease_s)
         part = self._partitions.partition(partition)
         t = self._partitions.task(part, task, fields, sampler, sampler_options or {})
@@ -160,7 +166,10 @@ class Queues:
         else:
             reason = "drain" if drained else "timeout"
         lease_id = None
-        if sel.indexes.size:
+        consumed = consume and sel.indexes.size == batch_size
+        if consumed:
+            lease_id = self.leases.acked_at_once()
+        elif sel.indexes.size:
             lease = self.leases.open(t.key, sel.indexes, lease_s, owner, holder)
             lease_id = lease.lease_id
             t.state[slots] = LEASED
@@ -176,6 +185,10 @@ class Queues:
             reason=reason,
             splits=sel.splits,
         )
+        if consumed:  # (after the meta: rows every declared task is done with are freed)
+            meta.acked = True
+            changes.merge(self._partitions.mark_done(part, t, slots, dropped=False))
+            changes.woken.add(t.key)
         return meta, changes
 
     @staticmethod
