@@ -97,6 +97,11 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
+WAKE_S = 0.5
+"""Longest wait for a version between two ``on_demand`` calls, with instances that wake the
+rollout when they load weights (``wait_version``)."""
+
+
 class InstanceLostError(RuntimeError):
     """A generation instance is gone (its process died) or came back with weights older than
     the batch it was given; the rollout adapter generates the batch elsewhere."""
@@ -474,7 +479,21 @@ class RolloutAdapter(Adapter):
                 return ok
             if self.on_demand is not None:
                 self.on_demand(need)
+            await self._wait_any(need)
+
+    async def _wait_any(self, need: int) -> None:
+        """Until an instance may hold version ``need``: woken by the update where every
+        instance can tell (``wait_version``, bounded by ``WAKE_S``), else ``wait_poll_s``."""
+        waits = [getattr(e, "wait_version", None) for e in self.engines]
+        if not all(waits):
             await asyncio.sleep(self.wait_poll_s)
+            return
+        tasks = [asyncio.ensure_future(w(need, WAKE_S)) for w in waits if w is not None]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in tasks:
+                t.cancel()
 
     def _observe(self, meta: BatchMeta, prompts: Ragged, lens: np.ndarray) -> None:
         """One observation per prompt: the mean response length of its samples here."""

@@ -154,6 +154,7 @@ class GeneratorHost:
         self.poll_s = poll_s
         self._calls = 0  # samples of generate calls in flight (engines without in_flight)
         self._dirty = asyncio.Event()
+        self._loaded = asyncio.Event()  # set (and replaced) at every weight update
         self._reported: tuple[int, int, int, int, int] | None = None  # a remote registry's
         self._received = 0  # samples of generate calls received so far (reported for routing)
         self.updates = 0
@@ -163,6 +164,19 @@ class GeneratorHost:
     @property
     def version(self) -> int:
         return int(self.engine.version)
+
+    async def wait_version(self, version: int, timeout_s: float) -> bool:
+        """Wait until the engine holds ``version`` or a newer one (True), at most
+        ``timeout_s`` (False): woken by the update itself, so a batch waiting for the
+        weights just published starts as soon as they are loaded."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.version < version:
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            await wait_event(self._loaded, left)
+        return True
 
     @property
     def in_flight(self) -> int:
@@ -290,6 +304,8 @@ class GeneratorHost:
                     await self.registry.update_failed(self.name)
                 raise
             self.updates += 1
+            loaded, self._loaded = self._loaded, asyncio.Event()
+            loaded.set()  # batches waiting for this version go now (wait_version)
             await self.registry.updated(
                 self.name,
                 version,

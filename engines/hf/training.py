@@ -168,14 +168,20 @@ class HFTrainingEngine:
         self._pending_samples = 0
         self._sharding: fsdp.FSDPConfig | None = None
 
-    def _new_optimizer(self) -> torch.optim.Optimizer:
+    def _new_optimizer(self, *, sharded: bool = False) -> torch.optim.Optimizer:
+        """AdamW over the trainable parameters: the fused kernel (one call for every
+        tensor: half the time of the per-tensor loop for a small model on a CPU) unless the
+        parameters are sharded, where the per-tensor loop handles their shards."""
         cfg = self.config
+        params = [p for p in self._model.parameters() if p.requires_grad]
+        fused = not sharded and all(p.device.type in ("cpu", "cuda") for p in params)
         return torch.optim.AdamW(
-            [p for p in self._model.parameters() if p.requires_grad],
+            params,
             lr=cfg.lr,
             betas=cfg.betas,
             eps=cfg.eps,
             weight_decay=cfg.weight_decay,
+            fused=fused or None,
         )
 
     def shard(self, config: fsdp.FSDPConfig | None = None) -> None:
@@ -190,7 +196,7 @@ class HFTrainingEngine:
                     "shard() must come before the first forward_backward, step or load"
                 )
             fsdp.shard_model(self._model, config)
-            self._optimizer = self._new_optimizer()
+            self._optimizer = self._new_optimizer(sharded=True)
             self._sharding = config or fsdp.FSDPConfig()
 
     @property

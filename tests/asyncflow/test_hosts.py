@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from adapters.rollout import RolloutAdapter
 from asyncflow.deploy.remote import RemoteGenerator
 from asyncflow.hosts import GeneratorHost
 from asyncflow.transport import make_transport
@@ -278,3 +279,37 @@ def test_a_version_superseded_before_it_is_pinned_gives_way_to_the_newer_one() -
         await asyncio.gather(runner, return_exceptions=True)
 
     asyncio.run(go())  # real time: the follower fetches in a thread
+
+
+def test_a_batch_waiting_for_weights_is_woken_by_their_load_not_a_poll() -> None:
+    """``wait_version``: a waiter for a version no one published returns False at its bound;
+    one for the version about to be loaded returns True as the load lands (its bound is a
+    minute; the rollout's wait for an eligible instance rests on it), and one for a version
+    the engine holds already returns at once. The rollout adapter waits through it when
+    every instance has it."""
+
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+        engine, registry = _Engine(), _Elsewhere()
+        host, sender = _host(engine, registry)
+        await host.start()
+        runner = asyncio.ensure_future(host.run())
+        try:
+            assert not await host.wait_version(1, 0.05)
+            waiter = asyncio.ensure_future(host.wait_version(1, BOUND_S))
+            rollout = RolloutAdapter(host, PARAMS)
+            eligible = asyncio.ensure_future(rollout._eligible(1))
+            await asyncio.sleep(0.05)
+            assert not waiter.done() and not eligible.done()
+            sender.publish({"w": torch.ones(2)}, 1)  # type: ignore[attr-defined]
+            t0 = loop.time()
+            registry.decide.put_nowait(1)
+            assert await within(waiter, BOUND_S) is True
+            assert await within(eligible, BOUND_S) == [0]
+            assert loop.time() - t0 < BOUND_S / 10 and engine.updated == [1]
+            assert await within(host.wait_version(1, BOUND_S), 0.5) is True
+        finally:
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+
+    asyncio.run(go())
