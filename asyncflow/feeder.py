@@ -80,7 +80,10 @@ from engines.hf.text import encode_prompts
 from engines.tasks import Task
 from transferqueue import AsyncClient
 
-__all__ = ["AdmissionState", "PromptFeeder"]
+__all__ = ["ENCODE_AHEAD", "AdmissionState", "PromptFeeder"]
+
+ENCODE_AHEAD = 256
+"""Groups whose prompts the feeder tokenizes in one call while admission waits."""
 
 
 Predictor = Callable[[Sequence[torch.Tensor]], Awaitable[np.ndarray]]
@@ -212,9 +215,14 @@ class PromptFeeder:
 
     async def _encode_ahead(self, first: int, count: int) -> None:
         """Tokenize the prompts of the next groups ``first .. first + count - 1`` (those the
-        task has), for the puts to come."""
+        task has), for the puts to come: once fewer than ``count`` are ready, the next
+        ``ENCODE_AHEAD`` groups' at once (one call per prompt costs its fixed share: 0.5 ms
+        for 8 of the demo's prompts, 0.07 ms each in a call of 2,400)."""
+        if all(j in self._encoded for j in range(first, first + count)):
+            return
         available = self.task.num_items()
-        end = first + count if available is None else min(first + count, available)
+        span = max(count, ENCODE_AHEAD)
+        end = first + span if available is None else min(first + span, available)
         await self._encode(range(first, end))
 
     async def _encode(self, group_ids: Sequence[int]) -> None:

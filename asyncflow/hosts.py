@@ -286,7 +286,10 @@ class GeneratorHost:
                 continue
             t0 = time.perf_counter()
             try:
-                version, state = await asyncio.to_thread(self._fetch, target)
+                if getattr(self.weights, "lookup_only", False) and self.weights.newest() >= target:
+                    version, state = self._fetch(target)  # a lookup: no thread hop
+                else:
+                    version, state = await asyncio.to_thread(self._fetch, target)
                 try:
                     if self._busy_again():  # hand it back; the registry decides again
                         self.declined += 1

@@ -138,6 +138,10 @@ class InProcessSender:
 class InProcessReceiver:
     """A shelf fed by the hub; a late receiver starts with the hub's newest version."""
 
+    lookup_only = True
+    """``get`` of a version :meth:`newest` has is a lookup (no copy, no wait): the follower
+    calls it on its event loop instead of a worker thread."""
+
     def __init__(self, hub_name: str, member: str) -> None:
         self.member = member
         self._name = hub_name

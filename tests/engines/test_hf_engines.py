@@ -477,3 +477,47 @@ def test_observation_tokens_never_reach_the_loss(
             strict=True,
         )
     )
+
+
+def test_an_idle_engine_loads_small_weights_on_the_callers_thread(
+    tiny_model: PreTrainedModel, prompts: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No call queued and a small state: the copy runs on the event loop's thread (no hop
+    to the worker, whose tensor calls wait for the GIL behind the loop). Over
+    ``INLINE_LOAD_BYTES``, or behind a queued call, it goes to the worker thread, in
+    order. Either way the weights and version are those given."""
+    import threading
+
+    import engines.hf.generation as generation
+
+    threads: list[str] = []
+    real = generation.load_weights
+
+    def spy(model: PreTrainedModel, state: dict[str, torch.Tensor]) -> None:
+        threads.append(threading.current_thread().name)
+        real(model, state)
+
+    monkeypatch.setattr(generation, "load_weights", spy)
+    gen = HFGenerationEngine(copy.deepcopy(tiny_model), version=0)
+    params = SamplingParams(max_new_tokens=4, temperature=0)
+    state = {k: v + 0.01 for k, v in tiny_model.state_dict().items()}
+
+    async def go() -> None:
+        await gen.update_weights(state, 1)
+        assert gen.version == 1
+        pending = asyncio.ensure_future(gen.generate(prompts, params))
+        await asyncio.sleep(0)
+        await gen.update_weights(state, 2)  # queued behind the call
+        assert {g.version for g in await pending} == {1}
+        monkeypatch.setattr(generation, "INLINE_LOAD_BYTES", 0)
+        await gen.update_weights(state, 3)
+
+    asyncio.run(go())
+    assert gen.version == 3
+    main = threading.main_thread().name
+    assert threads[0] == main and all(t.startswith("hf-generate") for t in threads[1:]), threads
+    assert len(threads) == 3
+    for name, tensor in gen.model.state_dict().items():
+        if name in state:
+            assert torch.equal(tensor, state[name]), name
+    gen.close()
