@@ -110,9 +110,9 @@ def group_advantages(
     Whole-column operations (a fixed number of tensor calls per batch, not per group): each
     group's mean and population standard deviation over its finite rewards, and 0 for a NaN
     reward or a group with fewer than two finite ones."""
-    r = rewards.float().reshape(-1)
+    r = rewards.float().reshape(-1).cpu()  # (the group statistics on the host)
     if r.numel() == 0:
-        return torch.zeros_like(r)
+        return torch.zeros_like(r).to(rewards.device)
     ids, idx = _group_index(groups)
     ok = ~r.isnan()
     okf = ok.float()
@@ -122,13 +122,13 @@ def group_advantages(
     dev = torch.where(ok, r - mean[idx], 0.0)
     std = (torch.zeros(len(ids)).index_add_(0, idx, dev * dev) / denom).sqrt()
     valid = ok & (count[idx] >= 2)
-    return torch.where(valid, dev / (std[idx] + eps), 0.0)
+    return torch.where(valid, dev / (std[idx] + eps), 0.0).to(rewards.device)
 
 
 def tied_groups(rewards: torch.Tensor, groups: np.ndarray) -> list[int]:
     """Ids of the groups whose rewards all tie: every finite reward equal (exactly), or fewer
     than two finite ones. Their advantages are all 0 (see :func:`group_advantages`)."""
-    r = rewards.float().reshape(-1)
+    r = rewards.float().reshape(-1).cpu()
     if r.numel() == 0:
         return []
     ids, idx = _group_index(groups)
@@ -162,8 +162,8 @@ def _newest_versions(token_versions: Ragged, oldest: np.ndarray) -> list[int]:
     """Per row: the newest version among its generated tokens (``>= 0``; -1 marks an
     observation's tokens), or ``oldest`` for a row without one. One segment reduction over
     the column's buffer, not a tensor call per row."""
-    values = token_versions.values.reshape(-1).numpy().astype(np.int64, copy=False)
-    offsets = token_versions.offsets.numpy()
+    values = token_versions.values.reshape(-1).cpu().numpy().astype(np.int64, copy=False)
+    offsets = token_versions.offsets.cpu().numpy()
     rows = len(offsets) - 1
     if rows == 0:
         return []
@@ -504,7 +504,7 @@ class TrainAdapter(Adapter):
         first = self.step - len(self._step_times)  # the version before this stage's first step
         done = np.searchsorted(
             np.asarray(self._step_times, dtype=np.float64),
-            generated_at.double().reshape(-1).numpy(),
+            generated_at.double().reshape(-1).cpu().numpy(),
             side="right",
         )
         ended = np.minimum(np.maximum(first + done, oldest), self.step).tolist()
