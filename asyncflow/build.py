@@ -20,6 +20,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from asyncflow.config import EnvConfig, RunConfig
+from asyncflow.threads import intra_op_threads
 from engines.envs import environment_factory
 from engines.episodes import EpisodeLimits, EpisodeRunner, EpisodeSource, TurnFormat
 from engines.protocols import GenerationEngine, RewardFn, ScoringEngine, TrainingEngine
@@ -296,7 +297,8 @@ def _generator(cfg: RunConfig, path: Path, dtype: torch.dtype, *, seed: int) -> 
         if cfg.engine_process():
             from engines.hf.process import HFProcessGenerationEngine
 
-            return HFProcessGenerationEngine(path, version=0, threads=cfg.torch_threads, **kwargs)
+            threads = intra_op_threads(cfg)
+            return HFProcessGenerationEngine(path, version=0, threads=threads, **kwargs)
         return HFGenerationEngine(path, version=0, **kwargs)
     if engine == "vllm":
         from engines.vllm_engine import VLLMEngineConfig, VLLMGenerationEngine

@@ -72,6 +72,7 @@ from asyncflow.metrics import MetricsWriter, Timeline, plot_rewards, write_timel
 from asyncflow.recorder import StepRecorder
 from asyncflow.stage_runner import LOST_SERVER_HINT
 from asyncflow.supervisor import Supervisor
+from asyncflow.threads import intra_op_threads
 from transferqueue import AsyncClient
 
 __all__ = ["RunResult", "Workflow", "run"]
@@ -162,8 +163,17 @@ class Workflow:
 
     async def run_async(self) -> RunResult:
         cfg = self.config
-        if cfg.torch_threads is not None:
-            torch.set_num_threads(cfg.torch_threads)
+        caller_threads = torch.get_num_threads()  # (given back when the run ends)
+        threads = intra_op_threads(cfg)  # before any torch work: every thread inherits it
+        if threads is not None:
+            torch.set_num_threads(threads)
+            log.info("torch_threads=%s: %d intra-op threads", cfg.torch_threads, threads)
+        try:
+            return await self._run(cfg)
+        finally:
+            torch.set_num_threads(caller_threads)
+
+    async def _run(self, cfg: RunConfig) -> RunResult:
         found = _resume_state(cfg)
         state = None if found is None else found[1]
         out_dir = Path(cfg.output.dir)
@@ -240,7 +250,11 @@ class Workflow:
             timeline=dep.timeline,
             output_dir=out_dir,
             wall_s=time.perf_counter() - t_start,
-            extra={**await dep.summary(), "regenerated_groups": list(feeder.readmitted)},
+            extra={
+                **await dep.summary(),
+                "regenerated_groups": list(feeder.readmitted),
+                "torch_threads": torch.get_num_threads(),
+            },
             policy_dir=policy_dir,
         )
         if cfg.output.plot and writer.records:

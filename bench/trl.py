@@ -182,7 +182,9 @@ def unmatched(cfg: Any) -> list[str]:
         f"{r.concurrency}); TRL model.generate on the whole batch",
         "random streams: sampling seeds are not comparable across systems (seed s drives "
         "TRL's seed and our rollout.seed)",
-        "threads: each system as shipped (torch's default threads; ours: its stages' own)",
+        "threads: each system as shipped (TRL: torch's default, every core; ours: "
+        f"torch_threads={cfg.torch_threads}, asyncflow.threads: one for a policy under 20M "
+        "parameters, else every core where the stages take turns, half where they overlap)",
         "processes: TRL one; ours one, plus the rollout's engine in a process of its own "
         "where the stages overlap (rollout.engine_process, automatic: max_staleness >= 1)",
     ]

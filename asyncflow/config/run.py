@@ -294,9 +294,11 @@ class DeployConfig:
 class RunConfig:
     """A whole run."""
 
-    torch_threads: int | None = 1
-    """Intra-op threads of torch in this process (None: torch's default). Stages run side by
-    side, each on its own thread: one intra-op thread each uses the cores without contention."""
+    torch_threads: int | str | None = "auto"
+    """Intra-op threads of torch in each of the run's processes: ``auto`` (one for a policy
+    under 20M parameters; otherwise the process's cores, halved where generation overlaps
+    training; under Ray the cores a host's placement reserves: ``asyncflow.threads``), an
+    integer for every process, or null for torch's default."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Which policy to train."""
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -325,6 +327,11 @@ class RunConfig:
     """Continue from the newest checkpoint in this folder or its ``checkpoints/`` (``--resume``)."""
 
     def __post_init__(self) -> None:
+        t = self.torch_threads
+        if (isinstance(t, str) and t != "auto") or (isinstance(t, int) and t < 1):
+            raise ValueError(
+                f"torch_threads must be auto, an integer >= 1 or null (torch's default), got {t!r}"
+            )
         mode, tq = self.deploy.mode, self.transferqueue.mode
         if mode == "local" and tq == "ray":
             raise ValueError(

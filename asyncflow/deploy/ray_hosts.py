@@ -57,6 +57,7 @@ from asyncflow.deploy.remote import GeneratorView, RemoteGenerator, RemoteRegist
 from asyncflow.hosts import GeneratorHost, WeightSource, check_engine
 from asyncflow.metrics import Timeline
 from asyncflow.stage_runner import StageRunner
+from asyncflow.threads import intra_op_threads
 from engines.protocols import Generation, SamplingParams, ScoringEngine
 from transferqueue import AsyncClient
 from transferqueue.aio import within
@@ -97,6 +98,17 @@ def actor(name: str, timeout_s: float = 60.0) -> Any:
             time.sleep(0.1)
 
 
+def _reserved_cpus() -> int:
+    """The CPUs Ray reserved for this actor (its placement's ``num_cpus``; at least one)."""
+    try:
+        import ray
+
+        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0)
+    except Exception:  # (not in an actor)
+        return 1
+    return max(1, int(cpus))
+
+
 def _holder_name() -> str | None:
     """The Ray actor's name (the same in every incarnation): the holder of its leases."""
     try:
@@ -126,8 +138,9 @@ class _Host:
 
     def __init__(self, cfg: RunConfig, tq: TQAccess | None, origin: float) -> None:
         _quiet_hf()
-        if cfg.torch_threads is not None:
-            torch.set_num_threads(cfg.torch_threads)
+        threads = intra_op_threads(cfg, cores=_reserved_cpus(), ray_host=True)
+        if threads is not None:
+            torch.set_num_threads(threads)
         self.cfg = cfg
         self.timeline = Timeline(origin)
         self._tq: transferqueue.TransferQueue | None = None
