@@ -244,6 +244,19 @@ class GeneratorActor(_Host):
         self._registered.set()
         await self.host.run()
 
+    async def wait_version(self, version: int, timeout_s: float) -> bool:
+        """True once this host's engine holds ``version`` or a newer one, False after
+        ``timeout_s``: the rollout's wait for new weights, answered by the load itself (no
+        report through the coordinator in between)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        try:
+            await within(self._registered.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        assert self.host is not None
+        return await self.host.wait_version(version, max(0.0, deadline - loop.time()))
+
     async def generate(
         self, prompts: Sequence[torch.Tensor], params: SamplingParams
     ) -> list[Generation]:
