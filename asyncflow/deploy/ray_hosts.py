@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,9 +76,14 @@ Drained = tuple[dict[str, list[tuple[float, float, int, int]]], dict[str, dict[s
 
 
 def _quiet_hf() -> None:
-    from transformers.utils import logging as hf_logging
+    """No per-model "Loading weights" bars in the hosts' logs, without importing transformers
+    in a host that never loads a model (its first import reads the variable)."""
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
+        hf_logging.disable_progress_bar()
+    else:
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
 
 
 def actor(name: str, timeout_s: float = 60.0) -> Any:
