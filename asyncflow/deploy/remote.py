@@ -25,6 +25,7 @@ import torch
 
 from adapters import InstanceLostError, StepReport
 from asyncflow.registry import Snapshot, WeightSync
+from engines.packed import pack_prompts, unpack_generations
 from engines.protocols import Generation, SamplingParams
 
 __all__ = ["GeneratorView", "RemoteGenerator", "RemoteRegistry"]
@@ -245,11 +246,12 @@ class RemoteGenerator:
     ) -> list[Generation]:
         import ray
 
+        flat, lengths = pack_prompts(prompts)  # (a few arrays, not a tensor per sample)
         self._outstanding += len(prompts)
         self._sent += len(prompts)
         try:
-            gens: list[Generation] = await self._h.generate.remote(list(prompts), params)
-            return gens
+            packed = await self._h.generate_packed.remote(flat, lengths, params)
+            return unpack_generations(packed)
         except ray.exceptions.RayTaskError as e:
             raise remote_cause(e) from None  # the engine's own error, as if it ran here
         except ray.exceptions.RayActorError as e:

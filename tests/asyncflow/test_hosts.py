@@ -15,6 +15,7 @@ from asyncflow.deploy.remote import RemoteGenerator
 from asyncflow.hosts import GeneratorHost
 from asyncflow.transport import make_transport
 from engines import Generation, SamplingParams
+from engines.packed import pack_generations
 from tests.virtual_time import run_virtual
 from transferqueue.aio import within
 
@@ -209,14 +210,14 @@ def test_the_rollout_routes_by_the_engines_count_plus_what_it_sent_since_the_rep
         def version(self, name: str) -> int:
             return 0
 
-    class _Actor:  # the generator actor's handle: ``generate.remote(...)`` ends on ``end``
+    class _Actor:  # the generator actor's handle: ``generate_packed.remote`` ends on ``end``
         def __init__(self) -> None:
-            self.generate = self
+            self.generate_packed = self
             self.end = asyncio.Event()
 
-        async def remote(self, prompts: Sequence[torch.Tensor], params: SamplingParams) -> list:
+        async def remote(self, flat: object, lengths: object, params: SamplingParams) -> object:
             await self.end.wait()
-            return []
+            return pack_generations([])
 
     async def go() -> None:
         view, actor = _View(), _Actor()
