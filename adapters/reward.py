@@ -15,16 +15,18 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from adapters.base import Adapter, StageOutput
 from engines.hf.text import decode_responses
 from engines.protocols import RewardFn
 from transferqueue import BatchMeta, Ragged
 from transferqueue.schema import Column
+
+if TYPE_CHECKING:  # (transformers loads where a tokenizer is built)
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["RewardAdapter"]
 

@@ -14,10 +14,9 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from asyncflow.config import EnvConfig, RunConfig
 from asyncflow.threads import intra_op_threads
@@ -26,6 +25,9 @@ from engines.episodes import EpisodeLimits, EpisodeRunner, EpisodeSource, TurnFo
 from engines.protocols import GenerationEngine, RewardFn, ScoringEngine, TrainingEngine
 from engines.rewards import WeightedReward, make_reward
 from engines.tasks import Task, make_task
+
+if TYPE_CHECKING:  # (transformers' tokenizers load on first use: a host without one skips them)
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = [
     "Components",
@@ -109,6 +111,8 @@ def build_task(cfg: RunConfig) -> Task:
 
 
 def build_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
     tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return tokenizer
 

@@ -64,7 +64,6 @@ import numpy as np
 import torch
 import yaml
 
-from engines.hf.loading import read_folder_state
 from engines.protocols import CheckpointableEngine, GenerationEngine
 
 __all__ = [
@@ -231,6 +230,8 @@ async def adopt_version(engine: GenerationEngine, policy: Path, version: int) ->
     loads the folder's weights again under the checkpoint's version."""
     if engine.version == version:
         return
+    from engines.hf.loading import read_folder_state  # (transformers' model code)
+
     state = await asyncio.to_thread(read_folder_state, policy)
     await engine.update_weights(state, version)
 

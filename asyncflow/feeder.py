@@ -125,6 +125,7 @@ class PromptFeeder:
         dynamic_sampling: bool = False,
         filtered_before: int = 0,
         refill: bool = False,
+        prefetch_steps: int = 0,
     ) -> None:
         self.client = client
         self.task = task
@@ -133,6 +134,8 @@ class PromptFeeder:
         self.group_size = group_size
         self.groups_per_step = groups_per_step
         self.max_staleness = max_staleness
+        self.prefetch_steps = prefetch_steps
+        """Steps of groups admitted beyond the window (``train.prefetch_steps``)."""
         self.total_groups = total_groups
         """Groups the run trains (``train.steps * B``); with dynamic sampling, more are
         admitted: one per filtered group."""
@@ -156,7 +159,8 @@ class PromptFeeder:
     def limit(self, v_pub: int) -> int:
         """Groups that may have been admitted (not counting filtered ones) by now, with
         ``v_pub`` the newest published weights version."""
-        return min(self.total_groups, (v_pub + self.max_staleness + 1) * self.groups_per_step)
+        ahead = self.max_staleness + 1 + self.prefetch_steps
+        return min(self.total_groups, (v_pub + ahead) * self.groups_per_step)
 
     def required(self, counted: int) -> int:
         """``min_gen_version`` of a group admitted as the ``counted``-th unfiltered one."""

@@ -315,3 +315,23 @@ def test_the_light_entry_points_import_no_tensor_library() -> None:
     assert "start" in dir(transferqueue) and "Workflow" in dir(asyncflow)
     with pytest.raises(AttributeError, match=r"'asyncflow\.deploy' has no attribute 'nope'"):
         asyncflow.deploy.nope  # noqa: B018
+
+
+def test_stage_hosts_without_a_model_import_no_model_code() -> None:
+    """The Ray stage hosts' module, the adapters and ``engines.hf``'s text helpers import
+    neither transformers nor the HF engines: the rollout's dispatcher and a reward worker
+    (which builds only a tokenizer) start without seconds of model code per process. The
+    engines' names still resolve on first use. Checked in a fresh interpreter."""
+    code = (
+        "import sys, asyncflow.deploy.ray_hosts, adapters, engines.hf, engines.hf.text\n"
+        "heavy = sorted(m for m in ('transformers', 'engines.hf.generation', "
+        "'engines.hf.training', 'engines.hf.loading') if m in sys.modules)\n"
+        "print(','.join(heavy))\n"
+        "import engines.hf\n"
+        "assert engines.hf.HFGenerationEngine.__module__ == 'engines.hf.generation'\n"
+        "assert 'HFTrainingEngine' in dir(engines.hf)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "", f"imported on start: {out.stdout.strip()}"

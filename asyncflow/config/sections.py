@@ -481,6 +481,12 @@ class TrainConfig:
     bound is on the oldest). 0 is synchronous on-policy training, 1 one-step overlap, larger
     values deeper pipelines. Enforced at admission: no sample is generated only to be
     dropped."""
+    prefetch_steps: int | None = None
+    """Steps of prompts the feeder puts into TransferQueue beyond the staleness window
+    (None: 1 with ``max_staleness=0``, else 0). They wait there, leased by the rollout, until
+    a generator holds weights recent enough for them (the bound is enforced per group at
+    routing, so it holds as before): a synchronous step then starts generating as soon as
+    its weights are loaded, not after the put and the lease that the publish used to allow."""
     lr: float = 2e-4
     """AdamW learning rate."""
     weight_decay: float = 0.0
@@ -537,6 +543,13 @@ class TrainConfig:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     """Resources of each trainer rank's actor."""
 
+    def prefetch(self) -> int:
+        """``prefetch_steps`` resolved: as given, else 1 when synchronous, 0 otherwise (the
+        window of ``max_staleness >= 1`` already keeps prompts waiting)."""
+        if self.prefetch_steps is not None:
+            return self.prefetch_steps
+        return 1 if self.max_staleness == 0 else 0
+
     def __post_init__(self) -> None:
         _device_ok(self.device, "train.device")
         if self.strategy not in STRATEGIES:
@@ -551,6 +564,10 @@ class TrainConfig:
             raise ValueError("train.groups_per_step and train.micro_batch_groups must be >= 1")
         if self.max_staleness < 0:
             raise ValueError(f"train.max_staleness must be >= 0, got {self.max_staleness}")
+        if self.prefetch_steps is not None and self.prefetch_steps < 0:
+            raise ValueError(
+                f"train.prefetch_steps must be >= 0 or null (automatic), got {self.prefetch_steps}"
+            )
         if self.lr <= 0:
             raise ValueError(f"train.lr must be > 0, got {self.lr}")
         if self.clip_eps <= 0 or self.max_grad_norm <= 0 or self.weight_decay < 0:

@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +59,7 @@ from asyncflow.hosts import GeneratorHost, WeightSource, check_engine
 from asyncflow.metrics import Timeline
 from asyncflow.stage_runner import StageRunner
 from asyncflow.threads import intra_op_threads
+from engines.packed import PackedGenerations, pack_generations, unpack_prompts
 from engines.protocols import Generation, SamplingParams, ScoringEngine
 from transferqueue import AsyncClient
 from transferqueue.aio import within
@@ -76,9 +78,14 @@ Drained = tuple[dict[str, list[tuple[float, float, int, int]]], dict[str, dict[s
 
 
 def _quiet_hf() -> None:
-    from transformers.utils import logging as hf_logging
+    """No per-model "Loading weights" bars in the hosts' logs, without importing transformers
+    in a host that never loads a model (its first import reads the variable)."""
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
+        hf_logging.disable_progress_bar()
+    else:
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
 
 
 def actor(name: str, timeout_s: float = 60.0) -> Any:
@@ -257,6 +264,19 @@ class GeneratorActor(_Host):
         self._registered.set()
         await self.host.run()
 
+    async def wait_version(self, version: int, timeout_s: float) -> bool:
+        """True once this host's engine holds ``version`` or a newer one, False after
+        ``timeout_s``: the rollout's wait for new weights, answered by the load itself (no
+        report through the coordinator in between)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        try:
+            await within(self._registered.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        assert self.host is not None
+        return await self.host.wait_version(version, max(0.0, deadline - loop.time()))
+
     async def generate(
         self, prompts: Sequence[torch.Tensor], params: SamplingParams
     ) -> list[Generation]:
@@ -264,6 +284,15 @@ class GeneratorActor(_Host):
         await within(self._registered.wait(), 120.0)
         assert self.host is not None
         return await self.host.generate(prompts, params)
+
+    async def generate_packed(
+        self, flat: np.ndarray, lengths: np.ndarray, params: SamplingParams
+    ) -> PackedGenerations:
+        """:meth:`generate` with the prompts and the generations as flat arrays
+        (``engines.packed``): what the rollout's proxy calls, a few arrays each way instead
+        of three tensors per sample."""
+        gens = await self.generate(unpack_prompts(flat, lengths), params)
+        return pack_generations(gens)
 
     def close(self) -> None:
         if self.host is not None:

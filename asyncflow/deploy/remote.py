@@ -15,6 +15,7 @@ is a long poll with its own ``timeout_s``: none can hang.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import pickle
 from collections.abc import Sequence
@@ -24,11 +25,15 @@ import torch
 
 from adapters import InstanceLostError, StepReport
 from asyncflow.registry import Snapshot, WeightSync
+from engines.packed import pack_prompts, unpack_generations
 from engines.protocols import Generation, SamplingParams
 
 __all__ = ["GeneratorView", "RemoteGenerator", "RemoteRegistry"]
 
 log = logging.getLogger(__name__)
+
+LOST_WAIT_S = 0.05
+"""How long a wait on a generator host that died or failed lasts before it says no."""
 
 
 class RemoteRegistry:
@@ -154,6 +159,11 @@ class GeneratorView:
             return -1
         return version
 
+    def incarnation(self, name: str) -> int:
+        """The incarnation of ``name`` the coordinator last told of (-1: none yet)."""
+        snap = self._snap.get(name)
+        return -1 if snap is None else snap[2]
+
     def routing(self, name: str) -> tuple[int, int] | None:
         """``(running, received)`` as the generator last reported them (None before)."""
         snap = self._snap.get(name)
@@ -191,11 +201,36 @@ class RemoteGenerator:
         self._view = view
         self._outstanding = 0  # samples of this proxy's calls in flight
         self._sent = 0  # samples dispatched so far (what the host's ``received`` counts)
+        self._held = (-1, -1)  # (incarnation, version) the host itself said it holds
         self.lost = 0
 
     @property
     def version(self) -> int:
-        return self._view.version(self.name)
+        """The newest version the instance is known to hold: the coordinator's view, or
+        newer where the instance answered :meth:`wait_version` itself since (the same
+        incarnation: a restarted one starts from its own version again)."""
+        viewed = self._view.version(self.name)
+        incarnation, held = self._held
+        if viewed < 0 or incarnation != self._view.incarnation(self.name):
+            return viewed
+        return max(viewed, held)
+
+    async def wait_version(self, version: int, timeout_s: float) -> bool:
+        """Until the instance holds ``version`` (True) or ``timeout_s`` passed (False),
+        answered by the generator host when its load finishes: the rollout routes a batch
+        waiting for new weights without waiting for the coordinator to hear of the load. A
+        host that died answers False (its calls report the loss)."""
+        import ray
+
+        incarnation = self._view.incarnation(self.name)
+        try:
+            ok = bool(await self._h.wait_version.remote(version, timeout_s))
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
+            await asyncio.sleep(min(timeout_s, LOST_WAIT_S))  # (no spin while it restarts)
+            return False
+        if ok and incarnation >= 0 and (incarnation, version) > self._held:
+            self._held = (incarnation, version)
+        return ok
 
     @property
     def in_flight(self) -> int:
@@ -211,11 +246,12 @@ class RemoteGenerator:
     ) -> list[Generation]:
         import ray
 
+        flat, lengths = pack_prompts(prompts)  # (a few arrays, not a tensor per sample)
         self._outstanding += len(prompts)
         self._sent += len(prompts)
         try:
-            gens: list[Generation] = await self._h.generate.remote(list(prompts), params)
-            return gens
+            packed = await self._h.generate_packed.remote(flat, lengths, params)
+            return unpack_generations(packed)
         except ray.exceptions.RayTaskError as e:
             raise remote_cause(e) from None  # the engine's own error, as if it ran here
         except ray.exceptions.RayActorError as e:

@@ -23,9 +23,10 @@ Called by the episode runner (:mod:`engines.episodes.runner`) and the tiny model
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from transformers import PreTrainedTokenizerBase
+if TYPE_CHECKING:  # (transformers loads where a tokenizer is built)
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["TRUNCATION_MARKER", "TurnFormat"]
 

@@ -9,11 +9,15 @@
 All three share one log-prob convention: ``log_softmax(logits / temperature)``.
 """
 
-from engines.hf.generation import HFGenerationEngine, sample_tokens
-from engines.hf.loading import ModelSource, load_model, load_weights
-from engines.hf.scoring import HFScoringEngine
-from engines.hf.text import decode_responses, encode_prompts
-from engines.hf.training import HFTrainingConfig, HFTrainingEngine
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engines.hf.generation import HFGenerationEngine, sample_tokens
+    from engines.hf.loading import ModelSource, load_model, load_weights
+    from engines.hf.scoring import HFScoringEngine
+    from engines.hf.text import decode_responses, encode_prompts
+    from engines.hf.training import HFTrainingConfig, HFTrainingEngine
 
 __all__ = [
     "HFGenerationEngine",
@@ -27,3 +31,31 @@ __all__ = [
     "load_weights",
     "sample_tokens",
 ]
+
+_LAZY = {
+    "HFGenerationEngine": "engines.hf.generation",
+    "sample_tokens": "engines.hf.generation",
+    "ModelSource": "engines.hf.loading",
+    "load_model": "engines.hf.loading",
+    "load_weights": "engines.hf.loading",
+    "HFScoringEngine": "engines.hf.scoring",
+    "decode_responses": "engines.hf.text",
+    "encode_prompts": "engines.hf.text",
+    "HFTrainingConfig": "engines.hf.training",
+    "HFTrainingEngine": "engines.hf.training",
+}
+"""Public names imported on first use (PEP 562): a process that only decodes text (a reward
+worker, the rollout's dispatcher) imports ``engines.hf.text``, not the model code."""
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # (later lookups never come here)
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

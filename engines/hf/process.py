@@ -57,6 +57,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from engines.packed import (
+    PackedGenerations,
+    pack_generations,
+    pack_prompts,
+    unpack_generations,
+    unpack_prompts,
+)
 from engines.protocols import Generation, SamplingParams
 from engines.weights_io import pack_state, unpack_state
 
@@ -65,7 +72,6 @@ __all__ = ["EngineProcessError", "HFProcessGenerationEngine"]
 log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("!Q")
-_FINISH = ("stop", "length")
 
 
 class EngineProcessError(RuntimeError):
@@ -92,14 +98,6 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 def _recv(sock: socket.socket) -> Any:
     (size,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
     return pickle.loads(_recv_exact(sock, size))
-
-
-def _pack_prompts(prompts: Sequence[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
-    lengths = np.fromiter((int(p.numel()) for p in prompts), dtype=np.int64, count=len(prompts))
-    if not len(prompts):
-        return np.zeros(0, dtype=np.int64), lengths
-    flat = torch.cat([p.reshape(-1).long() for p in prompts]).numpy()
-    return flat, lengths
 
 
 class HFProcessGenerationEngine:
@@ -296,36 +294,10 @@ class HFProcessGenerationEngine:
             gens = await self._local.generate(prompts, params)
             self.tokens_decoded += sum(len(g.token_ids) for g in gens)
             return gens
-        for i, prompt in enumerate(prompts):
-            if prompt.dim() != 1 or prompt.numel() == 0:
-                raise ValueError(
-                    f"prompt {i} must be a non-empty 1-D token tensor, got shape "
-                    f"{tuple(prompt.shape)}"
-                )
-        flat, lengths = _pack_prompts(prompts)
+        flat, lengths = pack_prompts(prompts)
         reply = await asyncio.wrap_future(self._call("generate", flat, lengths, params))
-        tokens, logprobs, out_lengths, finish, token_versions, versions = reply
-        tokens_t = torch.from_numpy(tokens)
-        logprobs_t = torch.from_numpy(logprobs)
-        token_versions_t = torch.from_numpy(token_versions)
-        out: list[Generation] = []
-        start = 0
-        rows = zip(out_lengths.tolist(), finish.tolist(), versions.tolist(), strict=True)
-        for n, fin, ver in rows:
-            end = start + n
-            # the child's arrays are consistent by construction: its versions are each row's
-            # oldest token's (the engine's own for an empty row), token versions int64
-            out.append(
-                Generation.checked_by_caller(
-                    tokens_t[start:end],
-                    logprobs_t[start:end],
-                    _FINISH[fin],
-                    ver,
-                    token_versions_t[start:end],
-                )
-            )
-            start = end
-        self.tokens_decoded += int(out_lengths.sum())
+        out = unpack_generations(reply)
+        self.tokens_decoded += int(reply[2].sum())
         return out
 
     async def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
@@ -420,21 +392,8 @@ def _serve(sock: socket.socket) -> None:
 
 def _generate(
     engine: Any, flat: np.ndarray, lengths: np.ndarray, params: SamplingParams
-) -> tuple[np.ndarray, ...]:
-    ids = torch.from_numpy(flat)
-    prompts = list(torch.split(ids, lengths.tolist())) if len(lengths) else []
-    gens: list[Generation] = engine.generate_sync(prompts, params)
-    if not gens:
-        empty = np.zeros(0, dtype=np.int64)
-        return empty, np.zeros(0, dtype=np.float32), empty, empty, empty, empty
-    return (
-        torch.cat([g.token_ids for g in gens]).numpy(),
-        torch.cat([g.logprobs for g in gens]).numpy(),
-        np.array([len(g.token_ids) for g in gens], dtype=np.int64),
-        np.array([_FINISH.index(g.finish_reason) for g in gens], dtype=np.int64),
-        torch.cat([g.token_versions for g in gens]).numpy(),
-        np.array([g.version for g in gens], dtype=np.int64),
-    )
+) -> PackedGenerations:
+    return pack_generations(engine.generate_sync(unpack_prompts(flat, lengths), params))
 
 
 if __name__ == "__main__":

@@ -8,9 +8,12 @@ the rollout will encode them.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedTokenizerBase
+
+if TYPE_CHECKING:  # (transformers loads where a tokenizer is built)
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["decode_responses", "encode_prompts"]
 

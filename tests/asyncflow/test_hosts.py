@@ -15,6 +15,7 @@ from asyncflow.deploy.remote import RemoteGenerator
 from asyncflow.hosts import GeneratorHost
 from asyncflow.transport import make_transport
 from engines import Generation, SamplingParams
+from engines.packed import pack_generations
 from tests.virtual_time import run_virtual
 from transferqueue.aio import within
 
@@ -209,14 +210,14 @@ def test_the_rollout_routes_by_the_engines_count_plus_what_it_sent_since_the_rep
         def version(self, name: str) -> int:
             return 0
 
-    class _Actor:  # the generator actor's handle: ``generate.remote(...)`` ends on ``end``
+    class _Actor:  # the generator actor's handle: ``generate_packed.remote`` ends on ``end``
         def __init__(self) -> None:
-            self.generate = self
+            self.generate_packed = self
             self.end = asyncio.Event()
 
-        async def remote(self, prompts: Sequence[torch.Tensor], params: SamplingParams) -> list:
+        async def remote(self, flat: object, lengths: object, params: SamplingParams) -> object:
             await self.end.wait()
-            return []
+            return pack_generations([])
 
     async def go() -> None:
         view, actor = _View(), _Actor()
@@ -308,6 +309,80 @@ def test_a_batch_waiting_for_weights_is_woken_by_their_load_not_a_poll() -> None
             assert await within(eligible, BOUND_S) == [0]
             assert loop.time() - t0 < BOUND_S / 10 and engine.updated == [1]
             assert await within(host.wait_version(1, BOUND_S), 0.5) is True
+        finally:
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+
+    asyncio.run(go())
+
+
+class _HostHandle:
+    """A generator actor's handle as the rollout's proxy calls it (``method.remote(...)``),
+    answered by a real host in this process; ``dead`` makes every call fail as a dead
+    actor's would."""
+
+    def __init__(self, host: GeneratorHost) -> None:
+        self.host, self.dead = host, False
+        self.wait_version = self._Method(self, host.wait_version)
+
+    class _Method:
+        def __init__(self, handle: _HostHandle, fn: object) -> None:
+            self.handle, self.fn = handle, fn
+
+        async def remote(self, *args: object) -> object:
+            import ray
+
+            if self.handle.dead:
+                raise ray.exceptions.RayActorError()
+            return await self.fn(*args)  # type: ignore[operator]
+
+
+class _Coordinator:
+    """The coordinator as the rollout's view long-polls it: one generator ``g0`` at the
+    version and incarnation the test sets."""
+
+    def __init__(self) -> None:
+        self.version, self.incarnation = 0, 1
+
+    async def watch(self, seq: int, timeout_s: float) -> tuple[int, dict[str, tuple]]:
+        return seq + 1, {"g0": (self.version, 0, self.incarnation, 0, 0)}
+
+
+def test_a_remote_batch_waiting_for_weights_is_routed_when_the_host_loads_them() -> None:
+    """Under Ray the rollout routes by the coordinator's view, which hears of a load only
+    from the generator's report. ``RemoteGenerator.wait_version`` asks the host itself: the
+    batch waiting for version 1 is routed as the load lands, while the view still says 0.
+    What the host said counts for its incarnation only (a restarted host starts from its own
+    version again), and a dead host's wait says no after a short pause, without a spin."""
+    from asyncflow.deploy import remote
+
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+        engine, registry = _Engine(), _Elsewhere()
+        host, sender = _host(engine, registry)
+        await host.start()
+        runner = asyncio.ensure_future(host.run())
+        coordinator = _Coordinator()
+        view = remote.GeneratorView(coordinator)  # type: ignore[arg-type]
+        await view.refresh()
+        handle = _HostHandle(host)
+        proxy = remote.RemoteGenerator("g0", handle, view)
+        try:
+            rollout = RolloutAdapter(proxy, PARAMS)
+            eligible = asyncio.ensure_future(rollout._eligible(1))
+            await asyncio.sleep(0.05)
+            assert not eligible.done() and proxy.version == 0
+            sender.publish({"w": torch.ones(2)}, 1)  # type: ignore[attr-defined]
+            registry.decide.put_nowait(1)
+            assert await within(eligible, BOUND_S) == [0]
+            assert proxy.version == 1 and view.version("g0") == 0  # the host said so first
+            coordinator.incarnation = 2  # restarted: its own version (0) again
+            await view.refresh()
+            assert proxy.version == 0
+            handle.dead = True
+            t0 = loop.time()
+            assert await proxy.wait_version(1, BOUND_S) is False
+            assert remote.LOST_WAIT_S <= loop.time() - t0 < BOUND_S / 10
         finally:
             runner.cancel()
             await asyncio.gather(runner, return_exceptions=True)

@@ -53,9 +53,15 @@ def test_staleness_bound_holds_and_every_group_is_trained_once(
         assert rep.samples == len(rep.groups) * n
         trained += rep.groups
     assert trained == list(range(8 * b))  # nothing dropped, nothing twice
-    # admission control: group j admitted only while j < (v_pub + k + 1) * B (v_pub: published)
+    # admission control: group j admitted only while j < (v_pub + k + 1 + p) * B (v_pub:
+    # published; p: train.prefetch_steps, 1 when synchronous), and the prefetched step is
+    # admitted before its weights are published (its put is off the synchronous chain)
+    p = cfg.train.prefetch()
+    assert p == (1 if k == 0 else 0)
     for j, v in result.admission:
-        assert j < (v + k + 1) * b
+        assert j < (v + k + 1 + p) * b
+    if k == 0:
+        assert any(j >= b and v == 0 for j, v in result.admission)
     if k >= 1:  # generation ran ahead of training (the point of asynchrony)
         assert any(j >= b and v == 0 for j, v in result.admission)
     lines = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
