@@ -7,9 +7,12 @@ Staleness is bounded where it is cheapest: before generation. With ``max_stalene
 carries that bound in the field ``min_gen_version``, and the rollout only gives the group to a
 generator holding such weights. Group ``j`` is admitted only while
 
-    j < (v_pub + k + 1) * B
+    j < (v_pub + k + 1 + p) * B
 
-where ``v_pub`` is the newest weights version the trainer has published. Then ``t - v <= k``
+where ``v_pub`` is the newest weights version the trainer has published and ``p`` is
+``train.prefetch_steps`` (1 when synchronous, else 0: steps of groups put beyond the window,
+waiting leased in the rollout for weights recent enough; the bound is enforced per group at
+routing, so prefetching changes when a group is put, never what generates it). Then ``t - v <= k``
 for every sample, no sample is generated only to be dropped, and a generator still busy with
 an old long-tail request holds back neither admission nor the other generators. ``k = 0`` is
 synchronous on-policy training.

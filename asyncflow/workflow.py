@@ -281,7 +281,7 @@ def _feeder(cfg: RunConfig, dep: Deployment, state: DriverState | None) -> Promp
         dynamic_sampling=cfg.train.dynamic_sampling,
         filtered_before=0 if state is None else len(state.filtered),
         refill=cfg.episodic(),  # a group may be dropped (env_error: an environment or an agent)
-        prefetch_steps=cfg.train.prefetch(),
+        prefetch_steps=cfg.prefetch_steps(),
     )
 
 

@@ -17,9 +17,10 @@ The longer run (same settings, 50 steps)::
 Every stage exchanges data only through TransferQueue: the prompt feeder writes GRPO groups
 (8 samples of one prompt), the vLLM engine (its own processes, one CPU core, float32) samples
 responses with their behaviour log-probs, the rule-based reward scores them, and the HF trainer
-(float32, this process, one thread) takes an optimizer step every 4 groups and publishes its
-weights, which vLLM loads in place at its next micro-batch boundary (``max_staleness=1``:
-generation of step t+1 overlaps training of step t). The task is single-digit addition and
+(float32, this process; ``torch_threads=auto``: half the cores, one thread on 2) takes an
+optimizer step every 4 groups and publishes its weights, which vLLM loads in place at its
+next micro-batch boundary (``max_staleness=1``: generation of step t+1 overlaps training of
+step t). The task is single-digit addition and
 subtraction in the model's chat template ("Calculate 9 - 2. Reply with only the result."); the
 reward is 1 when the last number of the answer is right (``engines.rewards.MathAnswerReward``).
 SmolLM2 starts at about 50% and rambles (24-28 tokens per answer, some cut at the 64-token cap);

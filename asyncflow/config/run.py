@@ -332,6 +332,11 @@ class RunConfig:
             raise ValueError(
                 f"torch_threads must be auto, an integer >= 1 or null (torch's default), got {t!r}"
             )
+        if self.train.prefetch_steps and (self.train.dynamic_sampling or self.episodic()):
+            raise ValueError(
+                "train.prefetch_steps needs groups that are never refilled: with "
+                "train.dynamic_sampling or an environment (env.name), leave it null (0)"
+            )
         mode, tq = self.deploy.mode, self.transferqueue.mode
         if mode == "local" and tq == "ray":
             raise ValueError(
@@ -392,6 +397,16 @@ class RunConfig:
         if name is None:
             return task_class(self.task.name).environment
         return None if name == "none" else name
+
+    def prefetch_steps(self) -> int:
+        """``train.prefetch_steps`` resolved (``TrainConfig.prefetch``), and 0 where groups are
+        refilled (dynamic sampling, or an environment whose failed episodes drop a group): a
+        replacement must take the dropped group's place in the same step, and a prefetched
+        group, admitted before it and bound to the next step's weights, would stand in its
+        way until those weights exist, after the step."""
+        if self.train.dynamic_sampling or self.episodic():
+            return 0
+        return self.train.prefetch()
 
     def engine_process(self) -> bool:
         """Whether each ``hf`` generation instance runs in a process of its own

@@ -486,7 +486,8 @@ class TrainConfig:
     (None: 1 with ``max_staleness=0``, else 0). They wait there, leased by the rollout, until
     a generator holds weights recent enough for them (the bound is enforced per group at
     routing, so it holds as before): a synchronous step then starts generating as soon as
-    its weights are loaded, not after the put and the lease that the publish used to allow."""
+    its weights are loaded, not after the put and the lease that the publish used to allow.
+    Always 0 where groups are refilled (``dynamic_sampling``, an environment)."""
     lr: float = 2e-4
     """AdamW learning rate."""
     weight_decay: float = 0.0

@@ -100,7 +100,7 @@ def _check_eval_run(out_dir: Path, k: int, sync: str, deploy: list[str]) -> None
         assert rep.samples == b * cfg.rollout.group_size
         assert max(rep.staleness) <= k
     for j, v in result.admission:
-        assert j < (v + k + 1 + cfg.train.prefetch()) * b
+        assert j < (v + k + 1 + cfg.prefetch_steps()) * b
     lines = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == list(range(steps))  # in order, eval or not
     assert [x["step"] for x in lines if "eval" in x] == [2, 5, 6]

@@ -160,3 +160,22 @@ def test_admission_counts_from_the_published_version_and_demands_it() -> None:
 
     with transferqueue.start(num_units=1) as tq:
         asyncio.run(go(tq))
+
+
+def test_prefetch_is_one_step_when_synchronous_and_never_with_refills() -> None:
+    """``train.prefetch_steps`` resolved: 1 at ``max_staleness=0``, 0 when the stages overlap,
+    0 where groups are refilled (a prefetched group bound to the next step's weights would
+    stand before a replacement the current step needs: the run would wait for weights that
+    come only after the step), and an explicit prefetch there is refused, naming the field."""
+    from asyncflow import load_config
+
+    assert load_config(None, ["train.max_staleness=0"]).prefetch_steps() == 1
+    assert load_config(None, ["train.max_staleness=2"]).prefetch_steps() == 0
+    assert (
+        load_config(None, ["train.max_staleness=1", "train.prefetch_steps=2"]).prefetch_steps() == 2
+    )
+    refilled = ["train.max_staleness=0", "train.dynamic_sampling=true"]
+    assert load_config(None, refilled).prefetch_steps() == 0
+    assert load_config(None, ["train.max_staleness=0", "task=tool_use"]).prefetch_steps() == 0
+    with pytest.raises(ValueError, match=r"train\.prefetch_steps needs groups that are never"):
+        load_config(None, [*refilled, "train.prefetch_steps=1"])

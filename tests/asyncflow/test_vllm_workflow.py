@@ -63,7 +63,7 @@ def _check(result: RunResult, engine: VLLMGenerationEngine, cfg: RunConfig, out:
         assert max(rep.staleness) <= k, rep.staleness
         assert all(0 <= v <= rep.step for v in rep.sample_versions)
     for j, v in result.admission:
-        assert j < (v + k + 1 + cfg.train.prefetch()) * b
+        assert j < (v + k + 1 + cfg.prefetch_steps()) * b
     # The updates reached vLLM: its weights moved on, and the last step (groups admitted only
     # once the generator held version >= steps - 1 - k) was sampled by updated weights.
     assert engine.stats["updates"] >= 1

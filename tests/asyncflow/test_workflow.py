@@ -56,7 +56,7 @@ def test_staleness_bound_holds_and_every_group_is_trained_once(
     # admission control: group j admitted only while j < (v_pub + k + 1 + p) * B (v_pub:
     # published; p: train.prefetch_steps, 1 when synchronous), and the prefetched step is
     # admitted before its weights are published (its put is off the synchronous chain)
-    p = cfg.train.prefetch()
+    p = cfg.prefetch_steps()
     assert p == (1 if k == 0 else 0)
     for j, v in result.admission:
         assert j < (v + k + 1 + p) * b
