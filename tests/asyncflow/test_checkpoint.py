@@ -245,8 +245,9 @@ def _check_resumed_run(out: Path, steps: int, b: int, k: int, kept: list[dict[st
     assert final.steps == steps and final.version == steps
     admitted = [j for j, _ in final.admission]
     assert sorted(admitted) == list(range(steps * b)) == sorted(trained)
+    prefetch = 1 if k == 0 else 0  # (train.prefetch_steps: a synchronous run's next step)
     for j, v in final.admission:  # admission control held across the restart
-        assert j < (v + k + 1) * b
+        assert j < (v + k + 1 + prefetch) * b
     assert json.loads((out / "policy" / "asyncflow.json").read_text()) == {"version": steps}
     policy = AutoModelForCausalLM.from_pretrained(out / "policy")
     last = AutoModelForCausalLM.from_pretrained(checkpoint.find_checkpoint(out) / "policy")
