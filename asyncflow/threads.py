@@ -40,6 +40,9 @@ __all__ = [
 AUTO_MIN_PARAMETERS = 20_000_000
 """Below this many parameters, ``torch_threads: auto`` gives one thread (rule 1)."""
 
+TINY_PARAMETERS = 565_888
+"""The tiny demo model's parameters (``engines.tiny.TinyConfig``'s defaults)."""
+
 SMOLLM2_PARAMETERS = 134_515_008
 """SmolLM2-135M's parameters (tied embeddings), before its folder is converted."""
 
@@ -82,11 +85,7 @@ def policy_parameters(cfg: RunConfig) -> int | None:
     unknown, e.g. a model a custom factory builds)."""
     name = cfg.model.name
     if name == "tiny":
-        from engines.tiny import TinyConfig
-
-        t = TinyConfig()
-        layer = 4 * t.hidden_size * t.hidden_size + 3 * t.hidden_size * t.intermediate_size
-        return t.vocab_size * t.hidden_size + t.num_layers * layer
+        return TINY_PARAMETERS  # (no import of engines.tiny: it loads transformers)
     if name == "smollm2":
         return SMOLLM2_PARAMETERS
     return folder_parameters(Path(name).expanduser())

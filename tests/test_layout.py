@@ -324,6 +324,9 @@ def test_stage_hosts_without_a_model_import_no_model_code() -> None:
     engines' names still resolve on first use. Checked in a fresh interpreter."""
     code = (
         "import sys, asyncflow.deploy.ray_hosts, adapters, engines.hf, engines.hf.text\n"
+        "from asyncflow import load_config\n"
+        "from asyncflow.threads import intra_op_threads\n"
+        "intra_op_threads(load_config(None, []), cores=1, ray_host=True)  # as a host does\n"
         "heavy = sorted(m for m in ('transformers', 'engines.hf.generation', "
         "'engines.hf.training', 'engines.hf.loading') if m in sys.modules)\n"
         "print(','.join(heavy))\n"
