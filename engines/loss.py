@@ -51,6 +51,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engines.objectives import OBJECTIVES
+
 __all__ = [
     "OBJECTIVES",
     "PolicyLoss",
@@ -59,8 +61,6 @@ __all__ = [
     "policy_loss",
 ]
 
-OBJECTIVES = ("tis", "decoupled")
-"""Names of the policy objectives (``train.loss``)."""
 
 
 @dataclass
