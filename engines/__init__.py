@@ -5,7 +5,7 @@ Engines know nothing of TransferQueue; see :mod:`engines.protocols` for the role
 
 from typing import TYPE_CHECKING
 
-from transferqueue.lazy import lazy_names
+from engines.lazy import lazy_names
 
 if TYPE_CHECKING:
     from engines.protocols import (
@@ -33,5 +33,6 @@ __all__ = [
 _LAZY = dict.fromkeys(__all__, "engines.protocols")
 """Imported on first use (PEP 562): the config, the tasks and the rewards import without
 torch, so a run can start Ray while torch loads (:mod:`asyncflow.deploy.ray_start`)."""
+
 
 __getattr__, __dir__ = lazy_names(__name__, _LAZY, globals())

@@ -62,7 +62,6 @@ __all__ = [
 ]
 
 
-
 @dataclass
 class PolicyLoss:
     """The loss to backpropagate and detached per-token metrics (means over valid tokens)."""

@@ -367,6 +367,7 @@ def _units_started(names: list[str], bound_s: float) -> list[str]:
 def _save_units(state_dir: str, addresses: list[str]) -> None:
     """Record where the units listened at the first start (a restarted controller started
     without unit addresses begins from these, then asks the units)."""
+    os.makedirs(state_dir, exist_ok=True)  # (before the controller's journal makes it)
     tmp = os.path.join(state_dir, _UNITS_FILE + ".tmp")
     with open(tmp, "w") as f:
         json.dump(addresses, f)
@@ -488,7 +489,7 @@ def controller_address(name: str, bound_s: float) -> str:
         try:
             ctl = ray.get_actor(name)
             return str(ray.get(ctl.address.remote(), timeout=max(0.1, deadline - time.monotonic())))
-        except (ActorUnavailableError, ValueError) as e:  # (restarting, or not named yet)
+        except (ActorUnavailableError, ValueError, GetTimeoutError) as e:  # (restarting, unnamed)
             if time.monotonic() >= deadline:
                 raise GetTimeoutError(
                     f"the TransferQueue controller {name!r} did not answer within {bound_s:g} s"
