@@ -89,7 +89,7 @@ from asyncflow.deploy.ray_hosts import (
     WorkerActor,
 )
 from asyncflow.deploy.ray_ranks import ranks_restartable, trainer_lost
-from asyncflow.deploy.ray_start import init_ray, take_early
+from asyncflow.deploy.ray_start import QUIET_BLOCKING_GET, init_ray, take_early
 from asyncflow.deploy.ray_trainer import TrainerActor
 from asyncflow.deploy.ray_weights import ObjectStoreWeights
 from asyncflow.deploy.remote import RemoteRegistry, remote_cause
@@ -281,7 +281,11 @@ class RayDeployment(Deployment):
         # Hosts find each other by name, never by a handle in their constructor arguments:
         # Ray restarts an actor with the same arguments, which must not depend on objects
         # the driver might let go of. Names: ``asyncflow-<run>-<stage>`` (``ray list actors``).
-        env = {"runtime_env": {"env_vars": {"RAY_WARN_BLOCKING_GET_INSIDE_ASYNC": "0"}}}
+        # Hosts that block on Ray inside their event loop say so on purpose: the warning off.
+        # A cluster the run started has it in every worker's environment already (init_ray);
+        # a runtime_env would give those hosts workers of their own, started later.
+        quiet = {"env_vars": {QUIET_BLOCKING_GET: "0"}}
+        env: dict[str, Any] = {} if self._started_ray else {"runtime_env": quiet}
         coord_name = f"{prefix}-coordinator"
         coord_cls: Any = ray.remote(Coordinator)
         resume = self._resume

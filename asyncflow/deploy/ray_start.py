@@ -27,9 +27,20 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from asyncflow.config import RunConfig
 
-__all__ = ["cpus_asked", "init_ray", "release_early", "start_early", "take_early"]
+__all__ = [
+    "QUIET_BLOCKING_GET",
+    "cpus_asked",
+    "init_ray",
+    "release_early",
+    "start_early",
+    "take_early",
+]
 
 log = logging.getLogger(__name__)
+
+QUIET_BLOCKING_GET = "RAY_WARN_BLOCKING_GET_INSIDE_ASYNC"
+"""Ray's warning on a blocking ``ray.get`` inside an async actor: some stage hosts block on
+purpose (their constructors), so a run turns it off in its hosts."""
 
 _early = False  # a cluster start_early started, not yet taken by a deployment
 _IMPORT_BOUND_S = 600.0  # the importing thread (a hang is a bug: its join has a bound)
@@ -55,6 +66,8 @@ def init_ray(cfg: RunConfig) -> bool:
         return False
     dep = cfg.deploy
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if dep.address is None:  # (every worker of our cluster inherits it)
+        os.environ.setdefault(QUIET_BLOCKING_GET, "0")
     num_cpus = dep.num_cpus
     if dep.address is None and num_cpus is None:
         num_cpus = max(os.cpu_count() or 1, math.ceil(cpus_asked(cfg)))
