@@ -12,8 +12,9 @@ if TYPE_CHECKING:
     from asyncflow.build import Components, EngineFactories, build_components
     from asyncflow.config import RunConfig
     from asyncflow.config.load import load_config
+    from asyncflow.launch import run
     from asyncflow.stage_runner import StageError
-    from asyncflow.workflow import RunResult, Workflow, run
+    from asyncflow.workflow import RunResult, Workflow
 
 __all__ = [
     "Components",
@@ -36,7 +37,7 @@ _LAZY = {
     "StageError": "asyncflow.stage_runner",
     "RunResult": "asyncflow.workflow",
     "Workflow": "asyncflow.workflow",
-    "run": "asyncflow.workflow",
+    "run": "asyncflow.launch",
 }
 """Public names imported on first use (PEP 562): a Ray actor that runs one part of a
 deployment (the coordinator) imports that part, not torch and transformers."""

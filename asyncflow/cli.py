@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         print(annotated_yaml(cfg, sources), end="")
         return 0
     logging.basicConfig(level=logging.WARNING)
-    from asyncflow.workflow import run
+    from asyncflow.launch import run
 
     result = run(cfg)
     first, last = result.reward_first_last()

@@ -11,8 +11,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 RESULTS_DIR = Path(os.environ.get("ASYNCFLOW_BENCH_DIR", "bench/results"))
 
 
@@ -29,6 +27,8 @@ def timeit(fn: Callable[[], Any], *, warmup: int = 1, repeat: int = 5) -> dict[s
 
 
 def machine() -> dict[str, Any]:
+    import torch  # (here: a bench's child process that measures start-up imports it late)
+
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,

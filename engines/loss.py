@@ -51,6 +51,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engines.objectives import OBJECTIVES
+
 __all__ = [
     "OBJECTIVES",
     "PolicyLoss",
@@ -58,9 +60,6 @@ __all__ = [
     "interpolate_prox_logp",
     "policy_loss",
 ]
-
-OBJECTIVES = ("tis", "decoupled")
-"""Names of the policy objectives (``train.loss``)."""
 
 
 @dataclass

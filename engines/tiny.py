@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import json
 import os
 import random
@@ -42,24 +43,17 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tokenizers
 import torch
-import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    LlamaConfig,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-    PreTrainedTokenizerFast,
-)
 
-from engines.hf.batching import response_logprobs, right_pad
 from engines.hf.text import encode_prompts
 from engines.tasks import Task, TaskItem
+
+if TYPE_CHECKING:  # transformers' model classes load where a model is built or loaded
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 __all__ = [
     "SPECIAL_TOKENS",
@@ -71,6 +65,7 @@ __all__ = [
     "corpus",
     "default_cache_dir",
     "load_tiny",
+    "load_tokenizer",
     "warm_start",
 ]
 
@@ -176,6 +171,8 @@ def corpus() -> list[str]:
 
 def build_tokenizer(config: TinyConfig | None = None) -> PreTrainedTokenizerFast:
     """Train the byte-level, digit-splitting BPE tokenizer (well under a second)."""
+    from transformers import PreTrainedTokenizerFast
+
     config = config or TinyConfig()
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -206,6 +203,8 @@ def build_tokenizer(config: TinyConfig | None = None) -> PreTrainedTokenizerFast
 
 def build_model(config: TinyConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
     """A freshly initialized model sized for ``tokenizer``; the same weights for the same seed."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
     model_config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=config.hidden_size,
@@ -244,6 +243,8 @@ def warm_start(
     size if it is finite) and nothing is sampled. Returns the first and last step losses and
     the seconds taken.
     """
+    from engines.hf.batching import response_logprobs, right_pad
+
     config = config or WarmStartConfig()
     if tokenizer.eos_token_id is None:
         raise ValueError("warm_start needs a tokenizer with an eos token")
@@ -309,7 +310,12 @@ def _cache_key(config: TinyConfig, task: Task | None, warm: WarmStartConfig | No
         "warm_start": None
         if task is None
         else {"task": task.spec(), **asdict(warm or WarmStartConfig())},
-        "versions": [torch.__version__, transformers.__version__, tokenizers.__version__],
+        # (transformers' version from its metadata: a cached folder is found without it)
+        "versions": [
+            torch.__version__,
+            importlib.metadata.version("transformers"),
+            tokenizers.__version__,
+        ],
     }
     blob = json.dumps(spec, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
@@ -377,7 +383,23 @@ def load_tiny(
         warm_start_task=warm_start_task,
         warm_start_config=warm_start_config,
     )
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model.eval()
-    return model, tokenizer
+    return model, load_tokenizer(path)
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerFast:
+    """The tokenizer of a folder :func:`build_tiny` wrote: the class it saved, loaded directly.
+
+    ``AutoTokenizer`` gives the same object (a test checks it), but resolving the class loads
+    transformers' model registry, about 1.4 s of CPU more in every process that needs only
+    the tokenizer (the driver, a reward worker).
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer: PreTrainedTokenizerFast = PreTrainedTokenizerFast.from_pretrained(
+        path, local_files_only=True
+    )
+    return tokenizer

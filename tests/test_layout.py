@@ -338,3 +338,28 @@ def test_stage_hosts_without_a_model_import_no_model_code() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert out.stdout.strip() == "", f"imported on start: {out.stdout.strip()}"
+
+
+def test_a_run_reads_its_config_without_torch() -> None:
+    """Reading a config (every check of it) and reaching ``asyncflow.run`` import no torch,
+    transformers or engine code: a run that starts its own Ray cluster starts it while those
+    import (``asyncflow.deploy.ray_start``), so they must come after the config. The
+    ``engines`` package's names still resolve on first use. Checked in a fresh interpreter."""
+    code = (
+        "import sys\n"
+        "from asyncflow import load_config, run\n"
+        "import asyncflow.launch, asyncflow.deploy.ray_start\n"
+        "cfg = load_config(None, ['deploy.mode=ray', 'train.loss=decoupled'])\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'numpy', 'engines.protocols', "
+        "'engines.loss', 'transferqueue.schema') if m in sys.modules)\n"
+        "print(','.join(heavy))\n"
+        "import engines\n"
+        "assert engines.Generation.__module__ == 'engines.protocols'\n"
+        "assert 'TrainingEngine' in dir(engines)\n"
+        "from engines.loss import OBJECTIVES\n"
+        "assert 'decoupled' in OBJECTIVES\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "", f"imported with the config: {out.stdout.strip()}"

@@ -24,7 +24,7 @@ from asyncflow.config.sections import (
     TrainConfig,
 )
 from engines.tasks import TASKS, task_class
-from transferqueue.controller.journal import FSYNC_POLICIES
+from transferqueue.controller.fsync import FSYNC_POLICIES
 from transferqueue.wire.liveness import RIDE_THROUGH_S
 
 ENGINE_PROCESS_MIN_STEPS = 100

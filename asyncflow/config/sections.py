@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engines.loss import OBJECTIVES
+from engines.objectives import OBJECTIVES
 from engines.rewards import REWARDS
 from engines.tasks import TASKS
 

@@ -66,7 +66,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -90,6 +89,7 @@ from asyncflow.deploy.ray_hosts import (
     WorkerActor,
 )
 from asyncflow.deploy.ray_ranks import ranks_restartable, trainer_lost
+from asyncflow.deploy.ray_start import QUIET_BLOCKING_GET, init_ray, take_early
 from asyncflow.deploy.ray_trainer import TrainerActor
 from asyncflow.deploy.ray_weights import ObjectStoreWeights
 from asyncflow.deploy.remote import RemoteRegistry, remote_cause
@@ -97,6 +97,7 @@ from asyncflow.metrics import Timeline
 from asyncflow.registry import WeightSync
 from asyncflow.stage_runner import StageError
 from transferqueue.aio import within
+from transferqueue.deploy.ray import RayStart
 from transferqueue.wire.auth import ClientKeys
 
 __all__ = ["RayDeployment", "actor_options"]
@@ -153,6 +154,7 @@ class RayDeployment(Deployment):
         self._factories = factories or EngineFactories()
         self._adapters = adapters
         self._started_ray = False
+        self._early = False  # Ray started by asyncflow.run, beside the imports
         self._tq: transferqueue.TransferQueue | None = None
         self._tq_keys: ClientKeys | None = None
         self._service: transferqueue.LocalService | None = None
@@ -173,49 +175,25 @@ class RayDeployment(Deployment):
 
     # -- start ------------------------------------------------------------------------------
     def _init_ray(self) -> None:
-        import ray
+        """Ray for the run: the cluster ``asyncflow.run`` started early for it, or started
+        (or joined) now; one it started is shut down at the end (``close``)."""
+        self._early = take_early()
+        self._started_ray = self._early or init_ray(self.cfg)
 
-        if ray.is_initialized():
-            return
-        cfg = self.cfg.deploy
-        for key, value in (("RAY_USAGE_STATS_ENABLED", "0"),):
-            os.environ.setdefault(key, value)
-        num_cpus = cfg.num_cpus
-        if cfg.address is None and num_cpus is None:
-            # Logical CPU slots: enough for every actor the config asks for, at least the cores
-            num_cpus = max(os.cpu_count() or 1, int(np.ceil(self._cpus_asked())))
-        ray.init(
-            address=cfg.address or "local",  # None: a cluster of our own, never a stranger's
-            num_cpus=num_cpus if cfg.address is None else None,
-            include_dashboard=False,
-            log_to_driver=True,
-            _system_config=(
-                {"worker_niceness": cfg.worker_niceness} if cfg.address is None else None
-            ),
-        )
-        self._started_ray = True
-
-    def _cpus_asked(self) -> float:
-        c = self.cfg
-        total = c.rollout.instances * c.rollout.placement.num_cpus
-        total += c.reward.instances * c.reward.placement.num_cpus
-        total += c.train.dp_size * c.train.placement.num_cpus
-        if c.reference.enabled:
-            total += c.reference.instances * c.reference.placement.num_cpus
-        return total
-
-    def _open_tq(self, prefix: str) -> transferqueue.TransferQueue:
+    def _open_tq(self, prefix: str) -> transferqueue.TransferQueue | RayStart:
         """TransferQueue for the run, and the keys its stage hosts connect with
         (``self._tq_keys``): those of ``transferqueue.keys``, or, when the servers start
         on a cluster of several nodes without a key directory, keys made for this run (the servers
-        must listen beyond loopback, and only this run's processes may reach them)."""
+        must listen beyond loopback, and only this run's processes may reach them). Servers
+        started on Ray come back still starting (their :class:`RayStart`): the stage hosts
+        start beside them and find the controller by its name."""
         import ray
 
         from transferqueue.wire.auth import client_keys, server_keys, session_keys
 
         tqc = self.cfg.transferqueue
         if tqc.mode in ("ray", "auto"):
-            from transferqueue.deploy.ray import start_on_ray
+            from transferqueue.deploy.ray import launch_on_ray
 
             keys = server_keys(tqc.keys) if tqc.keys else None
             self._tq_keys = client_keys(tqc.keys) if tqc.keys else None
@@ -224,7 +202,7 @@ class RayDeployment(Deployment):
             opts = actor_options(tqc.placement)
             self._tq_names = [f"{prefix}-tq-unit{i}" for i in range(tqc.num_units)]
             self._tq_names.append(f"{prefix}-tq-controller")
-            return start_on_ray(
+            return launch_on_ray(
                 tqc.num_units,
                 actor_options=opts,
                 name_prefix=f"{prefix}-tq",
@@ -255,28 +233,59 @@ class RayDeployment(Deployment):
         return [actor_options(p, pg=pg, bundle=i) for i in range(n)]
 
     async def open(self) -> None:
-        import ray
 
         cfg = self.cfg
         t0 = time.perf_counter()
-        self._init_ray()  # on this thread: Ray installs its signal handlers on the main one
         f = self._factories
         self.task = f.task(cfg)
-        model = await asyncio.to_thread(f.model, cfg, self.task)
-        self.tokenizer = await asyncio.to_thread(f.tokenizer, model)
+        # The model folder is found (or built) while Ray starts, and the driver's tokenizer
+        # loads while the servers and hosts do: Ray's start and the hosts' are mostly waits.
+        finding = asyncio.ensure_future(asyncio.to_thread(f.model, cfg, self.task))
+        try:
+            self._init_ray()  # on this thread: Ray installs its signal handlers on the main one
+        except BaseException:
+            await asyncio.gather(finding, return_exceptions=True)
+            raise
+        model = await finding
+        loading = asyncio.ensure_future(asyncio.to_thread(f.tokenizer, model))
+        try:
+            await self._open_hosts(model, f, t0)
+        finally:
+            if not loading.done():
+                await asyncio.gather(loading, return_exceptions=True)
+        self.tokenizer = await loading
+
+    async def _open_hosts(self, model: Path, f: EngineFactories, t0: float) -> None:
+        import ray
+
+        cfg = self.cfg
         t1 = time.perf_counter()
         prefix = f"asyncflow-{uuid.uuid4().hex[:8]}"
-        self._tq = await asyncio.to_thread(self._open_tq, prefix)
-        self.client = self._tq.async_client()
-        t2 = time.perf_counter()
-        assert self._tq.address is not None
-        address = TQAccess(self._tq.address, self._tq_keys, cfg.transferqueue.ride_through)
+        opened = await asyncio.to_thread(self._open_tq, prefix)
+        if isinstance(opened, RayStart):  # still starting: the hosts start beside its servers
+            starting: RayStart | None = opened
+            address = TQAccess(
+                None,
+                self._tq_keys,
+                cfg.transferqueue.ride_through,
+                controller=opened.controller_name,
+                start_timeout_s=cfg.deploy.start_timeout_s,
+            )
+        else:
+            starting, self._tq = None, opened
+            self.client = opened.async_client()
+            assert opened.address is not None
+            address = TQAccess(opened.address, self._tq_keys, cfg.transferqueue.ride_through)
         origin = self.timeline.origin
         restart = {"max_restarts": cfg.deploy.max_restarts, "max_task_retries": 0}
         # Hosts find each other by name, never by a handle in their constructor arguments:
         # Ray restarts an actor with the same arguments, which must not depend on objects
         # the driver might let go of. Names: ``asyncflow-<run>-<stage>`` (``ray list actors``).
-        env = {"runtime_env": {"env_vars": {"RAY_WARN_BLOCKING_GET_INSIDE_ASYNC": "0"}}}
+        # Hosts that block on Ray inside their event loop say so on purpose: the warning off.
+        # A cluster the run started has it in every worker's environment already (init_ray);
+        # a runtime_env would give those hosts workers of their own, started later.
+        quiet = {"env_vars": {QUIET_BLOCKING_GET: "0"}}
+        env: dict[str, Any] = {} if self._started_ray else {"runtime_env": quiet}
         coord_name = f"{prefix}-coordinator"
         coord_cls: Any = ray.remote(Coordinator)
         resume = self._resume
@@ -327,8 +336,12 @@ class RayDeployment(Deployment):
                 )
                 self._workers.append((f"{role}/{i}" if n > 1 else role, actor))
                 self._actors.append(actor)
-        await self._until_started()
+        if starting is not None:
+            self._tq = await asyncio.to_thread(starting.handle)
+            self.client = self._tq.async_client()
         t3 = time.perf_counter()
+        await self._until_started()
+        t4 = time.perf_counter()
         fsdp = cfg.train.strategy == "fsdp"
         if resume is not None and not fsdp:  # every rank, before the group forms
             await asyncio.gather(*(t.restore.remote(resume.directory) for t in self._trainers))
@@ -340,13 +353,14 @@ class RayDeployment(Deployment):
         if resume is not None and fsdp:  # into the shards: every rank, once sharded
             await asyncio.gather(*(t.restore.remote(resume.directory) for t in self._trainers))
         log.info(
-            "deploy=ray: Ray and the model in %.1f s, TransferQueue in %.1f s, %d stage hosts "
-            "in %.1f s, trainer group in %.1f s; weights through %r",
+            "deploy=ray: Ray%s and the model in %.1f s, TransferQueue in %.1f s, %d stage hosts "
+            "in %.1f s more (started beside it), trainer group in %.1f s; weights through %r",
+            " (started with the imports)" if self._early else "",
             t1 - t0,
-            t2 - t1,
+            t3 - t1,
             len(self._actors),
-            t3 - t2,
-            time.perf_counter() - t3,
+            t4 - t3,
+            time.perf_counter() - t4,
             self._weights.name,
         )
 

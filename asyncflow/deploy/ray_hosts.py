@@ -131,13 +131,26 @@ def _holder_name() -> str | None:
 
 @dataclass(frozen=True)
 class TQAccess:
-    """How a stage host reaches the run's TransferQueue: its address, and the CURVE keys
-    (None on one node's loopback). Sent in the actor's arguments, so a restarted actor
-    connects again the same way."""
+    """How a stage host reaches the run's TransferQueue: its address, or the name of the
+    controller actor that gives it (servers started on Ray beside the hosts; at most
+    ``start_timeout_s``), and the CURVE keys (None on one node's loopback). Sent in the
+    actor's arguments, so a restarted actor connects again the same way."""
 
-    address: str
+    address: str | None
     keys: ClientKeys | None = None
     ride_through_s: float = 0.0  # (transferqueue.ride_through_s, resolved)
+    controller: str | None = None
+    start_timeout_s: float = 300.0
+
+    def resolve(self) -> str:
+        """The controller's address (asked of the controller actor when not given)."""
+        if self.address is not None:
+            return self.address
+        if self.controller is None:
+            raise ValueError("TQAccess needs an address or the controller actor's name")
+        from transferqueue.deploy.ray import controller_address
+
+        return controller_address(self.controller, self.start_timeout_s)
 
 
 class _Host:
@@ -152,29 +165,36 @@ class _Host:
         self.timeline = Timeline(origin)
         self._tq: transferqueue.TransferQueue | None = None
         self.client: AsyncClient | None = None
-        if tq is not None:
-            self._tq = transferqueue.connect(
-                tq.address, keys=tq.keys, ride_through_s=tq.ride_through_s, holder=_holder_name()
-            )
-            # A host Ray restarted replaces its dead incarnation: the rows that one held go
-            # back to their queues now, not after its silence (holder_dead_after_s).
-            try:
-                back = self._tq.replace_earlier_holders()
-            except transferqueue.TQError as e:  # (their silence returns the rows instead)
-                log.warning(
-                    "stage host %s could not replace its earlier incarnation: %r",
-                    self._tq.holder.name,
-                    e,
-                )
-                back = 0
-            if back:
-                log.warning(
-                    "stage host %s replaces its dead incarnation: %d leased rows returned",
-                    self._tq.holder.name,
-                    back,
-                )
-            self.client = self._tq.async_client()
+        self._access = tq
         self.runners: list[StageRunner] = []
+
+    def _connect(self) -> AsyncClient:
+        """Connect to the run's TransferQueue (a host calls it once its engine is built: the
+        servers may start meanwhile) and return its client."""
+        tq = self._access
+        assert tq is not None and self._tq is None
+        self._tq = transferqueue.connect(
+            tq.resolve(), keys=tq.keys, ride_through_s=tq.ride_through_s, holder=_holder_name()
+        )
+        # A host Ray restarted replaces its dead incarnation: the rows that one held go
+        # back to their queues now, not after its silence (holder_dead_after_s).
+        try:
+            back = self._tq.replace_earlier_holders()
+        except transferqueue.TQError as e:  # (their silence returns the rows instead)
+            log.warning(
+                "stage host %s could not replace its earlier incarnation: %r",
+                self._tq.holder.name,
+                e,
+            )
+            back = 0
+        if back:
+            log.warning(
+                "stage host %s replaces its dead incarnation: %d leased rows returned",
+                self._tq.holder.name,
+                back,
+            )
+        self.client = self._tq.async_client()
+        return self.client
 
     def where(self) -> dict[str, Any]:
         """This host's node and process (placement tests; SIGKILL in fault tests), its
@@ -333,6 +353,7 @@ class RolloutActor(_Host):
             ranker=self.ranker,
             tokenizer=tokenizer,
         )
+        self._connect()
         assert self.client is not None
         self.runners = [
             graph.runner(
@@ -401,7 +422,6 @@ class WorkerActor(_Host):
         super().__init__(cfg, tq, origin)
         cls = graph.adapter_classes(adapters)[role]
         adapter: Adapter
-        assert self.client is not None
         evals: list[StageRunner] = []
         if role == "reward":
             reward_fn = factories.reward(cfg)
@@ -409,19 +429,19 @@ class WorkerActor(_Host):
                 raise TypeError(f"the reward function {reward_fn!r} is not callable")
             tokenizer = factories.tokenizer(model)
             adapter = graph.reward_adapter(cls, reward_fn, tokenizer, cfg)
+            client = self._connect()
             if cfg.eval.every_steps:
                 evals.append(
-                    graph.eval_reward_runner(
-                        cls, reward_fn, tokenizer, self.client, self.timeline, cfg
-                    )
+                    graph.eval_reward_runner(cls, reward_fn, tokenizer, client, self.timeline, cfg)
                 )
         elif role == "reference":
             engine = factories.reference(cfg, model)
             check_engine(engine, ScoringEngine, "reference")
             adapter = graph.reference_adapter(cls, engine, cfg)
+            client = self._connect()
         else:
             raise ValueError(f"a worker runs the reward or reference stage, not {role!r}")
-        self.runners = [graph.runner(role, adapter, self.client, self.timeline, cfg), *evals]
+        self.runners = [graph.runner(role, adapter, client, self.timeline, cfg), *evals]
 
     async def run(self) -> None:
         try:

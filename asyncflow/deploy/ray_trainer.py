@@ -87,6 +87,7 @@ class TrainerActor(_Host):
         self._idle = asyncio.Event()
         self._idle.set()
         self.use_reference = cfg.reference.enabled
+        self._connect()  # (after the engine: the servers may start meanwhile)
 
     # -- data-parallel group ----------------------------------------------------------------
     def endpoint(self) -> tuple[str, int]:

@@ -9,8 +9,9 @@
 All three share one log-prob convention: ``log_softmax(logits / temperature)``.
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from engines.lazy import lazy_names
 
 if TYPE_CHECKING:
     from engines.hf.generation import HFGenerationEngine, sample_tokens
@@ -48,14 +49,4 @@ _LAZY = {
 worker, the rollout's dispatcher) imports ``engines.hf.text``, not the model code."""
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # (later lookups never come here)
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, globals())

@@ -130,7 +130,11 @@ def test_a_ray_run_gives_its_controller_actor_the_state_dir(
     state = tmp_path / "state"
     cfg = load_config(overrides=["deploy=ray", f"transferqueue.state_dir={state}"])
     prefix = f"statecfg-{os.getpid()}"
-    tq = RayDeployment(cfg, Timeline())._open_tq(prefix)
+    from transferqueue.deploy.ray import RayStart
+
+    started = RayDeployment(cfg, Timeline())._open_tq(prefix)
+    assert isinstance(started, RayStart)  # (the stage hosts start beside its servers)
+    tq = started.handle()
     try:
         ctl = ray.get_actor(f"{prefix}-tq-controller")
         assert ray.get(ctl.address.remote(), timeout=60) == tq.address

@@ -118,3 +118,39 @@ def test_grouped_query_variant_and_config_validation(tmp_path: Path) -> None:
         TinyConfig(vocab_size=100)
     with pytest.raises(ValueError, match="num_heads"):
         TinyConfig(num_heads=5)
+
+
+def test_its_tokenizer_loads_as_auto_tokenizer_loads_it(tiny_dir: Path) -> None:
+    """``asyncflow.build.build_tokenizer`` loads a tiny folder's tokenizer by the class it
+    saved, not through ``AutoTokenizer``: the object must be the same in every respect the
+    workflow uses, and the process must not load transformers' model registry for it."""
+    from asyncflow.build import build_tokenizer as folder_tokenizer
+
+    direct = folder_tokenizer(tiny_dir)
+    auto = AutoTokenizer.from_pretrained(tiny_dir, local_files_only=True)  # (as build_tokenizer)
+    assert type(direct) is type(auto)
+    assert direct.init_kwargs == auto.init_kwargs
+    assert direct.backend_tokenizer.to_str() == auto.backend_tokenizer.to_str()
+    assert direct.chat_template == auto.chat_template
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id", "padding_side"):
+        assert getattr(direct, name) == getattr(auto, name), name
+    messages = [{"role": "user", "content": "What is 7 + 5?"}]
+    assert direct.apply_chat_template(messages, add_generation_prompt=True) == (
+        auto.apply_chat_template(messages, add_generation_prompt=True)
+    )
+    texts = ["123 apples", "héllo ✓", ""]
+    assert direct(texts)["input_ids"] == auto(texts)["input_ids"]
+    ids = auto("9 + 8 = 17")["input_ids"]
+    assert direct.decode(ids, skip_special_tokens=True) == (
+        auto.decode(ids, skip_special_tokens=True)
+    )
+
+    code = (
+        "import sys; from pathlib import Path; from asyncflow.build import build_tokenizer\n"
+        f"t = build_tokenizer(Path({str(tiny_dir)!r}))\n"
+        "print(type(t).__name__, 'transformers.models.auto.modeling_auto' in sys.modules)"
+    )
+    there = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    ).stdout.split()
+    assert there == [type(auto).__name__, "False"]

@@ -48,6 +48,7 @@ from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 import msgspec
 import numpy as np
 
+from transferqueue.controller.fsync import FSYNC_POLICIES
 from transferqueue.errors import CheckpointError
 from transferqueue.schema import FieldSpec
 from transferqueue.wire.replies import TaskImport
@@ -69,7 +70,6 @@ __all__ = [
 
 FORMAT_VERSION = 4  # 2: copy plans (header "copying", unit_epochs); 3: the core in parts;
 # 4: the loss log of each partition (rows lost before a task's first poll count for it)
-FSYNC_POLICIES = ("never", "batch", "always")
 SNAPSHOT = "snapshot"
 _LOG = "log."
 _MAGIC = b"TQCTLST\0"

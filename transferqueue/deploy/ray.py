@@ -45,6 +45,7 @@ forget every row): its metadata lives in its process.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import socket
@@ -68,7 +69,14 @@ from transferqueue.wire.auth import ClientKeys, ServerKeys, client_keys, server_
 from transferqueue.wire.grants import new_grant_key
 from transferqueue.wire.liveness import RIDE_THROUGH_S
 
-__all__ = ["ControllerActor", "UnitActor", "start_on_ray"]
+__all__ = [
+    "ControllerActor",
+    "RayStart",
+    "UnitActor",
+    "controller_address",
+    "launch_on_ray",
+    "start_on_ray",
+]
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +87,7 @@ REBIND_S = 30.0
 CONTROLLER_MAX_RESTARTS = 5
 """Default restarts of a controller actor with a ``state_dir``."""
 _ADDRESS_FILE = "address"  # in state_dir: where the controller listened last
+_UNITS_FILE = "units"  # in state_dir: where the units listened at the first start
 
 
 class _ServerActor:
@@ -216,11 +225,13 @@ def _controller_of_or_exit(name: str, unit_id: int) -> tuple[str, str]:
 class ControllerActor(_ServerActor):
     """The controller server (apply ``ray.remote`` to deploy). With ``state_dir`` its state
     is journaled there and a restart by Ray recovers it (module docstring); ``unit_names``:
-    the unit actors' names, which a restarted controller asks where they listen now."""
+    the unit actors' names, which a restarted controller asks where they listen now.
+    ``unit_addresses=None``: the controller starts beside its units and asks each unit actor
+    (by name) where it listens, waiting at most ``start_timeout_s`` for them to start."""
 
     def __init__(
         self,
-        unit_addresses: list[str],
+        unit_addresses: list[str] | None,
         capacity_rows: int | None,
         host: str | None,
         spread_bytes: int = SPREAD_BYTES,
@@ -231,12 +242,24 @@ class ControllerActor(_ServerActor):
         state_dir: str | None = None,
         fsync: str = "batch",
         unit_names: list[str] | None = None,
+        start_timeout_s: float = 300.0,
     ) -> None:
         super().__init__()
         bind_host = self._host(host)
-        address, units = f"tcp://{bind_host}:0", list(unit_addresses)
+        address = f"tcp://{bind_host}:0"
         extra: dict[str, Any] = {}
         restarted = state_dir is not None and _reconstructed()
+        known = None if unit_addresses is None else list(unit_addresses)
+        if known is None and restarted:
+            assert state_dir is not None
+            known = _saved_units(state_dir)
+        if known is None:  # first start beside the units: they say where they listen
+            known = _units_started(unit_names or [], start_timeout_s)
+            if state_dir is not None:
+                _save_units(state_dir, known)
+            units = known
+        else:
+            units = known
         if state_dir is not None:
             extra = {"state_dir": state_dir, "journal": JournalSettings(fsync=fsync)}
             if restarted:
@@ -311,6 +334,54 @@ def _units_now(names: list[str], known: list[str]) -> list[str]:
     return out
 
 
+def _units_started(names: list[str], bound_s: float) -> list[str]:
+    """Where each unit actor listens, once every one has started (their names may be
+    registered a moment after this controller starts); at most ``bound_s``."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+
+    if not names:
+        raise ValueError("a controller started without unit addresses needs the units' names")
+    deadline = time.monotonic() + bound_s
+    actors: list[Any] = []
+    for name in names:
+        while True:
+            try:
+                actors.append(ray.get_actor(name))
+                break
+            except ValueError as e:  # (not named yet)
+                if time.monotonic() >= deadline:
+                    raise GetTimeoutError(f"no unit actor {name!r} within {bound_s:g} s") from e
+                time.sleep(0.05)
+    try:
+        got = ray.get(
+            [a.address.remote() for a in actors], timeout=max(0.1, deadline - time.monotonic())
+        )
+    except GetTimeoutError:
+        raise GetTimeoutError(
+            f"the TransferQueue units {names} did not start within {bound_s:g} s"
+        ) from None
+    return [str(a) for a in got]
+
+
+def _save_units(state_dir: str, addresses: list[str]) -> None:
+    """Record where the units listened at the first start (a restarted controller started
+    without unit addresses begins from these, then asks the units)."""
+    os.makedirs(state_dir, exist_ok=True)  # (before the controller's journal makes it)
+    tmp = os.path.join(state_dir, _UNITS_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(addresses, f)
+    os.replace(tmp, os.path.join(state_dir, _UNITS_FILE))
+
+
+def _saved_units(state_dir: str) -> list[str] | None:
+    try:
+        with open(os.path.join(state_dir, _UNITS_FILE)) as f:
+            return [str(a) for a in json.load(f)]
+    except FileNotFoundError:
+        return None
+
+
 def _old_address(state_dir: str, host: str) -> str | None:
     """The address the dead incarnation listened on, once its port can be bound again
     (bounded by ``REBIND_S``); None: none recorded, another host's, or the port stays taken
@@ -360,7 +431,73 @@ def _save_address(state_dir: str, address: str) -> None:
     os.replace(tmp, os.path.join(state_dir, _ADDRESS_FILE))
 
 
-def start_on_ray(
+def start_on_ray(num_units: int = 2, **options: Any) -> TransferQueue:
+    """Start controller and units as Ray actors and return a connected handle: the servers
+    of :func:`launch_on_ray` (every argument is documented there), once they serve."""
+    return launch_on_ray(num_units, **options).handle()
+
+
+class RayStart:
+    """TransferQueue servers that :func:`launch_on_ray` started and that may still be
+    starting: their actors and the controller's name at once (a process can find the
+    controller's address by that name, :func:`controller_address`), the connected handle
+    from :meth:`handle`."""
+
+    def __init__(
+        self,
+        controller_name: str,
+        actors: list[Any],
+        keys: ClientKeys | None,
+        ride_through_s: float,
+        start_timeout_s: float,
+    ) -> None:
+        self.controller_name = controller_name
+        self.actors = actors
+        self._keys = keys
+        self._ride_through_s = ride_through_s
+        self._start_timeout_s = start_timeout_s
+
+    def handle(self) -> TransferQueue:
+        """Wait for the servers (at most ``start_timeout_s``) and connect; ``close()`` on the
+        handle kills the actors. A server that fails to start kills them all and raises."""
+        import ray
+
+        try:
+            ctl = self.actors[-1]
+            address = _started(ray, [ctl.address.remote()], self._start_timeout_s, "servers")
+            handle = connect(str(address[0]), keys=self._keys, ride_through_s=self._ride_through_s)
+        except BaseException:
+            self.kill()
+            raise
+        handle.mode = "ray"
+        handle.add_closer(self.kill)
+        return handle
+
+    def kill(self) -> None:
+        """End the servers' actors (their rows are lost)."""
+        _kill(self.actors)
+
+
+def controller_address(name: str, bound_s: float) -> str:
+    """Where the controller actor called ``name`` listens, once it serves (it may still be
+    starting, or not yet be named); at most ``bound_s``."""
+    import ray
+    from ray.exceptions import ActorUnavailableError, GetTimeoutError
+
+    deadline = time.monotonic() + bound_s
+    while True:
+        try:
+            ctl = ray.get_actor(name)
+            return str(ray.get(ctl.address.remote(), timeout=max(0.1, deadline - time.monotonic())))
+        except (ActorUnavailableError, ValueError, GetTimeoutError) as e:  # (restarting, unnamed)
+            if time.monotonic() >= deadline:
+                raise GetTimeoutError(
+                    f"the TransferQueue controller {name!r} did not answer within {bound_s:g} s"
+                ) from e
+            time.sleep(0.05)
+
+
+def launch_on_ray(
     num_units: int = 2,
     *,
     capacity_rows: int | None = None,
@@ -380,8 +517,10 @@ def start_on_ray(
     fsync: str = "batch",
     controller_max_restarts: int | None = None,
     ride_through_s: float | None = None,
-) -> TransferQueue:
-    """Start controller and units as Ray actors and return a connected handle.
+) -> RayStart:
+    """Start controller and units as Ray actors, without waiting for them: the returned
+    :class:`RayStart` gives the connected handle once they serve (:func:`start_on_ray` is
+    both at once). The controller starts beside the units and asks them where they listen.
 
     Needs ``ray.init()`` first. Actors take no CPU slot (``num_cpus=0``: they are I/O bound)
     and are spread over nodes (``spread=False`` packs them). ``handle.close()`` kills them.
@@ -478,9 +617,8 @@ def start_on_ray(
     ]
     actors: list[Any] = list(units)
     try:
-        unit_addrs = _started(ray, [u.address.remote() for u in units], start_timeout_s, "units")
         ctl = ctl_cls.options(max_restarts=controller_max_restarts, **opts("controller")).remote(
-            unit_addrs,
+            None,  # it asks the units, by name: it starts beside them
             capacity_rows,
             host,
             spread_bytes,
@@ -491,19 +629,15 @@ def start_on_ray(
             ctl_state,
             fsync,
             [f"{prefix}-unit{i}" for i in range(num_units)],
+            start_timeout_s,
         )
-        actors.append(ctl)
-        address = str(_started(ray, [ctl.address.remote()], start_timeout_s, "controller")[0])
-        if ride_through_s is None:  # (the handle's calls wait for a restarted controller)
-            ride_through_s = RIDE_THROUGH_S if state_dir is not None else 0.0
-        handle = connect(address, keys=own, ride_through_s=ride_through_s)
+        actors.append(ctl)  # (the last: RayStart asks it)
     except BaseException:
         _kill(actors)
         raise
-
-    handle.mode = "ray"
-    handle.add_closer(lambda: _kill(actors))
-    return handle
+    if ride_through_s is None:  # (the handle's calls wait for a restarted controller)
+        ride_through_s = RIDE_THROUGH_S if state_dir is not None else 0.0
+    return RayStart(f"{prefix}-controller", actors, own, ride_through_s, start_timeout_s)
 
 
 def _started(ray: Any, refs: list[Any], timeout_s: float, what: str) -> list[Any]:
