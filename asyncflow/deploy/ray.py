@@ -353,9 +353,10 @@ class RayDeployment(Deployment):
         if resume is not None and fsdp:  # into the shards: every rank, once sharded
             await asyncio.gather(*(t.restore.remote(resume.directory) for t in self._trainers))
         log.info(
-            "deploy=ray: Ray%s and the model in %.1f s, TransferQueue in %.1f s, %d stage hosts "
-            "in %.1f s more (started beside it), trainer group in %.1f s; weights through %r",
-            " (started with the imports)" if self._early else "",
+            "deploy=ray: Ray%s and the model in %.1f s, TransferQueue serving %.1f s later (the "
+            "stage hosts starting beside it), %d stage hosts %.1f s after that, trainer group in "
+            "%.1f s; weights through %r",
+            " (started with the imports: not counted)" if self._early else "",
             t1 - t0,
             t3 - t1,
             len(self._actors),
