@@ -54,6 +54,7 @@ from asyncflow.checkpoint import (
 )
 from asyncflow.config import RunConfig
 from asyncflow.deploy.ray_ranks import ranks_restartable
+from asyncflow.deploy.ray_start import fewer_collections
 from asyncflow.deploy.remote import GeneratorView, RemoteGenerator, RemoteRegistry
 from asyncflow.hosts import GeneratorHost, WeightSource, check_engine
 from asyncflow.metrics import Timeline
@@ -260,7 +261,8 @@ class GeneratorActor(_Host):
         super().__init__(cfg, None, origin)
         self.name = name
         self._model, self._initial_version = model, initial_version
-        self.engine = factories.generator(cfg, model, index)
+        with fewer_collections():  # (transformers' imports)
+            self.engine = factories.generator(cfg, model, index)
         self.registry = RemoteRegistry(actor(coordinator))
         self.host: GeneratorHost | None = None
         self._registered = asyncio.Event()
@@ -427,7 +429,8 @@ class WorkerActor(_Host):
             reward_fn = factories.reward(cfg)
             if not callable(reward_fn):
                 raise TypeError(f"the reward function {reward_fn!r} is not callable")
-            tokenizer = factories.tokenizer(model)
+            with fewer_collections():  # (transformers' imports)
+                tokenizer = factories.tokenizer(model)
             adapter = graph.reward_adapter(cls, reward_fn, tokenizer, cfg)
             client = self._connect()
             if cfg.eval.every_steps:
@@ -435,7 +438,8 @@ class WorkerActor(_Host):
                     graph.eval_reward_runner(cls, reward_fn, tokenizer, client, self.timeline, cfg)
                 )
         elif role == "reference":
-            engine = factories.reference(cfg, model)
+            with fewer_collections():  # (transformers' imports)
+                engine = factories.reference(cfg, model)
             check_engine(engine, ScoringEngine, "reference")
             adapter = graph.reference_adapter(cls, engine, cfg)
             client = self._connect()

@@ -39,6 +39,7 @@ from asyncflow.deploy.ray_ranks import (
     ranks_restartable,
     take_over,
 )
+from asyncflow.deploy.ray_start import fewer_collections
 from asyncflow.deploy.remote import RemoteRegistry
 from asyncflow.hosts import check_engine
 from engines.protocols import TrainingEngine
@@ -74,7 +75,8 @@ class TrainerActor(_Host):
     ) -> None:
         super().__init__(cfg, tq, origin)
         self.rank = rank
-        self.engine: TrainingEngine = factories.trainer(cfg, model, rank)
+        with fewer_collections():  # (transformers' imports)
+            self.engine: TrainingEngine = factories.trainer(cfg, model, rank)
         check_engine(self.engine, TrainingEngine, "train")
         self.registry = RemoteRegistry(actor(coordinator))
         self._adapters = adapters

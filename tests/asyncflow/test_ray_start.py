@@ -121,3 +121,17 @@ def test_a_run_starts_ray_with_its_imports_and_shuts_it_down(tmp_path: Path) -> 
         "failed": "no task today",
         "ray_after_failure": False,
     }
+
+
+def test_fewer_collections_inside_the_block_and_as_before_after_it() -> None:
+    import gc
+
+    from asyncflow.deploy.ray_start import START_GC_THRESHOLD, fewer_collections
+
+    before = gc.get_threshold()
+    with fewer_collections():
+        assert gc.get_threshold() == START_GC_THRESHOLD
+    assert gc.get_threshold() == before
+    with pytest.raises(RuntimeError, match="an engine that failed"), fewer_collections():
+        raise RuntimeError("an engine that failed")
+    assert gc.get_threshold() == before  # (restored whatever the block raised)
