@@ -257,9 +257,7 @@ class ControllerActor(_ServerActor):
             known = _units_started(unit_names or [], start_timeout_s)
             if state_dir is not None:
                 _save_units(state_dir, known)
-            units = known
-        else:
-            units = known
+        units = known
         if state_dir is not None:
             extra = {"state_dir": state_dir, "journal": JournalSettings(fsync=fsync)}
             if restarted:
