@@ -27,7 +27,13 @@ learns from every batch's observed response lengths.
 With ``version_field`` (the workflow uses ``min_gen_version``), a batch only goes to an
 instance whose weights version is at least the batch's bound: that is how the staleness bound
 holds while instances update their weights independently. When no instance is recent enough
-yet, the batch waits for one.
+yet, the batch waits for one. With ``dispatch_ahead``, instances that wait for weights
+themselves (:class:`AheadInstance`: the generator hosts of ``deploy=ray``) are given a
+one-turn batch before they hold its version (the router picks one by load): the instance
+starts it the moment its load lands, without a routing round trip after it (one hop less per
+synchronous step); not loaded within ``WAKE_S``, the batch is routed anew. It suits a weight
+sync that updates every instance at each publish (``eager``): under ``on_demand`` only one
+lagging instance updates, and a batch given to another would wait out ``WAKE_S``.
 
 Long-tail migration (``migrate_after``, with a :class:`LengthAwareRouter`): a batch first
 runs with a budget of ``migrate_after`` new tokens; the samples still going when the budget
@@ -86,6 +92,7 @@ from transferqueue import BatchMeta, Ragged
 from transferqueue.schema import Column
 
 __all__ = [
+    "AheadInstance",
     "GenerationInstance",
     "InstanceLostError",
     "LeastLoadedRouter",
@@ -117,6 +124,28 @@ class GenerationInstance(Protocol):
     async def generate(
         self, prompts: Sequence[torch.Tensor], params: SamplingParams
     ) -> list[Generation]: ...
+
+
+class AheadInstance(Protocol):
+    """An instance that takes a batch before it holds the batch's weights (optional).
+
+    ``generate_after`` waits (at most ``timeout_s``) until the instance holds ``version`` or
+    a newer one, then generates the batch as ``generate`` does; it returns the generations and
+    the seconds it waited, or None when the version did not land in time (nothing generated,
+    the batch is routed anew). An instance in another process saves the rollout a round trip
+    between its load and the batch's start."""
+
+    async def generate_after(
+        self,
+        prompts: Sequence[torch.Tensor],
+        params: SamplingParams,
+        version: int,
+        timeout_s: float,
+    ) -> tuple[list[Generation], float] | None: ...
+
+
+class _NotLoaded(Exception):
+    """A batch given ahead of its weights to an instance that did not load them in time."""
 
 
 class Router(Protocol):
@@ -239,6 +268,7 @@ class RolloutAdapter(Adapter):
         episodes: EpisodeSource | None = None,
         row_columns: Sequence[str] = (),
         turn_gather_s: float = 0.005,
+        dispatch_ahead: bool = False,
     ) -> None:
         self.engines = list(engine) if isinstance(engine, Sequence) else [engine]
         if not self.engines:
@@ -284,12 +314,16 @@ class RolloutAdapter(Adapter):
         if self.writes_prompt:
             self.output_fields = (*type(self).output_fields, "prompt_ids")
         self.turn_gather_s = turn_gather_s
+        self.dispatch_ahead = dispatch_ahead
+        """One-turn batches go to an :class:`AheadInstance` before it holds their version."""
 
     async def process(self, meta: BatchMeta, cols: dict[str, Column]) -> StageOutput:
         attempt = 0
         while True:
             try:
                 return await self._process(meta, cols)
+            except _NotLoaded:
+                continue  # (each try waited WAKE_S on an instance: routed anew, as in _eligible)
             except InstanceLostError as e:
                 attempt += 1
                 self.retries += 1
@@ -304,9 +338,11 @@ class RolloutAdapter(Adapter):
         prompt_lens = prompts.lengths.numpy()
         predicted = float(np.mean(np.maximum(meta.lengths - prompt_lens, 0))) if len(meta) else 0
         need = self._need(cols)
-        eligible = await self._eligible(need)
+        ahead_ok = self.dispatch_ahead and self.episodes is None
+        eligible, ahead = await self._eligible(need, ahead=ahead_ok)
         k = self.router.choose(self._loads(), predicted, eligible, len(prompts))
-        version_at_dispatch = self.engines[k].version
+        # a batch given ahead is generated with weights of at least ``need``
+        version_at_dispatch = need if ahead else self.engines[k].version
         ids = [p.long() for p in prompts.unbind()]
         t0 = time.perf_counter()
         episodes: list[Episode] | None = None
@@ -327,7 +363,7 @@ class RolloutAdapter(Adapter):
             versions = [e.version if e.version >= 0 else version_at_dispatch for e in episodes]
             model_tokens = sum(e.model_tokens for e in episodes)
         else:  # one turn: the columns straight from the generations (no Episode per row)
-            gens, spans = await self._responses(k, ids, need, t0)
+            gens, spans = await self._responses(k, ids, need, t0, ahead)
             metrics = {}
             columns = single_turn_columns(gens)
             versions = [
@@ -364,14 +400,18 @@ class RolloutAdapter(Adapter):
         )
 
     async def _responses(
-        self, k: int, ids: list[torch.Tensor], need: int, t0: float
+        self, k: int, ids: list[torch.Tensor], need: int, t0: float, ahead: bool = False
     ) -> tuple[list[Generation], list[tuple[str, float, float]]]:
         """One-turn responses: the batch in one call (continued elsewhere past the migration
-        budget)."""
+        budget); ``ahead``: given to instance ``k`` before it holds ``need``."""
         budget = self.migrate_after
         migrating = 0 < budget < self.params.max_new_tokens
         first = replace(self.params, max_new_tokens=budget) if migrating else self.params
-        gens = await self._generate(k, ids, first)
+        if ahead:
+            gens, waited = await self._generate_after(k, ids, first, need)
+            t0 += waited  # (the instance's span starts when its weights landed)
+        else:
+            gens = await self._generate(k, ids, first)
         spans = [(f"instance{k}", t0, time.perf_counter())]
         if migrating:
             gens = await self._continue(ids, gens, need, spans)
@@ -424,6 +464,29 @@ class RolloutAdapter(Adapter):
             )
         return gens
 
+    async def _generate_after(
+        self, k: int, prompts: list[torch.Tensor], params: SamplingParams, need: int
+    ) -> tuple[list[Generation], float]:
+        """:meth:`_generate` on an :class:`AheadInstance` before it holds ``need``; raises
+        :class:`_NotLoaded` when the version did not land within ``WAKE_S``."""
+        engine: AheadInstance = self.engines[k]  # type: ignore[assignment]
+        self.load[k] += len(prompts)
+        try:
+            got = await engine.generate_after(prompts, params, need, WAKE_S)
+        finally:
+            self.load[k] -= len(prompts)
+            if self.on_done is not None:
+                self.on_done()
+        if got is None:
+            raise _NotLoaded
+        gens, waited = got
+        self.waited_s += waited
+        if len(gens) != len(prompts):
+            raise RuntimeError(
+                f"generation engine returned {len(gens)} samples for {len(prompts)} prompts"
+            )
+        return gens, waited
+
     async def _continue(
         self,
         prompts: list[torch.Tensor],
@@ -440,7 +503,7 @@ class RolloutAdapter(Adapter):
         ]
         if not cut:
             return gens
-        eligible = await self._eligible(need)
+        eligible, _ = await self._eligible(need)
         choose = getattr(self.router, "choose_continuation", _LEAST_LOADED.choose_continuation)
         k = choose(self._loads(), eligible, len(cut))
         rest = replace(self.params, max_new_tokens=self.params.max_new_tokens - budget)
@@ -469,17 +532,27 @@ class RolloutAdapter(Adapter):
             raise TypeError(f"{self.version_field} must be a dense integer column")
         return int(bound.max()) if bound.numel() else -1
 
-    async def _eligible(self, need: int) -> list[int]:
-        """Instances whose weights are recent enough for every row (waits until one is)."""
+    async def _eligible(self, need: int, ahead: bool = False) -> tuple[list[int], bool]:
+        """Instances whose weights are recent enough for every row (waits until one is), and
+        False; with ``ahead``, while none is, the live :class:`AheadInstance` ones and True."""
         t0 = time.perf_counter()
         while True:
             ok = [i for i, e in enumerate(self.engines) if e.version >= need]
             if ok:
                 self.waited_s += time.perf_counter() - t0
-                return ok
+                return ok, False
             if self.on_demand is not None:
                 self.on_demand(need)
+            if ahead and (live := self._ahead()):
+                self.waited_s += time.perf_counter() - t0
+                return live, True
             await self._wait_any(need)
+
+    def _ahead(self) -> list[int]:
+        """Live instances that wait for weights themselves (the router picks by load)."""
+        return [
+            i for i, e in enumerate(self.engines) if e.version >= 0 and hasattr(e, "generate_after")
+        ]
 
     async def _wait_any(self, need: int) -> None:
         """Until an instance may hold version ``need``: woken by the update where every

@@ -101,7 +101,7 @@ class AdmissionState(Protocol):
 
     def demand(self, version: int) -> None: ...
 
-    async def wait_changed(self, seen: int, timeout_s: float) -> int: ...
+    async def wait_changed(self, seen: int, timeout_s: float) -> tuple[int, int, int]: ...
 
     async def filtered_count(self) -> int: ...
 
@@ -175,8 +175,11 @@ class PromptFeeder:
         the last step); the driver cancels it."""
         reg = self.registry
         available = self.task.num_items()
+        # (a view stays valid after a put: admission only moves when it changes, and the wait
+        # below returns the new one at once if it changed meanwhile)
+        view = await reg.admission_view()
         while self.refill or self.admitted - self.filtered_before < self.total_groups:
-            newest, published, seen = await reg.admission_view()
+            newest, published, seen = view
             filtered = self.filtered_before
             if self.refill:
                 filtered += await reg.filtered_count()
@@ -184,7 +187,7 @@ class PromptFeeder:
             limit = self.limit(published)
             if counted >= limit:
                 await self._encode_ahead(self.admitted, self.max_groups_per_put)
-                await reg.wait_changed(seen, timeout_s=1.0)
+                view = await reg.wait_changed(seen, timeout_s=1.0)
                 continue
             count = min(limit - counted, self.max_groups_per_put)
             if available is not None and self.admitted + count > available:

@@ -129,10 +129,13 @@ def rollout_adapter(
     on_done: Callable[[], None] | None = None,
     ranker: LengthRanker | None = None,
     tokenizer: Any = None,
+    remote: bool = False,
 ) -> Adapter:
-    """The rollout over every generation instance (engines here, or proxies of engine hosts).
-    With an environment, every row is an episode of several turns: ``tokenizer`` (the
-    policy's) writes the observations between them."""
+    """The rollout over every generation instance (engines here, or proxies of engine hosts:
+    ``remote``). With an environment, every row is an episode of several turns: ``tokenizer``
+    (the policy's) writes the observations between them. Remote instances that every publish
+    updates (``rollout.weight_sync=eager``) take batches ahead of their weights
+    (``RolloutAdapter``'s ``dispatch_ahead``)."""
     rc, n, b = cfg.rollout, cfg.rollout.group_size, cfg.train.groups_per_step
     router = (
         LengthAwareRouter(range(rc.long_instances), long_capacity=rc.long_capacity or 2 * n)
@@ -155,6 +158,8 @@ def rollout_adapter(
         "version_field": "min_gen_version",
         **episode_options(cfg, tokenizer),
     }
+    if remote and rc.weight_sync == "eager":
+        kwargs["dispatch_ahead"] = True
     return cls(list(instances), sampling_params(cfg), **kwargs)  # type: ignore[call-arg]
 
 

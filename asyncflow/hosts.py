@@ -210,6 +210,25 @@ class GeneratorHost:
             self._calls -= len(prompts)
             self._dirty.set()
 
+    async def generate_after(
+        self,
+        prompts: Sequence[torch.Tensor],
+        params: SamplingParams,
+        version: int,
+        timeout_s: float,
+    ) -> tuple[list[Generation], float] | None:
+        """:meth:`generate` once the engine holds ``version`` or a newer one, and the seconds
+        waited for it; None (nothing generated) after ``timeout_s``. A batch given before its
+        weights landed starts with the load itself. It counts as received, and as load, only
+        from then on: an engine waiting for weights is idle to the weight-update policy
+        (``adapters.rollout.AheadInstance``)."""
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        if not await self.wait_version(version, timeout_s):
+            return None
+        waited = loop.time() - t0
+        return await self.generate(prompts, params), waited
+
     async def run(self) -> None:
         """Follow published weights and report the load until cancelled; raises what the
         engine's ``update_weights`` or the weight source raised."""

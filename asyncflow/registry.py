@@ -288,13 +288,16 @@ class Registry:
 
     async def admission_view(self) -> tuple[int, int, int]:
         """``(newest generator version, published version, changes so far)`` in one call: what
-        the feeder's admission control reads (pass the third to :meth:`wait_changed`)."""
+        the feeder's admission control reads (pass the third to :meth:`wait_changed`, which
+        returns the next view)."""
         return await self.newest_generator_version(), self._published, self._changes
 
-    async def wait_changed(self, seen: int, timeout_s: float) -> int:
+    async def wait_changed(self, seen: int, timeout_s: float) -> tuple[int, int, int]:
         """Wait until weights were published or adopted, or groups filtered, since the view
-        numbered ``seen`` (or ``timeout_s`` passes); returns the current number. Nothing is
-        missed between a view and the wait, even when they are two remote calls."""
+        numbered ``seen`` (or ``timeout_s`` passes); returns the current
+        :meth:`admission_view` (one call, not two, per change when the registry is in another
+        process). Nothing is missed between a view and the wait, even when they are two
+        remote calls."""
         deadline = time.monotonic() + timeout_s
         while self._changes == seen:
             left = deadline - time.monotonic()
@@ -302,7 +305,7 @@ class Registry:
                 break
             self._changed.clear()
             await wait_event(self._changed, left)
-        return self._changes
+        return await self.admission_view()
 
     async def watch(self, seq: int, timeout_s: float) -> tuple[int, dict[str, Snapshot]]:
         """Long poll: once the state differs from the one numbered ``seq`` (or ``timeout_s``

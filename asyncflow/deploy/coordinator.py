@@ -84,6 +84,15 @@ class Coordinator(Registry):
         except TimeoutError:
             return None
 
+    async def next_step(
+        self, timeout_s: float, syncs_after: int
+    ) -> tuple[bytes | None, list[Any], int]:
+        """:meth:`next_report` and :meth:`weight_syncs` after ``syncs_after`` in one call (what
+        the driver reads once per step)."""
+        report = await self.next_report(timeout_s)
+        syncs, count = await self.weight_syncs(syncs_after)
+        return report, syncs, count
+
     async def ping(self) -> bool:
         return True
 

@@ -171,6 +171,7 @@ class RayDeployment(Deployment):
         self.restarts: dict[str, int] = {}
         self.restart_times: list[tuple[str, float, float]] = []
         self._syncs_seen = 0  # weight syncs handed to the driver so far
+        self._syncs_ready: list[WeightSync] = []  # fetched with the reports, not yet handed out
         self._closed = False
 
     # -- start ------------------------------------------------------------------------------
@@ -512,8 +513,11 @@ class RayDeployment(Deployment):
                 raise RuntimeError(f"stage host {name!r} died: {e}") from cause
 
     async def next_report(self) -> StepReport:
+        """The next step's report; the weight syncs done by then come with it (one call to
+        the coordinator per step: :meth:`weight_syncs` hands them out)."""
         while True:
-            report = await self._registry.next_report(5.0)
+            report, syncs, self._syncs_seen = await self._registry.next_step(5.0, self._syncs_seen)
+            self._syncs_ready += syncs
             if report is not None:
                 return report
 
@@ -560,7 +564,9 @@ class RayDeployment(Deployment):
             raise remote_cause(e) from None
 
     async def weight_syncs(self) -> list[WeightSync]:
-        syncs, self._syncs_seen = await self._registry.weight_syncs(self._syncs_seen)
+        """The syncs fetched with the reports since the last call (a sync that lands after a
+        step's report goes in the next step's record)."""
+        syncs, self._syncs_ready = self._syncs_ready, []
         return syncs
 
     async def summary(self) -> dict[str, Any]:

@@ -316,6 +316,31 @@ class GeneratorActor(_Host):
         gens = await self.generate(unpack_prompts(flat, lengths), params)
         return pack_generations(gens)
 
+    async def generate_packed_after(
+        self,
+        flat: np.ndarray,
+        lengths: np.ndarray,
+        params: SamplingParams,
+        version: int,
+        timeout_s: float,
+    ) -> tuple[PackedGenerations, float] | None:
+        """:meth:`generate_packed` once this host's engine holds ``version``, and the seconds
+        waited (``GeneratorHost.generate_after``); None after ``timeout_s``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        try:
+            await within(self._registered.wait(), timeout_s)
+        except TimeoutError:
+            return None
+        assert self.host is not None
+        prompts = unpack_prompts(flat, lengths)
+        left = max(0.0, deadline - loop.time())
+        got = await self.host.generate_after(prompts, params, version, left)
+        if got is None:
+            return None
+        gens, waited = got
+        return pack_generations(gens), waited + timeout_s - left
+
     def close(self) -> None:
         if self.host is not None:
             close = getattr(self.host.weights, "close", None)
@@ -354,6 +379,7 @@ class RolloutActor(_Host):
             on_demand=self.registry.demand,
             ranker=self.ranker,
             tokenizer=tokenizer,
+            remote=True,
         )
         self._connect()
         assert self.client is not None

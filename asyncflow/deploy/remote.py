@@ -41,6 +41,7 @@ class RemoteRegistry:
 
     def __init__(self, handle: Any) -> None:
         self._h = handle
+        self._demanded = -1  # the newest version this proxy demanded
 
     async def register(self, name: str, version: int) -> int:
         return int(await self._h.register.remote(name, version))
@@ -104,11 +105,17 @@ class RemoteRegistry:
         return int(await self._h.filtered_count.remote())
 
     def demand(self, version: int) -> None:
-        """Fire and forget: routing code calls it as a plain callback."""
+        """Fire and forget: routing code calls it as a plain callback. A version this proxy
+        demanded already is not sent again (the registry's demand only ever rises, and its
+        loads and reports wake the update decision themselves)."""
+        if version <= self._demanded:
+            return
+        self._demanded = version
         self._h.demand.remote(version)
 
-    async def wait_changed(self, seen: int, timeout_s: float) -> int:
-        return int(await self._h.wait_changed.remote(seen, timeout_s))
+    async def wait_changed(self, seen: int, timeout_s: float) -> tuple[int, int, int]:
+        newest, published, changes = await self._h.wait_changed.remote(seen, timeout_s)
+        return int(newest), int(published), int(changes)
 
     async def watch(self, seq: int, timeout_s: float) -> tuple[int, dict[str, Snapshot]]:
         result: tuple[int, dict[str, Snapshot]] = await self._h.watch.remote(seq, timeout_s)
@@ -130,6 +137,15 @@ class RemoteRegistry:
             return None
         report: StepReport = pickle.loads(data)
         return report
+
+    async def next_step(
+        self, timeout_s: float, syncs_after: int
+    ) -> tuple[StepReport | None, list[WeightSync], int]:
+        """The next step report (None after ``timeout_s``) and the weight syncs after the
+        first ``syncs_after``, with their count: one call to the coordinator."""
+        data, syncs, count = await self._h.next_step.remote(timeout_s, syncs_after)
+        report: StepReport | None = None if data is None else pickle.loads(data)
+        return report, list(syncs), int(count)
 
     async def stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = await self._h.stats.remote()
@@ -244,14 +260,42 @@ class RemoteGenerator:
     async def generate(
         self, prompts: Sequence[torch.Tensor], params: SamplingParams
     ) -> list[Generation]:
+        flat, lengths = pack_prompts(prompts)  # (a few arrays, not a tensor per sample)
+        packed = await self._call(len(prompts), self._h.generate_packed, flat, lengths, params)
+        return unpack_generations(packed)
+
+    async def generate_after(
+        self,
+        prompts: Sequence[torch.Tensor],
+        params: SamplingParams,
+        version: int,
+        timeout_s: float,
+    ) -> tuple[list[Generation], float] | None:
+        """:meth:`generate` once the instance holds ``version`` (waited for on the host, at
+        most ``timeout_s``): the generations and the seconds waited, or None when it did not
+        load it in time (``adapters.rollout.AheadInstance``)."""
+        flat, lengths = pack_prompts(prompts)
+        incarnation = self._view.incarnation(self.name)
+        got = await self._call(
+            len(prompts), self._h.generate_packed_after, flat, lengths, params, version, timeout_s
+        )
+        if got is None:
+            self._sent -= len(prompts)  # (the host never counted them as received)
+            return None
+        packed, waited = got
+        if incarnation >= 0 and (incarnation, version) > self._held:
+            self._held = (incarnation, version)  # (routable before the coordinator hears)
+        return unpack_generations(packed), float(waited)
+
+    async def _call(self, samples: int, method: Any, *args: Any) -> Any:
+        """One actor call carrying ``samples`` prompts: counted as in flight while it runs;
+        the host's death raises :class:`InstanceLostError`, its error raises as is."""
         import ray
 
-        flat, lengths = pack_prompts(prompts)  # (a few arrays, not a tensor per sample)
-        self._outstanding += len(prompts)
-        self._sent += len(prompts)
+        self._outstanding += samples
+        self._sent += samples
         try:
-            packed = await self._h.generate_packed.remote(flat, lengths, params)
-            return unpack_generations(packed)
+            return await method.remote(*args)
         except ray.exceptions.RayTaskError as e:
             raise remote_cause(e) from None  # the engine's own error, as if it ran here
         except ray.exceptions.RayActorError as e:
@@ -259,7 +303,7 @@ class RemoteGenerator:
             self._view.lost(self.name)  # not routable until it registers again
             raise InstanceLostError(f"generation instance {self.name!r} died: {e}") from e
         finally:
-            self._outstanding -= len(prompts)
+            self._outstanding -= samples
 
 
 def remote_cause(error: Any) -> BaseException:

@@ -32,7 +32,7 @@ class _Waits(Registry):
 
     waits = 0
 
-    async def wait_changed(self, seen: int, timeout_s: float) -> int:
+    async def wait_changed(self, seen: int, timeout_s: float) -> tuple[int, int, int]:
         self.waits += 1
         return await super().wait_changed(seen, timeout_s)
 

@@ -306,7 +306,7 @@ def test_a_batch_waiting_for_weights_is_woken_by_their_load_not_a_poll() -> None
             t0 = loop.time()
             registry.decide.put_nowait(1)
             assert await within(waiter, BOUND_S) is True
-            assert await within(eligible, BOUND_S) == [0]
+            assert await within(eligible, BOUND_S) == ([0], False)
             assert loop.time() - t0 < BOUND_S / 10 and engine.updated == [1]
             assert await within(host.wait_version(1, BOUND_S), 0.5) is True
         finally:
@@ -374,7 +374,7 @@ def test_a_remote_batch_waiting_for_weights_is_routed_when_the_host_loads_them()
             assert not eligible.done() and proxy.version == 0
             sender.publish({"w": torch.ones(2)}, 1)  # type: ignore[attr-defined]
             registry.decide.put_nowait(1)
-            assert await within(eligible, BOUND_S) == [0]
+            assert await within(eligible, BOUND_S) == ([0], False)
             assert proxy.version == 1 and view.version("g0") == 0  # the host said so first
             coordinator.incarnation = 2  # restarted: its own version (0) again
             await view.refresh()
@@ -383,6 +383,67 @@ def test_a_remote_batch_waiting_for_weights_is_routed_when_the_host_loads_them()
             t0 = loop.time()
             assert await proxy.wait_version(1, BOUND_S) is False
             assert remote.LOST_WAIT_S <= loop.time() - t0 < BOUND_S / 10
+        finally:
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+
+    asyncio.run(go())
+
+
+class _Versioned(_Engine):
+    """A generator whose every sample is of the weights it holds when it generates."""
+
+    async def generate(
+        self, prompts: Sequence[torch.Tensor], params: SamplingParams
+    ) -> list[Generation]:
+        n = params.max_new_tokens
+        return [
+            Generation(torch.ones(n, dtype=torch.long), torch.zeros(n), "length", self.version)
+            for _ in prompts
+        ]
+
+
+def test_a_batch_given_ahead_of_its_weights_starts_as_they_land_and_never_with_older() -> None:
+    """``dispatch_ahead`` (``deploy=ray`` under ``weight_sync=eager``): the rollout hands a
+    batch that needs version 1 to the generator actor while it still holds 0, through the real
+    proxy and actor method; the host holds the call, counted neither as received nor as load
+    (the weight-update policy sees an idle engine) and generates it the moment version 1 is
+    loaded, every sample of version 1. A version that does not land within the bound comes
+    back as nothing generated, and the proxy's count of what it sent stays true."""
+    from asyncflow.deploy import remote
+    from asyncflow.deploy.ray_hosts import GeneratorActor
+
+    async def go() -> None:
+        engine, registry = _Versioned(), _Elsewhere()
+        host, sender = _host(engine, registry)
+        await host.start()
+        runner = asyncio.ensure_future(host.run())
+        actor = GeneratorActor.__new__(GeneratorActor)  # (its engine built: the host above)
+        actor.host, actor._registered = host, asyncio.Event()
+        actor._registered.set()
+        handle = _HostHandle(host)
+        handle.generate_packed_after = _HostHandle._Method(  # type: ignore[attr-defined]
+            handle, actor.generate_packed_after
+        )
+        coordinator = _Coordinator()
+        view = remote.GeneratorView(coordinator)  # type: ignore[arg-type]
+        await view.refresh()
+        proxy = remote.RemoteGenerator("g0", handle, view)
+        try:
+            assert await proxy.generate_after(PROMPTS, PARAMS, 1, 0.05) is None
+            assert proxy._sent == 0 and host._received == 0
+            rollout = RolloutAdapter(proxy, PARAMS, dispatch_ahead=True)
+            assert await within(rollout._eligible(1, ahead=True), BOUND_S) == ([0], True)
+            call = asyncio.ensure_future(rollout._generate_after(0, PROMPTS, PARAMS, 1))
+            await asyncio.sleep(0.05)
+            assert not call.done()
+            assert host._received == 0 and host._remote_load()[1] == 0  # idle to the policy
+            sender.publish({"w": torch.ones(2)}, 1)  # type: ignore[attr-defined]
+            registry.decide.put_nowait(1)
+            gens, waited = await within(call, BOUND_S)
+            assert [g.version for g in gens] == [1, 1] and waited >= 0.04
+            assert host._received == len(PROMPTS) == proxy._sent
+            assert proxy.version == 1 and view.version("g0") == 0  # the host said so first
         finally:
             runner.cancel()
             await asyncio.gather(runner, return_exceptions=True)

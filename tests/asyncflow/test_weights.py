@@ -149,7 +149,7 @@ def test_publish_wakes_a_waiting_feeder_at_once() -> None:
     """The feeder waits on ``wait_changed`` while it may not admit; new weights must wake it
     (it then demands them) rather than leave it asleep until its timeout."""
 
-    async def go() -> tuple[int, float]:
+    async def go() -> tuple[tuple[int, int, int], float]:
         reg = Registry(0, policy="on_demand")
         _, _, seen = await reg.admission_view()
         waiter = asyncio.ensure_future(reg.wait_changed(seen, timeout_s=60.0))
@@ -157,21 +157,22 @@ def test_publish_wakes_a_waiting_feeder_at_once() -> None:
         await reg.publish(1)
         return await waiter, asyncio.get_running_loop().time()
 
-    # on virtual time: it returned at once (loop time 0), not at its 60 s timeout
-    assert run_virtual(go()) == (1, 0.0)
+    # on virtual time: it returned the new view (version 1 published, change 1) at once (loop
+    # time 0), not at its 60 s timeout
+    assert run_virtual(go()) == ((1, 1, 1), 0.0)
 
 
 def test_a_change_between_view_and_wait_is_not_missed() -> None:
     """With the registry in another process, the feeder's view and its wait are two calls;
     a publish in between must end the wait at once."""
 
-    async def go() -> tuple[int, float]:
+    async def go() -> tuple[tuple[int, int, int], float]:
         reg = Registry(0)
         _, _, seen = await reg.admission_view()
         await reg.publish(1)  # lands before the wait begins
         return await reg.wait_changed(seen, timeout_s=60.0), asyncio.get_running_loop().time()
 
-    assert run_virtual(go()) == (1, 0.0)  # at once, on virtual time
+    assert run_virtual(go()) == ((1, 1, 1), 0.0)  # at once, on virtual time
 
 
 def test_a_restarted_generator_registers_with_its_own_weights_and_counts_a_restart() -> None:
