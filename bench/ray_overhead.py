@@ -109,6 +109,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
+        if args.out is None:  # (a child started by hand: its run's files in a temporary folder)
+            with tempfile.TemporaryDirectory(prefix="ray-overhead-") as out:
+                _child(args.child, args.steps, Path(out))
+            return
         _child(args.child, args.steps, args.out)
         return
     if args.steps <= args.skip:
