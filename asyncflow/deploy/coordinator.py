@@ -77,19 +77,16 @@ class Coordinator(Registry):
         start)."""
         return {**await super().stats(), "train_position": self._position}
 
-    async def next_report(self, timeout_s: float) -> bytes | None:
-        """The next finished step's pickled report, or None after ``timeout_s``."""
-        try:
-            return await within(self._reports.get(), timeout_s)
-        except TimeoutError:
-            return None
-
-    async def next_step(
+    async def next_report(
         self, timeout_s: float, syncs_after: int
     ) -> tuple[bytes | None, list[Any], int]:
-        """:meth:`next_report` and :meth:`weight_syncs` after ``syncs_after`` in one call (what
-        the driver reads once per step)."""
-        report = await self.next_report(timeout_s)
+        """The next finished step's pickled report (None after ``timeout_s``), with
+        :meth:`weight_syncs` after ``syncs_after``: what the driver reads once per step, in
+        one call."""
+        try:
+            report: bytes | None = await within(self._reports.get(), timeout_s)
+        except TimeoutError:
+            report = None
         syncs, count = await self.weight_syncs(syncs_after)
         return report, syncs, count
 

@@ -131,19 +131,12 @@ class RemoteRegistry:
         step, group = (await self.stats())["train_position"]
         return int(step), None if group is None else int(group)
 
-    async def next_report(self, timeout_s: float) -> StepReport | None:
-        data: bytes | None = await self._h.next_report.remote(timeout_s)
-        if data is None:
-            return None
-        report: StepReport = pickle.loads(data)
-        return report
-
     async def next_step(
         self, timeout_s: float, syncs_after: int
     ) -> tuple[StepReport | None, list[WeightSync], int]:
         """The next step report (None after ``timeout_s``) and the weight syncs after the
         first ``syncs_after``, with their count: one call to the coordinator."""
-        data, syncs, count = await self._h.next_step.remote(timeout_s, syncs_after)
+        data, syncs, count = await self._h.next_report.remote(timeout_s, syncs_after)
         report: StepReport | None = None if data is None else pickle.loads(data)
         return report, list(syncs), int(count)
 
