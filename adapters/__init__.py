@@ -8,9 +8,13 @@
 | ReferenceAdapter  | reference | prompt_ids, response_ids        | ref_logprobs                |
 | TrainAdapter      | train     | prompt_ids, response_ids,       | optimizer steps (acks)      |
 |                   |           | behaviour_logprobs, reward      |                             |
+
+``FusedAdapter`` runs two adjacent stages as one (the rollout and a cheap reward:
+``reward.colocate``).
 """
 
 from adapters.base import Adapter, StageOutput
+from adapters.fused import FusedAdapter
 from adapters.ranker import LengthRanker
 from adapters.reference import ReferenceAdapter
 from adapters.reward import RewardAdapter
@@ -26,6 +30,7 @@ from adapters.train import StepReport, TrainAdapter, group_advantages, make_trai
 
 __all__ = [
     "Adapter",
+    "FusedAdapter",
     "GenerationInstance",
     "InstanceLostError",
     "LeastLoadedRouter",

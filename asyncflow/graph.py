@@ -28,6 +28,7 @@ from typing import Any
 
 from adapters import (
     Adapter,
+    FusedAdapter,
     LengthAwareRouter,
     LengthRanker,
     ReferenceAdapter,
@@ -50,6 +51,7 @@ __all__ = [
     "EVAL_PARTITION",
     "PARTITION",
     "adapter_classes",
+    "colocated",
     "episode_options",
     "eval_reward_runner",
     "eval_rollout_adapter",
@@ -86,8 +88,10 @@ def adapter_classes(overrides: dict[str, type[Adapter]] | None) -> dict[str, typ
 
 
 def tasks(cfg: RunConfig) -> list[str]:
-    """TransferQueue consumer tasks of the graph (rows are freed once all have acked)."""
-    return ["rollout", "reward", *(["reference"] if cfg.reference.enabled else []), "train"]
+    """TransferQueue consumer tasks of the graph (rows are freed once all have acked); with
+    ``reward.colocate`` the rollout stage writes the rewards, and no ``reward`` task reads."""
+    reward = [] if cfg.reward.colocate else ["reward"]
+    return ["rollout", *reward, *(["reference"] if cfg.reference.enabled else []), "train"]
 
 
 def eval_tasks(cfg: RunConfig) -> list[str]:
@@ -210,6 +214,20 @@ def reward_adapter(
     return cls(  # type: ignore[call-arg]
         reward_fn, tokenizer, columns=columns, batch_size=min(cfg.reward.batch_size, step_rows(cfg))
     )
+
+
+def colocated(
+    rollout: Adapter,
+    cfg: RunConfig,
+    reward_cls: type[Adapter],
+    reward_fn: RewardFn,
+    tokenizer: Any,
+) -> Adapter:
+    """What the rollout stage runs: with ``reward.colocate``, the rollout then the reward on
+    each batch (:class:`~adapters.FusedAdapter`); else the rollout alone."""
+    if not cfg.reward.colocate:
+        return rollout
+    return FusedAdapter(rollout, reward_adapter(reward_cls, reward_fn, tokenizer, cfg))
 
 
 def reference_adapter(cls: type[Adapter], engine: ScoringEngine, cfg: RunConfig) -> Adapter:

@@ -125,7 +125,7 @@ class Registry:
         self._live: dict[str, LiveSource] = {}
         self._wake: dict[str, asyncio.Event] = {}
         self._changed = asyncio.Event()
-        self._changes = 0  # weights published or adopted, groups filtered (the feeder waits)
+        self._changes = 0  # weights published, groups filtered (what the feeder waits for)
         self._filtered = 0  # groups the train stage filtered (dynamic sampling)
         self._filtered_ids: set[int] = set()  # (a replaced trainer rank 0 tells them again)
         self._watch = asyncio.Condition()
@@ -224,8 +224,8 @@ class Registry:
         now = time.perf_counter()
         for v in [v for v in self._published_at if v <= version]:
             self.adoption_s.append(now - self._published_at.pop(v))
-        self._changes += 1
-        self._changed.set()
+        # (no admission change: the feeder admits from the published version; the generator
+        # version in its view only decides whether it demands, and a demand is idempotent)
         self._poke()
         await self._notify()
 
@@ -293,7 +293,7 @@ class Registry:
         return await self.newest_generator_version(), self._published, self._changes
 
     async def wait_changed(self, seen: int, timeout_s: float) -> tuple[int, int, int]:
-        """Wait until weights were published or adopted, or groups filtered, since the view
+        """Wait until weights were published, or groups filtered, since the view
         numbered ``seen`` (or ``timeout_s`` passes); returns the current
         :meth:`admission_view` (one call, not two, per change when the registry is in another
         process). Nothing is missed between a view and the wait, even when they are two

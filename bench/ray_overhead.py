@@ -3,6 +3,7 @@ before the first step, measured in one run.
 
     python -m bench.ray_overhead                 # 40 steps per deployment, 2 rounds
     python -m bench.ray_overhead --steps 20 --rounds 1   # quicker
+    python -m bench.ray_overhead --set reward.colocate=true   # both runs with an override
 
 Each run is ``examples/grpo_arithmetic.py``'s default config (the tiny Llama, real HF engines,
 TransferQueue) with ``train.max_staleness=0``, so every step waits for the one before: a step's
@@ -42,8 +43,9 @@ GOAL_FIRST_STEP_S = 15.0  # time to first step under deploy=ray (2-core machine)
 _RUN_TIMEOUT_S = 1800.0
 
 
-def _child(mode: str, steps: int, out: Path) -> None:
-    """One run (in this fresh process): the demo's config, synchronous, ``steps`` steps."""
+def _child(mode: str, steps: int, out: Path, extra: list[str]) -> None:
+    """One run (in this fresh process): the demo's config, synchronous, ``steps`` steps, and
+    the overrides ``extra``."""
     from asyncflow import load_config, run
 
     logging.basicConfig(level=logging.WARNING)  # as the command line does
@@ -55,6 +57,7 @@ def _child(mode: str, steps: int, out: Path) -> None:
         f"output.dir={out}",
         "output.plot=false",
         "output.loggers=[jsonl]",
+        *extra,
     ]
     result = run(load_config(None, overrides))
     origin = result.timeline.origin
@@ -69,13 +72,14 @@ def _child(mode: str, steps: int, out: Path) -> None:
     print("RESULT " + json.dumps(summary), flush=True)
 
 
-def _run(mode: str, steps: int) -> dict[str, Any]:
+def _run(mode: str, steps: int, extra: list[str]) -> dict[str, Any]:
     """A run in a fresh process; its summary with ``first_step_s`` (from the spawn)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     with tempfile.TemporaryDirectory(prefix="ray-overhead-") as out:
         cmd = [sys.executable, "-m", "bench.ray_overhead", "--child", mode, "--steps", str(steps)]
+        cmd += [f"--set={x}" for x in extra]
         started = time.time()
         proc = subprocess.run(
             [*cmd, "--out", out],
@@ -107,20 +111,27 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=5, help="first steps left out of the median")
     ap.add_argument("--child", choices=["local", "ray"], help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for both deployments' runs (repeatable)",
+    )
     args = ap.parse_args()
     if args.child:
         if args.out is None:  # (a child started by hand: its run's files in a temporary folder)
             with tempfile.TemporaryDirectory(prefix="ray-overhead-") as out:
-                _child(args.child, args.steps, Path(out))
+                _child(args.child, args.steps, Path(out), args.set)
             return
-        _child(args.child, args.steps, args.out)
+        _child(args.child, args.steps, args.out, args.set)
         return
     if args.steps <= args.skip:
         ap.error(f"--steps {args.steps} must exceed --skip {args.skip}")
     runs: dict[str, list[dict[str, Any]]] = {"local": [], "ray": []}
     for r in range(args.rounds):
         for mode in ("local", "ray") if r % 2 == 0 else ("ray", "local"):
-            got = _run(mode, args.steps)
+            got = _run(mode, args.steps, args.set)
             runs[mode].append(got)
             print(
                 f"round {r + 1} {mode}: first step after {got['first_step_s']:.1f} s, median "
@@ -139,7 +150,12 @@ def main() -> None:
         "ray_overhead",
         {
             "command": "python -m bench.ray_overhead " + " ".join(sys.argv[1:]),
-            "settings": {"steps": args.steps, "rounds": args.rounds, "skip": args.skip},
+            "settings": {
+                "steps": args.steps,
+                "rounds": args.rounds,
+                "skip": args.skip,
+                "overrides": args.set,
+            },
             "step_ms": {"local": local_ms, "ray": ray_ms, "overhead": ray_ms - local_ms},
             "first_step_s": first,
             "goals": {"overhead_ms": GOAL_OVERHEAD_MS, "first_step_s": GOAL_FIRST_STEP_S},

@@ -341,8 +341,20 @@ class RewardConfig:
     one reward stage, each calling the reward function in its own thread)."""
     placement: PlacementConfig = field(default_factory=lambda: PlacementConfig(num_cpus=0.5))
     """Resources of each reward worker's actor."""
+    colocate: bool = False
+    """Score each batch in the rollout stage, the moment it is generated, and put it once with
+    its rewards (``adapters.FusedAdapter``): no reward stage, worker or actor, one
+    TransferQueue hand-off less per batch. For a reward that is cheap next to generation (the
+    rule-based functions); ``false`` (a stage of its own) for a slow or model-based one, or
+    several reward workers. The columns the train stage reads are the same."""
 
     def __post_init__(self) -> None:
+        if self.colocate and self.instances != 1:
+            raise ValueError(
+                f"reward.colocate scores in the rollout stage, which has no reward workers: "
+                f"reward.instances={self.instances} needs reward.colocate=false (or set "
+                "reward.instances=1)"
+            )
         if self.instances < 1 or self.batch_size < 1:
             raise ValueError(
                 f"reward.instances and reward.batch_size must be >= 1, got {self.instances}, "

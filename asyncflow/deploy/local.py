@@ -145,26 +145,28 @@ class LocalDeployment(Deployment):
         )
         self._rollout = rollout
         tl, client = self.timeline, self.client
+        reward_cls = self._adapters["reward"]
         self._runners = [
             graph.runner(
                 "rollout",
-                rollout,
+                graph.colocated(rollout, cfg, reward_cls, comps.reward_fn, comps.tokenizer),
                 client,
                 tl,
                 cfg,
                 concurrency=cfg.rollout.concurrency * len(self._hosts),
             ),
-            graph.runner(
-                "reward",
-                graph.reward_adapter(
-                    self._adapters["reward"], comps.reward_fn, comps.tokenizer, cfg
-                ),
-                client,
-                tl,
-                cfg,
-                concurrency=cfg.reward.instances,
-            ),
         ]
+        if not cfg.reward.colocate:
+            self._runners.append(
+                graph.runner(
+                    "reward",
+                    graph.reward_adapter(reward_cls, comps.reward_fn, comps.tokenizer, cfg),
+                    client,
+                    tl,
+                    cfg,
+                    concurrency=cfg.reward.instances,
+                )
+            )
         if comps.reference is not None:
             ref = graph.reference_adapter(self._adapters["reference"], comps.reference, cfg)
             self._runners.append(graph.runner("reference", ref, client, tl, cfg))

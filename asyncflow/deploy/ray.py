@@ -326,7 +326,9 @@ class RayDeployment(Deployment):
         )
         self._actors.append(self._rollout)
         worker_cls: Any = ray.remote(WorkerActor)
-        roles = [("reward", cfg.reward.placement, cfg.reward.instances)]
+        roles = []
+        if not cfg.reward.colocate:  # (else the rollout host scores)
+            roles.append(("reward", cfg.reward.placement, cfg.reward.instances))
         if cfg.reference.enabled:
             roles.append(("reference", cfg.reference.placement, cfg.reference.instances))
         for role, placement, n in roles:

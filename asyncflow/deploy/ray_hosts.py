@@ -369,9 +369,15 @@ class RolloutActor(_Host):
         self.view = GeneratorView(self.registry)
         self.instances = [RemoteGenerator(n, actor(h), self.view) for n, h in generators]
         self.ranker = LengthRanker() if cfg.rollout.ranker else None
-        # the policy's tokenizer writes the observations of multi-turn episodes
-        tokenizer = factories.tokenizer(model) if cfg.episodic() else None
-        cls = graph.adapter_classes(adapters)["rollout"]
+        # the policy's tokenizer writes the observations of multi-turn episodes (and decodes
+        # the responses a colocated reward scores)
+        colocate = cfg.reward.colocate
+        tokenizer = None
+        if cfg.episodic() or colocate:
+            with fewer_collections():  # (transformers' imports)
+                tokenizer = factories.tokenizer(model)
+        classes = graph.adapter_classes(adapters)
+        cls = classes["rollout"]
         self.adapter = graph.rollout_adapter(
             cls,
             self.instances,
@@ -381,18 +387,31 @@ class RolloutActor(_Host):
             tokenizer=tokenizer,
             remote=True,
         )
+        stage: Adapter = self.adapter
+        reward_fn = None
+        if colocate:  # this host scores each batch (there is no reward worker)
+            reward_fn = factories.reward(cfg)
+            if not callable(reward_fn):
+                raise TypeError(f"the reward function {reward_fn!r} is not callable")
+            stage = graph.colocated(self.adapter, cfg, classes["reward"], reward_fn, tokenizer)
         self._connect()
         assert self.client is not None
         self.runners = [
             graph.runner(
                 "rollout",
-                self.adapter,
+                stage,
                 self.client,
                 self.timeline,
                 cfg,
                 concurrency=cfg.rollout.concurrency * len(self.instances),
             )
         ]
+        if reward_fn is not None and cfg.eval.every_steps:  # (the reward worker's, else)
+            self.runners.append(
+                graph.eval_reward_runner(
+                    classes["reward"], reward_fn, tokenizer, self.client, self.timeline, cfg
+                )
+            )
         if cfg.eval.every_steps:
             self.runners.append(
                 graph.eval_rollout_runner(

@@ -59,7 +59,8 @@ _IMPORT_BOUND_S = 600.0  # the importing thread (a hang is a bug: its join has a
 def cpus_asked(cfg: RunConfig) -> float:
     """CPU slots the config's actors ask for."""
     total = cfg.rollout.instances * cfg.rollout.placement.num_cpus
-    total += cfg.reward.instances * cfg.reward.placement.num_cpus
+    if not cfg.reward.colocate:
+        total += cfg.reward.instances * cfg.reward.placement.num_cpus
     total += cfg.train.dp_size * cfg.train.placement.num_cpus
     if cfg.reference.enabled:
         total += cfg.reference.instances * cfg.reference.placement.num_cpus

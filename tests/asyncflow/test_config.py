@@ -38,6 +38,8 @@ def test_type_and_range_errors_name_the_field() -> None:
         load_config(overrides=["rollout.weight_sync=lazy"])
     with pytest.raises(ValueError, match=r"kl_coef > 0 needs reference\.enabled"):
         load_config(overrides=["reference.kl_coef=0.1"])
+    with pytest.raises(ValueError, match=r"reward\.instances=2 needs reward\.colocate=false"):
+        load_config(overrides=["reward.colocate=true", "reward.instances=2"])
 
 
 def test_cli_prints_resolved_config() -> None:

@@ -240,3 +240,39 @@ def test_failing_weight_update_names_the_generator_instead_of_hanging(
         EngineFactories(generator=functools.partial(wrapped_generator, BadWeights)),
         r"stage 'rollout/instance\d.*' failed: .*weights do not fit the model",
     )
+
+
+@pytest.mark.parametrize(("deploy", "k"), deploys_by_k(ray_ks=(0,), ks=(0,)), indirect=["deploy"])
+def test_a_colocated_reward_scores_in_the_rollout_and_every_group_is_trained_once(
+    out_dir: Path, deploy: list[str], k: int
+) -> None:
+    """``reward.colocate``: no reward stage, worker or actor; the rollout stage puts each batch
+    once with its rewards, and the train stage sees the same thing: every group once, whole,
+    on-policy, with rewards the run learns from. The held-out evaluation still scores its rows
+    (under Ray in the rollout's host, as there is no reward worker)."""
+    cfg = small_config(
+        out_dir,
+        f"train.max_staleness={k}",
+        "train.steps=4",
+        "eval.every_steps=2",
+        *deploy,
+        "reward.instances=1",
+        "reward.colocate=true",
+    )
+    result = run(cfg)
+    b = cfg.train.groups_per_step
+    trained = [g for rep in result.reports for g in rep.groups]
+    assert trained == list(range(4 * b))  # nothing dropped, nothing twice
+    for rep in result.reports:
+        assert rep.samples == b * cfg.rollout.group_size and set(rep.sample_versions) == {rep.step}
+    lines = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == list(range(4))
+    assert all(0.0 <= x["reward"] <= 1.0 for x in lines)
+    stages = [x["stage_metrics"] for x in lines if x["stage_metrics"]]
+    assert stages and all("reward" not in s for s in stages)  # no reward stage ran
+    scored = [s["rollout"]["reward_mean"] for s in stages if "rollout" in s]
+    assert scored and all(0.0 <= r <= 1.0 for r in scored)  # the rollout's own scoring
+    lanes = set(result.timeline.intervals)
+    assert not any(lane == "reward" or lane.startswith("reward/") for lane in lanes), lanes
+    assert [x["step"] for x in lines if "eval" in x] == [1, 3]
+    assert all(0.0 <= x["eval"]["reward"] <= 1.0 for x in lines if "eval" in x)
