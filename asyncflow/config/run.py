@@ -154,8 +154,7 @@ class TQConfig:
     reference machine a second one made a synchronous ``deploy=ray`` step 5 ms slower and its
     start 1.5 s longer for the demo's kilobytes per batch. More spread large batches' memory
     traffic and storage over processes and nodes (``bench.peer``, dense puts and gets of 302
-    MB through the peer's API: 4.25 GB/s with 1 unit, 4.90 with 4); ``replicas`` needs at
-    least as many."""
+    MB through the peer's API: 4.25 GB/s with 1 unit, 4.90 with 4)."""
     placement: PlacementConfig = field(default_factory=lambda: PlacementConfig(num_cpus=0))
     """``mode=ray``: resources of each server actor (controller and units; I/O bound, so no
     CPU slot by default), e.g. ``{resources: {tq_node: 0.01}}`` to keep them on given nodes."""
