@@ -148,8 +148,13 @@ class TQConfig:
     only: mode ``connect`` uses its client key, mode ``ray`` starts the servers with it.
     With ``mode=ray`` on a cluster of several nodes and no directory, the run makes keys of
     its own in memory (the servers then listen beyond loopback, CURVE only)."""
-    num_units: int = 2
-    """Storage units to start (modes ``embedded``, ``service`` and ``ray``)."""
+    num_units: int = 1
+    """Storage units to start (modes ``embedded``, ``service`` and ``ray``). One by default:
+    each unit of modes ``service`` and ``ray`` is a process of its own, and on the 2-core
+    reference machine a second one made a synchronous ``deploy=ray`` step 5 ms slower and its
+    start 1.5 s longer for the demo's kilobytes per batch. More spread large batches' memory
+    traffic and storage over processes and nodes (``bench.peer``, dense puts and gets of 302
+    MB through the peer's API: 4.25 GB/s with 1 unit, 4.90 with 4)."""
     placement: PlacementConfig = field(default_factory=lambda: PlacementConfig(num_cpus=0))
     """``mode=ray``: resources of each server actor (controller and units; I/O bound, so no
     CPU slot by default), e.g. ``{resources: {tq_node: 0.01}}`` to keep them on given nodes."""

@@ -70,6 +70,7 @@ def main() -> None:
                 Path(out),
                 "deploy.mode=ray",
                 "transferqueue.placement.resources={node_a: 0.01}",
+                "transferqueue.num_units=2",
                 "rollout.instances=2",
                 "rollout.placement.resources={node_b: 1}",
                 "reward.instances=2",
