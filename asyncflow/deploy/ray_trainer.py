@@ -391,8 +391,7 @@ class TrainerActor(_Host):
             if self._sharding is not None:  # every rank gathers each bucket
                 await sharded.publish(self._sharding, self._sender, self._ranks, report.version)
             else:
-                state = await asyncio.to_thread(self.engine.state_dict)
-                await asyncio.to_thread(self._sender.publish, state, report.version)
+                await asyncio.to_thread(_publish, self.engine, self._sender, report.version)
         except ReceiverFailedError as e:
             # the version reached every other receiver; the failed ones were dropped, and a
             # restarted generator rejoins and gets the newest version by itself
@@ -422,3 +421,9 @@ class TrainerActor(_Host):
             with contextlib.suppress(Exception):
                 self._sender.close()
         super().close()
+
+
+def _publish(engine: Any, sender: Any, version: int) -> None:
+    """The trainer's weights of ``version`` through the weight transport (one worker-thread
+    hop for the state and the send)."""
+    sender.publish(engine.state_dict(), version)

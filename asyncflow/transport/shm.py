@@ -286,6 +286,10 @@ class ShmReceiver:
     """Maps each ticket's file as it arrives (so a superseded name may be unlinked at once)
     and keeps the mapped views on its shelf."""
 
+    lookup_only = True
+    """``get`` of a version :meth:`newest` has is a lookup of views mapped when its ticket
+    came (no copy, no wait): the follower calls it on its event loop, not a worker thread."""
+
     def __init__(self, config: ShmTransport, member: str) -> None:
         self.member = member
         self._shelf = VersionShelf(member)
