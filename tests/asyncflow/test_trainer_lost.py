@@ -75,9 +75,9 @@ def test_the_coordinator_keeps_where_rank_0_goes_on_and_takes_each_step_once() -
         await coord.step_done(pickle.dumps("step 3 again"), 3, 16)  # a replaced rank 0
         await coord.step_done(pickle.dumps("step 4"), 4, 20)
         assert (await coord.stats())["train_position"] == (5, 20)
-        got = [pickle.loads(r) for r in [await coord.next_report(1.0) for _ in range(2)] if r]
-        assert got == ["step 3", "step 4"]
-        assert await coord.next_report(0.05) is None
+        reports = [(await coord.next_report(1.0, 0))[0] for _ in range(2)]
+        assert [pickle.loads(r) for r in reports if r] == ["step 3", "step 4"]
+        assert (await coord.next_report(0.05, 0))[0] is None
         await coord.publish(4)
         await coord.publish(4)  # the step taken over, published again: taken once
         with pytest.raises(ValueError, match="not newer"):
