@@ -282,7 +282,12 @@ class GeneratorActor(_Host):
         """Register (a restarted incarnation counts as a restart), then follow weights."""
         if self.host is None:
             receiver: WeightSource = weights.receiver(f"{self.name}:{os.getpid()}")
-            self.host = GeneratorHost(self.name, self.engine, self.registry, receiver)
+            # eager: every generator loads each version at once, so it loads as its weights
+            # arrive, not when the coordinator (told by the trainer after that) says so
+            eager = self.cfg.rollout.weight_sync == "eager"
+            self.host = GeneratorHost(
+                self.name, self.engine, self.registry, receiver, follow_source=eager
+            )
             if self._initial_version:  # ``model`` is a checkpoint's policy of that version
                 await adopt_version(self.engine, self._model, self._initial_version)
         await self.host.start()
