@@ -144,6 +144,7 @@ class GeneratorHost:
         *,
         report_s: float = 0.1,
         poll_s: float = 5.0,
+        follow_source: bool = False,
     ) -> None:
         check_engine(engine, GenerationEngine, "rollout")
         self.name = name
@@ -152,6 +153,12 @@ class GeneratorHost:
         self.weights = weights
         self.report_s = report_s
         self.poll_s = poll_s
+        self.follow_source = follow_source and getattr(weights, "watch", None) is not None
+        """Load each version as soon as the weight source has it, instead of when the
+        registry says: the ``eager`` policy's decision (every generator updates at once),
+        taken here without the round trip through the registry (in another process under
+        Ray, told by the trainer after its transport delivered). The registry hears of the
+        update as before. Needs a source with ``watch`` (the transports' receivers)."""
         self._calls = 0  # samples of generate calls in flight (engines without in_flight)
         self._dirty = asyncio.Event()
         self._loaded = asyncio.Event()  # set (and replaced) at every weight update
@@ -234,7 +241,7 @@ class GeneratorHost:
         engine's ``update_weights`` or the weight source raised."""
         try:
             async with asyncio.TaskGroup() as tg:
-                tg.create_task(self._follow())
+                tg.create_task(self._follow_weights() if self.follow_source else self._follow())
                 if getattr(self.registry, "set_live", None) is None:
                     tg.create_task(self._report())
         except ExceptionGroup as eg:  # one part failed (cancellation propagates as is)
@@ -299,44 +306,71 @@ class GeneratorHost:
         return self._reported[1] == 0 and self._remote_load()[1] > 0
 
     async def _follow(self) -> None:
+        """Load what the registry's policy decides, when it decides."""
         while True:
             target = await self.registry.wait_update(self.name, self.poll_s)
-            if target is None:
-                continue
-            t0 = time.perf_counter()
+            if target is not None:
+                await self._take(target, decided=True)
+
+    async def _follow_weights(self) -> None:
+        """``follow_source``: load each version as its weights arrive."""
+        loop = asyncio.get_running_loop()
+        arrived = asyncio.Event()
+
+        def wake() -> None:  # (on the receiver's thread)
+            with contextlib.suppress(RuntimeError):  # (the loop closed)
+                loop.call_soon_threadsafe(arrived.set)
+
+        stop = self.weights.watch(wake)  # type: ignore[attr-defined]
+        try:
+            while True:
+                arrived.clear()
+                newest = self.weights.newest()
+                if newest > self.version:
+                    await self._take(newest, decided=False)
+                else:  # (the poll: a bound, never the way news arrives)
+                    await wait_event(arrived, self.poll_s)
+        finally:
+            stop()
+
+    async def _take(self, target: int, *, decided: bool) -> None:
+        """Fetch and load ``target`` (or a newer version), then tell the registry. ``decided``:
+        the registry chose this update from a report, which the engine may have outdated
+        (busy again): then it is handed back."""
+        t0 = time.perf_counter()
+        try:
+            if getattr(self.weights, "lookup_only", False) and self.weights.newest() >= target:
+                version, state = self._fetch(target)  # a lookup: no thread hop
+            else:
+                version, state = await asyncio.to_thread(self._fetch, target)
             try:
-                if getattr(self.weights, "lookup_only", False) and self.weights.newest() >= target:
-                    version, state = self._fetch(target)  # a lookup: no thread hop
-                else:
-                    version, state = await asyncio.to_thread(self._fetch, target)
-                try:
-                    if self._busy_again():  # hand it back; the registry decides again
-                        self.declined += 1
-                        await self._send(self._remote_load())
-                        await self.registry.update_failed(self.name)
-                        continue
-                    kept = self._kept_tokens()
-                    t1 = time.perf_counter()
-                    await self.engine.update_weights(state, version)
-                    t2 = time.perf_counter()
-                finally:
-                    self.weights.release(version)
-            except BaseException:
-                with contextlib.suppress(Exception):
+                if decided and self._busy_again():  # hand it back; the registry decides again
+                    self.declined += 1
+                    await self._send(self._remote_load())
                     await self.registry.update_failed(self.name)
-                raise
-            self.updates += 1
-            loaded, self._loaded = self._loaded, asyncio.Event()
-            loaded.set()  # batches waiting for this version go now (wait_version)
-            await self.registry.updated(
-                self.name,
-                version,
-                t2 - t0,
-                transfer_s=t1 - t0,
-                pause_s=t2 - t1,
-                kept_tokens=self._kept_tokens() - kept,
-            )
-            self._dirty.set()
+                    return
+                kept = self._kept_tokens()
+                t1 = time.perf_counter()
+                await self.engine.update_weights(state, version)
+                t2 = time.perf_counter()
+            finally:
+                self.weights.release(version)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self.registry.update_failed(self.name)
+            raise
+        self.updates += 1
+        loaded, self._loaded = self._loaded, asyncio.Event()
+        loaded.set()  # batches waiting for this version go now (wait_version)
+        await self.registry.updated(
+            self.name,
+            version,
+            t2 - t0,
+            transfer_s=t1 - t0,
+            pause_s=t2 - t1,
+            kept_tokens=self._kept_tokens() - kept,
+        )
+        self._dirty.set()
 
     def _kept_tokens(self) -> int:
         """The engine's count of tokens partial updates kept (0 for engines without one)."""

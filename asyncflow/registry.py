@@ -242,7 +242,10 @@ class Registry:
         if version < self._published and self._any_published:
             raise ValueError(f"published version {version} is not newer than {self._published}")
         self._published, self._any_published = version, True
-        self._published_at[version] = time.perf_counter()
+        if any(self._current(n)[0] >= version for n in self._gens):
+            self.adoption_s.append(0.0)  # a generator took it from its transport already
+        else:
+            self._published_at[version] = time.perf_counter()
         self._changes += 1
         self._changed.set()  # a waiting feeder may now demand them
         self._poke()

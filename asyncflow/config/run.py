@@ -259,6 +259,15 @@ class DeployConfig:
     yields the cores to any other process on the machine (the driver, a benchmark, another
     test): on a small machine the stages then run at a fraction of their speed. 0 gives them
     the driver's share; a cluster joined through ``address`` keeps its own setting."""
+    batch_sched: bool = True
+    """``ray``: every thread of the run's actors (stage hosts, the coordinator, TransferQueue's
+    servers) in Linux's ``SCHED_BATCH`` (:mod:`transferqueue.sched`): same share of the cores,
+    at once on an idle core, but a wake-up never preempts a running thread. The hosts' event
+    loops, ZeroMQ's and Ray's I/O threads wake hundreds of times a second; without it each
+    wake-up that lands on a generation or training step's core takes the core from it (on the
+    2-core reference machine a synchronous step of the demo was about 5 ms shorter with it).
+    ``local`` runs are not changed (one process: few threads, and nothing to gain measured).
+    Does nothing off Linux."""
     weight_transport: str = "auto"
     """How generators receive published weights with ``ray``: ``shm`` (one shared-memory
     file per version, same host), ``ipc`` (CUDA IPC handles of the trainer's device tensors:

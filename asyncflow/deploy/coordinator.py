@@ -20,6 +20,7 @@ from typing import Any
 
 from asyncflow.registry import Registry
 from transferqueue.aio import wait_event, within
+from transferqueue.sched import batch_process
 
 __all__ = ["Coordinator"]
 
@@ -28,8 +29,15 @@ class Coordinator(Registry):
     """The registry as an actor, with the step reports the trainer hands the driver."""
 
     def __init__(
-        self, initial_version: int = 0, *, policy: str = "eager", first_group: int | None = None
+        self,
+        initial_version: int = 0,
+        *,
+        policy: str = "eager",
+        first_group: int | None = None,
+        batch_sched: bool = False,
     ) -> None:
+        if batch_sched:  # (an actor's process: ``deploy.batch_sched``)
+            batch_process()
         super().__init__(initial_version, policy=policy)
         self._reports: asyncio.Queue[bytes] = asyncio.Queue()
         self._last_step = -1  # the last step reported (a replaced rank 0 may report it again)

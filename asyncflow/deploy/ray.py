@@ -210,6 +210,7 @@ class RayDeployment(Deployment):
                 keys=keys,
                 state_dir=tqc.state_dir,
                 fsync=tqc.fsync,
+                batch_sched=self.cfg.deploy.batch_sched,
             )
         if tqc.mode == "service":
             self._service = transferqueue.serve(
@@ -295,6 +296,7 @@ class RayDeployment(Deployment):
             start_version,
             policy=cfg.rollout.weight_sync,
             first_group=None if resume is None else resume.next_group,
+            batch_sched=cfg.deploy.batch_sched,
         )
         self._actors.append(self._coord)  # not waited for: it starts beside the hosts
         registry = RemoteRegistry(self._coord)

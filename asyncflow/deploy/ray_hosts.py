@@ -64,6 +64,7 @@ from engines.packed import PackedGenerations, pack_generations, unpack_prompts
 from engines.protocols import Generation, SamplingParams, ScoringEngine
 from transferqueue import AsyncClient
 from transferqueue.aio import within
+from transferqueue.sched import batch_process
 from transferqueue.wire.auth import ClientKeys
 
 __all__ = [
@@ -158,6 +159,8 @@ class _Host:
     """What every stage host has: where it runs, its TransferQueue client, its timeline."""
 
     def __init__(self, cfg: RunConfig, tq: TQAccess | None, origin: float) -> None:
+        if cfg.deploy.batch_sched:  # (first: the threads started later inherit it)
+            batch_process()
         _quiet_hf()
         threads = intra_op_threads(cfg, cores=_reserved_cpus(), ray_host=True)
         if threads is not None:
@@ -279,7 +282,12 @@ class GeneratorActor(_Host):
         """Register (a restarted incarnation counts as a restart), then follow weights."""
         if self.host is None:
             receiver: WeightSource = weights.receiver(f"{self.name}:{os.getpid()}")
-            self.host = GeneratorHost(self.name, self.engine, self.registry, receiver)
+            # eager: every generator loads each version at once, so it loads as its weights
+            # arrive, not when the coordinator (told by the trainer after that) says so
+            eager = self.cfg.rollout.weight_sync == "eager"
+            self.host = GeneratorHost(
+                self.name, self.engine, self.registry, receiver, follow_source=eager
+            )
             if self._initial_version:  # ``model`` is a checkpoint's policy of that version
                 await adopt_version(self.engine, self._model, self._initial_version)
         await self.host.start()

@@ -27,7 +27,7 @@ import threading
 import time
 import types
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -150,6 +150,10 @@ class BroadcastReceiver:
     def wait_newer(self, version: int, timeout_s: float) -> int:
         self._check()
         return self._shelf.wait_newer(version, timeout_s)
+
+    def watch(self, watcher: Callable[[], None]) -> Callable[[], None]:
+        """``watcher()`` at each newer version (:meth:`VersionShelf.watch`)."""
+        return self._shelf.watch(watcher)
 
     def get(self, version: int) -> Mapping[str, torch.Tensor]:
         self._check()

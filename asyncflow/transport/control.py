@@ -52,6 +52,7 @@ from asyncflow.transport import messages as m
 from asyncflow.transport.base import TransportError
 from transferqueue.errors import BadRequestError, PeerGoneError, TQError
 from transferqueue.loop import LoopThread
+from transferqueue.sched import zmq_in_batch
 from transferqueue.wire import rpc
 from transferqueue.wire.liveness import Liveness, new_incarnation
 from transferqueue.wire.protocol import Caller, handlers
@@ -93,8 +94,12 @@ def pid_alive(pid: int) -> bool:
 
 
 def _context() -> zmq.asyncio.Context:
-    """The process's one ZeroMQ context (never terminated: every end closes its sockets)."""
-    return zmq.asyncio.Context.instance()
+    """The process's one ZeroMQ context (never terminated: every end closes its sockets); in a
+    process put in ``SCHED_BATCH`` its I/O threads start there too (set before the first
+    socket starts them; later calls change nothing)."""
+    ctx = zmq.asyncio.Context.instance()
+    zmq_in_batch(ctx)
+    return ctx
 
 
 def _weak(fn: Callable[..., None]) -> Callback:

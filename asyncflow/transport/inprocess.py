@@ -17,7 +17,7 @@ import os
 import threading
 import types
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -159,6 +159,10 @@ class InProcessReceiver:
 
     def wait_newer(self, version: int, timeout_s: float) -> int:
         return self._shelf.wait_newer(version, timeout_s)
+
+    def watch(self, watcher: Callable[[], None]) -> Callable[[], None]:
+        """``watcher()`` at each newer version (:meth:`VersionShelf.watch`)."""
+        return self._shelf.watch(watcher)
 
     def get(self, version: int) -> Mapping[str, torch.Tensor]:
         return self._shelf.get(version)

@@ -361,6 +361,10 @@ class IpcReceiver:
         self._check()
         return self._shelf.wait_newer(version, timeout_s)
 
+    def watch(self, watcher: Callable[[], None]) -> Callable[[], None]:
+        """``watcher()`` at each newer version (:meth:`VersionShelf.watch`)."""
+        return self._shelf.watch(watcher)
+
     def get(self, version: int) -> Mapping[str, torch.Tensor]:
         self._check()
         return self._shelf.get(version)

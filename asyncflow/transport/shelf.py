@@ -15,10 +15,11 @@ memory, a shared-memory mapping or a staged buffer, goes with the last reference
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -39,6 +40,7 @@ class VersionShelf:
         self._newest = -1
         self._closed = False
         self._error: BaseException | None = None
+        self._watchers: list[Callable[[], None]] = []
 
     # -- the receiver's background side ---------------------------------------------------
 
@@ -54,7 +56,23 @@ class VersionShelf:
             self._newest = version
             self._drop_unless_pinned(previous)
             self._cond.notify_all()
-            return True
+            watchers = list(self._watchers)
+        for watcher in watchers:  # (outside the lock: a watcher may call back in)
+            watcher()
+        return True
+
+    def watch(self, watcher: Callable[[], None]) -> Callable[[], None]:
+        """Call ``watcher()`` (on the receiver's background thread: it must only hand the
+        news on, e.g. ``loop.call_soon_threadsafe``) each time a newer version is kept;
+        returns the function that stops it."""
+        with self._cond:
+            self._watchers.append(watcher)
+
+        def stop() -> None:
+            with self._cond, contextlib.suppress(ValueError):
+                self._watchers.remove(watcher)
+
+        return stop
 
     def extra(self, version: int) -> object:
         """What was offered beside ``version`` (None when it is not held)."""

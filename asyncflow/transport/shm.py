@@ -37,7 +37,7 @@ import threading
 import time
 import types
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -311,6 +311,10 @@ class ShmReceiver:
     def wait_newer(self, version: int, timeout_s: float) -> int:
         self._check()
         return self._shelf.wait_newer(version, timeout_s)
+
+    def watch(self, watcher: Callable[[], None]) -> Callable[[], None]:
+        """``watcher()`` at each newer version (:meth:`VersionShelf.watch`)."""
+        return self._shelf.watch(watcher)
 
     def get(self, version: int) -> Mapping[str, torch.Tensor]:
         self._check()

@@ -50,6 +50,7 @@ from transformers import PreTrainedModel
 from engines.hf.batching import prefill_shared
 from engines.hf.loading import ModelSource, eos_token_ids, load_model, load_weights
 from engines.protocols import Generation, SamplingParams
+from engines.sched import compute_bound
 
 __all__ = ["INLINE_LOAD_BYTES", "HFGenerationEngine", "sample_tokens"]
 
@@ -169,6 +170,7 @@ class HFGenerationEngine:
         self._executor.submit(self._load_pending_now)
         await asyncio.wrap_future(done)
 
+    @compute_bound
     def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Blocking form of ``update_weights``: copy ``state`` in place under the lock."""
         with self._lock:
@@ -200,6 +202,7 @@ class HFGenerationEngine:
             done.set_result(None)
         return bool(landed)
 
+    @compute_bound
     def generate_sync(
         self, prompts: Sequence[torch.Tensor], params: SamplingParams
     ) -> list[Generation]:

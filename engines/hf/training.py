@@ -60,6 +60,7 @@ from engines.hf.batching import response_logprobs, right_pad, split_by_tokens
 from engines.hf.loading import ModelSource, load_model, load_weights, read_folder_state
 from engines.loss import OBJECTIVES, interpolate_prox_logp, policy_loss
 from engines.protocols import TrainBatch
+from engines.sched import compute_bound
 
 __all__ = ["HFTrainingConfig", "HFTrainingEngine"]
 
@@ -214,6 +215,7 @@ class HFTrainingEngine:
         """The trained model."""
         return self._model
 
+    @compute_bound
     def forward_backward(self, batch: TrainBatch, loss_scale: float) -> dict[str, float]:
         """Accumulate gradients of ``loss_scale * sum of per-sample losses`` over ``batch``."""
         cfg = self.config
@@ -380,6 +382,7 @@ class HFTrainingEngine:
         logits = self._model(input_ids=ids, use_cache=False).logits
         (logits.float().sum() * 0.0).backward()
 
+    @compute_bound
     def optimizer_step(self) -> dict[str, float]:
         """Clip, step AdamW, zero the gradients, bump ``version``.
 

@@ -563,3 +563,56 @@ def test_a_killed_stage_host_costs_seconds_not_its_lease(
     assert worst < 60.0
     assert sum(r["rows_returned"] for r in records) >= 1
     assert sum(r["restart_s"] for r in records) > 0
+
+
+def _probe_classes(out: Path, after_steps: int, seen: dict[str, dict[str, int]]) -> None:
+    """Once ``after_steps`` steps are recorded, the scheduling class of every thread of every
+    named actor."""
+    import ray
+
+    def thread_classes(actor: object) -> dict[str, int]:  # (local: pickled by value)
+        classes = {}
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/comm") as f:
+                classes[f"{f.read().strip()}:{tid}"] = os.sched_getscheduler(int(tid))
+        return classes
+
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= after_steps:
+            break
+        time.sleep(0.2)
+    try:
+        for a in ray.util.list_named_actors(all_namespaces=True):
+            handle = ray.get_actor(a["name"], namespace=a["namespace"])
+            seen[a["name"]] = ray.get(handle.__ray_call__.remote(thread_classes), timeout=60)
+    except Exception as e:  # (the test reports it)
+        seen["error"] = {repr(e): -1}
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux's SCHED_BATCH")
+def test_every_actor_of_a_ray_run_runs_in_sched_batch(ray_cluster: None, tmp_path: Path) -> None:
+    """``deploy.batch_sched`` (the default): every thread of the stage hosts, the coordinator
+    and TransferQueue's servers is in ``SCHED_BATCH``, but for an engine's compute call in
+    progress (the normal class for its length); the run's invariants hold."""
+    out = tmp_path / "run"
+    steps = 40  # (long enough for the probe: a few seconds)
+    cfg = small_config(out, "deploy.mode=ray", f"train.steps={steps}", RAY_START)
+    assert cfg.deploy.batch_sched
+    seen: dict[str, dict[str, int]] = {}
+    prober = threading.Thread(target=_probe_classes, args=(out, 2, seen), daemon=True)
+    prober.start()
+    result = run(cfg)
+    prober.join(timeout=120)
+    assert "error" not in seen, seen
+    names = sorted(seen)
+    for role in ("-coordinator", "-train-rank0", "-tq-controller", "-tq-unit0"):
+        assert any(n.endswith(role) for n in names), (role, names)
+    for stage in ("rollout", "reward"):
+        assert any(stage in n for n in names), (stage, names)
+    for name, classes in seen.items():
+        other = {t: c for t, c in classes.items() if c != os.SCHED_BATCH}
+        assert len(classes) >= 5 and len(other) <= 1, (name, other)  # (a compute call)
+    b = cfg.train.groups_per_step
+    assert [g for rep in result.reports for g in rep.groups] == list(range(steps * b))

@@ -64,14 +64,21 @@ async def _quiet(registry: Registry) -> None:
 
 
 class _Run:
-    """A registry, in-process weights and one host per engine, with followers running."""
+    """A registry, in-process weights and one host per engine, with followers running
+    (``follow_source``: the hosts load what their weight source delivers)."""
 
-    def __init__(self, engines: list[_Engine], policy: str) -> None:
+    def __init__(self, engines: list[_Engine], policy: str, follow_source: bool = False) -> None:
         self.registry = Registry(0, policy=policy, poll_s=0.01)
         transport = make_transport("inprocess")
         self.weights = transport.sender()
         self.hosts = [
-            GeneratorHost(f"g{i}", e, self.registry, transport.receiver(f"g{i}"))
+            GeneratorHost(
+                f"g{i}",
+                e,
+                self.registry,
+                transport.receiver(f"g{i}"),
+                follow_source=follow_source,
+            )
             for i, e in enumerate(engines)
         ]
         self.tasks: list[asyncio.Task[None]] = []
@@ -103,6 +110,37 @@ def test_eager_updates_every_generator_at_once() -> None:
             for e in engines:  # handed over, not copied
                 assert all(e.states[0][k] is v for k, v in state.items())
             assert await run.registry.oldest_generator_version() == 1
+
+    asyncio.run(go())
+
+
+def test_eager_hosts_following_their_weights_load_before_the_registry_hears_of_them() -> None:
+    """``follow_source`` (``eager`` under Ray): a version the transport delivered is loaded by
+    every host without the registry's word, before the trainer tells the registry; the
+    registry then counts each update once, with the adoption taken as immediate, and a
+    version published later is followed the same way. Hosts not following their source wait
+    for the registry (the bound on that wait is the registry's decision, never a poll)."""
+
+    async def go() -> None:
+        engines = [_Engine(in_flight=5), _Engine(in_flight=0)]
+        async with _Run(engines, "eager", follow_source=True) as run:
+            reg = run.registry
+            run.weights.publish({"w": torch.ones(2)}, 1)  # the transport only
+            await _until(lambda: all(e.updated == [1] for e in engines), "both loaded")
+            assert await reg.published() == 0  # the registry was not told yet
+            assert await reg.newest_generator_version() == 1  # but heard of the updates
+            await reg.publish(1)
+            assert reg.adoption_s == [0.0] and reg.updates == 2
+            await run.publish(2)
+            await _until(lambda: all(e.updated == [1, 2] for e in engines), "both at 2")
+            assert reg.updates == 4 and len(reg.adoption_s) == 2
+        waiting = _Engine()
+        async with _Run([waiting], "eager") as run:
+            run.weights.publish({"w": torch.ones(2)}, 1)
+            await _quiet(run.registry)
+            assert waiting.updated == []  # the registry has not said so
+            await run.registry.publish(1)
+            await _until(lambda: waiting.updated == [1], "updated once the registry said so")
 
     asyncio.run(go())
 

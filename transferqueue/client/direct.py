@@ -41,6 +41,7 @@ from transferqueue.client.controller_link import (
     undo_of,
 )
 from transferqueue.errors import ClosedError, PeerGoneError, TQError, UnknownRowError
+from transferqueue.sched import zmq_in_batch
 from transferqueue.wire import codec as wire
 from transferqueue.wire import messages as m
 from transferqueue.wire import protocol
@@ -100,6 +101,7 @@ class DirectCalls:
         self._keys = keys
         self._liveness = liveness
         self._ctx: zmq.Context[Any] = zmq.Context()
+        zmq_in_batch(self._ctx)
         self._wake_r, self._wake_w = os.pipe()  # readable once closed: wakes every wait
         self._lock = threading.Condition()
         self._idle: list[_Socket] = []

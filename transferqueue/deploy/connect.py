@@ -20,6 +20,7 @@ from transferqueue.client.handle import TransferQueue
 from transferqueue.client.unit_link import SHM_MAX_BYTES, RemoteUnitLink
 from transferqueue.errors import PeerGoneError, ProtocolError
 from transferqueue.loop import LoopThread
+from transferqueue.sched import zmq_in_batch
 from transferqueue.wire import messages as m
 from transferqueue.wire.auth import ClientKeys, client_keys
 from transferqueue.wire.codec import PROTOCOL_VERSION
@@ -82,6 +83,7 @@ def connect(
     ckeys = client_keys(keys)
     io = LoopThread("transferqueue-client", always=False)
     ctx = zmq.asyncio.Context()
+    zmq_in_batch(ctx)  # (a stage host in SCHED_BATCH: its client's I/O threads too)
     rpcs: list[RpcClient] = []
     units: list[RemoteUnitLink] = []
 

@@ -64,6 +64,7 @@ from transferqueue.deploy.metrics import check_metrics_port
 from transferqueue.deploy.server import ControllerServer, UnitServer
 from transferqueue.errors import AuthError
 from transferqueue.loop import LoopThread
+from transferqueue.sched import batch_process, zmq_in_batch
 from transferqueue.storage.malloc import keep_freed_memory
 from transferqueue.wire.auth import ClientKeys, ServerKeys, client_keys, server_keys
 from transferqueue.wire.grants import new_grant_key
@@ -93,10 +94,13 @@ _UNITS_FILE = "units"  # in state_dir: where the units listened at the first sta
 class _ServerActor:
     """Runs one server on a private event-loop thread inside the actor process."""
 
-    def __init__(self) -> None:
+    def __init__(self, batch_sched: bool = False) -> None:
         keep_freed_memory()  # the actor's worker process serves only this server
+        if batch_sched:  # (before the loop thread starts: it inherits the class)
+            batch_process()
         self._io = LoopThread("transferqueue-actor")
         self._ctx = zmq.asyncio.Context()
+        zmq_in_batch(self._ctx)
         self._server: Any = None
 
     @staticmethod
@@ -149,8 +153,10 @@ class UnitActor(_ServerActor):
         grant_key: bytes | None = None,
         controller_name: str | None = None,
         metrics: dict[str, Any] | None = None,
+        *,
+        batch_sched: bool = False,
     ) -> None:
-        super().__init__()
+        super().__init__(batch_sched)
         bind_host = self._host(host)
         address, controller = f"tcp://{bind_host}:0", None
         if controller_name is not None and _reconstructed():
@@ -243,8 +249,10 @@ class ControllerActor(_ServerActor):
         fsync: str = "batch",
         unit_names: list[str] | None = None,
         start_timeout_s: float = 300.0,
+        *,
+        batch_sched: bool = False,
     ) -> None:
-        super().__init__()
+        super().__init__(batch_sched)
         bind_host = self._host(host)
         address = f"tcp://{bind_host}:0"
         extra: dict[str, Any] = {}
@@ -515,6 +523,7 @@ def launch_on_ray(
     fsync: str = "batch",
     controller_max_restarts: int | None = None,
     ride_through_s: float | None = None,
+    batch_sched: bool = False,
 ) -> RayStart:
     """Start controller and units as Ray actors, without waiting for them: the returned
     :class:`RayStart` gives the connected handle once they serve (:func:`start_on_ray` is
@@ -544,7 +553,9 @@ def launch_on_ray(
     its rows, tasks and leases (module docstring: the directory must be reachable from the
     node Ray restarts it on). ``ride_through_s``: the handle's (see
     :func:`~transferqueue.deploy.connect.connect`; None: ``RIDE_THROUGH_S``, 60 s, with
-    ``state_dir``, else 0).
+    ``state_dir``, else 0). ``batch_sched``: every thread of the server actors in Linux's
+    ``SCHED_BATCH`` (:mod:`transferqueue.sched`): their wake-ups do not preempt the compute
+    of other processes on the node (a deployment whose stage hosts share the servers' cores).
     """
     if not isinstance(unit_max_restarts, int) or unit_max_restarts < 0:
         raise ValueError(f"unit_max_restarts must be an integer >= 0, got {unit_max_restarts!r}")
@@ -609,7 +620,14 @@ def launch_on_ray(
 
     units = [
         unit_cls.options(max_restarts=unit_max_restarts, **opts(f"unit{i}")).remote(
-            i, unit_capacity_bytes, host, loaded, grant_key, f"{prefix}-controller", metrics(i)
+            i,
+            unit_capacity_bytes,
+            host,
+            loaded,
+            grant_key,
+            f"{prefix}-controller",
+            metrics(i),
+            batch_sched=batch_sched,
         )
         for i in range(num_units)
     ]
@@ -628,6 +646,7 @@ def launch_on_ray(
             fsync,
             [f"{prefix}-unit{i}" for i in range(num_units)],
             start_timeout_s,
+            batch_sched=batch_sched,
         )
         actors.append(ctl)  # (the last: RayStart asks it)
     except BaseException:

@@ -50,6 +50,7 @@ import torch
 import zmq
 
 from transferqueue.device.sharing import SharingError, TensorSharer, make_sharer
+from transferqueue.sched import zmq_in_batch
 
 __all__ = ["REF", "DeviceExporter", "DeviceImporter", "ProducerGoneError", "is_ref_column"]
 
@@ -104,6 +105,7 @@ class DeviceExporter:
         self._lock = threading.Lock()
         self._kept: dict[str, _Kept] = {}
         self._ctx = zmq.Context()
+        zmq_in_batch(self._ctx)
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self.address = f"ipc://@tq-device-{os.getpid()}-{uuid.uuid4().hex[:12]}"
@@ -225,6 +227,7 @@ class DeviceImporter:
     def __init__(self, *, timeout_s: float = 30.0) -> None:
         self.timeout_s = timeout_s
         self._ctx = zmq.Context()
+        zmq_in_batch(self._ctx)
         self._lock = threading.Lock()
         self._finalizer = weakref.finalize(self, self._ctx.destroy, 0)
 
