@@ -72,6 +72,16 @@ def test_a_run_over_three_nodes_lands_where_the_config_says_and_broadcasts_its_w
     assert max(steps[-1]["sample_versions"]) >= STEPS - 1 - MAX_STALENESS >= 1
 
 
+def _until_steps(out: Path, steps: int) -> None:
+    """Return once the run writing to ``out`` has recorded ``steps`` steps (at most 600 s)."""
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
+            return
+        time.sleep(0.2)
+
+
 def _kill_when(
     out: Path,
     after_steps: int,
@@ -83,12 +93,7 @@ def _kill_when(
     with ``targets`` (their processes, as an OOM killer would; their pids go to ``pids``)."""
     import ray
 
-    metrics = out / "metrics.jsonl"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= after_steps:
-            break
-        time.sleep(0.2)
+    _until_steps(out, after_steps)
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
     for suffix in targets:
         name = max(n for n in names if n.endswith(suffix))
@@ -577,12 +582,7 @@ def _probe_classes(out: Path, after_steps: int, seen: dict[str, dict[str, int]])
                 classes[f"{f.read().strip()}:{tid}"] = os.sched_getscheduler(int(tid))
         return classes
 
-    metrics = out / "metrics.jsonl"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= after_steps:
-            break
-        time.sleep(0.2)
+    _until_steps(out, after_steps)
     try:
         for a in ray.util.list_named_actors(all_namespaces=True):
             handle = ray.get_actor(a["name"], namespace=a["namespace"])
