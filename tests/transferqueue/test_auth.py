@@ -227,3 +227,35 @@ def test_clients_are_given_the_advertised_host(keys: Path) -> None:
         assert all(a.startswith("tcp://127.0.0.3:") for a in svc.unit_addresses)
         with transferqueue.connect(svc.address, keys=keys) as tq:  # reachable there
             assert tq.client().stats()["units"][0]["rows"] == 0
+
+
+def test_a_request_zeromq_cannot_queue_fails_as_the_peer_gone_naming_keys(
+    service: transferqueue.LocalService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A DEALER whose connection the server dropped (a refused handshake: no keys) has no
+    pipe to queue a request on until it reconnects, and ZeroMQ refuses the send. The call
+    fails at once as the peer gone, naming keys (what ``connect`` and ride-through expect),
+    never with ZeroMQ's own error. The refusal is made here: its timing is the kernel's."""
+    import asyncio
+
+    import zmq.asyncio
+
+    from transferqueue.wire.rpc import RpcClient
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise zmq.Again()
+
+    async def go() -> None:
+        ctx = zmq.asyncio.Context()
+        client = RpcClient(ctx, service.address, call_timeout_s=60)
+        monkeypatch.setattr(client._io, "send", refuse)
+        try:
+            t0 = asyncio.get_running_loop().time()
+            with pytest.raises(PeerGoneError, match="keys"):
+                await client.call(m.Stats())
+            assert asyncio.get_running_loop().time() - t0 < 30  # at once, not the call's bound
+        finally:
+            await client.close()
+            ctx.term()
+
+    asyncio.run(go())

@@ -539,6 +539,14 @@ class RpcClient:
         fut.add_done_callback(done)
         try:
             self._io.send(frames)
+        except zmq.Again:  # no connection to queue it on: the peer refused it, or is gone
+            fut.set_exception(
+                PeerGoneError(
+                    f"{self.address} is not connected (it refused this client, or it is "
+                    f"gone): {msg.kind!r} was not sent; is the TransferQueue service running "
+                    "and reachable (and, if it uses keys, does this client have them)?"
+                )
+            )
         except BaseException:
             fut.cancel()
             raise
