@@ -14,8 +14,7 @@ calls wait, the client pings a silent peer and fails them once it has been silen
 liveness bound (:mod:`transferqueue.wire.liveness`), long before their deadline.
 
 With keys (:mod:`transferqueue.wire.auth`) both sides speak CURVE: the server answers only
-trusted keys and hands each handler the caller's key; without keys a server binds only to
-loopback.
+trusted keys and hands each handler its key; without keys a server binds only to loopback.
 """
 
 from __future__ import annotations
@@ -539,14 +538,8 @@ class RpcClient:
         fut.add_done_callback(done)
         try:
             self._io.send(frames)
-        except zmq.Again:  # no connection to queue it on: the peer refused it, or is gone
-            fut.set_exception(
-                PeerGoneError(
-                    f"{self.address} is not connected (it refused this client, or it is "
-                    f"gone): {msg.kind!r} was not sent; is the TransferQueue service running "
-                    "and reachable (and, if it uses keys, does this client have them)?"
-                )
-            )
+        except zmq.Again:  # no connection to queue it on (refused, or gone): as gone
+            self._expire(fut, msg.kind, 0)
         except BaseException:
             fut.cancel()
             raise
@@ -567,11 +560,11 @@ class RpcClient:
 
     def _expire(self, fut: asyncio.Future[Any], kind: str, wait: float) -> None:
         if not fut.done():
+            what = f"did not answer {kind!r} within {wait:.0f} s" if wait else "is not connected"
             fut.set_exception(
                 PeerGoneError(
-                    f"{self.address} did not answer {kind!r} within {wait:.0f} s; is the "
-                    "TransferQueue service running and reachable (and, if it uses keys, "
-                    "does this client have them)?"
+                    f"{self.address} {what}; is the TransferQueue service running and "
+                    "reachable (and, if it uses keys, does this client have them)?"
                 )
             )
 
