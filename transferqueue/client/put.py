@@ -287,9 +287,11 @@ class Writer:
         if len(meta) != n:
             raise SchemaError(f"put with meta: the columns have {n} rows, meta has {len(meta)}")
         lease = meta.lease_id if meta.lease_id is not None and not meta.acked else None
+        if lease is not None:
+            lease_s = lease_s_of(lease_s)  # (checked whether the renewal is sent or not)
         fresh = lease is not None and self._holder is not None and self._holder.fresh(lease)
         if lease is not None and not (fresh and ack):  # (a fresh lease: see client.holder)
-            msg = m.Renew(lease_id=lease, lease_s=lease_s_of(lease_s), indexes=meta.indexes)
+            msg = m.Renew(lease_id=lease, lease_s=lease_s, indexes=meta.indexes)
             await self._ctl.call(msg)
         try:
             dropped = await self.write_units(meta, cols, col_specs, create=False)
