@@ -22,6 +22,11 @@ micro-batch's token ids and what comes back the sampled tokens and log-probs (ki
 Each host records its busy intervals on a :class:`~asyncflow.metrics.Timeline` with the run's
 origin; the driver drains them (:meth:`drain`) into the run's timeline at every step.
 
+A host's stages run on its TransferQueue client's I/O loop, not on the actor's own event loop
+(:meth:`_Host.on_tq_loop`): a stage's puts and gets then await their sockets on the loop that
+runs them, with no hand-off between two threads and back for each call. The actor methods that
+read what the stages write (``drain``, ``predict``, ``summary``) run there too.
+
 Checkpoints (``asyncflow.checkpoint``): trainer rank 0 writes the trainer's part after the
 optimizer step of a step the plan marks (ranks are identical); on resume every rank restores
 from the checkpoint (``asyncflow.deploy.ray_trainer.TrainerActor.restore``) and generator hosts
@@ -37,10 +42,10 @@ import contextlib
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -75,6 +80,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 Drained = tuple[dict[str, list[tuple[float, float, int, int]]], dict[str, dict[str, float]]]
 
@@ -227,9 +233,24 @@ class _Host:
     def ping(self) -> bool:
         return True
 
-    def drain(self) -> Drained:
-        """Busy intervals and adapter metrics recorded since the last drain."""
-        return self.timeline.drain(), {r.name: m for r in self.runners if (m := r.drain_metrics())}
+    async def on_tq_loop(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on this host's TransferQueue client loop (where its stages run: each
+        put and get then awaits its sockets with no hop between two threads, two wake-ups a
+        call on busy cores); at once where the host has no client."""
+        if self._tq is None:
+            return await coro
+        return await self._tq.run_async(coro)
+
+    async def drain(self) -> Drained:
+        """Busy intervals and adapter metrics recorded since the last drain (read on the
+        loop the stages record them on)."""
+
+        async def read() -> Drained:
+            return self.timeline.drain(), {
+                r.name: m for r in self.runners if (m := r.drain_metrics())
+            }
+
+        return await self.on_tq_loop(read())
 
     async def hold(self) -> None:
         """Returns only when the actor dies (the driver watches hosts without a stage of
@@ -434,6 +455,9 @@ class RolloutActor(_Host):
             )
 
     async def run(self) -> None:
+        await self.on_tq_loop(self._run())
+
+    async def _run(self) -> None:
         await self.view.refresh()
         try:
             async with asyncio.TaskGroup() as tg:
@@ -447,17 +471,25 @@ class RolloutActor(_Host):
 
     async def predict(self, prompts: Sequence[torch.Tensor]) -> np.ndarray:
         """The ranker's predicted response lengths (the feeder sets the length header)."""
-        if self.ranker is None:
+        ranker = self.ranker
+        if ranker is None:
             return np.zeros(len(prompts))
-        return self.ranker.predict(prompts)
 
-    def summary(self) -> dict[str, Any]:
-        return {
-            "ranker_error": self.ranker.mean_abs_log_error() if self.ranker else None,
-            "migrated": getattr(self.adapter, "migrated", 0),
-            "rollout_retries": getattr(self.adapter, "retries", 0),
-            "lost_calls": sum(g.lost for g in self.instances),
-        }
+        async def predict() -> np.ndarray:  # (where the rollout trains the ranker)
+            return ranker.predict(prompts)
+
+        return await self.on_tq_loop(predict())
+
+    async def summary(self) -> dict[str, Any]:
+        async def read() -> dict[str, Any]:
+            return {
+                "ranker_error": self.ranker.mean_abs_log_error() if self.ranker else None,
+                "migrated": getattr(self.adapter, "migrated", 0),
+                "rollout_retries": getattr(self.adapter, "retries", 0),
+                "lost_calls": sum(g.lost for g in self.instances),
+            }
+
+        return await self.on_tq_loop(read())
 
 
 class WorkerActor(_Host):
@@ -501,6 +533,9 @@ class WorkerActor(_Host):
         self.runners = [graph.runner(role, adapter, client, self.timeline, cfg), *evals]
 
     async def run(self) -> None:
+        await self.on_tq_loop(self._run())
+
+    async def _run(self) -> None:
         try:
             async with asyncio.TaskGroup() as tg:
                 for r in self.runners:

@@ -382,7 +382,10 @@ class TrainerActor(_Host):
             )
         assert self.client is not None
         self.runners = [graph.runner("train", adapter, self.client, self.timeline, cfg)]
-        await self.runners[0].run()
+        if ranks:  # the ranks' calls into this actor (quiesce, its own part) share its loop
+            await self.runners[0].run()
+        else:
+            await self.on_tq_loop(self.runners[0].run())
 
     async def _on_step(self, report: StepReport) -> None:
         from asyncflow.transport import ReceiverFailedError, sync_metrics

@@ -582,11 +582,25 @@ def _probe_classes(out: Path, after_steps: int, seen: dict[str, dict[str, int]])
                 classes[f"{f.read().strip()}:{tid}"] = os.sched_getscheduler(int(tid))
         return classes
 
+    def stage_loops(actor: object) -> dict[str, int]:  # where a stage host's stages run
+        tq = getattr(actor, "_tq", None)
+        if tq is None or not getattr(actor, "runners", None):
+            return {}
+        workers = {"on the client's loop": 0, "elsewhere": 0}
+        for loop, where in ((tq._io.loop, "on the client's loop"), (None, "elsewhere")):
+            with contextlib.suppress(RuntimeError):  # (no loop running on this thread)
+                tasks = asyncio.all_tasks(loop) if loop is not None else asyncio.all_tasks()
+                names = [t.get_coro().__qualname__ for t in tasks]  # type: ignore[union-attr]
+                workers[where] = sum(n == "StageRunner._worker" for n in names)
+        return workers
+
     _until_steps(out, after_steps)
     try:
         for a in ray.util.list_named_actors(all_namespaces=True):
             handle = ray.get_actor(a["name"], namespace=a["namespace"])
             seen[a["name"]] = ray.get(handle.__ray_call__.remote(thread_classes), timeout=60)
+            if workers := ray.get(handle.__ray_call__.remote(stage_loops), timeout=60):
+                seen[f"stages of {a['name']}"] = workers
     except Exception as e:  # (the test reports it)
         seen["error"] = {repr(e): -1}
 
@@ -595,7 +609,8 @@ def _probe_classes(out: Path, after_steps: int, seen: dict[str, dict[str, int]])
 def test_every_actor_of_a_ray_run_runs_in_sched_batch(ray_cluster: None, tmp_path: Path) -> None:
     """``deploy.batch_sched`` (the default): every thread of the stage hosts, the coordinator
     and TransferQueue's servers is in ``SCHED_BATCH``, but for an engine's compute call in
-    progress (the normal class for its length); the run's invariants hold."""
+    progress (the normal class for its length); every stage host runs its stages on its
+    TransferQueue client's loop; the run's invariants hold."""
     out = tmp_path / "run"
     steps = 40  # (long enough for the probe: a few seconds)
     cfg = small_config(out, "deploy.mode=ray", f"train.steps={steps}", RAY_START)
@@ -606,6 +621,11 @@ def test_every_actor_of_a_ray_run_runs_in_sched_batch(ray_cluster: None, tmp_pat
     result = run(cfg)
     prober.join(timeout=120)
     assert "error" not in seen, seen
+    # every stage host runs its stages on its TransferQueue client's loop (no hop per call)
+    stages = {n: seen.pop(n) for n in sorted(seen) if n.startswith("stages of ")}
+    assert len(stages) == 3, stages  # rollout, reward, train
+    for name, workers in stages.items():
+        assert workers["on the client's loop"] >= 1 and workers["elsewhere"] == 0, (name, workers)
     names = sorted(seen)
     for role in ("-coordinator", "-train-rank0", "-tq-controller", "-tq-unit0"):
         assert any(n.endswith(role) for n in names), (role, names)

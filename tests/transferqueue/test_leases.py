@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from transferqueue import Client, LeaseExpiredError, UnknownLeaseError
+import transferqueue
+from transferqueue import BatchMeta, Client, LeaseExpiredError, UnknownLeaseError
+from transferqueue.client.holder import FRESH_LEASE_S
 from transferqueue.controller.core import Controller
 from transferqueue.schema import FieldSpec
 
@@ -247,3 +249,52 @@ def test_a_consumed_batch_is_acked_without_a_lease_and_frees_its_rows() -> None:
     )
     assert short is not None and not short.acked and short.indexes.tolist() == [5, 6, 7]
     assert ctl.leases.active(short.lease_id) is not None  # leased: release or ack it
+
+
+# -- a fresh lease is written to without a renewal (transferqueue.client.holder) --------------
+def _renewals(client: Client) -> int:
+    kinds = client.stats()["controller"]["requests"]["kinds"]
+    return int(kinds.get("renew", {}).get("requests", 0))
+
+
+def test_a_put_right_after_its_get_meta_skips_the_renewal_and_only_then() -> None:
+    """A stage's put of the batch it just leased is two controller round trips (write, commit)
+    instead of three; a put past ``FRESH_LEASE_S``, a second put of the lease, or one after the
+    handle released part of it renews first, as does a put that keeps the lease. Every row
+    still reaches the next task exactly once, with the values written."""
+    with transferqueue.serve(num_units=2) as svc, transferqueue.connect(svc.address) as tq:
+        client = tq.client()
+        aio = tq.async_client()  # (its get_meta goes through the loop: the lease is remembered)
+        client.declare_tasks(["t", "u"])
+        _put(client, 8)
+
+        def take(n: int) -> BatchMeta:
+            return tq.run(aio.get_meta("t", ["x"], n, lease_s=HOLD_S, timeout_s=WAIT_S))
+
+        def put(meta: BatchMeta, value: float, **kw: object) -> None:
+            tq.run(aio.put({"y": torch.full((len(meta),), value)}, meta=meta, **kw))  # type: ignore[arg-type]
+
+        before = _renewals(client)
+        put(meta := take(2), 1.0)  # at once: no renewal
+        assert meta.acked and _renewals(client) == before
+        meta = take(2)
+        time.sleep(FRESH_LEASE_S + 0.05)  # no longer fresh: renewed first
+        put(meta, 2.0)
+        assert _renewals(client) == before + 1
+        meta = take(2)
+        put(meta.select([0]), 3.0)  # the first put of the lease: fresh
+        put(meta.select([1]), 3.0)  # a second one renews
+        assert _renewals(client) == before + 2
+        meta = take(2)
+        tq.run(aio.release(meta.select([0])))  # settled by this handle: the put renews
+        put(meta.select([1]), 4.0)
+        assert _renewals(client) == before + 3
+        put(meta := take(1), 5.0, ack=False, lease_s=WAIT_S)  # keeps the lease: renews it
+        assert _renewals(client) == before + 4 and not meta.acked
+        tq.run(aio.ack(meta))
+        got = client.get_meta("u", ["y"], 8, timeout_s=WAIT_S)  # (the released row: put last)
+        ys = client.get_data(got, ["y"])["y"]
+        assert sorted(ys.tolist()) == [1.0, 1.0, 2.0, 2.0, 3.0, 3.0, 4.0, 5.0]  # type: ignore[union-attr]
+        client.ack(got)
+        assert len(client.get_meta("t", ["x"], 8, timeout_s=0)) == 0
+        assert len(client.get_meta("u", ["y"], 8, timeout_s=0)) == 0

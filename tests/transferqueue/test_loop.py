@@ -143,6 +143,49 @@ def test_a_connected_client_calls_without_the_hop_and_shares_across_threads() ->
         assert tq.client().stats()["controller"]["rows_live"] == 0
 
 
+def test_work_run_on_a_connected_handles_loop_calls_there_and_is_cancelled_with_its_await() -> None:
+    """``TransferQueue.run_async``: async code on another loop (a stage host's) runs its work
+    on the handle's loop; the work's calls await their sockets on that loop's thread (no hop
+    per call), round-trip the data, and cancelling the outer await cancels the work."""
+    with transferqueue.serve(num_units=2) as svc, transferqueue.connect(svc.address) as tq:
+        client = tq.async_client()
+        seen: list[threading.Thread] = []
+        hung = asyncio.Event()  # (of the handle's loop: set there by the cancellation)
+
+        async def stage() -> list[int]:
+            await client.declare_tasks(["t"])
+            seen.append(threading.current_thread())
+            await client.put({"x": torch.arange(6, dtype=torch.int64)})
+            meta = await client.get_meta("t", ["x"], 6, timeout_s=30)
+            seen.append(threading.current_thread())
+            cols = await client.get_data(meta)
+            await client.ack(meta)
+            return cols["x"].tolist()  # type: ignore[union-attr]
+
+        async def waits_forever() -> None:
+            try:
+                await client.get_meta("t", ["x"], 1, timeout_s=60)  # (nothing left to get)
+            finally:
+                seen.append(threading.current_thread())
+                hung.set()
+
+        async def host() -> None:  # the stage host's own loop, on this thread
+            assert await tq.run_async(stage()) == list(range(6))
+            waiting = asyncio.ensure_future(tq.run_async(waits_forever()))
+            await asyncio.sleep(0.3)
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+
+        asyncio.run(host())
+        deadline = time.monotonic() + 10
+        while not hung.is_set() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert hung.is_set(), "the work on the handle's loop was not cancelled with its await"
+        assert seen and all(t.name == "transferqueue-client" for t in seen), seen
+        assert tq.client().stats()["controller"]["rows_live"] == 0
+
+
 def test_a_lent_loop_runs_its_own_timers_while_callers_call_and_once_they_stop() -> None:
     """The embedded controller's lease expiry and timeouts are timers on its loop: they fire
     while blocking callers run the loop (back to back) and once they have stopped calling."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, TypeVar, overload
 
@@ -125,7 +126,7 @@ class AsyncClient:
         # Device columns: pinned chunks, shared columns (shared by the handle's clients).
         self._device = DeviceSide(io, controller) if device is None else device
         self._specs = Specs(controller)
-        self._writer = Writer(io, controller, self._units, self._specs, self._device)
+        self._writer = Writer(io, controller, self._units, self._specs, self._device, holder)
         self._status = StatusCalls(io, controller)
         self._kv = KeyValue(io, controller, self._specs, self._writer, self._get_data_or_lost)
         self._checkpoints = Checkpoints(
@@ -210,7 +211,11 @@ class AsyncClient:
             if not holder.started:
                 await asyncio.to_thread(holder.start)
             msg.holder = holder.id
-        return await self._io.run_async(self._ctl.call(msg))
+        asked = time.monotonic()
+        meta = await self._io.run_async(self._ctl.call(msg))
+        if holder is not None and meta.lease_id is not None and not meta.acked and len(meta):
+            holder.took(meta.lease_id, asked, meta.lease_s or 0.0)  # (its put need not renew)
+        return meta
 
     @overload
     async def get_data(
@@ -393,6 +398,7 @@ class AsyncClient:
         msg = ack_request(meta)
         if msg is None:
             return
+        self.settled(meta)
         await self._io.run_async(self._ctl.call(msg))
         meta.acked = True
 
@@ -401,8 +407,15 @@ class AsyncClient:
         msg = release_request(meta)
         if msg is None:
             return
+        self.settled(meta)
         await self._io.run_async(self._ctl.call(msg))
         meta.acked = True
+
+    def settled(self, meta: BatchMeta) -> None:
+        """(Of this client's ``ack`` and ``release``, and the blocking client's.) Rows of
+        ``meta``'s lease are settled: a later put of that lease renews it first."""
+        if self._holder is not None:
+            self._holder.settled(meta.lease_id)
 
     async def stream(
         self,

@@ -88,6 +88,13 @@ class TransferQueue:
         (a compatibility facade), whose awaits then land on the loop without a hop each."""
         return self._io.run(coro, timeout)
 
+    async def run_async(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Await a coroutine run on this handle's I/O loop, from async code on any loop:
+        a program whose work is mostly this handle's calls (a stage host) runs that work
+        here, and each of its calls then awaits the sockets directly instead of hopping to
+        the loop and back (two thread wake-ups a call). Cancelling the await cancels it."""
+        return await self._io.run_async(coro)
+
     def configure_device(self, *, pinned_bytes: int, chunk_bytes: int = CHUNK_BYTES) -> None:
         """Size the pinned memory that CUDA columns move through (default
         :data:`~transferqueue.device.staging.PINNED_BYTES` in chunks of

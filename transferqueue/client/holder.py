@@ -18,6 +18,18 @@ Every lease a handle's clients take (``get_meta``) names the handle's holder id,
   their silence.
 
 An embedded handle's holder never beats (the controller lives and dies with it).
+
+It also remembers, for a moment, when each lease its clients took was asked for
+(:meth:`Holder.took`): a ``put`` that writes a lease's fields within ``FRESH_LEASE_S`` of that,
+as a stage's put of the batch it just processed does, need not renew the lease before writing
+(:meth:`Holder.fresh`, :mod:`transferqueue.client.put`). In that time the lease cannot have
+ended otherwise than by this handle's own calls: it runs at least ``lease_s`` from the request
+(only leases of ``lease_s >= 2 * FRESH_LEASE_S`` count), the controller heard the holder when it
+granted it and returns a holder's rows only after ``holder_dead_after_s`` of silence (at least
+``2 * HOLDER_BEAT_S``, four times ``FRESH_LEASE_S``), and any ack, release or earlier put of the
+lease by this handle's clients forgets it (the next put renews). A handle replaced by a later
+one of its name is, by that call's contract, dead. A partition cleared in that moment leaves
+the rows gone: the write then fails on the unit (row indexes are never reused).
 """
 
 from __future__ import annotations
@@ -28,13 +40,14 @@ import os
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from transferqueue.wire import messages as m
 from transferqueue.wire.liveness import HOLDER_BEAT_S
 
-__all__ = ["Holder", "default_holder_name"]
+__all__ = ["FRESH_LEASE_S", "Holder", "default_holder_name"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +55,10 @@ Send = Callable[[Any], Any]
 """Sends one controller request and returns its reply (a direct call, from any thread)."""
 
 _JOIN_S = 2.0
+FRESH_LEASE_S = HOLDER_BEAT_S / 2
+"""How long after its ``get_meta`` was sent a lease is written to without renewing it first
+(see the module): a quarter of the shortest ``holder_dead_after_s`` a controller accepts."""
+_FRESH_KEPT = 256  # leases remembered at most (the oldest are forgotten: they renew)
 
 
 def default_holder_name() -> str:
@@ -68,6 +85,8 @@ class Holder:
         self._thread: threading.Thread | None = None
         self.beats_failed = 0
         self._reachable = True  # the last beat was answered (else close does not wait on it)
+        self._asked: dict[int, float] = {}  # lease id -> when its get_meta was sent (monotonic)
+        self._asked_lock = threading.Lock()
 
     @property
     def started(self) -> bool:
@@ -101,6 +120,33 @@ class Holder:
                 self._reachable = False
                 if not self._stop.is_set():
                     log.debug("holder %s: a heartbeat failed: %r", self.id, e)
+
+    def took(self, lease_id: int, asked: float, lease_s: float) -> None:
+        """A ``get_meta`` sent at ``asked`` (``time.monotonic()``) leased rows for
+        ``lease_s`` under ``lease_id`` (a lease too short to count is not remembered)."""
+        if lease_s < 2 * FRESH_LEASE_S:
+            return
+        with self._asked_lock:
+            if len(self._asked) >= _FRESH_KEPT:
+                stale = time.monotonic() - FRESH_LEASE_S
+                self._asked = {k: t for k, t in self._asked.items() if t > stale}
+                if len(self._asked) >= _FRESH_KEPT:
+                    self._asked.pop(next(iter(self._asked)))
+            self._asked[lease_id] = asked
+
+    def fresh(self, lease_id: int) -> bool:
+        """Whether ``lease_id`` was asked for less than ``FRESH_LEASE_S`` ago and not settled
+        since by this handle (see the module); forgets it either way: a second put of the
+        same lease renews it."""
+        with self._asked_lock:
+            asked = self._asked.pop(lease_id, None)
+        return asked is not None and time.monotonic() - asked < FRESH_LEASE_S
+
+    def settled(self, lease_id: int | None) -> None:
+        """This handle acknowledged or released (some of) the lease's rows: forget it."""
+        if lease_id is not None:
+            with self._asked_lock:
+                self._asked.pop(lease_id, None)
 
     def replace_earlier(self) -> int:
         """Every earlier holder of this name is gone (this one replaces it): their leases'

@@ -9,7 +9,11 @@
 
 A try that meets a storage unit that died or restarted is undone and put again (bounded).
 A ``put`` that adds fields to leased rows renews the lease first (so an expired or unknown
-lease fails before anything is written) and acknowledges it in the commit.
+lease fails before anything is written) and acknowledges it in the commit; one that comes
+within ``FRESH_LEASE_S`` of the lease's ``get_meta`` and acknowledges it, the lease not settled
+otherwise since, skips the renewal: the lease cannot have ended in that time
+(:mod:`transferqueue.client.holder` says why). A stage's put of the batch it just processed
+is two round trips to the controller instead of three.
 
 Columns on a GPU are written a chunk of rows at a time through the handle's pinned pool, the
 device-to-host copy of the next chunk overlapping the write of this one
@@ -32,6 +36,7 @@ import torch
 
 from transferqueue.aio import within
 from transferqueue.client.device_io import DeviceSide, ready_events, write_device
+from transferqueue.client.holder import Holder
 from transferqueue.client.links import ControllerLink, UnitLink, link_of
 from transferqueue.client.lost import lost_with_unit
 from transferqueue.client.replicas import gather_copies, meta_units, write_groups
@@ -136,8 +141,10 @@ class Writer:
         units: Mapping[int, UnitLink],
         specs: Specs,
         device: DeviceSide,
+        holder: Holder | None = None,
     ) -> None:
         self._io = io
+        self._holder = holder  # (the handle's: which leases are fresh)
         self._ctl = controller
         self._units = units
         self._specs = specs
@@ -281,7 +288,10 @@ class Writer:
             raise SchemaError(f"put with meta: the columns have {n} rows, meta has {len(meta)}")
         lease = meta.lease_id if meta.lease_id is not None and not meta.acked else None
         if lease is not None:
-            msg = m.Renew(lease_id=lease, lease_s=lease_s_of(lease_s), indexes=meta.indexes)
+            lease_s = lease_s_of(lease_s)  # (checked whether the renewal is sent or not)
+        fresh = lease is not None and self._holder is not None and self._holder.fresh(lease)
+        if lease is not None and not (fresh and ack):  # (a fresh lease: see client.holder)
+            msg = m.Renew(lease_id=lease, lease_s=lease_s, indexes=meta.indexes)
             await self._ctl.call(msg)
         try:
             dropped = await self.write_units(meta, cols, col_specs, create=False)

@@ -110,6 +110,7 @@ class Client:
             return self._io.run(on_loop(meta))
         msg = request(meta)
         if msg is not None:
+            self._a.settled(meta)
             direct.call(msg)
             meta.acked = True
         return None
