@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -188,6 +189,21 @@ def test_update_weights_in_place(engine, runner, prompts, hf_model) -> None:
     assert mean_abs_diff(ref, gens) < TOLERANCE
 
 
+async def _mid_decoding(
+    engine: VLLMGenerationEngine, prompts: list[torch.Tensor], params: SamplingParams
+) -> asyncio.Future[list[Generation]]:
+    """Start generating ``prompts`` and return once the batch is about a third through its
+    decoding: the same batch is timed first, so that an update made next lands mid-decoding
+    however fast the engine (a fixed pause did not: a faster vLLM finished in less)."""
+    started = time.perf_counter()
+    await engine.generate(prompts, params)
+    took = time.perf_counter() - started
+    running = asyncio.ensure_future(engine.generate(prompts, params))
+    await asyncio.sleep(took / 3)
+    assert not running.done(), f"the batch ended within a third of its {took:.2f} s"
+    return running
+
+
 @pytest.mark.parametrize("mode", ["wait", "abort"])
 def test_update_during_generation_keeps_versions_exact(
     engine, runner, prompts, hf_model, mode
@@ -200,9 +216,7 @@ def test_update_during_generation_keeps_versions_exact(
     regenerated_before = engine.stats["regenerated"]
 
     async def scenario() -> tuple[list[Generation], list[Generation]]:
-        running = asyncio.ensure_future(engine.generate(prompts * 4, params))
-        await asyncio.sleep(0.3)  # let the 32 requests start decoding
-        assert not running.done()
+        running = await _mid_decoding(engine, prompts * 4, params)  # (32 requests)
         await engine.update_weights(
             models[new_version].state_dict(), version=new_version, mode=mode
         )
@@ -239,9 +253,7 @@ def test_partial_update_keeps_tokens_with_each_tokens_version(
     regenerated_before, kept_before = engine.stats["regenerated"], engine.stats["kept_tokens"]
 
     async def scenario() -> list[Generation]:
-        running = asyncio.ensure_future(engine.generate(prompts * 4, params))
-        await asyncio.sleep(0.3)  # let the 32 requests start decoding
-        assert not running.done()
+        running = await _mid_decoding(engine, prompts * 4, params)  # (32 requests)
         await engine.update_weights(
             models[new_version].state_dict(), version=new_version, mode="partial"
         )
