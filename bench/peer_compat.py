@@ -77,9 +77,9 @@ def fetch_tests(cache: Path = CACHE_DIR) -> Path:
     if not (root / "tests" / "test_metadata.py").exists():
         wheels = cache / "wheels"
         if not any(wheels.glob(f"transferqueue-{VERSION}-*.whl")):
+            pip = [sys.executable, "-m", "pip", "download", "-q", "--no-deps"]
             subprocess.run(
-                [sys.executable, "-m", "pip", "download", "-q", "--no-deps"]
-                + [f"transferqueue=={VERSION}", "-d", str(wheels)],
+                [*pip, f"transferqueue=={VERSION}", "-d", str(wheels)],
                 check=True,
                 timeout=600,
             )
