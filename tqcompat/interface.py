@@ -283,7 +283,12 @@ async def async_kv_batch_get(
 ) -> Any:
     """The keys' rows as a TensorDict (``select_fields``; None: the fields all have)."""
     keys = [keys] if isinstance(keys, str) else list(keys)
-    cols = await _async().native.kv_batch_get(keys, _fields(select_fields), partition=partition_id)
+    try:
+        cols = await _async().native.kv_batch_get(
+            keys, _fields(select_fields), partition=partition_id
+        )
+    except transferqueue.UnknownKeyError as e:
+        raise KeysNotFoundError(f"keys or partition were not found: {e}") from e
     return from_columns(cols, len(keys))
 
 
@@ -308,6 +313,8 @@ async def async_kv_list(partition_id: str | None = None) -> dict[str, dict[str, 
     out: dict[str, dict[str, Any]] = {}
     for name in names:
         listing = await a.kv_list(name)
+        if partition_id is not None and not len(listing):
+            continue  # the peer lists no partition without keys
         tags = await a.get_custom_meta(listing.indexes) if len(listing) else []
         out[name] = dict(zip(listing.keys, tags, strict=True))
     return out
@@ -363,6 +370,11 @@ def kv_clear(keys: list[str] | str, partition_id: str) -> None:
     return get_client().run(async_kv_clear(keys, partition_id))
 
 
+class KeysNotFoundError(transferqueue.UnknownKeyError, ValueError):
+    """``kv_batch_get`` of keys the partition does not hold: our ``UnknownKeyError`` (the
+    facade's ``StorageKeyNotFoundError``) and the peer's ``ValueError`` at once."""
+
+
 # -- checkpoints -----------------------------------------------------------------------------
 def save_checkpoint(
     checkpoint_dir: str | Path,
@@ -388,4 +400,6 @@ def save_checkpoint(
 def load_checkpoint(checkpoint_dir: str | Path) -> None:
     """Load a checkpoint saved by :func:`save_checkpoint` into the running store (our
     ``load``: a partition the store already has is refused)."""
+    if not Path(checkpoint_dir).is_dir():  # the peer's type for a folder that is not there
+        raise FileNotFoundError(f"checkpoint directory {checkpoint_dir} does not exist")
     get_client().native_sync.load(checkpoint_dir)

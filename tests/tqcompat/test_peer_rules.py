@@ -1,0 +1,147 @@
+"""Where the peer's own tests pin a behaviour of its public API, the facade follows it: the
+GRPO sampler's scan, ``BatchMeta``/``KVBatchMeta`` validations with the peer's exception types
+and words, a missing checkpoint folder, micro-batches of a strided nested tensor (the module
+paths users import: ``test_alias``) (``bench.peer --compat`` runs the peer's suite itself)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("tensordict", reason="needs the compat extra")
+
+from tensordict import TensorDict
+
+import tqcompat as tq
+from tqcompat import BatchMeta, KVBatchMeta
+from tqcompat.dataloader import chunk_batch_fn
+from tqcompat.sampler import get_seqlen_balanced_partitions
+
+
+@pytest.fixture
+def store() -> Iterator[tq.TransferQueueClient]:
+    tq.init()
+    try:
+        yield tq.get_client()
+    finally:
+        tq.close()
+
+
+def _meta(n: int, start: int = 0, **extra: object) -> BatchMeta:
+    schema = {"f": {"dtype": torch.float32, "shape": (2,), "is_nested": False}}
+    return BatchMeta(
+        list(range(start, start + n)), ["p"] * n, schema, np.ones(n, np.int8), dict(extra)
+    )
+
+
+def test_grpo_takes_runs_of_consecutive_sorted_ready_indexes() -> None:
+    s = tq.GRPOGroupNSampler(n_samples_per_prompt=3)
+    # [3, 4, 5] is a group although 3 is no multiple of 3; [0, 1] and [6, 7] are not
+    assert s.sample([11, 0, 1, 3, 4, 5, 6, 7, 9, 10], 6) == ([3, 4, 5, 9, 10, 11],) * 2
+    assert s.sample([0, 1, 3, 4, 6, 7], 6) == ([], [])
+    with pytest.raises(ValueError, match="multiple of n_samples_per_prompt"):
+        s.sample([0, 1, 2], 4)
+    with pytest.raises(ValueError, match="must be positive"):
+        tq.GRPOGroupNSampler(n_samples_per_prompt=0)
+    # one rank's batch is handed again for the same (dp_rank, batch_index)
+    first = s.sample([0, 1, 2], 3, "t", "p", dp_rank=0, batch_index=0)
+    assert s.sample([6, 7, 8], 3, "t", "p", dp_rank=0, batch_index=0) == first
+    assert s.sample([6, 7, 8], 3, "t", "p", dp_rank=0, batch_index=1) == ([6, 7, 8],) * 2
+
+
+def test_union_with_an_empty_batch_is_a_copy_and_mismatches_are_named() -> None:
+    batch = _meta(2, step=1)
+    for got in (batch.union(BatchMeta.empty()), BatchMeta.empty().union(batch)):
+        assert got is not batch and got.global_indexes == [0, 1] and got.field_names == ["f"]
+        got.extra_info["new"] = 1
+        assert "new" not in batch.extra_info
+    other = BatchMeta([0, 1], ["p", "q"], {"g": {"dtype": torch.int64, "shape": (1,)}})
+    with pytest.raises(ValueError, match="partition_ids do not match"):
+        batch.union(other)
+    with pytest.raises(ValueError, match="global_indexes do not match"):
+        batch.union(_meta(2, start=5))
+
+
+def test_concat_merges_extra_info_and_refuses_conflicting_values() -> None:
+    t = torch.arange(3)
+    merged = BatchMeta.concat([_meta(1, step=1, w=t), _meta(1, 1, step=1, w=t.clone(), lr=0.1)])
+    assert merged.global_indexes == [0, 1] and merged.extra_info["lr"] == 0.1
+    with pytest.raises(ValueError, match="'step' has conflicting values"):
+        BatchMeta.concat([_meta(1, step=1), _meta(1, 1, step=2)])
+    with pytest.raises(ValueError, match="'w' has conflicting values"):
+        BatchMeta.concat([_meta(1, w=t), _meta(1, 1, w=t + 1)])
+
+
+def test_batch_meta_reorder_validations() -> None:
+    batch = _meta(3)
+    with pytest.raises(ValueError, match="mismatch batch size"):
+        batch.reorder([0, 1])
+    with pytest.raises(ValueError, match="contain duplicates"):
+        batch.reorder([0, 0, 1])
+    batch.reorder([2, 0, 1])
+    assert batch.global_indexes == [2, 0, 1]
+
+
+def test_kv_batch_meta_validations_raise_the_peers_types() -> None:
+    kv = KVBatchMeta(["a", "b", "c"], [{}, {}, {}], "p", ["x"], {"step": 1})
+    with pytest.raises(ValueError, match="Contain duplicate keys"):
+        kv.select_keys(["a", "a"])
+    with pytest.raises(RuntimeError, match="not found in current batch"):
+        kv.select_keys(["zz"])
+    with pytest.raises(ValueError, match="does not match the batch size"):
+        kv.reorder([0, 1])
+    with pytest.raises(ValueError, match="Contain duplicate indexes"):
+        kv.reorder([0, 0, 1])
+    with pytest.raises(ValueError, match="Field names do not match"):
+        KVBatchMeta.concat([kv, KVBatchMeta(["d"], [{}], "p", ["y"])])
+    with pytest.raises(ValueError, match="Partition do not match"):
+        KVBatchMeta.concat([kv, KVBatchMeta(["d"], [{}], "q", ["x"])])
+    with pytest.raises(ValueError, match="'step' has conflicting values"):
+        KVBatchMeta.concat([kv, KVBatchMeta(["d"], [{}], "p", ["x"], {"step": 2})])
+    both = KVBatchMeta.concat([KVBatchMeta(), kv, KVBatchMeta(["d"], [{}], "p", ["x"])])
+    assert both.keys == ["a", "b", "c", "d"] and both.extra_info == {"step": 1}
+
+
+def test_load_checkpoint_of_a_missing_folder_is_file_not_found(
+    store: tq.TransferQueueClient, tmp_path: Path
+) -> None:
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        tq.load_checkpoint(tmp_path / "nowhere")
+
+
+def test_kv_misses_read_as_the_peer_reads_them(store: tq.TransferQueueClient) -> None:
+    tq.kv_put("a", "p", fields={"x": torch.tensor([1])})
+    assert tq.kv_list("empty") == {}
+    for kind in (ValueError, tq.StorageKeyNotFoundError):  # the peer's type, and ours
+        with pytest.raises(kind, match="not found"):
+            tq.kv_batch_get("missing", "p")
+
+
+def test_micro_batches_of_a_strided_nested_tensor() -> None:
+    rows = [torch.arange(4).view(2, 2), torch.arange(6).view(3, 2), torch.ones(1, 2)]
+    td = TensorDict(
+        {"a": torch.nested.as_nested_tensor(rows, layout=torch.strided), "b": torch.arange(3)},
+        batch_size=3,
+    )
+    parts = chunk_batch_fn(td, BatchMeta([0, 1, 2], ["p"] * 3), micro_batch_size=2)
+    assert [p[0].batch_size[0] for p in parts] == [2, 1]
+    assert [p[1].global_indexes for p in parts] == [[0, 1], [2]]
+    got = [r for part, _ in parts for r in part["a"].unbind(0)]
+    assert all(torch.equal(g, r) for g, r in zip(got, rows, strict=True))
+    assert parts[1][0]["a"].is_nested and parts[0][0]["b"].tolist() == [0, 1]
+
+
+def test_seqlen_balanced_partitions_are_our_balanced_split() -> None:
+    parts = get_seqlen_balanced_partitions([100, 90, 50, 10, 5, 1], 2, equal_size=True)
+    assert sorted(i for p in parts for i in p) == list(range(6))
+    assert [len(p) for p in parts] == [3, 3] and all(p == sorted(p) for p in parts)
+    sums = [sum([100, 90, 50, 10, 5, 1][i] for i in p) for p in parts]
+    assert abs(sums[0] - sums[1]) <= 100
+    with pytest.raises(AssertionError):
+        get_seqlen_balanced_partitions([1, 2, 3], 2, equal_size=True)
+    with pytest.raises(AssertionError):
+        get_seqlen_balanced_partitions([1], 3, equal_size=False)
