@@ -39,7 +39,6 @@ from typing import Any, ClassVar
 import numpy as np
 
 import transferqueue
-from transferqueue.meta import balance_lengths
 
 __all__ = [
     "BaseSampler",
@@ -190,16 +189,20 @@ def get_seqlen_balanced_partitions(
     seqlen_list: list[int], k_partitions: int, equal_size: bool
 ) -> list[list[int]]:
     """The peer's helper: ``k_partitions`` lists of item positions, sorted, whose summed
-    lengths are balanced; our :func:`transferqueue.meta.balance_lengths` (longest first to
-    the lightest part). Its parts always hold n//k or n//k+1 items, so ``equal_size=False``
-    gets equal counts too. As the peer: fewer items than parts, or ``equal_size`` with n not a
-    multiple of k, is an ``AssertionError``."""
+    lengths are balanced: our ``BatchMeta.split`` of a batch whose rows are the items and
+    whose ``lengths`` are theirs (longest first to the lightest part). Its parts always hold
+    n//k or n//k+1 items, so ``equal_size=False`` gets equal counts too. As the peer: fewer
+    items than parts, or ``equal_size`` with n not a multiple of k, is an
+    ``AssertionError``."""
     n = len(seqlen_list)
     assert n >= k_partitions, f"number of items:[{n}] < k_partitions:[{k_partitions}]"
     if equal_size:
         assert n % k_partitions == 0, f"{n} items do not split into {k_partitions} equal parts"
-    parts = balance_lengths(np.asarray(seqlen_list, dtype=np.int64), k_partitions)
-    return [p.tolist() for p in parts]
+    pos = np.arange(n, dtype=np.int64)  # the items as rows of a batch: index = position
+    rows = transferqueue.BatchMeta(
+        pos, np.zeros(n, np.int32), pos, pos, np.asarray(seqlen_list, dtype=np.int64), ""
+    )
+    return [part.indexes.tolist() for part in rows.split(k_partitions)]
 
 
 _KNOWN = {
