@@ -213,7 +213,7 @@ def test_a_producers_small_puts_stay_on_one_unit_while_the_units_are_balanced() 
 
     # rows freed as fast as they are put: the producer never moves
     flow = Controller(4, spread_bytes=1000)
-    flow.rows.register_fields({"x": FieldSpec.dense(torch.int64, ())})
+    flow.rows.register_fields({"x": FieldSpec.dense(torch.int64, ())}, "p")
     flow.queues.declare_tasks("p", ["t"])
     seen = set()
     for _ in range(40):

@@ -45,7 +45,7 @@ from transferqueue.errors import BadRequestError, RowsLostError, SchemaError
 from transferqueue.loop import LoopThread
 from transferqueue.meta import BatchMeta
 from transferqueue.ragged import Ragged
-from transferqueue.schema import Column, FieldSpec, normalize_columns
+from transferqueue.schema import Column, FieldSpec
 from transferqueue.wire import messages as m
 from transferqueue.wire.replies import KeyListing, KeyRows
 
@@ -147,9 +147,9 @@ class KeyValue:
         keys = _key(key)
         if not isinstance(row, Mapping) or not row:
             raise SchemaError("kv_put needs a non-empty mapping {field name: one row's value}")
-        known = self._specs.known()
+        known = self._specs.known(partition)
         if any(n not in known and not (specs and n in specs) for n in row):
-            known = await self._io.run_async(self._specs.fetch())
+            known = await self._io.run_async(self._specs.refresh(partition))
         known.update(specs or {})
         cols = {n: _one_row(n, v, known.get(n)) for n, v in row.items()}
         return await self._io.run_async(
@@ -167,10 +167,7 @@ class KeyValue:
         specs: Mapping[str, FieldSpec] | None,
         timeout_s: float | None,
     ) -> BatchMeta:
-        known = self._specs.known()
-        if specs:
-            known.update(specs)
-        cols, col_specs, n = normalize_columns(data, known)
+        cols, col_specs, n = await self._specs.normalize(data, partition, specs)
         if n != len(keys):
             raise SchemaError(
                 f"kv put: {len(keys)} keys but the columns have {n} rows; give one row per key"
@@ -186,7 +183,7 @@ class KeyValue:
         )
         versions = header(version, n, "version")
         lengths = header(length, n, "length")
-        await self._specs.register(col_specs)
+        await self._specs.register(col_specs, partition)
         got: KeyRows = await self._ctl.call(msg)
         meta = got.meta
         old = np.ones(n, dtype=bool)

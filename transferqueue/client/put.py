@@ -54,7 +54,7 @@ from transferqueue.loop import LoopThread
 from transferqueue.memcpy import gather_rows
 from transferqueue.meta import BatchMeta
 from transferqueue.ragged import Ragged
-from transferqueue.schema import Column, FieldSpec, normalize_columns
+from transferqueue.schema import Column, FieldSpec
 from transferqueue.wire import messages as m
 
 __all__ = [
@@ -242,12 +242,10 @@ class Writer:
         lease_s: float,
         timeout_s: float | None,
     ) -> BatchMeta:
-        known = self._specs.known()
-        if specs:
-            known.update(specs)
-        cols, col_specs, n = normalize_columns(data, known, keep_device=True)
+        where = partition if meta is None else meta.partition
+        cols, col_specs, n = await self._specs.normalize(data, where, specs, keep_device=True)
         timeout_s = timeout_of(timeout_s)
-        await self._specs.register(col_specs)
+        await self._specs.register(col_specs, where)
         versions = header(version, n, "version")
         lengths = header(length, n, "length")
         if meta is not None:

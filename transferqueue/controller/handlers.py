@@ -113,10 +113,10 @@ class RowHandlers(_Handlers):
     """Fields, and the rows of puts: allocate, commit, discard."""
 
     def register_fields(self, msg: m.RegisterFields, caller: Caller) -> dict[str, FieldSpec]:
-        return self.ctl.rows.register_fields(msg.specs)
+        return self.ctl.rows.register_fields(msg.specs, msg.partition)
 
     def get_specs(self, msg: m.GetSpecs, caller: Caller) -> dict[str, FieldSpec]:
-        return dict(self.ctl.rows.specs)
+        return dict(self.ctl.rows.specs_of(msg.partition))
 
     def lost(self, msg: m.Lost, caller: Caller) -> np.ndarray:
         return self.ctl.rows.lost(msg.indexes)
@@ -343,7 +343,8 @@ class SnapshotHandlers(_Handlers):
         rows = [p.indexes for p in parts]
         indexes = np.concatenate(rows) if rows else np.empty(0, dtype=np.int64)
         hold = self.service.holds.open(indexes, msg.hold_s) if indexes.size else 0
-        return StoreExport(hold, dict(ctl.rows.specs), parts)
+        specs = {p.name: dict(ctl.rows.specs_of(p.name)) for p in parts}
+        return StoreExport(hold, specs, parts)
 
     def hold_export(self, msg: m.HoldExport, caller: Caller) -> Awaitable[None] | None:
         service = self.service

@@ -121,16 +121,19 @@ class Lost(ControllerRequest[np.ndarray]):
 
 
 class RegisterFields(ControllerRequest[dict[str, FieldSpec]]):
-    """A producer's first put of these fields: their specs (a disagreeing spec is an error)."""
+    """A producer's first put of these fields to ``partition``: their specs (one that
+    disagrees with the partition's is an error, unless the partition holds no rows)."""
 
     kind = "register_fields"
     specs: Specs
+    partition: Name = "default"
 
 
 class GetSpecs(ControllerRequest[dict[str, FieldSpec]]):
-    """Every registered field's spec (a reader meeting a field it has not seen)."""
+    """The specs of ``partition``'s fields (a reader meeting a field it has not seen)."""
 
     kind = "get_specs"
+    partition: Name = "default"
 
 
 class Allocate(ControllerRequest[BatchMeta]):

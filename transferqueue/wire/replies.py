@@ -198,7 +198,7 @@ class StoreExport(msgspec.Struct, array_like=True):
     """The reply to ``export_state``: a snapshot of partitions at one controller instant."""
 
     snapshot_id: int  # holds the rows' payload on the units (see ExportHolds); 0: none
-    specs: dict[str, FieldSpec]
+    specs: dict[str, dict[str, FieldSpec]]  # {partition: {field: spec}}
     partitions: list[PartitionExport]
 
 
