@@ -31,7 +31,7 @@ dies comes back after ``lease_s``.
 from __future__ import annotations
 
 import functools
-from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
@@ -163,7 +163,8 @@ class AsyncTransferQueueClient:
         self._handle = handle
         self._a = handle.async_client()
         self.options = options
-        self._schemas: dict[str, dict[str, Any]] = {}
+        # the peer's schema entry per (partition, field): our specs are per partition
+        self._schemas: dict[tuple[str, str], dict[str, Any]] = {}
         self._pools: dict[tuple[str, str, tuple[str, ...]], Pool] = {}
 
     @property
@@ -171,32 +172,57 @@ class AsyncTransferQueueClient:
         """Our async client under the facade, for calls the peer does not have."""
         return self._a
 
-    def _known_schema(self, fields: Sequence[str], specs: dict[str, str] | None = None) -> Any:
-        """The peer's schema of ``fields`` from what this client learnt (``specs``: our
-        field specs, learnt first); None while one of them is unknown here."""
+    def _known_schema(
+        self, partition: str, fields: Sequence[str], specs: Mapping[str, str] | None = None
+    ) -> Any:
+        """The peer's schema of ``fields`` of ``partition`` from what this client learnt
+        (``specs``: our field specs of the partition, learnt first); None while one of them is
+        unknown here."""
         for name, spec in (specs or {}).items():
-            self._schemas.setdefault(name, _schema_from_spec(spec))
-        if specs is None and any(f not in self._schemas for f in fields):
-            return None  # (ask the store's stats once, then it is known)
-        return {f: dict(self._schemas[f]) for f in fields if f in self._schemas}
+            self._schemas[(partition, name)] = _schema_from_spec(spec)
+        if specs is None and any((partition, f) not in self._schemas for f in fields):
+            return None  # (ask the partition's specs once, then they are known)
+        return {
+            f: dict(self._schemas[(partition, f)])
+            for f in fields
+            if (partition, f) in self._schemas
+        }
 
-    async def _schema(self, fields: Sequence[str]) -> dict[str, dict[str, Any]]:
-        got = self._known_schema(fields)
+    async def _schema(self, partition: str, fields: Sequence[str]) -> dict[str, dict[str, Any]]:
+        got = self._known_schema(partition, fields)
         if got is None:
-            got = self._known_schema(fields, (await self._a.stats())["controller"]["fields"])
+            specs = await self._a.specs(partition)
+            got = self._known_schema(partition, fields, {n: s.describe() for n, s in specs.items()})
         return got
 
+    def learn_schema(self, partition: str, cols: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+        """The peer's schema of columns just written to ``partition``, remembered (a cleared
+        partition takes new specs: what was written last is what it holds)."""
+        schema = schema_of(dict(cols))
+        for name, entry in schema.items():
+            self._schemas[(partition, name)] = {
+                k: v for k, v in entry.items() if k != "per_sample_shapes"
+            }
+        return schema
+
     async def write_columns(
-        self, write: Callable[[dict[str, Any]], Awaitable[T]], cols: dict[str, Any]
+        self,
+        write: Callable[[dict[str, Any]], Awaitable[T]],
+        cols: dict[str, Any],
+        partition: str,
     ) -> T:
         """Run ``write(cols)`` (a put of ours); where a dense column's dtype differs from its
         field's (the peer keeps a dtype per row, we one per field), cast it to the field's
         dtype when the cast is exact, and write again. An inexact cast keeps our
-        ``SchemaError``."""
+        ``SchemaError``. A put refused because another client cleared the partition since this
+        one learnt its specs is written again once the specs are read afresh."""
         try:
             return await write(cols)
+        except transferqueue.UnknownFieldError:
+            await self._a.specs(partition)  # (reads them again: the cleared partition has none)
+            return await write(cols)
         except transferqueue.SchemaError:
-            specs = (await self._a.stats())["controller"]["fields"]
+            specs = {n: s.describe() for n, s in (await self._a.specs(partition)).items()}
             cast = dict(cols)
             for name, col in cols.items():
                 known = _schema_from_spec(specs[name]) if name in specs else None
@@ -221,7 +247,7 @@ class AsyncTransferQueueClient:
         return BatchMeta(
             native.indexes.tolist(),
             [native.partition] * n,
-            await self._schema(fields),
+            await self._schema(native.partition, fields),
             np.ones(n, np.int8),
             custom_meta=custom,
             native=native,
@@ -309,7 +335,7 @@ class AsyncTransferQueueClient:
         consumed or not, ready or not; no task's consumption changes. ``production_status``
         says per row whether all ``fields`` are written (a field nobody wrote: 0 for every
         row); ``get_data`` of such a batch needs its rows ready (select them first)."""
-        schema = await self._schema(fields)
+        schema = await self._schema(partition, fields)
         known = [f for f in fields if f in schema]
         st = await self._a.status(partition, fields=known, meta=True)
         native = st.meta
@@ -426,16 +452,13 @@ class AsyncTransferQueueClient:
         if data_parser is not None:
             data = data_parser(data)
         cols, rows = to_columns(data)
-        schema = schema_of(cols)
-        self._schemas.update(
-            {k: {x: y for x, y in v.items() if x != "per_sample_shapes"} for k, v in schema.items()}
-        )
         if metadata is None:
             if partition_id is None:
                 raise ValueError("put needs metadata= or partition_id=")
             native = await self.write_columns(
-                lambda c: self._a.put(c, partition=partition_id), cols
+                lambda c: self._a.put(c, partition=partition_id), cols, partition_id
             )
+            schema = self.learn_schema(partition_id, cols)
             return BatchMeta(
                 native.indexes.tolist(),
                 [partition_id] * rows,
@@ -449,7 +472,10 @@ class AsyncTransferQueueClient:
             raise ValueError(f"put: the TensorDict has {rows} rows, the metadata {metadata.size}")
         leased = metadata.native.lease_id is not None and not metadata.native.acked
         native = metadata.native
-        await self.write_columns(lambda c: self._a.put(c, meta=native, ack=leased), cols)
+        await self.write_columns(
+            lambda c: self._a.put(c, meta=native, ack=leased), cols, native.partition
+        )
+        schema = self.learn_schema(native.partition, cols)
         if metadata.custom_meta_loaded and any(metadata.custom_meta):
             await self._a.set_custom_meta(metadata.native.indexes, metadata.custom_meta)
         out = metadata.copy()
@@ -465,6 +491,8 @@ class AsyncTransferQueueClient:
     # -- partitions --------------------------------------------------------------------------
     async def async_clear_partition(self, partition_id: str) -> None:
         await self._a.clear(partition_id)
+        for key in [k for k in self._schemas if k[0] == partition_id]:
+            del self._schemas[key]  # (a cleared partition forgets its specs)
 
     async def async_clear_samples(self, metadata: BatchMeta) -> None:
         """Free the batch's rows (our ``retire_groups``: a row put through the facade is a
@@ -619,9 +647,12 @@ class TransferQueueClient(AsyncTransferQueueClient):
             native = done.value
         if isinstance(native, int):
             return self._short(task, fields, partition_id, batch_size, native)
-        schema = self._known_schema(fields)
+        schema = self._known_schema(partition_id, fields)
         if schema is None:
-            schema = self._known_schema(fields, sync.stats()["controller"]["fields"])
+            specs = sync.specs(partition_id)
+            schema = self._known_schema(
+                partition_id, fields, {n: s.describe() for n, s in specs.items()}
+            )
         indexes = native.indexes
         return BatchMeta.of_native(native, schema, lambda: sync.get_custom_meta(indexes))
 

@@ -241,13 +241,16 @@ async def async_kv_batch_put(
         if rows != len(keys):
             raise ValueError(f"kv_batch_put: {len(keys)} keys but {rows} rows of fields")
         meta = await _async().write_columns(
-            lambda c: a.kv_batch_put(keys, c, partition=partition_id), cols
+            lambda c: a.kv_batch_put(keys, c, partition=partition_id), cols, partition_id
         )
-        names = list(cols)
+        _async().learn_schema(partition_id, cols)
+        # the peer returns every field the keys hold (this put's and earlier ones')
+        names = list((await a.kv_meta(keys, partition=partition_id)).fields)
     elif tags is None:
         raise ValueError("kv_batch_put needs fields=, tags= or both")
     else:
         meta = await a.kv_meta(keys, partition=partition_id)
+        names = list(meta.fields)
     if tags is not None:
         await a.set_custom_meta(meta.indexes, tags)
     out_tags = tags if tags is not None else await a.get_custom_meta(meta.indexes)
@@ -299,6 +302,13 @@ async def async_kv_batch_get_by_meta(
     if meta.partition_id is None:
         raise ValueError("kv_batch_get_by_meta needs a KVBatchMeta with a partition_id")
     fields = _fields(select_fields) if select_fields is not None else meta.fields
+    if select_fields is not None and (
+        meta.fields is None or any(f not in meta.fields for f in fields or ())
+    ):
+        raise ValueError(
+            f"Some fields assigned in select_fields not found in the metadata. Assigned: "
+            f"{fields}; Fields in KVBatchMeta: {meta.fields}"
+        )
     return await async_kv_batch_get(meta.keys, meta.partition_id, fields)
 
 

@@ -145,3 +145,23 @@ def test_seqlen_balanced_partitions_are_our_balanced_split() -> None:
         get_seqlen_balanced_partitions([1, 2, 3], 2, equal_size=True)
     with pytest.raises(AssertionError):
         get_seqlen_balanced_partitions([1], 3, equal_size=False)
+
+
+def test_kv_puts_return_every_field_the_keys_hold(store: tq.TransferQueueClient) -> None:
+    first = tq.kv_put("k", "p", fields=TensorDict({"a": torch.tensor([[1, 2]])}, batch_size=1))
+    assert first.fields == ["a"]
+    second = tq.kv_put("k", "p", fields=TensorDict({"b": torch.tensor([[3]])}, batch_size=1))
+    assert sorted(second.fields or ()) == ["a", "b"]
+    assert tq.kv_put("k", "p", tag={"s": 1}).fields == second.fields
+    with pytest.raises(ValueError, match="select_fields not found"):
+        tq.kv_batch_get_by_meta(second, select_fields=["a", "nope"])
+    assert tq.kv_batch_get_by_meta(second, select_fields="b")["b"].tolist() == [[3]]
+
+
+def test_a_partition_cleared_by_another_client_takes_new_shapes(
+    store: tq.TransferQueueClient,
+) -> None:
+    tq.kv_put("k", "p", fields={"x": torch.tensor([1, 2, 3])})
+    store.native_sync.clear("p")  # another client: this one's specs of "p" are stale
+    tq.kv_put("k", "p", fields={"x": torch.tensor([1, 2, 3, 4])})
+    assert tq.kv_batch_get("k", "p")["x"].tolist() == [[1, 2, 3, 4]]
