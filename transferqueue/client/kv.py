@@ -45,7 +45,7 @@ from transferqueue.errors import BadRequestError, RowsLostError, SchemaError
 from transferqueue.loop import LoopThread
 from transferqueue.meta import BatchMeta
 from transferqueue.ragged import Ragged
-from transferqueue.schema import Column, FieldSpec
+from transferqueue.schema import NUMERIC_KINDS, Column, FieldSpec
 from transferqueue.wire import messages as m
 from transferqueue.wire.replies import KeyListing, KeyRows
 
@@ -69,8 +69,8 @@ def _one_row(name: str, value: Any, known: FieldSpec | None) -> Any:
     """One row's value as a column of one row: a tensor is a row of a dense field (of a
     ragged one when the field is ragged), a Ragged must hold one row, anything else is an
     object value."""
-    if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
-        value = torch.from_numpy(value)
+    if isinstance(value, np.ndarray):
+        value = torch.from_numpy(value) if value.dtype.kind in NUMERIC_KINDS else value.tolist()
     if isinstance(value, torch.Tensor):
         return [value] if known is not None and known.kind == "ragged" else value.unsqueeze(0)
     if isinstance(value, Ragged):
