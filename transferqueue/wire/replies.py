@@ -74,6 +74,8 @@ class KeyListing:
     """int64: each key's row."""
     ready: dict[str, np.ndarray] = field(default_factory=dict)
     """Per field, bool: that key's row has the field written."""
+    tags: list[dict[str, Any]] | None = None
+    """Asked with ``tags=True`` (filled by the client): each key's tags (``{}``: none)."""
 
     def __post_init__(self) -> None:  # (also what a decoded reply holds)
         n = len(self.keys)
