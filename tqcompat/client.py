@@ -563,8 +563,16 @@ class AsyncTransferQueueClient:
         self, data_fields: list[str], partition_id: str
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``(global_indexes, produced)``: every live row and whether all ``data_fields``
-        are written (1) or not (0)."""
-        st = await self._a.status(partition_id, fields=_check_fields(data_fields))
+        are written (1) or not (0); ``(None, None)`` for a partition or a field the store does
+        not know (never written, or cleared), as the peer."""
+        try:
+            st = await self._a.status(partition_id, fields=_check_fields(data_fields))
+        except transferqueue.UnknownFieldError:
+            return None, None
+        except ValueError:  # (our BadRequestError: an unknown partition is one)
+            if partition_id in (await self._a.stats())["controller"]["partitions"]:
+                raise
+            return None, None
         ready = np.logical_and.reduce([st.ready[f] for f in data_fields]) if len(st) else []
         return torch.from_numpy(st.indexes.copy()), torch.as_tensor(ready, dtype=torch.int8)
 

@@ -229,30 +229,27 @@ async def async_kv_batch_put(
     data_parser: Any = None,
 ) -> KVBatchMeta:
     """Write one row per key (new keys get rows; existing ones get the fields written) and
-    set their tags."""
+    set their tags, in one put of ours; tags without fields make keys that hold only tags
+    (their fields come later), as the peer's."""
     a = _async().native
     if tags is not None and len(tags) != len(keys):
         raise ValueError(f"kv_batch_put: {len(keys)} keys but {len(tags)} tags; one per key")
-    names: list[str] | None = None
+    if fields is None and tags is None:
+        raise ValueError("kv_batch_put needs fields=, tags= or both")
+    cols: dict[str, Any] = {}
     if fields is not None:
         if data_parser is not None:
             fields = data_parser(fields)
         cols, rows = to_columns(fields)
         if rows != len(keys):
             raise ValueError(f"kv_batch_put: {len(keys)} keys but {rows} rows of fields")
-        meta = await _async().write_columns(
-            lambda c: a.kv_batch_put(keys, c, partition=partition_id), cols, partition_id
-        )
+    meta = await _async().write_columns(
+        lambda c: a.kv_batch_put(keys, c, partition=partition_id, tags=tags), cols, partition_id
+    )
+    if cols:
         _async().learn_schema(partition_id, cols)
-        # the peer returns every field the keys hold (this put's and earlier ones')
-        names = list((await a.kv_meta(keys, partition=partition_id)).fields)
-    elif tags is None:
-        raise ValueError("kv_batch_put needs fields=, tags= or both")
-    else:
-        meta = await a.kv_meta(keys, partition=partition_id)
-        names = list(meta.fields)
-    if tags is not None:
-        await a.set_custom_meta(meta.indexes, tags)
+    # the peer returns every field the keys hold (this put's and earlier ones')
+    names = list((await a.kv_meta(keys, partition=partition_id)).fields)
     out_tags = tags if tags is not None else await a.get_custom_meta(meta.indexes)
     return KVBatchMeta(list(keys), list(out_tags), partition_id, names)
 
@@ -322,11 +319,10 @@ async def async_kv_list(partition_id: str | None = None) -> dict[str, dict[str, 
         names = [partition_id]
     out: dict[str, dict[str, Any]] = {}
     for name in names:
-        listing = await a.kv_list(name)
+        listing = await a.kv_list(name, tags=True)
         if partition_id is not None and not len(listing):
             continue  # the peer lists no partition without keys
-        tags = await a.get_custom_meta(listing.indexes) if len(listing) else []
-        out[name] = dict(zip(listing.keys, tags, strict=True))
+        out[name] = dict(zip(listing.keys, listing.tags or [], strict=True))
     return out
 
 

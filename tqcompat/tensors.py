@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from itertools import repeat
 from typing import Any
 
+import numpy as np
 import torch
 
 from transferqueue import Ragged
@@ -93,6 +94,16 @@ def _column(name: str, value: Any) -> Any:
                 f"({[tuple(r.shape) for r in rows]}) has no ragged layout; pad the inner axes"
             )
         return Ragged.from_tensors(rows, value.dtype)
+    # a numpy array in a TensorDict (strings, bytes, objects) is one NonTensorData for the
+    # batch, its rows along the first axis: our put takes the array as its column
+    data = getattr(value, "data", None)
+    if (
+        isinstance(value, _tensordict().NonTensorData)
+        and isinstance(data, np.ndarray)
+        and data.ndim
+        and len(data) == value.batch_size[0]
+    ):
+        return data
     tolist = getattr(value, "tolist", None)
     if callable(tolist):  # NonTensorStack, numpy arrays of objects
         return list(tolist())

@@ -165,3 +165,52 @@ def test_a_partition_cleared_by_another_client_takes_new_shapes(
     store.native_sync.clear("p")  # another client: this one's specs of "p" are stale
     tq.kv_put("k", "p", fields={"x": torch.tensor([1, 2, 3, 4])})
     assert tq.kv_batch_get("k", "p")["x"].tolist() == [[1, 2, 3, 4]]
+
+
+def test_tags_only_puts_create_keys_that_get_fields_later(store: tq.TransferQueueClient) -> None:
+    # verl's pattern: register prompts by tags, flip their status, write trajectories later
+    meta = tq.kv_batch_put(["u1", "u2"], "train", tags=[{"status": "pending"}] * 2)
+    assert (meta.keys, meta.fields) == (["u1", "u2"], [])
+    tq.kv_put("u1", "train", tag={"status": "running"})
+    assert tq.kv_list("train") == {
+        "train": {"u1": {"status": "running"}, "u2": {"status": "pending"}}
+    }
+    done = tq.kv_put("u1", "train", fields={"ids": torch.tensor([1, 2, 3])})
+    assert done.fields == ["ids"] and done.tags == [{"status": "running"}]
+    assert tq.kv_batch_get("u1", "train")["ids"].tolist() == [[1, 2, 3]]
+    tq.kv_clear(["u1", "u2"], "train")
+    assert tq.kv_list("train") == {}
+
+
+def test_numpy_strings_and_bytes_round_trip(store: tq.TransferQueueClient) -> None:
+    cols = {"s": np.array([b"x", b"yz\x00"], dtype="S4"), "u": np.array(["é", "ab"])}
+    tq.kv_batch_put(["a", "b"], "p", cols)
+    got = tq.kv_batch_get(["b", "a"], "p")
+    assert got["s"].tolist() == [b"yz", b"x"]  # (numpy's S drops trailing NULs)
+    assert got["u"].tolist() == ["ab", "é"]
+
+
+def test_numpy_arrays_in_a_tensordict_are_columns_of_rows(store: tq.TransferQueueClient) -> None:
+    data = TensorDict(
+        {
+            "s": np.array([b"a", b"bc", b"d"], dtype="S4"),
+            "o": np.array(["x", {"k": 1}, None], dtype=object),
+            "f": torch.arange(3),
+        },
+        batch_size=3,
+    )
+    meta = store.put(data, partition_id="p")
+    got = store.get_data(meta)
+    assert got["s"].tolist() == [b"a", b"bc", b"d"]
+    assert got["o"].tolist() == ["x", {"k": 1}, None]
+
+
+def test_production_status_of_what_the_store_does_not_know(
+    store: tq.TransferQueueClient,
+) -> None:
+    assert store.get_production_status(["x"], "nowhere") == (None, None)
+    store.put(TensorDict({"x": torch.ones(2, 1)}, batch_size=2), partition_id="p")
+    assert store.check_production_status(["x"], "p")
+    assert store.get_production_status(["never"], "p") == (None, None)
+    store.clear_partition("p")
+    assert not store.check_production_status(["x"], "p")

@@ -102,11 +102,6 @@ def _verl_sources(tmp: Path) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="8/45: verl registers prompts by tags-only kv puts of new keys, which the native "
-    "store does not hold yet (rows that hold only metadata, issue 61)",
-)
 def test_verls_replay_buffer_test_passes_on_the_facade(tmp_path: Path) -> None:
     here = _verl_sources(tmp_path)
     path = os.pathsep.join((SHIM_PATH, str(ROOT), str(here / "site")))
