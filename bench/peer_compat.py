@@ -121,16 +121,9 @@ EXCLUDED: dict[str, str] = {
     "::test_no_partial_state_on_failed_save": (
         "patches the peer client's private save_storage_checkpoint"
     ),
-    **{
-        f"tests/e2e/test_e2e_lifecycle_consistency.py::{test}": (
-            "allocates rows with get_meta(mode='insert'), the peer's internal step of put "
-            "(its docs: not for users), refused here: put(data, partition_id=...) writes rows"
-        )
-        for test in ("test_cross_shard_complex_update", "test_production_status_lifecycle")
-    },
     "tests/e2e/test_e2e_lifecycle_consistency.py::test_dynamic_tensor_shape_nested_transition": (
-        "get_meta(mode='insert') as above, and asserts that a dense field reads back as a nested "
-        "tensor; here a dense field reads back dense (torch.equal to what was put)"
+        "asserts that a dense field reads back as a nested tensor (the peer's reads are "
+        "nested); here a dense field reads back dense, torch.equal to what was put"
     ),
     **{
         f"tests/e2e/test_kv_interface_e2e.py::{test}": (

@@ -14,6 +14,9 @@ Each call lands on our public client in one or two calls:
 | ``clear_samples(m)``                       | ``retire_groups(m.native.groups)`` (own group)|
 | ``get_meta(..., mode="force_fetch")``      | ``status(p, fields=..., meta=True)`` (no wait,|
 |                                            | no lease, every live row)                     |
+| ``get_meta(..., mode="insert")``           | ``put({}, partition=p, tags=[{}] * n)``: new  |
+|                                            | rows holding no field yet (``put(td,          |
+|                                            | metadata=m)`` writes them)                    |
 | ``get_consumption_status(task, p)``        | ``status(p, task=task)``                      |
 | ``get_production_status(fields, p)``       | ``status(p, fields=fields)``                  |
 | ``reset_consumption(p, task)``             | ``reset_consumption(task, p)`` (per task)     |
@@ -41,7 +44,7 @@ import torch
 import transferqueue
 from tqcompat.metadata import BatchMeta
 from tqcompat.sampler import BaseSampler, Pool
-from tqcompat.tensors import from_columns, schema_of, to_columns
+from tqcompat.tensors import from_columns, schema_from_spec, schema_of, to_columns
 
 __all__ = ["AsyncTransferQueueClient", "Options", "TransferQueueClient"]
 
@@ -50,10 +53,6 @@ _POOL_LEASE_S = 86400.0  # pooled rows stay leased to this process (our longest 
 
 P = ParamSpec("P")
 T = TypeVar("T")
-
-_DTYPES = {
-    str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
-}
 
 
 @dataclass(kw_only=True)
@@ -94,14 +93,12 @@ def _check_get_meta(
     data_fields: Any, batch_size: Any, mode: str, task_name: str | None
 ) -> tuple[list[str], str]:
     fields = _check_fields(data_fields)
+    if mode not in ("fetch", "force_fetch", "insert"):
+        raise ValueError(f"Invalid mode: {mode!r} (expected 'fetch', 'force_fetch' or 'insert')")
     if mode == "insert":
-        raise ValueError(
-            "get_meta(mode='insert') is not served by the transfer_queue facade: it is the "
-            "peer's internal step of put() without metadata (the peer's docs: 'should not be "
-            "used by users'); call put(data, partition_id=...) to write new rows"
-        )
-    if mode not in ("fetch", "force_fetch"):
-        raise ValueError(f"Invalid mode: {mode!r} (expected 'fetch' or 'force_fetch')")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        return fields, ""
     if mode == "force_fetch":
         return fields, ""  # (no task, no batch size: every live row, see _force_fetch)
     if task_name is None:
@@ -137,23 +134,6 @@ def _check_fields(data_fields: Any) -> list[str]:
     return list(data_fields)
 
 
-def _schema_from_spec(spec: str) -> dict[str, Any]:
-    """The peer's schema entry of one of our field specs as ``stats`` describes it
-    (``"dense int64 [2]"``, ``"ragged float32 []"``, ``"object"``)."""
-    kind, *rest = spec.split(" ", 2)
-    if kind == "object":
-        return {"dtype": None, "shape": None, "is_nested": False, "is_non_tensor": True}
-    dtype = _DTYPES.get(rest[0]) if rest else None
-    dims = rest[1].strip("[]") if len(rest) > 1 else ""
-    shape = tuple(int(d) for d in dims.split(",") if d.strip())
-    return {
-        "dtype": dtype,
-        "shape": torch.Size(shape) if kind == "dense" else None,
-        "is_nested": kind == "ragged",
-        "is_non_tensor": False,
-    }
-
-
 class AsyncTransferQueueClient:
     """The peer's asyncio client: ``async_get_meta``, ``async_put``, ``async_get_data``...
     Get the process's client from ``tq.get_client()`` (a :class:`TransferQueueClient`, which
@@ -179,7 +159,7 @@ class AsyncTransferQueueClient:
         (``specs``: our field specs of the partition, learnt first); None while one of them is
         unknown here."""
         for name, spec in (specs or {}).items():
-            self._schemas[(partition, name)] = _schema_from_spec(spec)
+            self._schemas[(partition, name)] = schema_from_spec(spec)
         if specs is None and any((partition, f) not in self._schemas for f in fields):
             return None  # (ask the partition's specs once, then they are known)
         return {
@@ -225,7 +205,7 @@ class AsyncTransferQueueClient:
             specs = {n: s.describe() for n, s in (await self._a.specs(partition)).items()}
             cast = dict(cols)
             for name, col in cols.items():
-                known = _schema_from_spec(specs[name]) if name in specs else None
+                known = schema_from_spec(specs[name]) if name in specs else None
                 if (
                     known is None
                     or not isinstance(col, torch.Tensor)
@@ -268,6 +248,8 @@ class AsyncTransferQueueClient:
         fields, task = _check_get_meta(data_fields, batch_size, mode, task_name)
         if mode == "force_fetch":
             return await self._force_fetch(fields, partition_id)
+        if mode == "insert":
+            return await self._insert(fields, partition_id, batch_size)
         if self.options.user_sampler is not None:
             return await self._get_meta_sampled(
                 fields, batch_size, partition_id, task, sampling_config or {}
@@ -328,6 +310,17 @@ class AsyncTransferQueueClient:
         if not o.leases and not native.acked:
             yield "ack", (native,), {}
         return native
+
+    async def _insert(self, fields: list[str], partition: str, batch_size: int) -> BatchMeta:
+        """The peer's ``get_meta(mode="insert")``: ``batch_size`` new rows of ``partition``
+        that hold no field yet (our put of tags only), none ready; ``put(data, metadata=m)``
+        (of the batch or of rows selected from it) writes their fields."""
+        native = await self._a.put({}, partition=partition, tags=[{}] * batch_size)
+        n = len(native)
+        schema = await self._schema(partition, fields)  # (the fields written there before)
+        return BatchMeta(
+            native.indexes.tolist(), [partition] * n, schema, np.zeros(n, np.int8), native=native
+        )
 
     async def _force_fetch(self, fields: list[str], partition: str) -> BatchMeta:
         """The peer's ``get_meta(mode="force_fetch")``: every live row of ``partition`` in
@@ -638,6 +631,8 @@ class TransferQueueClient(AsyncTransferQueueClient):
         fields, task = _check_get_meta(data_fields, batch_size, mode, task_name)
         if mode == "force_fetch":
             return self.run(self._force_fetch(fields, partition_id))
+        if mode == "insert":
+            return self.run(self._insert(fields, partition_id, batch_size))
         if self.options.user_sampler is not None:
             return self.run(
                 self._get_meta_sampled(

@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("tensordict", reason="needs the compat extra")
 
-from tensordict import TensorDict
+from tensordict import NonTensorData, TensorDict
 
 import tqcompat as tq
 from tqcompat import BatchMeta, KVBatchMeta
@@ -199,10 +199,14 @@ def test_numpy_arrays_in_a_tensordict_are_columns_of_rows(store: tq.TransferQueu
         },
         batch_size=3,
     )
+    data["rows"] = NonTensorData(data=[{"i": 0}, {"i": 1}, {"i": 2}], batch_size=(3,))
+    data["same"] = NonTensorData(data="all", batch_size=(3,))
     meta = store.put(data, partition_id="p")
     got = store.get_data(meta)
     assert got["s"].tolist() == [b"a", b"bc", b"d"]
     assert got["o"].tolist() == ["x", {"k": 1}, None]
+    assert got["rows"].tolist() == [{"i": 0}, {"i": 1}, {"i": 2}]
+    assert got["same"].tolist() == ["all"] * 3
 
 
 def test_production_status_of_what_the_store_does_not_know(
@@ -214,3 +218,19 @@ def test_production_status_of_what_the_store_does_not_know(
     assert store.get_production_status(["never"], "p") == (None, None)
     store.clear_partition("p")
     assert not store.check_production_status(["x"], "p")
+
+
+def test_insert_mode_allocates_rows_whose_fields_come_later(
+    store: tq.TransferQueueClient,
+) -> None:
+    alloc = store.get_meta(["a", "b"], 4, "p", mode="insert", task_name="allocator")
+    assert alloc.size == 4 and not alloc.is_ready
+    with pytest.raises(TimeoutError):  # nothing is handed out before its fields are written
+        store.get_meta(["a"], 1, "p", task_name="t")
+    store.put(TensorDict({"a": torch.arange(2)}, batch_size=2), metadata=alloc[0:2])
+    store.put(TensorDict({"a": torch.arange(2, 4)}, batch_size=2), metadata=alloc[2:4])
+    assert store.check_production_status(["a"], "p")
+    assert not store.check_production_status(["a", "b"], "p")  # b: never written
+    got = store.get_meta(["a"], 4, "p", task_name="t")
+    assert sorted(got.global_indexes) == sorted(alloc.global_indexes)
+    assert sorted(store.get_data(got)["a"].tolist()) == [0, 1, 2, 3]
