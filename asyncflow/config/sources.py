@@ -36,12 +36,12 @@ from engines.tasks import TASKS, task_class
 __all__ = [
     "COMMAND_LINE",
     "DEFAULT",
+    "PRESETS",
     "RECIPE_KEYS",
     "annotated_yaml",
     "leaf_keys",
     "merge",
     "recipe_layers",
-    "PRESETS",
     "section_value",
     "set_key",
     "touched",

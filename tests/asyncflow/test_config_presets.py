@@ -14,8 +14,8 @@ import pytest
 
 from asyncflow.cli import main
 from asyncflow.config.load import load_config_sources
-from asyncflow.config.sources import PRESETS
 from asyncflow.config.sections import ConfigError
+from asyncflow.config.sources import PRESETS
 from engines.envs.base import ENVIRONMENTS
 from engines.tasks import TASKS
 
