@@ -103,7 +103,8 @@ class AgentRunner:
         host: where the endpoint listens (loopback by default).
         port: its port (0: a free one).
         api_key: the bearer token it asks of every request (None: none).
-        max_prompt_tokens: longer first prompts get 400 ``context_length_exceeded``.
+        context_tokens: the policy's context: a call whose prompt and asked-for tokens pass it
+            gets 400 ``context_length_exceeded`` (None: no bound; see ``OpenAIServer``).
     """
 
     writes_prompt = True
@@ -120,7 +121,7 @@ class AgentRunner:
         host: str = "127.0.0.1",
         port: int = 0,
         api_key: str | None = None,
-        max_prompt_tokens: int = 4096,
+        context_tokens: int | None = None,
     ) -> None:
         require("openai", extra="agents", what="the agent seam (rollout.agent)")
         require("aiohttp", extra="agents", what="the agent seam (rollout.agent)")
@@ -132,7 +133,7 @@ class AgentRunner:
             host=host,
             port=port,
             api_key=api_key,
-            max_prompt_tokens=max_prompt_tokens,
+            context_tokens=context_tokens,
         )
         self._http: Any = None
         self._started: asyncio.Task[str] | None = None

@@ -21,7 +21,8 @@ Beside OpenAI's fields, every answer carries (token-in/token-out: a client never
 | ``session_id``              | the response   | the session (null outside one)              |
 
 Errors are OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for a
-malformed request, an oversize prompt, a spent budget, a rewritten history or a finished
+malformed request, a prompt past the policy's context less the tokens asked for
+(``context_length_exceeded``), a spent budget, a rewritten history or a finished
 session; 401 for a missing or wrong bearer token (``api_key``); 404 for an unknown model,
 session or route; 500 when the engine failed. A handler's error is an error answer, never a
 dead server. ``stream: true`` and ``n > 1`` are refused (400).
@@ -74,7 +75,10 @@ class OpenAIServer:
         host: where to listen (loopback by default).
         port: the port (0: a free one).
         api_key: the bearer token requests must carry (None: none needed).
-        max_prompt_tokens: longer prompts get 400 ``context_length_exceeded``.
+        context_tokens: the policy's context (``max_position_embeddings``, or the engine's
+            ``max_model_len``): a prompt longer than it less the tokens the request asks for
+            (``max_tokens``, else the sampling default) gets 400 ``context_length_exceeded``,
+            as OpenAI answers. None: no bound.
     """
 
     def __init__(
@@ -87,15 +91,17 @@ class OpenAIServer:
         host: str = "127.0.0.1",
         port: int = 0,
         api_key: str | None = None,
-        max_prompt_tokens: int = 4096,
+        context_tokens: int | None = None,
     ) -> None:
+        if context_tokens is not None and context_tokens < 2:
+            raise ValueError(f"context_tokens must be >= 2 or None, got {context_tokens}")
         self.codec = ChatCodec(tokenizer)
         self.model = model
         self.engine = engine
         self.params = params or SamplingParams()
         self.host, self.port = host, port
         self.api_key = api_key
-        self.max_prompt_tokens = max_prompt_tokens
+        self.context_tokens = context_tokens
         self.url = ""
         """``http://host:port`` once started."""
         self._sessions: dict[str, Session] = {}
@@ -294,14 +300,7 @@ class OpenAIServer:
             raise APIError(
                 400, "invalid_value", "max_tokens must be an integer >= 1", param="max_tokens"
             )
-        first = session is None or session.prompt is None
-        if first and len(ids) > self.max_prompt_tokens:
-            raise APIError(
-                400,
-                "context_length_exceeded",
-                f"the prompt has {len(ids)} tokens; at most {self.max_prompt_tokens}",
-                param="messages",
-            )
+        self._check_context(session, ids, max_tokens)
         if session is not None:
             async with session.lock:
                 return await session.complete(ids, max_tokens)
@@ -312,6 +311,32 @@ class OpenAIServer:
             [torch.tensor(ids, dtype=torch.int64)], params
         )
         return gens[0]
+
+    def _check_context(
+        self, session: Session | None, ids: list[int], max_tokens: int | None
+    ) -> None:
+        """Refuse a prompt the policy cannot read with the tokens the request asks for: the
+        limit is the context less those tokens (every call of a session too: its prompt grows
+        by the episode's turns)."""
+        context = self.context_tokens
+        if context is None:
+            return
+        if session is None:  # the request's own max_tokens, else the endpoint's default
+            asked = max_tokens or self.params.max_new_tokens
+        else:  # a session samples the run's tokens per turn, max_tokens a further cap
+            asked = min(session.params.max_new_tokens, max_tokens or session.params.max_new_tokens)
+        if len(ids) + asked <= context:
+            return
+        if session is not None and session.prompt is not None:
+            session.end_reason = "max_tokens"  # the episode has filled the model's context
+        raise APIError(
+            400,
+            "context_length_exceeded",
+            f"This model's maximum context length is {context} tokens. However, you requested "
+            f"{len(ids) + asked} tokens ({len(ids)} in the messages, {asked} in the "
+            "completion). Please reduce the length of the messages or completion.",
+            param="messages",
+        )
 
 
 async def _body(request: web.Request, model: str) -> dict[str, Any]:

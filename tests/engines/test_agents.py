@@ -106,12 +106,65 @@ def test_openai_client_chat_completions_models_and_extension_fields(
     asyncio.run(within(main(), 60.0))
 
 
+def test_a_prompt_past_the_models_context_is_refused(
+    tiny_tokenizer: Any, engine: HFGenerationEngine, tiny_dir: Path
+) -> None:
+    """The tiny model reads 512 positions: a prompt and the tokens asked for must fit in them,
+    outside a session and on every call of one (its prompt grows by the episode's turns)."""
+    context = json.loads((tiny_dir / "config.json").read_text())["max_position_embeddings"]
+    assert context == 512
+
+    async def main() -> None:
+        server = OpenAIServer(tiny_tokenizer, engine=engine, params=PARAMS, context_tokens=context)
+        await server.start()
+        try:
+            client = openai.AsyncOpenAI(base_url=server.base_url(), api_key="-", max_retries=0)
+            fits = await client.completions.create(model="policy", prompt=[5] * 509, max_tokens=3)
+            assert fits.model_extra["prompt_token_ids"] == [5] * 509
+            with pytest.raises(openai.BadRequestError) as over:  # one token too many
+                await client.completions.create(model="policy", prompt=[5] * 510, max_tokens=3)
+            assert over.value.code == "context_length_exceeded"
+            assert "maximum context length is 512 tokens" in str(over.value)
+            assert "513 tokens (510 in the messages, 3 in the completion)" in str(over.value)
+            # without max_tokens the endpoint's default is asked for (PARAMS: 6 tokens)
+            with pytest.raises(openai.BadRequestError) as default:
+                await client.completions.create(model="policy", prompt=[5] * 507)
+            assert default.value.code == "context_length_exceeded"
+            text = "1 + 2 = 3, " * 120  # a chat prompt of about 700 tokens
+            assert len(tiny_tokenizer(text)["input_ids"]) > 512
+            with pytest.raises(openai.BadRequestError) as chat:
+                await client.chat.completions.create(
+                    model="policy", messages=[{"role": "user", "content": text}]
+                )
+            assert chat.value.code == "context_length_exceeded"
+
+            # a session: its second call passes the context (the episode budget would allow it)
+            rec = Recorder(engine)
+            session = server.open_session(rec, PARAMS, EpisodeLimits(max_tokens=10_000))
+            sc = openai.AsyncOpenAI(base_url=server.base_url(session), api_key="-", max_retries=0)
+            first = await sc.completions.create(model="policy", prompt=[5] * 400)
+            grown = (
+                first.model_extra["prompt_token_ids"] + first.choices[0].model_extra["token_ids"]
+            )
+            with pytest.raises(openai.BadRequestError) as later:
+                await sc.completions.create(model="policy", prompt=grown + [7] * 120)
+            assert later.value.code == "context_length_exceeded"
+            assert len(rec.gens) == 1 and session.end_reason == "max_tokens"
+            # the server is still up
+            ok = await client.completions.create(model="policy", prompt=[5, 6], max_tokens=2)
+            assert ok.choices[0].model_extra["token_ids"]
+        finally:
+            await server.close()
+
+    asyncio.run(within(main(), 60.0))
+
+
 def test_bad_requests_get_openai_errors_and_the_server_stays_up(
     tiny_tokenizer: Any, engine: HFGenerationEngine
 ) -> None:
     async def main() -> None:
         server = OpenAIServer(
-            tiny_tokenizer, engine=engine, params=PARAMS, api_key="k", max_prompt_tokens=32
+            tiny_tokenizer, engine=engine, params=PARAMS, api_key="k", context_tokens=38
         )
         await server.start()
         try:
