@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import secrets
 import time
 from collections import OrderedDict
@@ -51,12 +52,15 @@ from transformers import PreTrainedTokenizerBase
 
 from engines.agents.codec import ChatCodec, parse_tool_calls
 from engines.agents.session import APIError, Session
+from engines.episodes.causes import CauseLog
 from engines.episodes.runner import EpisodeLimits, TurnGenerate
 from engines.imports import require
 from engines.protocols import Generation, SamplingParams
 
 if TYPE_CHECKING:
     from aiohttp import web
+
+log = logging.getLogger(__name__)
 
 __all__ = ["OpenAIServer"]
 
@@ -108,6 +112,7 @@ class OpenAIServer:
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._runner: web.AppRunner | None = None
         self._ids = itertools.count()
+        self._refusals = CauseLog(log, "the agent endpoint refused a request")
 
     async def start(self) -> str:
         """Listen (on the running loop); returns :attr:`url`. Idempotent."""
@@ -155,6 +160,15 @@ class OpenAIServer:
         """The ``base_url`` an OpenAI client is given (of ``session``, or outside one)."""
         return f"{self.url}/sessions/{session.id}/v1" if session else f"{self.url}/v1"
 
+    def _refused(self, request: web.Request, error: APIError) -> None:
+        """Count a refused request by its code in its session (the episode's ``refused``
+        stats, summed per step) and log the first of each code at WARNING with its message
+        (:class:`engines.episodes.causes.CauseLog`)."""
+        session = self._sessions.get(request.match_info.get("session", ""))
+        if session is not None:
+            session.refused[error.code] = session.refused.get(error.code, 0) + 1
+        self._refusals.report(error.code, f"{request.method} {request.path}: {error}")
+
     # --- handlers ---------------------------------------------------------------------------
 
     def _middleware(self) -> Callable[..., Awaitable[web.StreamResponse]]:
@@ -171,6 +185,7 @@ class OpenAIServer:
                         raise APIError(401, "invalid_api_key", "missing or wrong bearer token")
                 return await handler(request)
             except APIError as e:
+                self._refused(request, e)
                 return web.json_response(e.body(), status=e.status)
             except web.HTTPException as e:  # routing: unknown path or method
                 err = APIError(

@@ -69,7 +69,15 @@ class EnvError(RuntimeError):
     (any other exception there is treated the same way; this one says it on purpose and
     carries a message meant for the run's log). The episode runner raises it too, for a call
     past its bound and for a malformed answer. Its episode is retried on a fresh environment
-    and, failing that, ends ``env_error`` and its group is dropped (never trained)."""
+    and, failing that, ends ``env_error`` and its group is dropped (never trained).
+
+    ``cause`` says why, for the run's counts and log (:mod:`engines.episodes.causes`:
+    ``connection_refused``, ``connection_lost``, ``timeout``, ``protocol_error``, or
+    ``env_raised``, the default)."""
+
+    def __init__(self, message: str, *, cause: str = "env_raised") -> None:
+        super().__init__(message)
+        self.cause = cause
 
 
 @dataclass

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -304,7 +305,7 @@ def test_a_history_rewrite_is_refused_and_the_trajectory_kept(
 
 
 def test_budgets_answer_the_agent_and_never_hang(
-    tiny_tokenizer: Any, engine: HFGenerationEngine
+    tiny_tokenizer: Any, engine: HFGenerationEngine, caplog: pytest.LogCaptureFixture
 ) -> None:
     errors: list[str | None] = []
 
@@ -322,9 +323,17 @@ def test_budgets_answer_the_agent_and_never_hang(
     ep, _ = run_agent(tiny_tokenizer, engine, agent, EpisodeLimits(max_turns=2, max_tokens=200))
     assert errors == ["turn_limit_exceeded"] and ep.num_turns == 2 and ep.end_reason == "max_turns"
     errors.clear()
-    ep, _ = run_agent(tiny_tokenizer, engine, agent, EpisodeLimits(max_turns=5, max_tokens=8))
+    assert ep.stats["refused"] == {"turn_limit_exceeded": 1}  # counted in the step's record
+    errors.clear()
+    with caplog.at_level(logging.WARNING, logger="engines.agents.server"):
+        ep, _ = run_agent(tiny_tokenizer, engine, agent, EpisodeLimits(max_turns=5, max_tokens=8))
     assert errors == ["context_length_exceeded"] and ep.end_reason == "max_tokens"
     assert int(ep.token_ids.numel()) <= 8
+    assert ep.stats["refused"] == {"context_length_exceeded": 1}
+    logged = [r.getMessage() for r in caplog.records if r.name == "engines.agents.server"]
+    assert len(logged) == 2  # the first refusal of each code, at WARNING
+    assert "refused a request (turn_limit_exceeded)" in logged[0]
+    assert "refused a request (context_length_exceeded)" in logged[1] and "budget" in logged[1]
 
 
 @pytest.mark.parametrize("how", ["raises", "hangs", "bad_reward"])
@@ -348,6 +357,11 @@ def test_an_agent_that_fails_ends_its_episode_only(
     else:  # infrastructure: tried again from the start, then no verdict (its group is dropped)
         assert ep.end_reason == "env_error" and ep.episode_reward != ep.episode_reward, ep.error
         assert len(rec.gens) == 2 and ep.stats["retries"] == 1
+        # counted by cause, the first message of each kept for the step's record
+        cause = "agent_raised" if how == "raises" else "protocol_error"
+        assert ep.stats["failures"] == {cause: 2}
+        words = "KeyError: 'no such tool'" if how == "raises" else "'yes', not a finite number"
+        assert words in ep.stats["failure_messages"][cause]
     assert ep.num_turns == 1 and torch.equal(ep.token_ids, rec.gens[-1].token_ids)
 
 
