@@ -196,7 +196,7 @@ def run_case(
         sc = setup.client()
         for p in partitions:
             sc.declare_tasks(["load"], partition=p)
-        ctl, unit = svc.pids[:2]  # the controller first, then the unit
+        unit, ctl = svc.pids[0], svc.pids[-1]  # units are started first, the controller last
         before = {pid: _proc_stats(pid) for pid in (ctl, unit)}
         workers = []
         first = 0
