@@ -212,9 +212,12 @@ def test_a_multi_call_session_records_exactly_the_sampled_tokens(
 ) -> None:
     whole: list[int] = []  # conversations tokenized as a whole: the first call's only
     chat_ids = ChatCodec.chat_ids
-    monkeypatch.setattr(
-        ChatCodec, "chat_ids", lambda self, *a, **k: whole.append(1) or chat_ids(self, *a, **k)
-    )
+
+    def counted(self: ChatCodec, *a: Any, **k: Any) -> list[int]:
+        whole.append(1)
+        return chat_ids(self, *a, **k)
+
+    monkeypatch.setattr(ChatCodec, "chat_ids", counted)
 
     async def agent(row: dict[str, Any], client: Any) -> float:
         messages: list[Any] = [{"role": "user", "content": row["prompt"]}]

@@ -4,6 +4,7 @@ included; answer extraction; a held-out seed; the missing extra fails before the
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import pytest
 
@@ -17,7 +18,7 @@ from engines.tasks import make_task, task_columns
 rg = pytest.importorskip("reasoning_gym", reason="needs the reasoning-gym extra")
 
 ONE = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}
-MIX = {
+MIX: dict[str, dict[str, Any]] = {
     "basic_arithmetic": {"weight": 1, "config": {"max_terms": 2}},
     "chain_sum": {"weight": 3, "config": {"min_terms": 2, "max_terms": 2}},
 }
