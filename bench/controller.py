@@ -51,7 +51,7 @@ def put_get_ack_rate(batch: int, seconds: float) -> dict[str, Any]:
 
 
 def _fill_core(ctl: Controller, rows: int) -> None:
-    ctl.rows.register_fields({"x": FieldSpec.dense(torch.int64)})
+    ctl.rows.register_fields({"x": FieldSpec.dense(torch.int64)}, "p")
     chunk = 65536
     for start in range(0, rows, chunk):
         meta = ctl.writes.allocate(min(chunk, rows - start), "p")

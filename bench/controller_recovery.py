@@ -55,7 +55,7 @@ def _make() -> JournaledController:
 def _fill(ctl: Controller, rows: int) -> list[int]:
     """``rows`` committed rows in partition ``p`` with tasks a and b declared; task a
     consumed a tenth of them; returns the ids of 100 leases left outstanding."""
-    ctl.rows.register_fields({"x": FieldSpec.dense("float32", (8,)), "y": FieldSpec.object()})
+    ctl.rows.register_fields({"x": FieldSpec.dense("float32", (8,)), "y": FieldSpec.object()}, "p")
     ctl.queues.declare_tasks("p", ["a", "b"])
     for start in range(0, rows, _PUT):
         n = min(_PUT, rows - start)

@@ -17,9 +17,10 @@ built this way.
 | bool (Arrow packs bits)         | ``bool``                                     | one, to bits  |
 | object (list)                   | what ``pa.array`` infers                     | per value     |
 
-``bfloat16`` has no Arrow type: such columns raise a ``TypeError`` that says to convert them
-first. Tensors off the CPU are copied to it. What comes *from* Arrow shares Arrow's buffers,
-which Arrow holds immutable (and which may be a read-only memory map): clone a tensor before
+``bfloat16``, the fp8 types and complex have no Arrow type: such columns raise a
+``TypeError`` that says to convert them first (:func:`has_arrow_type` tells which do).
+Tensors off the CPU are copied to it. What comes *from* Arrow shares Arrow's buffers, which
+Arrow holds immutable (and which may be a read-only memory map): clone a tensor before
 writing into it.
 """
 
@@ -40,6 +41,7 @@ __all__ = [
     "column_from_arrow",
     "column_to_arrow",
     "from_table",
+    "has_arrow_type",
     "ragged_from_arrow",
     "ragged_to_arrow",
     "tensor_from_arrow",
@@ -49,6 +51,9 @@ __all__ = [
 
 _TO_ARROW: dict[torch.dtype, pa.DataType] = {
     torch.uint8: pa.uint8(),
+    torch.uint16: pa.uint16(),
+    torch.uint32: pa.uint32(),
+    torch.uint64: pa.uint64(),
     torch.int8: pa.int8(),
     torch.int16: pa.int16(),
     torch.int32: pa.int32(),
@@ -60,6 +65,11 @@ _TO_ARROW: dict[torch.dtype, pa.DataType] = {
 _FROM_ARROW: dict[pa.DataType, torch.dtype] = {v: k for k, v in _TO_ARROW.items()}
 
 
+def has_arrow_type(dtype: torch.dtype) -> bool:
+    """Whether tensors of ``dtype`` have an Arrow type (else they raise ``TypeError``)."""
+    return dtype == torch.bool or dtype in _TO_ARROW
+
+
 # -- tensors -----------------------------------------------------------------------------------
 def _host(t: torch.Tensor, what: str) -> torch.Tensor:
     if t.dtype == torch.bfloat16:
@@ -68,7 +78,10 @@ def _host(t: torch.Tensor, what: str) -> torch.Tensor:
             "(or .view(torch.int16) to keep the bits)"
         )
     if t.dtype != torch.bool and t.dtype not in _TO_ARROW:
-        raise TypeError(f"{what}: dtype {t.dtype} has no Arrow mapping here")
+        raise TypeError(
+            f"{what}: dtype {t.dtype} has no Arrow type; convert first, or view the bits as "
+            "an integer dtype of the same width (e.g. .view(torch.uint8) for fp8)"
+        )
     if t.device.type != "cpu":
         t = t.cpu()
     return t if t.is_contiguous() else t.contiguous()

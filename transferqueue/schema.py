@@ -9,6 +9,10 @@ producer writes it (or when declared up front), and every later write must agree
 | ragged   | :class:`Ragged`            | a tensor dtype   | per-element shape (token: ``()``) |
 | object   | ``list`` of msgpack values | ``None``         | ``()``                          |
 
+Strings and bytes: a list of ``str``/``bytes`` and a numpy array of dtype ``U``, ``S`` or
+``object`` are object columns; they read back as a ``list`` of Python ``str``/``bytes`` (a
+2-D array: a list of lists per row). numpy scalars become their Python values.
+
 Object values are what msgpack carries (None, bool, int, float, str, bytes, lists, dicts with
 str keys), checked on write in every deployment so that a program that works embedded works
 over the wire too. Nothing is ever pickled.
@@ -37,6 +41,9 @@ __all__ = [
 ]
 
 Kind = Literal["dense", "ragged", "object"]
+NUMERIC_KINDS = "biufc"
+"""numpy dtype kinds stored as tensors (bool, ints, floats, complex); arrays of any other kind
+(``U`` strings, ``S`` bytes, ``O`` objects) are object columns of their Python values."""
 Column: TypeAlias = "torch.Tensor | Ragged | list[Any]"
 
 DTYPES: dict[str, torch.dtype] = {
@@ -51,6 +58,23 @@ DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float64": torch.float64,
 }
+"""Every tensor dtype a field may have, by name. The order is the wire's dtype code, so new
+dtypes go at the end; those this torch lacks are left out (only the last ones are that new)."""
+for _name in (
+    "uint16",
+    "uint32",
+    "uint64",
+    "complex32",
+    "complex64",
+    "complex128",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",  # (torch 2.7+)
+):
+    if isinstance(getattr(torch, _name, None), torch.dtype):
+        DTYPES[_name] = getattr(torch, _name)
 _NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
 
@@ -180,7 +204,7 @@ def normalize_columns(
 def _normalize(
     name: str, value: Any, known: FieldSpec | None, keep_device: bool = False
 ) -> tuple[Column, FieldSpec]:
-    if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
+    if isinstance(value, np.ndarray) and value.dtype.kind in NUMERIC_KINDS:
         value = _from_numpy(name, value)
     if isinstance(value, torch.Tensor):
         return _tensor_column(name, value, known, keep_device)
@@ -230,7 +254,7 @@ def _tensor_column(
 def _sequence_column(
     name: str, value: Sequence[Any], known: FieldSpec | None, keep_device: bool = False
 ) -> tuple[Column, FieldSpec]:
-    items = list(value)
+    items = [as_python(x) for x in value]  # (numpy strings, bytes, objects: their values)
     if items and all(isinstance(x, torch.Tensor | np.ndarray) for x in items):
         tensors = [_from_numpy(name, x) if isinstance(x, np.ndarray) else x for x in items]
         host = (lambda t: t.detach()) if keep_device else (lambda t: t.detach().cpu())
@@ -290,8 +314,16 @@ def _dtype_of(name: str, dtype: torch.dtype) -> str:
         raise SchemaError(f"field {name!r}: {e}") from None
 
 
+def as_python(value: Any) -> Any:
+    """A numpy array of strings, bytes or objects as its Python values (``tolist``: a 0-d
+    one is one value); anything else as it is."""
+    if isinstance(value, np.ndarray) and value.dtype.kind not in NUMERIC_KINDS:
+        return value.tolist()
+    return value
+
+
 def _from_numpy(name: str, arr: np.ndarray) -> torch.Tensor:
-    if arr.dtype.kind not in "biuf":
+    if arr.dtype.kind not in NUMERIC_KINDS:
         raise SchemaError(f"field {name!r}: numpy dtype {arr.dtype} is not numeric")
     if not arr.dtype.isnative or not arr.flags.writeable:
         arr = np.array(arr, dtype=arr.dtype.newbyteorder("="))
@@ -301,6 +333,10 @@ def _from_numpy(name: str, arr: np.ndarray) -> torch.Tensor:
 _SCALARS = (type(None), bool, int, float, str, bytes)
 
 
+def _base(value: Any) -> type:
+    return next(t for t in (int, float, str, bytes) if isinstance(value, t))
+
+
 def _plain(name: str, row: int, value: Any, depth: int) -> Any:
     """A copy of ``value`` in the msgpack data model (tuples become lists, as on the wire).
 
@@ -308,6 +344,10 @@ def _plain(name: str, row: int, value: Any, depth: int) -> Any:
     what is stored, and an embedded read returns exactly what a read over the wire returns.
     """
     if isinstance(value, _SCALARS):
+        if isinstance(value, np.generic):  # (np.float64 and np.str_ are float and str too)
+            return _plain(name, row, value.item(), depth)
+        if type(value) not in _SCALARS:  # (a subclass: stored as the plain type, as on the wire)
+            value = _base(value)(value)
         if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**64:
             raise SchemaError(f"field {name!r} row {row}: integer {value} does not fit 64 bits")
         return value

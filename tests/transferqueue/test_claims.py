@@ -59,7 +59,7 @@ def test_the_first_claim_binds_and_racing_ones_get_its_rows(tq: TransferQueue) -
 
 def _core(n: int = 6) -> tuple[Controller, np.ndarray]:
     ctl = Controller(1)
-    ctl.rows.register_fields({"x": FieldSpec.dense("float32", (2,))})
+    ctl.rows.register_fields({"x": FieldSpec.dense("float32", (2,))}, "p")
     meta = ctl.writes.allocate(n, "p")
     ctl.writes.commit(meta.indexes, ["x"])
     return ctl, meta.indexes
@@ -93,7 +93,7 @@ def test_a_claim_survives_a_controller_restart(tmp_path: Path) -> None:
 
     settings = JournalSettings(fsync="never")
     ctl, _ = open_controller(tmp_path / "d", make, settings)
-    ctl.rows.register_fields({"x": FieldSpec.dense("float32", (2,))})
+    ctl.rows.register_fields({"x": FieldSpec.dense("float32", (2,))}, "p")
     meta = ctl.writes.allocate(4, "p")
     ctl.writes.commit(meta.indexes, ["x"])
     ctl.claims.claim("p", "g/0", meta.indexes[1:3])

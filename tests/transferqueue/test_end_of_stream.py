@@ -43,7 +43,7 @@ END_CALLS = 64  # get_meta calls a drain may take (each returns at once or at it
 
 def _controller() -> Controller:
     ctl = Controller(2, spread_bytes=0)
-    ctl.rows.register_fields({"x": transferqueue.FieldSpec.dense("int64", ())})
+    ctl.rows.register_fields({"x": transferqueue.FieldSpec.dense("int64", ())}, "p")
     return ctl
 
 
@@ -129,6 +129,7 @@ def test_clear_forgets_what_was_lost_and_retired() -> None:
     ctl.health.lose_unit(1)
     ctl.queues.clear("p")
     ctl.health.unit_back(1)
+    ctl.rows.register_fields({"x": transferqueue.FieldSpec.dense("int64", ())}, "p")  # (forgot)
     meta = ctl.writes.allocate(4, "p")
     ctl.writes.commit(meta.indexes, ["x"])
     ctl.queues.finish("p")

@@ -69,7 +69,7 @@ def test_the_silence_rule_watches_beating_holders_only_and_credits_the_controlle
 
 def test_returned_leases_requeue_their_rows_once_and_refuse_a_late_ack() -> None:
     ctl = Controller(1)
-    ctl.rows.register_fields({"x": transferqueue.FieldSpec.dense("int64", ())})
+    ctl.rows.register_fields({"x": transferqueue.FieldSpec.dense("int64", ())}, "p")
     meta = ctl.writes.allocate(6, "p")
     ctl.writes.commit(meta.indexes, ["x"])
     a, _ = ctl.queues.poll(

@@ -99,6 +99,9 @@ def state(ctl: JournaledController, *, ids: bool = True) -> dict[str, Any]:
     return out
 
 
+SPECS = {"x": FieldSpec.dense("float32", (2,)), "y": FieldSpec.object()}
+
+
 class Driver:
     """Random calls of every kind that changes a controller (errors included: a call that
     raises is journaled and must raise again when replayed)."""
@@ -114,7 +117,8 @@ class Driver:
         self.errors = 0
         if not setup:
             return
-        ctl.rows.register_fields({"x": FieldSpec.dense("float32", (2,)), "y": FieldSpec.object()})
+        for part in (*PARTS, "kv"):  # (specs are per partition)
+            ctl.rows.register_fields(SPECS, part)
         ctl.queues.declare_tasks("p1", ["a", "b"])
 
     def step(self) -> None:
@@ -197,6 +201,7 @@ class Driver:
                 ctl.queues.finish(part)
             elif op == 19 and r.random() < 0.05:
                 ctl.queues.clear(part)
+                ctl.rows.register_fields(SPECS, part)  # (a cleared partition forgot them)
         except (TQError, ValueError, KeyError):
             self.errors += 1
 
@@ -273,7 +278,7 @@ def test_a_torn_last_record_is_cut_and_the_rest_replays(tmp_path: Path) -> None:
 def test_a_lease_taken_before_the_restart_acks_after_it(tmp_path: Path) -> None:
     clock = FakeClock()
     ctl, _ = open_controller(tmp_path / "d", lambda: _make(clock), JournalSettings(fsync="never"))
-    ctl.rows.register_fields({"x": FieldSpec.dense("float32", (2,))})
+    ctl.rows.register_fields({"x": FieldSpec.dense("float32", (2,))}, "p")
     ctl.queues.declare_tasks("p", ["t"])
     meta = ctl.writes.allocate(10, "p")
     ctl.writes.commit(meta.indexes, ["x"])
@@ -298,7 +303,7 @@ def test_arrays_of_every_shape_replay_as_they_were_journaled(tmp_path: Path) -> 
     a header array that is a strided view, recover as the rows had them."""
     clock = FakeClock()
     ctl, _ = open_controller(tmp_path / "d", lambda: _make(clock), JournalSettings(fsync="never"))
-    ctl.rows.register_fields({"x": FieldSpec.dense("float32", (2,))})
+    ctl.rows.register_fields({"x": FieldSpec.dense("float32", (2,))}, "p")
     one = ctl.writes.allocate(4, "p", groups=np.array(7), versions=np.array(3))
     strided = ctl.writes.allocate(3, "p", groups=np.arange(6)[::2], lengths=np.arange(10, 16)[::2])
     ctl.writes.commit(np.r_[one.indexes, strided.indexes], ["x"])
@@ -317,7 +322,7 @@ def test_arrays_of_every_shape_replay_as_they_were_journaled(tmp_path: Path) -> 
 def test_deadlines_from_a_clock_that_went_back_are_clamped(tmp_path: Path) -> None:
     clock = FakeClock()
     ctl, _ = open_controller(tmp_path / "d", lambda: _make(clock), JournalSettings(fsync="never"))
-    ctl.rows.register_fields({"x": FieldSpec.dense("float32", (2,))})
+    ctl.rows.register_fields({"x": FieldSpec.dense("float32", (2,))}, "p")
     meta = ctl.writes.allocate(3, "p")
     ctl.writes.commit(meta.indexes, ["x"])
     got, _ = ctl.queues.poll(task="t", partition="p", fields=["x"], batch_size=3, lease_s=30)
@@ -385,7 +390,7 @@ def test_any_cut_recovers_the_same_state(
 def test_a_load_from_a_save_is_journaled_too(tmp_path: Path) -> None:
     clock = FakeClock()
     ctl, _ = open_controller(tmp_path / "d", lambda: _make(clock), JournalSettings(fsync="never"))
-    ctl.rows.register_fields({"x": FieldSpec.dense("float32", (2,))})
+    ctl.rows.register_fields({"x": FieldSpec.dense("float32", (2,))}, "L")
     n = np.int64
     meta = ctl.snapshots.import_rows(
         "L",
@@ -420,12 +425,12 @@ def test_a_reset_service_starts_its_state_dir_afresh(tmp_path: Path) -> None:
         await service.reset()
         fresh = service.controller
         assert isinstance(fresh, JournaledController) and fresh.journal is not None
-        fresh.rows.register_fields({"z": FieldSpec.object()})
+        fresh.rows.register_fields({"z": FieldSpec.object()}, "p")
         await service.close()  # (a clean stop: a last snapshot)
 
     asyncio.run(go())
     back, _ = open_controller(tmp_path / "d", lambda: _make(clock))
-    assert list(back.rows.specs) == ["z"] and back.stats()["next_index"] == 0
+    assert list(back.rows.specs_of("p")) == ["z"] and back.stats()["next_index"] == 0
 
 
 def test_a_journal_that_cannot_be_written_refuses_calls_until_a_snapshot_heals_it(
@@ -433,7 +438,7 @@ def test_a_journal_that_cannot_be_written_refuses_calls_until_a_snapshot_heals_i
 ) -> None:
     clock = FakeClock()
     ctl, _ = open_controller(tmp_path / "d", lambda: _make(clock), JournalSettings(fsync="never"))
-    ctl.rows.register_fields({"x": FieldSpec.dense("float32", (2,))})
+    ctl.rows.register_fields({"x": FieldSpec.dense("float32", (2,))}, "p")
     assert ctl.journal is not None
 
     def full(rec: Any) -> None:

@@ -142,7 +142,7 @@ class _Clock:
 
 def _controller(clock: _Clock, rows: int = 8) -> Controller:
     ctl = Controller(1, clock=clock)
-    ctl.rows.register_fields({"x": FieldSpec.dense("int64")})
+    ctl.rows.register_fields({"x": FieldSpec.dense("int64")}, "p")
     meta = ctl.writes.allocate(rows, "p", groups=np.arange(rows))
     ctl.writes.commit(meta.indexes, ["x"])
     return ctl

@@ -52,7 +52,7 @@ def _put_over_both(client: transferqueue.Client, start: int, n: int = 1000) -> A
 # -- the controller core ---------------------------------------------------------------------
 def test_lose_unit_takes_its_rows_out_of_queues_and_leases_and_counts_them() -> None:
     ctl = Controller(2, spread_bytes=0)
-    ctl.rows.register_fields({"x": transferqueue.FieldSpec.dense("int64", ())})
+    ctl.rows.register_fields({"x": transferqueue.FieldSpec.dense("int64", ())}, "p")
     meta = ctl.writes.allocate(8, "p")
     ctl.writes.commit(meta.indexes, ["x"])
     on1 = meta.indexes[meta.units == 1]
@@ -86,7 +86,7 @@ def test_lose_unit_takes_its_rows_out_of_queues_and_leases_and_counts_them() -> 
 def test_uncommitted_allocations_are_reclaimed_after_their_deadline() -> None:
     now = [0.0]
     ctl = Controller(2, allocation_s=10.0, clock=lambda: now[0])
-    ctl.rows.register_fields({"x": transferqueue.FieldSpec.dense("int64", ())})
+    ctl.rows.register_fields({"x": transferqueue.FieldSpec.dense("int64", ())}, "p")
     dead = ctl.writes.allocate(5, "p")  # a producer that dies before it commits
     ok = ctl.writes.allocate(3, "p")
     ctl.writes.commit(ok.indexes, ["x"])

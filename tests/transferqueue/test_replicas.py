@@ -88,7 +88,7 @@ def test_a_lost_unit_loses_no_row_that_has_another_copy_and_free_frees_both() ->
     ctl.queues.declare_tasks("p", ["t"])
     meta = ctl.writes.allocate(30, "p")
     assert meta.replica_units is not None
-    ctl.rows.register_fields({"x": transferqueue.FieldSpec("dense", "float32", ())})
+    ctl.rows.register_fields({"x": transferqueue.FieldSpec("dense", "float32", ())}, "p")
     ctl.writes.commit(meta.indexes, ["x"])
     on1 = (meta.units == 1) | (meta.replica_units == 1)
     ctl.health.lose_unit(1)

@@ -36,7 +36,7 @@ Y = transferqueue.FieldSpec("dense", "int64", ())
 def _one_copy_rows(n: int = 40, units: int = 2) -> tuple[Controller, np.ndarray]:
     """A core whose rows all lost their second copy (unit 1 died and came back)."""
     ctl = Controller(units, spread_bytes=0, replicas=2)
-    ctl.rows.register_fields({"x": X, "y": Y})
+    ctl.rows.register_fields({"x": X, "y": Y}, "p")
     ctl.queues.declare_tasks("p", ["t"])
     meta = ctl.writes.allocate(n, "p", nbytes=n * 10)
     ctl.writes.commit(meta.indexes, ["x"], copies=meta.replica_units)
@@ -172,7 +172,7 @@ def test_nothing_is_planned_with_one_copy_kept_or_one_unit_alive() -> None:
     ctl.health.lose_unit(1)
     assert ctl.copies.plan_copies() is None
     one = Controller(2, spread_bytes=0)
-    one.rows.register_fields({"x": X})
+    one.rows.register_fields({"x": X}, "p")
     meta = one.writes.allocate(3, "p")
     one.writes.commit(meta.indexes, ["x"])
     assert one.copies.plan_copies() is None and one.stats()["rows_one_copy"] == 0

@@ -22,7 +22,7 @@ from transferqueue.errors import BadRequestError
 
 def _controller(groups: list[int], now: list[float]) -> tuple[Controller, np.ndarray]:
     ctl = Controller(2, spread_bytes=0, clock=lambda: now[0])
-    ctl.rows.register_fields({"x": transferqueue.FieldSpec.dense("int64", ())})
+    ctl.rows.register_fields({"x": transferqueue.FieldSpec.dense("int64", ())}, "p")
     meta = ctl.writes.allocate(len(groups), "p", groups=np.array(groups))
     ctl.writes.commit(meta.indexes, ["x"])
     return ctl, meta.units

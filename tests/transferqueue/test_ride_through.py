@@ -34,7 +34,7 @@ SLACK_S = 120.0
 
 def _leased(ctl: Controller, rows: int = 4) -> tuple[np.ndarray, int]:
     """A controller with ``rows`` committed rows of ``x``, all leased by task ``t``."""
-    ctl.rows.register_fields({"x": FieldSpec.dense("int64"), "y": FieldSpec.dense("int64")})
+    ctl.rows.register_fields({"x": FieldSpec.dense("int64"), "y": FieldSpec.dense("int64")}, "p")
     ctl.queues.declare_tasks("p", ["t", "u"])
     meta = ctl.writes.allocate(rows, "p", groups=np.arange(rows))
     ctl.writes.commit(meta.indexes, ["x"])
@@ -55,7 +55,7 @@ def test_a_commit_sent_again_after_it_acked_its_lease_is_a_no_op() -> None:
     )
     assert got is not None and sorted(got.indexes.tolist()) == sorted(rows.tolist())
     # ... but a commit of a field the first did not write still needs the lease
-    ctl.rows.register_fields({"z": FieldSpec.dense("int64")})
+    ctl.rows.register_fields({"z": FieldSpec.dense("int64")}, "p")
     with pytest.raises(UnknownLeaseError, match="no longer active"):
         ctl.writes.commit(rows, ["z"], lease_id=lease)
 

@@ -17,9 +17,17 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
+_CLASSIC = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16}
+_CLASSIC |= {torch.bfloat16, torch.float32, torch.float64}
+
+
 def _random(dtype: torch.dtype, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     if dtype == torch.bool:
         return torch.randint(0, 2, shape, generator=gen).bool()
+    if dtype not in _CLASSIC:  # (wide uints, complex, fp8: random bits, NaN payloads and all)
+        nbytes = math.prod(shape) * dtype.itemsize
+        bits = torch.randint(0, 256, (nbytes,), generator=gen, dtype=torch.uint8)
+        return bits.view(dtype).reshape(shape)
     if dtype.is_floating_point:
         t = torch.randn(shape, generator=gen).to(dtype)
         flat = t.view(-1)
@@ -49,6 +57,51 @@ def test_dense_round_trip_is_bit_exact(
     x.zero_() if dtype != torch.bool else x.logical_not_()
     again = client.get_data(meta, ["x"])["x"]
     assert torch.equal(_bits(again), _bits(got))
+
+
+def test_every_torch_dtype_is_supported() -> None:
+    names = {"bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64"}
+    names |= {"float16", "bfloat16", "float32", "float64", "complex64", "complex128"}
+    names |= {"float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"}
+    assert names <= set(DTYPES)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+def test_ragged_round_trip_is_bit_exact(client: Client, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    rows = [_random(dtype, (n, 2), gen) for n in (3, 0, 5, 1)]
+    meta = client.put({"r": rows}, group=np.arange(4))
+    got = client.get_data(meta, ["r"])["r"]
+    assert isinstance(got, Ragged) and got.dtype == dtype
+    assert got.lengths.tolist() == [3, 0, 5, 1]
+    assert torch.equal(_bits(got.values), _bits(torch.cat([r.view(torch.uint8) for r in rows])))
+
+
+def test_strings_and_bytes_come_back_as_python_values(client: Client) -> None:
+    cols = {
+        "u": np.array(["a", "béta", ""]),  # numpy str_ (dtype U)
+        "s": np.array([b"a", b"\x00b", b""]),  # numpy bytes_ (dtype S)
+        "o": np.array(["x", b"y", None], dtype=object),
+        "grid": np.array([["a", "b"], ["c", "d"], ["e", "f"]]),
+        "l": ["α", "b", "c"],
+        "b": [b"\xff", b"", b"c"],
+        "n": [np.str_("a"), np.bytes_(b"b"), np.float64(0.5)],
+    }
+    meta = client.put(cols, group=0)
+    got = client.get_data(meta, list(cols))
+    assert got["u"] == ["a", "béta", ""]
+    assert got["s"] == [b"a", b"\x00b", b""]
+    assert got["o"] == ["x", b"y", None]
+    assert got["grid"] == [["a", "b"], ["c", "d"], ["e", "f"]]
+    assert got["l"] == ["α", "b", "c"] and got["b"] == [b"\xff", b"", b"c"]
+    assert got["n"] == ["a", b"b", 0.5]
+    assert [type(v) for v in got["n"]] == [str, bytes, float]  # (not numpy scalars)
+    assert all(client.specs()[f] == FieldSpec.object() for f in cols)
+    # one key's row: a numpy string (0-d) or an array of strings is one object value
+    client.kv_put("k", {"t": np.array("hello"), "ts": np.array(["a", "b"])})
+    assert client.kv_get("k") == {"t": "hello", "ts": ["a", "b"]}
+    client.kv_batch_put(["a", "b"], {"t": [np.array("x"), np.array("y")]})
+    assert client.kv_batch_get(["a", "b"], fields=["t"]) == {"t": ["x", "y"]}
 
 
 def test_dense_non_contiguous_and_numpy_inputs(client: Client) -> None:
@@ -213,7 +266,7 @@ def test_a_producers_small_puts_stay_on_one_unit_while_the_units_are_balanced() 
 
     # rows freed as fast as they are put: the producer never moves
     flow = Controller(4, spread_bytes=1000)
-    flow.rows.register_fields({"x": FieldSpec.dense(torch.int64, ())})
+    flow.rows.register_fields({"x": FieldSpec.dense(torch.int64, ())}, "p")
     flow.queues.declare_tasks("p", ["t"])
     seen = set()
     for _ in range(40):

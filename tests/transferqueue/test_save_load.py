@@ -154,6 +154,44 @@ def test_string_keys_survive_save_and_load(deploy: Deploy, tmp_path: Path) -> No
     assert loaded == saved and len(loaded) == 10  # "t" goes on where it was
 
 
+def test_partitions_with_their_own_specs_and_every_dtype_survive_save_and_load(
+    tmp_path: Path,
+) -> None:
+    """Each partition's specs are saved with it (``x`` has another shape in each); dtypes
+    without an Arrow type (fp8, complex, bfloat16) are saved as their bits."""
+    from transferqueue.schema import DTYPES
+
+    gen = torch.Generator().manual_seed(3)
+    bits = torch.randint(0, 256, (6 * 3 * 16,), generator=gen, dtype=torch.uint8)
+    cols: dict[str, torch.Tensor | list[torch.Tensor]] = {
+        f"d_{n}": bits[: 6 * 3 * d.itemsize].view(d).reshape(6, 3) for n, d in DTYPES.items()
+    }
+    cols["d_bool"] = bits[:18].reshape(6, 3) > 127
+    cols["r_fp8"] = [bits[:4].view(torch.float8_e4m3fn), bits[4:5].view(torch.float8_e4m3fn)] * 3
+    cols["r_c128"] = [bits[:32].view(torch.complex128), bits[32:48].view(torch.complex128)] * 3
+    with transferqueue.start(num_units=2, spread_bytes=0) as a, transferqueue.start() as b:
+        c, d = a.client(), b.client()
+        c.put({"x": torch.zeros(6, 2), **cols}, partition="p")
+        c.put({"x": ["strings", "here"]}, partition="q")
+        c.save(tmp_path / "ck")
+        d.load(tmp_path / "ck")
+        assert d.specs("p")["x"] == transferqueue.FieldSpec.dense("float32", (2,))
+        assert d.specs("q")["x"] == transferqueue.FieldSpec.object()
+        q, p = d.status("q", meta=True).meta, d.status("p", meta=True).meta
+        assert q is not None and p is not None
+        assert d.get_data(q, ["x"])["x"] == ["strings", "here"]
+        got = d.get_data(p, list(cols))
+        for name, want in cols.items():
+            have = got[name]
+            if isinstance(want, list):
+                assert isinstance(have, Ragged) and have.dtype == want[0].dtype, name
+                flat = torch.cat([w.view(torch.uint8) for w in want])
+                assert torch.equal(have.values.view(torch.uint8).reshape(-1), flat), name
+            else:
+                assert isinstance(have, torch.Tensor) and have.dtype == want.dtype, name
+                assert torch.equal(have.view(torch.uint8), want.view(torch.uint8)), name
+
+
 def test_loading_a_partition_the_store_has_is_refused(deploy: Deploy, tmp_path: Path) -> None:
     tq = deploy()
     c = tq.client()

@@ -293,7 +293,7 @@ def test_reset_keeps_counters_true_and_each_round_exactly_once(
     current round (a reset task's acks count again)."""
     clock = _Clock()
     ctl = Controller(1, clock=clock)
-    ctl.rows.register_fields({"x": FieldSpec.dense("int64")})
+    ctl.rows.register_fields({"x": FieldSpec.dense("int64")}, "p")
     if declared:
         ctl.queues.declare_tasks("p", ["a", "b"])
     held: dict[str, list[tuple[int, list[int]]]] = {"a": [], "b": []}

@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from transferqueue.arrow import column_from_arrow, column_to_arrow
+from transferqueue.arrow import column_from_arrow, column_to_arrow, has_arrow_type
 from transferqueue.errors import CheckpointError
 from transferqueue.ragged import Ragged
 from transferqueue.schema import Column, FieldSpec
@@ -218,20 +218,41 @@ def encode_objects(values: list[Any]) -> list[bytes]:
     return [msgspec.msgpack.encode(v) for v in values]
 
 
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""The integer dtype whose Arrow type carries the bits of a dtype without one, by width
+(bfloat16 as int16, fp8 as uint8, complex64 as int64; 16-byte complex128 as two int64 on a
+last axis of 2)."""
+
+
+def _to_bits(t: torch.Tensor) -> torch.Tensor:
+    size = t.dtype.itemsize
+    if size in _BITS:
+        return t.view(_BITS[size])
+    return t.contiguous().unsqueeze(-1).view(torch.int64)  # [..., 2]
+
+
+def _from_bits(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if dtype.itemsize in _BITS:
+        return t.view(dtype)
+    return t.contiguous().view(dtype).squeeze(-1)
+
+
 def as_arrow_tensor(col: Column, spec: FieldSpec) -> Column:
-    """bfloat16 has no Arrow type: its bits travel as int16."""
-    if spec.dtype == "bfloat16":
-        if isinstance(col, Ragged):
-            return Ragged(col.values.view(torch.int16), col.offsets)
-        if isinstance(col, torch.Tensor):
-            return col.view(torch.int16)
+    """A dtype without an Arrow type (bfloat16, fp8, complex) travels as its bits."""
+    if spec.dtype is None or has_arrow_type(spec.torch_dtype):
+        return col
+    if isinstance(col, Ragged):
+        return Ragged(_to_bits(col.values), col.offsets)
+    if isinstance(col, torch.Tensor):
+        return _to_bits(col)
     return col
 
 
 def from_arrow_tensor(col: Column, spec: FieldSpec) -> Column:
-    if spec.dtype == "bfloat16":
-        if isinstance(col, Ragged):
-            return Ragged(col.values.view(torch.bfloat16), col.offsets)
-        if isinstance(col, torch.Tensor):
-            return col.view(torch.bfloat16)
+    if spec.dtype is None or has_arrow_type(spec.torch_dtype):
+        return col
+    if isinstance(col, Ragged):
+        return Ragged(_from_bits(col.values, spec.torch_dtype), col.offsets)
+    if isinstance(col, torch.Tensor):
+        return _from_bits(col, spec.torch_dtype)
     return col

@@ -3,7 +3,8 @@
 Called by :meth:`AsyncClient._get_data <transferqueue.client.async_client.AsyncClient>` as each
 unit's rows arrive: dense columns are copied into the batch's tensors (:func:`place_dense`), ragged
 pieces merged into one :class:`Ragged` (:func:`merge_ragged`); :func:`empty_column` is a
-field's column of no rows.
+field's column of no rows. A unit's column that does not match the field's spec the reader
+knows is :class:`StaleSpecs` (the partition was cleared and written with other specs since).
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ from transferqueue.ragged import Ragged
 from transferqueue.schema import Column, FieldSpec
 from transferqueue.slots import runs
 
-__all__ = ["empty_column", "merge_ragged", "place_dense"]
+__all__ = ["StaleSpecs", "check_objects", "empty_column", "merge_ragged", "place_dense"]
+
+
+class StaleSpecs(Exception):
+    """A unit's column does not match the spec the reader used: learn the specs again."""
 
 
 def place_dense(out: Mapping[str, torch.Tensor], pos: np.ndarray, got: dict[str, Column]) -> None:
@@ -31,7 +36,12 @@ def place_dense(out: Mapping[str, torch.Tensor], pos: np.ndarray, got: dict[str,
     """
     for f, dst in out.items():
         src = got.pop(f)
-        assert isinstance(src, torch.Tensor)
+        if (
+            not isinstance(src, torch.Tensor)
+            or src.dtype != dst.dtype
+            or src.shape[1:] != dst.shape[1:]
+        ):
+            raise StaleSpecs(f)
         if src.data_ptr() == dst[int(pos[0]) :].data_ptr() and src.shape[0] == pos.size:
             continue  # read straight into place
         k = 0
@@ -52,6 +62,11 @@ def empty_column(spec: FieldSpec) -> Column:
 
 def merge_ragged(parts: list[tuple[np.ndarray, Column]], n: int, spec: FieldSpec) -> Ragged:
     """Assemble per-unit Ragged pieces (positions, rows) into one in batch order."""
+    for _, col in parts:
+        if not isinstance(col, Ragged) or col.dtype != spec.torch_dtype:
+            raise StaleSpecs(spec.describe())
+        if col.inner_shape != spec.shape:
+            raise StaleSpecs(spec.describe())
     if len(parts) == 1:
         col = parts[0][1]
         assert isinstance(col, Ragged)
@@ -74,3 +89,10 @@ def merge_ragged(parts: list[tuple[np.ndarray, Column]], n: int, spec: FieldSpec
                 col.values[int(src_off[k0]) : int(src_off[k1])],
             )
     return Ragged(values, torch.from_numpy(offsets))
+
+
+def check_objects(col: Column) -> list[object]:
+    """An object field's piece (a list); anything else is :class:`StaleSpecs`."""
+    if not isinstance(col, list):
+        raise StaleSpecs(type(col).__name__)
+    return col

@@ -60,7 +60,7 @@ from transferqueue.errors import (
 )
 from transferqueue.loop import LoopThread
 from transferqueue.meta import BatchMeta
-from transferqueue.schema import Column
+from transferqueue.schema import Column, FieldSpec
 from transferqueue.slots import runs
 from transferqueue.wire import messages as m
 
@@ -329,7 +329,21 @@ class AsyncClient:
         names = list(meta.fields if fields is None else fields)
         if not names:
             raise ValueError("get_data needs fields: the meta names none; pass fields=[...]")
-        specs = await self._specs.of(names)
+        specs = await self._specs.of(names, meta.partition)
+        try:
+            return await self._gather(meta, names, specs, units)
+        except assemble.StaleSpecs:
+            # (the partition was cleared and written with other specs since they were learnt)
+            specs = await self._specs.of(names, meta.partition, refresh=True)
+            return await self._gather(meta, names, specs, units)
+
+    async def _gather(
+        self,
+        meta: BatchMeta,
+        names: list[str],
+        specs: dict[str, FieldSpec],
+        units: np.ndarray | None,
+    ) -> dict[str, Column]:
         n = len(meta)
         if n == 0:
             return {f: assemble.empty_column(specs[f]) for f in names}
@@ -385,8 +399,7 @@ class AsyncClient:
             else:
                 values: list[Any] = [None] * n
                 for pos, got in pieces:
-                    col = got[f]
-                    assert isinstance(col, list)
+                    col = assemble.check_objects(got[f])
                     for i, v in zip(pos.tolist(), col, strict=True):
                         values[i] = v
                 result[f] = values
@@ -466,8 +479,15 @@ class AsyncClient:
         await self._io.run_async(self._ctl.call(m.Finish(partition=partition)))
 
     async def clear(self, partition: str | None = None) -> None:
-        """Drop every row of the partition (all partitions if None)."""
+        """Drop every row of the partition (all partitions if None); it forgets its field
+        specs (its fields may come back with other shapes, dtypes or kinds)."""
         await self._io.run_async(self._ctl.call(m.Clear(partition=partition)))
+        self._specs.forget(partition)
+
+    async def specs(self, partition: str = "default") -> dict[str, FieldSpec]:
+        """The field specs of ``partition`` (each field's kind, dtype and per-row shape; a
+        partition without them, never written or cleared, has none)."""
+        return await self._io.run_async(self._specs.refresh(partition))
 
     async def stats(self) -> dict[str, Any]:
         """Controller state (rows, tasks, leases) and every unit's storage."""

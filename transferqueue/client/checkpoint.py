@@ -161,7 +161,13 @@ class Checkpoints:
                 "features": ["keys"] if any(p.keys for p in snap.partitions) else [],
                 "created_unix_s": time.time(),
                 "batch_rows": batch_rows,
-                "fields": {f: msgspec.to_builtins(s) for f, s in snap.specs.items()},
+                # (of every partition, for loaders that predate specs per partition; each
+                # partition's own are in its entry)
+                "fields": {
+                    f: msgspec.to_builtins(s)
+                    for specs in snap.specs.values()
+                    for f, s in specs.items()
+                },
                 "partitions": entries,
             }
             tmp = path / "manifest.json.tmp"
@@ -189,7 +195,7 @@ class Checkpoints:
         n = int(part.indexes.size)
         batches = max(1, -(-n // batch_rows))
         fields = [f for f, r in part.ready.items() if r.any()]
-        specs = {f: snap.specs[f] for f in fields}
+        specs = {f: snap.specs[part.name][f] for f in fields}
         tasks = [(f"t{k}", t) for k, t in enumerate(part.tasks)]
         ranks = {col: _ranks(t, n) for col, t in tasks}
         with af.Writers(d, part, specs, tasks) as out:
@@ -239,7 +245,14 @@ class Checkpoints:
                 }
                 for col, t in tasks
             ],
-            "fields": {f: {"file": out.files[f], "rows": int(part.ready[f].sum())} for f in fields},
+            "fields": {
+                f: {
+                    "file": out.files[f],
+                    "rows": int(part.ready[f].sum()),
+                    "spec": msgspec.to_builtins(specs[f]),
+                }
+                for f in fields
+            },
         }
 
     async def _renew(self, snapshot_id: int, renewed: list[float]) -> None:
@@ -252,13 +265,17 @@ class Checkpoints:
         from transferqueue.client import arrow_files as af
 
         manifest = read_manifest(path)
-        specs = {f: msgspec.convert(s, FieldSpec) for f, s in manifest["fields"].items()}
-        if specs:
-            # (always sent: this client's cache of specs may predate a reset of the store)
-            await self._specs.register(specs, again=True)
+        shared = manifest["fields"]  # (saves that predate specs per partition have only these)
         loaded = {}
         for entry in manifest["partitions"]:
             name = entry["name"]
+            specs = {
+                f: msgspec.convert(e.get("spec", shared.get(f)), FieldSpec)
+                for f, e in entry["fields"].items()
+            }
+            if specs:
+                # (always sent: this client's cache of specs may predate a reset of the store)
+                await self._specs.register(specs, name, again=True)
             with af.Readers(path / entry["dir"], entry) as src:
                 new = np.empty(int(entry["rows"]), dtype=np.int64)  # saved position -> index
                 queues: dict[str, list[np.ndarray]] = {t["column"]: [] for t in entry["tasks"]}

@@ -6,8 +6,9 @@ blocking ``Client``) offers its calls; every call works unchanged over every dep
 
 | call                           | what it does                                                 |
 |--------------------------------|--------------------------------------------------------------|
-| ``kv_put(key, row)``           | one key: ``row`` maps fields to one row's values             |
-| ``kv_batch_put(keys, columns)``| one row per key; new keys get rows, existing ones are updated|
+| ``kv_put(key, row, tag=)``     | one key: ``row`` maps fields to one row's values             |
+| ``kv_batch_put(keys, columns,``| one row per key; new keys get rows, existing ones are        |
+| ``tags=)``                     | updated; ``tags`` only (no columns): keys without a field    |
 | ``kv_get(key, fields)``        | one key: ``{field: that row's value}``                       |
 | ``kv_batch_get(keys, fields)`` | columns of the keys' rows, in the keys' order (bit-exact)    |
 | ``kv_meta(keys)``              | the keys' rows as a ``BatchMeta`` (no lease): ``get_data``,  |
@@ -34,18 +35,26 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 
 from transferqueue.client.links import ControllerLink, Read
 from transferqueue.client.lost import lost_with_unit
-from transferqueue.client.put import Writer, header, payload_nbytes, take_rows, timeout_of
+from transferqueue.client.put import (
+    Writer,
+    encode_tags,
+    header,
+    payload_nbytes,
+    take_rows,
+    timeout_of,
+)
 from transferqueue.client.specs import Specs
 from transferqueue.errors import BadRequestError, RowsLostError, SchemaError
 from transferqueue.loop import LoopThread
 from transferqueue.meta import BatchMeta
 from transferqueue.ragged import Ragged
-from transferqueue.schema import Column, FieldSpec, normalize_columns
+from transferqueue.schema import NUMERIC_KINDS, Column, FieldSpec
 from transferqueue.wire import messages as m
 from transferqueue.wire.replies import KeyListing, KeyRows
 
@@ -69,8 +78,8 @@ def _one_row(name: str, value: Any, known: FieldSpec | None) -> Any:
     """One row's value as a column of one row: a tensor is a row of a dense field (of a
     ragged one when the field is ragged), a Ragged must hold one row, anything else is an
     object value."""
-    if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
-        value = torch.from_numpy(value)
+    if isinstance(value, np.ndarray):
+        value = torch.from_numpy(value) if value.dtype.kind in NUMERIC_KINDS else value.tolist()
     if isinstance(value, torch.Tensor):
         return [value] if known is not None and known.kind == "ragged" else value.unsqueeze(0)
     if isinstance(value, Ragged):
@@ -106,7 +115,7 @@ class KeyValue:
     async def kv_batch_put(
         self,
         keys: Sequence[str],
-        data: Mapping[str, Any],
+        data: Mapping[str, Any] | None = None,
         *,
         partition: str = "default",
         group: np.ndarray | Sequence[int] | int | None = None,
@@ -114,6 +123,7 @@ class KeyValue:
         length: np.ndarray | Sequence[int] | int | None = None,
         specs: Mapping[str, FieldSpec] | None = None,
         timeout_s: float | None = None,
+        tags: Sequence[Mapping[str, Any]] | None = None,
     ) -> BatchMeta:
         """Write one row per key: ``data`` holds columns as for ``put`` (row k is key k's).
 
@@ -122,16 +132,25 @@ class KeyValue:
         :mod:`transferqueue.client.kv`). Keys: 1..``MAX_KEYS`` distinct non-empty str of at
         most ``MAX_KEY_CHARS`` characters (:mod:`transferqueue.limits`). ``timeout_s`` bounds
         the wait for capacity of new rows. Returns the keys' rows (no lease).
+
+        ``tags``: one dict of msgpack values per key, set as the row's custom metadata
+        (replacing what it had; ``get_custom_meta``, ``kv_list(tags=True)`` read it). Without
+        ``data`` (None or empty) the put writes no field: new keys get rows that hold only
+        their tags (and headers) and get their fields from a later put; no task is handed
+        such a row before the fields it asks for are written.
         """
         msg_keys = _keys(keys)
+        raw = None if tags is None else encode_tags(tags, len(msg_keys))
         return await self._io.run_async(
-            self._kv_put(msg_keys, data, partition, group, version, length, specs, timeout_s)
+            self._kv_put(
+                msg_keys, data or {}, partition, group, version, length, specs, timeout_s, raw
+            )
         )
 
     async def kv_put(
         self,
         key: str,
-        row: Mapping[str, Any],
+        row: Mapping[str, Any] | None = None,
         *,
         partition: str = "default",
         group: int | None = None,
@@ -139,21 +158,28 @@ class KeyValue:
         length: int | None = None,
         specs: Mapping[str, FieldSpec] | None = None,
         timeout_s: float | None = None,
+        tag: Mapping[str, Any] | None = None,
     ) -> BatchMeta:
         """Write one key's row: ``row`` maps fields to one row's values. A tensor is one row
         of a dense field (a 1-D tensor is a row of a ragged field when the field is ragged:
         registered, or given in ``specs``), a one-row ``Ragged`` a ragged row, anything else
-        an object value. Otherwise as :meth:`kv_batch_put`."""
+        an object value. ``tag``: the row's custom metadata; with a tag and no ``row`` the
+        key exists (made if new) with no field yet. Otherwise as :meth:`kv_batch_put`."""
         keys = _key(key)
+        raw = None if tag is None else encode_tags([tag], 1)
+        if row is None or (isinstance(row, Mapping) and not row and raw is not None):
+            return await self._io.run_async(
+                self._kv_put(keys, {}, partition, group, version, length, specs, timeout_s, raw)
+            )
         if not isinstance(row, Mapping) or not row:
             raise SchemaError("kv_put needs a non-empty mapping {field name: one row's value}")
-        known = self._specs.known()
+        known = self._specs.known(partition)
         if any(n not in known and not (specs and n in specs) for n in row):
-            known = await self._io.run_async(self._specs.fetch())
+            known = await self._io.run_async(self._specs.refresh(partition))
         known.update(specs or {})
         cols = {n: _one_row(n, v, known.get(n)) for n, v in row.items()}
         return await self._io.run_async(
-            self._kv_put(keys, cols, partition, group, version, length, specs, timeout_s)
+            self._kv_put(keys, cols, partition, group, version, length, specs, timeout_s, raw)
         )
 
     async def _kv_put(
@@ -166,11 +192,12 @@ class KeyValue:
         length: Any,
         specs: Mapping[str, FieldSpec] | None,
         timeout_s: float | None,
+        tags: list[bytes] | None = None,
     ) -> BatchMeta:
-        known = self._specs.known()
-        if specs:
-            known.update(specs)
-        cols, col_specs, n = normalize_columns(data, known)
+        if data:
+            cols, col_specs, n = await self._specs.normalize(data, partition, specs)
+        else:  # (keys that hold only tags so far: no field, no payload)
+            cols, col_specs, n = {}, {}, len(keys)
         if n != len(keys):
             raise SchemaError(
                 f"kv put: {len(keys)} keys but the columns have {n} rows; give one row per key"
@@ -186,7 +213,8 @@ class KeyValue:
         )
         versions = header(version, n, "version")
         lengths = header(length, n, "length")
-        await self._specs.register(col_specs)
+        if col_specs:
+            await self._specs.register(col_specs, partition)
         got: KeyRows = await self._ctl.call(msg)
         meta = got.meta
         old = np.ones(n, dtype=bool)
@@ -201,10 +229,14 @@ class KeyValue:
                 (new, got.created, True),
                 (meta.select(pos_old), pos_old, False),
             ):
-                if len(rows):
+                # (new rows are made on their units even without a field: a later put of
+                # fields to their keys writes rows the units hold)
+                if len(rows) and (create or cols):
                     part = {name: take_rows(col, pos) for name, col in cols.items()}
                     writes.append(self._writer.write_units(rows, part, col_specs, create=create))
             missed = await asyncio.gather(*writes)  # (units a copy missed: see replicas)
+            if tags is not None:  # (before the commit: a put undone takes its tags along)
+                await self._ctl.call(m.SetCustomMeta(indexes=meta.indexes, metas=tags))
             writing = False  # (a commit gone with the controller may have landed)
             await self._ctl.call(
                 m.Commit(
@@ -214,9 +246,12 @@ class KeyValue:
                     lengths=lengths,
                     dropped=sorted({u for units in missed for u in units}),
                     copies=meta.replica_units,
+                    specs=dict(col_specs),
                 )
             )
         except BaseException as e:
+            if isinstance(e, SchemaError):  # (this client's specs may be stale: see put)
+                self._specs.forget(partition)
             units = [int(u) for u in np.unique(meta.units)]
             lost = await lost_with_unit(self._ctl, meta.indexes, e, units)
             if len(new):  # nothing of a new key may stay half-written: free, undo its row
@@ -269,6 +304,8 @@ class KeyValue:
         one tensor, ragged as one :class:`Ragged`, object fields as a list. ``fields``: those
         to read (every key's row must have them), None: every field all the rows have."""
         meta = await self.kv_meta(keys, partition=partition, fields=fields)
+        if not meta.fields:  # (rows that hold only tags so far)
+            return {}
         return await self._io.run_async(self._read(meta, None))
 
     async def kv_get(
@@ -281,18 +318,31 @@ class KeyValue:
         return {name: _row_of(col) for name, col in cols.items()}
 
     async def kv_list(
-        self, partition: str = "default", *, fields: Sequence[str] | str | None = None
+        self,
+        partition: str = "default",
+        *,
+        fields: Sequence[str] | str | None = None,
+        tags: bool = False,
     ) -> KeyListing:
-        """The keys of ``partition`` in row order (``listing.keys``, ``listing.indexes``).
-        ``fields``: names of fields, or ``"all"`` (every field some key's row has), to learn
-        which keys' rows have them (``listing.ready[field]``, ``listing.fields_of(key)``)."""
+        """The keys of ``partition`` in row order (``listing.keys``, ``listing.indexes``),
+        keys that hold only tags included. ``fields``: names of fields, or ``"all"`` (every
+        field some key's row has), to learn which keys' rows have them
+        (``listing.ready[field]``, ``listing.fields_of(key)``). ``tags=True``: each key's
+        tags too (``listing.tags``, ``{}`` where none)."""
         if isinstance(fields, str) and fields != "all":
             raise BadRequestError(
                 f'kv_list: fields must be a list of names or "all", got {fields!r}'
             )
         names = None if fields is None or isinstance(fields, str) else list(fields)
         msg = m.KvList(partition=partition, fields=names, all_fields=fields == "all")
-        return await self._io.run_async(self._ctl.call(msg))
+        return await self._io.run_async(self._list(msg, tags))
+
+    async def _list(self, msg: m.KvList, tags: bool) -> KeyListing:
+        listing: KeyListing = await self._ctl.call(msg)
+        if tags:
+            raw = await self._ctl.call(m.GetCustomMeta(indexes=listing.indexes)) if listing else []
+            listing.tags = [msgspec.msgpack.decode(r) for r in raw]
+        return listing
 
     # -- delete ------------------------------------------------------------------------------
     async def kv_delete(self, keys: Sequence[str], *, partition: str = "default") -> None:

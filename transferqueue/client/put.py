@@ -54,8 +54,9 @@ from transferqueue.loop import LoopThread
 from transferqueue.memcpy import gather_rows
 from transferqueue.meta import BatchMeta
 from transferqueue.ragged import Ragged
-from transferqueue.schema import Column, FieldSpec, normalize_columns
+from transferqueue.schema import Column, FieldSpec
 from transferqueue.wire import messages as m
+from transferqueue.wire.checks import encode_meta
 
 __all__ = [
     "WRITE_AHEAD_BYTES",
@@ -174,6 +175,7 @@ class Writer:
         lease_s: float = 60.0,
         timeout_s: float | None = None,
         share: Sequence[str] = (),
+        tags: Sequence[Mapping[str, Any]] | None = None,
     ) -> BatchMeta:
         """Write columns: new rows, or (with ``meta``) new fields of existing rows.
 
@@ -196,11 +198,27 @@ class Writer:
         kept by this handle and read by other processes of the node by handle (CUDA IPC),
         until their rows are freed; if this process dies, readers lose those rows (see
         :mod:`transferqueue.device.shared`). Their field is an object field of references.
+
+        ``tags``: one dict of msgpack values per row, set as the rows' custom metadata with
+        the put (``get_custom_meta`` reads it). With tags, ``data`` may be empty: new rows
+        (one per tag) or the rows of ``meta`` that hold only metadata so far; their fields
+        come with later puts (``meta=``), and tasks see them once those are written.
         """
+        raw = None if tags is None else encode_tags(tags, None if meta is None else len(meta))
         if not share:
             return await self._io.run_async(
                 self._put(
-                    data, meta, partition, group, version, length, specs, ack, lease_s, timeout_s
+                    data,
+                    meta,
+                    partition,
+                    group,
+                    version,
+                    length,
+                    specs,
+                    ack,
+                    lease_s,
+                    timeout_s,
+                    raw,
                 )
             )
         exporter = self._device.exporter()
@@ -218,7 +236,17 @@ class Writer:
         try:
             done = await self._io.run_async(
                 self._put(
-                    cells, meta, partition, group, version, length, specs, ack, lease_s, timeout_s
+                    cells,
+                    meta,
+                    partition,
+                    group,
+                    version,
+                    length,
+                    specs,
+                    ack,
+                    lease_s,
+                    timeout_s,
+                    raw,
                 )
             )
         except BaseException:
@@ -229,7 +257,16 @@ class Writer:
             exporter.bind(key, done.partition, done.indexes)
         return done
 
-    async def _put(
+    async def _put(self, data: Mapping[str, Any], meta: BatchMeta | None, *args: Any) -> BatchMeta:
+        try:
+            return await self._put_columns(data, meta, *args)
+        except SchemaError:
+            # (the specs this client knew may be stale: another client cleared the partition
+            # and wrote others; the next put learns them)
+            self._specs.forget(args[0] if meta is None else meta.partition)
+            raise
+
+    async def _put_columns(
         self,
         data: Mapping[str, Any],
         meta: BatchMeta | None,
@@ -241,17 +278,26 @@ class Writer:
         ack: bool,
         lease_s: float,
         timeout_s: float | None,
+        tags: list[bytes] | None = None,
     ) -> BatchMeta:
-        known = self._specs.known()
-        if specs:
-            known.update(specs)
-        cols, col_specs, n = normalize_columns(data, known, keep_device=True)
+        where = partition if meta is None else meta.partition
+        cols: dict[str, Column]
+        col_specs: dict[str, FieldSpec]
+        if tags is not None and not data:  # (rows that hold only metadata so far)
+            cols, col_specs, n = {}, {}, len(tags)
+        else:
+            cols, col_specs, n = await self._specs.normalize(data, where, specs, keep_device=True)
+        if tags is not None and len(tags) != n:
+            raise BadRequestError(f"put: {n} rows but {len(tags)} tags; give one per row")
         timeout_s = timeout_of(timeout_s)
-        await self._specs.register(col_specs)
+        if col_specs:
+            await self._specs.register(col_specs, where)
         versions = header(version, n, "version")
         lengths = header(length, n, "length")
         if meta is not None:
-            return await self._put_to(meta, cols, col_specs, n, versions, lengths, ack, lease_s)
+            return await self._put_to(
+                meta, cols, col_specs, n, versions, lengths, ack, lease_s, tags
+            )
         groups = header(group, n, "group")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + _REPUT_S
@@ -259,7 +305,7 @@ class Writer:
         while True:
             try:
                 return await self._put_new(
-                    cols, col_specs, n, partition, groups, versions, lengths, timeout_s
+                    cols, col_specs, n, partition, groups, versions, lengths, timeout_s, tags
                 )
             except _PutAgain as gone:
                 # the write met a unit that died or restarted: nothing of this try stays
@@ -282,6 +328,7 @@ class Writer:
         lengths: Any,
         ack: bool,
         lease_s: float,
+        tags: list[bytes] | None = None,
     ) -> BatchMeta:
         """A put of new fields of the rows of ``meta`` (see :meth:`put`)."""
         if len(meta) != n:
@@ -307,6 +354,8 @@ class Writer:
                 "Put the others: meta.select(positions)",
                 lost,
             ) from e
+        if tags is not None:
+            await self._ctl.call(m.SetCustomMeta(indexes=meta.indexes, metas=tags))
         await self._ctl.call(
             m.Commit(
                 indexes=meta.indexes,
@@ -316,6 +365,7 @@ class Writer:
                 lease_id=lease if ack else None,
                 dropped=dropped,
                 copies=meta.replica_units,
+                specs=dict(col_specs),
             )
         )
         if lease is not None and ack:
@@ -336,6 +386,7 @@ class Writer:
         versions: Any,
         lengths: Any,
         timeout_s: float | None,
+        tags: list[bytes] | None = None,
     ) -> BatchMeta:
         """One try at a put of new rows: allocate, write, commit. A try that committed
         nothing because of a unit that died or restarted is undone and raises
@@ -366,9 +417,13 @@ class Writer:
                 raise wrote  # (written ahead, and that write failed)
             if not wrote:
                 dropped = await self.write_units(new, cols, col_specs, create=True)
+            if tags is not None:  # (before the commit: rows undone take their tags along)
+                await self._ctl.call(m.SetCustomMeta(indexes=new.indexes, metas=tags))
             writing = False  # (a commit gone with the controller may have landed)
             copies = new.replica_units
-            commit = m.Commit(new.indexes, list(cols), dropped=dropped, copies=copies)
+            commit = m.Commit(
+                new.indexes, list(cols), dropped=dropped, copies=copies, specs=dict(col_specs)
+            )
             await self._ctl.call(commit)
         except BaseException as e:
             lost = await lost_with_unit(self._ctl, new.indexes, e, meta_units(new))
@@ -504,6 +559,18 @@ class Writer:
             return await gather_copies(groups, jobs, len(meta))
         await asyncio.gather(*jobs)
         return []
+
+
+def encode_tags(tags: Sequence[Mapping[str, Any]], n: int | None) -> list[bytes]:
+    """One tag (a dict of msgpack values) per row (``n`` rows where known), encoded:
+    checked before anything is put."""
+    if isinstance(tags, Mapping) or (n is not None and len(tags) != n):
+        got = "a single dict" if isinstance(tags, Mapping) else f"{len(tags)} tags"
+        raise BadRequestError(f"{n} rows but {got}; give one tag (a dict) per row")
+    return [
+        encode_meta(dict(t) if isinstance(t, Mapping) else t, f"tags[{i}]")
+        for i, t in enumerate(tags)
+    ]
 
 
 def lease_s_of(lease_s: float) -> float:

@@ -119,6 +119,7 @@ class Client:
     finish = _blocking(AsyncClient.finish)
     clear = _blocking(AsyncClient.clear)
     stats = _blocking(AsyncClient.stats)
+    specs = _blocking(AsyncClient.specs)
     status = _blocking(AsyncClient.status)
     reset_consumption = _blocking(AsyncClient.reset_consumption)
     set_custom_meta = _blocking(AsyncClient.set_custom_meta)

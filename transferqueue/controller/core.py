@@ -194,6 +194,14 @@ class Controller:
             "custom_meta_rows": self.status.custom_rows,
             "custom_meta_bytes": self.status.custom_bytes,
             "allocation_s": self.allocation_s,
-            "fields": {n: s.describe() for n, s in self.rows.specs.items()},
+            # (every partition's fields; one whose spec differs between partitions shows
+            # one of them: partition_fields has each partition's)
+            "fields": {
+                n: s.describe() for specs in self.rows.specs.values() for n, s in specs.items()
+            },
+            "partition_fields": {
+                p: {n: s.describe() for n, s in specs.items()}
+                for p, specs in self.rows.specs.items()
+            },
             "partitions": parts,
         }

@@ -113,10 +113,10 @@ class RowHandlers(_Handlers):
     """Fields, and the rows of puts: allocate, commit, discard."""
 
     def register_fields(self, msg: m.RegisterFields, caller: Caller) -> dict[str, FieldSpec]:
-        return self.ctl.rows.register_fields(msg.specs)
+        return self.ctl.rows.register_fields(msg.specs, msg.partition)
 
     def get_specs(self, msg: m.GetSpecs, caller: Caller) -> dict[str, FieldSpec]:
-        return dict(self.ctl.rows.specs)
+        return dict(self.ctl.rows.specs_of(msg.partition))
 
     def lost(self, msg: m.Lost, caller: Caller) -> np.ndarray:
         return self.ctl.rows.lost(msg.indexes)
@@ -152,6 +152,13 @@ class RowHandlers(_Handlers):
 
     def commit(self, msg: m.Commit, caller: Caller) -> None:
         ctl = self.ctl
+        if msg.specs:
+            slots = ctl.rows.lookup(msg.indexes)
+            pids = np.unique(ctl.rows.header["partition"][slots[slots >= 0]])
+            for pid in pids.tolist():  # (rows not live: the commit itself says why)
+                part = ctl.partitions.by_id(pid)
+                if part is not None:
+                    ctl.rows.confirm_fields(msg.specs, part.name)
         if msg.dropped:  # (two copies of each row: a unit the writer found gone)
             self.service.apply(ctl.copies.drop_copies(msg.indexes, msg.dropped))
         changes = ctl.writes.commit(
@@ -343,7 +350,8 @@ class SnapshotHandlers(_Handlers):
         rows = [p.indexes for p in parts]
         indexes = np.concatenate(rows) if rows else np.empty(0, dtype=np.int64)
         hold = self.service.holds.open(indexes, msg.hold_s) if indexes.size else 0
-        return StoreExport(hold, dict(ctl.rows.specs), parts)
+        specs = {p.name: dict(ctl.rows.specs_of(p.name)) for p in parts}
+        return StoreExport(hold, specs, parts)
 
     def hold_export(self, msg: m.HoldExport, caller: Caller) -> Awaitable[None] | None:
         service = self.service

@@ -68,8 +68,9 @@ __all__ = [
     "read_snapshot",
 ]
 
-FORMAT_VERSION = 4  # 2: copy plans (header "copying", unit_epochs); 3: the core in parts;
-# 4: the loss log of each partition (rows lost before a task's first poll count for it)
+FORMAT_VERSION = 5  # 2: copy plans (header "copying", unit_epochs); 3: the core in parts;
+# 4: the loss log of each partition (rows lost before a task's first poll count for it);
+# 5: field specs per partition
 SNAPSHOT = "snapshot"
 _LOG = "log."
 _MAGIC = b"TQCTLST\0"

@@ -165,15 +165,15 @@ class KeyedRows:
         self, partition: str, keys: list[str], slots: np.ndarray, fields: list[str] | None
     ) -> list[str]:
         """``fields``, checked: every row has them written; None: those every row has."""
-        specs = self._rows.specs
+        specs = self._rows.specs_of(partition)
         if fields is None:
             return [n for n, ready in self._rows.ready.items() if n in specs and ready[slots].all()]
         for name in fields:
             ready = self._rows.ready.get(name) if name in specs else None
             if ready is None:
                 raise UnknownFieldError(
-                    f"field {name!r} has never been written (known fields: "
-                    f"{sorted(specs)[:50]}); check the name"
+                    f"field {name!r} has never been written to partition {partition!r} "
+                    f"(its fields: {sorted(specs)[:50]}); check the name"
                 )
             lacking = np.flatnonzero(~ready[slots])
             if lacking.size:
@@ -244,11 +244,12 @@ class KeyedRows:
         part = self._partitions.get(partition)
         km = None if part is None else self._keys.get(part.id)
         names = list(dict.fromkeys(fields or ()))
-        specs = self._rows.specs
+        specs = self._rows.specs_of(partition)
         for name in names:
             if name not in specs:
                 raise BadRequestError(
-                    f"kv_list: field {name!r} was never written (known fields: "
+                    f"kv_list: field {name!r} was never written to partition {partition!r} "
+                    "(its fields: "
                     f"{sorted(specs)[:50]}); check the name"
                 )
         if not km:

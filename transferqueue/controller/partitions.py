@@ -57,6 +57,7 @@ class Partitions:
         self.on_free: list[OnFree] = []
         self.on_new_task: list[OnNewTask] = []
         self.on_clear: list[OnClear] = []
+        rows.has_rows = self.has_rows
 
     def __iter__(self) -> Iterator[PartitionState]:
         return iter(list(self._by_name.values()))
@@ -84,6 +85,11 @@ class Partitions:
             self._by_name[name] = part
             self._by_id[part.id] = part
         return part
+
+    def has_rows(self, name: str) -> bool:
+        """Whether partition ``name`` holds rows (allocated ones too)."""
+        part = self._by_name.get(name)
+        return part is not None and part.rows_live > 0
 
     def get(self, name: str) -> PartitionState | None:
         return self._by_name.get(name)
@@ -187,6 +193,7 @@ class Partitions:
             task.leased = task.done = task.dropped = task.lost = task.retired = 0
         part.rows_put = part.rows_freed = part.rows_lost = part.rows_retired = 0
         part.finished = False
+        self._rows.forget_specs(part.name)
         for hook in self.on_clear:
             hook(part)
 

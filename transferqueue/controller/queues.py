@@ -104,6 +104,8 @@ class Queues:
                 self._partitions.free(part, live, changes)
             self._partitions.cleared(part)
             changes.woken |= {task.key for task in part.tasks.values()}
+        if partition is None:
+            self._rows.specs.clear()  # (also of partitions that never held a row)
         return changes
 
     # -- batches -----------------------------------------------------------------------------
@@ -206,7 +208,7 @@ class Queues:
         """Raise when ``task`` waits for fields nobody ever wrote while nothing in its finished
         partition is still being processed (a misspelt field: no row will ever get them).
         Another task with rows left, or a declared task not started yet, may write them."""
-        specs = self._rows.specs
+        specs = self._rows.specs_of(part.name)
         missing = [f for f in task.fields if f not in specs]
         if not missing or task.done + task.lost + task.retired == part.rows_put:
             return
@@ -326,7 +328,8 @@ class Queues:
         slots = self._rows.lookup(indexes)
         slots = slots[slots >= 0]
         rows = self._rows
-        return all(name in rows.specs and rows.ready_of(name)[slots].all() for name in fields)
+        known = rows.field_names()
+        return all(name in known and rows.ready_of(name)[slots].all() for name in fields)
 
     def finish_rows(self, lease: Lease, slots: np.ndarray, *, acked: bool) -> Changes:
         """Rows ``slots`` of ``lease`` are acknowledged (done for its task) or released

@@ -64,6 +64,7 @@ class CopyPlan:
     fields: list[str]
     epoch: int
     nbytes: int
+    partition: int = -1  # (the rows' partition id: their fields' specs are its)
 
 
 class Copies:
@@ -103,7 +104,8 @@ class Copies:
         target = self._copy_target(source)
         if target < 0:
             return None
-        cand = cand[h["unit"][cand] == source]
+        pid = int(h["partition"][first])
+        cand = cand[(h["unit"][cand] == source) & (h["partition"][cand] == pid)]
         names = sorted(ready)
         if names:  # (rows of one copy carry the same fields: one read, one write)
             fields_of = np.stack([ready[n][cand] for n in names], axis=1)
@@ -124,6 +126,7 @@ class Copies:
             fields,
             int(self.unit_epochs[target]),
             int(h["nbytes"][cand].sum()),
+            pid,
         )
 
     def _copy_target(self, source: int) -> int:

@@ -6,7 +6,7 @@
              version int64 | length int64 | done int16 (declared tasks done) | live bool |
              nbytes int64 | committed bool | copying int64      (see state.HEADER)
     ready    {field: bool[capacity]}        which fields of each row are written
-    specs    {field: FieldSpec}             every registered field
+    specs    {partition: {field: FieldSpec}} every registered field, per partition name
     map      row index -> slot (SlotMap); free slots in extents (ExtentAllocator)
 
 Rows are added and removed here; what they mean to the partitions and tasks is
@@ -19,7 +19,7 @@ samplers read (:class:`~transferqueue.controller.samplers.HeaderView`).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -68,6 +68,11 @@ class GoneRows:
         return indexes[gone[pos] == indexes]
 
 
+def _holds_rows(partition: str) -> bool:
+    """(Without partitions to ask: every partition may hold rows, so specs never change.)"""
+    return True
+
+
 class RowTable:
     """The rows' header columns, ready bits and slots (see the module)."""
 
@@ -80,7 +85,11 @@ class RowTable:
             k: np.full(0, fill, dtype=dt) for k, (dt, fill) in HEADER.items()
         }
         self.ready: dict[str, np.ndarray] = {}
-        self.specs: dict[str, FieldSpec] = {}
+        # Specs are per partition (its rows share them; another partition may hold the same
+        # name with another spec). ``has_rows`` tells whether a partition holds rows (set by
+        # the controller): one that holds none takes a new spec in place of its old ones.
+        self.specs: dict[str, dict[str, FieldSpec]] = {}
+        self.has_rows: Callable[[str], bool] = _holds_rows
         self.next_index = 0  # the index of the next row added
         self.live = 0  # rows in the table
         self.gone = GoneRows()
@@ -97,21 +106,61 @@ class RowTable:
 
     # -- fields ------------------------------------------------------------------------------
     @journaled
-    def register_fields(self, specs: Mapping[str, FieldSpec]) -> dict[str, FieldSpec]:
-        """Register new fields; a spec that disagrees with a registered one is an error."""
+    def register_fields(
+        self, specs: Mapping[str, FieldSpec], partition: str = "default"
+    ) -> dict[str, FieldSpec]:
+        """Register fields of ``partition``; a spec that disagrees with one registered there
+        is an error, unless the partition holds no rows (cleared, or every row freed): then
+        it forgets its old specs and takes the new ones."""
         if len(set(self.ready) | set(specs)) > MAX_FIELDS:
             raise CapacityError(f"this controller keeps at most {MAX_FIELDS} fields")
-        for name, spec in specs.items():
-            known = self.specs.get(name)
-            if known is not None and known != spec:
-                raise SchemaError(
-                    f"field {name!r}: expected {known.describe()}, received {spec.describe()}; "
-                    "convert the column or write it under a new field name"
-                )
-        for name, spec in specs.items():
-            self.specs.setdefault(name, spec)
+        known = self.specs.get(partition, {})
+        clash = [n for n, s in specs.items() if n in known and known[n] != s]
+        if clash and self.has_rows(partition):
+            name = clash[0]
+            raise SchemaError(
+                f"field {name!r} of partition {partition!r}: expected "
+                f"{known[name].describe()}, received {specs[name].describe()}; convert the "
+                "column, write it under a new field name or to another partition, or clear "
+                "the partition first"
+            )
+        if clash:
+            known = {}  # (an empty partition forgets its specs)
+        for name in specs:
             self.ready_of(name)
-        return {n: self.specs[n] for n in specs}
+        mine = self.specs[partition] = {**dict(specs), **known}
+        return {n: mine[n] for n in specs}
+
+    def confirm_fields(self, specs: Mapping[str, FieldSpec], partition: str) -> None:
+        """Fields of ``partition``'s rows were written with ``specs`` (a commit): each must be
+        the partition's spec, so a writer whose cache of specs predates a clear and another
+        spec is refused before its rows are seen; fields the partition forgot meanwhile (a
+        clear during the put) are registered again."""
+        known = self.specs_of(partition)
+        for name, spec in specs.items():
+            have = known.get(name)
+            if have is not None and have != spec:
+                raise SchemaError(
+                    f"field {name!r} of partition {partition!r}: expected {have.describe()}, "
+                    f"received {spec.describe()}; the partition took this spec after the "
+                    "writer learnt another (cleared, then written): convert the column, or "
+                    "write it under a new field name or to another partition"
+                )
+        missing = {n: s for n, s in specs.items() if n not in known}
+        if missing:
+            self.register_fields(missing, partition)
+
+    def specs_of(self, partition: str) -> dict[str, FieldSpec]:
+        """The registered specs of ``partition`` (empty for one with none)."""
+        return self.specs.get(partition, {})
+
+    def field_names(self) -> set[str]:
+        """Every field registered in any partition."""
+        return {n for specs in self.specs.values() for n in specs}
+
+    def forget_specs(self, partition: str) -> None:
+        """``partition`` was cleared: its fields may come back with other specs."""
+        self.specs.pop(partition, None)
 
     def ready_of(self, name: str) -> np.ndarray:
         """The ready bits of field ``name`` (made, all False, for a name not seen yet)."""

@@ -89,7 +89,7 @@ class Snapshots:
         live = self._rows.live_slots(part.id)
         slots = live[h["committed"][live]]
         indexes = h["index"][slots].copy()
-        specs = self._rows.specs
+        specs = self._rows.specs_of(name)
         ready = {f: arr[slots].copy() for f, arr in self._rows.ready.items() if f in specs}
         custom_pos, custom = self._status.custom_of(indexes)
         leases = self._leases.of_partition(part.id)

@@ -64,11 +64,11 @@ class RowStatus:
         state of each (``meta``: the rows as a BatchMeta too, leasing nothing). Unknown names
         are errors listing the known ones."""
         part = self._partitions.known(partition)
-        specs = self._rows.specs
+        specs = self._rows.specs_of(partition)
         for name in fields or ():
             if name not in specs:
                 raise UnknownFieldError(
-                    f"field {name!r} was never written (known fields: "
+                    f"field {name!r} was never written to partition {partition!r} (its fields: "
                     f"{sorted(specs)[:50]}); check the name"
                 )
         t = None if task is None else self._partitions.known_task(part, task)

@@ -157,11 +157,19 @@ class Writes:
             return Changes()
         rows = self._rows
         slots = rows.slots(indexes)
-        for name in fields:
-            if name not in rows.specs:
-                raise UnknownFieldError(
-                    f"field {name!r} has no registered spec; register_fields before commit"
-                )
+        pids = rows.header["partition"][slots]
+        upids = np.unique(pids)
+        for pid in upids.tolist():
+            part = self._partitions.by_id(pid)
+            assert part is not None
+            specs = rows.specs_of(part.name)
+            for name in fields:
+                if name not in specs:
+                    raise UnknownFieldError(
+                        f"field {name!r} has no registered spec in partition {part.name!r}; "
+                        "register_fields before commit (a clear of the partition during the "
+                        "put forgets its specs: put again)"
+                    )
         n = indexes.size
         v = None if versions is None else header_column("version", versions, n, default=-1)
         ln = None if lengths is None else header_column("length", lengths, n, default=-1)
@@ -178,8 +186,6 @@ class Writes:
         for name in fields:
             rows.ready_of(name)[slots] = True
         fset = set(fields)
-        pids = h["partition"][slots]
-        upids = np.unique(pids)
         for pid in upids.tolist():
             part = self._partitions.by_id(pid)
             assert part is not None

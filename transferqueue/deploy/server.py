@@ -543,10 +543,15 @@ class ControllerServer:
         clock), when the target's grant for them expires (see transferqueue.controller.recopy)."""
         lo, hi = int(plan.indexes.min()), int(plan.indexes.max()) + 1
         timeout_s = max(0.1, expires - time.time())
+        ctl = self.service.controller
+        part = ctl.partitions.by_id(plan.partition)
+        specs = ctl.rows.specs_of(part.name) if part is not None else {}
+        if any(f not in specs for f in plan.fields):
+            raise BadRequestError(f"copy plan {plan.plan_id}: its partition was cleared")
         msg = m.CopyRows(
             indexes=plan.indexes,
             fields=plan.fields,
-            specs={f: self.service.controller.rows.specs[f] for f in plan.fields},
+            specs={f: specs[f] for f in plan.fields},
             target=plan.target,
             address=self.unit_addresses[plan.target],
             grant=self._grants.sign(plan.target, lo, hi, expires),

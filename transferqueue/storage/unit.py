@@ -5,7 +5,12 @@ or readiness (that is the controller's job). Layout::
 
     SlotMap         global index -> slot
     ExtentAllocator free slots, contiguous ranges preferred
-    columns         {field: DenseColumn | RaggedColumn | ObjectColumn}, all indexed by slot
+    columns         {field: [DenseColumn | RaggedColumn | ObjectColumn]}, all indexed by slot
+
+A field has one column per spec it holds rows of: specs are fixed per partition, and a unit
+holds rows of every partition, so ``x`` may be dense ``[2]`` in one partition and ``[3]`` in
+another (a slot is written in at most one of them). A column left without rows is dropped
+when another spec of its field arrives, so a cleared partition's old spec keeps no memory.
 
 Writes are all-or-nothing: every column is checked against its spec, every row is looked up
 and the capacity is checked before the first byte is copied, so a bad write leaves what is
@@ -77,7 +82,7 @@ class StorageUnit:
         self.capacity_bytes = capacity_bytes
         self._map = SlotMap()
         self._alloc = ExtentAllocator(0)
-        self._columns: dict[str, AnyColumn] = {}
+        self._columns: dict[str, list[AnyColumn]] = {}  # (one per spec: see the module)
         self._writes = 0
         self._reads = 0
         # Slots whose bytes a server is still sending (zero-copy views): freeing them is
@@ -109,11 +114,6 @@ class StorageUnit:
             spec = specs.get(name)
             if spec is None:
                 raise SchemaError(f"field {name!r}: no spec given with the write")
-            col = self._columns.get(name)
-            if col is not None and col.spec != spec:
-                raise SchemaError(
-                    f"field {name!r}: expected {col.spec.describe()}, received {spec.describe()}"
-                )
             _check_data(name, spec, data)
             if column_rows(data) != n:
                 raise SchemaError(f"field {name!r} has {column_rows(data)} rows for {n} indexes")
@@ -138,11 +138,23 @@ class StorageUnit:
             self._map.insert(new_idx, new_slots)
             slots[absent] = new_slots
         for name, data in columns.items():
-            col = self._columns.get(name)
-            if col is None:
-                col = self._columns[name] = make_column(name, specs[name], self._alloc.capacity)
-            write_column(col, slots, data, adopt=adopt)
+            write_column(self._column_for(name, specs[name], slots), slots, data, adopt=adopt)
         self._writes += 1
+
+    def _column_for(self, name: str, spec: FieldSpec, slots: np.ndarray) -> AnyColumn:
+        """The column of ``name`` holding ``spec``, made if new; ``slots`` leave the field's
+        other columns, and those left without rows are dropped."""
+        cols = self._columns.setdefault(name, [])
+        col = next((c for c in cols if c.spec == spec), None)
+        if col is None:
+            col = make_column(name, spec, self._alloc.capacity)
+            cols.append(col)
+        if len(cols) > 1:
+            for other in cols:
+                if other is not col:
+                    other.free(slots[other.written[slots]])
+            cols[:] = [c for c in cols if c is col or c.written.any()]
+        return col
 
     def _capacity_needed(
         self, new_rows: int, columns: Mapping[str, Column], specs: Mapping[str, FieldSpec]
@@ -160,7 +172,7 @@ class StorageUnit:
         if self.capacity_bytes is not None:
             cap_after = max(target, self._alloc.capacity)
             added = self._dense_bytes(cap_after, specs) - self._dense_bytes(
-                self._alloc.capacity, {n: c.spec for n, c in self._columns.items()}
+                self._alloc.capacity, {}
             )
             ragged = sum(d.nbytes for d in columns.values() if isinstance(d, Ragged))
             if self.nbytes + max(added, 0) + ragged > self.capacity_bytes:
@@ -172,17 +184,17 @@ class StorageUnit:
         return target
 
     def _dense_bytes(self, capacity: int, specs: Mapping[str, FieldSpec]) -> int:
-        names = set(specs) | set(self._columns)
-        total = 0
-        for name in names:
-            spec = specs.get(name) or self._columns[name].spec
-            if spec.kind == "dense":
-                total += capacity * spec.row_nbytes
-        return total
+        """Bytes of the dense columns at ``capacity`` slots, with those ``specs`` would add."""
+        held = [c.spec for cols in self._columns.values() for c in cols]
+        new = [s for n, s in specs.items() if all(c.spec != s for c in self._columns.get(n, ()))]
+        return capacity * sum(s.row_nbytes for s in held + new if s.kind == "dense")
+
+    def _all_columns(self) -> list[AnyColumn]:
+        return [c for cols in self._columns.values() for c in cols]
 
     def _grow(self, capacity: int) -> None:
         self._alloc.grow(capacity)
-        for col in self._columns.values():
+        for col in self._all_columns():
             col.grow(capacity)
 
     # -- reads -------------------------------------------------------------------------------
@@ -209,16 +221,7 @@ class StorageUnit:
         ascending = indexes.size < 2 or bool((np.diff(indexes) > 0).all())
         if not ascending and np.unique(indexes).size != indexes.size:
             raise SchemaError("a read names the same row twice")
-        cols = []
-        for name in fields:
-            col = self._columns.get(name)
-            if col is None:
-                raise UnknownFieldError(
-                    f"field {name!r} is not stored in unit {self.unit_id}; "
-                    f"stored fields: {sorted(self._columns)}"
-                )
-            col.check_written(slots, indexes)
-            cols.append(col)
+        cols = [self._column_of(name, slots, indexes) for name in fields]
         result: dict[str, Column] = {}
         pinned = False
         for name, col in zip(fields, cols, strict=True):
@@ -228,7 +231,12 @@ class StorageUnit:
                     result[name] = view
                     pinned = True
                 else:
-                    result[name] = col.read(slots, None if out is None else out.get(name))
+                    dst = None if out is None else out.get(name)
+                    if dst is not None and (
+                        dst.dtype != col.spec.torch_dtype or tuple(dst.shape[1:]) != col.spec.shape
+                    ):
+                        dst = None  # (the reader's spec is stale: it learns so from the result)
+                    result[name] = col.read(slots, dst)
             elif isinstance(col, RaggedColumn):
                 result[name] = col.read(slots, share=share)
             else:
@@ -237,6 +245,27 @@ class StorageUnit:
             pin.append(self._pin(slots))
         self._reads += 1
         return result
+
+    def _column_of(self, name: str, slots: np.ndarray, indexes: np.ndarray) -> AnyColumn:
+        """The column of ``name`` that holds every row of ``slots``."""
+        cols = self._columns.get(name)
+        if not cols:
+            raise UnknownFieldError(
+                f"field {name!r} is not stored in unit {self.unit_id}; "
+                f"stored fields: {sorted(self._columns)}"
+            )
+        if len(cols) > 1:
+            counts = [int(c.written[slots].sum()) for c in cols]
+            best = int(np.argmax(counts))
+            if 0 < counts[best] < slots.size and sum(counts) == slots.size:
+                raise SchemaError(
+                    f"field {name!r}: the rows read hold it with different specs "
+                    f"({', '.join(c.spec.describe() for c in cols)}): rows of different "
+                    "partitions; read each partition's rows apart"
+                )
+            cols = [cols[best]]
+        cols[0].check_written(slots, indexes)
+        return cols[0]
 
     def _pin(self, slots: np.ndarray) -> int:
         if self._pinned.size < self._alloc.capacity:
@@ -289,8 +318,11 @@ class StorageUnit:
         keep = slots >= 0
         slots, indexes = slots[keep], indexes[keep]
         if slots.size:
-            for col in self._columns.values():
-                col.free(slots)
+            for cols in self._columns.values():
+                for col in cols:
+                    col.free(slots)
+                if len(cols) > 1:  # (a spec no row holds any more keeps no memory)
+                    cols[:] = [c for c in cols if c.written.any()] or cols[:1]
             self._map.remove(indexes)
             busy = self._busy(slots)
             self._alloc.free(slots[~busy])
@@ -304,7 +336,7 @@ class StorageUnit:
 
     def clear(self) -> None:
         """Drop every row; columns keep their memory for reuse."""
-        for col in self._columns.values():
+        for col in self._all_columns():
             col.free(np.flatnonzero(col.written))
         self._map.clear()
         self._alloc.reset()
@@ -329,7 +361,7 @@ class StorageUnit:
     @property
     def nbytes(self) -> int:
         """Bytes held by columns (dense: allocated blocks; ragged: live segments)."""
-        return sum(c.nbytes for c in self._columns.values())
+        return sum(c.nbytes for c in self._all_columns())
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -338,7 +370,9 @@ class StorageUnit:
             "slot_capacity": self._alloc.capacity,
             "bytes": self.nbytes,
             "capacity_bytes": self.capacity_bytes,
-            "fields": {n: c.spec.describe() for n, c in self._columns.items()},
+            "fields": {
+                n: " | ".join(c.spec.describe() for c in cols) for n, cols in self._columns.items()
+            },
             "writes": self._writes,
             "reads": self._reads,
         }

@@ -83,8 +83,8 @@ __all__ = [
     "encode_request",
 ]
 
-PROTOCOL_VERSION = 5  # 3: Commit.dropped, BatchMeta.replica_units; 4: unit inventory;
-# 5: Commit.copies, copy_rows (re-replication)
+PROTOCOL_VERSION = 6  # 3: Commit.dropped, BatchMeta.replica_units; 4: unit inventory;
+# 5: Commit.copies, copy_rows (re-replication); 6: field specs per partition
 CHUNK_BYTES = 64 << 20  # see the module docstring
 INLINE_BYTES = 1024
 SHM_MIN_BYTES = 64 << 10  # smaller buffers go as frames even when an arena is offered

@@ -121,16 +121,19 @@ class Lost(ControllerRequest[np.ndarray]):
 
 
 class RegisterFields(ControllerRequest[dict[str, FieldSpec]]):
-    """A producer's first put of these fields: their specs (a disagreeing spec is an error)."""
+    """A producer's first put of these fields to ``partition``: their specs (one that
+    disagrees with the partition's is an error, unless the partition holds no rows)."""
 
     kind = "register_fields"
     specs: Specs
+    partition: Name = "default"
 
 
 class GetSpecs(ControllerRequest[dict[str, FieldSpec]]):
-    """Every registered field's spec (a reader meeting a field it has not seen)."""
+    """The specs of ``partition``'s fields (a reader meeting a field it has not seen)."""
 
     kind = "get_specs"
+    partition: Name = "default"
 
 
 class Allocate(ControllerRequest[BatchMeta]):
@@ -164,7 +167,8 @@ class Commit(ControllerRequest[None]):
     copies there and frees them there, in case the write landed after all. ``copies``: the
     second unit of each row the writer wrote (its meta's ``replica_units``; -1: none): a
     second copy the controller made since the writer took its meta is forgotten (it lacks
-    these fields) and made again (see :mod:`transferqueue.controller.rereplicate`)."""
+    these fields) and made again (see :mod:`transferqueue.controller.rereplicate`).
+    ``specs``: those the fields were written with; they must be the rows' partition's."""
 
     kind = "commit"
     indexes: Rows
@@ -174,6 +178,7 @@ class Commit(ControllerRequest[None]):
     lease_id: LeaseId | None = None
     dropped: Annotated[list[Annotated[int, Meta(ge=0, le=4095)]], Meta(max_length=4096)] = []
     copies: PerRow | None = None
+    specs: Specs | None = None
 
 
 class GetMeta(ControllerRequest[BatchMeta]):

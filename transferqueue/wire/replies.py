@@ -74,6 +74,8 @@ class KeyListing:
     """int64: each key's row."""
     ready: dict[str, np.ndarray] = field(default_factory=dict)
     """Per field, bool: that key's row has the field written."""
+    tags: list[dict[str, Any]] | None = None
+    """Asked with ``tags=True`` (filled by the client): each key's tags (``{}``: none)."""
 
     def __post_init__(self) -> None:  # (also what a decoded reply holds)
         n = len(self.keys)
@@ -198,7 +200,7 @@ class StoreExport(msgspec.Struct, array_like=True):
     """The reply to ``export_state``: a snapshot of partitions at one controller instant."""
 
     snapshot_id: int  # holds the rows' payload on the units (see ExportHolds); 0: none
-    specs: dict[str, FieldSpec]
+    specs: dict[str, dict[str, FieldSpec]]  # {partition: {field: spec}}
     partitions: list[PartitionExport]
 
 
