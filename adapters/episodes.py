@@ -48,6 +48,7 @@ import torch
 
 from engines.episodes import END_REASONS, Episode, EpisodeSource, TurnBatcher
 from engines.episodes.batcher import BatchGenerate
+from engines.episodes.causes import top_causes
 from engines.episodes.record import FAILED
 from engines.protocols import Generation, SamplingParams
 from transferqueue import Ragged
@@ -153,12 +154,16 @@ class EpisodeTally:
     | ``episode_end_reasons``  | episodes per end reason (those that occurred)               |
     | ``episode_end_rates``    | share of each end reason (every reason, 0 included)         |
     | ``env_retries``          | tries thrown away because the environment failed            |
+    | ``env_failures``         | failed tries by cause (``engines.episodes.causes``)         |
+    | ``agent_refused``        | requests the agent endpoint refused, by error code          |
     | ``env_counters``         | each numeric counter of the environment's ``info``, summed  |
     | ``tool_calls_per_episode``| ``tool_calls`` per episode, where the environment counts it|
     | ``env_latency_s``        | ``reset``/``step`` call latency: ``*_p50``, ``*_p99``       |
     | ``episode_wait_s``       | seconds per episode waiting on the ``engine`` / the ``env`` |
 
-    The last four only where the episodes had an environment that reported them.
+    The last four (and ``agent_refused``) only where the episodes had an environment (an
+    agent) that reported them. :meth:`causes` names the top causes with a count and the first
+    message of each (what a step that gives up on its dropped groups says).
     """
 
     def __init__(self) -> None:
@@ -172,6 +177,9 @@ class EpisodeTally:
         self._wait = {"engine": 0.0, "env": 0.0}
         self._retries = 0
         self._timed = 0
+        self._failures: dict[str, int] = {}
+        self._messages: dict[str, str] = {}
+        self._refused: dict[str, int] = {}
 
     def add(self, cols: dict[str, Column]) -> None:
         """One micro-batch's :data:`SUMMARY_FIELDS` columns."""
@@ -197,6 +205,17 @@ class EpisodeTally:
             self._wait["engine"] += float(st.get("engine_s", 0.0))
             self._wait["env"] += float(st.get("env_s", 0.0))
             self._retries += int(st.get("retries", 0))
+            for cause, count in (st.get("failures") or {}).items():
+                self._failures[cause] = self._failures.get(cause, 0) + int(count)
+            for cause, message in (st.get("failure_messages") or {}).items():
+                self._messages.setdefault(cause, str(message))
+            for code, count in (st.get("refused") or {}).items():
+                self._refused[code] = self._refused.get(code, 0) + int(count)
+
+    def causes(self, n: int = 3) -> str:
+        """The ``n`` most frequent causes of failed tries so far, each with its count and first
+        message (``connection_refused x 24 (first: ...)``); empty when none failed."""
+        return top_causes(self._failures, self._messages, n)
 
     def summary(self) -> dict[str, Any]:
         """The table above, of the episodes added since the last summary, which starts a new
@@ -207,8 +226,11 @@ class EpisodeTally:
             "episode_end_reasons": dict(sorted(self._reasons.items())),
             "episode_end_rates": {r: self._reasons.get(r, 0) / n for r in END_REASONS},
             "env_retries": self._retries,
+            "env_failures": dict(sorted(self._failures.items())),
             "env_counters": dict(sorted(self._counters.items())),
         }
+        if self._refused:
+            out["agent_refused"] = dict(sorted(self._refused.items()))
         if "tool_calls" in self._counters:
             out["tool_calls_per_episode"] = self._counters["tool_calls"] / n
         latency = {}

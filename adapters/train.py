@@ -479,11 +479,14 @@ class TrainAdapter(Adapter):
         limit = f"more than {FILTER_LIMIT} x train.groups_per_step={self.groups_per_step}"
         drops = len(self._acc["dropped"])
         if drops * 2 >= len(filtered):
+            causes = self.tally.causes()
             raise RuntimeError(
                 f"step {self.step} dropped {drops} groups whose environment failed on every "
                 f"try (env_error) and filtered {len(filtered) - drops} ({limit}): the "
-                "environment's infrastructure keeps failing; see the episodes' errors in the "
-                "log, raise env.retries or env.timeout_s, or fix the environment"
+                "environment's infrastructure keeps failing"
+                + (f"; failed tries by cause: {causes}" if causes else "")
+                + "; fix what the causes name (start the server, check its URL and protocol), "
+                "or raise env.retries or env.timeout_s"
             )
         raise RuntimeError(
             f"step {self.step} filtered {len(filtered)} groups whose rewards all tied "

@@ -10,6 +10,7 @@ functions (module-level functions, so that they pickle to Ray actors), or, in lo
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -192,6 +193,8 @@ def build_episodes(
             options=r.agent_options,
             model=r.agent_model,
             api_key=r.agent_api_key,
+            # the tokenizer was loaded from the policy's folder (build_tokenizer)
+            context_tokens=policy_context(cfg, Path(tokenizer.name_or_path)),
         )
     assert name is not None
     return EpisodeRunner(
@@ -200,6 +203,33 @@ def build_episodes(
         limits,
         threads=env.threads,
     )
+
+
+def _positions(path: Path) -> int | None:
+    """The model folder's ``max_position_embeddings`` (None: its config does not say)."""
+    try:
+        context = json.loads((Path(path) / "config.json").read_text()).get(
+            "max_position_embeddings"
+        )
+    except (OSError, ValueError):
+        return None
+    return int(context) if isinstance(context, int) and context > 0 else None
+
+
+def _vllm_max_model_len(path: Path) -> int:
+    """vLLM's ``max_model_len`` by default: the model's context, at most 2048 (vLLM refuses
+    one beyond the model's context; the tiny model has 512)."""
+    return min(2048, _positions(path) or 2048)
+
+
+def policy_context(cfg: RunConfig, path: Path) -> int | None:
+    """The tokens the policy reads at most, prompt and response together: vLLM's
+    ``max_model_len`` (``rollout.engine_options`` or its default), else the model's
+    ``max_position_embeddings`` (None: the model folder does not say)."""
+    if cfg.rollout.engine == "vllm":
+        given = cfg.rollout.engine_options.get("max_model_len")
+        return int(given) if isinstance(given, int) else _vllm_max_model_len(path)
+    return _positions(path)
 
 
 def max_concurrent(name: str | None, env: EnvConfig) -> int | None:
@@ -280,7 +310,6 @@ def _generator(cfg: RunConfig, path: Path, dtype: torch.dtype, *, seed: int) -> 
     """One generation engine; ``rollout.engine_options`` win over the derived settings."""
     import dataclasses
     import inspect
-    import json
 
     engine = cfg.rollout.engine
     options = dict(cfg.rollout.engine_options)
@@ -315,11 +344,9 @@ def _generator(cfg: RunConfig, path: Path, dtype: torch.dtype, *, seed: int) -> 
         from engines.vllm_engine import VLLMEngineConfig, VLLMGenerationEngine
 
         valid = {f.name for f in dataclasses.fields(VLLMEngineConfig)} - {"model", "version"}
-        # vLLM refuses a max_model_len beyond the model's context (the tiny model has 512).
-        context = json.loads((path / "config.json").read_text()).get("max_position_embeddings")
         kwargs = {
             "dtype": cfg.model.dtype,  # behaviour log-probs in the trainer's precision
-            "max_model_len": min(2048, int(context or 2048)),
+            "max_model_len": _vllm_max_model_len(path),
             "seed": seed,
             **({"update_mode": "partial"} if cfg.rollout.partial else {}),
             **options,

@@ -8,7 +8,10 @@ asyncflow run --help                                      # every config field, 
 
 Both commands load and check the config the same way (:func:`asyncflow.config.check.
 resolve_config`); a bad config, a missing file or malformed YAML prints one line
-``asyncflow: bad config: ...`` naming the field and the fix, and exits with status 2.
+``asyncflow: bad config: ...`` naming the field and the fix, and exits with status 2; an
+exception a task, dataset, environment or reward raises as the check builds it is one such
+line too, with the option and the library's own message. ``--debug`` prints the traceback
+under it (the library's frames included) and logs a run at DEBUG rather than WARNING.
 ``--resume DIR`` is the override ``resume=DIR``. ``asyncflow config`` prints the config as
 YAML with a comment after every value naming its source: ``default``, ``environment NAME`` or
 ``task NAME`` (their recipes), ``file PATH`` or ``command line``. A finished run prints where
@@ -21,6 +24,7 @@ import argparse
 import json
 import logging
 import sys
+import traceback
 
 from asyncflow.config.check import resolve_config_sources
 from asyncflow.config.help import fields_help
@@ -61,6 +65,11 @@ def _parser(with_fields: bool) -> argparse.ArgumentParser:
             help="continue from the newest checkpoint in DIR (an output dir, its checkpoints "
             "folder or one checkpoint), with that run's config under the overrides",
         )
+        p.add_argument(
+            "--debug",
+            action="store_true",
+            help="a bad config's traceback under its one line; the run's log at DEBUG",
+        )
     return ap
 
 
@@ -74,12 +83,14 @@ def main(argv: list[str] | None = None) -> int:
         cfg, sources = resolve_config_sources(path, overrides)
     except (ValueError, TypeError) as e:  # ConfigError and the sections' own checks
         message = " ".join(str(e).split())  # one line, whatever the source wrote
+        if ns.debug:
+            traceback.print_exception(e, file=sys.stderr)
         print(f"asyncflow: bad config: {message}", file=sys.stderr)
         return BAD_CONFIG_EXIT
     if ns.cmd == "config":
         print(annotated_yaml(cfg, sources), end="")
         return 0
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(level=logging.DEBUG if ns.debug else logging.WARNING)
     from asyncflow.launch import run
 
     result = run(cfg)

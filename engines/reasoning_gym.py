@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from engines.imports import import_path
+from engines.names import unknown_name
 from engines.tasks import Task, TaskItem
 
 __all__ = [
@@ -170,21 +171,52 @@ class ReasoningGymTask(Task):
 @functools.lru_cache(maxsize=32)
 def build_dataset(spec: str) -> Any:
     """The reasoning-gym dataset of a task's ``rg_spec`` (cached: every row of a task carries
-    the same spec, and entries are generated on access)."""
+    the same spec, and entries are generated on access).
+
+    ``ValueError`` naming the option for an unknown dataset name (with the closest names the
+    library has) or a config the library refuses, whatever it raises (its configs check
+    themselves with ``assert``): ``options.config: reasoning-gym dataset 'gcd' refused it:
+    max_value must be > min_value``.
+    """
     rg = require()
     s = json.loads(spec)
+    from reasoning_gym.factory import DATASETS
+
     if s["dataset"] is not None:
+        if s["dataset"] not in DATASETS:
+            raise ValueError(
+                f"options.dataset: {unknown_name('reasoning-gym dataset', s['dataset'], DATASETS)}"
+            )
         try:
             return rg.create_dataset(s["dataset"], size=s["size"], seed=s["seed"], **s["config"])
-        except TypeError as e:  # an option the dataset's config lacks
-            raise ValueError(f"reasoning-gym dataset {s['dataset']!r}: bad config: {e}") from None
+        except Exception as e:  # the library checks its configs with assert, any type
+            raise ValueError(
+                f"options.config: reasoning-gym dataset {s['dataset']!r} refused it: {_message(e)}"
+            ) from e
     from reasoning_gym.composite import DatasetSpec
 
+    for name in sorted(s["datasets"]):
+        if name not in DATASETS:
+            raise ValueError(
+                f"options.datasets: {unknown_name('reasoning-gym dataset', name, DATASETS)}"
+            )
     specs = [
         DatasetSpec(name, float(d.get("weight", 1.0)), dict(d.get("config", {})))
         for name, d in sorted(s["datasets"].items())
     ]
-    return rg.create_dataset("composite", size=s["size"], seed=s["seed"], datasets=specs)
+    try:
+        return rg.create_dataset("composite", size=s["size"], seed=s["seed"], datasets=specs)
+    except Exception as e:  # as above
+        raise ValueError(f"options.datasets: reasoning-gym refused the mix: {_message(e)}") from e
+
+
+def _message(e: BaseException) -> str:
+    """An exception's own message in one line; its type where the message says little (an
+    ``assert`` without text, a ``KeyError``'s bare key)."""
+    text = " ".join(str(e).split())
+    if not text or isinstance(e, KeyError):
+        return f"{type(e).__name__}: {text}" if text else type(e).__name__
+    return text
 
 
 def extract_answer(completion: str, how: str = "tag") -> str | None:

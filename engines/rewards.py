@@ -33,6 +33,7 @@ from typing import Any
 
 from engines.expressions import ExpressionError, evaluate
 from engines.imports import import_path
+from engines.names import unknown_name
 
 __all__ = [
     "REWARDS",
@@ -312,8 +313,9 @@ def make_reward(name: str, **options: Any) -> RewardCallable:
             module, _, attribute = name.rpartition(".")
             hint = f" (did you mean {module}:{attribute}?)"
         raise ValueError(
-            f"unknown reward {name!r}; known rewards: {sorted(REWARDS)}, or an import path "
-            f"'module.path:function'{hint}"
+            unknown_name(
+                "reward", name, REWARDS, other=f", or an import path 'module.path:function'{hint}"
+            )
         ) from None
     return factory(**options)
 

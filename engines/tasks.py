@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar, TypeAlias
 
 from engines.expressions import evaluate
+from engines.names import unknown_name
 from engines.recipe import Recipe
 
 __all__ = [
@@ -332,7 +333,7 @@ def task_class(name: str) -> type[Task]:
     try:
         module, _, attribute = TASKS[name].partition(":")
     except KeyError:
-        raise ValueError(f"unknown task {name!r}; known tasks: {sorted(TASKS)}") from None
+        raise ValueError(unknown_name("task", name, TASKS)) from None
     cls: type[Task] = getattr(importlib.import_module(module), attribute)
     return cls
 

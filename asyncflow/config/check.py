@@ -16,6 +16,7 @@ per step, the model) or has no steps left is refused here.
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 from adapters.episodes import EPISODE_FIELDS
@@ -92,6 +93,8 @@ def check_config(cfg: RunConfig) -> Task:
             make_reward(name)
         except (ValueError, TypeError) as e:
             raise ConfigError(f"reward.functions: {e}") from None
+        except Exception as e:  # a user's reward failing as it is built: its own words
+            raise ConfigError(f"reward.functions: reward {name!r}: {_message(e)}") from e
     _check_env(cfg)
     task = _check_task(cfg)
     if cfg.eval.every_steps:
@@ -168,7 +171,9 @@ def _check_env(cfg: RunConfig) -> None:
     try:
         environment_factory(name, cfg.env.options)
     except ValueError as e:
-        raise ConfigError(f"env.name / env.options: {_one_line(e)}") from None
+        raise ConfigError(f"env.name / env.options: {_options(e, 'env')}") from None
+    except Exception as e:  # the environment's own check_options, in its own words
+        raise ConfigError(f"env.name / env.options of {name!r}: {_options(e, 'env')}") from e
 
 
 def _check_agent(cfg: RunConfig) -> None:
@@ -186,6 +191,8 @@ def _check_agent(cfg: RunConfig) -> None:
         raise ConfigError(str(e)) from None
     except ValueError as e:
         raise ConfigError(f"rollout.agent / rollout.agent_options: {_one_line(e)}") from None
+    except Exception as e:  # the agent's own checks, in its own words
+        raise ConfigError(f"rollout.agent / rollout.agent_options: {_message(e)}") from e
 
 
 def _check_verifiers(cfg: RunConfig, spec: str) -> None:
@@ -215,8 +222,8 @@ def _check_task(cfg: RunConfig) -> Task:
         task = make_task(t.name, seed=t.seed, **t.options)
     except ImportError as e:  # an optional extra the task needs
         raise ConfigError(f"task={t.name}: {_one_line(e)}") from None
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"task.options of task {t.name!r}: {_one_line(e)}") from None
+    except Exception as e:  # the task's checks and its library's (e.g. a dataset's assert)
+        raise ConfigError(_task_error("task", t.name, e)) from e
     clash = sorted(set(task.columns()) & set(RESERVED_COLUMNS))
     if clash:
         raise ConfigError(
@@ -239,9 +246,37 @@ def _check_eval(cfg: RunConfig) -> None:
     name, options = cfg.eval.task_spec(cfg.task.name, cfg.task.options)
     try:
         make_task(name, seed=cfg.eval.seed, **options)
-    except (ValueError, TypeError, OSError) as e:
-        raise ConfigError(f"eval.options of task {name!r}: {_one_line(e)}") from None
+    except ImportError as e:
+        raise ConfigError(f"eval.task={name}: {_one_line(e)}") from None
+    except Exception as e:  # as for the training task
+        raise ConfigError(_task_error("eval", name, e)) from e
 
 
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())
+
+
+def _message(e: BaseException) -> str:
+    """The library's own message in one line: as written for the config's own errors
+    (``ValueError``, ``TypeError``), after the exception's type for any other (an
+    ``AssertionError``'s text alone would not say it is one)."""
+    text = _one_line(e)
+    if isinstance(e, ValueError | TypeError) and text:
+        return text
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _options(e: BaseException, section: str) -> str:
+    """:func:`_message` with a task's or environment's ``options.KEY`` named in full
+    (``task.options.KEY``), as the command line writes it."""
+    return re.sub(r"(?<![\w.])options\.", f"{section}.options.", _message(e))
+
+
+def _task_error(section: str, name: str, e: BaseException) -> str:
+    """``task.options.config of task 'x': why`` where the task names the option it refused,
+    else ``task.options of task 'x': why``."""
+    text = _options(e, section)
+    key, sep, rest = text.partition(": ")
+    if sep and re.fullmatch(rf"{section}\.options\.\w+", key):
+        return f"{key} of task {name!r}: {rest}"
+    return f"{section}.options of task {name!r}: {text}"

@@ -27,6 +27,7 @@ from asyncflow.config.sources import (
     nested,
     recipe_layers,
     section_value,
+    set_key,
     touched,
 )
 
@@ -137,7 +138,15 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``a.b=value`` overrides (values parsed as YAML) to a nested dict."""
+    """Apply ``a.b=value`` overrides (values parsed as YAML) to a nested dict, in order.
+
+    A section's shorthand (``task=file``, ``env=openenv``, ``deploy=ray``: :data:`~asyncflow.
+    config.sources.PRESETS`) sets only that section's name or mode: fields of the section set
+    before it (``task.options=...``) stay, and fields after it apply on top
+    (``task=file task.options.path=x``). A section given whole (``train={steps: 5}``) sets the
+    fields it names; a value field given whole (``task.options={...}``) is replaced whole, and a
+    dotted key into one (``task.options.path=x``) sets that entry.
+    """
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like section.field=value")
@@ -149,13 +158,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
                 f"override {item!r}: the value is not valid YAML ({_yaml_problem(e)}); quote "
                 "text with special characters, e.g. key='a: b'"
             ) from None
-        node = data
-        parts = key.strip().split(".")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override {item!r}: {p!r} is not a section")
-        node[parts[-1]] = value
+        try:
+            set_key(data, key.strip().split("."), value, RunConfig)
+        except ValueError as e:
+            raise ConfigError(f"override {item!r}: {e}") from None
     return data
 
 

@@ -23,6 +23,7 @@ from asyncflow.config.sections import (
     TaskConfig,
     TrainConfig,
 )
+from engines.names import unknown_name
 from engines.tasks import TASKS, task_class
 from transferqueue.controller.fsync import FSYNC_POLICIES
 from transferqueue.wire.liveness import RIDE_THROUGH_S
@@ -101,7 +102,9 @@ class EvalConfig:
         if self.every_steps < 0:
             raise ValueError(f"eval.every_steps must be >= 0 (0: off), got {self.every_steps}")
         if self.task is not None and self.task not in TASKS:
-            raise ValueError(f"eval.task must be one of {sorted(TASKS)} or null, got {self.task!r}")
+            raise ValueError(
+                f"eval.task: {unknown_name('task', self.task, TASKS, other=', or null')}"
+            )
         if self.prompts is not None and self.prompts < 1:
             raise ValueError(f"eval.prompts must be >= 1 or null, got {self.prompts}")
         if self.n < 1 or self.batch_size < 1:

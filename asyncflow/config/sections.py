@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from engines.names import unknown_name
 from engines.objectives import OBJECTIVES
 from engines.rewards import REWARDS
 from engines.tasks import TASKS
@@ -155,7 +156,7 @@ class TaskConfig:
 
     def __post_init__(self) -> None:
         if self.name not in TASKS:
-            raise ValueError(f"task.name must be one of {sorted(TASKS)}, got {self.name!r}")
+            raise ValueError(f"task.name: {unknown_name('task', self.name, TASKS)}")
 
 
 @dataclass(kw_only=True)
@@ -368,9 +369,9 @@ class RewardConfig:
                 if "." in name:
                     module, _, attribute = name.rpartition(".")
                     hint = f" (an import path is written {module}:{attribute})"
+                other = f", or an import path module.path:function{hint}"
                 raise ValueError(
-                    f"reward.functions: unknown reward {name!r}; use one of {sorted(REWARDS)} "
-                    f"or an import path module.path:function{hint}"
+                    f"reward.functions: {unknown_name('reward', name, REWARDS, other=other)}"
                 )
         count = 1 if self.functions is None else len(self.functions)
         if self.weights is not None and len(self.weights) != count:

@@ -27,6 +27,7 @@ from typing import Any
 
 import yaml
 
+from asyncflow.config.run import RunConfig
 from asyncflow.config.sections import TaskConfig
 from engines.envs import environment_recipe
 from engines.recipe import Recipe
@@ -35,12 +36,14 @@ from engines.tasks import TASKS, task_class
 __all__ = [
     "COMMAND_LINE",
     "DEFAULT",
+    "PRESETS",
     "RECIPE_KEYS",
     "annotated_yaml",
     "leaf_keys",
     "merge",
     "recipe_layers",
     "section_value",
+    "set_key",
     "touched",
 ]
 
@@ -59,19 +62,52 @@ RECIPE_KEYS: dict[str, str] = {
 """Each field of :class:`engines.recipe.Recipe` and the config key it sets."""
 
 
+def _shorthand(section: type[Any]) -> str | None:
+    """The field a section's shorthand sets: ``mode`` or ``name`` (None: it has none)."""
+    names = {f.name for f in dataclasses.fields(section)}
+    return next((name for name in ("mode", "name") if name in names), None)
+
+
 def section_value(section: type[Any], value: Any) -> Any:
     """``value`` given for a whole section, with the shorthands spelled out: ``deploy=ray`` is
     ``deploy.mode=ray``, ``task=tool_use`` is ``task.name=tool_use``."""
-    if isinstance(value, str):
-        names = {f.name for f in dataclasses.fields(section)}
-        if "mode" in names:
-            return {"mode": value}
-        if "name" in names:
-            return {"name": value}
+    field = _shorthand(section)
+    if isinstance(value, str) and field is not None:
+        return {field: value}
     return value
 
 
 _SECTIONS: dict[type[Any], dict[str, type[Any] | None]] = {}
+
+
+def set_key(data: dict[str, Any], parts: list[str], value: Any, cls: type[Any] | None) -> None:
+    """Set the dotted key ``parts`` of the nested mapping ``data`` (fields of ``cls``; None
+    below a value field, e.g. inside ``task.options``) to ``value``, an override's meaning: a
+    section reached on the way that holds a shorthand (``task: file``) becomes its mapping
+    (``{name: file}``), and a section set as a whole (a shorthand or a mapping) is merged into
+    what is there, field by field (:func:`merge`). ValueError names the key that is not a
+    section."""
+    sections = _sections(cls) if cls is not None else {}
+    head, rest = parts[0], parts[1:]
+    section = sections.get(head)
+    if not rest:
+        below = data.get(head)
+        if section is not None:
+            value = section_value(section, value)
+            below = section_value(section, below)
+            if isinstance(value, dict) and isinstance(below, dict):
+                value = merge(below, value, section)
+        data[head] = value
+        return
+    node = data.get(head)
+    if section is not None:
+        node = section_value(section, node)
+    if node is None:
+        node = {}
+    if not isinstance(node, dict):
+        raise ValueError(f"{head!r} is {node!r}, not a section or a mapping")
+    data[head] = node
+    set_key(node, rest, value, section)
 
 
 def _sections(cls: type[Any]) -> dict[str, type[Any] | None]:
@@ -86,6 +122,17 @@ def _sections(cls: type[Any]) -> dict[str, type[Any] | None]:
         for f in dataclasses.fields(cls)
     }
     return _SECTIONS[cls]
+
+
+PRESETS: dict[str, str] = {
+    f.name: field
+    for f in dataclasses.fields(RunConfig)
+    if (section := _sections(RunConfig)[f.name]) is not None
+    and (field := _shorthand(section)) is not None
+}
+"""The sections with a shorthand (``task=NAME`` for ``task.name=NAME``, ``deploy=ray`` for
+``deploy.mode=ray``) and the field it sets; the section's other fields compose with it, in
+either order on the command line (:func:`set_key`)."""
 
 
 def merge(lower: dict[str, Any], upper: dict[str, Any], cls: type[Any]) -> dict[str, Any]:

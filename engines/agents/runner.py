@@ -43,6 +43,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from engines.agents.server import OpenAIServer
+from engines.episodes.causes import AGENT_RAISED, PROTOCOL_ERROR, CauseLog, cause_of
 from engines.episodes.record import Episode
 from engines.episodes.runner import EpisodeLimits, TurnGenerate
 from engines.imports import import_path, require
@@ -103,7 +104,8 @@ class AgentRunner:
         host: where the endpoint listens (loopback by default).
         port: its port (0: a free one).
         api_key: the bearer token it asks of every request (None: none).
-        max_prompt_tokens: longer first prompts get 400 ``context_length_exceeded``.
+        context_tokens: the policy's context: a call whose prompt and asked-for tokens pass it
+            gets 400 ``context_length_exceeded`` (None: no bound; see ``OpenAIServer``).
     """
 
     writes_prompt = True
@@ -120,7 +122,7 @@ class AgentRunner:
         host: str = "127.0.0.1",
         port: int = 0,
         api_key: str | None = None,
-        max_prompt_tokens: int = 4096,
+        context_tokens: int | None = None,
     ) -> None:
         require("openai", extra="agents", what="the agent seam (rollout.agent)")
         require("aiohttp", extra="agents", what="the agent seam (rollout.agent)")
@@ -132,9 +134,10 @@ class AgentRunner:
             host=host,
             port=port,
             api_key=api_key,
-            max_prompt_tokens=max_prompt_tokens,
+            context_tokens=context_tokens,
         )
         self._http: Any = None
+        self._causes = CauseLog(log, "an agent episode's try failed (env_error)")
         self._started: asyncio.Task[str] | None = None
 
     async def _start(self) -> None:
@@ -176,11 +179,14 @@ class AgentRunner:
         # taxonomy, engines.episodes.runner).
         timeout = lim.episode_timeout_s if lim.episode_timeout_s is not None else lim.timeout_s
         retries = 0
+        failures: dict[str, int] = {}
+        messages: dict[str, str] = {}
         for attempt in range(lim.retries + 1):
             session = self.server.open_session(generate, params, lim)
             reward: float | None = None
             end: str | None = None
             error: str | None = None
+            cause = AGENT_RAISED
             bound: asyncio.Timeout | None = None
             try:
                 agent = self.factory()
@@ -188,18 +194,23 @@ class AgentRunner:
                     result = await agent(dict(row), self.client(self.server.base_url(session)))
                 reward = _reward(result)
             except _BadReward as e:
-                end, error = "env_error", str(e)
+                end, error, cause = "env_error", str(e), PROTOCOL_ERROR
             except Exception as e:  # the agent's failure ends its episode only
                 if bound is not None and bound.expired():
                     end, error = "timeout", f"the agent ran longer than {timeout} s"
                 else:
                     end, error = "env_error", f"the agent raised {type(e).__name__}: {e}"
+                    cause = cause_of(e, default=AGENT_RAISED)
             finally:
                 self.server.end_session(session)
             if session.failure is not None:  # the engine's, not the agent's
                 raise session.failure
+            if end == "env_error":
+                assert error is not None
+                failures[cause] = failures.get(cause, 0) + 1
+                messages.setdefault(cause, error)
+                self._causes.report(cause, f"try {attempt + 1}: {error}")
             if end == "env_error" and attempt < lim.retries:
-                log.info("agent episode try %d failed (env_error): %s", attempt + 1, error)
                 retries += 1
                 continue
             break
@@ -208,7 +219,13 @@ class AgentRunner:
         episode = session.episode(reward, end, error)
         if end == "timeout":
             episode.final_reward = lim.timeout_reward
-        episode.stats = {**episode.stats, "retries": retries}
+        episode.stats = {
+            **episode.stats,
+            "retries": retries,
+            "failures": failures,
+            "failure_messages": messages,
+            "refused": dict(session.refused),
+        }
         if episode.prompt_ids is None:
             episode.prompt_ids = prompt.long()
         return episode

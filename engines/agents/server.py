@@ -21,7 +21,8 @@ Beside OpenAI's fields, every answer carries (token-in/token-out: a client never
 | ``session_id``              | the response   | the session (null outside one)              |
 
 Errors are OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for a
-malformed request, an oversize prompt, a spent budget, a rewritten history or a finished
+malformed request, a prompt past the policy's context less the tokens asked for
+(``context_length_exceeded``), a spent budget, a rewritten history or a finished
 session; 401 for a missing or wrong bearer token (``api_key``); 404 for an unknown model,
 session or route; 500 when the engine failed. A handler's error is an error answer, never a
 dead server. ``stream: true`` and ``n > 1`` are refused (400).
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import secrets
 import time
 from collections import OrderedDict
@@ -50,12 +52,15 @@ from transformers import PreTrainedTokenizerBase
 
 from engines.agents.codec import ChatCodec, parse_tool_calls
 from engines.agents.session import APIError, Session
+from engines.episodes.causes import CauseLog
 from engines.episodes.runner import EpisodeLimits, TurnGenerate
 from engines.imports import require
 from engines.protocols import Generation, SamplingParams
 
 if TYPE_CHECKING:
     from aiohttp import web
+
+log = logging.getLogger(__name__)
 
 __all__ = ["OpenAIServer"]
 
@@ -74,7 +79,10 @@ class OpenAIServer:
         host: where to listen (loopback by default).
         port: the port (0: a free one).
         api_key: the bearer token requests must carry (None: none needed).
-        max_prompt_tokens: longer prompts get 400 ``context_length_exceeded``.
+        context_tokens: the policy's context (``max_position_embeddings``, or the engine's
+            ``max_model_len``): a prompt longer than it less the tokens the request asks for
+            (``max_tokens``, else the sampling default) gets 400 ``context_length_exceeded``,
+            as OpenAI answers. None: no bound.
     """
 
     def __init__(
@@ -87,21 +95,24 @@ class OpenAIServer:
         host: str = "127.0.0.1",
         port: int = 0,
         api_key: str | None = None,
-        max_prompt_tokens: int = 4096,
+        context_tokens: int | None = None,
     ) -> None:
+        if context_tokens is not None and context_tokens < 2:
+            raise ValueError(f"context_tokens must be >= 2 or None, got {context_tokens}")
         self.codec = ChatCodec(tokenizer)
         self.model = model
         self.engine = engine
         self.params = params or SamplingParams()
         self.host, self.port = host, port
         self.api_key = api_key
-        self.max_prompt_tokens = max_prompt_tokens
+        self.context_tokens = context_tokens
         self.url = ""
         """``http://host:port`` once started."""
         self._sessions: dict[str, Session] = {}
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._runner: web.AppRunner | None = None
         self._ids = itertools.count()
+        self._refusals = CauseLog(log, "the agent endpoint refused a request")
 
     async def start(self) -> str:
         """Listen (on the running loop); returns :attr:`url`. Idempotent."""
@@ -149,6 +160,15 @@ class OpenAIServer:
         """The ``base_url`` an OpenAI client is given (of ``session``, or outside one)."""
         return f"{self.url}/sessions/{session.id}/v1" if session else f"{self.url}/v1"
 
+    def _refused(self, request: web.Request, error: APIError) -> None:
+        """Count a refused request by its code in its session (the episode's ``refused``
+        stats, summed per step) and log the first of each code at WARNING with its message
+        (:class:`engines.episodes.causes.CauseLog`)."""
+        session = self._sessions.get(request.match_info.get("session", ""))
+        if session is not None:
+            session.refused[error.code] = session.refused.get(error.code, 0) + 1
+        self._refusals.report(error.code, f"{request.method} {request.path}: {error}")
+
     # --- handlers ---------------------------------------------------------------------------
 
     def _middleware(self) -> Callable[..., Awaitable[web.StreamResponse]]:
@@ -165,6 +185,7 @@ class OpenAIServer:
                         raise APIError(401, "invalid_api_key", "missing or wrong bearer token")
                 return await handler(request)
             except APIError as e:
+                self._refused(request, e)
                 return web.json_response(e.body(), status=e.status)
             except web.HTTPException as e:  # routing: unknown path or method
                 err = APIError(
@@ -294,14 +315,7 @@ class OpenAIServer:
             raise APIError(
                 400, "invalid_value", "max_tokens must be an integer >= 1", param="max_tokens"
             )
-        first = session is None or session.prompt is None
-        if first and len(ids) > self.max_prompt_tokens:
-            raise APIError(
-                400,
-                "context_length_exceeded",
-                f"the prompt has {len(ids)} tokens; at most {self.max_prompt_tokens}",
-                param="messages",
-            )
+        self._check_context(session, ids, max_tokens)
         if session is not None:
             async with session.lock:
                 return await session.complete(ids, max_tokens)
@@ -312,6 +326,32 @@ class OpenAIServer:
             [torch.tensor(ids, dtype=torch.int64)], params
         )
         return gens[0]
+
+    def _check_context(
+        self, session: Session | None, ids: list[int], max_tokens: int | None
+    ) -> None:
+        """Refuse a prompt the policy cannot read with the tokens the request asks for: the
+        limit is the context less those tokens (every call of a session too: its prompt grows
+        by the episode's turns)."""
+        context = self.context_tokens
+        if context is None:
+            return
+        if session is None:  # the request's own max_tokens, else the endpoint's default
+            asked = max_tokens or self.params.max_new_tokens
+        else:  # a session samples the run's tokens per turn, max_tokens a further cap
+            asked = min(session.params.max_new_tokens, max_tokens or session.params.max_new_tokens)
+        if len(ids) + asked <= context:
+            return
+        if session is not None and session.prompt is not None:
+            session.end_reason = "max_tokens"  # the episode has filled the model's context
+        raise APIError(
+            400,
+            "context_length_exceeded",
+            f"This model's maximum context length is {context} tokens. However, you requested "
+            f"{len(ids) + asked} tokens ({len(ids)} in the messages, {asked} in the "
+            "completion). Please reduce the length of the messages or completion.",
+            param="messages",
+        )
 
 
 async def _body(request: web.Request, model: str) -> dict[str, Any]:

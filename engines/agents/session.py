@@ -113,6 +113,9 @@ class Session:
         self.failure: BaseException | None = None
         """An error of the generation engine (not the agent's): the episode is generated again."""
         self.finished = False
+        self.refused: dict[str, int] = {}
+        """Requests of this session the endpoint refused, by error code (its server counts
+        them: ``context_length_exceeded``, ``history_rewritten``, ...)."""
         self._builder = EpisodeBuilder(judged=False)
 
     @property

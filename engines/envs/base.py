@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from engines.imports import import_path
+from engines.names import unknown_name
 from engines.recipe import Recipe
 
 __all__ = [
@@ -68,7 +69,15 @@ class EnvError(RuntimeError):
     (any other exception there is treated the same way; this one says it on purpose and
     carries a message meant for the run's log). The episode runner raises it too, for a call
     past its bound and for a malformed answer. Its episode is retried on a fresh environment
-    and, failing that, ends ``env_error`` and its group is dropped (never trained)."""
+    and, failing that, ends ``env_error`` and its group is dropped (never trained).
+
+    ``cause`` says why, for the run's counts and log (:mod:`engines.episodes.causes`:
+    ``connection_refused``, ``connection_lost``, ``timeout``, ``protocol_error``, or
+    ``env_raised``, the default)."""
+
+    def __init__(self, message: str, *, cause: str = "env_raised") -> None:
+        super().__init__(message)
+        self.cause = cause
 
 
 @dataclass
@@ -112,6 +121,7 @@ ENVIRONMENTS: dict[str, str] = {
 
 
 SKYRL_GYM_PREFIX = "skyrl_gym:"
+_OR_PATH = ", or an import path 'module.path:attribute'"
 """``env.name`` prefix of SkyRL-Gym environments (``skyrl_gym:<id>``)."""
 
 
@@ -163,8 +173,7 @@ def environment_factory(name: str, options: Mapping[str, Any] | None = None) -> 
             path = ENVIRONMENTS[name]
         except KeyError:
             raise ValueError(
-                f"unknown environment {name!r}; known environments: {sorted(ENVIRONMENTS)}, or "
-                "an import path 'module.path:attribute'"
+                unknown_name("environment", name, ENVIRONMENTS, other=_OR_PATH)
             ) from None
     target = _import(path)
     if not callable(target):
@@ -199,10 +208,7 @@ def environment_recipe(name: str) -> Recipe:
     """
     path = name if ":" in name else ENVIRONMENTS.get(name)
     if path is None:
-        raise ValueError(
-            f"unknown environment {name!r}; known environments: {sorted(ENVIRONMENTS)}, or "
-            "an import path 'module.path:attribute'"
-        )
+        raise ValueError(unknown_name("environment", name, ENVIRONMENTS, other=_OR_PATH))
     recipe = getattr(_import(path), "recipe", None)
     if recipe is None:
         return Recipe()

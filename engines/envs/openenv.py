@@ -290,7 +290,8 @@ class OpenEnvClient:
             if not self.replay:
                 raise OpenEnvError(
                     f"openenv {self.url}: the session closed mid-episode ({dropped}); its "
-                    "environment is gone (replay=True replays the episode on a new session)"
+                    "environment is gone (replay=True replays the episode on a new session)",
+                    cause="connection_lost",
                 ) from None
             await self._start()
             for earlier in self._actions:
@@ -300,9 +301,13 @@ class OpenEnvClient:
         reward = data.get("reward")
         done = data.get("done", False)
         if reward is not None and (isinstance(reward, bool) or not isinstance(reward, int | float)):
-            raise OpenEnvError(f"openenv {self.url}: reward {reward!r} is not a number")
+            raise OpenEnvError(
+                f"openenv {self.url}: reward {reward!r} is not a number", cause="protocol_error"
+            )
         if not isinstance(done, bool):
-            raise OpenEnvError(f"openenv {self.url}: done {done!r} is not a bool")
+            raise OpenEnvError(
+                f"openenv {self.url}: done {done!r} is not a bool", cause="protocol_error"
+            )
         metadata = data.get("metadata") or data.get("observation", {}).get("metadata") or {}
         info = {
             k: float(v)
@@ -337,6 +342,8 @@ class OpenEnvClient:
     # -- the session --------------------------------------------------------------------
     async def _start(self) -> dict[str, Any]:
         """A new session, reset: waits for a slot, retries a refused or dropped start."""
+        from websockets.exceptions import InvalidHandshake
+
         await self._drop()
         deadline = time.monotonic() + self.timeout_s
         failures = refusals = 0
@@ -349,7 +356,8 @@ class OpenEnvClient:
                 except TimeoutError:
                     raise OpenEnvError(
                         f"openenv {self.url}: no session slot within timeout_s={self.timeout_s} "
-                        f"({slots.open} of {slots.cap} open in this process)"
+                        f"({slots.open} of {slots.cap} open in this process)",
+                        cause="timeout",
                     ) from None
                 self._slots = slots
             try:
@@ -366,15 +374,24 @@ class OpenEnvClient:
                     raise OpenEnvError(
                         f"openenv {self.url}: the server refused a session {refusals} time(s) "
                         f"within timeout_s={self.timeout_s}: at its cap of "
-                        f"{refused.server_cap} sessions (held by other clients?)"
+                        f"{refused.server_cap} sessions (held by other clients?)",
+                        cause="connection_refused",
                     ) from None
+            except InvalidHandshake as e:  # something answers, but not OpenEnv's WebSocket
+                await self._drop()
+                raise OpenEnvError(
+                    f"openenv {self.url}: the server does not speak OpenEnv's WebSocket "
+                    f"protocol: {type(e).__name__}: {e}",
+                    cause="protocol_error",
+                ) from None
             except (_Dropped, OSError, TimeoutError) as e:
                 await self._drop()
                 failures += 1
                 if failures > self.connect_retries or time.monotonic() >= deadline:
                     raise OpenEnvError(
                         f"openenv {self.url}: cannot open a session after {failures} "
-                        f"attempt(s): {type(e).__name__}: {e}; is the server running?"
+                        f"attempt(s): {type(e).__name__}: {e}; is the server running?",
+                        cause=_connect_cause(e),
                     ) from None
                 await asyncio.sleep(min(0.05 * 2**failures, 1.0))
 
@@ -410,7 +427,9 @@ class OpenEnvClient:
         try:
             return await self._exchange(message, expect)
         except _Dropped as e:
-            raise OpenEnvError(f"openenv {self.url}: the session closed: {e}") from None
+            raise OpenEnvError(
+                f"openenv {self.url}: the session closed: {e}", cause="connection_lost"
+            ) from None
 
     async def _exchange(self, message: dict[str, Any], expect: str) -> dict[str, Any]:
         """One request and its reply on the session; ``_Dropped`` when the socket is gone,
@@ -432,7 +451,8 @@ class OpenEnvClient:
             self._abort()  # a late reply must not be read as the next one's
             raise OpenEnvError(
                 f"openenv {self.url}: no reply to {message['type']!r} within "
-                f"timeout_s={self.timeout_s}"
+                f"timeout_s={self.timeout_s}",
+                cause="timeout",
             ) from None
         except BaseException:
             self._abort()  # cancelled mid-exchange: the socket is out of step
@@ -441,12 +461,14 @@ class OpenEnvClient:
             reply = json.loads(raw)
         except (TypeError, ValueError):
             raise OpenEnvError(
-                f"openenv {self.url}: a reply that is not JSON: {str(raw)[:200]!r}"
+                f"openenv {self.url}: a reply that is not JSON: {str(raw)[:200]!r}",
+                cause="protocol_error",
             ) from None
         if not isinstance(reply, dict) or not isinstance(reply.get("data"), dict):
             raise OpenEnvError(
                 f"openenv {self.url}: expected {{'type': ..., 'data': {{...}}}}, got "
-                f"{str(reply)[:200]!r}"
+                f"{str(reply)[:200]!r}",
+                cause="protocol_error",
             )
         data: dict[str, Any] = reply["data"]
         if reply.get("type") == "error":
@@ -460,10 +482,14 @@ class OpenEnvClient:
         if reply.get("type") != expect:
             raise OpenEnvError(
                 f"openenv {self.url}: expected a {expect!r} reply to {message['type']!r}, got "
-                f"{reply.get('type')!r}"
+                f"{reply.get('type')!r}",
+                cause="protocol_error",
             )
         if expect == "observation" and not isinstance(data.get("observation", {}), dict):
-            raise OpenEnvError(f"openenv {self.url}: 'observation' is not an object: {data!r}")
+            raise OpenEnvError(
+                f"openenv {self.url}: 'observation' is not an object: {data!r}",
+                cause="protocol_error",
+            )
         return data
 
     def _render_reply(self, data: Mapping[str, Any]) -> str | None:
@@ -475,6 +501,16 @@ class OpenEnvClient:
 
 class _Dropped(Exception):
     """The socket closed (or was never opened)."""
+
+
+def _connect_cause(e: BaseException) -> str:
+    """The cause of a session that could not be opened: the socket closed as it opened
+    (``connection_lost``), no answer in time (``timeout``), else the server unreachable."""
+    if isinstance(e, _Dropped):
+        return "connection_lost"
+    if isinstance(e, TimeoutError):
+        return "timeout"
+    return "connection_refused"
 
 
 def _function(path: str, what: str) -> Any:

@@ -40,8 +40,11 @@ an episode waits for a slot before building its environment and frees it after `
 
 Each episode records how its time went (:class:`EpisodeStats`, in ``Episode.stats``): the
 latency of every ``reset`` and ``step`` call, the seconds it waited on the engine (its turns)
-and on the environment (every environment call), and its retries; the train stage sums them
-per step (``adapters.episodes.EpisodeTally``).
+and on the environment (every environment call), its retries, and each failed try's cause
+(:mod:`engines.episodes.causes`: refused, lost, timeout, protocol error, the environment
+raised) with the first message of each; the train stage sums them per step
+(``adapters.episodes.EpisodeTally``). The first failure of each cause in a runner is logged
+at WARNING with its message, later ones at most once a minute per cause.
 
 Plain (non-async) environment methods run on the runner's own threads (``threads`` daemon
 threads), never on the event loop and never in the default executor that other stages share;
@@ -72,6 +75,7 @@ from typing import Any, Protocol
 import torch
 
 from engines.envs.base import EnvError, EnvFactory, StepResult
+from engines.episodes.causes import PROTOCOL_ERROR, TIMEOUT, CauseLog, cause_of
 from engines.episodes.format import TurnFormat
 from engines.episodes.record import Episode, EpisodeBuilder
 from engines.protocols import Generation, SamplingParams
@@ -161,6 +165,16 @@ class EpisodeStats:
     """Seconds waiting on the environment (building, ``reset``, ``step``, ``close``)."""
     retries: int = 0
     """Tries thrown away because the environment's infrastructure failed."""
+    failures: dict[str, int] = field(default_factory=dict)
+    """Failed tries (the last one too, when the episode ended ``env_error``) by cause
+    (:mod:`engines.episodes.causes`)."""
+    failure_messages: dict[str, str] = field(default_factory=dict)
+    """The first failed try's message of each cause."""
+
+    def failed(self, cause: str, message: str) -> None:
+        """Count one failed try."""
+        self.failures[cause] = self.failures.get(cause, 0) + 1
+        self.failure_messages.setdefault(cause, message)
 
 
 class _TimedOut(Exception):
@@ -190,6 +204,7 @@ class EpisodeRunner:
         self.format = turn_format
         self.limits = limits or EpisodeLimits()
         self._pool = _Workers(threads)
+        self._causes = CauseLog(log, "an episode's try failed (env_error)")
         self._slots: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
         self._finalizer = weakref.finalize(self, self._pool.close)
 
@@ -224,7 +239,9 @@ class EpisodeRunner:
                 async with self._slot():
                     ended = await self._attempt(episode, prompt, row, generate, params, stats)
             except EnvError as failure:
-                log.info("episode try %d failed (env_error): %s", attempt + 1, failure)
+                cause = cause_of(failure)
+                stats.failed(cause, str(failure))
+                self._causes.report(cause, f"try {attempt + 1}: {failure}")
                 if attempt == self.limits.retries:
                     ended = episode.finish("env_error", str(failure))
                     break
@@ -270,7 +287,9 @@ class EpisodeRunner:
             first = await self._call(stats, "reset", env.reset, row)
             if first is not None:
                 if not isinstance(first, str):
-                    raise EnvError(f"reset returned {type(first).__name__}, not text")
+                    raise EnvError(
+                        f"reset returned {type(first).__name__}, not text", cause=PROTOCOL_ERROR
+                    )
                 ids = self._observation(episode, first, after_eos=False)
                 if episode.length + len(ids) >= lim.max_tokens:
                     return episode.finish("max_tokens")
@@ -363,11 +382,11 @@ class EpisodeRunner:
                     result = await result
                 return result
         except TimeoutError:
-            raise EnvError(f"{what} took longer than timeout_s={timeout}") from None
+            raise EnvError(f"{what} took longer than timeout_s={timeout}", cause=TIMEOUT) from None
         except EnvError as e:
-            raise EnvError(f"{what}: {e}") from None
+            raise EnvError(f"{what}: {e}", cause=e.cause) from None
         except Exception as e:
-            raise EnvError(f"{what} raised {type(e).__name__}: {e}") from None
+            raise EnvError(f"{what} raised {type(e).__name__}: {e}", cause=cause_of(e)) from None
 
     async def _close(self, stats: EpisodeStats, env: Any) -> None:
         close = getattr(env, "close", None)
@@ -438,11 +457,18 @@ def _check_budget(deadline: float | None, limits: EpisodeLimits) -> None:
 
 def _check_result(result: object) -> None:
     if not isinstance(result, StepResult):
-        raise EnvError(f"step returned {type(result).__name__}, not a StepResult")
+        raise EnvError(
+            f"step returned {type(result).__name__}, not a StepResult", cause=PROTOCOL_ERROR
+        )
     reward = result.reward
     if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
-        raise EnvError(f"step returned reward {reward!r}, not a finite number")
+        raise EnvError(
+            f"step returned reward {reward!r}, not a finite number", cause=PROTOCOL_ERROR
+        )
     if result.observation is not None and not isinstance(result.observation, str):
-        raise EnvError(f"step returned an observation of {type(result.observation).__name__}")
+        raise EnvError(
+            f"step returned an observation of {type(result.observation).__name__}",
+            cause=PROTOCOL_ERROR,
+        )
     if not isinstance(result.info, dict):
-        raise EnvError(f"step returned info of {type(result.info).__name__}")
+        raise EnvError(f"step returned info of {type(result.info).__name__}", cause=PROTOCOL_ERROR)

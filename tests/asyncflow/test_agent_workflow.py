@@ -102,3 +102,23 @@ def test_a_missing_extra_or_a_bad_agent_fails_before_the_run(
     monkeypatch.setitem(sys.modules, "aiohttp", None)  # what an absent package does
     with pytest.raises(ConfigError, match=r"pip install 'asyncflow\[agents\]'"):
         resolve_config(None, AGENT)
+
+
+def test_the_endpoint_is_bounded_by_the_policys_context(tmp_path: Path) -> None:
+    """The run's endpoint refuses what the policy cannot read: its limit is the model's
+    ``max_position_embeddings`` (the tiny model's 512), or vLLM's ``max_model_len``."""
+    from asyncflow.build import build_episodes, build_tokenizer, policy_context
+    from asyncflow.config import load_config
+    from engines.agents import AgentRunner
+    from engines.tiny import build_tiny
+
+    path = build_tiny(cache_dir=tmp_path)
+    runner = build_episodes(load_config(overrides=AGENT), build_tokenizer(path))
+    assert isinstance(runner, AgentRunner)
+    assert runner.server.context_tokens == 512
+    vllm = load_config(overrides=["rollout.engine=vllm"])
+    assert policy_context(vllm, path) == 512  # its default max_model_len: the model's context
+    short = load_config(
+        overrides=["rollout.engine=vllm", "rollout.engine_options={max_model_len: 256}"]
+    )
+    assert policy_context(short, path) == 256

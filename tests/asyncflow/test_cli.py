@@ -86,7 +86,10 @@ BAD = {
         ["reward.functions=[engines.rewards:nope]"],
         r"'engines\.rewards' has no attribute 'nope'; it defines",
     ),
-    "unknown task": (["task.name=chess"], r"task\.name must be one of \['arithmetic', 'countd"),
+    "unknown task": (["task.name=chess"], r"task\.name: unknown task 'chess'; known tasks: \['ar"),
+    "misspelt task": (["task=arithmetc"], r"unknown task 'arithmetc' \(closest: 'arithmetic'\)"),
+    "misspelt env": (["env=guess_numbr"], r"unknown environment 'guess_numbr' \(closest: 'gue"),
+    "misspelt reward": (["reward.functions=[mth]"], r"unknown reward 'mth' \(closest: 'math'\)"),
     "bad task option": (
         ["task.options={max_operant: 5}"],
         r"task\.options of task 'arithmetic': unknown option\(s\) \['max_operant'\]",

@@ -35,7 +35,7 @@ def test_eval_config_defaults_and_errors() -> None:
     assert cfg.eval.task_spec(cfg.task.name, cfg.task.options) == ("file", {"path": str(VAL)})
     cases = {
         "eval.n=4": r"eval\.n=4 samples of a greedy policy are all the same; set eval\.temperature",
-        "eval.task=nope": r"eval\.task must be one of",
+        "eval.task=nope": r"eval\.task: unknown task 'nope'; known tasks: \[",
         "eval.every_steps=-1": r"eval\.every_steps must be >= 0",
     }
     for override, message in cases.items():

@@ -6,13 +6,16 @@ killed mid-run."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from asyncflow import RunResult, run
 from tests.asyncflow.conftest import small_config
-from tests.engines.openenv_game import get, serve
+from tests.engines.openenv_game import free_port, get, serve
 
 STEPS = 10
 
@@ -114,3 +117,37 @@ def test_a_server_killed_mid_run_costs_episodes_not_the_run(out_dir: Path) -> No
     assert reasons["env_error"] <= dropped * n  # every env_error episode in a dropped group
     assert set(reasons) <= {"done", "max_turns", "max_tokens", "env_error"}, reasons
     assert sum(reasons.values()) == len(consumed) * n
+
+
+def test_a_server_that_is_not_there_is_named_with_its_cause(
+    out_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Nothing listens at the URL: the first failed try is logged at WARNING with its cause
+    and the URL as soon as it happens (the CLI shows WARNING and above), later ones are
+    rate-limited, and the run's final error names the cause with its count and message."""
+    url = f"http://127.0.0.1:{free_port()}"
+    cfg = small_config(
+        out_dir,
+        "task=guess_number",
+        "env.name=openenv",
+        f"env.options={{url: '{url}', connect_retries: 0, timeout_s: 1.0}}",
+        "env.retries=1",
+        "train.steps=2",
+    )
+    t0 = time.time()  # the clock of the log records' ``created``
+    with caplog.at_level(logging.WARNING), pytest.raises(RuntimeError) as failed:
+        run(cfg)
+    port = url.rsplit(":", 1)[1]
+    first = [
+        r
+        for r in caplog.records
+        if r.levelno == logging.WARNING and "(connection_refused)" in r.getMessage()
+    ]
+    assert first, [r.getMessage() for r in caplog.records]
+    assert f"127.0.0.1:{port}" in first[0].getMessage()
+    assert "ConnectionRefusedError" in first[0].getMessage()
+    assert first[0].created - t0 < 30  # within the first step's time, not at the end
+    assert len(first) <= 2  # rate-limited: one per rollout stage, not one per try
+    message = str(failed.value)
+    assert "dropped" in message and "failed tries by cause: connection_refused x " in message
+    assert f"127.0.0.1:{port}" in message and "is the server running?" in message, message

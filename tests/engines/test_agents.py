@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -106,12 +107,65 @@ def test_openai_client_chat_completions_models_and_extension_fields(
     asyncio.run(within(main(), 60.0))
 
 
+def test_a_prompt_past_the_models_context_is_refused(
+    tiny_tokenizer: Any, engine: HFGenerationEngine, tiny_dir: Path
+) -> None:
+    """The tiny model reads 512 positions: a prompt and the tokens asked for must fit in them,
+    outside a session and on every call of one (its prompt grows by the episode's turns)."""
+    context = json.loads((tiny_dir / "config.json").read_text())["max_position_embeddings"]
+    assert context == 512
+
+    async def main() -> None:
+        server = OpenAIServer(tiny_tokenizer, engine=engine, params=PARAMS, context_tokens=context)
+        await server.start()
+        try:
+            client = openai.AsyncOpenAI(base_url=server.base_url(), api_key="-", max_retries=0)
+            fits = await client.completions.create(model="policy", prompt=[5] * 509, max_tokens=3)
+            assert fits.model_extra["prompt_token_ids"] == [5] * 509
+            with pytest.raises(openai.BadRequestError) as over:  # one token too many
+                await client.completions.create(model="policy", prompt=[5] * 510, max_tokens=3)
+            assert over.value.code == "context_length_exceeded"
+            assert "maximum context length is 512 tokens" in str(over.value)
+            assert "513 tokens (510 in the messages, 3 in the completion)" in str(over.value)
+            # without max_tokens the endpoint's default is asked for (PARAMS: 6 tokens)
+            with pytest.raises(openai.BadRequestError) as default:
+                await client.completions.create(model="policy", prompt=[5] * 507)
+            assert default.value.code == "context_length_exceeded"
+            text = "1 + 2 = 3, " * 120  # a chat prompt of about 700 tokens
+            assert len(tiny_tokenizer(text)["input_ids"]) > 512
+            with pytest.raises(openai.BadRequestError) as chat:
+                await client.chat.completions.create(
+                    model="policy", messages=[{"role": "user", "content": text}]
+                )
+            assert chat.value.code == "context_length_exceeded"
+
+            # a session: its second call passes the context (the episode budget would allow it)
+            rec = Recorder(engine)
+            session = server.open_session(rec, PARAMS, EpisodeLimits(max_tokens=10_000))
+            sc = openai.AsyncOpenAI(base_url=server.base_url(session), api_key="-", max_retries=0)
+            first = await sc.completions.create(model="policy", prompt=[5] * 400)
+            grown = (
+                first.model_extra["prompt_token_ids"] + first.choices[0].model_extra["token_ids"]
+            )
+            with pytest.raises(openai.BadRequestError) as later:
+                await sc.completions.create(model="policy", prompt=grown + [7] * 120)
+            assert later.value.code == "context_length_exceeded"
+            assert len(rec.gens) == 1 and session.end_reason == "max_tokens"
+            # the server is still up
+            ok = await client.completions.create(model="policy", prompt=[5, 6], max_tokens=2)
+            assert ok.choices[0].model_extra["token_ids"]
+        finally:
+            await server.close()
+
+    asyncio.run(within(main(), 60.0))
+
+
 def test_bad_requests_get_openai_errors_and_the_server_stays_up(
     tiny_tokenizer: Any, engine: HFGenerationEngine
 ) -> None:
     async def main() -> None:
         server = OpenAIServer(
-            tiny_tokenizer, engine=engine, params=PARAMS, api_key="k", max_prompt_tokens=32
+            tiny_tokenizer, engine=engine, params=PARAMS, api_key="k", context_tokens=38
         )
         await server.start()
         try:
@@ -158,9 +212,12 @@ def test_a_multi_call_session_records_exactly_the_sampled_tokens(
 ) -> None:
     whole: list[int] = []  # conversations tokenized as a whole: the first call's only
     chat_ids = ChatCodec.chat_ids
-    monkeypatch.setattr(
-        ChatCodec, "chat_ids", lambda self, *a, **k: whole.append(1) or chat_ids(self, *a, **k)
-    )
+
+    def counted(self: ChatCodec, *a: Any, **k: Any) -> list[int]:
+        whole.append(1)
+        return chat_ids(self, *a, **k)
+
+    monkeypatch.setattr(ChatCodec, "chat_ids", counted)
 
     async def agent(row: dict[str, Any], client: Any) -> float:
         messages: list[Any] = [{"role": "user", "content": row["prompt"]}]
@@ -251,7 +308,7 @@ def test_a_history_rewrite_is_refused_and_the_trajectory_kept(
 
 
 def test_budgets_answer_the_agent_and_never_hang(
-    tiny_tokenizer: Any, engine: HFGenerationEngine
+    tiny_tokenizer: Any, engine: HFGenerationEngine, caplog: pytest.LogCaptureFixture
 ) -> None:
     errors: list[str | None] = []
 
@@ -269,9 +326,17 @@ def test_budgets_answer_the_agent_and_never_hang(
     ep, _ = run_agent(tiny_tokenizer, engine, agent, EpisodeLimits(max_turns=2, max_tokens=200))
     assert errors == ["turn_limit_exceeded"] and ep.num_turns == 2 and ep.end_reason == "max_turns"
     errors.clear()
-    ep, _ = run_agent(tiny_tokenizer, engine, agent, EpisodeLimits(max_turns=5, max_tokens=8))
+    assert ep.stats["refused"] == {"turn_limit_exceeded": 1}  # counted in the step's record
+    errors.clear()
+    with caplog.at_level(logging.WARNING, logger="engines.agents.server"):
+        ep, _ = run_agent(tiny_tokenizer, engine, agent, EpisodeLimits(max_turns=5, max_tokens=8))
     assert errors == ["context_length_exceeded"] and ep.end_reason == "max_tokens"
     assert int(ep.token_ids.numel()) <= 8
+    assert ep.stats["refused"] == {"context_length_exceeded": 1}
+    logged = [r.getMessage() for r in caplog.records if r.name == "engines.agents.server"]
+    assert len(logged) == 2  # the first refusal of each code, at WARNING
+    assert "refused a request (turn_limit_exceeded)" in logged[0]
+    assert "refused a request (context_length_exceeded)" in logged[1] and "budget" in logged[1]
 
 
 @pytest.mark.parametrize("how", ["raises", "hangs", "bad_reward"])
@@ -295,6 +360,11 @@ def test_an_agent_that_fails_ends_its_episode_only(
     else:  # infrastructure: tried again from the start, then no verdict (its group is dropped)
         assert ep.end_reason == "env_error" and ep.episode_reward != ep.episode_reward, ep.error
         assert len(rec.gens) == 2 and ep.stats["retries"] == 1
+        # counted by cause, the first message of each kept for the step's record
+        cause = "agent_raised" if how == "raises" else "protocol_error"
+        assert ep.stats["failures"] == {cause: 2}
+        words = "KeyError: 'no such tool'" if how == "raises" else "'yes', not a finite number"
+        assert words in ep.stats["failure_messages"][cause]
     assert ep.num_turns == 1 and torch.equal(ep.token_ids, rec.gens[-1].token_ids)
 
 

@@ -58,7 +58,7 @@ def test_functions_and_classes_by_import_path(user_pkg: str) -> None:
         ("{pkg}.rewards.exact", r"unknown reward .*did you mean \w+\.rewards:exact\?"),
         (
             "mth",
-            r"unknown reward 'mth'; known rewards: "
+            r"unknown reward 'mth' \(closest: 'math'\); known rewards: "
             r"\['countdown', 'episode', 'format', 'math', 'reasoning_gym'\]",
         ),
     ],

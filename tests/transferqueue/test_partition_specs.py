@@ -123,3 +123,20 @@ def test_unit_keeps_one_column_per_spec_and_drops_unused_ones() -> None:
         unit.read(np.arange(3, 5), ["x"])
     unit.free(np.arange(4))
     assert unit.stats()["fields"] == {"x": "dense float32 [3]"}
+
+
+def test_a_writer_with_stale_specs_is_refused_at_commit(tq: object) -> None:
+    """A writer that learnt ``x`` as [2] before another client cleared the partition and
+    wrote [3] is refused (the partition holds [3] rows), not mixed into it; its next put
+    learns the new spec."""
+    stale, other = tq.client(), tq.client()  # type: ignore[attr-defined]
+    stale.put({"x": _x(2, 2)}, partition="p")
+    other.clear("p")
+    fresh = other.put({"x": _x(2, 3)}, partition="p")
+    with pytest.raises(SchemaError, match=r"'x' of partition 'p'.*\[3\].*\[2\]"):
+        stale.put({"x": _x(2, 2)}, partition="p")
+    with pytest.raises(SchemaError, match=r"'x'.*'p'"):
+        stale.kv_put("k", {"x": torch.zeros(2)}, partition="p")
+    stale.put({"x": _x(1, 3)}, partition="p")
+    assert len(other.status("p")) == 3
+    assert torch.equal(stale.get_data(fresh, ["x"])["x"], _x(2, 3))

@@ -246,9 +246,12 @@ class KeyValue:
                     lengths=lengths,
                     dropped=sorted({u for units in missed for u in units}),
                     copies=meta.replica_units,
+                    specs=dict(col_specs),
                 )
             )
         except BaseException as e:
+            if isinstance(e, SchemaError):  # (this client's specs may be stale: see put)
+                self._specs.forget(partition)
             units = [int(u) for u in np.unique(meta.units)]
             lost = await lost_with_unit(self._ctl, meta.indexes, e, units)
             if len(new):  # nothing of a new key may stay half-written: free, undo its row

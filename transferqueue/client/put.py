@@ -257,7 +257,16 @@ class Writer:
             exporter.bind(key, done.partition, done.indexes)
         return done
 
-    async def _put(
+    async def _put(self, data: Mapping[str, Any], meta: BatchMeta | None, *args: Any) -> BatchMeta:
+        try:
+            return await self._put_columns(data, meta, *args)
+        except SchemaError:
+            # (the specs this client knew may be stale: another client cleared the partition
+            # and wrote others; the next put learns them)
+            self._specs.forget(args[0] if meta is None else meta.partition)
+            raise
+
+    async def _put_columns(
         self,
         data: Mapping[str, Any],
         meta: BatchMeta | None,
@@ -356,6 +365,7 @@ class Writer:
                 lease_id=lease if ack else None,
                 dropped=dropped,
                 copies=meta.replica_units,
+                specs=dict(col_specs),
             )
         )
         if lease is not None and ack:
@@ -411,7 +421,9 @@ class Writer:
                 await self._ctl.call(m.SetCustomMeta(indexes=new.indexes, metas=tags))
             writing = False  # (a commit gone with the controller may have landed)
             copies = new.replica_units
-            commit = m.Commit(new.indexes, list(cols), dropped=dropped, copies=copies)
+            commit = m.Commit(
+                new.indexes, list(cols), dropped=dropped, copies=copies, specs=dict(col_specs)
+            )
             await self._ctl.call(commit)
         except BaseException as e:
             lost = await lost_with_unit(self._ctl, new.indexes, e, meta_units(new))

@@ -152,6 +152,13 @@ class RowHandlers(_Handlers):
 
     def commit(self, msg: m.Commit, caller: Caller) -> None:
         ctl = self.ctl
+        if msg.specs:
+            slots = ctl.rows.lookup(msg.indexes)
+            pids = np.unique(ctl.rows.header["partition"][slots[slots >= 0]])
+            for pid in pids.tolist():  # (rows not live: the commit itself says why)
+                part = ctl.partitions.by_id(pid)
+                if part is not None:
+                    ctl.rows.confirm_fields(msg.specs, part.name)
         if msg.dropped:  # (two copies of each row: a unit the writer found gone)
             self.service.apply(ctl.copies.drop_copies(msg.indexes, msg.dropped))
         changes = ctl.writes.commit(

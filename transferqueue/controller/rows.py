@@ -131,6 +131,25 @@ class RowTable:
         mine = self.specs[partition] = {**dict(specs), **known}
         return {n: mine[n] for n in specs}
 
+    def confirm_fields(self, specs: Mapping[str, FieldSpec], partition: str) -> None:
+        """Fields of ``partition``'s rows were written with ``specs`` (a commit): each must be
+        the partition's spec, so a writer whose cache of specs predates a clear and another
+        spec is refused before its rows are seen; fields the partition forgot meanwhile (a
+        clear during the put) are registered again."""
+        known = self.specs_of(partition)
+        for name, spec in specs.items():
+            have = known.get(name)
+            if have is not None and have != spec:
+                raise SchemaError(
+                    f"field {name!r} of partition {partition!r}: expected {have.describe()}, "
+                    f"received {spec.describe()}; the partition took this spec after the "
+                    "writer learnt another (cleared, then written): convert the column, or "
+                    "write it under a new field name or to another partition"
+                )
+        missing = {n: s for n, s in specs.items() if n not in known}
+        if missing:
+            self.register_fields(missing, partition)
+
     def specs_of(self, partition: str) -> dict[str, FieldSpec]:
         """The registered specs of ``partition`` (empty for one with none)."""
         return self.specs.get(partition, {})

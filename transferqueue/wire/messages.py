@@ -167,7 +167,8 @@ class Commit(ControllerRequest[None]):
     copies there and frees them there, in case the write landed after all. ``copies``: the
     second unit of each row the writer wrote (its meta's ``replica_units``; -1: none): a
     second copy the controller made since the writer took its meta is forgotten (it lacks
-    these fields) and made again (see :mod:`transferqueue.controller.rereplicate`)."""
+    these fields) and made again (see :mod:`transferqueue.controller.rereplicate`).
+    ``specs``: those the fields were written with; they must be the rows' partition's."""
 
     kind = "commit"
     indexes: Rows
@@ -177,6 +178,7 @@ class Commit(ControllerRequest[None]):
     lease_id: LeaseId | None = None
     dropped: Annotated[list[Annotated[int, Meta(ge=0, le=4095)]], Meta(max_length=4096)] = []
     copies: PerRow | None = None
+    specs: Specs | None = None
 
 
 class GetMeta(ControllerRequest[BatchMeta]):

@@ -1,0 +1,402 @@
+"""Many concurrent clients on one TransferQueue service: throughput, latency, fairness, the
+servers' CPU, memory and descriptors, and exactly-once, as the number of clients grows.
+
+    python -m bench.load                          # N = 64, 512, 4096 clients (~4 min)
+    python -m bench.load --clients 64,256 --seconds 5 --procs 2    # a smoke test
+
+Each client is a connected handle of its own (``transferqueue.connect``: its own sockets to
+the controller and the unit, as a separate process's client would have), driven as an async
+client; the clients are spread over ``--procs`` worker processes. Every client runs cycles of
+``put`` (``--batch`` rows of a small dense field that names the client and the cycle) ->
+``get_meta`` -> ``get_data`` -> ``ack`` for ``--seconds``, half of them on one shared
+partition whose task all of them consume (so a row written by one client may be read by any
+other), half on a partition of their own. After the window every partition is finished and
+drained, and each row's (client, cycle, row) stamp must have been read exactly once by its
+partition's task: the bench fails loudly otherwise.
+
+Two phases per N on the same connected clients: ``paced`` offers ``--offered`` cycles/s
+spread over all clients (each client ``offered / N``: latency under a load the service can
+carry, however many clients share it), then ``saturated``, every client as fast as it can
+(the service's throughput; latency there is queueing, N over the throughput). Printed per
+phase: cycles/s, p50 / p99 of each call, the controller's and the unit's share of a core;
+saturated, the slowest client's cycles over the mean (fairness); per N, the servers'
+resident memory, memory per client and open descriptors with every client connected, and
+the time to connect them all. Goals (no collapse under load): saturated throughput at the
+largest N at least 0.8x that at the smallest, ``get_meta`` p99 under 50 ms at the largest N
+paced, every row read exactly once. JSON: ``bench/results/load.json``; plot:
+``bench/results/load.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.common import RESULTS_DIR, line, write_json
+
+CALLS = ("put", "get_meta", "get_data", "ack")
+THROUGHPUT_GOAL = 0.8
+P99_GOAL_MS = 50.0
+
+
+# --- the worker process: many clients on one event loop ---------------------------------
+
+
+async def _client(
+    tq: Any,
+    cid: int,
+    partition: str,
+    batch: int,
+    window: tuple[float, float],
+    rate: float,
+    phase_no: int,
+    lat: dict[str, list[float]],
+) -> dict[str, Any]:
+    client = tq.async_client()
+    cycles, stamps = 0, []
+    x = np.zeros((batch, 4), dtype=np.int64)  # (client, phase, cycle, row): unique per row
+    x[:, 0] = cid
+    x[:, 1] = phase_no
+    x[:, 3] = np.arange(batch)
+    start, until = window
+    # paced: cycle k starts at start + (k + phase) / rate, the phases spread evenly
+    phase = (cid * 0.618034) % 1.0
+    while time.monotonic() < until:
+        if rate > 0:
+            due = start + (cycles + phase) / rate
+            if due >= until:
+                break
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+        x[:, 2] = cycles
+        t0 = time.perf_counter()
+        await client.put({"stamp": x.copy()}, partition=partition)
+        t1 = time.perf_counter()
+        meta = await client.get_meta("load", ["stamp"], batch, partition=partition, timeout_s=60)
+        t2 = time.perf_counter()
+        cols = await client.get_data(meta)
+        t3 = time.perf_counter()
+        await client.ack(meta)
+        t4 = time.perf_counter()
+        for name, a, b in zip(CALLS, (t0, t1, t2, t3), (t1, t2, t3, t4), strict=True):
+            lat[name].append(b - a)
+        stamps.append(np.asarray(cols["stamp"]).tolist())
+        cycles += 1
+    return {"cid": cid, "cycles": cycles, "stamps": stamps}
+
+
+async def _worker_main(
+    address: str, first: int, count: int, batch: int, seconds: float, rates: list[float]
+) -> None:
+    """``count`` clients, one phase per rate (0: as fast as they can), each ``seconds`` long,
+    all starting at the parent's signal; one JSON line per phase on stdout."""
+    import transferqueue
+
+    t_connect = time.perf_counter()
+    handles = [transferqueue.connect(address, call_timeout_s=120.0) for _ in range(count)]
+    print(json.dumps({"connect_s": time.perf_counter() - t_connect}), flush=True)
+    for phase_no, rate in enumerate(rates):
+        start = float(sys.stdin.readline())  # the parent's common start (monotonic clock)
+        await asyncio.sleep(max(0.0, start - time.monotonic()))
+        lat: dict[str, list[float]] = {c: [] for c in CALLS}
+        jobs = []
+        for i, tq in enumerate(handles):
+            cid = first + i
+            partition = "shared" if cid % 2 == 0 else f"own-{cid}"
+            jobs.append(
+                _client(tq, cid, partition, batch, (start, start + seconds), rate, phase_no, lat)
+            )
+        results = await asyncio.gather(*jobs)
+        print(
+            json.dumps(
+                {
+                    "clients": [{"cid": r["cid"], "cycles": r["cycles"]} for r in results],
+                    "stamps": [s for r in results for s in r["stamps"]],
+                    "latency": {c: lat[c] for c in CALLS},
+                }
+            ),
+            flush=True,
+        )
+    for tq in handles:
+        tq.close()
+
+
+# --- the parent: the service, the workers, the checks ------------------------------------
+
+
+def _proc_stats(pid: int) -> dict[str, float]:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    cpu_s = (int(fields[11]) + int(fields[12])) / tick
+    rss = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
+    fds = len(os.listdir(f"/proc/{pid}/fd"))
+    return {"cpu_s": cpu_s, "rss_mb": rss / 2**20, "fds": fds}
+
+
+def _drain(tq: Any, partitions: list[str]) -> list[list[int]]:
+    """Finish every partition and read what is left for the task (rows put in the window's
+    last cycles that no client read back)."""
+    client = tq.client()
+    left: list[list[int]] = []
+    for p in partitions:
+        client.finish(p)
+        for meta, cols in client.stream(task="load", fields=["stamp"], batch_size=256, partition=p):
+            left.extend(np.asarray(cols["stamp"]).tolist())
+            del meta
+    return left
+
+
+def _phase(outs: list[dict[str, Any]], batch: int, seconds: float, phase_no: int) -> dict[str, Any]:
+    """One phase's figures from the workers' reports; its rows read are in ``stamps``."""
+    clients = [c for o in outs for c in o["clients"]]
+    cycles = np.array([c["cycles"] for c in clients], dtype=float)
+    lat = {c: np.array([x for o in outs for x in o["latency"][c]]) * 1e3 for c in CALLS}
+    total = float(cycles.sum())
+    return {
+        "cycles": total,
+        "cycles_per_s": total / seconds,
+        "rows_per_s": total * batch / seconds,
+        "latency_ms": {
+            c: {"p50": float(np.percentile(v, 50)), "p99": float(np.percentile(v, 99))}
+            for c, v in lat.items()
+            if len(v)
+        },
+        "fairness_min_over_mean": float(cycles.min() / cycles.mean()) if total else 0.0,
+        "starved_clients": int((cycles == 0).sum()),
+        "written": {
+            (c["cid"], phase_no, k, r)
+            for c in clients
+            for k in range(c["cycles"])
+            for r in range(batch)
+        },
+    }
+
+
+def run_case(
+    n: int, procs: int, batch: int, seconds: float, rates: dict[str, float]
+) -> dict[str, Any]:
+    """One service and ``n`` clients over ``procs`` workers, then one phase of ``seconds``
+    per entry of ``rates``: cycles per second per client, 0 for as fast as each can (the
+    service's saturation throughput)."""
+    import transferqueue
+
+    procs = max(1, min(procs, n))
+    with transferqueue.serve(num_units=1) as svc:
+        setup = transferqueue.connect(svc.address)
+        partitions = ["shared", *[f"own-{c}" for c in range(n) if c % 2]]
+        sc = setup.client()
+        for p in partitions:
+            sc.declare_tasks(["load"], partition=p)
+        unit, ctl = svc.pids[0], svc.pids[-1]  # units are started first, the controller last
+        before = {pid: _proc_stats(pid) for pid in (ctl, unit)}
+        workers = []
+        first = 0
+        for i in range(procs):
+            count = n // procs + (1 if i < n % procs else 0)
+            cmd = [sys.executable, "-m", "bench.load", "--worker", svc.address, str(first)]
+            cmd += [str(count), str(batch), str(seconds), ",".join(map(str, rates.values()))]
+            workers.append(
+                subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            )
+            first += count
+        t0 = time.perf_counter()
+        for w in workers:
+            assert w.stdout is not None
+            json.loads(w.stdout.readline())
+        connect_s = time.perf_counter() - t0
+        connected = {pid: _proc_stats(pid) for pid in (ctl, unit)}  # every client connected
+        res: dict[str, Any] = {"clients": n, "procs": procs, "connect_s": connect_s, "phases": {}}
+        stamps: list[tuple[int, ...]] = []
+        written: set[tuple[int, ...]] = set()
+        for phase_no, (name, rate) in enumerate(rates.items()):
+            idle = {pid: _proc_stats(pid) for pid in (ctl, unit)}
+            start = time.monotonic() + 0.5
+            for w in workers:
+                assert w.stdin is not None
+                w.stdin.write(f"{start}\n")
+                w.stdin.flush()
+            outs = []
+            for w in workers:
+                assert w.stdout is not None
+                outs.append(json.loads(w.stdout.readline()))
+            busy = {pid: _proc_stats(pid) for pid in (ctl, unit)}
+            ph = _phase(outs, batch, seconds, phase_no)
+            written |= ph.pop("written")
+            stamps += [tuple(r) for o in outs for s in o["stamps"] for r in s]
+            ph["rate_per_client"] = rate
+            ph["servers"] = {
+                role: {
+                    "cpu_s_per_1k_cycles": (busy[pid]["cpu_s"] - idle[pid]["cpu_s"])
+                    / max(ph["cycles"], 1)
+                    * 1e3,
+                    "cpu_share": (busy[pid]["cpu_s"] - idle[pid]["cpu_s"]) / seconds,
+                    "rss_mb": busy[pid]["rss_mb"],
+                }
+                for role, pid in (("controller", ctl), ("unit", unit))
+            }
+            res["phases"][name] = ph
+        for w in workers:
+            if w.wait(timeout=120) != 0:
+                raise RuntimeError(f"a load worker exited with {w.returncode}")
+        stamps += [tuple(r) for r in _drain(setup, partitions)]
+        setup.close()
+    seen: dict[tuple[int, ...], int] = {}
+    for stamp in stamps:
+        seen[stamp] = seen.get(stamp, 0) + 1
+    res["exactly_once"] = {
+        "written": len(written),
+        "twice": sum(1 for v in seen.values() if v > 1),
+        "missing": len(written - set(seen)),
+        "extra": len(set(seen) - written),
+    }
+    res["servers"] = {
+        role: {
+            "rss_mb_before_clients": before[pid]["rss_mb"],
+            "rss_mb": connected[pid]["rss_mb"],
+            "fds": connected[pid]["fds"],
+            "kb_per_client": (connected[pid]["rss_mb"] - before[pid]["rss_mb"]) * 1024 / n,
+        }
+        for role, pid in (("controller", ctl), ("unit", unit))
+    }
+    return res
+
+
+def _print_case(r: dict[str, Any]) -> None:
+    n = r["clients"]
+    for name, ph in r["phases"].items():
+        lm = ph["latency_ms"]
+        line(
+            f"load {n} clients, {name}",
+            ph["cycles_per_s"],
+            "cycles/s",
+            get_meta_p50_ms=lm["get_meta"]["p50"],
+            get_meta_p99_ms=lm["get_meta"]["p99"],
+            put_p99_ms=lm["put"]["p99"],
+            **(
+                {"achieved_over_offered": ph["cycles_per_s"] / (ph["rate_per_client"] * n)}
+                if ph["rate_per_client"]
+                else {"fairness": ph["fairness_min_over_mean"]}
+            ),
+            ctl_cpu=ph["servers"]["controller"]["cpu_share"],
+            unit_cpu=ph["servers"]["unit"]["cpu_share"],
+        )
+    for role, sv in r["servers"].items():
+        line(
+            f"  {role} with {n} clients connected",
+            sv["rss_mb"],
+            "MB RSS",
+            kb_per_client=sv["kb_per_client"],
+            fds=sv["fds"],
+        )
+    eo = r["exactly_once"]
+    ok = eo["twice"] == eo["missing"] == eo["extra"] == 0
+    print(
+        f"  exactly once: {eo['written']} rows, {eo['twice']} twice, {eo['missing']} missing,"
+        f" {eo['extra']} unknown: {'ok' if ok else 'FAILED'}; connect {r['connect_s']:.1f} s",
+        flush=True,
+    )
+
+
+def _plot(cases: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = [c["clients"] for c in cases]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for name in cases[0]["phases"]:
+        a.plot(n, [c["phases"][name]["rows_per_s"] for c in cases], "-o", label=name)
+        for call in ("get_meta", "put"):
+            b.plot(
+                n,
+                [c["phases"][name]["latency_ms"][call]["p99"] for c in cases],
+                "-o" if name == "paced" else ":x",
+                label=f"{call} p99, {name}",
+            )
+    a.set(xscale="log", xlabel="concurrent clients", ylabel="rows/s", title="throughput")
+    a.legend(fontsize=8)
+    b.axhline(P99_GOAL_MS, color="grey", ls="--", lw=1)
+    b.set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="ms", title="latency")
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args_in = sys.argv[1:] if argv is None else argv
+    if args_in[:1] == ["--worker"]:
+        address, first, count, batch, seconds, rates = args_in[1:7]
+        asyncio.run(
+            _worker_main(
+                address,
+                int(first),
+                int(count),
+                int(batch),
+                float(seconds),
+                [float(r) for r in rates.split(",")],
+            )
+        )
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--clients", default="64,512,4096", help="comma-separated client counts")
+    ap.add_argument("--procs", type=int, default=4, help="worker processes the clients share")
+    ap.add_argument("--batch", type=int, default=8, help="rows per put and per get_meta")
+    ap.add_argument("--seconds", type=float, default=8.0, help="length of each phase")
+    ap.add_argument(
+        "--offered",
+        type=float,
+        default=100.0,
+        help="the paced phase's cycles/s over all clients (each client offered/N)",
+    )
+    args = ap.parse_args(args_in)
+    counts = [int(c) for c in args.clients.split(",")]
+    cases = []
+    for n in counts:
+        rates = {"paced": args.offered / n, "saturated": 0.0}
+        r = run_case(n, args.procs, args.batch, args.seconds, rates)
+        _print_case(r)
+        cases.append(r)
+    sat = [c["phases"]["saturated"]["rows_per_s"] for c in cases]
+    ratio = sat[-1] / sat[0]
+    p99 = cases[-1]["phases"]["paced"]["latency_ms"]["get_meta"]["p99"]
+    ok_once = all(
+        c["exactly_once"]["twice"] == c["exactly_once"]["missing"] == 0
+        and c["exactly_once"]["extra"] == 0
+        for c in cases
+    )
+    goals = {
+        f"saturated throughput at {counts[-1]} >= {THROUGHPUT_GOAL}x at {counts[0]}": ratio
+        >= THROUGHPUT_GOAL,
+        f"get_meta p99 at {counts[-1]} (paced) < {P99_GOAL_MS:g} ms": p99 < P99_GOAL_MS,
+        "every row read exactly once": ok_once,
+    }
+    line(f"saturated throughput {counts[-1]} / {counts[0]} clients", ratio, "x")
+    for goal, met in goals.items():
+        print(f"goal {goal}: {'met' if met else 'NOT met'}", flush=True)
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    _plot(cases, RESULTS_DIR / "load.png")
+    write_json(
+        "load",
+        {
+            "command": "python -m bench.load " + " ".join(args_in),
+            "settings": vars(args),
+            "cases": cases,
+            "throughput_ratio": ratio,
+            "goals": goals,
+        },
+    )
+    return 0 if ok_once else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
