@@ -95,7 +95,7 @@ from asyncflow.deploy.ray_weights import ObjectStoreWeights
 from asyncflow.deploy.remote import RemoteRegistry, remote_cause
 from asyncflow.metrics import Timeline
 from asyncflow.registry import WeightSync
-from asyncflow.stage_runner import StageError
+from asyncflow.stage_runner import COUNT_METRICS, StageError
 from transferqueue.aio import within
 from transferqueue.deploy.ray import RayStart
 from transferqueue.wire.auth import ClientKeys
@@ -536,10 +536,16 @@ class RayDeployment(Deployment):
             self.timeline.merge(intervals)
             for stage, m in metrics.items():
                 merged.setdefault(stage, []).append(m)
-        return {
-            stage: {k: float(np.nanmean([m[k] for m in ms if k in m])) for k in ms[0]}
-            for stage, ms in merged.items()
-        }
+        out: dict[str, dict[str, float]] = {}
+        for stage, ms in merged.items():
+            keys = dict.fromkeys(k for m in ms for k in m)
+            out[stage] = {  # (counts summed over a stage's hosts, means averaged)
+                k: float(
+                    (np.nansum if k in COUNT_METRICS else np.nanmean)([m[k] for m in ms if k in m])
+                )
+                for k in keys
+            }
+        return out
 
     @property
     def predict(self) -> Any:
