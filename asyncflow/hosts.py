@@ -38,6 +38,7 @@ from typing import Protocol
 
 import torch
 
+from asyncflow.progress import Work
 from asyncflow.transport.base import VersionError
 from engines.protocols import Generation, GenerationEngine, SamplingParams
 from transferqueue.aio import wait_event
@@ -159,6 +160,9 @@ class GeneratorHost:
         taken here without the round trip through the registry (in another process under
         Ray, told by the trainer after its transport delivered). The registry hears of the
         update as before. Needs a source with ``watch`` (the transports' receivers)."""
+        self.work = Work(name, "generate calls from the rollout")
+        """The engine's calls in hand and done (:mod:`asyncflow.progress`), for the stall
+        watch."""
         self._calls = 0  # samples of generate calls in flight (engines without in_flight)
         self._dirty = asyncio.Event()
         self._loaded = asyncio.Event()  # set (and replaced) at every weight update
@@ -211,9 +215,15 @@ class GeneratorHost:
         self._calls += len(prompts)
         self._received += len(prompts)
         self._dirty.set()
+        token = self.work.take(len(prompts))
+        self.work.phase(token, "generate")
+        done = False
         try:
-            return list(await self.engine.generate(prompts, params))
+            gens = list(await self.engine.generate(prompts, params))
+            done = True
+            return gens
         finally:
+            self.work.finish(token, done=done)
             self._calls -= len(prompts)
             self._dirty.set()
 

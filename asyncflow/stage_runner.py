@@ -36,6 +36,7 @@ from typing import Any
 
 from adapters.base import Adapter, StageOutput
 from asyncflow.metrics import Timeline
+from asyncflow.progress import Work
 from transferqueue import (
     AsyncClient,
     BatchMeta,
@@ -116,6 +117,9 @@ class StageRunner:
         self.lost_batches = 0  # batches given back because rows of them were lost
         self.dropped_batches = 0  # batches dropped: their lease was returned meanwhile
         self._dropped_drained = 0
+        self.work = Work(name, f"rows of {sorted(adapter.input_fields)} from task {adapter.task!r}")
+        """What this stage holds and has done (:mod:`asyncflow.progress`), for the stall
+        watch."""
         self._held: list[BatchMeta] = []  # processed, not acknowledged yet (holds_leases)
         self._metrics: dict[str, list[float]] = {}  # name -> [sum weighted by rows, rows]
 
@@ -144,6 +148,7 @@ class StageRunner:
         lane = f"{self.name}/{worker}" if self.concurrency > 1 else self.name
         while True:
             req = a.request()
+            self.work.idle(worker)
             meta = await self.client.get_meta(
                 a.task,
                 list(a.input_fields),
@@ -157,9 +162,11 @@ class StageRunner:
             )
             if len(meta):
                 t0 = time.perf_counter()
+                token = self.work.take(len(meta), meta.lease_id, worker=worker)
                 try:
-                    out = await self._process(meta)
+                    out = await self._process(meta, token)
                 except RowsLostError as lost:
+                    self.work.finish(token, done=False)
                     self.lost_batches += 1
                     log.warning(
                         "%s: rows of a batch of %d were lost with a storage unit (%s); the "
@@ -171,8 +178,13 @@ class StageRunner:
                     await self.client.release(meta)
                     continue
                 except LeaseExpiredError as gone:
+                    self.work.finish(token, done=False)
                     self._drop(meta, gone)
                     continue
+                except BaseException:
+                    self.work.finish(token, done=False)
+                    raise
+                self.work.finish(token)
                 t1 = time.perf_counter()
                 if out.spans:
                     *parts, last = out.spans
@@ -217,12 +229,15 @@ class StageRunner:
             why,
         )
 
-    async def _process(self, meta: BatchMeta) -> StageOutput:
-        """Read the batch, run the adapter, write its output (or ack)."""
+    async def _process(self, meta: BatchMeta, token: int) -> StageOutput:
+        """Read the batch, run the adapter, write its output (or ack); ``token``: the batch's
+        unit on :attr:`work`, whose phase follows."""
         a = self.adapter
         fields = None if a.read_fields is None else list(a.read_fields)
         cols = await self.client.get_data(meta, fields)
+        self.work.phase(token, "process")
         out = await a.process(meta, cols)
+        self.work.phase(token, "write")
         _check_outputs(a, out.columns)
         if out.columns:
             await self.client.put(

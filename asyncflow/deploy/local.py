@@ -36,8 +36,10 @@ from asyncflow.config import RunConfig
 from asyncflow.deploy.base import Deployment, Job
 from asyncflow.hosts import GeneratorHost, check_engine
 from asyncflow.metrics import Timeline
+from asyncflow.progress import host_answer
 from asyncflow.registry import Registry, WeightSync
 from asyncflow.stage_runner import StageRunner
+from asyncflow.stall import Probe
 from asyncflow.transport import WeightSender, make_transport, sync_metrics
 from engines.protocols import ScoringEngine, TrainingEngine
 
@@ -236,6 +238,16 @@ class LocalDeployment(Deployment):
         for h in self._hosts:
             jobs[f"rollout/{h.name} weights"] = h.run
         return jobs
+
+    async def progress(self) -> dict[str, Probe]:
+        """One host, this process: every stage and generation engine (never silent to
+        itself; not replaceable: its engines are this process's)."""
+        works = [r.work for r in self._runners] + [h.work for h in self._hosts]
+        return {"driver": Probe(host_answer(works), 0.0, replaceable=False)}
+
+    async def stacks(self, host: str, timeout_s: float) -> dict[str, Any] | None:
+        works = [r.work for r in self._runners] + [h.work for h in self._hosts]
+        return host_answer(works, stacks=True)
 
     async def next_report(self) -> StepReport:
         return await self._reports.get()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -44,3 +45,33 @@ def test_a_batch_whose_lease_ran_out_is_dropped_and_the_run_goes_on(
         r["stage_metrics"].get("rollout", {}).get("dropped_batches", 0) for r in result.records
     )
     assert counted == len(drops)
+
+
+class _StallsLong(StallsOnce):
+    stall_s = 5.0
+
+
+def test_a_stage_holding_a_batch_past_its_bound_is_named_once_with_its_stacks(
+    out_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The rollout's third engine call takes 5 s with ``deploy.stall_timeout_s=2``: one
+    WARNING names the rollout stage, the process, the rows and lease it holds, the phase it is
+    in and for how long, with the stacks of the stuck call (the engine's sleep among them);
+    the run then completes (locally the stall is reported, not worked around)."""
+    cfg = small_config(out_dir, "deploy.stall_timeout_s=2", *LOCAL)
+    factories = EngineFactories(generator=functools.partial(wrapped_generator, _StallsLong))
+    with caplog.at_level(logging.WARNING, logger="asyncflow.stall"):
+        result = run(cfg, factories=factories)
+    assert len(result.reports) == cfg.train.steps
+    stalls = [r.getMessage() for r in caplog.records if r.getMessage().startswith("stall:")]
+    assert len(stalls) == 1, stalls
+    text = stalls[0]
+    assert "stage 'rollout' made no progress for" in text
+    assert "bound 2.0 s, deploy.stall_timeout_s" in text
+    assert f"pid {os.getpid()}" in text
+    assert "rollout: holds 1 unit(s), 4 rows, leases [" in text
+    assert "in process for" in text
+    assert "asyncio.sleep(self.stall_s)" in text  # the stuck call's own stack
+    assert "thread 'MainThread'" in text
+    assert [s["stage"] for s in result.extra["stalls"]] == ["rollout"]
+    assert result.extra["stalls"][0]["replaced"] is False
