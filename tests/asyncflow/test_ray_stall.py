@@ -11,6 +11,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,7 +43,8 @@ def _freeze_when(
 
     if not _until_steps(out, after_steps):
         return
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+    actors: list[Any] = ray.util.list_named_actors(all_namespaces=True)
+    names = [a["name"] for a in actors]
     name = max(n for n in names if n.endswith(suffix))
     pid = ray.get(ray.get_actor(name).where.remote(), timeout=60)["pid"]
     os.kill(pid, signal.SIGSTOP)
