@@ -46,7 +46,8 @@ def _freeze_when(
     actors: list[Any] = ray.util.list_named_actors(all_namespaces=True)
     names = [a["name"] for a in actors]
     name = max(n for n in names if n.endswith(suffix))
-    where: dict[str, Any] = ray.get(ray.get_actor(name).where.remote(), timeout=60)
+    host: Any = ray.get_actor(name)
+    where: dict[str, Any] = ray.get(host.where.remote(), timeout=60)
     pid = int(where["pid"])
     os.kill(pid, signal.SIGSTOP)
     seen["frozen_at"] = time.time()
