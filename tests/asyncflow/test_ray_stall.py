@@ -126,3 +126,63 @@ def test_a_frozen_stage_host_is_named_and_replaced_within_seconds(
         f"{sum(r['stage_metrics'].get(stage, {}).get('dropped_batches', 0) for r in records)}"
     )
     assert worst <= median + 30.0, [round(r["step_s"], 2) for r in records]
+
+
+def _pause(
+    out: Path, after_steps: int, suffix: str, pause_s: float, seen: dict[str, float]
+) -> None:
+    """Once ``after_steps`` steps are recorded, SIGSTOP the host whose actor name ends with
+    ``suffix`` for ``pause_s``, then SIGCONT it."""
+    import ray
+
+    if not _until_steps(out, after_steps):
+        return
+    actors: list[Any] = ray.util.list_named_actors(all_namespaces=True)
+    name = max(a["name"] for a in actors if a["name"].endswith(suffix))
+    host: Any = ray.get_actor(name)
+    where: dict[str, Any] = ray.get(host.where.remote(), timeout=60)
+    os.kill(int(where["pid"]), signal.SIGSTOP)
+    seen["frozen_at"] = time.time()
+    time.sleep(pause_s)
+    os.kill(int(where["pid"]), signal.SIGCONT)
+    seen["woken_at"] = time.time()
+
+
+def test_a_rollout_host_woken_after_its_leases_were_returned_drops_its_batch(
+    ray_cluster: None, tmp_path: Path
+) -> None:
+    """The issue's second half: the rollout host frozen for 12 s (past TransferQueue's
+    holder liveness, 5.5 s, so the controller returns its rows; under the stall bound, 60 s
+    here, so it is not replaced), then woken: its put of the stale batch fails with
+    LeaseExpiredError, the stage drops that batch and goes on, the run completes, every
+    group trained once, no restart."""
+    out = tmp_path / "run"
+    k, steps = 1, 16
+    cfg = small_config(
+        out,
+        "deploy.mode=ray",
+        f"train.steps={steps}",
+        f"train.max_staleness={k}",
+        "rollout.max_new_tokens=24",
+        "deploy.stall_timeout_s=60",
+        RAY_START,
+    )
+    seen: dict[str, float] = {}
+    pauser = threading.Thread(target=_pause, args=(out, 6, "-rollout", 12.0, seen), daemon=True)
+    pauser.start()
+    result = run(cfg)
+    pauser.join(timeout=60)
+    assert "woken_at" in seen
+    b = cfg.train.groups_per_step
+    trained = [g for rep in result.reports for g in rep.groups]
+    assert trained == list(range(steps * b))
+    records = result.records
+    assert sum(r["rows_returned"] for r in records) >= 1  # the controller returned its rows
+    dropped = sum(r["stage_metrics"].get("rollout", {}).get("dropped_batches", 0) for r in records)
+    assert dropped >= 1  # the woken holder dropped its stale batch instead of failing the run
+    assert result.extra["restarts"].get("rollout", 0) == 0
+    assert result.extra["stalls"] == []
+    print(
+        f"woken rollout host: dropped {dropped:g} batch(es), worst step "
+        f"{max(r['step_s'] for r in records):.2f} s"
+    )
