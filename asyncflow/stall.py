@@ -125,6 +125,7 @@ class StallWatch:
         self._step_at = time.monotonic()
         self._step_times: list[float] = []
         self._gap_told = False
+        self._replaced_at = -float("inf")
 
     async def run(self) -> None:
         """Judge every ``period_s`` until cancelled."""
@@ -139,16 +140,24 @@ class StallWatch:
         """One round: name and replace new stalls, tell a run without steps what stages wait
         for."""
         probes = await self.deployment.progress()
+        stalled = []
         for host, probe in probes.items():
             why = self._stalled(probe)
             if why is None:
                 if probe.silent_s < self.period_s * 3:
                     self._flagged.discard(host)  # (progress again: a new stall is told again)
-                continue
-            if host in self._flagged:
-                continue
+            elif host not in self._flagged:
+                stalled.append((host, probe, why))
+        # The cause first: a silent host, then an engine (its calls hold no lease), then the
+        # stages that wait on them; a stage waiting on a host just replaced gets that long
+        # to move again before it is judged itself.
+        stalled.sort(key=lambda s: (s[1].silent_s <= s[2][2], _holds_leases(s[1])))
+        for host, probe, why in stalled:
+            if time.monotonic() - self._replaced_at < why[2]:
+                break
             self._flagged.add(host)
-            await self._tell(host, probe, *why)
+            if await self._tell(host, probe, *why):
+                self._replaced_at = time.monotonic()
         self._check_steps(probes)
 
     def _bound(self, work: dict[str, Any]) -> float:
@@ -169,7 +178,9 @@ class StallWatch:
 
     async def _tell(
         self, host: str, probe: Probe, stage: str, seconds: float, bound: float
-    ) -> None:
+    ) -> bool:
+        """Name the stall in one WARNING and replace the host where the deployment can;
+        True when it was replaced."""
         answer = probe.answer
         silent = probe.silent_s > bound
         fresh = None if silent else await self.deployment.stacks(host, STACKS_WAIT_S)
@@ -216,6 +227,7 @@ class StallWatch:
                 "silent": silent,
             }
         )
+        return replaced
 
     def _rule(self) -> str:
         if self.configured_s is not None:
@@ -252,6 +264,11 @@ class StallWatch:
             lines.append(head + ":")
             lines += ["  " + line for line in _holding(p.answer)]
         log.warning("%s", "\n  ".join(lines))
+
+
+def _holds_leases(probe: Probe) -> bool:
+    works = [] if probe.answer is None else probe.answer["works"]
+    return any(u["lease"] is not None for w in works for u in w["holding"])
 
 
 WINDOW_STEPS = 20

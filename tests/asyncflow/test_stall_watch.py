@@ -139,3 +139,28 @@ def test_a_run_without_steps_says_what_every_stage_waits_for(
     assert len(told) == 1, told
     assert told[0].startswith("no train step for 16.0 s (5 x the median step of 3.00 s")
     assert "reward: waits for rows of ['response'] from task 'reward'" in told[0]
+
+
+def test_the_stuck_engine_is_replaced_not_the_stage_waiting_on_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A generator's call and the rollout batch that waits on it are both past their bound in
+    the same round: the engine (its call holds no lease) is named and replaced; the rollout
+    gets its bound to move again before it is judged itself."""
+    engine = Work("instance0", "generate calls from the rollout")
+    engine.phase(engine.take(4), "generate")
+    stage = Work("rollout", "rows of ['prompt'] from task 'rollout'")
+    stage.phase(stage.take(4, 9), "process")
+    dep = _Fake()
+    watch = StallWatch(dep, 0.01, lambda: 0)
+
+    async def rounds() -> None:
+        await asyncio.sleep(0.05)
+        dep.probes["rollout"] = Probe(_answer(stage), 0.0, replaceable=True)
+        dep.probes["rollout/instance0"] = Probe(_answer(engine), 0.0, replaceable=True)
+        await watch.check()
+
+    with caplog.at_level(logging.WARNING, logger="asyncflow.stall"):
+        asyncio.run(rounds())
+    assert dep.replaced == ["rollout/instance0"]
+    assert [s["host"] for s in watch.stalls] == ["rollout/instance0"]
