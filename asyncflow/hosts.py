@@ -38,6 +38,7 @@ from typing import Protocol
 
 import torch
 
+from adapters.rollout import InstanceLostError
 from asyncflow.progress import Work
 from asyncflow.transport.base import VersionError
 from engines.protocols import Generation, GenerationEngine, SamplingParams
@@ -163,6 +164,8 @@ class GeneratorHost:
         self.work = Work(name, "generate calls from the rollout")
         """The engine's calls in hand and done (:mod:`asyncflow.progress`), for the stall
         watch."""
+        self.replaced = 0
+        """Engines replaced because they were stuck (:meth:`replace`)."""
         self._calls = 0  # samples of generate calls in flight (engines without in_flight)
         self._dirty = asyncio.Event()
         self._loaded = asyncio.Event()  # set (and replaced) at every weight update
@@ -218,10 +221,17 @@ class GeneratorHost:
         token = self.work.take(len(prompts))
         self.work.phase(token, "generate")
         done = False
+        replaced = self.replaced
         try:
             gens = list(await self.engine.generate(prompts, params))
             done = True
             return gens
+        except Exception as e:
+            if self.replaced != replaced:  # (the stuck engine it was on was replaced)
+                raise InstanceLostError(
+                    f"generator {self.name!r} was replaced while this call was on it: {e}"
+                ) from e
+            raise
         finally:
             self.work.finish(token, done=done)
             self._calls -= len(prompts)
@@ -245,6 +255,37 @@ class GeneratorHost:
             return None
         waited = loop.time() - t0
         return await self.generate(prompts, params), waited
+
+    @property
+    def replaceable(self) -> bool:
+        """Whether :meth:`replace` can replace the engine (it can build itself again)."""
+        return callable(getattr(self.engine, "spawn_again", None))
+
+    async def replace(self) -> bool:
+        """Replace a stuck engine (``spawn_again``: ``engines.hf.process``'s child process)
+        with a new one holding the weights of the version it held (fetched from the weight
+        source again); the calls in flight on the stuck one fail as a lost instance's
+        (``InstanceLostError``: the rollout generates their batches again). False for an
+        engine that cannot build itself again."""
+        old = self.engine
+        again = getattr(old, "spawn_again", None)
+        if not callable(again):
+            return False
+        new = await asyncio.to_thread(again)
+        target = int(old.version)
+        if target > int(getattr(new, "initial_version", new.version)):
+            version, state = await asyncio.to_thread(self._fetch, target)
+            try:
+                await new.update_weights(state, version)
+            finally:
+                self.weights.release(version)
+        self.engine = new
+        self.replaced += 1
+        close = getattr(old, "close", None)
+        if callable(close):
+            await asyncio.to_thread(close)  # (its calls in flight fail now)
+        self._dirty.set()
+        return True
 
     async def run(self) -> None:
         """Follow published weights and report the load until cancelled; raises what the
@@ -348,6 +389,7 @@ class GeneratorHost:
         the registry chose this update from a report, which the engine may have outdated
         (busy again): then it is handed back."""
         t0 = time.perf_counter()
+        replaced = self.replaced
         try:
             if getattr(self.weights, "lookup_only", False) and self.weights.newest() >= target:
                 version, state = self._fetch(target)  # a lookup: no thread hop
@@ -365,9 +407,11 @@ class GeneratorHost:
                 t2 = time.perf_counter()
             finally:
                 self.weights.release(version)
-        except BaseException:
+        except BaseException as e:
             with contextlib.suppress(Exception):
                 await self.registry.update_failed(self.name)
+            if self.replaced != replaced and isinstance(e, Exception):
+                return  # the stuck engine it was loading into was replaced: decided again
             raise
         self.updates += 1
         loaded, self._loaded = self._loaded, asyncio.Event()

@@ -125,7 +125,7 @@ class StallWatch:
         self._step_at = time.monotonic()
         self._step_times: list[float] = []
         self._gap_told = False
-        self._replaced_at = -float("inf")
+        self._told_at = -float("inf")
 
     async def run(self) -> None:
         """Judge every ``period_s`` until cancelled."""
@@ -149,15 +149,15 @@ class StallWatch:
             elif host not in self._flagged:
                 stalled.append((host, probe, why))
         # The cause first: a silent host, then an engine (its calls hold no lease), then the
-        # stages that wait on them; a stage waiting on a host just replaced gets that long
-        # to move again before it is judged itself.
+        # stages that wait on them; after a stall is told (and its host replaced), the others
+        # get their bound to move again before they are judged themselves.
         stalled.sort(key=lambda s: (s[1].silent_s <= s[2][2], _holds_leases(s[1])))
         for host, probe, why in stalled:
-            if time.monotonic() - self._replaced_at < why[2]:
+            if time.monotonic() - self._told_at < why[2]:
                 break
             self._flagged.add(host)
-            if await self._tell(host, probe, *why):
-                self._replaced_at = time.monotonic()
+            await self._tell(host, probe, *why)
+            self._told_at = time.monotonic()
         self._check_steps(probes)
 
     def _bound(self, work: dict[str, Any]) -> float:
@@ -212,7 +212,8 @@ class StallWatch:
         lines.append(
             "it is killed and replaced through the restart path (its leases handed back at once)"
             if replaced
-            else "it is not replaced here (deploy=local, or a trainer rank): the run waits on it"
+            else "it is not replaced here (a trainer rank, or a stage or engine in the driver's "
+            "process): the run waits on it"
         )
         log.warning("stall: %s", "\n  ".join(lines))
         if replaced:

@@ -51,14 +51,15 @@ class _StallsLong(StallsOnce):
     stall_s = 5.0
 
 
-def test_a_stage_holding_a_batch_past_its_bound_is_named_once_with_its_stacks(
+def test_an_engine_call_past_its_bound_is_named_once_with_its_stacks(
     out_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The rollout's third engine call takes 5 s with ``deploy.stall_timeout_s=2``: one
-    WARNING names the rollout stage, the process, the rows and lease it holds, the phase it is
-    in and for how long, with the stacks of the stuck call (the engine's sleep among them);
-    the run then completes (locally the stall is reported, not worked around)."""
-    cfg = small_config(out_dir, "deploy.stall_timeout_s=2", *LOCAL)
+    """The rollout's third engine call takes 5 s with ``deploy.stall_timeout_s=3``: one
+    WARNING names the engine (the cause: its call holds no lease, so it goes before the
+    rollout stage waiting on it, which then gets its bound to move again), the process, the
+    call in hand and for how long, with the stack of the stuck call (the engine's sleep among
+    them); the run completes (an engine in the driver's process is reported, not replaced)."""
+    cfg = small_config(out_dir, "deploy.stall_timeout_s=3", *LOCAL)
     factories = EngineFactories(generator=functools.partial(wrapped_generator, _StallsLong))
     with caplog.at_level(logging.WARNING, logger="asyncflow.stall"):
         result = run(cfg, factories=factories)
@@ -66,12 +67,13 @@ def test_a_stage_holding_a_batch_past_its_bound_is_named_once_with_its_stacks(
     stalls = [r.getMessage() for r in caplog.records if r.getMessage().startswith("stall:")]
     assert len(stalls) == 1, stalls
     text = stalls[0]
-    assert "stage 'rollout' made no progress for" in text
-    assert "bound 2.0 s, deploy.stall_timeout_s" in text
+    assert "stage 'instance0' made no progress for" in text
+    assert "host 'rollout/instance0'" in text
+    assert "bound 3.0 s, deploy.stall_timeout_s" in text
     assert f"pid {os.getpid()}" in text
-    assert "rollout: holds 1 unit(s), 4 rows, leases [" in text
-    assert "in process for" in text
+    assert "instance0: holds 1 unit(s), 4 rows: in generate for" in text
     assert "asyncio.sleep(self.stall_s)" in text  # the stuck call's own stack
     assert "thread 'MainThread'" in text
-    assert [s["stage"] for s in result.extra["stalls"]] == ["rollout"]
+    assert "not replaced here" in text
+    assert [s["host"] for s in result.extra["stalls"]] == ["rollout/instance0"]
     assert result.extra["stalls"][0]["replaced"] is False

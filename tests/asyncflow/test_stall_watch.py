@@ -96,6 +96,7 @@ def test_a_host_holding_a_unit_past_its_bound_is_named_with_stacks_and_told_agai
         await watch.check()
         dep.probes["reward"] = Probe(host_answer([Work("reward", "-")]), 0.0, replaceable=False)
         await watch.check()  # progress: re-armed
+        await asyncio.sleep(0.05)  # (past the quiet time after a stall is told)
         dep.probes["reward"] = Probe(_answer(work), 0.0, replaceable=False)
         await watch.check()
 
