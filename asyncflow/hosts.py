@@ -281,9 +281,9 @@ class GeneratorHost:
                 self.weights.release(version)
         self.engine = new
         self.replaced += 1
-        close = getattr(old, "close", None)
-        if callable(close):
-            await asyncio.to_thread(close)  # (its calls in flight fail now)
+        stop = getattr(old, "kill", None) or getattr(old, "close", None)
+        if callable(stop):
+            await asyncio.to_thread(stop)  # (its calls in flight fail now)
         self._dirty.set()
         return True
 

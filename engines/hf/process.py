@@ -333,6 +333,14 @@ class HFProcessGenerationEngine:
                 await self._local.update_weights(state, version)
             self._version = version
 
+    def kill(self) -> None:
+        """Kill the child at once (a stuck one would not act on the ``close`` request: it
+        would get 5 s for it) and close; its calls in flight fail with
+        :class:`EngineProcessError`."""
+        with contextlib.suppress(OSError):
+            self._proc.kill()
+        self.close()
+
     def close(self) -> None:
         """Stop the child and the engine in this process (idempotent)."""
         self._finalizer()
