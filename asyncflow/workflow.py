@@ -71,6 +71,7 @@ from asyncflow.loggers import make_loggers
 from asyncflow.metrics import MetricsWriter, Timeline, plot_rewards, write_timeline
 from asyncflow.recorder import StepRecorder
 from asyncflow.stage_runner import LOST_SERVER_HINT
+from asyncflow.stall import StallWatch
 from asyncflow.supervisor import Supervisor
 from asyncflow.threads import intra_op_threads
 from transferqueue import AsyncClient
@@ -235,6 +236,8 @@ class Workflow:
             jobs.add(name, job)
         regenerate = functools.partial(_regenerate_lost, client, feeder, PARTITION)
         jobs.add("regeneration", regenerate, background=True)
+        watch = StallWatch(dep, cfg.deploy.stall_timeout_s, lambda: len(recorder.reports))
+        jobs.add("stall watch", watch.run, background=True)
         await jobs.run(
             "records",
             recorder.write_records,
@@ -253,6 +256,7 @@ class Workflow:
             extra={
                 **await dep.summary(),
                 "regenerated_groups": list(feeder.readmitted),
+                "stalls": list(watch.stalls),
                 "torch_threads": torch.get_num_threads(),
             },
             policy_dir=policy_dir,

@@ -287,7 +287,22 @@ class DeployConfig:
     (its leased rows come back through TransferQueue's leases; a trainer rank is never
     restarted: its death ends the run with an error naming it)."""
 
+    stall_timeout_s: float | None = None
+    """How long a stage may hold a unit of work (a batch, an engine call) without finishing
+    it, or its host stay silent to the driver's progress probe, before the run names the
+    stall in one WARNING (stage, host, pid, what it holds, the phase it is in, its Python
+    stacks) and, with ``ray``, kills the host and restarts it through the restart path (its
+    leases handed back at once; trainer ranks and ``local`` are reported only). None: per
+    stage, 10 x the median time of its last units of work, within 10..60 s (60 s until its
+    first unit is done). Set it above the longest legitimate call (a first vLLM call that
+    compiles, a long train step)."""
+
     def __post_init__(self) -> None:
+        if self.stall_timeout_s is not None and not 0 < self.stall_timeout_s < float("inf"):
+            raise ValueError(
+                f"deploy.stall_timeout_s must be finite seconds > 0 (or null: automatic), "
+                f"got {self.stall_timeout_s}"
+            )
         if self.mode not in ("local", "ray"):
             raise ValueError(f"deploy.mode must be local or ray, got {self.mode!r}")
         transports = ("auto", "shm", "ipc", "broadcast", "ray")

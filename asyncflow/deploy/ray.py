@@ -88,6 +88,7 @@ from asyncflow.deploy.ray_hosts import (
     TQAccess,
     WorkerActor,
 )
+from asyncflow.deploy.ray_probe import PROBE_OPTIONS, HostProbes
 from asyncflow.deploy.ray_ranks import ranks_restartable, trainer_lost
 from asyncflow.deploy.ray_start import QUIET_BLOCKING_GET, init_ray, take_early
 from asyncflow.deploy.ray_trainer import TrainerActor
@@ -95,7 +96,8 @@ from asyncflow.deploy.ray_weights import ObjectStoreWeights
 from asyncflow.deploy.remote import RemoteRegistry, remote_cause
 from asyncflow.metrics import Timeline
 from asyncflow.registry import WeightSync
-from asyncflow.stage_runner import StageError
+from asyncflow.stage_runner import COUNT_METRICS, StageError
+from asyncflow.stall import Probe
 from transferqueue.aio import within
 from transferqueue.deploy.ray import RayStart
 from transferqueue.wire.auth import ClientKeys
@@ -172,6 +174,7 @@ class RayDeployment(Deployment):
         self.restart_times: list[tuple[str, float, float]] = []
         self._syncs_seen = 0  # weight syncs handed to the driver so far
         self._syncs_ready: list[WeightSync] = []  # fetched with the reports, not yet handed out
+        self._probes = HostProbes(self._named, lambda name: not name.startswith("train"))
         self._closed = False
 
     # -- start ------------------------------------------------------------------------------
@@ -303,7 +306,7 @@ class RayDeployment(Deployment):
         self.registry = self._registry = registry
         self._coord_name = coord_name
 
-        trainer_cls: Any = ray.remote(TrainerActor)
+        trainer_cls: Any = ray.remote(**PROBE_OPTIONS)(TrainerActor)
         rank_restart = restart if ranks_restartable(cfg) else {}
         for rank, opts in enumerate(self._placed(cfg.train.placement, cfg.train.dp_size)):
             name = f"{prefix}-train-rank{rank}"
@@ -312,7 +315,7 @@ class RayDeployment(Deployment):
             )
             self._trainers.append(actor)
             self._actors.append(actor)
-        gen_cls: Any = ray.remote(GeneratorActor)
+        gen_cls: Any = ray.remote(**PROBE_OPTIONS)(GeneratorActor)
         policy = model if resume is None else resume.policy
         for i, opts in enumerate(self._placed(cfg.rollout.placement, cfg.rollout.instances)):
             name = f"instance{i}"
@@ -321,13 +324,13 @@ class RayDeployment(Deployment):
             )
             self._generators.append((name, actor))
             self._actors.append(actor)
-        rollout_cls: Any = ray.remote(RolloutActor)
+        rollout_cls: Any = ray.remote(**PROBE_OPTIONS)(RolloutActor)
         gen_names = [(n, f"{prefix}-{n}") for n, _ in self._generators]
         self._rollout = rollout_cls.options(name=f"{prefix}-rollout", num_cpus=0, **restart).remote(
             cfg, self._adapters, address, coord_name, gen_names, origin, model, f
         )
         self._actors.append(self._rollout)
-        worker_cls: Any = ray.remote(WorkerActor)
+        worker_cls: Any = ray.remote(**PROBE_OPTIONS)(WorkerActor)
         roles = []
         if not cfg.reward.colocate:  # (else the rollout host scores)
             roles.append(("reward", cfg.reward.placement, cfg.reward.instances))
@@ -492,7 +495,8 @@ class RayDeployment(Deployment):
                         ) from e
                     log.warning("stage host %r died; Ray restarts it (restart %d)", name, used)
                     died = self.timeline.now()
-                    await self._until_alive(name, host, e)
+                    with self._probes.restarting(name):
+                        await self._until_alive(name, host, e)
                     self.restart_times.append((name, died, self.timeline.now()))
 
         return supervised
@@ -516,6 +520,17 @@ class RayDeployment(Deployment):
             except ray.exceptions.RayActorError as e:  # dead for good (restarts spent)
                 raise RuntimeError(f"stage host {name!r} died: {e}") from cause
 
+    async def progress(self) -> dict[str, Probe]:
+        """Every host as last heard (``asyncflow.deploy.ray_probe``); trainer ranks are
+        reported, never replaced (their recovery is the trainer's: ``ray_ranks``)."""
+        return self._probes.progress()
+
+    async def stacks(self, host: str, timeout_s: float) -> dict[str, Any] | None:
+        return await self._probes.stacks(host, timeout_s)
+
+    async def replace(self, host: str) -> bool:
+        return await self._probes.replace(host)
+
     async def next_report(self) -> StepReport:
         """The next step's report; the weight syncs done by then come with it (one call to
         the coordinator per step: :meth:`weight_syncs` hands them out)."""
@@ -536,10 +551,16 @@ class RayDeployment(Deployment):
             self.timeline.merge(intervals)
             for stage, m in metrics.items():
                 merged.setdefault(stage, []).append(m)
-        return {
-            stage: {k: float(np.nanmean([m[k] for m in ms if k in m])) for k in ms[0]}
-            for stage, ms in merged.items()
-        }
+        out: dict[str, dict[str, float]] = {}
+        for stage, ms in merged.items():
+            keys = dict.fromkeys(k for m in ms for k in m)
+            out[stage] = {  # (counts summed over a stage's hosts, means averaged)
+                k: float(
+                    (np.nansum if k in COUNT_METRICS else np.nanmean)([m[k] for m in ms if k in m])
+                )
+                for k in keys
+            }
+        return out
 
     @property
     def predict(self) -> Any:
@@ -611,6 +632,7 @@ class RayDeployment(Deployment):
         if self._closed:
             return
         self._closed = True
+        self._probes.close()
         import ray
 
         for a in self._actors:

@@ -63,6 +63,7 @@ from asyncflow.deploy.ray_start import fewer_collections
 from asyncflow.deploy.remote import GeneratorView, RemoteGenerator, RemoteRegistry
 from asyncflow.hosts import GeneratorHost, WeightSource, check_engine
 from asyncflow.metrics import Timeline
+from asyncflow.progress import Work, host_answer
 from asyncflow.stage_runner import StageRunner
 from asyncflow.threads import intra_op_threads
 from engines.packed import PackedGenerations, pack_generations, unpack_prompts
@@ -73,6 +74,7 @@ from transferqueue.sched import batch_process
 from transferqueue.wire.auth import ClientKeys
 
 __all__ = [
+    "PROBE_GROUP",
     "GeneratorActor",
     "RolloutActor",
     "WorkerActor",
@@ -83,6 +85,11 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 Drained = tuple[dict[str, list[tuple[float, float, int, int]]], dict[str, dict[str, float]]]
+
+
+PROBE_GROUP = "probe"
+"""The Ray concurrency group of :meth:`_Host.progress` (a thread and event loop of its own in
+every host actor: the probe is answered while the host's other loops are busy or blocked)."""
 
 
 def _quiet_hf() -> None:
@@ -233,6 +240,20 @@ class _Host:
     def ping(self) -> bool:
         return True
 
+    def _works(self) -> list[Work]:
+        """What this host's stages (or engine) hold and have done."""
+        return [r.work for r in self.runners]
+
+    async def progress(self, stacks: bool = False) -> dict[str, Any]:
+        """The driver's progress probe (:func:`asyncflow.progress.host_answer`; ``stacks``:
+        with the Python stacks of this process). Called on :data:`PROBE_GROUP`."""
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return host_answer(
+            self._works(), stacks=stacks, node=ctx.get_node_id(), actor=ctx.get_actor_name()
+        )
+
     async def on_tq_loop(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on this host's TransferQueue client loop (where its stages run: each
         put and get then awaits its sockets with no hop between two threads, two wake-ups a
@@ -290,6 +311,9 @@ class GeneratorActor(_Host):
         self.registry = RemoteRegistry(actor(coordinator))
         self.host: GeneratorHost | None = None
         self._registered = asyncio.Event()
+
+    def _works(self) -> list[Work]:
+        return [] if self.host is None else [self.host.work]
 
     def _device(self) -> torch.device:
         from asyncflow.build import resolve_device

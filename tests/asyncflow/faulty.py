@@ -73,6 +73,21 @@ class NeverUpdates(DyingEngine):
         await asyncio.Event().wait()  # until the run ends and cancels the follower
 
 
+class StallsOnce(DyingEngine):
+    """A generation engine whose third call takes :attr:`stall_s` longer (an engine call stuck
+    for a while: a swapping host, a slow collective), then goes on as usual."""
+
+    stall_s = 4.0
+
+    async def generate(
+        self, prompts: Sequence[torch.Tensor], params: SamplingParams
+    ) -> list[Generation]:
+        self.calls += 1
+        if self.calls == 3:
+            await asyncio.sleep(self.stall_s)
+        return list(await self.inner.generate(prompts, params))
+
+
 def lagging_second_generator(cfg: RunConfig, path: Path, index: int) -> GenerationEngine:
     """Instance 1 never takes new weights; instance 0 is a plain generator."""
     engine = build_generator(cfg, path, index)
