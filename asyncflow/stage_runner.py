@@ -122,6 +122,7 @@ class StageRunner:
         watch."""
         self._held: list[BatchMeta] = []  # processed, not acknowledged yet (holds_leases)
         self._metrics: dict[str, list[float]] = {}  # name -> [sum weighted by rows, rows]
+        self._workers: asyncio.TaskGroup | None = None  # (while it runs)
 
     def drain_metrics(self) -> dict[str, float]:
         """Means of the adapter's :attr:`StageOutput.metrics` over the rows processed since the
@@ -137,11 +138,21 @@ class StageRunner:
         """Run the workers; returns when the stream ends, raises StageError on failure."""
         try:
             async with asyncio.TaskGroup() as tg:
+                self._workers = tg
                 for w in range(self.concurrency):
                     tg.create_task(self._worker(w))
         except ExceptionGroup as eg:  # a worker failed (cancellation propagates as is)
             first = eg.exceptions[0]
             raise StageError(self.name, first) from first
+
+    def grow(self, concurrency: int) -> None:
+        """At least ``concurrency`` workers from now on (a stage given more instances while
+        it runs); never fewer: a worker left over only waits on the instances left."""
+        if self._workers is None or concurrency <= self.concurrency:
+            return
+        for w in range(self.concurrency, concurrency):
+            self._workers.create_task(self._worker(w))
+        self.concurrency = concurrency
 
     async def _worker(self, worker: int) -> None:
         a = self.adapter

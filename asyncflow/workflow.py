@@ -48,6 +48,7 @@ import logging
 import math
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,7 @@ from asyncflow.build import Components, EngineFactories
 from asyncflow.checkpoint import CheckpointPlan, DriverState, ResumePoint
 from asyncflow.config import RunConfig
 from asyncflow.config.load import config_to_dict
+from asyncflow.control import ControlServer, serve
 from asyncflow.deploy.base import Deployment
 from asyncflow.deploy.local import LocalDeployment
 from asyncflow.evaluation import Evaluator
@@ -72,7 +74,7 @@ from asyncflow.metrics import MetricsWriter, Timeline, plot_rewards, write_timel
 from asyncflow.recorder import StepRecorder
 from asyncflow.stage_runner import LOST_SERVER_HINT
 from asyncflow.stall import StallWatch
-from asyncflow.supervisor import Supervisor
+from asyncflow.supervisor import Job, Supervisor
 from asyncflow.threads import intra_op_threads
 from transferqueue import AsyncClient
 
@@ -238,6 +240,10 @@ class Workflow:
         jobs.add("regeneration", regenerate, background=True)
         watch = StallWatch(dep, cfg.deploy.stall_timeout_s, lambda: len(recorder.reports))
         jobs.add("stall watch", watch.run, background=True)
+        if dep.scalable:  # ``asyncflow scale OUTPUT_DIR rollout=N`` reaches the run here
+            scale = functools.partial(_scale, dep, jobs.spawn)
+            server = ControlServer(out_dir, scale, dep.instances, dep.scalable)
+            jobs.add("control", functools.partial(serve, server), background=True)
         await jobs.run(
             "records",
             recorder.write_records,
@@ -264,6 +270,10 @@ class Workflow:
         if cfg.output.plot and writer.records:
             plot_rewards({"reward": writer.records}, out_dir / "reward.png", _title(cfg))
         return result
+
+
+async def _scale(dep: Deployment, spawn: Callable[[str, Job], None], stage: str, n: int) -> int:
+    return await dep.scale(stage, n, spawn)
 
 
 def _feeder(cfg: RunConfig, dep: Deployment, state: DriverState | None) -> PromptFeeder:

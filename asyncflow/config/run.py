@@ -297,7 +297,16 @@ class DeployConfig:
     first unit is done). Set it above the longest legitimate call (a first vLLM call that
     compiles, a long train step)."""
 
+    drain_grace_s: float = 60.0
+    """``ray``: how long a rollout instance that leaves a running job (``asyncflow scale DIR
+    rollout=N`` to fewer) may finish the calls it has before it is stopped anyway (its calls
+    left then fail over to the other instances, as when an instance dies)."""
+
     def __post_init__(self) -> None:
+        if not 0 < self.drain_grace_s < float("inf"):
+            raise ValueError(
+                f"deploy.drain_grace_s must be finite seconds > 0, got {self.drain_grace_s}"
+            )
         if self.stall_timeout_s is not None and not 0 < self.stall_timeout_s < float("inf"):
             raise ValueError(
                 f"deploy.stall_timeout_s must be finite seconds > 0 (or null: automatic), "

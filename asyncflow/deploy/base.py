@@ -117,6 +117,25 @@ class Deployment(ABC):
         (its leases handed back at once). False where it cannot be (by default)."""
         return False
 
+    @property
+    def scalable(self) -> tuple[str, ...]:
+        """The stages whose instance count can change while the run goes on
+        (``asyncflow scale``); none by default."""
+        return ()
+
+    def instances(self) -> dict[str, int]:
+        """Instances of each stage now (every step record carries them); empty where a
+        deployment does not count them."""
+        return {}
+
+    async def scale(self, stage: str, n: int, spawn: Callable[[str, Job], None]) -> int:
+        """Give ``stage`` ``n`` instances while the run goes on; returns the count before.
+        ``spawn`` starts a new instance's job under the driver's supervisor. Raises
+        :class:`~asyncflow.control.ControlError` for what cannot be done."""
+        from asyncflow.control import ControlError
+
+        raise ControlError(f"this run's deployment scales no stage (stage {stage!r})")
+
     @abstractmethod
     async def save_policy(self, directory: Path) -> None:
         """Write the trained policy's model files into ``directory`` (an existing, empty

@@ -90,6 +90,7 @@ from asyncflow.deploy.ray_hosts import (
 )
 from asyncflow.deploy.ray_probe import PROBE_OPTIONS, HostProbes
 from asyncflow.deploy.ray_ranks import ranks_restartable, trainer_lost
+from asyncflow.deploy.ray_scale import SCALABLE, RolloutScaler
 from asyncflow.deploy.ray_start import QUIET_BLOCKING_GET, init_ray, take_early
 from asyncflow.deploy.ray_trainer import TrainerActor
 from asyncflow.deploy.ray_weights import ObjectStoreWeights
@@ -168,6 +169,8 @@ class RayDeployment(Deployment):
         self._generators: list[tuple[str, Any]] = []
         self._weights: Any = None
         self._coord_name = ""
+        self._prefix = ""
+        self.scaler: RolloutScaler  # (made with the generators: _open_hosts)
         self._rollout: Any = None
         self._workers: list[tuple[str, Any]] = []
         self.restarts: dict[str, int] = {}
@@ -317,13 +320,21 @@ class RayDeployment(Deployment):
             self._actors.append(actor)
         gen_cls: Any = ray.remote(**PROBE_OPTIONS)(GeneratorActor)
         policy = model if resume is None else resume.policy
-        for i, opts in enumerate(self._placed(cfg.rollout.placement, cfg.rollout.instances)):
+        self._prefix = prefix
+
+        def make(i: int, opts: dict[str, Any]) -> tuple[str, Any]:
             name = f"instance{i}"
             actor = gen_cls.options(name=f"{prefix}-{name}", **opts, **restart, **env).remote(
                 name, i, cfg, policy, f, coord_name, origin, start_version
             )
+            return name, actor
+
+        for i, opts in enumerate(self._placed(cfg.rollout.placement, cfg.rollout.instances)):
+            name, actor = make(i, opts)
             self._generators.append((name, actor))
             self._actors.append(actor)
+        # (later instances: placed as at start, outside any placement group: ray_scale)
+        self.scaler = RolloutScaler(self, lambda i: make(i, actor_options(cfg.rollout.placement)))
         rollout_cls: Any = ray.remote(**PROBE_OPTIONS)(RolloutActor)
         gen_names = [(n, f"{prefix}-{n}") for n, _ in self._generators]
         self._rollout = rollout_cls.options(name=f"{prefix}-rollout", num_cpus=0, **restart).remote(
@@ -446,13 +457,36 @@ class RayDeployment(Deployment):
             lost = functools.partial(trainer_lost, r, self.cfg)
             jobs[name] = self._job(name, t.hold.remote, restartable=again, host=t, lost=lost)
         for name, g in self._generators:
-            run = functools.partial(g.run.remote, self._weights)
-            jobs[f"rollout/{name}"] = self._job(f"rollout/{name}", run, restartable=True, host=g)
+            jobs[f"rollout/{name}"] = self.generator_job(name, g)
         rollout = self._rollout
         jobs["rollout"] = self._job("rollout", rollout.run.remote, restartable=True, host=rollout)
         for name, w in self._workers:
             jobs[name] = self._job(name, w.run.remote, restartable=True, host=w)
         return jobs
+
+    def generator_job(self, name: str, gen: Any) -> Job:
+        """Generator host ``name``'s job (restarted when it dies; ends when it left the run:
+        ``asyncflow.deploy.ray_scale``)."""
+        run = functools.partial(gen.run.remote, self._weights)
+        return self._job(f"rollout/{name}", run, restartable=True, host=gen, instance=name)
+
+    def generator_actor_name(self, name: str) -> str:
+        return f"{self._prefix}-{name}"
+
+    @property
+    def scalable(self) -> tuple[str, ...]:
+        return SCALABLE
+
+    def instances(self) -> dict[str, int]:
+        out = {"rollout": len(self._generators), "train": len(self._trainers)}
+        for name, _ in self._workers:
+            stage = name.split("/")[0]
+            out[stage] = out.get(stage, 0) + 1
+        return out
+
+    async def scale(self, stage: str, n: int, spawn: Callable[[str, Job], None]) -> int:
+        self.scaler.spawn = spawn
+        return await self.scaler.scale(stage, n)
 
     def _job(
         self,
@@ -462,6 +496,7 @@ class RayDeployment(Deployment):
         restartable: bool,
         host: Any = None,
         lost: Callable[[BaseException], Exception] | None = None,
+        instance: str | None = None,
     ) -> Job:
         """A stage host's ``run`` on the driver's loop; after Ray restarted the host, run it
         again (each restart counted), until ``deploy.max_restarts`` is spent. ``lost`` words
@@ -471,8 +506,13 @@ class RayDeployment(Deployment):
         async def supervised() -> None:
             while True:
                 try:
-                    await call()
-                    return
+                    try:
+                        await call()
+                        return
+                    except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError):
+                        if instance is not None and instance in self.scaler.retired:
+                            return  # it left the run (scaled down): stopped on purpose
+                        raise
                 except ray.exceptions.RayTaskError as e:  # the host's run raised: name it
                     cause = remote_cause(e)
                     root = cause.__cause__ if isinstance(cause, StageError) else None

@@ -478,6 +478,50 @@ class RolloutActor(_Host):
                 )
             )
 
+    def _rollouts(self) -> list[Any]:
+        """The adapters that route to the instances (the rollout's, the evaluation's)."""
+        adapters = [self.adapter, *(r.adapter for r in self.runners[1:])]
+        return [a for a in adapters if hasattr(a, "retire")]
+
+    async def add_generator(self, name: str, actor_name: str) -> int:
+        """Generator host ``actor_name`` joins as instance ``name`` (a running job scaled
+        up): routed to once it holds weights recent enough for a batch; the instances now."""
+
+        async def add() -> int:
+            gen = RemoteGenerator(name, actor(actor_name), self.view)
+            self.instances.append(gen)
+            for a in self._rollouts():
+                a.add(gen)
+            self.runners[0].grow(self.cfg.rollout.concurrency * self._live())
+            await self.view.refresh()
+            return self._live()
+
+        return await self.on_tq_loop(add())
+
+    async def retire_generator(self, name: str, timeout_s: float) -> bool:
+        """Instance ``name`` takes no new batch; returns once the calls it has finished
+        (True) or after ``timeout_s`` (False: the driver stops it anyway and its calls fail
+        over to the other instances, as when an instance dies)."""
+
+        async def retire() -> bool:
+            k = next(i for i, g in enumerate(self.instances) if g.name == name)
+            for a in self._rollouts():
+                a.retire(k)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout_s
+            gen = self.instances[k]
+            while gen.outstanding:
+                if loop.time() > deadline:
+                    return False
+                await asyncio.sleep(0.05)
+            return True
+
+        return await self.on_tq_loop(retire())
+
+    def _live(self) -> int:
+        retired = set.intersection(*(a.retired for a in self._rollouts()))
+        return len(self.instances) - len(retired)
+
     async def run(self) -> None:
         await self.on_tq_loop(self._run())
 
