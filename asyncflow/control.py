@@ -19,6 +19,7 @@ driver's host may scale the run (the same trust as ``ray`` itself on one node).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -30,6 +31,8 @@ from typing import Any
 import msgpack
 import zmq
 import zmq.asyncio
+
+from transferqueue.aio import within
 
 __all__ = [
     "CONTROL_FILE",
@@ -133,10 +136,17 @@ class ControlServer:
             raise
 
     async def run(self) -> None:
-        """Answer requests until cancelled."""
+        """Answer requests until cancelled; a request in hand then is answered with an error
+        (the run ended), so that its command does not wait out its timeout."""
         while True:
             raw = await self._sock.recv()
-            reply = await self.handle(raw)
+            try:
+                reply = await self.handle(raw)
+            except asyncio.CancelledError:
+                ended = {"ok": False, "error": "the run ended before the request was done"}
+                with contextlib.suppress(Exception):
+                    await within(self._sock.send(msgpack.packb(ended)), 1.0)
+                raise
             await self._sock.send(msgpack.packb(reply))
 
     async def handle(self, raw: bytes) -> dict[str, Any]:

@@ -22,7 +22,8 @@ What runs where (``asyncflow.deploy.ray_hosts`` for the actors):
 |                       |                     |                         | fsdp: the run     |
 |                       |                     |                         | fails (below)     |
 
-Restarts are Ray's (``deploy.max_restarts`` per actor).
+Restarts are Ray's (``deploy.max_restarts`` per actor). Generators join and leave a running
+job by command (``asyncflow scale DIR rollout=N``: ``asyncflow.deploy.ray_scale``).
 
 The driver (this process) stays the run's single controller (LlamaRL's design): it runs the
 prompt feeder, and so admission control, itself, and takes the step reports. Shared state

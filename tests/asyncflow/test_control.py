@@ -112,6 +112,31 @@ def test_a_failing_scale_is_an_error_reply_not_a_dead_server(tmp_path: Path) -> 
     assert replies[2]["ok"] is True
 
 
+def test_a_request_in_hand_when_the_run_ends_is_answered(tmp_path: Path) -> None:
+    """The run ends (the control job cancelled) while a scale is under way: the command gets
+    an error reply at once, not silence until its timeout."""
+    started = asyncio.Event()
+
+    async def slow(stage: str, n: int) -> int:
+        started.set()
+        await asyncio.Event().wait()  # (a generator that never starts)
+        return 1
+
+    async def go() -> dict:
+        server = ControlServer(tmp_path, slow, dict, ("rollout",))
+        task = asyncio.ensure_future(serve(server))
+        request = {"op": "scale", "stage": "rollout", "n": 2}
+        asking = asyncio.ensure_future(asyncio.to_thread(ask, tmp_path, request, 30.0))
+        await started.wait()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return await asking
+
+    reply = asyncio.run(go())
+    assert reply == {"ok": False, "error": "the run ended before the request was done"}
+    assert not (tmp_path / CONTROL_FILE).exists()
+
+
 @pytest.mark.parametrize(
     ("args", "words"),
     [

@@ -36,10 +36,12 @@ def _until_steps(out: Path, steps: int, deadline_s: float = 900.0) -> bool:
 def _scaler(
     out: Path, plan: list[tuple[int, int]], seen: list[tuple[int, int, int, float]]
 ) -> None:
-    """For each ``(after_step, n)``: once that many steps are recorded, ``scale rollout=n``;
-    ``seen`` gets (n, exit status, steps recorded when it returned, seconds it took)."""
+    """For each ``(after_step, n)``: once that many steps are recorded, and 5 more since the
+    previous command returned (a new generator's start takes tens of seconds on 2 shared
+    cores: each phase must show in the records), ``scale rollout=n``; ``seen`` gets (n, exit
+    status, steps recorded when it returned, seconds it took)."""
     for after, n in plan:
-        if not _until_steps(out, after):
+        if not _until_steps(out, max(after, seen[-1][2] + 5 if seen else 0)):
             return
         t0 = time.monotonic()
         rc = scale(str(out), [f"rollout={n}"], timeout_s=600.0)
@@ -55,6 +57,10 @@ def test_a_running_job_scales_its_rollout_up_and_down(ray_cluster: None, tmp_pat
         "rollout.instances=1",
         f"train.steps={steps}",
         f"train.max_staleness={k}",
+        # steps of about a second (small_config's: 0.13 s), so that the run outlasts a new
+        # generator's start (its process imports torch and loads the model: tens of seconds)
+        "rollout.max_new_tokens=64",
+        "train.groups_per_step=4",
         RAY_START,
     )
     seen: list[tuple[int, int, int, float]] = []
@@ -73,7 +79,7 @@ def test_a_running_job_scales_its_rollout_up_and_down(ray_cluster: None, tmp_pat
         assert min(rep.staleness) >= 0 and max(rep.staleness) <= k
     counts = [r["instances"]["rollout"] for r in result.records]
     phases = [c for i, c in enumerate(counts) if i == 0 or counts[i - 1] != c]
-    assert phases == [1, 2, 1], counts
+    assert phases == [1, 2, 1], (counts, seen)
     lanes = set(result.timeline.intervals)
     assert "rollout/instance1" in lanes, sorted(lanes)  # the new generator took batches
     step_s = sorted(r["step_s"] for r in result.records)
