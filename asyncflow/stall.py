@@ -254,8 +254,8 @@ class StallWatch:
             return
         self._gap_told = True
         lines = [
-            f"no train step for {now - self._step_at:.1f} s ({NO_STEP_FACTOR:g} x the median "
-            f"step of {median:.2f} s is {NO_STEP_FACTOR * median:.1f} s); what every stage "
+            f"no train step for {now - self._step_at:.1f} s (bound: {NO_STEP_FACTOR:g} x the "
+            f"median step of {median:.2f} s, at least {AUTO_MIN_S:g} s); what every stage "
             "waits for:"
         ]
         for host, p in probes.items():

@@ -1,7 +1,9 @@
 """A stage that holds work and makes no progress: a woken holder is harmless, a stall is named.
 
 Local runs (stages as asyncio tasks in the driver) over an embedded TransferQueue; the Ray
-versions (a frozen stage host found, named and replaced) are in ``test_ray_stall``.
+versions (a frozen stage host found, named and replaced) are in ``test_ray_stall``, the
+watch's judgement alone in ``test_stall_watch``. The drop of a stale batch is in the fast
+tier; the runs that wait out a stall are ``slow``.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class _StallsLong(StallsOnce):
     stall_s = 5.0
 
 
+@pytest.mark.slow
 def test_an_engine_call_past_its_bound_is_named_once_with_its_stacks(
     out_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -138,7 +138,9 @@ def test_a_run_without_steps_says_what_every_stage_waits_for(
         asyncio.run(rounds())
     told = [r.getMessage() for r in caplog.records]
     assert len(told) == 1, told
-    assert told[0].startswith("no train step for 16.0 s (5 x the median step of 3.00 s")
+    assert told[0].startswith(
+        "no train step for 16.0 s (bound: 5 x the median step of 3.00 s, at least 10 s)"
+    )
     assert "reward: waits for rows of ['response'] from task 'reward'" in told[0]
 
 
