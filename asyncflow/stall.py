@@ -12,9 +12,18 @@ silent, and judges:
 | does not answer (frozen: SIGSTOP, a      | it has been silent longer than the smallest    |
 | swapping host, every thread blocked)     | bound of its stages                            |
 
-The bound is ``deploy.stall_timeout_s`` when set; else, per stage, :data:`AUTO_FACTOR` times
-the median time of its last units of work, within [:data:`AUTO_MIN_S`, :data:`AUTO_MAX_S`]
-(``AUTO_MAX_S`` before its first unit is done: a first call may compile or warm up).
+The bound is ``deploy.stall_timeout_s`` when set; else (``null``) it is per stage:
+
+| criterion | automatic bound                                    | before the stage's first unit |
+|-----------|----------------------------------------------------|-------------------------------|
+| silent    | :data:`AUTO_FACTOR` x its median unit of work,     | :data:`AUTO_MAX_S`            |
+|           | within [:data:`AUTO_MIN_S`, :data:`AUTO_MAX_S`]    |                               |
+| holding   | :data:`AUTO_FACTOR` x its median unit of work,     | :data:`FIRST_UNIT_S` (a first |
+|           | within [:data:`AUTO_MIN_S`, :data:`HELD_MAX_S`]    | call may compile, warm up)    |
+
+A live host answers its probe within milliseconds however long its calls are, so silence gets
+the short bound; a unit in hand gets one that scales with the stage's own calls (a stage whose
+batches of long generations take minutes is not taken for stuck after 60 s).
 
 A stalled host gets ONE WARNING (until it makes progress again, or is replaced): the stage,
 the host (its Ray actor, pid, node), what it holds (rows, leases) and in which phase, for how
@@ -40,6 +49,8 @@ __all__ = [
     "AUTO_FACTOR",
     "AUTO_MAX_S",
     "AUTO_MIN_S",
+    "FIRST_UNIT_S",
+    "HELD_MAX_S",
     "NO_STEP_FACTOR",
     "PERIOD_S",
     "Probe",
@@ -55,7 +66,11 @@ AUTO_FACTOR = 10.0
 AUTO_MIN_S = 10.0
 """...but at least this (a probe's round trip on a loaded machine stays far below it)..."""
 AUTO_MAX_S = 60.0
-"""...and at most this (also the bound before the stage's first unit of work is done)."""
+"""...and at most this for a silent host (also its bound before its first unit is done)..."""
+HELD_MAX_S = 600.0
+"""...and at most this for a unit of work in hand..."""
+FIRST_UNIT_S = 300.0
+"""...which before the stage's first unit is done gets this."""
 NO_STEP_FACTOR = 5.0
 """A run with no train step for this many times its median step says what every stage waits
 for."""
@@ -65,14 +80,15 @@ STACKS_WAIT_S = 5.0
 """How long the watch waits for a stalled host's stacks."""
 
 
-def stall_bound(configured: float | None, median_s: float | None) -> float:
-    """The seconds a stage may hold a unit of work (or its host stay silent): ``configured``
-    (``deploy.stall_timeout_s``) when set, else the automatic rule (module doc)."""
+def stall_bound(configured: float | None, median_s: float | None, *, held: bool = False) -> float:
+    """The seconds a stage's host may stay silent, or (``held``) a stage may hold a unit of
+    work: ``configured`` (``deploy.stall_timeout_s``) when set, else the automatic rule
+    (module doc)."""
     if configured is not None:
         return configured
     if median_s is None:
-        return AUTO_MAX_S
-    return min(AUTO_MAX_S, max(AUTO_MIN_S, AUTO_FACTOR * median_s))
+        return FIRST_UNIT_S if held else AUTO_MAX_S
+    return min(HELD_MAX_S if held else AUTO_MAX_S, max(AUTO_MIN_S, AUTO_FACTOR * median_s))
 
 
 @dataclass
@@ -160,8 +176,8 @@ class StallWatch:
             self._told_at = time.monotonic()
         self._check_steps(probes)
 
-    def _bound(self, work: dict[str, Any]) -> float:
-        return stall_bound(self.configured_s, work.get("median_s"))
+    def _bound(self, work: dict[str, Any], *, held: bool = False) -> float:
+        return stall_bound(self.configured_s, work.get("median_s"), held=held)
 
     def _stalled(self, probe: Probe) -> tuple[str, float, float] | None:
         """(stage, seconds, bound) of the stall of a host, or None."""
@@ -172,8 +188,9 @@ class StallWatch:
             return stage, probe.silent_s, min(bounds)
         for w in works:
             held = max((u["held_s"] for u in w["holding"]), default=0.0)
-            if held > self._bound(w):
-                return w["name"], held, self._bound(w)
+            bound = self._bound(w, held=True)
+            if held > bound:
+                return w["name"], held, bound
         return None
 
     async def _tell(
@@ -235,7 +252,8 @@ class StallWatch:
             return "deploy.stall_timeout_s"
         return (
             f"deploy.stall_timeout_s=null: {AUTO_FACTOR:g} x the stage's median unit of work "
-            f"within {AUTO_MIN_S:g}..{AUTO_MAX_S:g} s"
+            f"within {AUTO_MIN_S:g}..{AUTO_MAX_S:g} s for a silent host, "
+            f"{AUTO_MIN_S:g}..{HELD_MAX_S:g} s for a unit in hand"
         )
 
     def _check_steps(self, probes: dict[str, Probe]) -> None:

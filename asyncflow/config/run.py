@@ -291,10 +291,10 @@ class DeployConfig:
     stacks) and, with ``ray``, kills the host and restarts it through the restart path (its
     leases handed back at once), with ``local`` replaces an HF engine process
     (``rollout.engine_process``); trainer ranks and what runs in the driver's process are
-    reported only. None: per
-    stage, 10 x the median time of its last units of work, within 10..60 s (60 s until its
-    first unit is done). Set it above the longest legitimate call (a first vLLM call that
-    compiles, a long train step)."""
+    reported only. None: per stage, 10 x the median time of its last units of work, at least
+    10 s and at most 60 s for a silent host or 600 s for a unit in hand (60 s and 300 s before
+    its first unit is done: a first call may compile); ``asyncflow.stall`` states the rule.
+    Set it when a stall must be found sooner, or above the longest legitimate call."""
 
     def __post_init__(self) -> None:
         if self.stall_timeout_s is not None and not 0 < self.stall_timeout_s < float("inf"):

@@ -12,15 +12,29 @@ import pytest
 
 from asyncflow.config import load_config
 from asyncflow.progress import Work, host_answer
-from asyncflow.stall import AUTO_MAX_S, AUTO_MIN_S, Probe, StallWatch, stall_bound
+from asyncflow.stall import (
+    AUTO_MAX_S,
+    AUTO_MIN_S,
+    FIRST_UNIT_S,
+    HELD_MAX_S,
+    Probe,
+    StallWatch,
+    stall_bound,
+)
 
 
 def test_the_automatic_bound_is_ten_medians_within_its_limits() -> None:
+    # silent: a live host answers at once however long its calls
     assert stall_bound(None, None) == AUTO_MAX_S == 60.0  # before the first unit
     assert stall_bound(None, 0.05) == AUTO_MIN_S == 10.0
     assert stall_bound(None, 2.5) == 25.0
     assert stall_bound(None, 30.0) == AUTO_MAX_S
-    assert stall_bound(7.0, 30.0) == 7.0  # deploy.stall_timeout_s wins
+    # a unit in hand: scales with the stage's own calls, a first call may compile
+    assert stall_bound(None, None, held=True) == FIRST_UNIT_S == 300.0
+    assert stall_bound(None, 0.05, held=True) == 10.0
+    assert stall_bound(None, 30.0, held=True) == 300.0
+    assert stall_bound(None, 120.0, held=True) == HELD_MAX_S == 600.0
+    assert stall_bound(7.0, 30.0) == stall_bound(7.0, None, held=True) == 7.0  # configured
 
 
 @pytest.mark.parametrize("bad", ["0", "-1", "inf"])
