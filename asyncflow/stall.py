@@ -32,17 +32,22 @@ over the probe's own channel (a host that does not answer is said not to). Then 
 replaces it where it can (``deploy=ray``: the actor is killed and Ray restarts it through the
 restart path, its replacement handing its leases back at once; ``local`` and trainer ranks:
 reported only). A run with no train step for :data:`NO_STEP_FACTOR` times its median step (at
-least :data:`AUTO_MIN_S`) logs what every stage waits for, once per such gap.
+least :data:`AUTO_MIN_S`) logs what every stage waits for, once per such gap. Every round the
+same view (what each host holds and waits for, how long it has been silent, the stalls so far)
+is written to the run's ``progress.json``, for a look at a running run from outside.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 __all__ = [
@@ -129,8 +134,12 @@ class StallWatch:
         steps_done: Callable[[], int],
         *,
         period_s: float = PERIOD_S,
+        live: Path | None = None,
     ) -> None:
         self.deployment = deployment
+        self.live = live
+        """A JSON file rewritten every round with what every host holds and waits for (the
+        run's ``progress.json``: ``cat`` it, or watch it, while the run goes on)."""
         self.configured_s = configured_s
         self.steps_done = steps_done
         self.period_s = period_s
@@ -164,6 +173,8 @@ class StallWatch:
                     self._flagged.discard(host)  # (progress again: a new stall is told again)
             elif host not in self._flagged:
                 stalled.append((host, probe, why))
+        if self.live is not None:
+            self._write_live(probes)
         # The cause first: a silent host, then an engine (its calls hold no lease), then the
         # stages that wait on them; after a stall is told (and its host replaced), the others
         # get their bound to move again before they are judged themselves.
@@ -175,6 +186,30 @@ class StallWatch:
             await self._tell(host, probe, *why)
             self._told_at = time.monotonic()
         self._check_steps(probes)
+
+    def _write_live(self, probes: dict[str, Probe]) -> None:
+        assert self.live is not None
+        view = {
+            "time": time.time(),
+            "steps": self.steps_done(),
+            "since_step_s": time.monotonic() - self._step_at,
+            "hosts": {
+                host: {
+                    "silent_s": round(p.silent_s, 2),
+                    "stalled": host in self._flagged,
+                    **(
+                        {}
+                        if p.answer is None
+                        else {k: v for k, v in p.answer.items() if k != "stacks"}
+                    ),
+                }
+                for host, p in probes.items()
+            },
+            "stalls": self.stalls,
+        }
+        tmp = self.live.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(view, indent=1, default=str))
+        os.replace(tmp, self.live)  # (a reader never sees half a file)
 
     def _bound(self, work: dict[str, Any], *, held: bool = False) -> float:
         return stall_bound(self.configured_s, work.get("median_s"), held=held)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import os
 import signal
@@ -54,6 +55,10 @@ def test_a_batch_whose_lease_ran_out_is_dropped_and_the_run_goes_on(
         r["stage_metrics"].get("rollout", {}).get("dropped_batches", 0) for r in result.records
     )
     assert counted == len(drops)
+    view = json.loads((out_dir / "progress.json").read_text())  # the watch's live view
+    assert set(view["hosts"]) == {"driver", "rollout/instance0"}
+    stages = [w["name"] for w in view["hosts"]["driver"]["works"]]
+    assert stages == ["rollout", "reward", "train"]
 
 
 class _StallsLong(StallsOnce):

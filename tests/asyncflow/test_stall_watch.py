@@ -5,7 +5,9 @@ unit past its bound, a run without steps."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -68,12 +70,15 @@ def _answer(work: Work) -> dict[str, Any]:
     return {**host_answer([work]), "actor": "asyncflow-x-rollout", "node": "n1"}
 
 
-def test_a_silent_host_is_named_once_and_replaced(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_silent_host_is_named_once_and_replaced(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
     work = Work("rollout", "rows of ['prompt'] from task 'rollout'")
     token = work.take(8, 42)
     work.phase(token, "process")
     dep = _Fake()
-    watch = StallWatch(dep, 5.0, lambda: 0)
+    live = tmp_path / "progress.json"
+    watch = StallWatch(dep, 5.0, lambda: 0, live=live)
 
     async def rounds() -> None:
         dep.probes["rollout"] = Probe(_answer(work), 4.0, replaceable=True)
@@ -94,6 +99,11 @@ def test_a_silent_host_is_named_once_and_replaced(caplog: pytest.LogCaptureFixtu
     assert "killed and replaced" in text
     assert dep.replaced == ["rollout"] and dep.asked == []  # a silent host is not asked
     assert watch.stalls[0]["silent"] is True
+    view = json.loads(live.read_text())  # the run's live view, as of the last round
+    host = view["hosts"]["rollout"]
+    assert host["silent_s"] == 6.0 and host["stalled"] is True
+    assert host["works"][0]["holding"][0]["lease"] == 42
+    assert [s["host"] for s in view["stalls"]] == ["rollout"]
 
 
 def test_a_host_holding_a_unit_past_its_bound_is_named_with_stacks_and_told_again_later(
