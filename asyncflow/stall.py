@@ -12,9 +12,18 @@ silent, and judges:
 | does not answer (frozen: SIGSTOP, a      | it has been silent longer than the smallest    |
 | swapping host, every thread blocked)     | bound of its stages                            |
 
-The bound is ``deploy.stall_timeout_s`` when set; else, per stage, :data:`AUTO_FACTOR` times
-the median time of its last units of work, within [:data:`AUTO_MIN_S`, :data:`AUTO_MAX_S`]
-(``AUTO_MAX_S`` before its first unit is done: a first call may compile or warm up).
+The bound is ``deploy.stall_timeout_s`` when set; else (``null``) it is per stage:
+
+| criterion | automatic bound                                    | before the stage's first unit |
+|-----------|----------------------------------------------------|-------------------------------|
+| silent    | :data:`AUTO_FACTOR` x its median unit of work,     | :data:`AUTO_MAX_S`            |
+|           | within [:data:`AUTO_MIN_S`, :data:`AUTO_MAX_S`]    |                               |
+| holding   | :data:`AUTO_FACTOR` x its median unit of work,     | :data:`FIRST_UNIT_S` (a first |
+|           | within [:data:`AUTO_MIN_S`, :data:`HELD_MAX_S`]    | call may compile, warm up)    |
+
+A live host answers its probe within milliseconds however long its calls are, so silence gets
+the short bound; a unit in hand gets one that scales with the stage's own calls (a stage whose
+batches of long generations take minutes is not taken for stuck after 60 s).
 
 A stalled host gets ONE WARNING (until it makes progress again, or is replaced): the stage,
 the host (its Ray actor, pid, node), what it holds (rows, leases) and in which phase, for how
@@ -23,23 +32,30 @@ over the probe's own channel (a host that does not answer is said not to). Then 
 replaces it where it can (``deploy=ray``: the actor is killed and Ray restarts it through the
 restart path, its replacement handing its leases back at once; ``local`` and trainer ranks:
 reported only). A run with no train step for :data:`NO_STEP_FACTOR` times its median step (at
-least :data:`AUTO_MIN_S`) logs what every stage waits for, once per such gap.
+least :data:`AUTO_MIN_S`) logs what every stage waits for, once per such gap. Every round the
+same view (what each host holds and waits for, how long it has been silent, the stalls so far)
+is written to the run's ``progress.json``, for a look at a running run from outside.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 __all__ = [
     "AUTO_FACTOR",
     "AUTO_MAX_S",
     "AUTO_MIN_S",
+    "FIRST_UNIT_S",
+    "HELD_MAX_S",
     "NO_STEP_FACTOR",
     "PERIOD_S",
     "Probe",
@@ -55,7 +71,11 @@ AUTO_FACTOR = 10.0
 AUTO_MIN_S = 10.0
 """...but at least this (a probe's round trip on a loaded machine stays far below it)..."""
 AUTO_MAX_S = 60.0
-"""...and at most this (also the bound before the stage's first unit of work is done)."""
+"""...and at most this for a silent host (also its bound before its first unit is done)..."""
+HELD_MAX_S = 600.0
+"""...and at most this for a unit of work in hand..."""
+FIRST_UNIT_S = 300.0
+"""...which before the stage's first unit is done gets this."""
 NO_STEP_FACTOR = 5.0
 """A run with no train step for this many times its median step says what every stage waits
 for."""
@@ -65,14 +85,15 @@ STACKS_WAIT_S = 5.0
 """How long the watch waits for a stalled host's stacks."""
 
 
-def stall_bound(configured: float | None, median_s: float | None) -> float:
-    """The seconds a stage may hold a unit of work (or its host stay silent): ``configured``
-    (``deploy.stall_timeout_s``) when set, else the automatic rule (module doc)."""
+def stall_bound(configured: float | None, median_s: float | None, *, held: bool = False) -> float:
+    """The seconds a stage's host may stay silent, or (``held``) a stage may hold a unit of
+    work: ``configured`` (``deploy.stall_timeout_s``) when set, else the automatic rule
+    (module doc)."""
     if configured is not None:
         return configured
     if median_s is None:
-        return AUTO_MAX_S
-    return min(AUTO_MAX_S, max(AUTO_MIN_S, AUTO_FACTOR * median_s))
+        return FIRST_UNIT_S if held else AUTO_MAX_S
+    return min(HELD_MAX_S if held else AUTO_MAX_S, max(AUTO_MIN_S, AUTO_FACTOR * median_s))
 
 
 @dataclass
@@ -113,8 +134,12 @@ class StallWatch:
         steps_done: Callable[[], int],
         *,
         period_s: float = PERIOD_S,
+        live: Path | None = None,
     ) -> None:
         self.deployment = deployment
+        self.live = live
+        """A JSON file rewritten every round with what every host holds and waits for (the
+        run's ``progress.json``: ``cat`` it, or watch it, while the run goes on)."""
         self.configured_s = configured_s
         self.steps_done = steps_done
         self.period_s = period_s
@@ -148,6 +173,8 @@ class StallWatch:
                     self._flagged.discard(host)  # (progress again: a new stall is told again)
             elif host not in self._flagged:
                 stalled.append((host, probe, why))
+        if self.live is not None:
+            self._write_live(probes)
         # The cause first: a silent host, then an engine (its calls hold no lease), then the
         # stages that wait on them; after a stall is told (and its host replaced), the others
         # get their bound to move again before they are judged themselves.
@@ -160,8 +187,32 @@ class StallWatch:
             self._told_at = time.monotonic()
         self._check_steps(probes)
 
-    def _bound(self, work: dict[str, Any]) -> float:
-        return stall_bound(self.configured_s, work.get("median_s"))
+    def _write_live(self, probes: dict[str, Probe]) -> None:
+        assert self.live is not None
+        view = {
+            "time": time.time(),
+            "steps": self.steps_done(),
+            "since_step_s": time.monotonic() - self._step_at,
+            "hosts": {
+                host: {
+                    "silent_s": round(p.silent_s, 2),
+                    "stalled": host in self._flagged,
+                    **(
+                        {}
+                        if p.answer is None
+                        else {k: v for k, v in p.answer.items() if k != "stacks"}
+                    ),
+                }
+                for host, p in probes.items()
+            },
+            "stalls": self.stalls,
+        }
+        tmp = self.live.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(view, indent=1, default=str))
+        os.replace(tmp, self.live)  # (a reader never sees half a file)
+
+    def _bound(self, work: dict[str, Any], *, held: bool = False) -> float:
+        return stall_bound(self.configured_s, work.get("median_s"), held=held)
 
     def _stalled(self, probe: Probe) -> tuple[str, float, float] | None:
         """(stage, seconds, bound) of the stall of a host, or None."""
@@ -172,8 +223,9 @@ class StallWatch:
             return stage, probe.silent_s, min(bounds)
         for w in works:
             held = max((u["held_s"] for u in w["holding"]), default=0.0)
-            if held > self._bound(w):
-                return w["name"], held, self._bound(w)
+            bound = self._bound(w, held=True)
+            if held > bound:
+                return w["name"], held, bound
         return None
 
     async def _tell(
@@ -235,7 +287,8 @@ class StallWatch:
             return "deploy.stall_timeout_s"
         return (
             f"deploy.stall_timeout_s=null: {AUTO_FACTOR:g} x the stage's median unit of work "
-            f"within {AUTO_MIN_S:g}..{AUTO_MAX_S:g} s"
+            f"within {AUTO_MIN_S:g}..{AUTO_MAX_S:g} s for a silent host, "
+            f"{AUTO_MIN_S:g}..{HELD_MAX_S:g} s for a unit in hand"
         )
 
     def _check_steps(self, probes: dict[str, Probe]) -> None:
@@ -254,8 +307,8 @@ class StallWatch:
             return
         self._gap_told = True
         lines = [
-            f"no train step for {now - self._step_at:.1f} s ({NO_STEP_FACTOR:g} x the median "
-            f"step of {median:.2f} s is {NO_STEP_FACTOR * median:.1f} s); what every stage "
+            f"no train step for {now - self._step_at:.1f} s (bound: {NO_STEP_FACTOR:g} x the "
+            f"median step of {median:.2f} s, at least {AUTO_MIN_S:g} s); what every stage "
             "waits for:"
         ]
         for host, p in probes.items():

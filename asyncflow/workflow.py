@@ -238,7 +238,12 @@ class Workflow:
             jobs.add(name, job)
         regenerate = functools.partial(_regenerate_lost, client, feeder, PARTITION)
         jobs.add("regeneration", regenerate, background=True)
-        watch = StallWatch(dep, cfg.deploy.stall_timeout_s, lambda: len(recorder.reports))
+        watch = StallWatch(
+            dep,
+            cfg.deploy.stall_timeout_s,
+            lambda: len(recorder.reports),
+            live=out_dir / "progress.json",
+        )
         jobs.add("stall watch", watch.run, background=True)
         if dep.scalable:  # ``asyncflow scale OUTPUT_DIR rollout=N`` reaches the run here
             scale = functools.partial(_scale, dep, jobs.spawn)

@@ -292,10 +292,12 @@ class DeployConfig:
     it, or its host stay silent to the driver's progress probe, before the run names the
     stall in one WARNING (stage, host, pid, what it holds, the phase it is in, its Python
     stacks) and, with ``ray``, kills the host and restarts it through the restart path (its
-    leases handed back at once; trainer ranks and ``local`` are reported only). None: per
-    stage, 10 x the median time of its last units of work, within 10..60 s (60 s until its
-    first unit is done). Set it above the longest legitimate call (a first vLLM call that
-    compiles, a long train step)."""
+    leases handed back at once), with ``local`` replaces an HF engine process
+    (``rollout.engine_process``); trainer ranks and what runs in the driver's process are
+    reported only. None: per stage, 10 x the median time of its last units of work, at least
+    10 s and at most 60 s for a silent host or 600 s for a unit in hand (60 s and 300 s before
+    its first unit is done: a first call may compile); ``asyncflow.stall`` states the rule.
+    Set it when a stall must be found sooner, or above the longest legitimate call."""
 
     drain_grace_s: float = 60.0
     """``ray``: how long a rollout instance that leaves a running job (``asyncflow scale DIR

@@ -1,13 +1,16 @@
 """A stage that holds work and makes no progress: a woken holder is harmless, a stall is named.
 
 Local runs (stages as asyncio tasks in the driver) over an embedded TransferQueue; the Ray
-versions (a frozen stage host found, named and replaced) are in ``test_ray_stall``.
+versions (a frozen stage host found, named and replaced) are in ``test_ray_stall``, the
+watch's judgement alone in ``test_stall_watch``. The drop of a stale batch is in the fast
+tier; the runs that wait out a stall are ``slow``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import os
 import signal
@@ -52,12 +55,17 @@ def test_a_batch_whose_lease_ran_out_is_dropped_and_the_run_goes_on(
         r["stage_metrics"].get("rollout", {}).get("dropped_batches", 0) for r in result.records
     )
     assert counted == len(drops)
+    view = json.loads((out_dir / "progress.json").read_text())  # the watch's live view
+    assert set(view["hosts"]) == {"driver", "rollout/instance0"}
+    stages = [w["name"] for w in view["hosts"]["driver"]["works"]]
+    assert stages == ["rollout", "reward", "train"]
 
 
 class _StallsLong(StallsOnce):
     stall_s = 5.0
 
 
+@pytest.mark.slow
 def test_an_engine_call_past_its_bound_is_named_once_with_its_stacks(
     out_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

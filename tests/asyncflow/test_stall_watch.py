@@ -5,22 +5,38 @@ unit past its bound, a run without steps."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from asyncflow.config import load_config
 from asyncflow.progress import Work, host_answer
-from asyncflow.stall import AUTO_MAX_S, AUTO_MIN_S, Probe, StallWatch, stall_bound
+from asyncflow.stall import (
+    AUTO_MAX_S,
+    AUTO_MIN_S,
+    FIRST_UNIT_S,
+    HELD_MAX_S,
+    Probe,
+    StallWatch,
+    stall_bound,
+)
 
 
 def test_the_automatic_bound_is_ten_medians_within_its_limits() -> None:
+    # silent: a live host answers at once however long its calls
     assert stall_bound(None, None) == AUTO_MAX_S == 60.0  # before the first unit
     assert stall_bound(None, 0.05) == AUTO_MIN_S == 10.0
     assert stall_bound(None, 2.5) == 25.0
     assert stall_bound(None, 30.0) == AUTO_MAX_S
-    assert stall_bound(7.0, 30.0) == 7.0  # deploy.stall_timeout_s wins
+    # a unit in hand: scales with the stage's own calls, a first call may compile
+    assert stall_bound(None, None, held=True) == FIRST_UNIT_S == 300.0
+    assert stall_bound(None, 0.05, held=True) == 10.0
+    assert stall_bound(None, 30.0, held=True) == 300.0
+    assert stall_bound(None, 120.0, held=True) == HELD_MAX_S == 600.0
+    assert stall_bound(7.0, 30.0) == stall_bound(7.0, None, held=True) == 7.0  # configured
 
 
 @pytest.mark.parametrize("bad", ["0", "-1", "inf"])
@@ -54,12 +70,15 @@ def _answer(work: Work) -> dict[str, Any]:
     return {**host_answer([work]), "actor": "asyncflow-x-rollout", "node": "n1"}
 
 
-def test_a_silent_host_is_named_once_and_replaced(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_silent_host_is_named_once_and_replaced(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
     work = Work("rollout", "rows of ['prompt'] from task 'rollout'")
     token = work.take(8, 42)
     work.phase(token, "process")
     dep = _Fake()
-    watch = StallWatch(dep, 5.0, lambda: 0)
+    live = tmp_path / "progress.json"
+    watch = StallWatch(dep, 5.0, lambda: 0, live=live)
 
     async def rounds() -> None:
         dep.probes["rollout"] = Probe(_answer(work), 4.0, replaceable=True)
@@ -80,6 +99,11 @@ def test_a_silent_host_is_named_once_and_replaced(caplog: pytest.LogCaptureFixtu
     assert "killed and replaced" in text
     assert dep.replaced == ["rollout"] and dep.asked == []  # a silent host is not asked
     assert watch.stalls[0]["silent"] is True
+    view = json.loads(live.read_text())  # the run's live view, as of the last round
+    host = view["hosts"]["rollout"]
+    assert host["silent_s"] == 6.0 and host["stalled"] is True
+    assert host["works"][0]["holding"][0]["lease"] == 42
+    assert [s["host"] for s in view["stalls"]] == ["rollout"]
 
 
 def test_a_host_holding_a_unit_past_its_bound_is_named_with_stacks_and_told_again_later(
@@ -138,7 +162,9 @@ def test_a_run_without_steps_says_what_every_stage_waits_for(
         asyncio.run(rounds())
     told = [r.getMessage() for r in caplog.records]
     assert len(told) == 1, told
-    assert told[0].startswith("no train step for 16.0 s (5 x the median step of 3.00 s")
+    assert told[0].startswith(
+        "no train step for 16.0 s (bound: 5 x the median step of 3.00 s, at least 10 s)"
+    )
     assert "reward: waits for rows of ['response'] from task 'reward'" in told[0]
 
 
