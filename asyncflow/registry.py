@@ -276,10 +276,6 @@ class Registry:
         """Groups the train stage filtered since this registry started."""
         return self._filtered
 
-    async def published(self) -> int:
-        """Newest published version."""
-        return self._published
-
     async def newest_generator_version(self) -> int:
         """The newest weights version any registered generator holds (published version
         before any registered)."""

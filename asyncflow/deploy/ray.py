@@ -170,7 +170,6 @@ class RayDeployment(Deployment):
         self._generators: list[tuple[str, Any]] = []
         self._weights: Any = None
         self._coord_name = ""
-        self._prefix = ""
         self.scaler: RolloutScaler  # (made with the generators: _open_hosts)
         self._rollout: Any = None
         self._workers: list[tuple[str, Any]] = []
@@ -321,21 +320,28 @@ class RayDeployment(Deployment):
             self._actors.append(actor)
         gen_cls: Any = ray.remote(**PROBE_OPTIONS)(GeneratorActor)
         policy = model if resume is None else resume.policy
-        self._prefix = prefix
 
-        def make(i: int, opts: dict[str, Any]) -> tuple[str, Any]:
+        def make(i: int, opts: dict[str, Any]) -> tuple[str, Any, str]:
             name = f"instance{i}"
             actor = gen_cls.options(name=f"{prefix}-{name}", **opts, **restart, **env).remote(
                 name, i, cfg, policy, f, coord_name, origin, start_version
             )
-            return name, actor
+            return name, actor, f"{prefix}-{name}"
 
         for i, opts in enumerate(self._placed(cfg.rollout.placement, cfg.rollout.instances)):
-            name, actor = make(i, opts)
+            name, actor, _ = make(i, opts)
             self._generators.append((name, actor))
             self._actors.append(actor)
         # (later instances: placed as at start, outside any placement group: ray_scale)
-        self.scaler = RolloutScaler(self, lambda i: make(i, actor_options(cfg.rollout.placement)))
+        self.scaler = RolloutScaler(
+            cfg,
+            self._generators,
+            self._actors,
+            registry,
+            lambda i: make(i, actor_options(cfg.rollout.placement)),
+            self.generator_job,
+            lambda: (self._rollout, self._trainers[0], getattr(self._weights, "name", "")),
+        )
         rollout_cls: Any = ray.remote(**PROBE_OPTIONS)(RolloutActor)
         gen_names = [(n, f"{prefix}-{n}") for n, _ in self._generators]
         self._rollout = rollout_cls.options(name=f"{prefix}-rollout", num_cpus=0, **restart).remote(
@@ -470,9 +476,6 @@ class RayDeployment(Deployment):
         ``asyncflow.deploy.ray_scale``)."""
         run = functools.partial(gen.run.remote, self._weights)
         return self._job(f"rollout/{name}", run, restartable=True, host=gen, instance=name)
-
-    def generator_actor_name(self, name: str) -> str:
-        return f"{self._prefix}-{name}"
 
     @property
     def scalable(self) -> tuple[str, ...]:

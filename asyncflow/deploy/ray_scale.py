@@ -28,14 +28,13 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from asyncflow.config import RunConfig
 from asyncflow.control import SCALABLE, ControlError
+from asyncflow.deploy.remote import RemoteRegistry
 from asyncflow.supervisor import Job
 from transferqueue.aio import within
-
-if TYPE_CHECKING:
-    from asyncflow.deploy.ray import RayDeployment
 
 __all__ = ["SCALABLE", "RolloutScaler"]
 
@@ -45,20 +44,41 @@ Spawn = Callable[[str, Job], None]
 
 
 class RolloutScaler:
-    """The rollout's instances of one :class:`~asyncflow.deploy.ray.RayDeployment`, added
-    and removed one at a time (requests are served in turn by the control channel)."""
+    """The rollout's instances of one ``deploy=ray`` run, added and removed one at a time
+    (requests are served in turn by the control channel).
 
-    def __init__(self, dep: RayDeployment, make: Callable[[int], tuple[str, Any]]) -> None:
-        self._dep = dep
-        self._make = make  # index -> (name, actor): a new generator host, placed
-        self._next = len(dep._generators)
+    ``generators`` and ``actors`` are the deployment's own lists (its stage hosts by name, and
+    every actor it stops at the end), changed here in place; ``make`` places a new generator
+    host (index -> its name, actor, Ray actor name); ``job`` is a generator host's supervised
+    job; ``hosts`` is read when a request comes: the rollout dispatcher, the trainer's rank
+    0, the weight transport's name.
+    """
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        generators: list[tuple[str, Any]],
+        actors: list[Any],
+        registry: RemoteRegistry,
+        make: Callable[[int], tuple[str, Any, str]],
+        job: Callable[[str, Any], Job],
+        hosts: Callable[[], tuple[Any, Any, str]],
+    ) -> None:
+        self.cfg = cfg
+        self._generators = generators
+        self._actors = actors
+        self._registry = registry
+        self._make = make
+        self._job = job
+        self._hosts = hosts  # () -> (rollout dispatcher, trainer rank 0, transport name)
+        self._next = len(generators)
         self.retired: set[str] = set()
         """Instances that left (their job ends quietly when their actor is stopped)."""
         self.spawn: Spawn | None = None
         """Starts a job while the run goes on (the driver's supervisor sets it)."""
 
     def count(self) -> int:
-        return len(self._dep._generators)
+        return len(self._generators)
 
     async def scale(self, stage: str, n: int) -> int:
         """``stage`` to ``n`` instances; the count before."""
@@ -76,14 +96,13 @@ class RolloutScaler:
     async def _add(self) -> None:
         import ray
 
-        dep = self._dep
         if self.spawn is None:
             raise ControlError("the run is not running its stages yet; try again in a moment")
         index = self._next
         self._next += 1
-        name, gen = self._make(index)
+        name, gen, actor_name = self._make(index)
         try:
-            await within(gen.ping.remote(), dep.cfg.deploy.start_timeout_s)
+            await within(gen.ping.remote(), self.cfg.deploy.start_timeout_s)
             await self._check_transport(name, gen)
         except BaseException as e:
             with contextlib.suppress(Exception):
@@ -93,25 +112,24 @@ class RolloutScaler:
             if isinstance(e, TimeoutError):
                 raise ControlError(
                     f"the new rollout instance did not start within deploy.start_timeout_s="
-                    f"{dep.cfg.deploy.start_timeout_s}: the cluster may lack what "
+                    f"{self.cfg.deploy.start_timeout_s}: the cluster may lack what "
                     f"rollout.placement asks for (available: {ray.available_resources()})"
                 ) from None
             raise
-        dep._generators.append((name, gen))
-        dep._actors.append(gen)
-        job_name = f"rollout/{name}"
-        self.spawn(job_name, dep.generator_job(name, gen))
-        await dep._rollout.add_generator.remote(name, dep.generator_actor_name(name))
+        self._generators.append((name, gen))
+        self._actors.append(gen)
+        self.spawn(f"rollout/{name}", self._job(name, gen))
+        rollout, _, _ = self._hosts()
+        await rollout.add_generator.remote(name, actor_name)
 
     async def _check_transport(self, name: str, gen: Any) -> None:
         """A transport chosen for one node (``shm``, ``ipc``) reaches no other node: a new
         instance placed elsewhere is refused (``deploy.weight_transport=broadcast`` serves
         newcomers anywhere)."""
-        dep = self._dep
-        transport = getattr(dep._weights, "name", "")
+        _, trainer0, transport = self._hosts()
         if transport not in ("shm", "ipc"):
             return
-        there, trainer = await asyncio.gather(gen.where.remote(), dep._trainers[0].where.remote())
+        there, trainer = await asyncio.gather(gen.where.remote(), trainer0.where.remote())
         if there["node_id"] != trainer["node_id"]:
             raise ControlError(
                 f"the new rollout instance {name} landed on another node than the trainer, "
@@ -122,10 +140,10 @@ class RolloutScaler:
     async def _remove(self) -> None:
         import ray
 
-        dep = self._dep
-        name, gen = dep._generators[-1]  # (the newest first: the oldest keep their caches)
-        grace = dep.cfg.deploy.drain_grace_s
-        drained = await dep._rollout.retire_generator.remote(name, grace)
+        name, gen = self._generators[-1]  # (the newest first: the oldest keep their caches)
+        grace = self.cfg.deploy.drain_grace_s
+        rollout, _, _ = self._hosts()
+        drained = await rollout.retire_generator.remote(name, grace)
         if not drained:
             log.warning(
                 "rollout instance %s still had calls after deploy.drain_grace_s=%s; they go to "
@@ -134,9 +152,9 @@ class RolloutScaler:
                 grace,
             )
         self.retired.add(name)
-        dep._generators.remove((name, gen))
+        self._generators.remove((name, gen))
         with contextlib.suppress(Exception):
             await within(gen.close.remote(), 10.0)
         with contextlib.suppress(Exception):
             ray.kill(gen, no_restart=True)
-        await dep._registry.unregister(name)
+        await self._registry.unregister(name)
