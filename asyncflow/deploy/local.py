@@ -277,6 +277,17 @@ class LocalDeployment(Deployment):
             return False
         return await self._generator(host).replace()
 
+    def instances(self) -> dict[str, int]:
+        """The stages' instances (fixed in one process: the generation engines, the reward
+        stage's workers, one trainer, one reference)."""
+        cfg = self.cfg
+        out = {"rollout": len(self._hosts), "train": 1}
+        if not cfg.reward.colocate:  # (else the rollout scores)
+            out["reward"] = cfg.reward.instances
+        if cfg.reference.enabled:
+            out["reference"] = 1
+        return out
+
     async def next_report(self) -> StepReport:
         return await self._reports.get()
 

@@ -466,7 +466,8 @@ class RayDeployment(Deployment):
         for name, g in self._generators:
             jobs[f"rollout/{name}"] = self.generator_job(name, g)
         rollout = self._rollout
-        jobs["rollout"] = self._job("rollout", rollout.run.remote, restartable=True, host=rollout)
+        run = functools.partial(self.scaler.rejoin, rollout)  # (instances added since start)
+        jobs["rollout"] = self._job("rollout", run, restartable=True, host=rollout)
         for name, w in self._workers:
             jobs[name] = self._job(name, w.run.remote, restartable=True, host=w)
         return jobs

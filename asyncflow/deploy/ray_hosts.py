@@ -485,9 +485,17 @@ class RolloutActor(_Host):
 
     async def add_generator(self, name: str, actor_name: str) -> int:
         """Generator host ``actor_name`` joins as instance ``name`` (a running job scaled
-        up): routed to once it holds weights recent enough for a batch; the instances now."""
+        up): routed to once it holds weights recent enough for a batch; the instances now.
+        Known already: nothing changes."""
 
         async def add() -> int:
+            if any(g.name == name for g in self.instances):
+                return self._live()  # (told again: the driver re-adds after a restart)
+            if not self._rollouts():
+                raise TypeError(
+                    f"the rollout adapter {type(self.adapter).__name__} cannot take instances "
+                    "while it runs (it has no add/retire: see adapters.rollout.RolloutAdapter)"
+                )
             gen = RemoteGenerator(name, actor(actor_name), self.view)
             self.instances.append(gen)
             for a in self._rollouts():
@@ -519,8 +527,8 @@ class RolloutActor(_Host):
         return await self.on_tq_loop(retire())
 
     def _live(self) -> int:
-        retired = set.intersection(*(a.retired for a in self._rollouts()))
-        return len(self.instances) - len(retired)
+        rollouts = self._rollouts()
+        return len(self.instances) - (len(rollouts[0].retired) if rollouts else 0)
 
     async def run(self) -> None:
         await self.on_tq_loop(self._run())

@@ -72,6 +72,7 @@ class RolloutScaler:
         self._job = job
         self._hosts = hosts  # () -> (rollout dispatcher, trainer rank 0, transport name)
         self._next = len(generators)
+        self._added: dict[str, str] = {}  # instances added since start: name -> actor name
         self.retired: set[str] = set()
         """Instances that left (their job ends quietly when their actor is stopped)."""
         self.spawn: Spawn | None = None
@@ -119,8 +120,16 @@ class RolloutScaler:
         self._generators.append((name, gen))
         self._actors.append(gen)
         self.spawn(f"rollout/{name}", self._job(name, gen))
+        self._added[name] = actor_name
         rollout, _, _ = self._hosts()
         await rollout.add_generator.remote(name, actor_name)
+
+    async def rejoin(self, rollout: Any) -> None:
+        """The rollout dispatcher's ``run``, after telling it of the instances added since the
+        run started (a dispatcher Ray restarted starts again with the run's first ones)."""
+        for name, actor_name in list(self._added.items()):
+            await rollout.add_generator.remote(name, actor_name)
+        await rollout.run.remote()
 
     async def _check_transport(self, name: str, gen: Any) -> None:
         """A transport chosen for one node (``shm``, ``ipc``) reaches no other node: a new
@@ -152,6 +161,7 @@ class RolloutScaler:
                 grace,
             )
         self.retired.add(name)
+        self._added.pop(name, None)
         self._generators.remove((name, gen))
         with contextlib.suppress(Exception):
             await within(gen.close.remote(), 10.0)
