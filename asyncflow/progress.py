@@ -22,6 +22,7 @@ only plain containers are read, and a read that races a change is tried again.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import statistics
 import sys
@@ -48,6 +49,7 @@ class _Unit:
     phase: str
     phase_at: float
     task: asyncio.Task[Any] | None = field(default=None, repr=False)
+    frame: Any = field(default=None, repr=False)  # (the frame of the coroutine that took it)
 
 
 class Work:
@@ -76,7 +78,8 @@ class Work:
             task = asyncio.current_task()
         except RuntimeError:  # (no loop: a thread)
             task = None
-        self._units[self._next] = _Unit(rows, lease, now, "read", now, task)
+        caller = sys._getframe(1)
+        self._units[self._next] = _Unit(rows, lease, now, "read", now, task, caller)
         return self._next
 
     def phase(self, token: int, phase: str) -> None:
@@ -115,8 +118,8 @@ class Work:
                 "phase": u.phase,
                 "phase_s": now - u.phase_at,
             }
-            if stacks and u.task is not None:
-                item["stack"] = _task_stack(u.task)
+            if stacks:
+                item["stack"] = _unit_stack(u)
             holding.append(item)
         return {
             "name": self.name,
@@ -129,16 +132,31 @@ class Work:
         }
 
 
-def _task_stack(task: asyncio.Task[Any]) -> str:
-    """The await chain of a task, outermost first (``Task.get_stack`` gives only the
+def _unit_stack(unit: _Unit) -> str:
+    """The await chain of the coroutine that holds ``unit``, from it inwards: found by its
+    frame (``gc``: only when a stall is told), else from its task (whose outer coroutines
+    may be compiled wrappers with no frame that end the chain, as Ray's are)."""
+    coro: Any = None
+    if unit.frame is not None:
+        coro = next(
+            (r for r in gc.get_referrers(unit.frame) if getattr(r, "cr_frame", None) is unit.frame),
+            None,
+        )
+    if coro is None and unit.task is not None:
+        coro = unit.task.get_coro()
+    return _await_chain(coro)
+
+
+def _await_chain(coro: Any) -> str:
+    """``coro`` and what it awaits, outermost first (``Task.get_stack`` gives only the
     outermost frame of a suspended coroutine)."""
     frames: list[tuple[Any, int]] = []
-    coro: Any = task.get_coro()
-    while coro is not None and len(frames) < 64:
-        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
-        if frame is None:
+    for _ in range(64):
+        if coro is None:
             break
-        frames.append((frame, frame.f_lineno))
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is not None:  # (a compiled wrapper, e.g. Ray's, has none: passed through)
+            frames.append((frame, frame.f_lineno))
         coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
     summary = traceback.StackSummary.extract(frames[-_STACK_FRAMES:])
     return "".join(summary.format())

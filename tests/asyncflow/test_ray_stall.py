@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 
-from asyncflow import run
+from asyncflow import EngineFactories, run
 from tests.asyncflow.conftest import RAY_START, RAY_TEST_TIMEOUT_S, small_config
+from tests.asyncflow.faulty import stalling_generator_once
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(RAY_TEST_TIMEOUT_S)]
 
@@ -186,3 +187,33 @@ def test_a_rollout_host_woken_after_its_leases_were_returned_drops_its_batch(
         f"woken rollout host: dropped {dropped:g} batch(es), worst step "
         f"{max(r['step_s'] for r in records):.2f} s"
     )
+
+
+def test_a_generator_stuck_in_a_call_is_named_with_its_stacks_and_replaced(
+    ray_cluster: None, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A generator whose engine call hangs (30 s, once in the run) while its host still
+    answers: one WARNING names it with the Python stacks of its process, collected there
+    (the stuck call's own await chain among them), the actor is killed and restarted, the
+    rollout generates the batch again, and the run completes, every group trained once."""
+    out = tmp_path / "run"
+    steps = 10
+    cfg = small_config(
+        out, "deploy.mode=ray", f"train.steps={steps}", "deploy.stall_timeout_s=5", RAY_START
+    )
+    factories = EngineFactories(generator=stalling_generator_once)
+    with caplog.at_level(logging.WARNING, logger="asyncflow"):
+        result = run(cfg, factories=factories)
+    b = cfg.train.groups_per_step
+    assert [g for rep in result.reports for g in rep.groups] == list(range(steps * b))
+    stalls = [r.getMessage() for r in caplog.records if r.getMessage().startswith("stall:")]
+    assert stalls, "no stall was named"
+    text = stalls[0]
+    assert "host 'rollout/instance0'" in text and "in generate for" in text
+    assert "asyncio.sleep(self.stall_s)" in text  # the stuck call's stack, from its process
+    assert "threads of pid" in text
+    assert result.extra["stalls"][0]["replaced"] is True
+    assert result.extra["restarts"].get("rollout/instance0", 0) == 1
+    worst = max(r["step_s"] for r in result.records)
+    print(f"generator stuck in a call: worst step {worst:.2f} s")
+    assert worst < 30.0  # replaced, not waited out
