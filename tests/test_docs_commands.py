@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 NOT_CHECKED = "not checked in CI"
+SHELL_OPERATORS = {"&", "&&", ";", "|", "||", ">", ">>", "2>&1"}
 # files the documented commands name, made where the commands run
 FIXTURES = {
     "prompts.jsonl": '{"prompt": "What is 2 + 3?", "answer": "5"}\n'
@@ -68,6 +69,10 @@ def documented_commands(pages: list[Path] = PAGES, root: Path = ROOT) -> list[Co
                 if NOT_CHECKED in joined:
                     continue
                 words = shlex.split(joined, comments=True)
+                for end, word in enumerate(words):  # the command ends at a shell operator
+                    if word in SHELL_OPERATORS:
+                        words = words[:end]
+                        break
                 if not words or Path(words[0]).name != "asyncflow" or len(words) < 2:
                     continue
                 if words[1] not in ("run", "config"):
