@@ -45,3 +45,20 @@ def test_a_jagged_tensor_with_holes_keeps_its_rows() -> None:
     assert isinstance(col, Ragged)
     assert col.offsets.tolist() == [0, 2, 5, 6]
     assert col.values.tolist() == [0.0, 1.0, 4.0, 5.0, 6.0, 8.0]
+
+
+def test_rows_that_differ_beyond_the_first_axis_are_a_shaped_column() -> None:
+    from transferqueue import Shaped
+
+    g = torch.Generator().manual_seed(1)
+    imgs = [
+        torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=g)
+        for h, w in ((4, 6), (2, 9))
+    ]
+    cols, n = to_columns(TensorDict({"img": torch.nested.nested_tensor(imgs)}, batch_size=2))
+    col = cols["img"]
+    assert n == 2 and isinstance(col, Shaped) and col.shapes.tolist() == [[3, 4, 6], [3, 2, 9]]
+    assert schema_of(cols)["img"]["per_sample_shapes"] == [(3, 4, 6), (3, 2, 9)]
+    back = from_columns(cols, 2)["img"]
+    assert back.is_nested
+    assert all(torch.equal(a, b) for a, b in zip(back.unbind(), imgs, strict=True))
