@@ -192,3 +192,19 @@ def test_save_and_load_through_the_arrow_mapping(tmp_path: Path) -> None:
         assert p is not None and q is not None
         _same_rows(d.get_data(p, ["img"])["img"], imgs)
         _same_rows(d.get_data(q, ["bf"])["bf"], bf)
+
+
+def test_awkward_rows_round_trip(client: Client) -> None:
+    """Empty rows, a non-contiguous row, 2-D float64 with NaN bits; 1-D rows declared shaped."""
+    g = torch.Generator().manual_seed(9)
+    want = [
+        torch.randn(4, 3, generator=g, dtype=torch.float64).t(),  # non-contiguous [3, 4]
+        torch.empty(0, 5, dtype=torch.float64),
+        torch.full((2, 0), 1.0, dtype=torch.float64),
+        _bits(6, torch.float64, 4).view(1, 6),
+    ]
+    meta = client.put({"m": want}, partition="a")
+    _same_rows(client.get_data(meta)["m"], want)
+    flat = [torch.arange(3), torch.arange(0), torch.arange(5)]  # would be ragged undeclared
+    meta = client.put({"v": flat}, partition="a", specs={"v": FieldSpec.shaped(torch.int64, 1)})
+    _same_rows(client.get_data(meta)["v"], flat)
