@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import transferqueue
-from transferqueue import Client, FieldSpec, Ragged, SchemaError, Shaped
+from transferqueue import Client, FieldSpec, ProtocolError, Ragged, SchemaError, Shaped
 from transferqueue.arrow import column_from_arrow, column_to_arrow
 from transferqueue.wire.codec import INLINE_BYTES, decode, encode
 
@@ -90,6 +90,20 @@ def test_wire_sends_values_as_a_frame_offsets_and_shapes_inline() -> None:
     assert len(frames) == 2  # the body (offsets and shapes inline) + one values frame
     got = decode([frames[0], bytearray(frames[1])])["img"]
     assert isinstance(got, Shaped) and got == s
+
+
+def test_a_shaped_extension_whose_shapes_disagree_is_a_protocol_error() -> None:
+    import msgspec
+
+    from transferqueue.wire import codec
+
+    payload = b"".join(
+        codec._tensor_payload(t)
+        for t in (torch.zeros(6), torch.tensor([0, 6]), torch.tensor([[2, 2]]))
+    )
+    body = msgspec.msgpack.encode({"x": msgspec.msgpack.Ext(4, payload)})
+    with pytest.raises(ProtocolError, match=r"malformed extension 4.*product of its shape"):
+        decode([body])
 
 
 def test_arrow_mapping_round_trips_without_copying_values() -> None:
