@@ -316,6 +316,29 @@ class RolloutAdapter(Adapter):
         self.turn_gather_s = turn_gather_s
         self.dispatch_ahead = dispatch_ahead
         """One-turn batches go to an :class:`AheadInstance` before it holds their version."""
+        self.retired: set[int] = set()
+        """Instances that take no new batch (leaving the run: :meth:`retire`)."""
+
+    def add(self, engine: GenerationInstance) -> int:
+        """A new instance joins (a running job scaled up); its index. Routed to once its
+        version is recent enough for a batch, as every other."""
+        self.engines.append(engine)
+        self.load.append(0)
+        return len(self.engines) - 1
+
+    def retire(self, k: int) -> None:
+        """Instance ``k`` takes no new batch; the calls it has finish there (a batch's
+        migration or next turn goes to the others). Indexes stay: batches in flight name
+        their instance by index."""
+        if not 0 <= k < len(self.engines):
+            raise IndexError(f"no instance {k}: {len(self.engines)} instances")
+        if len(self.retired | {k}) >= len(self.engines):
+            raise ValueError("the rollout keeps at least one instance")
+        self.retired.add(k)
+
+    def busy(self, k: int) -> int:
+        """Samples this adapter has on instance ``k`` now."""
+        return self.load[k]
 
     async def process(self, meta: BatchMeta, cols: dict[str, Column]) -> StageOutput:
         attempt = 0
@@ -537,7 +560,9 @@ class RolloutAdapter(Adapter):
         False; with ``ahead``, while none is, the live :class:`AheadInstance` ones and True."""
         t0 = time.perf_counter()
         while True:
-            ok = [i for i, e in enumerate(self.engines) if e.version >= need]
+            ok = [
+                i for i, e in enumerate(self.engines) if e.version >= need and i not in self.retired
+            ]
             if ok:
                 self.waited_s += time.perf_counter() - t0
                 return ok, False
@@ -551,13 +576,19 @@ class RolloutAdapter(Adapter):
     def _ahead(self) -> list[int]:
         """Live instances that wait for weights themselves (the router picks by load)."""
         return [
-            i for i, e in enumerate(self.engines) if e.version >= 0 and hasattr(e, "generate_after")
+            i
+            for i, e in enumerate(self.engines)
+            if e.version >= 0 and hasattr(e, "generate_after") and i not in self.retired
         ]
 
     async def _wait_any(self, need: int) -> None:
         """Until an instance may hold version ``need``: woken by the update where every
         instance can tell (``wait_version``, bounded by ``WAKE_S``), else ``wait_poll_s``."""
-        waits = [getattr(e, "wait_version", None) for e in self.engines]
+        waits = [
+            getattr(e, "wait_version", None)
+            for i, e in enumerate(self.engines)
+            if i not in self.retired
+        ]
         if not all(waits):
             await asyncio.sleep(self.wait_poll_s)
             return

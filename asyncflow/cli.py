@@ -5,6 +5,8 @@ asyncflow run --resume DIR [overrides ...]                # continue from DIR's 
 asyncflow config [CONFIG.yaml] [overrides ...]            # check and print the resolved config,
                                                           # each value with where it came from
 asyncflow run --help                                      # every config field, type, default, doc
+asyncflow scale OUTPUT_DIR rollout=N                      # a running deploy.mode=ray job's
+                                                          # rollout to N generators
 
 Both commands load and check the config the same way (:func:`asyncflow.config.check.
 resolve_config`); a bad config, a missing file or malformed YAML prints one line
@@ -70,12 +72,43 @@ def _parser(with_fields: bool) -> argparse.ArgumentParser:
             action="store_true",
             help="a bad config's traceback under its one line; the run's log at DEBUG",
         )
+    p = sub.add_parser(
+        "scale",
+        help="change a running deploy.mode=ray job's rollout instances",
+        description="change the number of rollout instances of the run writing OUTPUT_DIR "
+        "while it runs (new ones load the newest weights; removed ones finish their calls)",
+    )
+    p.add_argument("output_dir", metavar="OUTPUT_DIR", help="the running job's output.dir")
+    p.add_argument("counts", nargs="+", metavar="STAGE=N", help="rollout=N (N >= 1)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the run")
     return ap
+
+
+def scale(output_dir: str, counts: list[str], timeout_s: float = 600.0) -> int:
+    """``asyncflow scale``: ask the run writing ``output_dir`` to scale each stage; prints
+    its answer, or one line ``asyncflow: cannot scale: ...`` and returns 2."""
+    from pathlib import Path
+
+    from asyncflow.control import SCALABLE, ControlError, ask, parse_scale
+
+    try:
+        wanted = parse_scale(counts, SCALABLE)
+        for stage, n in wanted.items():
+            reply = ask(Path(output_dir), {"op": "scale", "stage": stage, "n": n}, timeout_s)
+            if not reply.get("ok"):
+                raise ControlError(str(reply.get("error")))
+            print(f"asyncflow: {stage} scaled from {reply['was']} to {reply['n']} instances")
+    except ControlError as e:
+        print(f"asyncflow: cannot scale: {e}", file=sys.stderr)
+        return BAD_CONFIG_EXIT
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     ns = _parser(with_fields=bool({"-h", "--help"} & set(args))).parse_args(args)
+    if ns.cmd == "scale":
+        return scale(ns.output_dir, ns.counts, ns.timeout)
     path, overrides = _split(ns.args)
     if ns.resume is not None:
         overrides = [*overrides, f"resume={json.dumps(ns.resume)}"]  # a YAML string, always

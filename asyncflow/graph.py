@@ -43,6 +43,7 @@ from asyncflow.config import RunConfig
 from asyncflow.metrics import Timeline
 from asyncflow.stage_runner import StageRunner
 from engines.protocols import RewardFn, SamplingParams, ScoringEngine, TrainingEngine
+from engines.rewards import rollout_columns
 from engines.tasks import task_columns
 from transferqueue import AsyncClient
 
@@ -211,6 +212,8 @@ def reward_adapter(
     columns = task_columns(name, **options)  # the row's answer and extras
     if cfg.episodic():
         columns = (*columns, "episode_reward")  # what the ``episode`` reward reads
+    # the rollout's columns the reward reads too (reasoning_gym: finish_reason)
+    columns = (*columns, *(c for c in rollout_columns(reward_fn) if c not in columns))
     return cls(  # type: ignore[call-arg]
         reward_fn, tokenizer, columns=columns, batch_size=min(cfg.reward.batch_size, step_rows(cfg))
     )

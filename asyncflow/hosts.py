@@ -38,6 +38,8 @@ from typing import Protocol
 
 import torch
 
+from adapters.rollout import InstanceLostError
+from asyncflow.progress import Work
 from asyncflow.transport.base import VersionError
 from engines.protocols import Generation, GenerationEngine, SamplingParams
 from transferqueue.aio import wait_event
@@ -159,6 +161,11 @@ class GeneratorHost:
         taken here without the round trip through the registry (in another process under
         Ray, told by the trainer after its transport delivered). The registry hears of the
         update as before. Needs a source with ``watch`` (the transports' receivers)."""
+        self.work = Work(name, "generate calls from the rollout")
+        """The engine's calls in hand and done (:mod:`asyncflow.progress`), for the stall
+        watch."""
+        self.replaced = 0
+        """Engines replaced because they were stuck (:meth:`replace`)."""
         self._calls = 0  # samples of generate calls in flight (engines without in_flight)
         self._dirty = asyncio.Event()
         self._loaded = asyncio.Event()  # set (and replaced) at every weight update
@@ -211,9 +218,22 @@ class GeneratorHost:
         self._calls += len(prompts)
         self._received += len(prompts)
         self._dirty.set()
+        token = self.work.take(len(prompts))
+        self.work.phase(token, "generate")
+        done = False
+        replaced = self.replaced
         try:
-            return list(await self.engine.generate(prompts, params))
+            gens = list(await self.engine.generate(prompts, params))
+            done = True
+            return gens
+        except Exception as e:
+            if self.replaced != replaced:  # (the stuck engine it was on was replaced)
+                raise InstanceLostError(
+                    f"generator {self.name!r} was replaced while this call was on it: {e}"
+                ) from e
+            raise
         finally:
+            self.work.finish(token, done=done)
             self._calls -= len(prompts)
             self._dirty.set()
 
@@ -235,6 +255,37 @@ class GeneratorHost:
             return None
         waited = loop.time() - t0
         return await self.generate(prompts, params), waited
+
+    @property
+    def replaceable(self) -> bool:
+        """Whether :meth:`replace` can replace the engine (it can build itself again)."""
+        return callable(getattr(self.engine, "spawn_again", None))
+
+    async def replace(self) -> bool:
+        """Replace a stuck engine (``spawn_again``: ``engines.hf.process``'s child process)
+        with a new one holding the weights of the version it held (fetched from the weight
+        source again); the calls in flight on the stuck one fail as a lost instance's
+        (``InstanceLostError``: the rollout generates their batches again). False for an
+        engine that cannot build itself again."""
+        old = self.engine
+        again = getattr(old, "spawn_again", None)
+        if not callable(again):
+            return False
+        new = await asyncio.to_thread(again)
+        target = int(old.version)
+        if target > int(getattr(new, "initial_version", new.version)):
+            version, state = await asyncio.to_thread(self._fetch, target)
+            try:
+                await new.update_weights(state, version)
+            finally:
+                self.weights.release(version)
+        self.engine = new
+        self.replaced += 1
+        stop = getattr(old, "kill", None) or getattr(old, "close", None)
+        if callable(stop):
+            await asyncio.to_thread(stop)  # (its calls in flight fail now)
+        self._dirty.set()
+        return True
 
     async def run(self) -> None:
         """Follow published weights and report the load until cancelled; raises what the
@@ -338,6 +389,7 @@ class GeneratorHost:
         the registry chose this update from a report, which the engine may have outdated
         (busy again): then it is handed back."""
         t0 = time.perf_counter()
+        replaced = self.replaced
         try:
             if getattr(self.weights, "lookup_only", False) and self.weights.newest() >= target:
                 version, state = self._fetch(target)  # a lookup: no thread hop
@@ -355,9 +407,11 @@ class GeneratorHost:
                 t2 = time.perf_counter()
             finally:
                 self.weights.release(version)
-        except BaseException:
+        except BaseException as e:
             with contextlib.suppress(Exception):
                 await self.registry.update_failed(self.name)
+            if self.replaced != replaced and isinstance(e, Exception):
+                return  # the stuck engine it was loading into was replaced: decided again
             raise
         self.updates += 1
         loaded, self._loaded = self._loaded, asyncio.Event()

@@ -78,6 +78,7 @@ class StepRecorder:
             record = step_record(report, timeline, last_t, now, tq_tasks, versions[0])
             record["stage_metrics"] = stage_metrics
             record["restarts"] = sum(dep.restarts.values())
+            record["instances"] = dep.instances()
             # Recovery: seconds from a stage host's death to its replacement answering, for
             # the restarts that ended in this step, and the rows its leases gave back.
             record["restart_s"] = sum(

@@ -158,6 +158,18 @@ class Registry:
         await self._notify()
         return incarnation
 
+    async def unregister(self, name: str) -> None:
+        """Generator ``name`` left the run (scaled down, drained): no longer counted for
+        admission, routing or updates. Unknown names are ignored (asked twice)."""
+        if self._gens.pop(name, None) is None:
+            return
+        self._wake.pop(name, None)
+        self._updating.discard(name)
+        self._live.pop(name, None)
+        self.restarts.pop(name, None)
+        self._poke()  # (an update it blocked may now go to another)
+        await self._notify()
+
     def set_live(self, name: str, source: LiveSource) -> None:
         """Read this generator's state from ``source`` at each decision (same process only)."""
         self._live[name] = source
@@ -263,10 +275,6 @@ class Registry:
     async def filtered_count(self) -> int:
         """Groups the train stage filtered since this registry started."""
         return self._filtered
-
-    async def published(self) -> int:
-        """Newest published version."""
-        return self._published
 
     async def newest_generator_version(self) -> int:
         """The newest weights version any registered generator holds (published version

@@ -14,6 +14,13 @@ writes it (``RowsLostError``) is not a failure: the worker gives the rest of the
 the task (``release``: they are handed out again) and goes on. The lost rows are in the task's
 loss log, from which the driver regenerates their groups (``asyncflow.workflow``).
 
+A batch whose lease was returned while the worker held it (``LeaseExpiredError`` on its put or
+ack: the lease ran out, or its holder was declared gone, say a host frozen past TransferQueue's
+holder liveness and woken again) is not a failure either: its rows were handed out again, so
+the worker drops the batch (the put failed before writing anything), logs it once at WARNING
+with the stage and the lease, counts it (``dropped_batches`` in the stage's metrics of the step
+record) and goes on.
+
 Every batch is recorded on the :class:`Timeline` (busy intervals per worker), so per-stage
 busy/idle time, samples/s and tokens/s come from the same source as the Gantt charts.
 """
@@ -29,9 +36,16 @@ from typing import Any
 
 from adapters.base import Adapter, StageOutput
 from asyncflow.metrics import Timeline
-from transferqueue import AsyncClient, BatchMeta, PeerGoneError, RowsLostError
+from asyncflow.progress import Work
+from transferqueue import (
+    AsyncClient,
+    BatchMeta,
+    LeaseExpiredError,
+    PeerGoneError,
+    RowsLostError,
+)
 
-__all__ = ["StageError", "StageRunner"]
+__all__ = ["COUNT_METRICS", "StageError", "StageRunner"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +77,10 @@ LOST_SERVER_HINT = (
     "last checkpoint (asyncflow run --resume DIR; set checkpoint.every_steps)"
 )
 
+
+COUNT_METRICS = frozenset({"dropped_batches"})
+"""Keys of :meth:`StageRunner.drain_metrics` that are counts (summed over a stage's hosts),
+not means."""
 
 HELD_LEASE_S = 86400.0
 """The lease of rows an adapter holds for a whole unit of work (``Adapter.holds_leases``): a
@@ -97,31 +115,51 @@ class StageRunner:
         self.samples = 0
         self.tokens = 0
         self.lost_batches = 0  # batches given back because rows of them were lost
+        self.dropped_batches = 0  # batches dropped: their lease was returned meanwhile
+        self._dropped_drained = 0
+        self.work = Work(name, f"rows of {sorted(adapter.input_fields)} from task {adapter.task!r}")
+        """What this stage holds and has done (:mod:`asyncflow.progress`), for the stall
+        watch."""
         self._held: list[BatchMeta] = []  # processed, not acknowledged yet (holds_leases)
         self._metrics: dict[str, list[float]] = {}  # name -> [sum weighted by rows, rows]
+        self._workers: asyncio.TaskGroup | None = None  # (while it runs)
 
     def drain_metrics(self) -> dict[str, float]:
         """Means of the adapter's :attr:`StageOutput.metrics` over the rows processed since the
         last drain (weighted by batch rows; NaN values, "no verdict", left out)."""
         out = {k: (s / n if n else math.nan) for k, (s, n) in self._metrics.items()}
         self._metrics = {}
+        if self.dropped_batches > self._dropped_drained:  # a count, not a mean
+            out["dropped_batches"] = float(self.dropped_batches - self._dropped_drained)
+            self._dropped_drained = self.dropped_batches
         return out
 
     async def run(self) -> None:
         """Run the workers; returns when the stream ends, raises StageError on failure."""
         try:
             async with asyncio.TaskGroup() as tg:
+                self._workers = tg
                 for w in range(self.concurrency):
                     tg.create_task(self._worker(w))
         except ExceptionGroup as eg:  # a worker failed (cancellation propagates as is)
             first = eg.exceptions[0]
             raise StageError(self.name, first) from first
 
+    def grow(self, concurrency: int) -> None:
+        """At least ``concurrency`` workers from now on (a stage given more instances while
+        it runs); never fewer: a worker left over only waits on the instances left."""
+        if self._workers is None or concurrency <= self.concurrency:
+            return
+        for w in range(self.concurrency, concurrency):
+            self._workers.create_task(self._worker(w))
+        self.concurrency = concurrency
+
     async def _worker(self, worker: int) -> None:
         a = self.adapter
         lane = f"{self.name}/{worker}" if self.concurrency > 1 else self.name
         while True:
             req = a.request()
+            self.work.idle(worker)
             meta = await self.client.get_meta(
                 a.task,
                 list(a.input_fields),
@@ -135,9 +173,11 @@ class StageRunner:
             )
             if len(meta):
                 t0 = time.perf_counter()
+                token = self.work.take(len(meta), meta.lease_id, worker=worker)
                 try:
-                    out = await self._process(meta)
+                    out = await self._process(meta, token)
                 except RowsLostError as lost:
+                    self.work.finish(token, done=False)
                     self.lost_batches += 1
                     log.warning(
                         "%s: rows of a batch of %d were lost with a storage unit (%s); the "
@@ -148,6 +188,14 @@ class StageRunner:
                     )
                     await self.client.release(meta)
                     continue
+                except LeaseExpiredError as gone:
+                    self.work.finish(token, done=False)
+                    self._drop(meta, gone)
+                    continue
+                except BaseException:
+                    self.work.finish(token, done=False)
+                    raise
+                self.work.finish(token)
                 t1 = time.perf_counter()
                 if out.spans:
                     *parts, last = out.spans
@@ -172,16 +220,35 @@ class StageRunner:
                 if self._held and a.settled():
                     held, self._held = self._held, []
                     for m in held:
-                        await self.client.ack(m)
+                        try:
+                            await self.client.ack(m)
+                        except LeaseExpiredError as gone:
+                            self._drop(m, gone)
             if meta.is_end:
                 return
 
-    async def _process(self, meta: BatchMeta) -> StageOutput:
-        """Read the batch, run the adapter, write its output (or ack)."""
+    def _drop(self, meta: BatchMeta, why: LeaseExpiredError) -> None:
+        """Drop a batch whose lease was returned while this worker held it: its rows went back
+        to the task and are (or will be) processed by whoever leased them again."""
+        self.dropped_batches += 1
+        log.warning(
+            "%s: dropped a batch of %d rows, lease %s: it was returned while this stage held "
+            "it (%s); its rows are handed out again",
+            self.name,
+            len(meta),
+            meta.lease_id,
+            why,
+        )
+
+    async def _process(self, meta: BatchMeta, token: int) -> StageOutput:
+        """Read the batch, run the adapter, write its output (or ack); ``token``: the batch's
+        unit on :attr:`work`, whose phase follows."""
         a = self.adapter
         fields = None if a.read_fields is None else list(a.read_fields)
         cols = await self.client.get_data(meta, fields)
+        self.work.phase(token, "process")
         out = await a.process(meta, cols)
+        self.work.phase(token, "write")
         _check_outputs(a, out.columns)
         if out.columns:
             await self.client.put(

@@ -50,6 +50,7 @@ class Supervisor:
         self._idle_error = ""
         self._stopped = False
         self._watchdog: asyncio.TimerHandle | None = None
+        self._group: asyncio.TaskGroup | None = None
 
     def add(self, name: str, job: Job, *, background: bool = False) -> None:
         """Run ``job`` as ``name``; a ``background`` job (one that only reacts, such as the
@@ -57,6 +58,17 @@ class Supervisor:
         if name in self._jobs:
             raise ValueError(f"a job named {name!r} is already supervised")
         self._jobs[name] = (job, background)
+
+    def spawn(self, name: str, job: Job) -> None:
+        """Start ``job`` as ``name`` while the jobs run (an instance added to a running
+        stage), supervised as the others; a background job: the run needs it for no
+        progress of its own. Refused once the run stops."""
+        if self._group is None or self._stopped:
+            raise RuntimeError(f"cannot start job {name!r}: the jobs are not running")
+        if name in self._jobs:
+            raise ValueError(f"a job named {name!r} is already supervised")
+        self._jobs[name] = (job, True)
+        self._tasks[name] = self._group.create_task(self._guard(name, job))
 
     async def run(self, name: str, main: Job, *, idle_error: str) -> None:
         """Run every job and ``main`` (as ``name``) until ``main`` returns or a job fails;
@@ -68,6 +80,7 @@ class Supervisor:
         self._progressing = {n for n, (_, background) in self._jobs.items() if not background}
         try:
             async with asyncio.TaskGroup() as group:
+                self._group = group
                 for job_name, (job, _) in self._jobs.items():
                     self._tasks[job_name] = group.create_task(self._guard(job_name, job))
                 await self._guard(name, main)

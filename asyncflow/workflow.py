@@ -48,6 +48,7 @@ import logging
 import math
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,7 @@ from asyncflow.build import Components, EngineFactories
 from asyncflow.checkpoint import CheckpointPlan, DriverState, ResumePoint
 from asyncflow.config import RunConfig
 from asyncflow.config.load import config_to_dict
+from asyncflow.control import ControlServer, serve
 from asyncflow.deploy.base import Deployment
 from asyncflow.deploy.local import LocalDeployment
 from asyncflow.evaluation import Evaluator
@@ -71,7 +73,8 @@ from asyncflow.loggers import make_loggers
 from asyncflow.metrics import MetricsWriter, Timeline, plot_rewards, write_timeline
 from asyncflow.recorder import StepRecorder
 from asyncflow.stage_runner import LOST_SERVER_HINT
-from asyncflow.supervisor import Supervisor
+from asyncflow.stall import StallWatch
+from asyncflow.supervisor import Job, Supervisor
 from asyncflow.threads import intra_op_threads
 from transferqueue import AsyncClient
 
@@ -235,6 +238,17 @@ class Workflow:
             jobs.add(name, job)
         regenerate = functools.partial(_regenerate_lost, client, feeder, PARTITION)
         jobs.add("regeneration", regenerate, background=True)
+        watch = StallWatch(
+            dep,
+            cfg.deploy.stall_timeout_s,
+            lambda: len(recorder.reports),
+            live=out_dir / "progress.json",
+        )
+        jobs.add("stall watch", watch.run, background=True)
+        if dep.scalable:  # ``asyncflow scale OUTPUT_DIR rollout=N`` reaches the run here
+            scale = functools.partial(_scale, dep, jobs.spawn)
+            server = ControlServer(out_dir, scale, dep.instances, dep.scalable)
+            jobs.add("control", functools.partial(serve, server), background=True)
         await jobs.run(
             "records",
             recorder.write_records,
@@ -253,6 +267,7 @@ class Workflow:
             extra={
                 **await dep.summary(),
                 "regenerated_groups": list(feeder.readmitted),
+                "stalls": list(watch.stalls),
                 "torch_threads": torch.get_num_threads(),
             },
             policy_dir=policy_dir,
@@ -260,6 +275,10 @@ class Workflow:
         if cfg.output.plot and writer.records:
             plot_rewards({"reward": writer.records}, out_dir / "reward.png", _title(cfg))
         return result
+
+
+async def _scale(dep: Deployment, spawn: Callable[[str, Job], None], stage: str, n: int) -> int:
+    return await dep.scale(stage, n, spawn)
 
 
 def _feeder(cfg: RunConfig, dep: Deployment, state: DriverState | None) -> PromptFeeder:

@@ -3,6 +3,7 @@
     python -m bench.peer --setup     # once: builds bench/.peer-venv with the peer pinned
     python -m bench.peer             # full sizes, 3 alternating rounds x 2 reps (~6 min)
     python -m bench.peer --quick     # small sizes, 1 round: a smoke test (~2 min)
+    python -m bench.peer --compat    # the peer's own tests on our facade (bench/peer_compat.py)
 
 The peer installs top-level ``tests``, ``scripts``, ``recipe`` and ``tutorial`` packages and
 needs Ray, so it lives in a virtualenv of its own (``bench/.peer-venv``, git-ignored; a plain
@@ -349,6 +350,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--setup", action="store_true", help="build the peer's virtualenv and exit")
     ap.add_argument("--quick", action="store_true", help="small sizes, one round")
+    ap.add_argument(
+        "--compat",
+        action="store_true",
+        help="run the peer's own tests/ on the transfer_queue facade and exit",
+    )
+    ap.add_argument("-k", dest="keyword", default=None, help="with --compat: pytest's -k")
     ap.add_argument("--units", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--rounds", type=int, default=None, help="default 3 (quick: 1)")
     ap.add_argument("--reps", type=int, default=None, help="timed reps per round (default 2)")
@@ -356,6 +363,10 @@ def main() -> int:
     ap.add_argument("--meta-batch", type=int, default=64)
     ap.add_argument("--meta-seconds", type=float, default=None)
     args = ap.parse_args()
+    if args.compat:
+        from bench.peer_compat import run as run_compat
+
+        return run_compat(["-k", args.keyword] if args.keyword else None)
     if args.setup:
         setup()
         return 0

@@ -25,6 +25,15 @@ last non-empty line; ``full`` the whole completion, stripped; or an import path
 ``module.path:function`` of ``(completion: str) -> str | None``. What is extracted goes to
 ``score_answer`` as the answer.
 
+**Cut-off completions** (``finish_reason`` ``length``: the model was still writing at
+``rollout.max_new_tokens``) have no answer (``None`` to the scorer: 0 from the library's
+scorers) unless one was closed in an ``<answer>`` tag before the cut (extraction ``tag``):
+their last line is a fragment, not an answer. Many scorers give partial credit to an answer
+that contains the right one (``basic_arithmetic``: ``len(oracle) / len(answer)``, 0.25 for
+``"1117"`` against ``"7"``), so scoring fragments pays a policy for filling every completion
+with digits: a tiny model starting near 10% correct earns about as much that way as by
+answering, and a run could settle there (every completion cut off, the reward flat at 0.1).
+
 The library is an optional extra, imported only when the task or its reward is built:
 without it, naming the task fails before the run starts with the line to type
 (:data:`INSTALL_HINT`).
@@ -246,9 +255,13 @@ def _extractor(path: str) -> Callable[[str], str | None]:
 
 class ReasoningGymReward:
     """Reward ``reasoning_gym``: each completion's extracted answer scored by its dataset's
-    own ``score_answer(answer, entry)`` (a float in [0, 1]; an empty extraction goes to the
-    scorer as None). Reads the ``rg_spec`` and ``rg_index`` columns of task
-    ``reasoning_gym``."""
+    own ``score_answer(answer, entry)`` (a float in [0, 1]; an empty extraction, or a cut-off
+    completion without a closed tag, goes to the scorer as None). Reads the ``rg_spec`` and
+    ``rg_index`` columns of task ``reasoning_gym`` and the rollout's ``finish_reason`` (where
+    a caller passes none, every completion counts as finished)."""
+
+    rollout_columns = ("finish_reason",)
+    """The rollout's columns read besides the row's (``engines.rewards.rollout_columns``)."""
 
     def __call__(
         self, prompts: Sequence[Any], completions: Sequence[str], **columns: Sequence[Any]
@@ -259,11 +272,19 @@ class ReasoningGymReward:
                 "reward reasoning_gym reads the columns rg_spec and rg_index of task "
                 f"reasoning_gym; the rows have {sorted(columns)}"
             )
+        finished = columns.get("finish_reason") or ["stop"] * len(completions)
         out: list[float | None] = []
-        for completion, spec, index in zip(completions, specs, indexes, strict=True):
+        for completion, spec, index, reason in zip(
+            completions, specs, indexes, finished, strict=True
+        ):
             dataset = build_dataset(str(spec))
             entry = dataset[int(index)]
-            answer = extract_answer(completion, _spec_extract(str(spec)))
+            how = _spec_extract(str(spec))
+            if reason == "length":  # cut off: only a closed tag holds a whole answer
+                tags = _TAG.findall(completion) if how == "tag" else []
+                answer = str(tags[-1]).strip() if tags else None
+            else:
+                answer = extract_answer(completion, how)
             out.append(float(dataset.score_answer(answer, entry)))
         return out
 

@@ -2,7 +2,10 @@
 
 Each reward is called by the reward adapter (in a worker thread) as
 ``fn(prompts, completions, **columns)`` with decoded completions (special tokens removed) and
-the row's other object columns, and returns one ``float | None`` per sample.
+the row's other object columns, and returns one ``float | None`` per sample. A reward that also
+reads a column the rollout writes (``finish_reason``: ``stop``, or ``length`` for a completion
+cut off at ``rollout.max_new_tokens``) names it in a ``rollout_columns`` attribute
+(:func:`rollout_columns`); the reward stage then passes it too.
 
 ``None`` means "no verdict" and the sample is left out of training. These rewards return it
 only when the *row* gives nothing to judge against (its ``answer`` column is ``None``); a
@@ -14,8 +17,8 @@ completion that is malformed (no number, an unsafe or invalid expression) is a v
 | FormatReward      | (none)               | 1 if the completion matches a regular expression    |
 | CountdownReward   | answer, numbers      | 1 if the expression uses the numbers and hits answer|
 | EpisodeReward     | episode_reward       | the environment's return of a multi-turn episode    |
-| reasoning_gym     | rg_spec, rg_index    | the reasoning-gym dataset's own ``score_answer``    |
-|                   |                      | (:mod:`engines.reasoning_gym`)                      |
+| reasoning_gym     | rg_spec, rg_index,   | the reasoning-gym dataset's own ``score_answer``    |
+|                   | finish_reason        | (:mod:`engines.reasoning_gym`)                      |
 | WeightedReward    | those of its parts   | weighted sum of its parts                           |
 
 :func:`make_reward` builds one by name (``math``, ``format``, ``countdown``, ``episode``,
@@ -45,6 +48,7 @@ __all__ = [
     "load_reward",
     "make_reward",
     "parse_final_number",
+    "rollout_columns",
 ]
 
 # A sign only where it cannot be a minus between operands ("7-3" ends in 3, not -3); a comma
@@ -278,6 +282,15 @@ class WeightedReward:
                 total = totals[i]
                 totals[i] = None if total is None or score is None else total + weight * score
         return totals
+
+
+def rollout_columns(fn: Any) -> tuple[str, ...]:
+    """The rollout's columns ``fn`` reads besides the row's: its ``rollout_columns`` attribute,
+    or those of a :class:`WeightedReward`'s parts (in order, once each); none by default."""
+    if isinstance(fn, WeightedReward):
+        names = [c for part, _ in fn.parts for c in rollout_columns(part)]
+        return tuple(dict.fromkeys(names))
+    return tuple(getattr(fn, "rollout_columns", ()))
 
 
 def _reasoning_gym(**options: Any) -> RewardCallable:

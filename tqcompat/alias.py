@@ -32,14 +32,27 @@ __all__ = ["NAME", "SHIM_PATH", "install", "install_from_shim", "installed", "un
 NAME = "transfer_queue"
 SHIM_PATH = str(Path(__file__).resolve().parent / "shim")
 """The folder to put on ``PYTHONPATH`` for the name in every process (see the module)."""
+# The peer's module paths that users import, each to the facade module that holds its names
+# (the peer's sampler/, dataloader/ and utils/ packages are one module each here).
 _SUBMODULES = {
     "": "tqcompat",
     "metadata": "tqcompat.metadata",
     "sampler": "tqcompat.sampler",
+    "sampler.base": "tqcompat.sampler",
+    "sampler.grpo_group_n_sampler": "tqcompat.sampler",
+    "sampler.rank_aware_sampler": "tqcompat.sampler",
+    "sampler.seqlen_balanced_sampler": "tqcompat.sampler",
+    "sampler.sequential_sampler": "tqcompat.sampler",
     "client": "tqcompat.client",
     "interface": "tqcompat.interface",
     "dataloader": "tqcompat.dataloader",
+    "dataloader.streaming_dataset": "tqcompat.dataloader",
+    "dataloader.streaming_dataloader": "tqcompat.dataloader",
+    "utils": "tqcompat.utils",
+    "utils.logging_utils": "tqcompat.utils",
 }
+_PACKAGES = {name.rpartition(".")[0] for name in _SUBMODULES if name}
+"""The peer's names with submodules above: given a ``__path__`` so that those import."""
 
 
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -53,7 +66,7 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         sub = fullname[len(NAME) + 1 :]
         if sub not in _SUBMODULES:
             return None
-        is_pkg = sub == ""
+        is_pkg = sub in _PACKAGES
         return importlib.util.spec_from_loader(fullname, self, is_package=is_pkg)
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:

@@ -14,6 +14,9 @@ Each call lands on our public client in one or two calls:
 | ``clear_samples(m)``                       | ``retire_groups(m.native.groups)`` (own group)|
 | ``get_meta(..., mode="force_fetch")``      | ``status(p, fields=..., meta=True)`` (no wait,|
 |                                            | no lease, every live row)                     |
+| ``get_meta(..., mode="insert")``           | ``put({}, partition=p, tags=[{}] * n)``: new  |
+|                                            | rows holding no field yet (``put(td,          |
+|                                            | metadata=m)`` writes them)                    |
 | ``get_consumption_status(task, p)``        | ``status(p, task=task)``                      |
 | ``get_production_status(fields, p)``       | ``status(p, fields=fields)``                  |
 | ``reset_consumption(p, task)``             | ``reset_consumption(task, p)`` (per task)     |
@@ -31,7 +34,7 @@ dies comes back after ``lease_s``.
 from __future__ import annotations
 
 import functools
-from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
@@ -41,7 +44,7 @@ import torch
 import transferqueue
 from tqcompat.metadata import BatchMeta
 from tqcompat.sampler import BaseSampler, Pool
-from tqcompat.tensors import from_columns, schema_of, to_columns
+from tqcompat.tensors import from_columns, schema_from_spec, schema_of, to_columns
 
 __all__ = ["AsyncTransferQueueClient", "Options", "TransferQueueClient"]
 
@@ -50,10 +53,6 @@ _POOL_LEASE_S = 86400.0  # pooled rows stay leased to this process (our longest 
 
 P = ParamSpec("P")
 T = TypeVar("T")
-
-_DTYPES = {
-    str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
-}
 
 
 @dataclass(kw_only=True)
@@ -94,14 +93,12 @@ def _check_get_meta(
     data_fields: Any, batch_size: Any, mode: str, task_name: str | None
 ) -> tuple[list[str], str]:
     fields = _check_fields(data_fields)
+    if mode not in ("fetch", "force_fetch", "insert"):
+        raise ValueError(f"Invalid mode: {mode!r} (expected 'fetch', 'force_fetch' or 'insert')")
     if mode == "insert":
-        raise ValueError(
-            "get_meta(mode='insert') is not served by the transfer_queue facade: it is the "
-            "peer's internal step of put() without metadata (the peer's docs: 'should not be "
-            "used by users'); call put(data, partition_id=...) to write new rows"
-        )
-    if mode not in ("fetch", "force_fetch"):
-        raise ValueError(f"Invalid mode: {mode!r} (expected 'fetch' or 'force_fetch')")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        return fields, ""
     if mode == "force_fetch":
         return fields, ""  # (no task, no batch size: every live row, see _force_fetch)
     if task_name is None:
@@ -137,23 +134,6 @@ def _check_fields(data_fields: Any) -> list[str]:
     return list(data_fields)
 
 
-def _schema_from_spec(spec: str) -> dict[str, Any]:
-    """The peer's schema entry of one of our field specs as ``stats`` describes it
-    (``"dense int64 [2]"``, ``"ragged float32 []"``, ``"object"``)."""
-    kind, *rest = spec.split(" ", 2)
-    if kind == "object":
-        return {"dtype": None, "shape": None, "is_nested": False, "is_non_tensor": True}
-    dtype = _DTYPES.get(rest[0]) if rest else None
-    dims = rest[1].strip("[]") if len(rest) > 1 else ""
-    shape = tuple(int(d) for d in dims.split(",") if d.strip())
-    return {
-        "dtype": dtype,
-        "shape": torch.Size(shape) if kind == "dense" else None,
-        "is_nested": kind == "ragged",
-        "is_non_tensor": False,
-    }
-
-
 class AsyncTransferQueueClient:
     """The peer's asyncio client: ``async_get_meta``, ``async_put``, ``async_get_data``...
     Get the process's client from ``tq.get_client()`` (a :class:`TransferQueueClient`, which
@@ -163,7 +143,8 @@ class AsyncTransferQueueClient:
         self._handle = handle
         self._a = handle.async_client()
         self.options = options
-        self._schemas: dict[str, dict[str, Any]] = {}
+        # the peer's schema entry per (partition, field): our specs are per partition
+        self._schemas: dict[tuple[str, str], dict[str, Any]] = {}
         self._pools: dict[tuple[str, str, tuple[str, ...]], Pool] = {}
 
     @property
@@ -171,35 +152,60 @@ class AsyncTransferQueueClient:
         """Our async client under the facade, for calls the peer does not have."""
         return self._a
 
-    def _known_schema(self, fields: Sequence[str], specs: dict[str, str] | None = None) -> Any:
-        """The peer's schema of ``fields`` from what this client learnt (``specs``: our
-        field specs, learnt first); None while one of them is unknown here."""
+    def _known_schema(
+        self, partition: str, fields: Sequence[str], specs: Mapping[str, str] | None = None
+    ) -> Any:
+        """The peer's schema of ``fields`` of ``partition`` from what this client learnt
+        (``specs``: our field specs of the partition, learnt first); None while one of them is
+        unknown here."""
         for name, spec in (specs or {}).items():
-            self._schemas.setdefault(name, _schema_from_spec(spec))
-        if specs is None and any(f not in self._schemas for f in fields):
-            return None  # (ask the store's stats once, then it is known)
-        return {f: dict(self._schemas[f]) for f in fields if f in self._schemas}
+            self._schemas[(partition, name)] = schema_from_spec(spec)
+        if specs is None and any((partition, f) not in self._schemas for f in fields):
+            return None  # (ask the partition's specs once, then they are known)
+        return {
+            f: dict(self._schemas[(partition, f)])
+            for f in fields
+            if (partition, f) in self._schemas
+        }
 
-    async def _schema(self, fields: Sequence[str]) -> dict[str, dict[str, Any]]:
-        got = self._known_schema(fields)
+    async def _schema(self, partition: str, fields: Sequence[str]) -> dict[str, dict[str, Any]]:
+        got = self._known_schema(partition, fields)
         if got is None:
-            got = self._known_schema(fields, (await self._a.stats())["controller"]["fields"])
+            specs = await self._a.specs(partition)
+            got = self._known_schema(partition, fields, {n: s.describe() for n, s in specs.items()})
         return got
 
+    def learn_schema(self, partition: str, cols: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+        """The peer's schema of columns just written to ``partition``, remembered (a cleared
+        partition takes new specs: what was written last is what it holds)."""
+        schema = schema_of(dict(cols))
+        for name, entry in schema.items():
+            self._schemas[(partition, name)] = {
+                k: v for k, v in entry.items() if k != "per_sample_shapes"
+            }
+        return schema
+
     async def write_columns(
-        self, write: Callable[[dict[str, Any]], Awaitable[T]], cols: dict[str, Any]
+        self,
+        write: Callable[[dict[str, Any]], Awaitable[T]],
+        cols: dict[str, Any],
+        partition: str,
     ) -> T:
         """Run ``write(cols)`` (a put of ours); where a dense column's dtype differs from its
         field's (the peer keeps a dtype per row, we one per field), cast it to the field's
         dtype when the cast is exact, and write again. An inexact cast keeps our
-        ``SchemaError``."""
+        ``SchemaError``. A put refused because another client cleared the partition since this
+        one learnt its specs is written again once the specs are read afresh."""
         try:
             return await write(cols)
+        except transferqueue.UnknownFieldError:
+            await self._a.specs(partition)  # (reads them again: the cleared partition has none)
+            return await write(cols)
         except transferqueue.SchemaError:
-            specs = (await self._a.stats())["controller"]["fields"]
+            specs = {n: s.describe() for n, s in (await self._a.specs(partition)).items()}
             cast = dict(cols)
             for name, col in cols.items():
-                known = _schema_from_spec(specs[name]) if name in specs else None
+                known = schema_from_spec(specs[name]) if name in specs else None
                 if (
                     known is None
                     or not isinstance(col, torch.Tensor)
@@ -221,7 +227,7 @@ class AsyncTransferQueueClient:
         return BatchMeta(
             native.indexes.tolist(),
             [native.partition] * n,
-            await self._schema(fields),
+            await self._schema(native.partition, fields),
             np.ones(n, np.int8),
             custom_meta=custom,
             native=native,
@@ -242,6 +248,8 @@ class AsyncTransferQueueClient:
         fields, task = _check_get_meta(data_fields, batch_size, mode, task_name)
         if mode == "force_fetch":
             return await self._force_fetch(fields, partition_id)
+        if mode == "insert":
+            return await self._insert(fields, partition_id, batch_size)
         if self.options.user_sampler is not None:
             return await self._get_meta_sampled(
                 fields, batch_size, partition_id, task, sampling_config or {}
@@ -303,13 +311,24 @@ class AsyncTransferQueueClient:
             yield "ack", (native,), {}
         return native
 
+    async def _insert(self, fields: list[str], partition: str, batch_size: int) -> BatchMeta:
+        """The peer's ``get_meta(mode="insert")``: ``batch_size`` new rows of ``partition``
+        that hold no field yet (our put of tags only), none ready; ``put(data, metadata=m)``
+        (of the batch or of rows selected from it) writes their fields."""
+        native = await self._a.put({}, partition=partition, tags=[{}] * batch_size)
+        n = len(native)
+        schema = await self._schema(partition, fields)  # (the fields written there before)
+        return BatchMeta(
+            native.indexes.tolist(), [partition] * n, schema, np.zeros(n, np.int8), native=native
+        )
+
     async def _force_fetch(self, fields: list[str], partition: str) -> BatchMeta:
         """The peer's ``get_meta(mode="force_fetch")``: every live row of ``partition`` in
         index order, at once (no wait, no sampler, ``batch_size`` and ``task_name`` unused),
         consumed or not, ready or not; no task's consumption changes. ``production_status``
         says per row whether all ``fields`` are written (a field nobody wrote: 0 for every
         row); ``get_data`` of such a batch needs its rows ready (select them first)."""
-        schema = await self._schema(fields)
+        schema = await self._schema(partition, fields)
         known = [f for f in fields if f in schema]
         st = await self._a.status(partition, fields=known, meta=True)
         native = st.meta
@@ -426,16 +445,13 @@ class AsyncTransferQueueClient:
         if data_parser is not None:
             data = data_parser(data)
         cols, rows = to_columns(data)
-        schema = schema_of(cols)
-        self._schemas.update(
-            {k: {x: y for x, y in v.items() if x != "per_sample_shapes"} for k, v in schema.items()}
-        )
         if metadata is None:
             if partition_id is None:
                 raise ValueError("put needs metadata= or partition_id=")
             native = await self.write_columns(
-                lambda c: self._a.put(c, partition=partition_id), cols
+                lambda c: self._a.put(c, partition=partition_id), cols, partition_id
             )
+            schema = self.learn_schema(partition_id, cols)
             return BatchMeta(
                 native.indexes.tolist(),
                 [partition_id] * rows,
@@ -449,7 +465,10 @@ class AsyncTransferQueueClient:
             raise ValueError(f"put: the TensorDict has {rows} rows, the metadata {metadata.size}")
         leased = metadata.native.lease_id is not None and not metadata.native.acked
         native = metadata.native
-        await self.write_columns(lambda c: self._a.put(c, meta=native, ack=leased), cols)
+        await self.write_columns(
+            lambda c: self._a.put(c, meta=native, ack=leased), cols, native.partition
+        )
+        schema = self.learn_schema(native.partition, cols)
         if metadata.custom_meta_loaded and any(metadata.custom_meta):
             await self._a.set_custom_meta(metadata.native.indexes, metadata.custom_meta)
         out = metadata.copy()
@@ -465,6 +484,8 @@ class AsyncTransferQueueClient:
     # -- partitions --------------------------------------------------------------------------
     async def async_clear_partition(self, partition_id: str) -> None:
         await self._a.clear(partition_id)
+        for key in [k for k in self._schemas if k[0] == partition_id]:
+            del self._schemas[key]  # (a cleared partition forgets its specs)
 
     async def async_clear_samples(self, metadata: BatchMeta) -> None:
         """Free the batch's rows (our ``retire_groups``: a row put through the facade is a
@@ -535,8 +556,16 @@ class AsyncTransferQueueClient:
         self, data_fields: list[str], partition_id: str
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``(global_indexes, produced)``: every live row and whether all ``data_fields``
-        are written (1) or not (0)."""
-        st = await self._a.status(partition_id, fields=_check_fields(data_fields))
+        are written (1) or not (0); ``(None, None)`` for a partition or a field the store does
+        not know (never written, or cleared), as the peer."""
+        try:
+            st = await self._a.status(partition_id, fields=_check_fields(data_fields))
+        except transferqueue.UnknownFieldError:
+            return None, None
+        except ValueError:  # (our BadRequestError: an unknown partition is one)
+            if partition_id in (await self._a.stats())["controller"]["partitions"]:
+                raise
+            return None, None
         ready = np.logical_and.reduce([st.ready[f] for f in data_fields]) if len(st) else []
         return torch.from_numpy(st.indexes.copy()), torch.as_tensor(ready, dtype=torch.int8)
 
@@ -602,6 +631,8 @@ class TransferQueueClient(AsyncTransferQueueClient):
         fields, task = _check_get_meta(data_fields, batch_size, mode, task_name)
         if mode == "force_fetch":
             return self.run(self._force_fetch(fields, partition_id))
+        if mode == "insert":
+            return self.run(self._insert(fields, partition_id, batch_size))
         if self.options.user_sampler is not None:
             return self.run(
                 self._get_meta_sampled(
@@ -619,9 +650,12 @@ class TransferQueueClient(AsyncTransferQueueClient):
             native = done.value
         if isinstance(native, int):
             return self._short(task, fields, partition_id, batch_size, native)
-        schema = self._known_schema(fields)
+        schema = self._known_schema(partition_id, fields)
         if schema is None:
-            schema = self._known_schema(fields, sync.stats()["controller"]["fields"])
+            specs = sync.specs(partition_id)
+            schema = self._known_schema(
+                partition_id, fields, {n: s.describe() for n, s in specs.items()}
+            )
         indexes = native.indexes
         return BatchMeta.of_native(native, schema, lambda: sync.get_custom_meta(indexes))
 

@@ -63,10 +63,21 @@ def chunk_batch_fn(td: Any, batch_meta: BatchMeta, micro_batch_size: int = 1) ->
         raise ValueError(
             f"micro_batch_size ({micro_batch_size}) exceeds total batch size ({total})"
         )
+    # torch slices no strided nested tensor along its batch axis: such a field is split into
+    # its rows once, and each micro-batch gets a nested tensor of its rows (the same layout)
+    strided = {
+        k: v.unbind(0)
+        for k, v in td.items()
+        if isinstance(v, torch.Tensor) and v.is_nested and v.layout == torch.strided
+    }
+    rest = td.exclude(*strided) if strided else td
     out = []
     for start in range(0, total, micro_batch_size):
         stop = min(start + micro_batch_size, total)
-        out.append((td[start:stop], batch_meta[start:stop]))
+        part = rest[start:stop]
+        for k, rows in strided.items():
+            part[k] = torch.nested.as_nested_tensor(list(rows[start:stop]), layout=torch.strided)
+        out.append((part, batch_meta[start:stop]))
     return out
 
 

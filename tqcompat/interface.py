@@ -229,27 +229,27 @@ async def async_kv_batch_put(
     data_parser: Any = None,
 ) -> KVBatchMeta:
     """Write one row per key (new keys get rows; existing ones get the fields written) and
-    set their tags."""
+    set their tags, in one put of ours; tags without fields make keys that hold only tags
+    (their fields come later), as the peer's."""
     a = _async().native
     if tags is not None and len(tags) != len(keys):
         raise ValueError(f"kv_batch_put: {len(keys)} keys but {len(tags)} tags; one per key")
-    names: list[str] | None = None
+    if fields is None and tags is None:
+        raise ValueError("kv_batch_put needs fields=, tags= or both")
+    cols: dict[str, Any] = {}
     if fields is not None:
         if data_parser is not None:
             fields = data_parser(fields)
         cols, rows = to_columns(fields)
         if rows != len(keys):
             raise ValueError(f"kv_batch_put: {len(keys)} keys but {rows} rows of fields")
-        meta = await _async().write_columns(
-            lambda c: a.kv_batch_put(keys, c, partition=partition_id), cols
-        )
-        names = list(cols)
-    elif tags is None:
-        raise ValueError("kv_batch_put needs fields=, tags= or both")
-    else:
-        meta = await a.kv_meta(keys, partition=partition_id)
-    if tags is not None:
-        await a.set_custom_meta(meta.indexes, tags)
+    meta = await _async().write_columns(
+        lambda c: a.kv_batch_put(keys, c, partition=partition_id, tags=tags), cols, partition_id
+    )
+    if cols:
+        _async().learn_schema(partition_id, cols)
+    # the peer returns every field the keys hold (this put's and earlier ones')
+    names = list((await a.kv_meta(keys, partition=partition_id)).fields)
     out_tags = tags if tags is not None else await a.get_custom_meta(meta.indexes)
     return KVBatchMeta(list(keys), list(out_tags), partition_id, names)
 
@@ -283,7 +283,12 @@ async def async_kv_batch_get(
 ) -> Any:
     """The keys' rows as a TensorDict (``select_fields``; None: the fields all have)."""
     keys = [keys] if isinstance(keys, str) else list(keys)
-    cols = await _async().native.kv_batch_get(keys, _fields(select_fields), partition=partition_id)
+    try:
+        cols = await _async().native.kv_batch_get(
+            keys, _fields(select_fields), partition=partition_id
+        )
+    except transferqueue.UnknownKeyError as e:
+        raise KeysNotFoundError(f"keys or partition were not found: {e}") from e
     return from_columns(cols, len(keys))
 
 
@@ -294,6 +299,13 @@ async def async_kv_batch_get_by_meta(
     if meta.partition_id is None:
         raise ValueError("kv_batch_get_by_meta needs a KVBatchMeta with a partition_id")
     fields = _fields(select_fields) if select_fields is not None else meta.fields
+    if select_fields is not None and (
+        meta.fields is None or any(f not in meta.fields for f in fields or ())
+    ):
+        raise ValueError(
+            f"Some fields assigned in select_fields not found in the metadata. Assigned: "
+            f"{fields}; Fields in KVBatchMeta: {meta.fields}"
+        )
     return await async_kv_batch_get(meta.keys, meta.partition_id, fields)
 
 
@@ -307,9 +319,10 @@ async def async_kv_list(partition_id: str | None = None) -> dict[str, dict[str, 
         names = [partition_id]
     out: dict[str, dict[str, Any]] = {}
     for name in names:
-        listing = await a.kv_list(name)
-        tags = await a.get_custom_meta(listing.indexes) if len(listing) else []
-        out[name] = dict(zip(listing.keys, tags, strict=True))
+        listing = await a.kv_list(name, tags=True)
+        if partition_id is not None and not len(listing):
+            continue  # the peer lists no partition without keys
+        out[name] = dict(zip(listing.keys, listing.tags or [], strict=True))
     return out
 
 
@@ -363,6 +376,11 @@ def kv_clear(keys: list[str] | str, partition_id: str) -> None:
     return get_client().run(async_kv_clear(keys, partition_id))
 
 
+class KeysNotFoundError(transferqueue.UnknownKeyError, ValueError):
+    """``kv_batch_get`` of keys the partition does not hold: our ``UnknownKeyError`` (the
+    facade's ``StorageKeyNotFoundError``) and the peer's ``ValueError`` at once."""
+
+
 # -- checkpoints -----------------------------------------------------------------------------
 def save_checkpoint(
     checkpoint_dir: str | Path,
@@ -388,4 +406,6 @@ def save_checkpoint(
 def load_checkpoint(checkpoint_dir: str | Path) -> None:
     """Load a checkpoint saved by :func:`save_checkpoint` into the running store (our
     ``load``: a partition the store already has is refused)."""
+    if not Path(checkpoint_dir).is_dir():  # the peer's type for a folder that is not there
+        raise FileNotFoundError(f"checkpoint directory {checkpoint_dir} does not exist")
     get_client().native_sync.load(checkpoint_dir)

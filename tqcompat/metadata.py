@@ -11,8 +11,12 @@ hand (the metadata tutorial) has no native batch: it is metadata only.
 |--------------------------|--------------------------------------------------------------|
 | ``production_status``    | int8 per row, 1 = every field written (``is_ready``)         |
 | ``custom_meta``          | list of dicts, one per row; stored by ``set_custom_meta``    |
-| ``union(other)``         | same rows, fields merged (other's schema wins)               |
-| ``concat(batches)``      | rows appended; one partition, no lease (a read-only handle)  |
+| ``union(other)``         | same rows, fields merged (other's schema wins); an empty     |
+|                          | side gives a copy of the other                               |
+| ``concat(batches)``      | rows appended; one partition, no lease (a read-only handle); |
+|                          | ``extra_info`` merged, a key with two values a ``ValueError``|
+
+Errors are the peer's exception types with its messages' words (its tests match them).
 """
 
 from __future__ import annotations
@@ -24,12 +28,42 @@ from types import MappingProxyType
 from typing import Any
 
 import numpy as np
+import torch
 
 import transferqueue
 
 __all__ = ["BatchMeta", "KVBatchMeta"]
 
 Native = transferqueue.BatchMeta
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Two ``extra_info`` values are equal (tensors and arrays by content, as the peer)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return bool(np.array_equal(a, b))
+    try:
+        return bool(a == b)
+    except Exception:  # a value without a truth value (an array-like) is not equal
+        return False
+
+
+def _merge_extra(infos: Sequence[dict[str, Any] | None], who: str) -> dict[str, Any]:
+    """The chunks' ``extra_info`` in one dict: the union of keys, a key with two different
+    values a ``ValueError`` naming it (the peer's rule for ``concat``)."""
+    out: dict[str, Any] = {}
+    for i, info in enumerate(infos):
+        for key, value in (info or {}).items():
+            if key in out and not _same(out[key], value):
+                raise ValueError(
+                    f"{who}.concat: extra_info key '{key}' has conflicting values across "
+                    f"chunks and cannot be merged: chunk[0]={out[key]!r}, chunk[{i}]={value!r}"
+                )
+            out.setdefault(key, value)
+    return out
 
 
 def _take(native: Native | None, positions: Sequence[int]) -> Native | None:
@@ -351,8 +385,12 @@ class BatchMeta:
 
     def reorder(self, indices: Sequence[int]) -> None:
         """Reorder the rows in place (``indices``: a permutation of positions)."""
-        if sorted(indices) != list(range(self.size)):
-            raise ValueError(f"reorder needs a permutation of 0..{self.size - 1}, got {indices}")
+        if len(indices) != self.size:
+            raise ValueError(f"Indices length {len(indices)} mismatch batch size {self.size}")
+        if len(set(indices)) != self.size:
+            raise ValueError(f"Indices contain duplicates: {list(indices)}")
+        if any(not 0 <= i < self.size for i in indices):
+            raise ValueError(f"Reorder indices must be in range [0, {self.size}), got {indices}")
         other = self._rows(indices)
         for slot in vars(other):
             setattr(self, slot, getattr(other, slot))
@@ -377,12 +415,18 @@ class BatchMeta:
         return [self._rows(pos) for pos in order.values()]
 
     def union(self, other: BatchMeta) -> BatchMeta:
-        """The same rows with both batches' fields (``other``'s schema wins on a clash)."""
-        if self.global_indexes != other.global_indexes:
-            raise ValueError(
-                "union needs batches of the same rows in the same order: global_indexes "
-                f"{self.global_indexes} vs {other.global_indexes}"
-            )
+        """The same rows with both batches' fields (``other``'s schema wins on a clash); a
+        copy of the other side where one is empty."""
+        if not other or other.size == 0:
+            return self.copy()
+        if self.size == 0:
+            return other.copy()
+        for name in ("global_indexes", "partition_ids"):
+            if getattr(self, name) != getattr(other, name):
+                raise ValueError(
+                    f"BatchMeta.union: {name} do not match (the same rows in the same order): "
+                    f"{getattr(self, name)} vs {getattr(other, name)}"
+                )
         out = self.copy()
         out.field_schema.update({k: dict(v) for k, v in other.field_schema.items()})
         out.production_status = np.minimum(self.production_status, other.production_status)
@@ -397,19 +441,29 @@ class BatchMeta:
         parts = [d for d in data if d.size]
         if not parts:
             return cls.empty()
-        if validate and len({tuple(p.field_names) for p in parts}) > 1:
-            raise ValueError(
-                f"concat needs batches with the same fields, got {[p.field_names for p in parts]}"
-            )
+        for i, p in enumerate(parts if validate else ()):
+            if p.field_names != parts[0].field_names:
+                raise ValueError(
+                    f"BatchMeta.concat: field_names mismatch at chunk[{i}]: expected "
+                    f"{parts[0].field_names}, got {p.field_names}"
+                )
+            for name in p.field_names:
+                want, got = (
+                    parts[0].field_schema[name].get("dtype"),
+                    p.field_schema[name].get("dtype"),
+                )
+                if got != want:
+                    raise ValueError(
+                        f"Field '{name}' dtype mismatch in concat: chunk[0]={want}, "
+                        f"chunk[{i}]={got}"
+                    )
         schema = {k: dict(v) for k, v in parts[0].field_schema.items()}
         for name, meta in schema.items():
             if meta.get("per_sample_shapes") is not None:
                 meta["per_sample_shapes"] = [
                     s for p in parts for s in p.field_schema[name].get("per_sample_shapes") or []
                 ]
-        extra: dict[str, Any] = {}
-        for p in parts:
-            extra.update(p.extra_info)
+        extra = _merge_extra([p.extra_info for p in parts], "BatchMeta")
         return cls(
             [i for p in parts for i in p.global_indexes],
             [i for p in parts for i in p.partition_ids],
@@ -480,15 +534,22 @@ class KVBatchMeta:
         )
 
     def select_keys(self, keys_to_select: Sequence[str]) -> KVBatchMeta:
+        if len(set(keys_to_select)) != len(keys_to_select):
+            raise ValueError(f"Contain duplicate keys: {list(keys_to_select)}")
         where = {k: i for i, k in enumerate(self.keys)}
         missing = [k for k in keys_to_select if k not in where]
         if missing:
-            raise ValueError(f"keys {missing} are not in this KVBatchMeta")
+            raise RuntimeError(f"Keys {missing} not found in current batch.")
         return self._rows([where[k] for k in keys_to_select])
 
     def reorder(self, indexes: Sequence[int]) -> None:
-        if sorted(indexes) != list(range(self.size)):
-            raise ValueError(f"reorder needs a permutation of 0..{self.size - 1}, got {indexes}")
+        if len(indexes) != self.size:
+            raise ValueError(
+                f"Attempted to reorder with indexes length {len(indexes)} that does not match "
+                f"the batch size {self.size}."
+            )
+        if len(set(indexes)) != len(indexes):
+            raise ValueError(f"Contain duplicate indexes: {list(indexes)}")
         other = self._rows(indexes)
         self.keys, self.tags = other.keys, other.tags
 
@@ -505,14 +566,24 @@ class KVBatchMeta:
 
     @classmethod
     def concat(cls, data: Sequence[KVBatchMeta]) -> KVBatchMeta:
+        data = [d for d in data if d and d.size]
         if not data:
             return cls()
-        if len({d.partition_id for d in data}) > 1:
-            raise ValueError("concat needs KVBatchMetas of one partition")
+        for d in data:
+            if d.fields is not None and set(d.fields) != set(data[0].fields or ()):
+                raise ValueError(
+                    f"Field names do not match for concatenation: {data[0].fields} vs {d.fields}"
+                )
+            if d.partition_id != data[0].partition_id:
+                raise ValueError(
+                    f"Partition do not match for concatenation: {data[0].partition_id!r} vs "
+                    f"{d.partition_id!r}"
+                )
+        extra = _merge_extra([d.extra_info for d in data], "KVBatchMeta")
         return cls(
             [k for d in data for k in d.keys],
             [t for d in data for t in d.tags],
             data[0].partition_id,
             data[0].fields,
-            data[0].extra_info,
+            extra or None,
         )

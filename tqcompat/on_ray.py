@@ -26,11 +26,29 @@ NAMESPACE = "transfer_queue"
 
 class Directory:
     """The named actor's state: the config ``init`` merged and the servers' address. A plain
-    class; ``ray.remote`` is applied at deployment."""
+    class; ``ray.remote`` is applied at deployment. Of the peer controller's own calls it
+    answers the two that code outside the peer uses to clean up (the peer's end-to-end tests
+    call them between tests): ``list_partitions`` and ``clear_partition``, through a client
+    of its own, made on first use."""
 
     def __init__(self, config: dict[str, Any], address: str) -> None:
         self._config = dict(config)
         self._address = address
+        self._handle: transferqueue.TransferQueue | None = None
+
+    def _client(self) -> transferqueue.Client:
+        if self._handle is None:
+            self._handle = transferqueue.connect(self._address)
+        return self._handle.client()
+
+    def list_partitions(self) -> list[str]:
+        """The partitions holding rows (the facade's ``get_partition_list``)."""
+        parts = self._client().stats()["controller"]["partitions"]
+        return [name for name, info in parts.items() if info.get("rows_live")]
+
+    def clear_partition(self, partition_id: str) -> None:
+        """Drop the partition's rows (our ``clear``)."""
+        self._client().clear(partition_id)
 
     def get_config(self) -> dict[str, Any]:
         """The merged config, as the peer's controller returns it."""

@@ -5,7 +5,8 @@
 | ``SequentialSampler``        | our ``fifo`` sampler in the controller (arrival order)       |
 | a user ``BaseSampler``       | run as given, in the process that calls ``get_meta``, over   |
 |                              | the rows it pooled (:class:`Pool`)                           |
-| ``GRPOGroupNSampler(n)``     | the same: whole runs of ``n`` consecutive indexes            |
+| ``GRPOGroupNSampler(n)``     | the same: runs of ``n`` consecutive indexes in the sorted    |
+|                              | ready rows, the peer's scan (a run starts anywhere)          |
 | ``SeqlenBalancedSampler``    | refused at ``init``: use our ``balanced`` sampler            |
 | ``RankAwareSampler``         | our ``fifo`` sampler, the batch shared by claim (below)      |
 
@@ -46,6 +47,7 @@ __all__ = [
     "RankAwareSampler",
     "SeqlenBalancedSampler",
     "SequentialSampler",
+    "get_seqlen_balanced_partitions",
     "resolve_sampler",
 ]
 
@@ -87,31 +89,55 @@ class SequentialSampler(BaseSampler):
 
 
 class GRPOGroupNSampler(BaseSampler):
-    """Whole groups of ``n_samples_per_prompt`` consecutive global indexes (``g*n`` to
-    ``g*n + n - 1``), oldest group first, only groups whose rows are all ready;
-    ``batch_size`` counts rows (a multiple of ``n``)."""
+    """Whole groups of ``n_samples_per_prompt`` rows: runs of ``n`` consecutive global
+    indexes in the sorted ready rows, the peer's scan exactly (a run may start anywhere:
+    ``[3, 4, 5]`` is a group for ``n=3``); ``batch_size`` counts rows (a multiple of ``n``),
+    nothing until that many groups are ready. With ``dp_rank`` and ``batch_index`` given, a
+    result is cached and handed again for the same pair (the peer's per-rank state)."""
 
     def __init__(self, n_samples_per_prompt: int = 1) -> None:
         super().__init__()
-        if n_samples_per_prompt < 1:
-            raise ValueError(f"n_samples_per_prompt must be > 0, got {n_samples_per_prompt}")
+        if n_samples_per_prompt <= 0:
+            raise ValueError(f"n_samples_per_prompt must be positive, got {n_samples_per_prompt}")
         self.n_samples_per_prompt = n_samples_per_prompt
 
     def sample(
-        self, ready_indexes: list[int], batch_size: int, *args: Any, **kwargs: Any
+        self,
+        ready_indexes: list[int],
+        batch_size: int,
+        task_name: str = "",
+        partition_id: str = "",
+        *args: Any,
+        **kwargs: Any,
     ) -> tuple[list[int], list[int]]:
+        states = self._states.get(partition_id, {}).get(task_name, {})
+        dp_rank, batch_index = kwargs.get("dp_rank"), kwargs.get("batch_index")
+        if batch_index in states.get(dp_rank, {}):
+            cached: tuple[list[int], list[int]] = states[dp_rank][batch_index]
+            return cached
         n = self.n_samples_per_prompt
         if batch_size % n:
-            raise ValueError(f"batch_size {batch_size} is not a multiple of n={n}")
-        ready = set(ready_indexes)
+            raise ValueError(
+                f"batch_size ({batch_size}) must be a multiple of n_samples_per_prompt ({n})"
+            )
+        wanted = batch_size // n
+        ready = sorted(ready_indexes)
         picked: list[int] = []
-        for g in sorted({i // n for i in ready_indexes}):
-            rows = list(range(g * n, g * n + n))
-            if ready.issuperset(rows):
-                picked += rows
-                if len(picked) == batch_size:
-                    return picked, list(picked)
-        return [], []
+        i = 0
+        while i <= len(ready) - n and len(picked) < wanted * n:
+            run = ready[i : i + n]
+            if run[-1] - run[0] == n - 1 and len(set(run)) == n:  # n consecutive indexes
+                picked += run
+                i += n
+            else:
+                i += 1
+        if len(picked) < wanted * n:
+            return [], []
+        result = (picked, list(picked))
+        if dp_rank is not None:
+            states.setdefault(dp_rank, {}).setdefault(batch_index, result)
+            self._states.setdefault(partition_id, {})[task_name] = states
+        return result
 
 
 class SeqlenBalancedSampler(GRPOGroupNSampler):
@@ -148,13 +174,35 @@ class RankAwareSampler(SequentialSampler):
     ) -> tuple[list[int], list[int]]:
         if dp_rank < 0:
             raise ValueError(f"dp_rank {dp_rank} must be greater than or equal to 0")
-        group = self._states.setdefault((partition_id, task_name, dp_rank), {})
+        # the peer's layout: partition -> task -> dp_rank -> batch_index -> rows
+        group = self._states.setdefault(partition_id, {}).setdefault(task_name, {})
+        group = group.setdefault(dp_rank, {})
         if batch_index not in group:
             picked = list(ready_indexes[:batch_size])
             if len(picked) < batch_size:
                 return [], []
             group[batch_index] = picked
         return list(group[batch_index]), list(group[batch_index])
+
+
+def get_seqlen_balanced_partitions(
+    seqlen_list: list[int], k_partitions: int, equal_size: bool
+) -> list[list[int]]:
+    """The peer's helper: ``k_partitions`` lists of item positions, sorted, whose summed
+    lengths are balanced: our ``BatchMeta.split`` of a batch whose rows are the items and
+    whose ``lengths`` are theirs (longest first to the lightest part). Its parts always hold
+    n//k or n//k+1 items, so ``equal_size=False`` gets equal counts too. As the peer: fewer
+    items than parts, or ``equal_size`` with n not a multiple of k, is an
+    ``AssertionError``."""
+    n = len(seqlen_list)
+    assert n >= k_partitions, f"number of items:[{n}] < k_partitions:[{k_partitions}]"
+    if equal_size:
+        assert n % k_partitions == 0, f"{n} items do not split into {k_partitions} equal parts"
+    pos = np.arange(n, dtype=np.int64)  # the items as rows of a batch: index = position
+    rows = transferqueue.BatchMeta(
+        pos, np.zeros(n, np.int32), pos, pos, np.asarray(seqlen_list, dtype=np.int64), ""
+    )
+    return [part.indexes.tolist() for part in rows.split(k_partitions)]
 
 
 _KNOWN = {

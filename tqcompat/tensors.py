@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from itertools import repeat
 from typing import Any
 
+import numpy as np
 import torch
 
 from transferqueue import Ragged, Shaped
@@ -41,7 +42,7 @@ try:
 except ImportError:  # pragma: no cover - a torch without it takes the public calls
     pass
 
-__all__ = ["from_columns", "schema_of", "to_columns"]
+__all__ = ["from_columns", "schema_from_spec", "schema_of", "to_columns"]
 
 
 def _tensordict() -> Any:
@@ -92,6 +93,17 @@ def _column(name: str, value: Any) -> Any:
         if len({tuple(r.shape[1:]) for r in rows}) > 1:
             return Shaped.from_tensors(rows, value.dtype)
         return Ragged.from_tensors(rows, value.dtype)
+    # a numpy array or a list in a TensorDict (strings, bytes, objects) is one NonTensorData
+    # for the batch; as the peer (which reads row i as td[field][i]), one of batch-size length
+    # holds the rows along its first axis: our put takes the array (or list) as the column
+    data = getattr(value, "data", None)
+    if (
+        isinstance(value, _tensordict().NonTensorData)
+        and isinstance(data, (np.ndarray, list, tuple))
+        and np.ndim(data)
+        and len(data) == value.batch_size[0]
+    ):
+        return data if isinstance(data, np.ndarray) else list(data)
     tolist = getattr(value, "tolist", None)
     if callable(tolist):  # NonTensorStack, numpy arrays of objects
         return list(tolist())
@@ -189,3 +201,25 @@ def schema_of(cols: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         else:
             schema[name] = {"dtype": None, "shape": None, "is_nested": False, "is_non_tensor": True}
     return schema
+
+
+_DTYPES = {
+    str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
+}
+
+
+def schema_from_spec(spec: str) -> dict[str, Any]:
+    """The peer's schema entry of one of our field specs as ``stats`` describes it
+    (``"dense int64 [2]"``, ``"ragged float32 []"``, ``"object"``)."""
+    kind, *rest = spec.split(" ", 2)
+    if kind == "object":
+        return {"dtype": None, "shape": None, "is_nested": False, "is_non_tensor": True}
+    dtype = _DTYPES.get(rest[0]) if rest else None
+    dims = rest[1].strip("[]") if len(rest) > 1 else ""
+    shape = tuple(int(d) for d in dims.split(",") if d.strip())
+    return {
+        "dtype": dtype,
+        "shape": torch.Size(shape) if kind == "dense" else None,
+        "is_nested": kind == "ragged",
+        "is_non_tensor": False,
+    }

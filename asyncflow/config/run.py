@@ -287,7 +287,33 @@ class DeployConfig:
     (its leased rows come back through TransferQueue's leases; a trainer rank is never
     restarted: its death ends the run with an error naming it)."""
 
+    stall_timeout_s: float | None = None
+    """How long a stage may hold a unit of work (a batch, an engine call) without finishing
+    it, or its host stay silent to the driver's progress probe, before the run names the
+    stall in one WARNING (stage, host, pid, what it holds, the phase it is in, its Python
+    stacks) and, with ``ray``, kills the host and restarts it through the restart path (its
+    leases handed back at once), with ``local`` replaces an HF engine process
+    (``rollout.engine_process``); trainer ranks and what runs in the driver's process are
+    reported only. None: per stage, 10 x the median time of its last units of work, at least
+    10 s and at most 60 s for a silent host or 600 s for a unit in hand (60 s and 300 s before
+    its first unit is done: a first call may compile); ``asyncflow.stall`` states the rule.
+    Set it when a stall must be found sooner, or above the longest legitimate call."""
+
+    drain_grace_s: float = 60.0
+    """``ray``: how long a rollout instance that leaves a running job (``asyncflow scale DIR
+    rollout=N`` to fewer) may finish the calls it has before it is stopped anyway (its calls
+    left then fail over to the other instances, as when an instance dies)."""
+
     def __post_init__(self) -> None:
+        if not 0 < self.drain_grace_s < float("inf"):
+            raise ValueError(
+                f"deploy.drain_grace_s must be finite seconds > 0, got {self.drain_grace_s}"
+            )
+        if self.stall_timeout_s is not None and not 0 < self.stall_timeout_s < float("inf"):
+            raise ValueError(
+                f"deploy.stall_timeout_s must be finite seconds > 0 (or null: automatic), "
+                f"got {self.stall_timeout_s}"
+            )
         if self.mode not in ("local", "ray"):
             raise ValueError(f"deploy.mode must be local or ray, got {self.mode!r}")
         transports = ("auto", "shm", "ipc", "broadcast", "ray")

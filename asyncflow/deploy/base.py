@@ -45,6 +45,7 @@ from adapters import StepReport
 from asyncflow.feeder import AdmissionState, Predictor
 from asyncflow.metrics import Timeline
 from asyncflow.registry import WeightSync
+from asyncflow.stall import Probe
 from engines.tasks import Task
 from transferqueue import AsyncClient
 
@@ -98,6 +99,42 @@ class Deployment(ABC):
         """The generators' weight syncs since the last call, in order (for the step records:
         each sync's transfer and pause times). None by default."""
         return []
+
+    async def progress(self) -> dict[str, Probe]:
+        """Every stage host by name as last heard from: what its stages hold and have done
+        (:mod:`asyncflow.progress`), for the stall watch (:mod:`asyncflow.stall`); never
+        waits for a host that does not answer. None known by default."""
+        return {}
+
+    async def stacks(self, host: str, timeout_s: float) -> dict[str, Any] | None:
+        """``host``'s progress with the Python stacks of its threads and of its units of work
+        in hand, collected in its process; None when it does not answer within
+        ``timeout_s``."""
+        return None
+
+    async def replace(self, host: str) -> bool:
+        """Replace a stalled ``host``: kill it and start it again through the restart path
+        (its leases handed back at once). False where it cannot be (by default)."""
+        return False
+
+    @property
+    def scalable(self) -> tuple[str, ...]:
+        """The stages whose instance count can change while the run goes on
+        (``asyncflow scale``); none by default."""
+        return ()
+
+    def instances(self) -> dict[str, int]:
+        """Instances of each stage now (every step record carries them); empty where a
+        deployment does not count them."""
+        return {}
+
+    async def scale(self, stage: str, n: int, spawn: Callable[[str, Job], None]) -> int:
+        """Give ``stage`` ``n`` instances while the run goes on; returns the count before.
+        ``spawn`` starts a new instance's job under the driver's supervisor. Raises
+        :class:`~asyncflow.control.ControlError` for what cannot be done."""
+        from asyncflow.control import ControlError
+
+        raise ControlError(f"this run's deployment scales no stage (stage {stage!r})")
 
     @abstractmethod
     async def save_policy(self, directory: Path) -> None:

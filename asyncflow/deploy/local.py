@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -36,8 +37,10 @@ from asyncflow.config import RunConfig
 from asyncflow.deploy.base import Deployment, Job
 from asyncflow.hosts import GeneratorHost, check_engine
 from asyncflow.metrics import Timeline
+from asyncflow.progress import host_answer
 from asyncflow.registry import Registry, WeightSync
 from asyncflow.stage_runner import StageRunner
+from asyncflow.stall import Probe
 from asyncflow.transport import WeightSender, make_transport, sync_metrics
 from engines.protocols import ScoringEngine, TrainingEngine
 
@@ -236,6 +239,54 @@ class LocalDeployment(Deployment):
         for h in self._hosts:
             jobs[f"rollout/{h.name} weights"] = h.run
         return jobs
+
+    def _answer(self, host: str, *, stacks: bool = False) -> dict[str, Any]:
+        """The stages (``driver``) or one generation engine (``rollout/<instance>``, with its
+        child's pid where it runs in a process of its own) as a host of the stall watch."""
+        if host == "driver":
+            return host_answer([r.work for r in self._runners], stacks=stacks)
+        h = self._generator(host)
+        answer = host_answer([h.work], stacks=stacks)
+        pid = getattr(h.engine, "pid", None)
+        if pid is not None:
+            answer["pid"] = pid
+            if stacks:  # (this process's threads: the child's own cannot be read from here)
+                answer["stacks"] = f"(of the driver, pid {os.getpid()})\n{answer['stacks']}"
+        return answer
+
+    def _generator(self, host: str) -> GeneratorHost:
+        return {f"rollout/{h.name}": h for h in self._hosts}[host]
+
+    async def progress(self) -> dict[str, Probe]:
+        """The driver's stages as one host, and each generation engine as one (never silent:
+        this process answers for them; an engine in a process of its own,
+        ``rollout.engine_process``, is replaceable)."""
+        out = {"driver": Probe(self._answer("driver"), 0.0, replaceable=False)}
+        for h in self._hosts:
+            name = f"rollout/{h.name}"
+            out[name] = Probe(self._answer(name), 0.0, replaceable=h.replaceable)
+        return out
+
+    async def stacks(self, host: str, timeout_s: float) -> dict[str, Any] | None:
+        return self._answer(host, stacks=True)
+
+    async def replace(self, host: str) -> bool:
+        """A stuck engine process is killed and started again with the weights it held
+        (:meth:`~asyncflow.hosts.GeneratorHost.replace`); the stages are not replaceable."""
+        if host == "driver":
+            return False
+        return await self._generator(host).replace()
+
+    def instances(self) -> dict[str, int]:
+        """The stages' instances (fixed in one process: the generation engines, the reward
+        stage's workers, one trainer, one reference)."""
+        cfg = self.cfg
+        out = {"rollout": len(self._hosts), "train": 1}
+        if not cfg.reward.colocate:  # (else the rollout scores)
+            out["reward"] = cfg.reward.instances
+        if cfg.reference.enabled:
+            out["reference"] = 1
+        return out
 
     async def next_report(self) -> StepReport:
         return await self._reports.get()

@@ -22,7 +22,8 @@ What runs where (``asyncflow.deploy.ray_hosts`` for the actors):
 |                       |                     |                         | fsdp: the run     |
 |                       |                     |                         | fails (below)     |
 
-Restarts are Ray's (``deploy.max_restarts`` per actor).
+Restarts are Ray's (``deploy.max_restarts`` per actor). Generators join and leave a running
+job by command (``asyncflow scale DIR rollout=N``: ``asyncflow.deploy.ray_scale``).
 
 The driver (this process) stays the run's single controller (LlamaRL's design): it runs the
 prompt feeder, and so admission control, itself, and takes the step reports. Shared state
@@ -88,14 +89,17 @@ from asyncflow.deploy.ray_hosts import (
     TQAccess,
     WorkerActor,
 )
+from asyncflow.deploy.ray_probe import PROBE_OPTIONS, HostProbes
 from asyncflow.deploy.ray_ranks import ranks_restartable, trainer_lost
+from asyncflow.deploy.ray_scale import SCALABLE, RolloutScaler
 from asyncflow.deploy.ray_start import QUIET_BLOCKING_GET, init_ray, take_early
 from asyncflow.deploy.ray_trainer import TrainerActor
 from asyncflow.deploy.ray_weights import ObjectStoreWeights
 from asyncflow.deploy.remote import RemoteRegistry, remote_cause
 from asyncflow.metrics import Timeline
 from asyncflow.registry import WeightSync
-from asyncflow.stage_runner import StageError
+from asyncflow.stage_runner import COUNT_METRICS, StageError
+from asyncflow.stall import Probe
 from transferqueue.aio import within
 from transferqueue.deploy.ray import RayStart
 from transferqueue.wire.auth import ClientKeys
@@ -166,12 +170,14 @@ class RayDeployment(Deployment):
         self._generators: list[tuple[str, Any]] = []
         self._weights: Any = None
         self._coord_name = ""
+        self.scaler: RolloutScaler  # (made with the generators: _open_hosts)
         self._rollout: Any = None
         self._workers: list[tuple[str, Any]] = []
         self.restarts: dict[str, int] = {}
         self.restart_times: list[tuple[str, float, float]] = []
         self._syncs_seen = 0  # weight syncs handed to the driver so far
         self._syncs_ready: list[WeightSync] = []  # fetched with the reports, not yet handed out
+        self._probes = HostProbes(self._named, lambda name: not name.startswith("train"))
         self._closed = False
 
     # -- start ------------------------------------------------------------------------------
@@ -303,7 +309,7 @@ class RayDeployment(Deployment):
         self.registry = self._registry = registry
         self._coord_name = coord_name
 
-        trainer_cls: Any = ray.remote(TrainerActor)
+        trainer_cls: Any = ray.remote(**PROBE_OPTIONS)(TrainerActor)
         rank_restart = restart if ranks_restartable(cfg) else {}
         for rank, opts in enumerate(self._placed(cfg.train.placement, cfg.train.dp_size)):
             name = f"{prefix}-train-rank{rank}"
@@ -312,22 +318,37 @@ class RayDeployment(Deployment):
             )
             self._trainers.append(actor)
             self._actors.append(actor)
-        gen_cls: Any = ray.remote(GeneratorActor)
+        gen_cls: Any = ray.remote(**PROBE_OPTIONS)(GeneratorActor)
         policy = model if resume is None else resume.policy
-        for i, opts in enumerate(self._placed(cfg.rollout.placement, cfg.rollout.instances)):
+
+        def make(i: int, opts: dict[str, Any]) -> tuple[str, Any, str]:
             name = f"instance{i}"
             actor = gen_cls.options(name=f"{prefix}-{name}", **opts, **restart, **env).remote(
                 name, i, cfg, policy, f, coord_name, origin, start_version
             )
+            return name, actor, f"{prefix}-{name}"
+
+        for i, opts in enumerate(self._placed(cfg.rollout.placement, cfg.rollout.instances)):
+            name, actor, _ = make(i, opts)
             self._generators.append((name, actor))
             self._actors.append(actor)
-        rollout_cls: Any = ray.remote(RolloutActor)
+        # (later instances: placed as at start, outside any placement group: ray_scale)
+        self.scaler = RolloutScaler(
+            cfg,
+            self._generators,
+            self._actors,
+            registry,
+            lambda i: make(i, actor_options(cfg.rollout.placement)),
+            self.generator_job,
+            lambda: (self._rollout, self._trainers[0], getattr(self._weights, "name", "")),
+        )
+        rollout_cls: Any = ray.remote(**PROBE_OPTIONS)(RolloutActor)
         gen_names = [(n, f"{prefix}-{n}") for n, _ in self._generators]
         self._rollout = rollout_cls.options(name=f"{prefix}-rollout", num_cpus=0, **restart).remote(
             cfg, self._adapters, address, coord_name, gen_names, origin, model, f
         )
         self._actors.append(self._rollout)
-        worker_cls: Any = ray.remote(WorkerActor)
+        worker_cls: Any = ray.remote(**PROBE_OPTIONS)(WorkerActor)
         roles = []
         if not cfg.reward.colocate:  # (else the rollout host scores)
             roles.append(("reward", cfg.reward.placement, cfg.reward.instances))
@@ -443,13 +464,34 @@ class RayDeployment(Deployment):
             lost = functools.partial(trainer_lost, r, self.cfg)
             jobs[name] = self._job(name, t.hold.remote, restartable=again, host=t, lost=lost)
         for name, g in self._generators:
-            run = functools.partial(g.run.remote, self._weights)
-            jobs[f"rollout/{name}"] = self._job(f"rollout/{name}", run, restartable=True, host=g)
+            jobs[f"rollout/{name}"] = self.generator_job(name, g)
         rollout = self._rollout
-        jobs["rollout"] = self._job("rollout", rollout.run.remote, restartable=True, host=rollout)
+        run = functools.partial(self.scaler.rejoin, rollout)  # (instances added since start)
+        jobs["rollout"] = self._job("rollout", run, restartable=True, host=rollout)
         for name, w in self._workers:
             jobs[name] = self._job(name, w.run.remote, restartable=True, host=w)
         return jobs
+
+    def generator_job(self, name: str, gen: Any) -> Job:
+        """Generator host ``name``'s job (restarted when it dies; ends when it left the run:
+        ``asyncflow.deploy.ray_scale``)."""
+        run = functools.partial(gen.run.remote, self._weights)
+        return self._job(f"rollout/{name}", run, restartable=True, host=gen, instance=name)
+
+    @property
+    def scalable(self) -> tuple[str, ...]:
+        return SCALABLE
+
+    def instances(self) -> dict[str, int]:
+        out = {"rollout": len(self._generators), "train": len(self._trainers)}
+        for name, _ in self._workers:
+            stage = name.split("/")[0]
+            out[stage] = out.get(stage, 0) + 1
+        return out
+
+    async def scale(self, stage: str, n: int, spawn: Callable[[str, Job], None]) -> int:
+        self.scaler.spawn = spawn
+        return await self.scaler.scale(stage, n)
 
     def _job(
         self,
@@ -459,6 +501,7 @@ class RayDeployment(Deployment):
         restartable: bool,
         host: Any = None,
         lost: Callable[[BaseException], Exception] | None = None,
+        instance: str | None = None,
     ) -> Job:
         """A stage host's ``run`` on the driver's loop; after Ray restarted the host, run it
         again (each restart counted), until ``deploy.max_restarts`` is spent. ``lost`` words
@@ -468,8 +511,13 @@ class RayDeployment(Deployment):
         async def supervised() -> None:
             while True:
                 try:
-                    await call()
-                    return
+                    try:
+                        await call()
+                        return
+                    except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError):
+                        if instance is not None and instance in self.scaler.retired:
+                            return  # it left the run (scaled down): stopped on purpose
+                        raise
                 except ray.exceptions.RayTaskError as e:  # the host's run raised: name it
                     cause = remote_cause(e)
                     root = cause.__cause__ if isinstance(cause, StageError) else None
@@ -492,7 +540,8 @@ class RayDeployment(Deployment):
                         ) from e
                     log.warning("stage host %r died; Ray restarts it (restart %d)", name, used)
                     died = self.timeline.now()
-                    await self._until_alive(name, host, e)
+                    with self._probes.restarting(name):
+                        await self._until_alive(name, host, e)
                     self.restart_times.append((name, died, self.timeline.now()))
 
         return supervised
@@ -516,6 +565,17 @@ class RayDeployment(Deployment):
             except ray.exceptions.RayActorError as e:  # dead for good (restarts spent)
                 raise RuntimeError(f"stage host {name!r} died: {e}") from cause
 
+    async def progress(self) -> dict[str, Probe]:
+        """Every host as last heard (``asyncflow.deploy.ray_probe``); trainer ranks are
+        reported, never replaced (their recovery is the trainer's: ``ray_ranks``)."""
+        return self._probes.progress()
+
+    async def stacks(self, host: str, timeout_s: float) -> dict[str, Any] | None:
+        return await self._probes.stacks(host, timeout_s)
+
+    async def replace(self, host: str) -> bool:
+        return await self._probes.replace(host)
+
     async def next_report(self) -> StepReport:
         """The next step's report; the weight syncs done by then come with it (one call to
         the coordinator per step: :meth:`weight_syncs` hands them out)."""
@@ -536,10 +596,16 @@ class RayDeployment(Deployment):
             self.timeline.merge(intervals)
             for stage, m in metrics.items():
                 merged.setdefault(stage, []).append(m)
-        return {
-            stage: {k: float(np.nanmean([m[k] for m in ms if k in m])) for k in ms[0]}
-            for stage, ms in merged.items()
-        }
+        out: dict[str, dict[str, float]] = {}
+        for stage, ms in merged.items():
+            keys = dict.fromkeys(k for m in ms for k in m)
+            out[stage] = {  # (counts summed over a stage's hosts, means averaged)
+                k: float(
+                    (np.nansum if k in COUNT_METRICS else np.nanmean)([m[k] for m in ms if k in m])
+                )
+                for k in keys
+            }
+        return out
 
     @property
     def predict(self) -> Any:
@@ -611,6 +677,7 @@ class RayDeployment(Deployment):
         if self._closed:
             return
         self._closed = True
+        self._probes.close()
         import ray
 
         for a in self._actors:

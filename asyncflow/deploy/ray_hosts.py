@@ -63,6 +63,7 @@ from asyncflow.deploy.ray_start import fewer_collections
 from asyncflow.deploy.remote import GeneratorView, RemoteGenerator, RemoteRegistry
 from asyncflow.hosts import GeneratorHost, WeightSource, check_engine
 from asyncflow.metrics import Timeline
+from asyncflow.progress import Work, host_answer
 from asyncflow.stage_runner import StageRunner
 from asyncflow.threads import intra_op_threads
 from engines.packed import PackedGenerations, pack_generations, unpack_prompts
@@ -73,6 +74,7 @@ from transferqueue.sched import batch_process
 from transferqueue.wire.auth import ClientKeys
 
 __all__ = [
+    "PROBE_GROUP",
     "GeneratorActor",
     "RolloutActor",
     "WorkerActor",
@@ -83,6 +85,11 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 Drained = tuple[dict[str, list[tuple[float, float, int, int]]], dict[str, dict[str, float]]]
+
+
+PROBE_GROUP = "probe"
+"""The Ray concurrency group of :meth:`_Host.progress` (a thread and event loop of its own in
+every host actor: the probe is answered while the host's other loops are busy or blocked)."""
 
 
 def _quiet_hf() -> None:
@@ -233,6 +240,20 @@ class _Host:
     def ping(self) -> bool:
         return True
 
+    def _works(self) -> list[Work]:
+        """What this host's stages (or engine) hold and have done."""
+        return [r.work for r in self.runners]
+
+    async def progress(self, stacks: bool = False) -> dict[str, Any]:
+        """The driver's progress probe (:func:`asyncflow.progress.host_answer`; ``stacks``:
+        with the Python stacks of this process). Called on :data:`PROBE_GROUP`."""
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return host_answer(
+            self._works(), stacks=stacks, node=ctx.get_node_id(), actor=ctx.get_actor_name()
+        )
+
     async def on_tq_loop(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on this host's TransferQueue client loop (where its stages run: each
         put and get then awaits its sockets with no hop between two threads, two wake-ups a
@@ -290,6 +311,9 @@ class GeneratorActor(_Host):
         self.registry = RemoteRegistry(actor(coordinator))
         self.host: GeneratorHost | None = None
         self._registered = asyncio.Event()
+
+    def _works(self) -> list[Work]:
+        return [] if self.host is None else [self.host.work]
 
     def _device(self) -> torch.device:
         from asyncflow.build import resolve_device
@@ -453,6 +477,58 @@ class RolloutActor(_Host):
                     tokenizer=tokenizer,
                 )
             )
+
+    def _rollouts(self) -> list[Any]:
+        """The adapters that route to the instances (the rollout's, the evaluation's)."""
+        adapters = [self.adapter, *(r.adapter for r in self.runners[1:])]
+        return [a for a in adapters if hasattr(a, "retire")]
+
+    async def add_generator(self, name: str, actor_name: str) -> int:
+        """Generator host ``actor_name`` joins as instance ``name`` (a running job scaled
+        up): routed to once it holds weights recent enough for a batch; the instances now.
+        Known already: nothing changes."""
+
+        async def add() -> int:
+            if any(g.name == name for g in self.instances):
+                return self._live()  # (told again: the driver re-adds after a restart)
+            if not self._rollouts():
+                raise TypeError(
+                    f"the rollout adapter {type(self.adapter).__name__} cannot take instances "
+                    "while it runs (it has no add/retire: see adapters.rollout.RolloutAdapter)"
+                )
+            gen = RemoteGenerator(name, actor(actor_name), self.view)
+            self.instances.append(gen)
+            for a in self._rollouts():
+                a.add(gen)
+            self.runners[0].grow(self.cfg.rollout.concurrency * self._live())
+            await self.view.refresh()
+            return self._live()
+
+        return await self.on_tq_loop(add())
+
+    async def retire_generator(self, name: str, timeout_s: float) -> bool:
+        """Instance ``name`` takes no new batch; returns once the calls it has finished
+        (True) or after ``timeout_s`` (False: the driver stops it anyway and its calls fail
+        over to the other instances, as when an instance dies)."""
+
+        async def retire() -> bool:
+            k = next(i for i, g in enumerate(self.instances) if g.name == name)
+            for a in self._rollouts():
+                a.retire(k)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout_s
+            gen = self.instances[k]
+            while gen.outstanding:
+                if loop.time() > deadline:
+                    return False
+                await asyncio.sleep(0.05)
+            return True
+
+        return await self.on_tq_loop(retire())
+
+    def _live(self) -> int:
+        rollouts = self._rollouts()
+        return len(self.instances) - (len(rollouts[0].retired) if rollouts else 0)
 
     async def run(self) -> None:
         await self.on_tq_loop(self._run())

@@ -46,6 +46,9 @@ class RemoteRegistry:
     async def register(self, name: str, version: int) -> int:
         return int(await self._h.register.remote(name, version))
 
+    async def unregister(self, name: str) -> None:
+        await self._h.unregister.remote(name)
+
     async def report(
         self,
         name: str,
@@ -240,6 +243,11 @@ class RemoteGenerator:
         if ok and incarnation >= 0 and (incarnation, version) > self._held:
             self._held = (incarnation, version)
         return ok
+
+    @property
+    def outstanding(self) -> int:
+        """Samples of this proxy's calls in flight (0: the instance holds nothing of ours)."""
+        return self._outstanding
 
     @property
     def in_flight(self) -> int:

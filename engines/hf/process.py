@@ -145,6 +145,7 @@ class HFProcessGenerationEngine:
             child_kwargs["dtype"] = str(dtype).removeprefix("torch.")
         if "device" in child_kwargs:
             child_kwargs["device"] = str(child_kwargs["device"])
+        self._spec = (str(model), version, threads, start_timeout_s, dict(engine_kwargs))
         self._version = version
         self.kept_tokens = 0  # never partial: no running sequence is interrupted
         self.tokens_decoded = 0
@@ -185,6 +186,26 @@ class HFProcessGenerationEngine:
     def version(self) -> int:
         """Version of the weights in use."""
         return self._version
+
+    @property
+    def pid(self) -> int:
+        """The child process's id."""
+        return int(self._proc.pid)
+
+    @property
+    def initial_version(self) -> int:
+        """The version of the weights it was built with (those of ``model``)."""
+        return self._spec[1]
+
+    def spawn_again(self) -> HFProcessGenerationEngine:
+        """A new engine built as this one was (a new child; the weights of ``model``, at the
+        initial version): what replaces this one when its child is stuck. The caller loads
+        the current weights into it and closes this one (whose calls in flight then fail with
+        :class:`EngineProcessError`). Blocks while the model loads in this process."""
+        model, version, threads, start_timeout_s, kwargs = self._spec
+        return HFProcessGenerationEngine(
+            model, version=version, threads=threads, start_timeout_s=start_timeout_s, **kwargs
+        )
 
     @property
     def in_child(self) -> bool:
@@ -311,6 +332,14 @@ class HFProcessGenerationEngine:
                 assert self._local is not None
                 await self._local.update_weights(state, version)
             self._version = version
+
+    def kill(self) -> None:
+        """Kill the child at once (a stuck one would not act on the ``close`` request: it
+        would get 5 s for it) and close; its calls in flight fail with
+        :class:`EngineProcessError`."""
+        with contextlib.suppress(OSError):
+            self._proc.kill()
+        self.close()
 
     def close(self) -> None:
         """Stop the child and the engine in this process (idempotent)."""

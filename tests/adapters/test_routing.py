@@ -217,3 +217,24 @@ def test_the_bound_is_checked_on_the_oldest_token() -> None:
     assert out.version.tolist() == [2] * 4  # the oldest token's, within the bound
     assert [v.tolist() for v in out.columns["token_versions"]] == [[2, 3, 3]] * 4
     assert out.columns["generated_at"].dtype == torch.float64
+
+
+def test_a_retired_instance_takes_no_new_batch_and_an_added_one_does() -> None:
+    """``retire`` (an instance leaving a running job): its calls in flight finish, no new
+    batch goes to it; ``add``: a new instance takes batches; the last live one cannot go."""
+    engines = [_CountingEngine(0.05), _CountingEngine(0.05)]
+    adapter = RolloutAdapter(engines, SamplingParams())
+    adapter.retire(1)
+    with pytest.raises(ValueError, match="at least one instance"):
+        adapter.retire(0)
+
+    async def batches(n: int) -> None:
+        outs = await asyncio.gather(*(adapter.process(*_meta(4)) for _ in range(n)))
+        assert all(len(o.columns["response_ids"]) == 4 for o in outs)
+
+    run_virtual(batches(4))
+    assert [e.calls for e in engines] == [4, 0]
+    late = _CountingEngine(0.05)
+    assert adapter.add(late) == 2
+    run_virtual(batches(4))
+    assert [engines[0].calls - 4, engines[1].calls, late.calls] == [2, 0, 2]

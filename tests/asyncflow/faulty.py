@@ -73,6 +73,50 @@ class NeverUpdates(DyingEngine):
         await asyncio.Event().wait()  # until the run ends and cancels the follower
 
 
+class StallsOnce(DyingEngine):
+    """A generation engine whose third call takes :attr:`stall_s` longer (an engine call stuck
+    for a while: a swapping host, a slow collective), then goes on as usual."""
+
+    stall_s = 4.0
+
+    async def generate(
+        self, prompts: Sequence[torch.Tensor], params: SamplingParams
+    ) -> list[Generation]:
+        self.calls += 1
+        if self.calls == 3:
+            await asyncio.sleep(self.stall_s)
+        return list(await self.inner.generate(prompts, params))
+
+
+class _StallsOnceInRun(StallsOnce):
+    """:class:`StallsOnce` whose stall happens once per run, not once per incarnation (a
+    restarted host builds its engine again): the first to stall leaves ``marker``."""
+
+    stall_s = 30.0
+
+    def __init__(self, inner: GenerationEngine, marker: Path) -> None:
+        super().__init__(inner)
+        self.marker = marker
+
+    async def generate(
+        self, prompts: Sequence[torch.Tensor], params: SamplingParams
+    ) -> list[Generation]:
+        self.calls += 1
+        if self.calls == 3 and not self.marker.exists():
+            self.marker.touch()
+            await asyncio.sleep(self.stall_s)
+        return list(await self.inner.generate(prompts, params))
+
+
+def stalling_generator_once(cfg: RunConfig, path: Path, index: int) -> GenerationEngine:
+    """Instance 0's third call hangs for 30 s, once in the run (a marker in ``output.dir``)."""
+    engine = build_generator(cfg, path, index)
+    if index != 0:
+        return engine
+    marker = Path(cfg.output.dir) / "generator-stalled"
+    return _StallsOnceInRun(engine, marker)  # type: ignore[return-value]
+
+
 def lagging_second_generator(cfg: RunConfig, path: Path, index: int) -> GenerationEngine:
     """Instance 1 never takes new weights; instance 0 is a plain generator."""
     engine = build_generator(cfg, path, index)

@@ -153,3 +153,30 @@ async def _run_with(job: supervisor_module.Job, main: supervisor_module.Job) -> 
     jobs = Supervisor()
     jobs.add("reward", job)
     await jobs.run("records", main, idle_error=IDLE)
+
+
+def test_a_job_spawned_while_the_run_goes_on_is_supervised() -> None:
+    """``spawn``: a job started after ``run`` began runs beside the others, its failure stops
+    the run with its name; spawning before the run or twice under one name is refused."""
+    sup = Supervisor()
+    with pytest.raises(RuntimeError, match="not running"):
+        sup.spawn("late", Forever())
+    feeder = Forever()
+    sup.add("feeder", feeder)
+    ran: list[str] = []
+
+    async def late() -> None:
+        ran.append("late")
+        raise ValueError("boom")
+
+    async def main() -> None:
+        await asyncio.sleep(0.01)
+        sup.spawn("rollout/instance1", late)
+        with pytest.raises(ValueError, match="already supervised"):
+            sup.spawn("rollout/instance1", late)
+        await asyncio.Event().wait()
+
+    with pytest.raises(StageError, match="rollout/instance1") as info:
+        asyncio.run(sup.run("records", main, idle_error=IDLE))
+    assert ran == ["late"] and feeder.cancelled
+    assert isinstance(info.value.__cause__, ValueError)

@@ -127,7 +127,7 @@ def test_eager_hosts_following_their_weights_load_before_the_registry_hears_of_t
             reg = run.registry
             run.weights.publish({"w": torch.ones(2)}, 1)  # the transport only
             await _until(lambda: all(e.updated == [1] for e in engines), "both loaded")
-            assert await reg.published() == 0  # the registry was not told yet
+            assert (await reg.admission_view())[1] == 0  # the registry was not told yet
             assert await reg.newest_generator_version() == 1  # but heard of the updates
             await reg.publish(1)
             assert reg.adoption_s == [0.0] and reg.updates == 2
@@ -222,6 +222,32 @@ def test_a_restarted_generator_registers_with_its_own_weights_and_counts_a_resta
         assert await reg.register("g0", 0) == 1  # a new incarnation, back at its initial weights
         assert await reg.newest_generator_version() == 0  # never the dead one's version
         assert (await reg.stats())["restarts"] == {"g0": 1}
+
+    asyncio.run(go())
+
+
+def test_a_generator_that_left_no_longer_counts_nor_blocks_an_update() -> None:
+    """``unregister`` (an instance scaled away): out of the watch and the versions, and an
+    on_demand update it would have been chosen for (the lagging one cheapest to drain) goes
+    to a generator still there."""
+
+    async def go() -> None:
+        reg = Registry(0, policy="on_demand", poll_s=0.01)
+        await reg.register("g0", 0)
+        await reg.register("g1", 0)
+        await reg.report("g0", version=0, in_flight=4, drain_tokens=400)
+        await reg.report("g1", version=0, in_flight=1, drain_tokens=1)
+        await reg.publish(1)
+        reg.demand(1)
+        assert await reg.wait_update("g0", 0.05) is None  # g1 is cheaper to drain
+        waiter = asyncio.ensure_future(reg.wait_update("g0", 5.0))
+        await asyncio.sleep(0.02)
+        await reg.unregister("g1")
+        assert await waiter == 1
+        assert (await reg.watch(-1, 0.0))[1].keys() == {"g0"}
+        versions = (await reg.stats())["versions"]
+        assert isinstance(versions, dict) and versions.keys() == {"g0"}
+        await reg.unregister("g1")  # (asked twice: nothing to do)
 
     asyncio.run(go())
 

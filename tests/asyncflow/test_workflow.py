@@ -132,6 +132,7 @@ def test_generator_version_metric_is_the_newest_generator_version(out_dir: Path)
     # least that when step t is recorded (the oldest, stuck at 0, would break this at t > k)
     for r in result.records:
         assert r["version"] - r["generator_version"] <= k + 1, r
+        assert r["instances"] == {"rollout": 2, "reward": 1, "train": 1}
     assert versions[-1] >= steps - k - 1 > 0
 
 
@@ -141,6 +142,7 @@ RECORD_KEYS = {
     "queue", "stage_metrics", "restarts", "loss", "kl", "grad_norm", "spanned_share",
     "span_max", "staleness_gen_mean", "staleness_gen_max", "staleness_queue_mean",
     "staleness_queue_max", "weight_syncs", "kept_tokens", "restart_s", "rows_returned",
+    "instances",
 }  # fmt: skip
 """What every line of metrics.jsonl carries (the run's own fields, then the engine's)."""
 

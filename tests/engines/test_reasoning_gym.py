@@ -139,3 +139,46 @@ def test_a_run_config_takes_its_reward_and_fails_early_without_the_library(
         check_config(cfg)
     assert "\n" not in str(e.value) and "task=reasoning_gym" in str(e.value)
     rgt.build_dataset.cache_clear()
+
+
+def test_a_cut_off_completion_has_no_answer_unless_a_tag_closed() -> None:
+    one_digit = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
+    task = make_task("reasoning_gym", seed=0, dataset="basic_arithmetic", config=one_digit)
+    item = next(it for it in task.items(50) if len(it.answer) == 1)
+    oracle = item.answer
+    sprayed = f"11{oracle}1"  # the right digit among others: the library's partial credit
+    completions = [sprayed, sprayed, f"<answer>{oracle}</answer>1", oracle]
+    n = len(completions)
+    columns = {"rg_spec": [item.extra["rg_spec"]] * n, "rg_index": [item.extra["rg_index"]] * n}
+    reward = make_reward("reasoning_gym")
+    finished = ["stop", "length", "length", "stop"]
+    assert reward([item.prompt] * n, completions, finish_reason=finished, **columns) == [
+        0.25,  # finished: scored by the dataset as written
+        0.0,  # cut off at the token limit: a fragment, no answer
+        1.0,  # cut off after a closed tag: that answer
+        1.0,
+    ]
+    # a caller without the rollout's column: every completion counts as finished
+    assert reward([item.prompt] * n, completions, **columns)[:2] == [0.25, 0.25]
+
+
+def test_the_reward_stage_passes_the_rollouts_finish_reason() -> None:
+    from adapters import RewardAdapter
+    from asyncflow import graph
+    from engines.rewards import MathAnswerReward, WeightedReward, rollout_columns
+
+    cfg = load_config(None, ["task.name=reasoning_gym", "task.options.dataset=basic_arithmetic"])
+    alone = make_reward("reasoning_gym")
+    mixed = WeightedReward([(MathAnswerReward(), 1.0), (alone, 0.5), (alone, 0.5)])
+    assert rollout_columns(alone) == rollout_columns(mixed) == ("finish_reason",)
+    assert rollout_columns(MathAnswerReward()) == ()
+    for fn in (alone, mixed):
+        stage = graph.reward_adapter(RewardAdapter, fn, None, cfg)
+        assert stage.input_fields == (
+            "prompt",
+            "response_ids",
+            "answer",
+            "rg_spec",
+            "rg_index",
+            "finish_reason",
+        )

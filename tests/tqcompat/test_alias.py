@@ -75,3 +75,25 @@ def test_the_shim_path_switches_every_process_that_has_it(tmp_path: Path) -> Non
     assert both.returncode == 0, both.stderr
     assert both.stdout.strip() == "facade 0.1.11"
     assert "the real one at" in both.stderr and str(real) in both.stderr
+
+
+def test_the_peers_module_paths_that_users_import_exist(tmp_path: Path) -> None:
+    script = """
+import logging
+import tqcompat
+tqcompat.install()
+from transfer_queue.sampler.grpo_group_n_sampler import GRPOGroupNSampler
+from transfer_queue.sampler.rank_aware_sampler import RankAwareSampler
+from transfer_queue.sampler.seqlen_balanced_sampler import get_seqlen_balanced_partitions
+from transfer_queue.sampler.sequential_sampler import SequentialSampler
+from transfer_queue.dataloader.streaming_dataset import chunk_batch_fn
+from transfer_queue.dataloader.streaming_dataloader import StreamingDataLoader
+from transfer_queue.utils.logging_utils import get_logger
+assert GRPOGroupNSampler is tqcompat.GRPOGroupNSampler
+assert chunk_batch_fn.__module__ == "tqcompat.dataloader"
+logger = get_logger("peer-demo", default_level="INFO")
+assert logger.level == logging.INFO and logger.hasHandlers()
+print("ok")
+"""
+    got = _run(["-c", script], tmp_path)
+    assert got.returncode == 0 and got.stdout.strip() == "ok", got.stderr

@@ -1,5 +1,6 @@
 """The facade under Ray: ``init()`` on the driver starts our Ray deployment under the peer's
-actor name; a remote actor's own ``init()`` finds it and puts; the driver reads what it put."""
+actor name; a remote actor's own ``init()`` finds it and puts; the driver reads what it put;
+the named actor lists and clears partitions as the peer's controller does."""
 
 from __future__ import annotations
 
@@ -55,6 +56,12 @@ def test_a_remote_actor_produces_for_the_driver(ray_cluster: None) -> None:
         assert data["ids"].tolist() == [[100, 101], [102, 103], [104, 105]]
         assert [r.tolist() for r in data["seq"].unbind()] == [[0], [0, 1], [0, 1, 2]]
         ray.kill(producer)
+        # the two controller calls the peer's own tests clean up with
+        actor = ray.get_actor("TransferQueueController", namespace="transfer_queue")
+        assert ray.get(actor.list_partitions.remote(), timeout=60) == ["train"]
+        ray.get(actor.clear_partition.remote("train"), timeout=60)
+        assert ray.get(actor.list_partitions.remote(), timeout=60) == []
+        assert client.get_partition_list() == []
     finally:
         tq.close()
     with pytest.raises(ValueError):  # close stopped the named actor with the servers

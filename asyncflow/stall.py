@@ -1,0 +1,366 @@
+"""The stall watch: a stage alive but making no progress is named within seconds, and replaced.
+
+A background job of the driver's supervisor. Every :data:`PERIOD_S` it asks the deployment
+for each stage host's last answer to its progress probe (:mod:`asyncflow.progress`: what
+each stage or engine holds, the phase it is in, and since when) and how long the host has been
+silent, and judges:
+
+| the host                                 | is stalled when                                |
+|------------------------------------------|------------------------------------------------|
+| answers                                  | a unit of work (a batch, an engine call) has   |
+|                                          | been in its hands longer than its stage's bound|
+| does not answer (frozen: SIGSTOP, a      | it has been silent longer than the smallest    |
+| swapping host, every thread blocked)     | bound of its stages                            |
+
+The bound is ``deploy.stall_timeout_s`` when set; else (``null``) it is per stage:
+
+| criterion | automatic bound                                    | before the stage's first unit |
+|-----------|----------------------------------------------------|-------------------------------|
+| silent    | :data:`AUTO_FACTOR` x its median unit of work,     | :data:`AUTO_MAX_S`            |
+|           | within [:data:`AUTO_MIN_S`, :data:`AUTO_MAX_S`]    |                               |
+| holding   | :data:`AUTO_FACTOR` x its median unit of work,     | :data:`FIRST_UNIT_S` (a first |
+|           | within [:data:`AUTO_MIN_S`, :data:`HELD_MAX_S`]    | call may compile, warm up)    |
+
+A live host answers its probe within milliseconds however long its calls are, so silence gets
+the short bound; a unit in hand gets one that scales with the stage's own calls (a stage whose
+batches of long generations take minutes is not taken for stuck after 60 s).
+
+A stalled host gets ONE WARNING (until it makes progress again, or is replaced): the stage,
+the host (its Ray actor, pid, node), what it holds (rows, leases) and in which phase, for how
+long, and the Python stacks of its threads and of its units in hand, collected in the process
+over the probe's own channel (a host that does not answer is said not to). Then the deployment
+replaces it where it can (``deploy=ray``: the actor is killed and Ray restarts it through the
+restart path, its replacement handing its leases back at once; ``local`` and trainer ranks:
+reported only). A run with no train step for :data:`NO_STEP_FACTOR` times its median step (at
+least :data:`AUTO_MIN_S`) logs what every stage waits for, once per such gap. Every round the
+same view (what each host holds and waits for, how long it has been silent, the stalls so far)
+is written to the run's ``progress.json``, for a look at a running run from outside.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+__all__ = [
+    "AUTO_FACTOR",
+    "AUTO_MAX_S",
+    "AUTO_MIN_S",
+    "FIRST_UNIT_S",
+    "HELD_MAX_S",
+    "NO_STEP_FACTOR",
+    "PERIOD_S",
+    "Probe",
+    "StallWatch",
+    "Watched",
+    "stall_bound",
+]
+
+log = logging.getLogger(__name__)
+
+AUTO_FACTOR = 10.0
+"""The automatic bound: this many times a stage's median unit of work..."""
+AUTO_MIN_S = 10.0
+"""...but at least this (a probe's round trip on a loaded machine stays far below it)..."""
+AUTO_MAX_S = 60.0
+"""...and at most this for a silent host (also its bound before its first unit is done)..."""
+HELD_MAX_S = 600.0
+"""...and at most this for a unit of work in hand..."""
+FIRST_UNIT_S = 300.0
+"""...which before the stage's first unit is done gets this."""
+NO_STEP_FACTOR = 5.0
+"""A run with no train step for this many times its median step says what every stage waits
+for."""
+PERIOD_S = 1.0
+"""How often the watch judges the hosts' last answers."""
+STACKS_WAIT_S = 5.0
+"""How long the watch waits for a stalled host's stacks."""
+
+
+def stall_bound(configured: float | None, median_s: float | None, *, held: bool = False) -> float:
+    """The seconds a stage's host may stay silent, or (``held``) a stage may hold a unit of
+    work: ``configured`` (``deploy.stall_timeout_s``) when set, else the automatic rule
+    (module doc)."""
+    if configured is not None:
+        return configured
+    if median_s is None:
+        return FIRST_UNIT_S if held else AUTO_MAX_S
+    return min(HELD_MAX_S if held else AUTO_MAX_S, max(AUTO_MIN_S, AUTO_FACTOR * median_s))
+
+
+@dataclass
+class Probe:
+    """A stage host as the watch sees it."""
+
+    answer: dict[str, Any] | None
+    """Its last answer (:func:`asyncflow.progress.host_answer`; None: none yet)."""
+    silent_s: float
+    """Seconds since that answer (or since the host was first probed)."""
+    replaceable: bool
+    """Whether the deployment can replace it (:meth:`Watched.replace`)."""
+
+
+class Watched(Protocol):
+    """The deployment's side of the watch (``asyncflow.deploy.base.Deployment``)."""
+
+    async def progress(self) -> dict[str, Probe]:
+        """Every stage host by name, as last heard (never waits for a silent host)."""
+        ...
+
+    async def stacks(self, host: str, timeout_s: float) -> dict[str, Any] | None:
+        """``host``'s answer with its stacks; None when it does not answer in ``timeout_s``."""
+        ...
+
+    async def replace(self, host: str) -> bool:
+        """Replace a stalled ``host`` (its leases handed back); False where it cannot be."""
+        ...
+
+
+class StallWatch:
+    """Judges the hosts' progress (see the module doc)."""
+
+    def __init__(
+        self,
+        deployment: Watched,
+        configured_s: float | None,
+        steps_done: Callable[[], int],
+        *,
+        period_s: float = PERIOD_S,
+        live: Path | None = None,
+    ) -> None:
+        self.deployment = deployment
+        self.live = live
+        """A JSON file rewritten every round with what every host holds and waits for (the
+        run's ``progress.json``: ``cat`` it, or watch it, while the run goes on)."""
+        self.configured_s = configured_s
+        self.steps_done = steps_done
+        self.period_s = period_s
+        self.stalls: list[dict[str, Any]] = []
+        """Every stall named: host, stage, seconds, when (monotonic), replaced."""
+        self._flagged: set[str] = set()
+        self._steps = 0
+        self._step_at = time.monotonic()
+        self._step_times: list[float] = []
+        self._gap_told = False
+        self._told_at = -float("inf")
+
+    async def run(self) -> None:
+        """Judge every ``period_s`` until cancelled."""
+        while True:
+            await asyncio.sleep(self.period_s)
+            try:
+                await self.check()
+            except Exception as e:  # the watch never ends a run; it says why it is blind
+                log.warning("the stall watch could not judge the stage hosts this time: %r", e)
+
+    async def check(self) -> None:
+        """One round: name and replace new stalls, tell a run without steps what stages wait
+        for."""
+        probes = await self.deployment.progress()
+        stalled = []
+        for host, probe in probes.items():
+            why = self._stalled(probe)
+            if why is None:
+                if probe.silent_s < self.period_s * 3:
+                    self._flagged.discard(host)  # (progress again: a new stall is told again)
+            elif host not in self._flagged:
+                stalled.append((host, probe, why))
+        if self.live is not None:
+            self._write_live(probes)
+        # The cause first: a silent host, then an engine (its calls hold no lease), then the
+        # stages that wait on them; after a stall is told (and its host replaced), the others
+        # get their bound to move again before they are judged themselves.
+        stalled.sort(key=lambda s: (s[1].silent_s <= s[2][2], _holds_leases(s[1])))
+        for host, probe, why in stalled:
+            if time.monotonic() - self._told_at < why[2]:
+                break
+            self._flagged.add(host)
+            await self._tell(host, probe, *why)
+            self._told_at = time.monotonic()
+        self._check_steps(probes)
+
+    def _write_live(self, probes: dict[str, Probe]) -> None:
+        assert self.live is not None
+        view = {
+            "time": time.time(),
+            "steps": self.steps_done(),
+            "since_step_s": time.monotonic() - self._step_at,
+            "hosts": {
+                host: {
+                    "silent_s": round(p.silent_s, 2),
+                    "stalled": host in self._flagged,
+                    **(
+                        {}
+                        if p.answer is None
+                        else {k: v for k, v in p.answer.items() if k != "stacks"}
+                    ),
+                }
+                for host, p in probes.items()
+            },
+            "stalls": self.stalls,
+        }
+        tmp = self.live.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(view, indent=1, default=str))
+        os.replace(tmp, self.live)  # (a reader never sees half a file)
+
+    def _bound(self, work: dict[str, Any], *, held: bool = False) -> float:
+        return stall_bound(self.configured_s, work.get("median_s"), held=held)
+
+    def _stalled(self, probe: Probe) -> tuple[str, float, float] | None:
+        """(stage, seconds, bound) of the stall of a host, or None."""
+        works = [] if probe.answer is None else probe.answer["works"]
+        bounds = [self._bound(w) for w in works] or [stall_bound(self.configured_s, None)]
+        if probe.silent_s > min(bounds):
+            stage = ", ".join(w["name"] for w in works) or "?"
+            return stage, probe.silent_s, min(bounds)
+        for w in works:
+            held = max((u["held_s"] for u in w["holding"]), default=0.0)
+            bound = self._bound(w, held=True)
+            if held > bound:
+                return w["name"], held, bound
+        return None
+
+    async def _tell(
+        self, host: str, probe: Probe, stage: str, seconds: float, bound: float
+    ) -> bool:
+        """Name the stall in one WARNING and replace the host where the deployment can;
+        True when it was replaced."""
+        answer = probe.answer
+        silent = probe.silent_s > bound
+        fresh = None if silent else await self.deployment.stacks(host, STACKS_WAIT_S)
+        where = _process(answer)
+        lines = [
+            f"stage {stage!r} made no progress for {seconds:.1f} s (bound {bound:.1f} s, "
+            f"{self._rule()}): host {host!r} ({where})"
+        ]
+        if silent:
+            lines.append(
+                f"the host did not answer its progress probe for {probe.silent_s:.1f} s: its "
+                "process is frozen (SIGSTOP, swapping) or blocks every thread, so its stacks "
+                "could not be collected in-process; last heard:"
+            )
+        shown = fresh if fresh is not None else answer
+        lines += _holding(shown)
+        if fresh is not None:
+            for w in fresh["works"]:
+                for u in w["holding"]:
+                    if u.get("stack"):
+                        lines.append(
+                            f"{w['name']} unit of {u['rows']} rows, its stack:\n{u['stack']}"
+                        )
+            if fresh.get("stacks"):
+                lines.append(f"threads of pid {fresh['pid']}:\n{fresh['stacks']}")
+        elif not silent:
+            lines.append(f"its stacks: no answer within {STACKS_WAIT_S:.0f} s")
+        replaced = probe.replaceable
+        lines.append(
+            "it is killed and replaced through the restart path (its leases handed back at once)"
+            if replaced
+            else "it is not replaced here (a trainer rank, or a stage or engine in the driver's "
+            "process): the run waits on it"
+        )
+        log.warning("stall: %s", "\n  ".join(lines))
+        if replaced:
+            replaced = await self.deployment.replace(host)
+        self.stalls.append(
+            {
+                "host": host,
+                "stage": stage,
+                "seconds": seconds,
+                "at": time.monotonic(),
+                "replaced": replaced,
+                "silent": silent,
+            }
+        )
+        return replaced
+
+    def _rule(self) -> str:
+        if self.configured_s is not None:
+            return "deploy.stall_timeout_s"
+        return (
+            f"deploy.stall_timeout_s=null: {AUTO_FACTOR:g} x the stage's median unit of work "
+            f"within {AUTO_MIN_S:g}..{AUTO_MAX_S:g} s for a silent host, "
+            f"{AUTO_MIN_S:g}..{HELD_MAX_S:g} s for a unit in hand"
+        )
+
+    def _check_steps(self, probes: dict[str, Probe]) -> None:
+        now = time.monotonic()
+        steps = self.steps_done()
+        if steps != self._steps:
+            if steps > self._steps:
+                self._step_times.append((now - self._step_at) / (steps - self._steps))
+            self._steps, self._step_at, self._gap_told = steps, now, False
+            return
+        if len(self._step_times) < 3 or self._gap_told:
+            return
+        median = statistics.median(self._step_times[-WINDOW_STEPS:])
+        gap = max(NO_STEP_FACTOR * median, AUTO_MIN_S)
+        if now - self._step_at <= gap:
+            return
+        self._gap_told = True
+        lines = [
+            f"no train step for {now - self._step_at:.1f} s (bound: {NO_STEP_FACTOR:g} x the "
+            f"median step of {median:.2f} s, at least {AUTO_MIN_S:g} s); what every stage "
+            "waits for:"
+        ]
+        for host, p in probes.items():
+            head = f"{host} ({_process(p.answer)})"
+            if p.silent_s > 3 * self.period_s:
+                head += f", silent for {p.silent_s:.1f} s"
+            lines.append(head + ":")
+            lines += ["  " + line for line in _holding(p.answer)]
+        log.warning("%s", "\n  ".join(lines))
+
+
+def _holds_leases(probe: Probe) -> bool:
+    works = [] if probe.answer is None else probe.answer["works"]
+    return any(u["lease"] is not None for w in works for u in w["holding"])
+
+
+WINDOW_STEPS = 20
+"""Steps the median step time is taken over."""
+
+
+def _process(answer: dict[str, Any] | None) -> str:
+    if answer is None:
+        return "never answered"
+    parts = [f"pid {answer['pid']}"]
+    if answer.get("actor"):
+        parts.insert(0, f"Ray actor {answer['actor']}")
+    if answer.get("node"):
+        parts.append(f"node {str(answer['node'])[:12]}")
+    return ", ".join(parts)
+
+
+def _holding(answer: dict[str, Any] | None) -> list[str]:
+    """One line per stage of a host: what it holds and is in, or what it waits for."""
+    if answer is None:
+        return ["nothing known"]
+    out = []
+    for w in answer["works"]:
+        units = w["holding"]
+        median = w.get("median_s")
+        done = f"{w['done']} done" + ("" if median is None else f", median {median:.2f} s")
+        if units:
+            rows = sum(u["rows"] for u in units)
+            leases = [u["lease"] for u in units if u["lease"] is not None]
+            phases = ", ".join(
+                f"{u['phase']} for {u['phase_s']:.1f} s (held {u['held_s']:.1f} s)" for u in units
+            )
+            lease = f", leases {leases}" if leases else ""
+            out.append(
+                f"{w['name']}: holds {len(units)} unit(s), {rows} rows{lease}: in {phases}; {done}"
+            )
+        elif w["idle"]:
+            out.append(f"{w['name']}: waits for {w['what']} for {w['idle_s']:.1f} s; {done}")
+        else:
+            out.append(f"{w['name']}: between units; {done}")
+    return out or ["no stage"]

@@ -1,0 +1,95 @@
+"""``asyncflow scale DIR rollout=N`` on a running ``deploy=ray`` job: the rollout grows from
+1 to 2 generators after step 10 and shrinks back to 1 after step 30; the run finishes every
+step, each group trained once within the staleness bound, no step more than 10 s over the
+median. Marked ``ray`` and ``slow``."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncflow import run
+from asyncflow.cli import scale
+from asyncflow.control import CONTROL_FILE
+from tests.asyncflow.conftest import RAY_START, RAY_TEST_TIMEOUT_S, small_config
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(RAY_TEST_TIMEOUT_S)]
+
+
+def _steps(out: Path) -> int:
+    metrics = out / "metrics.jsonl"
+    return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+
+def _until_steps(out: Path, steps: int, deadline_s: float = 900.0) -> bool:
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if _steps(out) >= steps:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _scaler(
+    out: Path, plan: list[tuple[int, int]], seen: list[tuple[int, int, int, float]]
+) -> None:
+    """For each ``(after_step, n)``: once that many steps are recorded, and 5 more since the
+    previous command returned (a new generator's start takes tens of seconds on 2 shared
+    cores: each phase must show in the records), ``scale rollout=n``; ``seen`` gets (n, exit
+    status, steps recorded when it returned, seconds it took)."""
+    for after, n in plan:
+        if not _until_steps(out, max(after, seen[-1][2] + 5 if seen else 0)):
+            return
+        t0 = time.monotonic()
+        rc = scale(str(out), [f"rollout={n}"], timeout_s=600.0)
+        seen.append((n, rc, _steps(out), time.monotonic() - t0))
+
+
+def test_a_running_job_scales_its_rollout_up_and_down(ray_cluster: None, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    k, steps = 1, 60
+    cfg = small_config(
+        out,
+        "deploy.mode=ray",
+        "rollout.instances=1",
+        f"train.steps={steps}",
+        f"train.max_staleness={k}",
+        # steps of about a second (small_config's: 0.13 s), so that the run outlasts a new
+        # generator's start (its process imports torch and loads the model: tens of seconds)
+        "rollout.max_new_tokens=64",
+        "train.groups_per_step=4",
+        RAY_START,
+    )
+    seen: list[tuple[int, int, int, float]] = []
+    scaler = threading.Thread(target=_scaler, args=(out, [(10, 2), (30, 1)], seen), daemon=True)
+    scaler.start()
+    try:
+        result = run(cfg)
+    finally:
+        scaler.join(timeout=60)
+    assert [(n, rc) for n, rc, _, _ in seen] == [(2, 0), (1, 0)], seen
+    assert not (out / CONTROL_FILE).exists()  # removed at the end of the run
+    b = cfg.train.groups_per_step
+    trained = [g for rep in result.reports for g in rep.groups]
+    assert trained == list(range(steps * b))  # every group trained exactly once
+    for rep in result.reports:
+        assert min(rep.staleness) >= 0 and max(rep.staleness) <= k
+    counts = [r["instances"]["rollout"] for r in result.records]
+    phases = [c for i, c in enumerate(counts) if i == 0 or counts[i - 1] != c]
+    assert phases == [1, 2, 1], (counts, seen)
+    lanes = set(result.timeline.intervals)
+    assert "rollout/instance1" in lanes, sorted(lanes)  # the new generator took batches
+    step_s = sorted(r["step_s"] for r in result.records)
+    median = step_s[len(step_s) // 2]
+    worst = max(step_s)
+    at = [s for _, _, s, _ in seen]
+    took = [round(t, 1) for _, _, _, t in seen]
+    print(
+        f"scaled 1 -> 2 -> 1 (records at {at}, commands took {took} s): {steps} steps in "
+        f"{result.wall_s:.1f} s, instances by step {counts}, median step {median:.2f} s, worst "
+        f"{worst:.2f} s"
+    )
+    assert worst <= median + 10.0, [round(r["step_s"], 2) for r in result.records]

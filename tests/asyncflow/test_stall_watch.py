@@ -1,0 +1,193 @@
+"""The stall watch's judgement (:mod:`asyncflow.stall`) over a deployment that reports what
+the test says: the automatic bound, a silent host named once and replaced, a host holding a
+unit past its bound, a run without steps."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from asyncflow.config import load_config
+from asyncflow.progress import Work, host_answer
+from asyncflow.stall import (
+    AUTO_MAX_S,
+    AUTO_MIN_S,
+    FIRST_UNIT_S,
+    HELD_MAX_S,
+    Probe,
+    StallWatch,
+    stall_bound,
+)
+
+
+def test_the_automatic_bound_is_ten_medians_within_its_limits() -> None:
+    # silent: a live host answers at once however long its calls
+    assert stall_bound(None, None) == AUTO_MAX_S == 60.0  # before the first unit
+    assert stall_bound(None, 0.05) == AUTO_MIN_S == 10.0
+    assert stall_bound(None, 2.5) == 25.0
+    assert stall_bound(None, 30.0) == AUTO_MAX_S
+    # a unit in hand: scales with the stage's own calls, a first call may compile
+    assert stall_bound(None, None, held=True) == FIRST_UNIT_S == 300.0
+    assert stall_bound(None, 0.05, held=True) == 10.0
+    assert stall_bound(None, 30.0, held=True) == 300.0
+    assert stall_bound(None, 120.0, held=True) == HELD_MAX_S == 600.0
+    assert stall_bound(7.0, 30.0) == stall_bound(7.0, None, held=True) == 7.0  # configured
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "inf"])
+def test_stall_timeout_must_be_finite_seconds(bad: str) -> None:
+    with pytest.raises(ValueError, match=r"deploy\.stall_timeout_s must be finite seconds > 0"):
+        load_config(overrides=[f"deploy.stall_timeout_s={bad}"])
+
+
+class _Fake:
+    """A deployment whose hosts' probes the test sets."""
+
+    def __init__(self) -> None:
+        self.probes: dict[str, Probe] = {}
+        self.replaced: list[str] = []
+        self.asked: list[str] = []
+
+    async def progress(self) -> dict[str, Probe]:
+        return dict(self.probes)
+
+    async def stacks(self, host: str, timeout_s: float) -> dict[str, Any] | None:
+        self.asked.append(host)
+        answer = self.probes[host].answer
+        return None if answer is None else {**answer, "stacks": "thread 'main':\n  here"}
+
+    async def replace(self, host: str) -> bool:
+        self.replaced.append(host)
+        return True
+
+
+def _answer(work: Work) -> dict[str, Any]:
+    return {**host_answer([work]), "actor": "asyncflow-x-rollout", "node": "n1"}
+
+
+def test_a_silent_host_is_named_once_and_replaced(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    work = Work("rollout", "rows of ['prompt'] from task 'rollout'")
+    token = work.take(8, 42)
+    work.phase(token, "process")
+    dep = _Fake()
+    live = tmp_path / "progress.json"
+    watch = StallWatch(dep, 5.0, lambda: 0, live=live)
+
+    async def rounds() -> None:
+        dep.probes["rollout"] = Probe(_answer(work), 4.0, replaceable=True)
+        await watch.check()  # silent 4 s < 5 s: nothing yet
+        dep.probes["rollout"] = Probe(_answer(work), 6.0, replaceable=True)
+        await watch.check()
+        await watch.check()  # still silent: told once
+
+    with caplog.at_level(logging.WARNING, logger="asyncflow.stall"):
+        asyncio.run(rounds())
+    told = [r.getMessage() for r in caplog.records]
+    assert len(told) == 1, told
+    text = told[0]
+    assert "stage 'rollout' made no progress for 6.0 s (bound 5.0 s" in text
+    assert f"Ray actor asyncflow-x-rollout, pid {_answer(work)['pid']}" in text
+    assert "did not answer its progress probe for 6.0 s" in text
+    assert "rollout: holds 1 unit(s), 8 rows, leases [42]: in process for" in text
+    assert "killed and replaced" in text
+    assert dep.replaced == ["rollout"] and dep.asked == []  # a silent host is not asked
+    assert watch.stalls[0]["silent"] is True
+    view = json.loads(live.read_text())  # the run's live view, as of the last round
+    host = view["hosts"]["rollout"]
+    assert host["silent_s"] == 6.0 and host["stalled"] is True
+    assert host["works"][0]["holding"][0]["lease"] == 42
+    assert [s["host"] for s in view["stalls"]] == ["rollout"]
+
+
+def test_a_host_holding_a_unit_past_its_bound_is_named_with_stacks_and_told_again_later(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    work = Work("reward", "rows of ['response'] from task 'reward'")
+    work.take(4, 7)
+    dep = _Fake()
+    watch = StallWatch(dep, 0.01, lambda: 0)
+
+    async def rounds() -> None:
+        await asyncio.sleep(0.05)
+        dep.probes["reward"] = Probe(_answer(work), 0.0, replaceable=False)
+        await watch.check()
+        dep.probes["reward"] = Probe(host_answer([Work("reward", "-")]), 0.0, replaceable=False)
+        await watch.check()  # progress: re-armed
+        await asyncio.sleep(0.05)  # (past the quiet time after a stall is told)
+        dep.probes["reward"] = Probe(_answer(work), 0.0, replaceable=False)
+        await watch.check()
+
+    with caplog.at_level(logging.WARNING, logger="asyncflow.stall"):
+        asyncio.run(rounds())
+    told = [r.getMessage() for r in caplog.records]
+    assert len(told) == 2
+    assert "stage 'reward' made no progress" in told[0]
+    assert "threads of pid" in told[0] and "thread 'main'" in told[0]
+    assert "not replaced here" in told[0]
+    assert dep.replaced == [] and dep.asked == ["reward", "reward"]
+
+
+def test_a_run_without_steps_says_what_every_stage_waits_for(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    now = [100.0]
+    monkeypatch.setattr("asyncflow.stall.time.monotonic", lambda: now[0])
+    steps = [0]
+    reward = Work("reward", "rows of ['response'] from task 'reward'")
+    reward.idle(0)
+    dep = _Fake()
+    dep.probes["reward"] = Probe(host_answer([reward]), 0.0, replaceable=True)
+    watch = StallWatch(dep, 1000.0, lambda: steps[0])
+
+    async def rounds() -> None:
+        for _ in range(4):  # steps of 3 s
+            now[0] += 3.0
+            steps[0] += 1
+            await watch.check()
+        now[0] += 14.0  # < 5 medians
+        await watch.check()
+        now[0] += 2.0
+        await watch.check()
+        now[0] += 2.0
+        await watch.check()  # told once per gap
+
+    with caplog.at_level(logging.WARNING, logger="asyncflow.stall"):
+        asyncio.run(rounds())
+    told = [r.getMessage() for r in caplog.records]
+    assert len(told) == 1, told
+    assert told[0].startswith(
+        "no train step for 16.0 s (bound: 5 x the median step of 3.00 s, at least 10 s)"
+    )
+    assert "reward: waits for rows of ['response'] from task 'reward'" in told[0]
+
+
+def test_the_stuck_engine_is_replaced_not_the_stage_waiting_on_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A generator's call and the rollout batch that waits on it are both past their bound in
+    the same round: the engine (its call holds no lease) is named and replaced; the rollout
+    gets its bound to move again before it is judged itself."""
+    engine = Work("instance0", "generate calls from the rollout")
+    engine.phase(engine.take(4), "generate")
+    stage = Work("rollout", "rows of ['prompt'] from task 'rollout'")
+    stage.phase(stage.take(4, 9), "process")
+    dep = _Fake()
+    watch = StallWatch(dep, 0.01, lambda: 0)
+
+    async def rounds() -> None:
+        await asyncio.sleep(0.05)
+        dep.probes["rollout"] = Probe(_answer(stage), 0.0, replaceable=True)
+        dep.probes["rollout/instance0"] = Probe(_answer(engine), 0.0, replaceable=True)
+        await watch.check()
+
+    with caplog.at_level(logging.WARNING, logger="asyncflow.stall"):
+        asyncio.run(rounds())
+    assert dep.replaced == ["rollout/instance0"]
+    assert [s["host"] for s in watch.stalls] == ["rollout/instance0"]
