@@ -210,11 +210,14 @@ _DTYPES = {
 
 def schema_from_spec(spec: str) -> dict[str, Any]:
     """The peer's schema entry of one of our field specs as ``stats`` describes it
-    (``"dense int64 [2]"``, ``"ragged float32 []"``, ``"object"``)."""
+    (``"dense int64 [2]"``, ``"ragged float32 []"``, ``"shaped uint8 ndim=3"``,
+    ``"object"``)."""
     kind, *rest = spec.split(" ", 2)
     if kind == "object":
         return {"dtype": None, "shape": None, "is_nested": False, "is_non_tensor": True}
     dtype = _DTYPES.get(rest[0]) if rest else None
+    if kind == "shaped":  # (rows of any shape: no shape for the field)
+        return {"dtype": dtype, "shape": None, "is_nested": True, "is_non_tensor": False}
     dims = rest[1].strip("[]") if len(rest) > 1 else ""
     shape = tuple(int(d) for d in dims.split(",") if d.strip())
     return {
