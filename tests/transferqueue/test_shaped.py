@@ -194,10 +194,11 @@ def test_kind_mismatch_in_a_partition_is_refused_and_nothing_is_lost(client: Cli
 def test_save_and_load_through_the_arrow_mapping(tmp_path: Path) -> None:
     imgs = _images()
     bf = [_bits(6, torch.bfloat16, 2).view(2, 3), _bits(4, torch.bfloat16, 3).view(1, 4)]
+    c128 = [_bits(6, torch.complex128, 5).view(3, 2), _bits(1, torch.complex128, 6).view(1, 1)]
     with transferqueue.start(num_units=2, spread_bytes=0) as a, transferqueue.start() as b:
         c, d = a.client(), b.client()
         c.put({"img": imgs}, partition="p")
-        c.put({"bf": bf}, partition="q")
+        c.put({"bf": bf, "c128": c128}, partition="q")  # (no Arrow type: saved as bits)
         c.save(tmp_path / "ck")
         d.load(tmp_path / "ck")
         assert d.specs("p")["img"] == FieldSpec.shaped(torch.uint8, 3)
@@ -206,6 +207,7 @@ def test_save_and_load_through_the_arrow_mapping(tmp_path: Path) -> None:
         assert p is not None and q is not None
         _same_rows(d.get_data(p, ["img"])["img"], imgs)
         _same_rows(d.get_data(q, ["bf"])["bf"], bf)
+        _same_rows(d.get_data(q, ["c128"])["c128"], c128)
 
 
 def test_awkward_rows_round_trip(client: Client) -> None:

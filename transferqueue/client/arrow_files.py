@@ -246,6 +246,10 @@ def as_arrow_tensor(col: Column, spec: FieldSpec) -> Column:
     """A dtype without an Arrow type (bfloat16, fp8, complex) travels as its bits."""
     if spec.dtype is None or has_arrow_type(spec.torch_dtype):
         return col
+    if isinstance(col, Shaped) and spec.torch_dtype.itemsize not in _BITS:
+        # (complex128: two int64 per element, as a last axis of 2 of every row)
+        pairs = torch.cat([col.shapes, torch.full((len(col), 1), 2, dtype=torch.int64)], 1)
+        return Shaped(_to_bits(col.values).reshape(-1), col.offsets * 2, pairs)
     if isinstance(col, Ragged):
         return col.with_values(_to_bits(col.values))
     if isinstance(col, torch.Tensor):
@@ -256,6 +260,9 @@ def as_arrow_tensor(col: Column, spec: FieldSpec) -> Column:
 def from_arrow_tensor(col: Column, spec: FieldSpec) -> Column:
     if spec.dtype is None or has_arrow_type(spec.torch_dtype):
         return col
+    if isinstance(col, Shaped) and spec.torch_dtype.itemsize not in _BITS:
+        values = _from_bits(col.values.view(-1, 2), spec.torch_dtype)
+        return Shaped(values, col.offsets // 2, col.shapes[:, :-1])
     if isinstance(col, Ragged):
         return col.with_values(_from_bits(col.values, spec.torch_dtype))
     if isinstance(col, torch.Tensor):
