@@ -12,11 +12,13 @@ put):
 |                                      |                             | copy)                 |
 | strided nested tensor, or jagged     | ``Ragged`` (one copy)       | jagged nested tensor  |
 | with holes (``lengths``)             |                             |                       |
+| strided nested tensor whose rows     | ``Shaped`` (one copy)       | strided nested tensor |
+| differ beyond their first axis       |                             | (one copy)            |
 | ``NonTensorStack`` / list of values  | object column (msgpack)     | ``NonTensorStack``    |
 
 A jagged field needs rows of one inner shape (``[len_i, *inner]``), as Arrow's list layout
-does; the peer's strided nested tensors with rows of different inner shapes are refused with
-a ``ValueError`` naming the field.
+does; a nested tensor whose rows differ beyond their first axis (images ``[3, H, W]``) is a
+shaped column and reads back as the strided nested tensor the peer gives.
 
 Called by :mod:`tqcompat.client` on every ``put`` and ``get_data``.
 """
@@ -30,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from transferqueue import Ragged
+from transferqueue import Ragged, Shaped
 
 _NJT: Any = None  # torch's jagged nested tensor class: its buffers are read without a dispatch
 try:
@@ -89,10 +91,7 @@ def _column(name: str, value: Any) -> Any:
         # (strided, or jagged with holes: its rows are not values[offsets[i]:offsets[i+1]])
         rows = list(value.unbind())
         if len({tuple(r.shape[1:]) for r in rows}) > 1:
-            raise ValueError(
-                f"field {name!r}: a nested tensor whose rows differ beyond their first axis "
-                f"({[tuple(r.shape) for r in rows]}) has no ragged layout; pad the inner axes"
-            )
+            return Shaped.from_tensors(rows, value.dtype)
         return Ragged.from_tensors(rows, value.dtype)
     # a numpy array or a list in a TensorDict (strings, bytes, objects) is one NonTensorData
     # for the batch; as the peer (which reads row i as td[field][i]), one of batch-size length
@@ -155,7 +154,9 @@ def from_columns(cols: Mapping[str, Any], rows: int) -> Any:
     td = _tensordict()
     out: dict[str, Any] = {}
     for name, col in sorted(cols.items()):
-        if isinstance(col, Ragged):
+        if isinstance(col, Shaped):
+            out[name] = torch.nested.nested_tensor(col.unbind())
+        elif isinstance(col, Ragged):
             out[name] = _nested(col)
         elif isinstance(col, torch.Tensor):
             out[name] = col
@@ -169,7 +170,16 @@ def schema_of(cols: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     is_non_tensor}}`` (a nested field's ``per_sample_shapes`` too)."""
     schema: dict[str, dict[str, Any]] = {}
     for name, col in cols.items():
-        if isinstance(col, Ragged):
+        if isinstance(col, Shaped):
+            every = [torch.Size(s) for s in col.shapes.tolist()]
+            schema[name] = {
+                "dtype": col.dtype,
+                "shape": every[0] if every else None,
+                "is_nested": True,
+                "is_non_tensor": False,
+                "per_sample_shapes": every,
+            }
+        elif isinstance(col, Ragged):
             inner = tuple(col.values.shape[1:])
             lengths = (col.offsets[1:] - col.offsets[:-1]).tolist()  # (no view per row)
             # [(len_i, *inner)] built by zip in C, not a Python loop per row
@@ -200,11 +210,14 @@ _DTYPES = {
 
 def schema_from_spec(spec: str) -> dict[str, Any]:
     """The peer's schema entry of one of our field specs as ``stats`` describes it
-    (``"dense int64 [2]"``, ``"ragged float32 []"``, ``"object"``)."""
+    (``"dense int64 [2]"``, ``"ragged float32 []"``, ``"shaped uint8 ndim=3"``,
+    ``"object"``)."""
     kind, *rest = spec.split(" ", 2)
     if kind == "object":
         return {"dtype": None, "shape": None, "is_nested": False, "is_non_tensor": True}
     dtype = _DTYPES.get(rest[0]) if rest else None
+    if kind == "shaped":  # (rows of any shape: no shape for the field)
+        return {"dtype": dtype, "shape": None, "is_nested": True, "is_non_tensor": False}
     dims = rest[1].strip("[]") if len(rest) > 1 else ""
     shape = tuple(int(d) for d in dims.split(",") if d.strip())
     return {

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from transferqueue.meta import BatchMeta
     from transferqueue.ragged import Ragged
     from transferqueue.schema import FieldSpec
+    from transferqueue.shaped import Shaped
     from transferqueue.wire.liveness import Liveness
     from transferqueue.wire.replies import KeyListing, LostRows, PartitionStatus, Retired
 
@@ -65,6 +66,7 @@ _LAZY = {
     "serve": "transferqueue.deploy.service",
     "BatchMeta": "transferqueue.meta",
     "Ragged": "transferqueue.ragged",
+    "Shaped": "transferqueue.shaped",
     "FieldSpec": "transferqueue.schema",
     "Liveness": "transferqueue.wire.liveness",
     "KeyListing": "transferqueue.wire.replies",
@@ -106,6 +108,7 @@ __all__ = [
     "RowsLostError",
     "Sampler",
     "SchemaError",
+    "Shaped",
     "TQError",
     "TQTimeoutError",
     "TransferQueue",

@@ -12,6 +12,8 @@ built this way.
 | ``Ragged`` values [N], int64 offsets | ``large_list<T>``                       | none          |
 | the same, ``large=False``       | ``list<T>`` (int32 offsets)                  | offsets only  |
 | ``Ragged`` values [N, d]        | ``large_list<fixed_size_list<T, d>>``        | none          |
+| ``Shaped`` values [N], shapes [B, k] | ``struct<values: large_list<T>,``  | none          |
+|                                 | ``shape: fixed_size_list<int64, k>>``        |               |
 | dense [B]                       | ``T``                                        | none          |
 | dense [B, d1, d2]               | ``fixed_size_list<fixed_size_list<T, d2>, d1>`` | none       |
 | bool (Arrow packs bits)         | ``bool``                                     | one, to bits  |
@@ -36,6 +38,7 @@ import torch
 
 from transferqueue.ragged import Ragged
 from transferqueue.schema import Column
+from transferqueue.shaped import Shaped
 
 __all__ = [
     "column_from_arrow",
@@ -44,6 +47,8 @@ __all__ = [
     "has_arrow_type",
     "ragged_from_arrow",
     "ragged_to_arrow",
+    "shaped_from_arrow",
+    "shaped_to_arrow",
     "tensor_from_arrow",
     "tensor_to_arrow",
     "to_table",
@@ -210,9 +215,50 @@ def ragged_from_arrow(arr: pa.Array | pa.ChunkedArray) -> Ragged:
     return Ragged(values, off_t)
 
 
+# -- shaped ------------------------------------------------------------------------------------
+def shaped_to_arrow(r: Shaped, *, large: bool = True) -> pa.StructArray:
+    """``struct<values: large_list<T>, shape: fixed_size_list<int64, ndim>>`` over the
+    column's own values, offsets and shapes (no copy)."""
+    values = ragged_to_arrow(r, large=large)
+    shapes = r.shapes.contiguous()
+    flat = pa.Array.from_buffers(pa.int64(), shapes.numel(), [None, pa.py_buffer(shapes.numpy())])
+    shape = pa.FixedSizeListArray.from_arrays(flat, r.ndim)
+    return pa.StructArray.from_arrays([values, shape], names=["values", "shape"])
+
+
+def _is_shaped(t: pa.DataType) -> bool:
+    if not pa.types.is_struct(t) or [t.field(i).name for i in range(t.num_fields)] != [
+        "values",
+        "shape",
+    ]:
+        return False
+    shape = t.field(1).type
+    return pa.types.is_fixed_size_list(shape) and shape.value_type == pa.int64()
+
+
+def shaped_from_arrow(arr: pa.Array | pa.ChunkedArray) -> Shaped:
+    """A Shaped over a ``struct<values, shape>`` array (see :func:`shaped_to_arrow`); the
+    values are not copied."""
+    arr = _one_chunk(arr)
+    if not _is_shaped(arr.type):
+        raise TypeError(
+            f"expected struct<values: list<T>, shape: fixed_size_list<int64>>, got {arr.type}"
+        )
+    if arr.null_count:
+        raise ValueError("Arrow struct column has null rows; a Shaped has none (fill them first)")
+    values, shape = arr.field("values"), arr.field("shape")
+    flat = ragged_from_arrow(values)
+    ndim = shape.type.list_size
+    child = shape.values.slice(shape.offset * ndim, len(shape) * ndim)
+    shapes = torch.from_numpy(child.to_numpy(zero_copy_only=False).copy()).view(len(shape), ndim)
+    return Shaped(flat.values, flat.offsets, shapes)
+
+
 # -- columns and tables ------------------------------------------------------------------------
 def column_to_arrow(col: Column, *, large: bool = True) -> pa.Array:
     """Any TransferQueue column as an Arrow array of one entry per row."""
+    if isinstance(col, Shaped):
+        return shaped_to_arrow(col, large=large)
     if isinstance(col, Ragged):
         return ragged_to_arrow(col, large=large)
     if isinstance(col, torch.Tensor):
@@ -223,12 +269,15 @@ def column_to_arrow(col: Column, *, large: bool = True) -> pa.Array:
 
 
 def column_from_arrow(arr: pa.Array | pa.ChunkedArray) -> Column:
-    """The TransferQueue column an Arrow array maps to: list types give a Ragged, primitive
+    """The TransferQueue column an Arrow array maps to: list types give a Ragged, a
+    ``struct<values, shape>`` a Shaped, primitive
     and fixed-size-list types a dense tensor, anything else a list of Python values."""
     arr = _one_chunk(arr)
     t = arr.type
     if pa.types.is_list(t) or pa.types.is_large_list(t):
         return ragged_from_arrow(arr)
+    if _is_shaped(t):
+        return shaped_from_arrow(arr)
     base = t
     while pa.types.is_fixed_size_list(base):
         base = base.value_type

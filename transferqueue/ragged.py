@@ -196,6 +196,11 @@ class Ragged:
     def clone(self) -> Ragged:
         return Ragged(self.values.clone(), self.offsets.clone())
 
+    def with_values(self, values: torch.Tensor, offsets: torch.Tensor | None = None) -> Ragged:
+        """The same rows over another values buffer (a copy elsewhere: device, shared memory);
+        a subclass keeps what it adds (a :class:`~transferqueue.Shaped` keeps its shapes)."""
+        return Ragged(values, self.offsets if offsets is None else offsets)
+
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equality of the raw bytes (so NaN == NaN and -0.0 != 0.0, as a round trip requires)."""

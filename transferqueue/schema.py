@@ -30,6 +30,7 @@ import torch
 from transferqueue.errors import SchemaError
 from transferqueue.limits import MAX_DIM, MAX_DIMS, MAX_OBJECT_DEPTH, MAX_ROW_BYTES
 from transferqueue.ragged import Ragged
+from transferqueue.shaped import Shaped
 
 __all__ = [
     "DTYPES",
@@ -40,11 +41,12 @@ __all__ = [
     "normalize_columns",
 ]
 
-Kind = Literal["dense", "ragged", "object"]
+Kind = Literal["dense", "ragged", "object", "shaped"]
 NUMERIC_KINDS = "biufc"
 """numpy dtype kinds stored as tensors (bool, ints, floats, complex); arrays of any other kind
 (``U`` strings, ``S`` bytes, ``O`` objects) are object columns of their Python values."""
 Column: TypeAlias = "torch.Tensor | Ragged | list[Any]"
+"""(A :class:`Shaped` column is a Ragged.)"""
 
 DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
@@ -92,15 +94,26 @@ def dtype_name(dtype: torch.dtype | str) -> str:
 
 @dataclass(frozen=True)
 class FieldSpec:
-    """The type of one field (column). Build with :meth:`dense`, :meth:`ragged`, :meth:`object`."""
+    """The type of one field (column). Build with :meth:`dense`, :meth:`ragged`,
+    :meth:`shaped`, :meth:`object`."""
 
     kind: Kind
     dtype: str | None = None
     shape: tuple[int, ...] = ()
+    ndim: int = 0
+    """Number of axes of every row of a shaped field (0 for the other kinds)."""
 
     def __post_init__(self) -> None:
-        if self.kind not in ("dense", "ragged", "object"):
-            raise SchemaError(f"kind must be dense, ragged or object, got {self.kind!r}")
+        if self.kind not in ("dense", "ragged", "object", "shaped"):
+            raise SchemaError(f"kind must be dense, ragged, shaped or object, got {self.kind!r}")
+        if self.kind == "shaped":
+            if self.shape or not 1 <= self.ndim <= MAX_DIMS:
+                raise SchemaError(
+                    f"shaped fields have 1..{MAX_DIMS} axes (ndim) and no fixed shape, "
+                    f"got ndim={self.ndim} shape={self.shape}"
+                )
+        elif self.ndim:
+            raise SchemaError(f"only shaped fields have ndim, got ndim={self.ndim} for {self.kind}")
         if self.kind == "object":
             if self.dtype is not None or self.shape:
                 raise SchemaError("object fields have no dtype or shape")
@@ -131,6 +144,11 @@ class FieldSpec:
         return cls("ragged", dtype_name(dtype), tuple(inner_shape))
 
     @classmethod
+    def shaped(cls, dtype: torch.dtype | str, ndim: int) -> FieldSpec:
+        """Rows whose whole shape varies (images ``[3, H, W]``): ``ndim`` axes of any size."""
+        return cls("shaped", dtype_name(dtype), (), int(ndim))
+
+    @classmethod
     def object(cls) -> FieldSpec:
         """Any msgpack-able Python value per row (strings, numbers, dicts, lists)."""
         return cls("object")
@@ -152,6 +170,8 @@ class FieldSpec:
     def describe(self) -> str:
         if self.kind == "object":
             return "object"
+        if self.kind == "shaped":
+            return f"shaped {self.dtype} ndim={self.ndim}"
         return f"{self.kind} {self.dtype} {list(self.shape)}"
 
 
@@ -208,12 +228,19 @@ def _normalize(
         value = _from_numpy(name, value)
     if isinstance(value, torch.Tensor):
         return _tensor_column(name, value, known, keep_device)
+    if isinstance(value, Shaped):
+        if value.values.device.type != "cpu" and not keep_device:
+            value = value.with_values(value.values.detach().cpu(), value.offsets.cpu())
+        elif value.offsets.device.type != "cpu":
+            value = value.with_values(value.values.detach(), value.offsets.cpu())
+        spec = FieldSpec.shaped(_dtype_of(name, value.dtype), value.ndim)
+        return value, _check(name, spec, known)
     if isinstance(value, Ragged):
         spec = FieldSpec.ragged(_dtype_of(name, value.dtype), value.inner_shape)
         if value.values.device.type != "cpu" and not keep_device:
-            value = Ragged(value.values.detach().cpu(), value.offsets.cpu())  # (as dense ones)
+            value = value.with_values(value.values.detach().cpu(), value.offsets.cpu())
         elif value.offsets.device.type != "cpu":
-            value = Ragged(value.values.detach(), value.offsets.cpu())
+            value = value.with_values(value.values.detach(), value.offsets.cpu())
         return value, _check(name, spec, known)
     if isinstance(value, np.ndarray):
         value = value.tolist()
@@ -236,6 +263,14 @@ def _tensor_column(
         # TransferQueue stores host memory; moving here keeps producers on any device simple.
         value = value.detach().to("cpu")
     value = value.detach()
+    if known is not None and known.kind == "shaped":
+        # A batch of equal shapes written to a shaped field: every row has value.shape[1:].
+        if value.shape[0]:
+            batch = Shaped.from_tensors(list(value.unbind(0)))
+        else:
+            empty = torch.zeros((0, known.ndim), dtype=torch.int64)
+            batch = Shaped(value.reshape(-1), torch.zeros(1, dtype=torch.int64), empty)
+        return _normalize(name, batch, known, keep_device)
     if known is not None and known.kind == "ragged":
         # A padded-free [B, T] batch written to a ragged field: every row has length T.
         if value.dim() < 2:
@@ -265,6 +300,14 @@ def _sequence_column(
                 raise SchemaError(f"field {name!r} is {known.describe()}: {e}") from None
             return _tensor_column(name, stacked, known, keep_device)
         dtype = tensors[0].dtype
+        if (known is not None and known.kind == "shaped") or (
+            known is None and _shapes_vary(tensors)
+        ):
+            try:
+                shaped = Shaped.from_tensors([host(t) for t in tensors], dtype)
+            except (ValueError, RuntimeError) as e:
+                raise SchemaError(f"field {name!r}: {e}") from None
+            return _normalize(name, shaped, known, keep_device)
         for i, t in enumerate(tensors):
             if t.dim() == 0:
                 raise SchemaError(
@@ -296,6 +339,12 @@ def _sequence_column(
         return _tensor_column(name, tensor, known)
     plain = [_plain(name, i, item, 0) for i, item in enumerate(items)]
     return plain, _check(name, FieldSpec.object(), known)
+
+
+def _shapes_vary(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether rows differ in shape beyond their first axis (a shaped column, not ragged)."""
+    first = tensors[0].shape
+    return any(t.dim() != len(first) or t.shape[1:] != first[1:] for t in tensors)
 
 
 def _check(name: str, spec: FieldSpec, known: FieldSpec | None) -> FieldSpec:

@@ -44,6 +44,9 @@ def _awkward() -> TensorDict:
             "nan": torch.tensor([float("nan"), -0.0, float("inf"), 1e-45]),
             "jagged": torch.nested.as_nested_tensor(rows, layout=torch.jagged),
             "strided": torch.nested.nested_tensor([torch.ones(k, 2) * k for k in (1, 2, 3, 4)]),
+            "images": torch.nested.nested_tensor(  # rows of any shape: a shaped column
+                [torch.full((3, 2 + k, 5 - k), k, dtype=torch.uint8) for k in range(4)]
+            ),
             "text": NonTensorStack("a", "ünïcödé", "", "🙂"),
             "obj": NonTensorStack({"k": 1}, {"k": [1, 2]}, None, 3.5),
         },
@@ -78,6 +81,9 @@ def test_tensordict_round_trip_is_bit_exact(store: tq.TransferQueueClient) -> No
     for a, b in zip(got["jagged"].unbind(), data["jagged"].unbind(), strict=True):
         assert _same_bits(a, b)
     for a, b in zip(got["strided"].unbind(), data["strided"].unbind(), strict=True):
+        assert _same_bits(a, b)
+    assert put.field_schema["images"]["per_sample_shapes"][3] == (3, 5, 2)
+    for a, b in zip(got["images"].unbind(), data["images"].unbind(), strict=True):
         assert _same_bits(a, b)
     assert got["text"].tolist() == ["a", "ünïcödé", "", "🙂"]
     assert got["obj"].tolist() == [{"k": 1}, {"k": [1, 2]}, None, 3.5]

@@ -10,7 +10,7 @@ pytest.importorskip("tensordict", reason="needs the compat extra")  # the vLLM v
 
 from tensordict import TensorDict
 
-from tqcompat.tensors import from_columns, schema_of, to_columns
+from tqcompat.tensors import from_columns, schema_from_spec, schema_of, to_columns
 from transferqueue import Ragged
 
 
@@ -45,3 +45,28 @@ def test_a_jagged_tensor_with_holes_keeps_its_rows() -> None:
     assert isinstance(col, Ragged)
     assert col.offsets.tolist() == [0, 2, 5, 6]
     assert col.values.tolist() == [0.0, 1.0, 4.0, 5.0, 6.0, 8.0]
+
+
+def test_rows_that_differ_beyond_the_first_axis_are_a_shaped_column() -> None:
+    import transferqueue
+    from transferqueue import Shaped
+
+    g = torch.Generator().manual_seed(1)
+    imgs = [
+        torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=g)
+        for h, w in ((4, 6), (2, 9))
+    ]
+    cols, n = to_columns(TensorDict({"img": torch.nested.nested_tensor(imgs)}, batch_size=2))
+    col = cols["img"]
+    assert n == 2 and isinstance(col, Shaped) and col.shapes.tolist() == [[3, 4, 6], [3, 2, 9]]
+    assert schema_of(cols)["img"]["per_sample_shapes"] == [(3, 4, 6), (3, 2, 9)]
+    back = from_columns(cols, 2)["img"]
+    assert back.is_nested
+    described = schema_from_spec(transferqueue.FieldSpec.shaped(torch.uint8, 3).describe())
+    assert described == {
+        "dtype": torch.uint8,
+        "shape": None,
+        "is_nested": True,
+        "is_non_tensor": False,
+    }
+    assert all(torch.equal(a, b) for a, b in zip(back.unbind(), imgs, strict=True))

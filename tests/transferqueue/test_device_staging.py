@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import transferqueue
-from transferqueue import Ragged
+from transferqueue import Ragged, Shaped
 from transferqueue.client import device_io, put
 from transferqueue.device import staging as staging_module
 from transferqueue.device.pinned import PinnedPool, PoolTimeoutError
@@ -95,6 +95,9 @@ def _columns(rows: int) -> dict[str, Any]:
             lengths,
         ),
         "answer": [f"{i}" for i in range(rows)],
+        "img": Shaped.from_tensors(  # rows of any shape ride the ragged path
+            [torch.randint(0, 256, (3, i % 9, 1 + i % 4), dtype=torch.uint8) for i in range(rows)]
+        ),
     }
 
 
@@ -104,6 +107,7 @@ def _same(got: Mapping[str, Any], want: Mapping[str, Any]) -> None:
     assert torch.equal(got["ids"].values, want["ids"].values)
     assert torch.equal(got["ids"].offsets, want["ids"].offsets)
     assert got["answer"] == want["answer"]
+    assert isinstance(got["img"], Shaped) and got["img"] == want["img"]
 
 
 class _RecordingLink:
@@ -118,10 +122,7 @@ class _RecordingLink:
         self, indexes: np.ndarray, columns: Mapping[str, Any], *a: Any, **k: Any
     ) -> None:
         self.lent_at_write.append(self.pool.lent)
-        copied = {
-            n: (Ragged(c.values.clone(), c.offsets.clone()) if isinstance(c, Ragged) else c)
-            for n, c in columns.items()
-        }
+        copied = {n: (c.clone() if isinstance(c, Ragged) else c) for n, c in columns.items()}
         copied = {n: c.clone() if isinstance(c, torch.Tensor) else c for n, c in copied.items()}
         self.writes.append((indexes.copy(), copied))
 
@@ -156,6 +157,8 @@ def test_a_device_part_is_written_a_chunk_at_a_time_two_in_flight(
     values = torch.cat([w[1]["ids"].values for w in link.writes])
     assert torch.equal(values, cols["ids"].values)
     assert [a for w in link.writes for a in w[1]["answer"]] == cols["answer"]
+    imgs = [row for w in link.writes for row in w[1]["img"].unbind()]
+    assert all(torch.equal(a, b) for a, b in zip(imgs, cols["img"].unbind(), strict=True))
 
 
 def test_put_of_device_columns_through_a_real_store(monkeypatch: pytest.MonkeyPatch) -> None:

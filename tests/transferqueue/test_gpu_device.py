@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import transferqueue
-from transferqueue import Ragged
+from transferqueue import Ragged, Shaped
 from transferqueue.client.dataset import StreamingDataset
 
 pytestmark = [
@@ -35,6 +35,10 @@ def _columns(rows: int, seed: int) -> dict[str, object]:
             lengths,
         ),
         "logprobs": [torch.randn(int(n), generator=g).cuda() for n in lengths],
+        "img": [  # a shaped column: [3, H, W] per row
+            torch.randint(0, 256, (3, 8 + i % 5, 4 + i % 7), dtype=torch.uint8, generator=g).cuda()
+            for i in range(rows)
+        ],
     }
 
 
@@ -48,6 +52,12 @@ def _check(got: dict, want: dict, device: str) -> None:
     assert torch.equal(got["ids"].offsets, want["ids"].offsets.cpu())
     rows = got["logprobs"].unbind()
     assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(rows, want["logprobs"], strict=True))
+    img = got["img"]
+    assert isinstance(img, Shaped) and img.values.device.type == device
+    assert img.shapes.device.type == "cpu" and img.offsets.device.type == "cpu"
+    assert all(
+        torch.equal(a.cpu(), b.cpu()) for a, b in zip(img.unbind(), want["img"], strict=True)
+    )
 
 
 @pytest.mark.parametrize("service", [False, True])

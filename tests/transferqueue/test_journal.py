@@ -99,7 +99,11 @@ def state(ctl: JournaledController, *, ids: bool = True) -> dict[str, Any]:
     return out
 
 
-SPECS = {"x": FieldSpec.dense("float32", (2,)), "y": FieldSpec.object()}
+SPECS = {
+    "x": FieldSpec.dense("float32", (2,)),
+    "y": FieldSpec.object(),
+    "img": FieldSpec.shaped("uint8", 3),  # (ndim goes through the journal too)
+}
 
 
 class Driver:

@@ -466,3 +466,20 @@ def test_arena_files_of_dead_clients_that_no_unit_mapped_are_swept(tmp_path: Pat
     assert not orphan.exists() and other.exists()
     assert (tmp_path / mine.name).exists()  # its creator lives
     mine.close()
+
+
+def test_shaped_columns_go_through_shared_memory_bit_exact(tq: TransferQueue) -> None:
+    """Images of varying height and width: values through the arena, shapes beside."""
+    from transferqueue import Shaped
+
+    g = torch.Generator().manual_seed(4)
+    sizes = torch.randint(300, 600, (8, 2), generator=g).tolist()  # > 1 MiB per unit
+    imgs = [torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=g) for h, w in sizes]
+    client = tq.client()
+    client.put({"img": imgs})
+    got = client.get_data(client.get_meta("t", ["img"], 8, timeout_s=10))["img"]
+    assert isinstance(got, Shaped)
+    assert all(torch.equal(a, b) for a, b in zip(got.unbind(), imgs, strict=True))
+    units = _unit_stats(tq)
+    assert sum(u["shm_writes"] for u in units) >= 2  # spread over both units, no frames
+    assert sum(u["shm_reads"] for u in units) >= 2

@@ -22,6 +22,7 @@ from transferqueue.arrow import column_from_arrow, column_to_arrow, has_arrow_ty
 from transferqueue.errors import CheckpointError
 from transferqueue.ragged import Ragged
 from transferqueue.schema import Column, FieldSpec
+from transferqueue.shaped import Shaped
 from transferqueue.wire.replies import PartitionExport, TaskExport
 
 __all__ = ["Readers", "RowBatch", "Writers"]
@@ -33,6 +34,10 @@ def _empty(spec: FieldSpec) -> Column:
     if spec.kind == "ragged":
         values = torch.empty((0, *spec.shape), dtype=spec.torch_dtype)
         return Ragged(values, torch.zeros(1, dtype=torch.int64))
+    if spec.kind == "shaped":
+        values = torch.empty((0,), dtype=spec.torch_dtype)
+        shapes = torch.zeros((0, spec.ndim), dtype=torch.int64)
+        return Shaped(values, torch.zeros(1, dtype=torch.int64), shapes)
     return []
 
 
@@ -241,8 +246,12 @@ def as_arrow_tensor(col: Column, spec: FieldSpec) -> Column:
     """A dtype without an Arrow type (bfloat16, fp8, complex) travels as its bits."""
     if spec.dtype is None or has_arrow_type(spec.torch_dtype):
         return col
+    if isinstance(col, Shaped) and spec.torch_dtype.itemsize not in _BITS:
+        # (complex128: two int64 per element, as a last axis of 2 of every row)
+        pairs = torch.cat([col.shapes, torch.full((len(col), 1), 2, dtype=torch.int64)], 1)
+        return Shaped(_to_bits(col.values).reshape(-1), col.offsets * 2, pairs)
     if isinstance(col, Ragged):
-        return Ragged(_to_bits(col.values), col.offsets)
+        return col.with_values(_to_bits(col.values))
     if isinstance(col, torch.Tensor):
         return _to_bits(col)
     return col
@@ -251,8 +260,11 @@ def as_arrow_tensor(col: Column, spec: FieldSpec) -> Column:
 def from_arrow_tensor(col: Column, spec: FieldSpec) -> Column:
     if spec.dtype is None or has_arrow_type(spec.torch_dtype):
         return col
+    if isinstance(col, Shaped) and spec.torch_dtype.itemsize not in _BITS:
+        values = _from_bits(col.values.view(-1, 2), spec.torch_dtype)
+        return Shaped(values, col.offsets // 2, col.shapes[:, :-1])
     if isinstance(col, Ragged):
-        return Ragged(_from_bits(col.values, spec.torch_dtype), col.offsets)
+        return col.with_values(_from_bits(col.values, spec.torch_dtype))
     if isinstance(col, torch.Tensor):
         return _from_bits(col, spec.torch_dtype)
     return col

@@ -17,6 +17,7 @@ import torch
 from transferqueue.memcpy import copy_rows
 from transferqueue.ragged import Ragged
 from transferqueue.schema import Column, FieldSpec
+from transferqueue.shaped import Shaped
 from transferqueue.slots import runs
 
 __all__ = ["StaleSpecs", "check_objects", "empty_column", "merge_ragged", "place_dense"]
@@ -53,6 +54,10 @@ def place_dense(out: Mapping[str, torch.Tensor], pos: np.ndarray, got: dict[str,
 def empty_column(spec: FieldSpec) -> Column:
     if spec.kind == "dense":
         return torch.empty((0, *spec.shape), dtype=spec.torch_dtype)
+    if spec.kind == "shaped":
+        shapes = torch.zeros((0, spec.ndim), dtype=torch.int64)
+        values = torch.empty((0,), dtype=spec.torch_dtype)
+        return Shaped(values, torch.zeros(1, dtype=torch.int64), shapes)
     if spec.kind == "ragged":
         return Ragged(
             torch.empty((0, *spec.shape), dtype=spec.torch_dtype), torch.zeros(1, dtype=torch.int64)
@@ -61,11 +66,15 @@ def empty_column(spec: FieldSpec) -> Column:
 
 
 def merge_ragged(parts: list[tuple[np.ndarray, Column]], n: int, spec: FieldSpec) -> Ragged:
-    """Assemble per-unit Ragged pieces (positions, rows) into one in batch order."""
+    """Assemble per-unit Ragged pieces (positions, rows) into one in batch order (Shaped
+    pieces into one Shaped, their shapes in the same order)."""
+    shaped = spec.kind == "shaped"
     for _, col in parts:
         if not isinstance(col, Ragged) or col.dtype != spec.torch_dtype:
             raise StaleSpecs(spec.describe())
-        if col.inner_shape != spec.shape:
+        if col.inner_shape != spec.shape or isinstance(col, Shaped) != shaped:
+            raise StaleSpecs(spec.describe())
+        if isinstance(col, Shaped) and col.ndim != spec.ndim:
             raise StaleSpecs(spec.describe())
     if len(parts) == 1:
         col = parts[0][1]
@@ -88,6 +97,12 @@ def merge_ragged(parts: list[tuple[np.ndarray, Column]], n: int, spec: FieldSpec
                 values[int(offsets[a]) : int(offsets[b])],
                 col.values[int(src_off[k0]) : int(src_off[k1])],
             )
+    if shaped:
+        shapes = torch.empty((n, spec.ndim), dtype=torch.int64)
+        for pos, col in parts:
+            assert isinstance(col, Shaped)
+            shapes[torch.from_numpy(pos)] = col.shapes
+        return Shaped(values, torch.from_numpy(offsets), shapes)
     return Ragged(values, torch.from_numpy(offsets))
 
 

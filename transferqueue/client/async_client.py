@@ -394,7 +394,7 @@ class AsyncClient:
             kind = specs[f].kind
             if kind == "dense":
                 result[f] = out[f]
-            elif kind == "ragged":
+            elif kind in ("ragged", "shaped"):
                 result[f] = assemble.merge_ragged([(p, g[f]) for p, g in pieces], n, specs[f])
             else:
                 values: list[Any] = [None] * n

@@ -81,7 +81,11 @@ def _one_row(name: str, value: Any, known: FieldSpec | None) -> Any:
     if isinstance(value, np.ndarray):
         value = torch.from_numpy(value) if value.dtype.kind in NUMERIC_KINDS else value.tolist()
     if isinstance(value, torch.Tensor):
-        return [value] if known is not None and known.kind == "ragged" else value.unsqueeze(0)
+        return (
+            [value]
+            if known is not None and known.kind in ("ragged", "shaped")
+            else value.unsqueeze(0)
+        )
     if isinstance(value, Ragged):
         if len(value) != 1:
             raise SchemaError(f"field {name!r}: kv_put takes one row, got a Ragged of {len(value)}")

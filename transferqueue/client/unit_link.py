@@ -386,7 +386,7 @@ class RemoteUnitLink(UnitLink):
         staged: dict[str, Column] = {}
         for name, col in columns.items():
             if isinstance(col, Ragged):
-                staged[name] = Ragged(into_arena(col.values), col.offsets)
+                staged[name] = col.with_values(into_arena(col.values))
             elif isinstance(col, torch.Tensor):
                 staged[name] = into_arena(col)
             else:
@@ -526,7 +526,7 @@ def _into(
             else:
                 result[name] = col.clone() if copy else col
         elif isinstance(col, Ragged) and copy:
-            result[name] = Ragged(col.values.clone(), col.offsets.clone())
+            result[name] = col.clone()
         else:
             result[name] = col
     return result

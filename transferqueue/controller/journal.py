@@ -193,7 +193,9 @@ def _pre(value: Any) -> Any:
     """``value`` with field specs and task imports as msgpack extensions (msgpack would
     write them as plain maps and lists; only register_fields and loads carry them)."""
     if isinstance(value, FieldSpec):
-        spec = [value.kind, value.dtype, list(value.shape)]
+        spec: list[Any] = [value.kind, value.dtype, list(value.shape)]
+        if value.ndim:
+            spec.append(value.ndim)  # (shaped fields; older journals have three items)
         return msgspec.msgpack.Ext(_EXT_SPEC, _enc.encode(spec))
     if isinstance(value, TaskImport):
         parts = [getattr(value, f) for f in value.__struct_fields__]
@@ -210,8 +212,8 @@ def _ext(code: int, data: memoryview) -> Any:
         dtype, shape, raw = _dec.decode(data)
         return np.frombuffer(raw, dtype=np.dtype(dtype)).reshape(shape).copy()
     if code == _EXT_SPEC:
-        kind, dtype, shape = _dec.decode(data)
-        return FieldSpec(kind, dtype, tuple(shape))
+        kind, dtype, shape, *ndim = _dec.decode(data)
+        return FieldSpec(kind, dtype, tuple(shape), *ndim)
     if code == _EXT_TASK:
         return TaskImport(*_dec.decode(data))
     raise CheckpointError(f"a journal record holds an unknown extension type {code}")

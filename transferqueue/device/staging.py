@@ -245,7 +245,7 @@ class DeviceStaging:
                     copier.copy(dst, src)
                 offset += _aligned(n)
                 if isinstance(piece, Ragged):
-                    cols[name] = Ragged(dst, piece.offsets.cpu())
+                    cols[name] = piece.with_values(dst, piece.offsets.cpu())
                 else:
                     cols[name] = dst
             staged.columns = cols
@@ -320,7 +320,7 @@ class DeviceStaging:
                 self.release(staged)
         for name, col in moving.items():
             if isinstance(col, Ragged):
-                out[name] = Ragged(dsts[name], col.offsets)
+                out[name] = col.with_values(dsts[name])
             else:
                 out[name] = dsts[name]
         return {name: out[name] for name in cols}
@@ -328,7 +328,7 @@ class DeviceStaging:
 
 def _to(col: torch.Tensor | Ragged, device: torch.device) -> torch.Tensor | Ragged:
     if isinstance(col, Ragged):
-        return Ragged(col.values.to(device), col.offsets)
+        return col.with_values(col.values.to(device))
     return col.to(device)
 
 

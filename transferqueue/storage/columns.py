@@ -13,6 +13,10 @@ Every column has the same slot space as its unit (slots come from the unit's all
     segments {id: values [N, *inner]}             one per write, dropped when its rows are freed
     seg      [capacity] int32   start [capacity] int64   length [capacity] int64
 
+``ShapedColumn``: a ragged column of the rows' flattened elements, plus each slot's shape::
+
+    (as RaggedColumn, inner shape ())            shapes [capacity, ndim] int64
+
 ``ObjectColumn``: a Python list of msgpack values indexed by slot.
 
 Reads gather into one contiguous buffer per field (dense: one tensor; ragged: values +
@@ -33,8 +37,9 @@ from transferqueue.errors import UnknownFieldError
 from transferqueue.memcpy import copy_rows, gather_rows, scatter_rows
 from transferqueue.ragged import Ragged
 from transferqueue.schema import Column, FieldSpec
+from transferqueue.shaped import Shaped
 
-__all__ = ["DenseColumn", "ObjectColumn", "RaggedColumn", "make_column"]
+__all__ = ["DenseColumn", "ObjectColumn", "RaggedColumn", "ShapedColumn", "make_column"]
 
 
 class _ColumnBase:
@@ -251,6 +256,30 @@ class RaggedColumn(_ColumnBase):
         self._seg[slots] = -1
 
 
+class ShapedColumn(RaggedColumn):
+    """Rows of any shape: their elements as ragged rows, their shapes beside (per slot)."""
+
+    def __init__(self, name: str, spec: FieldSpec, capacity: int) -> None:
+        super().__init__(name, spec, capacity)
+        self._shapes = np.zeros((capacity, spec.ndim), dtype=np.int64)
+
+    def grow(self, capacity: int) -> None:
+        old = self.capacity
+        super().grow(capacity)
+        if capacity > old:
+            more = np.zeros((capacity - old, self.spec.ndim), dtype=np.int64)
+            self._shapes = np.concatenate([self._shapes, more])
+
+    def write(self, slots: np.ndarray, values: Ragged, *, adopt: bool = False) -> None:
+        assert isinstance(values, Shaped)
+        super().write(slots, values, adopt=adopt)
+        self._shapes[slots] = values.shapes.numpy()
+
+    def read(self, slots: np.ndarray, *, share: bool = False) -> Shaped:
+        flat = super().read(slots, share=share)
+        return Shaped(flat.values, flat.offsets, torch.from_numpy(self._shapes[slots]))
+
+
 class ObjectColumn(_ColumnBase):
     """msgpack-able Python values, one per slot."""
 
@@ -281,7 +310,7 @@ class ObjectColumn(_ColumnBase):
         super().free(slots)
 
 
-AnyColumn = DenseColumn | RaggedColumn | ObjectColumn
+AnyColumn = DenseColumn | RaggedColumn | ShapedColumn | ObjectColumn
 
 
 def make_column(name: str, spec: FieldSpec, capacity: int) -> AnyColumn:
@@ -289,6 +318,8 @@ def make_column(name: str, spec: FieldSpec, capacity: int) -> AnyColumn:
         return DenseColumn(name, spec, capacity)
     if spec.kind == "ragged":
         return RaggedColumn(name, spec, capacity)
+    if spec.kind == "shaped":
+        return ShapedColumn(name, spec, capacity)
     return ObjectColumn(name, spec, capacity)
 
 

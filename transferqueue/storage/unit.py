@@ -34,6 +34,7 @@ from transferqueue.chunked import ChunkedTensor
 from transferqueue.errors import CapacityError, SchemaError, UnknownFieldError, UnknownRowError
 from transferqueue.ragged import Ragged
 from transferqueue.schema import Column, FieldSpec, column_rows
+from transferqueue.shaped import Shaped
 from transferqueue.slots import ExtentAllocator, SlotMap
 from transferqueue.storage.columns import (
     AnyColumn,
@@ -59,9 +60,12 @@ def _check_data(name: str, spec: FieldSpec, data: object) -> None:
             and data.dtype == spec.torch_dtype
             and tuple(data.shape[1:]) == spec.shape
         )
+    elif spec.kind == "shaped":
+        ok = isinstance(data, Shaped) and data.dtype == spec.torch_dtype and data.ndim == spec.ndim
     elif spec.kind == "ragged":
         ok = (
             isinstance(data, Ragged)
+            and not isinstance(data, Shaped)
             and data.dtype == spec.torch_dtype
             and data.inner_shape == spec.shape
         )

@@ -25,6 +25,7 @@ extension nests in another and decoding never recurses)::
 | 1   | torch.Tensor | dtype uint8 | ndim uint8 | dims int64 x ndim | buffer reference     |
 | 2   | np.ndarray   | the same, with numpy's dtype codes                                  |
 | 3   | Ragged       | its values tensor's payload, then its offsets tensor's payload      |
+| 4   | Shaped       | values, offsets, then its shapes [B, ndim] int64 tensor's payload   |
 
 A buffer reference is ``0`` + the bytes (buffers of at most ``INLINE_BYTES``), ``1`` + first
 buffer uint32 + count uint32 (the frames after the first; buffers above ``CHUNK_BYTES`` are
@@ -65,6 +66,7 @@ from transferqueue.errors import ProtocolError, TQError, error_from_code
 from transferqueue.limits import MAX_DIM, MAX_DIMS
 from transferqueue.ragged import Ragged
 from transferqueue.schema import DTYPES
+from transferqueue.shaped import Shaped
 from transferqueue.wire import messages  # noqa: F401  (declaring the kinds fills KINDS)
 from transferqueue.wire.protocol import KINDS, Request
 
@@ -83,8 +85,8 @@ __all__ = [
     "encode_request",
 ]
 
-PROTOCOL_VERSION = 6  # 3: Commit.dropped, BatchMeta.replica_units; 4: unit inventory;
-# 5: Commit.copies, copy_rows (re-replication); 6: field specs per partition
+PROTOCOL_VERSION = 7  # 3: Commit.dropped, BatchMeta.replica_units; 4: unit inventory;
+# 5: Commit.copies, copy_rows (re-replication); 6: field specs per partition; 7: shaped fields
 CHUNK_BYTES = 64 << 20  # see the module docstring
 INLINE_BYTES = 1024
 SHM_MIN_BYTES = 64 << 10  # smaller buffers go as frames even when an arena is offered
@@ -94,7 +96,7 @@ Placer = Callable[[memoryview], "list[str | int] | None"]
 Resolver = Callable[[str, int, int], memoryview]
 """``(arena name, offset, nbytes)`` -> those bytes of an attached arena."""
 
-_EXT_TENSOR, _EXT_ARRAY, _EXT_RAGGED = 1, 2, 3
+_EXT_TENSOR, _EXT_ARRAY, _EXT_RAGGED, _EXT_SHAPED = 1, 2, 3, 4
 _REF_INLINE, _REF_FRAMES, _REF_SHM = 0, 1, 2
 _TORCH = list(DTYPES.values())
 _TORCH_CODE = {dt: i for i, dt in enumerate(_TORCH)}
@@ -177,6 +179,9 @@ def _enc_hook(obj: Any) -> Any:
         raw = a.reshape(-1).view(np.uint8).data if a.size else memoryview(b"")
         head = _HEAD.pack(code, a.ndim) + struct.pack(f"<{a.ndim}q", *a.shape)
         return msgspec.msgpack.Ext(_EXT_ARRAY, head + _buffer_ref(raw))
+    if isinstance(obj, Shaped):
+        body = b"".join(_tensor_payload(t) for t in (obj.values, obj.offsets, obj.shapes))
+        return msgspec.msgpack.Ext(_EXT_SHAPED, body)
     if isinstance(obj, Ragged):
         body = _tensor_payload(obj.values) + _tensor_payload(obj.offsets)
         return msgspec.msgpack.Ext(_EXT_RAGGED, body)
@@ -359,14 +364,20 @@ def _ext_hook(code: int, data: memoryview) -> Any:
                 # arrays from shared memory are copied (tensors keep the view alive).
                 if shared:
                     t = t.copy()
-        elif code == _EXT_RAGGED:
+        elif code in (_EXT_RAGGED, _EXT_SHAPED):
             values, pos = _tensor(data, 0)
             offsets, end = _tensor(data, pos)
             if isinstance(values, ChunkedTensor):
                 values = values.materialize()
             if isinstance(offsets, ChunkedTensor) or offsets.dtype != torch.int64:
                 raise ProtocolError("ragged offsets must be one int64 buffer")
-            t = Ragged(values, offsets)
+            if code == _EXT_RAGGED:
+                t = Ragged(values, offsets)
+            else:
+                shapes, end = _tensor(data, end)
+                if isinstance(shapes, ChunkedTensor) or shapes.dtype != torch.int64:
+                    raise ProtocolError("shaped shapes must be one int64 buffer")
+                t = Shaped(values, offsets, shapes)
         else:
             raise ProtocolError(f"unknown extension type {code}")
     except TQError:
