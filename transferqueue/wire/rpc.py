@@ -401,6 +401,7 @@ class RpcClient:
         self._pings: set[int] = set()
         self.heard_at = 0.0  # monotonic time of the last message from the peer
         self._since = 0.0  # when the current wait on the peer began
+        self._tick_due = 0.0  # when the watch's armed tick should run (monotonic)
         self._last_ping = 0.0
         self._tick: asyncio.TimerHandle | None = None
         self.silent = False  # the peer was declared gone and has not been heard from since
@@ -623,6 +624,7 @@ class RpcClient:
         if self._ping is None or self._tick is not None or self._closed:
             return
         loop = asyncio.get_running_loop()
+        self._tick_due = time.monotonic() + self._liveness.heartbeat_s
         self._tick = loop.call_later(self._liveness.heartbeat_s, self._check)
 
     def _check(self) -> None:
@@ -631,6 +633,12 @@ class RpcClient:
             return  # nothing waits on the peer: the next call arms the watch again
         lv = self._liveness
         now = time.monotonic()
+        if now - self._tick_due > lv.dead_after_s / 2:
+            # We, not the peer, were silent: this process was frozen or its loop blocked for
+            # longer than a tick. What the peer said meanwhile is unread, so its silence
+            # cannot be judged: it gets a whole dead_after_s from now (a controller woken
+            # from a SIGSTOP would otherwise declare every live unit lost, and their rows).
+            self._since = now
         silent_s = now - max(self.heard_at, self._since)
         if silent_s >= lv.dead_after_s:
             self._io.drain()  # (answers a busy loop has not read yet count)
