@@ -12,7 +12,11 @@ that answers with a new one was restarted, and holds none of the rows it held be
 
 A call is thus failed within ``dead_after_s`` plus one ``heartbeat_s`` (the watch's tick) of
 its peer's death, whatever the call's own timeout; a peer that is alive but busy answers the
-pings and is never given up on.
+pings and is never given up on. A watch whose own tick runs more than ``dead_after_s / 2``
+late was not running (its process frozen by SIGSTOP or a swapped-out host, its loop blocked):
+what the peer said meanwhile is unread, so the peer's silence is counted from then, not from
+before. Without that a controller woken from a freeze would declare every live storage unit
+lost, and their rows with them (tests/transferqueue/test_frozen.py).
 
 | setting        | default | meaning                                                      |
 |----------------|---------|--------------------------------------------------------------|

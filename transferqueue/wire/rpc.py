@@ -456,10 +456,9 @@ class RpcClient:
         place: wire.Placer | None = None,
         offload: bool = False,
     ) -> R:
-        """Send one request and wait for its reply (``wait_s`` overrides the call timeout).
-
-        ``place`` puts the request's buffers into a shared-memory arena where they fit;
-        ``offload`` encodes (and so copies) on a worker thread."""
+        """Send one request and wait for its reply (``wait_s`` overrides the call timeout);
+        ``place`` puts its buffers into a shared-memory arena where they fit, ``offload``
+        encodes (and so copies) on a worker thread."""
         self._check_open()
         rid = next(self._ids)
         frames = await _encode(wire.encode_request, rid, msg, place, offload=offload)
@@ -484,8 +483,8 @@ class RpcClient:
             self.repoint(address)
 
     def repoint(self, address: str) -> None:
-        """Send from now on to the peer at ``address`` (it moved); requests still waiting on
-        the old one fail as they would have (the liveness watch)."""
+        """Send to the peer at ``address`` from now on (it moved); calls waiting on the old
+        one fail as they would have (the liveness watch)."""
         self._check_open()
         address = check_address(address)
         log.info("%s moved to %s", self.address, address)
@@ -594,15 +593,10 @@ class RpcClient:
             except zmq.ZMQError:
                 return
             dropped = True
-        if dropped:
-            for fut, msg in list(self._pending.values()):
-                if not fut.done():
-                    fut.set_exception(
-                        PeerGoneError(
-                            f"the connection to {self.address} dropped while {msg.kind!r} "
-                            "waited on it: the server died or restarted"
-                        )
-                    )
+        for fut, msg in list(self._pending.values()) if dropped else []:
+            if not fut.done():
+                gone = f"the connection to {self.address} dropped while {msg.kind!r} waited"
+                fut.set_exception(PeerGoneError(f"{gone} on it: the server died or restarted"))
 
     def _close_monitor(self) -> None:
         mon, self._mon = self._mon, None
@@ -620,7 +614,7 @@ class RpcClient:
 
     def _watch(self) -> None:
         """Arm the watch's next tick (a timer, not a task: a client's loop that has nothing
-        left to do stops, see :class:`~transferqueue.loop.LoopThread`)."""
+        left to do stops, see :class:`~transferqueue.loop.LoopThread`; a late tick: liveness)."""
         if self._ping is None or self._tick is not None or self._closed:
             return
         loop = asyncio.get_running_loop()
@@ -633,11 +627,7 @@ class RpcClient:
             return  # nothing waits on the peer: the next call arms the watch again
         lv = self._liveness
         now = time.monotonic()
-        if now - self._tick_due > lv.dead_after_s / 2:
-            # We, not the peer, were silent: this process was frozen or its loop blocked for
-            # longer than a tick. What the peer said meanwhile is unread, so its silence
-            # cannot be judged: it gets a whole dead_after_s from now (a controller woken
-            # from a SIGSTOP would otherwise declare every live unit lost, and their rows).
+        if now - self._tick_due > lv.dead_after_s / 2:  # we were frozen (wire.liveness)
             self._since = now
         silent_s = now - max(self.heard_at, self._since)
         if silent_s >= lv.dead_after_s:
