@@ -205,22 +205,9 @@ class Writer:
         come with later puts (``meta=``), and tasks see them once those are written.
         """
         raw = None if tags is None else encode_tags(tags, None if meta is None else len(meta))
+        rest = (meta, partition, group, version, length, specs, ack, lease_s, timeout_s, raw)
         if not share:
-            return await self._io.run_async(
-                self._put(
-                    data,
-                    meta,
-                    partition,
-                    group,
-                    version,
-                    length,
-                    specs,
-                    ack,
-                    lease_s,
-                    timeout_s,
-                    raw,
-                )
-            )
+            return await self._io.run_async(self._put(data, *rest))
         exporter = self._device.exporter()
         cells = dict(data)
         keys = []
@@ -234,21 +221,7 @@ class Writer:
             key, cells[name] = exporter.share(col)
             keys.append(key)
         try:
-            done = await self._io.run_async(
-                self._put(
-                    cells,
-                    meta,
-                    partition,
-                    group,
-                    version,
-                    length,
-                    specs,
-                    ack,
-                    lease_s,
-                    timeout_s,
-                    raw,
-                )
-            )
+            done = await self._io.run_async(self._put(cells, *rest))
         except BaseException:
             for key in keys:
                 exporter.drop(key)
