@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import json
 import os
+import select
 import subprocess
 import sys
 import time
@@ -46,6 +47,7 @@ from bench.common import RESULTS_DIR, line, write_json
 CALLS = ("put", "get_meta", "get_data", "ack")
 THROUGHPUT_GOAL = 0.8
 P99_GOAL_MS = 50.0
+WORKER_TIMEOUT_S = 600.0  # a worker's connect of all its clients, or its report after a phase
 
 
 # --- the worker process: many clients on one event loop ---------------------------------
@@ -142,6 +144,21 @@ def _proc_stats(pid: int) -> dict[str, float]:
     return {"cpu_s": cpu_s, "rss_mb": rss / 2**20, "fds": fds}
 
 
+def _line(worker: subprocess.Popen[str], timeout_s: float) -> Any:
+    """The worker's next JSON line, within ``timeout_s`` (a worker that hangs or dies fails
+    the bench naming it, never blocks it)."""
+    assert worker.stdout is not None
+    ready, _, _ = select.select([worker.stdout], [], [], timeout_s)
+    line_ = worker.stdout.readline() if ready else ""
+    if not line_:
+        worker.kill()
+        raise RuntimeError(
+            f"load worker {worker.pid} sent nothing within {timeout_s:g} s "
+            f"(exit code {worker.poll()}); its error is printed above"
+        )
+    return json.loads(line_)
+
+
 def _drain(tq: Any, partitions: list[str]) -> list[list[int]]:
     """Finish every partition and read what is left for the task (rows put in the window's
     last cycles that no client read back)."""
@@ -210,8 +227,7 @@ def run_case(
             first += count
         t0 = time.perf_counter()
         for w in workers:
-            assert w.stdout is not None
-            json.loads(w.stdout.readline())
+            _line(w, WORKER_TIMEOUT_S)  # connected
         connect_s = time.perf_counter() - t0
         connected = {pid: _proc_stats(pid) for pid in (ctl, unit)}  # every client connected
         res: dict[str, Any] = {"clients": n, "procs": procs, "connect_s": connect_s, "phases": {}}
@@ -226,8 +242,7 @@ def run_case(
                 w.stdin.flush()
             outs = []
             for w in workers:
-                assert w.stdout is not None
-                outs.append(json.loads(w.stdout.readline()))
+                outs.append(_line(w, seconds + WORKER_TIMEOUT_S))
             busy = {pid: _proc_stats(pid) for pid in (ctl, unit)}
             ph = _phase(outs, batch, seconds, phase_no)
             written |= ph.pop("written")
@@ -362,8 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     counts = [int(c) for c in args.clients.split(",")]
     cases = []
     for n in counts:
-        rates = {"paced": args.offered / n, "saturated": 0.0}
-        r = run_case(n, args.procs, args.batch, args.seconds, rates)
+        phases = {"paced": args.offered / n, "saturated": 0.0}
+        r = run_case(n, args.procs, args.batch, args.seconds, phases)
         _print_case(r)
         cases.append(r)
     sat = [c["phases"]["saturated"]["rows_per_s"] for c in cases]
