@@ -167,7 +167,7 @@ class StallWatch:
         probes = await self.deployment.progress()
         stalled = []
         for host, probe in probes.items():
-            why = self._stalled(probe)
+            why = self._stalled(host, probe)
             if why is None:
                 if probe.silent_s < self.period_s * 3:
                     self._flagged.discard(host)  # (progress again: a new stall is told again)
@@ -214,12 +214,13 @@ class StallWatch:
     def _bound(self, work: dict[str, Any], *, held: bool = False) -> float:
         return stall_bound(self.configured_s, work.get("median_s"), held=held)
 
-    def _stalled(self, probe: Probe) -> tuple[str, float, float] | None:
-        """(stage, seconds, bound) of the stall of a host, or None."""
+    def _stalled(self, host: str, probe: Probe) -> tuple[str, float, float] | None:
+        """(stage, seconds, bound) of the stall of a host, or None (a host never heard from
+        is named by its stage: a host's name begins with it, ``reward/1``)."""
         works = [] if probe.answer is None else probe.answer["works"]
         bounds = [self._bound(w) for w in works] or [stall_bound(self.configured_s, None)]
         if probe.silent_s > min(bounds):
-            stage = ", ".join(w["name"] for w in works) or "?"
+            stage = ", ".join(w["name"] for w in works) or host.split("/", 1)[0]
             return stage, probe.silent_s, min(bounds)
         for w in works:
             held = max((u["held_s"] for u in w["holding"]), default=0.0)

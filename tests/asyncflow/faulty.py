@@ -88,6 +88,25 @@ class StallsOnce(DyingEngine):
         return list(await self.inner.generate(prompts, params))
 
 
+class SlowGenerate(DyingEngine):
+    """A generation engine whose every call takes :attr:`delay_s` longer: the rollout holds a
+    lease on its prompts most of the time (a fault test that freezes it then finds it
+    holding rows)."""
+
+    delay_s = 0.5
+
+    async def generate(
+        self, prompts: Sequence[torch.Tensor], params: SamplingParams
+    ) -> list[Generation]:
+        await asyncio.sleep(self.delay_s)
+        return list(await self.inner.generate(prompts, params))
+
+
+def slow_generator(cfg: RunConfig, path: Path, index: int) -> GenerationEngine:
+    """Every instance's calls take :attr:`SlowGenerate.delay_s` longer."""
+    return SlowGenerate(build_generator(cfg, path, index))  # type: ignore[return-value]
+
+
 class _StallsOnceInRun(StallsOnce):
     """:class:`StallsOnce` whose stall happens once per run, not once per incarnation (a
     restarted host builds its engine again): the first to stall leaves ``marker``."""

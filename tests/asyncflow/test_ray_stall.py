@@ -5,6 +5,7 @@ finishes every step, each group trained once. Marked ``ray`` and ``slow``."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -17,7 +18,7 @@ import pytest
 
 from asyncflow import EngineFactories, run
 from tests.asyncflow.conftest import RAY_START, RAY_TEST_TIMEOUT_S, small_config
-from tests.asyncflow.faulty import stalling_generator_once
+from tests.asyncflow.faulty import slow_generator, stalling_generator_once
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(RAY_TEST_TIMEOUT_S)]
 
@@ -129,6 +130,19 @@ def test_a_frozen_stage_host_is_named_and_replaced_within_seconds(
     assert worst <= median + 30.0, [round(r["step_s"], 2) for r in records]
 
 
+def _until_holding(out: Path, host: str, deadline_s: float = 60.0) -> bool:
+    """Wait until the run's ``progress.json`` shows ``host`` holding a leased unit of work."""
+    live = out / "progress.json"
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError):
+            works = json.loads(live.read_text())["hosts"][host]["works"]
+            if any(u["lease"] is not None for w in works for u in w["holding"]):
+                return True
+        time.sleep(0.1)
+    return False
+
+
 def _pause(
     out: Path, after_steps: int, suffix: str, pause_s: float, seen: dict[str, float]
 ) -> None:
@@ -136,7 +150,7 @@ def _pause(
     ``suffix`` for ``pause_s``, then SIGCONT it."""
     import ray
 
-    if not _until_steps(out, after_steps):
+    if not _until_steps(out, after_steps) or not _until_holding(out, "rollout"):
         return
     actors: list[Any] = ray.util.list_named_actors(all_namespaces=True)
     name = max(a["name"] for a in actors if a["name"].endswith(suffix))
@@ -171,7 +185,9 @@ def test_a_rollout_host_woken_after_its_leases_were_returned_drops_its_batch(
     seen: dict[str, float] = {}
     pauser = threading.Thread(target=_pause, args=(out, 6, "-rollout", 12.0, seen), daemon=True)
     pauser.start()
-    result = run(cfg)
+    # (every generate call 0.5 s longer: the rollout holds its prompts' lease most of the
+    # time, so the freeze finds it holding rows whatever the machine's speed)
+    result = run(cfg, factories=EngineFactories(generator=slow_generator))
     pauser.join(timeout=60)
     assert "woken_at" in seen
     b = cfg.train.groups_per_step

@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -191,3 +192,76 @@ def test_the_stuck_engine_is_replaced_not_the_stage_waiting_on_it(
         asyncio.run(rounds())
     assert dep.replaced == ["rollout/instance0"]
     assert [s["host"] for s in watch.stalls] == ["rollout/instance0"]
+
+
+def test_a_host_never_heard_from_is_named_by_its_stage(caplog: pytest.LogCaptureFixture) -> None:
+    dep = _Fake()
+    dep.probes["reward/1"] = Probe(None, AUTO_MAX_S + 1, replaceable=True)
+    watch = StallWatch(dep, None, lambda: 0)
+    with caplog.at_level(logging.WARNING, logger="asyncflow.stall"):
+        asyncio.run(watch.check())
+    (text,) = [r.getMessage() for r in caplog.records]
+    assert f"stage 'reward' made no progress for {AUTO_MAX_S + 1:.1f} s" in text
+    assert "host 'reward/1' (never answered)" in text
+    assert dep.replaced == ["reward/1"]
+
+
+class _Method:
+    """``actor.progress`` of a Ray actor handle: ``.options(...).remote(stacks)``."""
+
+    def __init__(self, answers: list[asyncio.Future[dict[str, Any]]]) -> None:
+        self.answers = answers
+        self.sent = 0
+
+    def options(self, **_: Any) -> _Method:
+        return self
+
+    def remote(self, stacks: bool) -> asyncio.Future[dict[str, Any]]:
+        self.sent += 1
+        return self.answers.pop(0)
+
+
+class _Actor:
+    def __init__(self, answers: list[asyncio.Future[dict[str, Any]]]) -> None:
+        self.progress = _Method(answers)
+
+
+def test_a_probe_that_never_answers_is_sent_again_less_and_less_often(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A probe lost on its way (its future never completes) would leave a live host unheard
+    for good, and named frozen; it is asked again after RESEND_S, then twice as long."""
+    from asyncflow.deploy import ray_probe
+
+    clock = [100.0]  # the probes' clock, moved by the test (no timing in the test)
+    monkeypatch.setattr(ray_probe, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(ray_probe, "RESEND_S", 2.0)
+
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+        lost, late, answered = loop.create_future(), loop.create_future(), loop.create_future()
+        actor = _Actor([lost, late, answered])
+        probes = ray_probe.HostProbes(lambda: [("reward", actor)], lambda _: True)
+
+        async def tick(after_s: float) -> ray_probe.Probe:
+            clock[0] += after_s
+            probe = probes.progress()["reward"]
+            await asyncio.sleep(0.01)  # (the probe's coroutine sends it)
+            return probe
+
+        assert (await tick(0)).answer is None and actor.progress.sent == 1
+        await tick(1.0)
+        assert actor.progress.sent == 1  # within its wait: not asked again
+        await tick(1.5)
+        assert actor.progress.sent == 2 and lost.cancelled()  # asked again
+        await tick(3.0)
+        assert actor.progress.sent == 2  # the second wait is twice as long (4 s)
+        await tick(1.5)
+        assert actor.progress.sent == 3 and late.cancelled()
+        answered.set_result({"pid": 7, "works": []})
+        await tick(0)
+        probe = await tick(0)
+        assert probe.answer == {"pid": 7, "works": []} and probe.silent_s == 0.0
+        probes.close()
+
+    asyncio.run(go())
