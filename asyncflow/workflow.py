@@ -230,6 +230,7 @@ class Workflow:
             after=None if checkpoints is None else checkpoints.after,
         )
         jobs = Supervisor()
+        dep.supervise(jobs.spawn)
         jobs.add("feeder", feeder.run)
         jobs.add("steps", recorder.take_reports)
         if evaluator is not None:

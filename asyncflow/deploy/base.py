@@ -128,6 +128,11 @@ class Deployment(ABC):
         deployment does not count them."""
         return {}
 
+    def supervise(self, spawn: Callable[[str, Job], None]) -> None:
+        """Take the driver supervisor's ``spawn``, which starts a job while the run goes on
+        (a deployment that replaces a preempted instance by itself); unused by default."""
+        del spawn
+
     async def scale(self, stage: str, n: int, spawn: Callable[[str, Job], None]) -> int:
         """Give ``stage`` ``n`` instances while the run goes on; returns the count before.
         ``spawn`` starts a new instance's job under the driver's supervisor. Raises

@@ -23,7 +23,8 @@ What runs where (``asyncflow.deploy.ray_hosts`` for the actors):
 |                       |                     |                         | fails (below)     |
 
 Restarts are Ray's (``deploy.max_restarts`` per actor). Generators join and leave a running
-job by command (``asyncflow scale DIR rollout=N``: ``asyncflow.deploy.ray_scale``).
+job by command (``asyncflow scale DIR rollout=N``: ``asyncflow.deploy.ray_scale``), and one
+that gets SIGTERM (preemption) is drained and leaves.
 
 The driver (this process) stays the run's single controller (LlamaRL's design): it runs the
 prompt feeder, and so admission control, itself, and takes the step reports. Shared state
@@ -31,27 +32,25 @@ that stage hosts on other nodes report to and wait on (generator versions and lo
 weight-update policy, the step reports) lives in a small coordinator actor, because a Ray
 actor cannot call back into the driver.
 
-**Recovery.** Generators, the rollout dispatcher and reward/reference workers are restarted by
-Ray (``max_restarts``) and their ``run`` is called again by the driver, which counts the
-restarts (``RunResult.extra["restarts"]``, and ``restarts`` in every step's record). What a dead
-host held comes back without anyone's help: rows it had leased return to their task as its
-replacement announces itself or its heartbeat stops (seconds, not ``transferqueue.lease_s``),
-and a ``generate`` call in flight on a dead
-generator fails at once in the dispatcher, which generates the batch on another instance. A
-restarted generator registers again with its initial weights and takes no batch until it
-holds weights recent enough for it (the staleness bound is checked per sample, whatever
-happens). Every trainer rank of a ``train.strategy=ddp`` group of two or more is restarted
-too (``asyncflow.deploy.ray_ranks``): a rank ``r >= 1``'s replacement gets rank 0's weights and
-optimizer state, the group forms again and the step in flight is redone exactly; rank 0's
-replacement (the driver runs its ``run`` again, as for other hosts) takes a surviving rank's
-state, forms the group again as its rank 0 and takes the train stage over from the step in
-flight: the step's rows, held leased until the step is reported, come back with their dead
-holder, and a step the survivors had already taken is reported, not trained again. The only
-rank of a single-rank trainer (no other copy of its state) and the ranks of ``fsdp`` (each
-holds only its shards) are not: the run fails with an error naming the rank and why (never a
-hang: every collective has a timeout); resume the run from its newest checkpoint
-(``asyncflow run --resume DIR``, ``DIR`` the run's ``output.dir``; ``checkpoint.every_steps``
-writes them).
+**Recovery.** Generators, the rollout dispatcher and reward/reference workers are restarted by Ray
+(``max_restarts``) and their ``run`` is called again by the driver, which counts the restarts
+(``RunResult.extra["restarts"]``, and ``restarts`` in every step's record). What a dead host held
+comes back without anyone's help: rows it had leased return to their task as its replacement
+announces itself or its heartbeat stops (seconds, not ``transferqueue.lease_s``), and a
+``generate`` call in flight on a dead generator fails at once in the dispatcher, which generates
+the batch on another instance. A restarted generator registers again with its initial weights and
+takes no batch until it holds weights recent enough for it (the staleness bound is checked per
+sample, whatever happens). Every trainer rank of a ``train.strategy=ddp`` group of two or more is
+restarted too (``asyncflow.deploy.ray_ranks``): a rank ``r >= 1``'s replacement gets rank 0's
+weights and optimizer state, the group forms again and the step in flight is redone exactly; rank
+0's replacement (the driver runs its ``run`` again, as for other hosts) takes a surviving rank's
+state, forms the group again as its rank 0 and takes the train stage over from the step in flight:
+the step's rows, held leased until the step is reported, come back with their dead holder, and a
+step the survivors had already taken is reported, not trained again. The only rank of a single-rank
+trainer (no other copy of its state) and the ranks of ``fsdp`` (each holds only its shards) are
+not: the run fails with an error naming the rank and why (never a hang: every collective has a
+timeout); resume the run from its newest checkpoint (``asyncflow run --resume DIR``, ``DIR`` the
+run's ``output.dir``; ``checkpoint.every_steps`` writes them).
 
 **Checkpoints and resume.** Trainer rank 0 writes the trainer's part of a checkpoint in its
 actor (``asyncflow.checkpoint``; with ``train.strategy=fsdp`` every rank writes its shards:
@@ -71,7 +70,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -489,9 +488,11 @@ class RayDeployment(Deployment):
             out[stage] = out.get(stage, 0) + 1
         return out
 
-    async def scale(self, stage: str, n: int, spawn: Callable[[str, Job], None]) -> int:
+    def supervise(self, spawn: Callable[[str, Job], None]) -> None:
         self.scaler.spawn = spawn
-        return await self.scaler.scale(stage, n)
+
+    async def scale(self, stage: str, n: int, spawn: Callable[[str, Job], None]) -> int:
+        return await self.scaler.scale(stage, n)  # (spawn: taken by supervise)
 
     def _job(
         self,
@@ -566,9 +567,11 @@ class RayDeployment(Deployment):
                 raise RuntimeError(f"stage host {name!r} died: {e}") from cause
 
     async def progress(self) -> dict[str, Probe]:
-        """Every host as last heard (``asyncflow.deploy.ray_probe``); trainer ranks are
-        reported, never replaced (their recovery is the trainer's: ``ray_ranks``)."""
-        return self._probes.progress()
+        """Every host as last heard (``ray_probe``); trainer ranks are reported, never replaced
+        (``ray_ranks``); a generator that got SIGTERM is drained (``ray_scale``)."""
+        probes = self._probes.progress()
+        self.scaler.notice(probes)
+        return probes
 
     async def stacks(self, host: str, timeout_s: float) -> dict[str, Any] | None:
         return await self._probes.stacks(host, timeout_s)
@@ -615,8 +618,7 @@ class RayDeployment(Deployment):
 
         async def predict(prompts: Sequence[torch.Tensor]) -> np.ndarray:
             try:
-                out: np.ndarray = await rollout.predict.remote(list(prompts))
-                return out
+                return cast(np.ndarray, await rollout.predict.remote(list(prompts)))
             except Exception as e:  # the dispatcher restarting: no prediction this time
                 log.warning("length prediction unavailable (%s); using none", e)
                 return np.zeros(len(prompts))

@@ -42,7 +42,8 @@ import contextlib
 import logging
 import os
 import sys
-from collections.abc import Coroutine, Sequence
+import threading
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -284,6 +285,39 @@ class _Host:
             self._tq = None
 
 
+PREEMPT_EXIT_S = 30.0
+"""A generator that got SIGTERM and was not drained within ``deploy.drain_grace_s`` plus this
+exits by itself (a driver that no longer answers keeps no preempted process alive)."""
+
+
+def on_sigterm(handler: Callable[[], None]) -> None:
+    """Call ``handler`` (quickly: it runs as a signal handler) instead of exiting when this Ray
+    worker process gets SIGTERM.
+
+    Ray's worker installs its own SIGTERM handler on its main thread, which an async actor's
+    code never runs on (``signal.signal`` refuses other threads); that handler ends the
+    process through ``ray._private.worker.raise_sys_exit_with_custom_error_message``, looked
+    up when the signal comes, so that name is what is replaced here (for SIGTERM's message
+    only). Where Ray has no such name, SIGTERM ends the process as before: the restart path
+    replaces it."""
+    try:
+        from ray._private import worker
+    except ImportError:  # (not a Ray worker)
+        return
+    exit_with = getattr(worker, "raise_sys_exit_with_custom_error_message", None)
+    if exit_with is None:
+        log.warning("SIGTERM is not drained here: this Ray has no hook for it")
+        return
+
+    def instead(message: str, *args: Any, **kwargs: Any) -> None:
+        if "SIGTERM" not in message:
+            exit_with(message, *args, **kwargs)
+            return
+        handler()
+
+    worker.raise_sys_exit_with_custom_error_message = instead
+
+
 class GeneratorActor(_Host):
     """One generation engine, following published weights, serving ``generate`` calls.
 
@@ -311,6 +345,23 @@ class GeneratorActor(_Host):
         self.registry = RemoteRegistry(actor(coordinator))
         self.host: GeneratorHost | None = None
         self._registered = asyncio.Event()
+        self._preempted = False
+        on_sigterm(self._on_sigterm)
+
+    def _on_sigterm(self) -> None:
+        """A preemption notice (a spot node's SIGTERM): said in the next progress probe's
+        answer, the driver drains this instance and stops it (``ray_scale``); a host never
+        drained exits by itself :data:`PREEMPT_EXIT_S` after ``deploy.drain_grace_s``."""
+        if self._preempted:
+            return
+        self._preempted = True
+        log.warning("generator %s got SIGTERM: it asks the driver to drain it", self.name)
+        timer = threading.Timer(self.cfg.deploy.drain_grace_s + PREEMPT_EXIT_S, os._exit, (1,))
+        timer.daemon = True
+        timer.start()
+
+    async def progress(self, stacks: bool = False) -> dict[str, Any]:
+        return {**await super().progress(stacks), "preempted": self._preempted}
 
     def _works(self) -> list[Work]:
         return [] if self.host is None else [self.host.work]

@@ -20,19 +20,28 @@ checks every sample's). A new instance in a placement group reserved at start ge
 of it (the group's bundles are fixed): it asks Ray for the same resources outside the group.
 Instances added are named on from the highest index (``instance2``, ...), never reusing a
 name: each has its own registry entry and job.
+
+**Preemption.** A generator host that gets SIGTERM (a spot node's notice) does not exit: it
+says so in its next progress probe's answer, and the driver removes it as a scale-down removes
+an instance (its calls finish within ``deploy.drain_grace_s``, then it is stopped, not
+restarted); the last instance is first replaced by a new one, placed by Ray where resources
+allow. A host never drained exits by itself ``drain_grace_s`` + 30 s after the signal.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from asyncflow.config import RunConfig
 from asyncflow.control import SCALABLE, ControlError
 from asyncflow.deploy.remote import RemoteRegistry
+from asyncflow.stall import Probe
 from asyncflow.supervisor import Job
 from transferqueue.aio import within
 
@@ -77,6 +86,8 @@ class RolloutScaler:
         """Instances that left (their job ends quietly when their actor is stopped)."""
         self.spawn: Spawn | None = None
         """Starts a job while the run goes on (the driver's supervisor sets it)."""
+        self._preempting: set[str] = set()
+        self._lock = asyncio.Lock()
 
     def count(self) -> int:
         return len(self._generators)
@@ -85,14 +96,18 @@ class RolloutScaler:
         """``stage`` to ``n`` instances; the count before."""
         if stage not in SCALABLE:
             raise ControlError(f"the {stage} stage cannot be scaled; what can be: rollout=N")
-        was = self.count()
-        while self.count() < n:
-            await self._add()
-        while self.count() > n:
-            await self._remove()
+        async with self._lock:  # (one change at a time: a command, a preemption)
+            was = self.count()
+            while self.count() < n:
+                await self._add()
+            while self.count() > n:
+                await self._remove()
         if was != n:
             log.warning("rollout scaled from %d to %d instances", was, n)
         return was
+
+    def _by_name(self, name: str) -> Any:
+        return dict(self._generators)[name]
 
     async def _add(self) -> None:
         import ray
@@ -146,10 +161,49 @@ class RolloutScaler:
                 "with deploy.weight_transport=broadcast to scale across nodes"
             )
 
-    async def _remove(self) -> None:
+    def notice(self, probes: Mapping[str, Probe]) -> None:
+        """Start draining every generator whose last progress answer says it got SIGTERM
+        (once each; the driver's stall watch reads the probes every second)."""
+        for host, probe in probes.items():
+            name = host.removeprefix("rollout/")
+            if (
+                probe.answer is not None
+                and probe.answer.get("preempted")
+                and name not in self._preempting
+                and name in dict(self._generators)
+                and self.spawn is not None
+            ):
+                self._preempting.add(name)
+                self.spawn(f"preemption/{name}", functools.partial(self.preempt, name))
+
+    async def preempt(self, name: str) -> None:
+        """Drain the generator ``name`` that got SIGTERM and let it go; the last one is
+        first replaced by a new instance (placed by Ray where resources allow)."""
+        t0 = time.monotonic()
+        log.warning(
+            "rollout instance %s got SIGTERM (a preemption notice): it drains (at most "
+            "deploy.drain_grace_s=%s) and leaves the run",
+            name,
+            self.cfg.deploy.drain_grace_s,
+        )
+        async with self._lock:
+            if name not in dict(self._generators):  # (scaled away meanwhile)
+                return
+            if self.count() == 1:
+                await self._add()
+            await self._remove(name)
+        log.warning(
+            "rollout instance %s drained and left in %.1f s; the rollout goes on with %d",
+            name,
+            time.monotonic() - t0,
+            self.count(),
+        )
+
+    async def _remove(self, name: str | None = None) -> None:
         import ray
 
-        name, gen = self._generators[-1]  # (the newest first: the oldest keep their caches)
+        # (the newest first: the oldest keep their caches)
+        name, gen = self._generators[-1] if name is None else (name, self._by_name(name))
         grace = self.cfg.deploy.drain_grace_s
         rollout, _, _ = self._hosts()
         drained = await rollout.retire_generator.remote(name, grace)

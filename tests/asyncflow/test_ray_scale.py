@@ -5,9 +5,13 @@ median. Marked ``ray`` and ``slow``."""
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -91,5 +95,76 @@ def test_a_running_job_scales_its_rollout_up_and_down(ray_cluster: None, tmp_pat
         f"scaled 1 -> 2 -> 1 (records at {at}, commands took {took} s): {steps} steps in "
         f"{result.wall_s:.1f} s, instances by step {counts}, median step {median:.2f} s, worst "
         f"{worst:.2f} s"
+    )
+    assert worst <= median + 10.0, [round(r["step_s"], 2) for r in result.records]
+
+
+def _sigterm_when(out: Path, after_steps: int, suffix: str, seen: dict[str, float]) -> None:
+    """Once ``after_steps`` steps are recorded, SIGTERM the generator host whose Ray actor
+    name ends with ``suffix`` (a spot node's preemption notice)."""
+    import ray
+
+    if not _until_steps(out, after_steps):
+        return
+    actors: list[Any] = ray.util.list_named_actors(all_namespaces=True)
+    name = max(a["name"] for a in actors if a["name"].endswith(suffix))
+    host: Any = ray.get_actor(name)
+    pid = int(ray.get(host.where.remote(), timeout=60)["pid"])
+    os.kill(pid, signal.SIGTERM)
+    seen["pid"], seen["at"], seen["step"] = pid, time.time(), _steps(out)
+
+
+@pytest.mark.parametrize("instances", [2, 1])
+def test_a_generator_that_gets_sigterm_drains_and_leaves(
+    ray_cluster: None, tmp_path: Path, caplog: pytest.LogCaptureFixture, instances: int
+) -> None:
+    """Preemption: SIGTERM to a generator host's process after step 8. It does not die: the
+    driver drains it (its calls finish) and stops it, never restarted, and the run goes on
+    with the others (2 -> 1 instances), or (the last one) with a new instance put in its
+    place first; every group trained once within the staleness bound, no step more than 10 s
+    over the median."""
+    out = tmp_path / "run"
+    k, steps = 1, 30
+    cfg = small_config(
+        out,
+        "deploy.mode=ray",
+        f"rollout.instances={instances}",
+        f"train.steps={steps}",
+        f"train.max_staleness={k}",
+        "rollout.max_new_tokens=64",
+        "train.groups_per_step=4",
+        RAY_START,
+    )
+    victim = f"instance{instances - 1}"
+    seen: dict[str, float] = {}
+    signaller = threading.Thread(
+        target=_sigterm_when, args=(out, 8, f"-{victim}", seen), daemon=True
+    )
+    signaller.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="asyncflow"):
+            result = run(cfg)
+    finally:
+        signaller.join(timeout=60)
+    assert "pid" in seen, "the generator was never signalled"
+    b = cfg.train.groups_per_step
+    trained = [g for rep in result.reports for g in rep.groups]
+    assert trained == list(range(steps * b))  # every group trained exactly once
+    for rep in result.reports:
+        assert min(rep.staleness) >= 0 and max(rep.staleness) <= k
+    told = [r.getMessage() for r in caplog.records]
+    assert any(f"rollout instance {victim} got SIGTERM" in m for m in told), told
+    left = [m for m in told if f"rollout instance {victim} drained and left" in m]
+    assert left, told
+    assert result.extra["restarts"].get(f"rollout/{victim}", 0) == 0  # stopped, not restarted
+    counts = [r["instances"]["rollout"] for r in result.records]
+    assert counts[0] == instances and counts[-1] == max(1, instances - 1), counts
+    if instances == 1:  # its replacement took batches
+        assert "rollout/instance1" in result.timeline.intervals, sorted(result.timeline.intervals)
+    step_s = sorted(r["step_s"] for r in result.records)
+    median, worst = step_s[len(step_s) // 2], step_s[-1]
+    print(
+        f"SIGTERM to {victim} of {instances} at step {seen['step']:g}: {left[0]}; instances "
+        f"by step {counts}; median step {median:.2f} s, worst {worst:.2f} s"
     )
     assert worst <= median + 10.0, [round(r["step_s"], 2) for r in result.records]
