@@ -34,21 +34,26 @@ restart path, its replacement handing its leases back at once; ``local`` and tra
 reported only). A run with no train step for :data:`NO_STEP_FACTOR` times its median step (at
 least :data:`AUTO_MIN_S`) logs what every stage waits for, once per such gap. Every round the
 same view (what each host holds and waits for, how long it has been silent, the stalls so far)
-is written to the run's ``progress.json``, for a look at a running run from outside.
+is written to the run's ``progress.json``, and once more when the run ends (finished or failed),
+for a look at a run from outside (``asyncflow status OUTPUT_DIR``, :mod:`asyncflow.status`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
+import socket
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+
+from transferqueue.aio import within
 
 __all__ = [
     "AUTO_FACTOR",
@@ -58,6 +63,7 @@ __all__ = [
     "HELD_MAX_S",
     "NO_STEP_FACTOR",
     "PERIOD_S",
+    "PROGRESS_FILE",
     "Probe",
     "StallWatch",
     "Watched",
@@ -80,6 +86,9 @@ NO_STEP_FACTOR = 5.0
 """A run with no train step for this many times its median step says what every stage waits
 for."""
 PERIOD_S = 1.0
+PROGRESS_FILE = "progress.json"
+"""The live view in a run's output folder (see :meth:`StallWatch.finish` and
+:mod:`asyncflow.status`)."""
 """How often the watch judges the hosts' last answers."""
 STACKS_WAIT_S = 5.0
 """How long the watch waits for a stalled host's stacks."""
@@ -135,11 +144,15 @@ class StallWatch:
         *,
         period_s: float = PERIOD_S,
         live: Path | None = None,
+        total_steps: int | None = None,
     ) -> None:
         self.deployment = deployment
         self.live = live
         """A JSON file rewritten every round with what every host holds and waits for (the
-        run's ``progress.json``: ``cat`` it, or watch it, while the run goes on)."""
+        run's ``progress.json``: ``asyncflow status OUTPUT_DIR`` reads it, see
+        :mod:`asyncflow.status`)."""
+        self.total_steps = total_steps
+        self._probes: dict[str, Probe] = {}
         self.configured_s = configured_s
         self.steps_done = steps_done
         self.period_s = period_s
@@ -173,8 +186,9 @@ class StallWatch:
                     self._flagged.discard(host)  # (progress again: a new stall is told again)
             elif host not in self._flagged:
                 stalled.append((host, probe, why))
+        self._probes = probes
         if self.live is not None:
-            self._write_live(probes)
+            self._write_live(probes, "running")
         # The cause first: a silent host, then an engine (its calls hold no lease), then the
         # stages that wait on them; after a stall is told (and its host replaced), the others
         # get their bound to move again before they are judged themselves.
@@ -187,10 +201,30 @@ class StallWatch:
             self._told_at = time.monotonic()
         self._check_steps(probes)
 
-    def _write_live(self, probes: dict[str, Probe]) -> None:
+    async def finish(self, state: str, error: str | None = None) -> None:
+        """The run ended (``state``: ``finished`` or ``failed``, with its ``error``): the last
+        ``progress.json`` says so, for a reader to stop watching (the hosts as last heard, or
+        asked once more when they answer within a second)."""
+        if self.live is None:
+            return
+        probes = self._probes
+        with contextlib.suppress(Exception):  # (a broken deployment: the last view's hosts)
+            probes = await within(self.deployment.progress(), 1.0)
+        try:
+            self._write_live(probes, state, error)
+        except OSError as e:  # the run's outcome stands; the view is only a view
+            log.warning("could not write %s: %r", self.live, e)
+
+    def _write_live(self, probes: dict[str, Probe], state: str, error: str | None = None) -> None:
         assert self.live is not None
         view = {
+            "state": state,
+            "error": error,
             "time": time.time(),
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "period_s": self.period_s,
+            "total_steps": self.total_steps,
             "steps": self.steps_done(),
             "since_step_s": time.monotonic() - self._step_at,
             "hosts": {
