@@ -7,6 +7,8 @@ asyncflow config [CONFIG.yaml] [overrides ...]            # check and print the 
 asyncflow run --help                                      # every config field, type, default, doc
 asyncflow scale OUTPUT_DIR rollout=N                      # a running deploy.mode=ray job's
                                                           # rollout to N generators
+asyncflow status OUTPUT_DIR [--watch [SECONDS]]           # what a run's stages hold and wait
+                                                          # for, from its progress.json
 
 Both commands load and check the config the same way (:func:`asyncflow.config.check.
 resolve_config`); a bad config, a missing file or malformed YAML prints one line
@@ -81,7 +83,50 @@ def _parser(with_fields: bool) -> argparse.ArgumentParser:
     p.add_argument("output_dir", metavar="OUTPUT_DIR", help="the running job's output.dir")
     p.add_argument("counts", nargs="+", metavar="STAGE=N", help="rollout=N (N >= 1)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the run")
+    p = sub.add_parser(
+        "status",
+        help="what a run's stages hold and wait for, read from its output folder",
+        description="print a table of the run writing (or that wrote) OUTPUT_DIR from its "
+        "progress.json and metrics.jsonl: steps, each stage host's process, silence, what each "
+        "stage holds or waits for, the stalls so far",
+    )
+    p.add_argument("output_dir", metavar="OUTPUT_DIR", help="the run's output.dir")
+    p.add_argument(
+        "--watch",
+        nargs="?",
+        type=float,
+        const=2.0,
+        metavar="SECONDS",
+        help="print it again every SECONDS (2) until the run ends, its files stop changing "
+        "(--stale) or Ctrl-C",
+    )
+    p.add_argument(
+        "--stale",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="--watch stops once progress.json has not changed for this long (60)",
+    )
     return ap
+
+
+def status(output_dir: str, every_s: float | None, stale_s: float) -> int:
+    """``asyncflow status``: the run's table (once, or ``--watch``); a folder without a run
+    status is one line ``asyncflow: no run status: ...`` and returns 2."""
+    from pathlib import Path
+
+    from asyncflow.status import StatusError, watch
+    from asyncflow.status import status as show
+
+    try:
+        if every_s is None:
+            return show(Path(output_dir))
+        if not every_s > 0 or not stale_s > 0:
+            raise StatusError(f"--watch {every_s:g} and --stale {stale_s:g} must be > 0 seconds")
+        return watch(Path(output_dir), every_s, stale_s)
+    except StatusError as e:
+        print(f"asyncflow: no run status: {e}", file=sys.stderr)
+        return BAD_CONFIG_EXIT
 
 
 def scale(output_dir: str, counts: list[str], timeout_s: float = 600.0) -> int:
@@ -109,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = _parser(with_fields=bool({"-h", "--help"} & set(args))).parse_args(args)
     if ns.cmd == "scale":
         return scale(ns.output_dir, ns.counts, ns.timeout)
+    if ns.cmd == "status":
+        return status(ns.output_dir, ns.watch, ns.stale)
     path, overrides = _split(ns.args)
     if ns.resume is not None:
         overrides = [*overrides, f"resume={json.dumps(ns.resume)}"]  # a YAML string, always

@@ -30,19 +30,32 @@ the host (its Ray actor, pid, node), what it holds (rows, leases) and in which p
 long, and the Python stacks of its threads and of its units in hand, collected in the process
 over the probe's own channel (a host that does not answer is said not to). Then the deployment
 replaces it where it can (``deploy=ray``: the actor is killed and Ray restarts it through the
-restart path, its replacement handing its leases back at once; ``local`` and trainer ranks:
-reported only). A run with no train step for :data:`NO_STEP_FACTOR` times its median step (at
-least :data:`AUTO_MIN_S`) logs what every stage waits for, once per such gap. Every round the
+restart path, its replacement handing its leases back at once; ``local``: an engine in a
+process of its own is replaced, its calls in flight retried as a lost instance's). A stall
+that is not replaced (trainer ranks, stages and engines in the driver's process, a failed
+replacement) fails the run with a :class:`StallError` naming it once it lasts
+:func:`give_up_s` (:data:`GIVE_UP_FACTOR` x its bound, at least :data:`GIVE_UP_MIN_S`): no run
+waits without bound.
+
+This is also the bound of an engine call that never returns: the engine's host holds that
+call as a unit of work, so the same bound names it and replaces the engine (its batch
+generated again, as a lost instance's), or fails the run where it cannot be replaced; there
+is no second, per-call timeout to configure. A run with no train step for
+:data:`NO_STEP_FACTOR` times its median step (at least :data:`AUTO_MIN_S`) logs what every
+stage waits for, once per such gap. Every round the
 same view (what each host holds and waits for, how long it has been silent, the stalls so far)
-is written to the run's ``progress.json``, for a look at a running run from outside.
+is written to the run's ``progress.json``, and once more when the run ends (finished or failed),
+for a look at a run from outside (``asyncflow status OUTPUT_DIR``, :mod:`asyncflow.status`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
+import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -50,17 +63,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from transferqueue.aio import within
+
 __all__ = [
     "AUTO_FACTOR",
     "AUTO_MAX_S",
     "AUTO_MIN_S",
     "FIRST_UNIT_S",
+    "GIVE_UP_FACTOR",
+    "GIVE_UP_MIN_S",
     "HELD_MAX_S",
     "NO_STEP_FACTOR",
     "PERIOD_S",
+    "PROGRESS_FILE",
     "Probe",
+    "StallError",
     "StallWatch",
     "Watched",
+    "give_up_s",
     "stall_bound",
 ]
 
@@ -80,6 +100,9 @@ NO_STEP_FACTOR = 5.0
 """A run with no train step for this many times its median step says what every stage waits
 for."""
 PERIOD_S = 1.0
+PROGRESS_FILE = "progress.json"
+"""The live view in a run's output folder (see :meth:`StallWatch.finish` and
+:mod:`asyncflow.status`)."""
 """How often the watch judges the hosts' last answers."""
 STACKS_WAIT_S = 5.0
 """How long the watch waits for a stalled host's stacks."""
@@ -135,17 +158,22 @@ class StallWatch:
         *,
         period_s: float = PERIOD_S,
         live: Path | None = None,
+        total_steps: int | None = None,
     ) -> None:
         self.deployment = deployment
         self.live = live
         """A JSON file rewritten every round with what every host holds and waits for (the
-        run's ``progress.json``: ``cat`` it, or watch it, while the run goes on)."""
+        run's ``progress.json``: ``asyncflow status OUTPUT_DIR`` reads it, see
+        :mod:`asyncflow.status`)."""
+        self.total_steps = total_steps
+        self._probes: dict[str, Probe] = {}
         self.configured_s = configured_s
         self.steps_done = steps_done
         self.period_s = period_s
         self.stalls: list[dict[str, Any]] = []
         """Every stall named: host, stage, seconds, when (monotonic), replaced."""
         self._flagged: set[str] = set()
+        self._unreplaced: set[str] = set()  # told, not replaced: failing the run past give_up_s
         self._steps = 0
         self._step_at = time.monotonic()
         self._step_times: list[float] = []
@@ -158,23 +186,33 @@ class StallWatch:
             await asyncio.sleep(self.period_s)
             try:
                 await self.check()
+            except StallError:
+                raise  # (nothing can recover that stall: the run fails with its diagnosis)
             except Exception as e:  # the watch never ends a run; it says why it is blind
                 log.warning("the stall watch could not judge the stage hosts this time: %r", e)
 
     async def check(self) -> None:
         """One round: name and replace new stalls, tell a run without steps what stages wait
-        for."""
+        for; raise :class:`StallError` for a stall that was not replaced and outlasted
+        :func:`give_up_s`."""
         probes = await self.deployment.progress()
         stalled = []
+        hopeless = None
         for host, probe in probes.items():
             why = self._stalled(host, probe)
             if why is None:
                 if probe.silent_s < self.period_s * 3:
                     self._flagged.discard(host)  # (progress again: a new stall is told again)
+                    self._unreplaced.discard(host)
             elif host not in self._flagged:
                 stalled.append((host, probe, why))
+            elif host in self._unreplaced and why[1] > give_up_s(why[2]):
+                hopeless = (host, probe, why)
+        self._probes = probes
         if self.live is not None:
-            self._write_live(probes)
+            self._write_live(probes, "running")
+        if hopeless is not None:
+            raise StallError(_give_up(*hopeless))
         # The cause first: a silent host, then an engine (its calls hold no lease), then the
         # stages that wait on them; after a stall is told (and its host replaced), the others
         # get their bound to move again before they are judged themselves.
@@ -183,14 +221,35 @@ class StallWatch:
             if time.monotonic() - self._told_at < why[2]:
                 break
             self._flagged.add(host)
-            await self._tell(host, probe, *why)
+            if not await self._tell(host, probe, *why):
+                self._unreplaced.add(host)
             self._told_at = time.monotonic()
         self._check_steps(probes)
 
-    def _write_live(self, probes: dict[str, Probe]) -> None:
+    async def finish(self, state: str, error: str | None = None) -> None:
+        """The run ended (``state``: ``finished`` or ``failed``, with its ``error``): the last
+        ``progress.json`` says so, for a reader to stop watching (the hosts as last heard, or
+        asked once more when they answer within a second)."""
+        if self.live is None:
+            return
+        probes = self._probes
+        with contextlib.suppress(Exception):  # (a broken deployment: the last view's hosts)
+            probes = await within(self.deployment.progress(), 1.0)
+        try:
+            self._write_live(probes, state, error)
+        except OSError as e:  # the run's outcome stands; the view is only a view
+            log.warning("could not write %s: %r", self.live, e)
+
+    def _write_live(self, probes: dict[str, Probe], state: str, error: str | None = None) -> None:
         assert self.live is not None
         view = {
+            "state": state,
+            "error": error,
             "time": time.time(),
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "period_s": self.period_s,
+            "total_steps": self.total_steps,
             "steps": self.steps_done(),
             "since_step_s": time.monotonic() - self._step_at,
             "hosts": {
@@ -266,7 +325,7 @@ class StallWatch:
             "it is killed and replaced through the restart path (its leases handed back at once)"
             if replaced
             else "it is not replaced here (a trainer rank, or a stage or engine in the driver's "
-            "process): the run waits on it"
+            f"process): the run fails if it makes no progress for {give_up_s(bound):.0f} s"
         )
         log.warning("stall: %s", "\n  ".join(lines))
         if replaced:
@@ -319,6 +378,38 @@ class StallWatch:
             lines.append(head + ":")
             lines += ["  " + line for line in _holding(p.answer)]
         log.warning("%s", "\n  ".join(lines))
+
+
+class StallError(RuntimeError):
+    """A stall that nothing here can work around (its host cannot be replaced, or its
+    replacement failed) outlasted :func:`give_up_s`: the run fails with the diagnosis rather
+    than wait without bound."""
+
+
+GIVE_UP_FACTOR = 5.0
+"""A stall that is not worked around fails the run once it lasts this many times its bound..."""
+GIVE_UP_MIN_S = 120.0
+"""...and at least this long (a stage's rare long unit, e.g. a checkpoint's write, is waited
+for)."""
+
+
+def give_up_s(bound: float) -> float:
+    """How long a stall of bound ``bound`` that was not replaced may last before the run
+    fails: :data:`GIVE_UP_FACTOR` x ``bound``, at least :data:`GIVE_UP_MIN_S`."""
+    return max(GIVE_UP_FACTOR * bound, GIVE_UP_MIN_S)
+
+
+def _give_up(host: str, probe: Probe, why: tuple[str, float, float]) -> str:
+    stage, seconds, bound = why
+    holding = "; ".join(_holding(probe.answer))
+    return (
+        f"stage {stage!r} on host {host!r} ({_process(probe.answer)}) made no progress for "
+        f"{seconds:.1f} s, past {give_up_s(bound):.0f} s ({GIVE_UP_FACTOR:g} x its stall bound "
+        f"of {bound:.1f} s, at least {GIVE_UP_MIN_S:g} s), and nothing here can replace it: "
+        f"{holding}. Its stacks are in the stall WARNING above. A stuck engine is replaced "
+        "under deploy.mode=ray or with rollout.engine_process=true (deploy=local, engine=hf); "
+        "raise deploy.stall_timeout_s if such a call is legitimate"
+    )
 
 
 def _holds_leases(probe: Probe) -> bool:

@@ -73,7 +73,7 @@ from asyncflow.loggers import make_loggers
 from asyncflow.metrics import MetricsWriter, Timeline, plot_rewards, write_timeline
 from asyncflow.recorder import StepRecorder
 from asyncflow.stage_runner import LOST_SERVER_HINT
-from asyncflow.stall import StallWatch
+from asyncflow.stall import PROGRESS_FILE, StallWatch
 from asyncflow.supervisor import Job, Supervisor
 from asyncflow.threads import intra_op_threads
 from transferqueue import AsyncClient
@@ -243,21 +243,27 @@ class Workflow:
             dep,
             cfg.deploy.stall_timeout_s,
             lambda: len(recorder.reports),
-            live=out_dir / "progress.json",
+            live=out_dir / PROGRESS_FILE,
+            total_steps=cfg.train.steps,
         )
         jobs.add("stall watch", watch.run, background=True)
         if dep.scalable:  # ``asyncflow scale OUTPUT_DIR rollout=N`` reaches the run here
             scale = functools.partial(_scale, dep, jobs.spawn)
             server = ControlServer(out_dir, scale, dep.instances, dep.scalable)
             jobs.add("control", functools.partial(serve, server), background=True)
-        await jobs.run(
-            "records",
-            recorder.write_records,
-            idle_error="every stage ended before the last train step",
-        )
-        await dep.collect()
-        policy_dir = await _save_policy(dep, out_dir / "policy", cfg.train.steps)
-        write_timeline(dep.timeline, out_dir, writer.records)
+        try:
+            await jobs.run(
+                "records",
+                recorder.write_records,
+                idle_error="every stage ended before the last train step",
+            )
+            await dep.collect()
+            policy_dir = await _save_policy(dep, out_dir / "policy", cfg.train.steps)
+            write_timeline(dep.timeline, out_dir, writer.records)
+        except BaseException as e:  # (the live view says the run is over, and why)
+            await asyncio.shield(watch.finish("failed", f"{type(e).__name__}: {e}"))
+            raise
+        await watch.finish("finished")
         result = RunResult(
             records=writer.records,
             reports=recorder.reports,

@@ -107,6 +107,19 @@ def slow_generator(cfg: RunConfig, path: Path, index: int) -> GenerationEngine:
     return SlowGenerate(build_generator(cfg, path, index))  # type: ignore[return-value]
 
 
+class NeverReturns(DyingEngine):
+    """A generation engine whose third call never returns (a deadlocked engine thread, a
+    collective that never completes)."""
+
+    async def generate(
+        self, prompts: Sequence[torch.Tensor], params: SamplingParams
+    ) -> list[Generation]:
+        self.calls += 1
+        if self.calls == 3:
+            await asyncio.Event().wait()  # (until the run ends and cancels the call)
+        return list(await self.inner.generate(prompts, params))
+
+
 class _StallsOnceInRun(StallsOnce):
     """:class:`StallsOnce` whose stall happens once per run, not once per incarnation (a
     restarted host builds its engine again): the first to stall leaves ``marker``."""

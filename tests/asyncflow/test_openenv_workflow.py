@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import signal
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -117,6 +120,72 @@ def test_a_server_killed_mid_run_costs_episodes_not_the_run(out_dir: Path) -> No
     assert reasons["env_error"] <= dropped * n  # every env_error episode in a dropped group
     assert set(reasons) <= {"done", "max_turns", "max_tokens", "env_error"}, reasons
     assert sum(reasons.values()) == len(consumed) * n
+
+
+FREEZE_S = 8.0
+
+
+@pytest.mark.slow
+def test_a_server_frozen_mid_run_costs_timeouts_not_the_run(out_dir: Path) -> None:
+    """The server process is frozen (SIGSTOP: it holds its sockets, the kernel still accepts
+    connections, nothing answers) once it has served 24 episodes, for 8 s, then woken: every
+    call on it (the WebSocket handshake, ``reset``, ``step``) ends at its timeout, counted as
+    ``timeout``; the episodes are tried again as an ``env_error``'s are (those whose tries
+    all met the freeze end ``env_error`` and their groups are dropped and refilled); the run
+    takes its ten steps, every group trained or dropped once, no step 30 s over the median."""
+    with serve(max_sessions=8) as (url, proc):
+        frozen: dict[str, float] = {}
+
+        def freeze_then_wake() -> None:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                with contextlib.suppress(OSError):
+                    if get(url + "/sessions")["episodes"] >= 24:
+                        break
+                time.sleep(0.05)
+            os.kill(proc.pid, signal.SIGSTOP)
+            frozen["at"] = time.monotonic()
+            time.sleep(FREEZE_S)
+            os.kill(proc.pid, signal.SIGCONT)
+            frozen["woken"] = time.monotonic()
+
+        freezer = threading.Thread(target=freeze_then_wake, daemon=True)
+        freezer.start()
+        cfg = _config(
+            out_dir,
+            url,
+            "env.options.timeout_s=1.0",
+            "env.options.connect_retries=1",
+            "env.retries=2",
+        )
+        t0 = time.monotonic()
+        try:
+            result = run(cfg)  # type: ignore[arg-type]
+        finally:
+            freezer.join(timeout=60)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGCONT)  # (never left stopped for serve's exit)
+        wall_s = time.monotonic() - t0
+    assert "woken" in frozen and frozen["at"] - t0 < wall_s  # frozen while the run went on
+    b, n = cfg.train.groups_per_step, cfg.rollout.group_size  # type: ignore[attr-defined]
+    assert [rep.step for rep in result.reports] == list(range(STEPS))
+    consumed: list[int] = []
+    for rep in result.reports:
+        assert rep.samples == b * n and len(rep.groups) == b  # whole groups, never partial
+        consumed += rep.groups + rep.filtered
+    assert sorted(consumed) == list(range(len(consumed)))  # each group once
+    timeouts = sum(r["env_failures"].get("timeout", 0) for r in result.records)
+    assert timeouts > 0, [r["env_failures"] for r in result.records]
+    reasons = _reasons(result)
+    assert set(reasons) <= {"done", "max_turns", "max_tokens", "env_error"}, reasons
+    steps = [r["step_s"] for r in result.records]
+    median = statistics.median(steps)
+    assert max(steps) < median + 30.0, steps
+    print(
+        f"\nfrozen {FREEZE_S:g} s: {timeouts} timeouts, {reasons.get('env_error', 0)} env_error "
+        f"episodes, {sum(r['groups_dropped'] for r in result.records)} groups dropped; "
+        f"median step {median:.2f} s, worst {max(steps):.2f} s, run {wall_s:.1f} s"
+    )
 
 
 def test_a_server_that_is_not_there_is_named_with_its_cause(

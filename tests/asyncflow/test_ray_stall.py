@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from asyncflow import EngineFactories, run
+from asyncflow.cli import main as cli_main
 from tests.asyncflow.conftest import RAY_START, RAY_TEST_TIMEOUT_S, small_config
 from tests.asyncflow.faulty import slow_generator, stalling_generator_once
 
@@ -206,7 +207,10 @@ def test_a_rollout_host_woken_after_its_leases_were_returned_drops_its_batch(
 
 
 def test_a_generator_stuck_in_a_call_is_named_with_its_stacks_and_replaced(
-    ray_cluster: None, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    ray_cluster: None,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """A generator whose engine call hangs (30 s, once in the run) while its host still
     answers: one WARNING names it with the Python stacks of its process, collected there
@@ -233,3 +237,11 @@ def test_a_generator_stuck_in_a_call_is_named_with_its_stacks_and_replaced(
     worst = max(r["step_s"] for r in result.records)
     print(f"generator stuck in a call: worst step {worst:.2f} s")
     assert worst < 30.0  # replaced, not waited out
+    assert cli_main(["status", str(out)]) == 0  # the run's folder tells the same afterwards
+    shown = capsys.readouterr().out
+    print(shown)
+    assert f": finished: {steps} of {steps} steps" in shown
+    named = [line for line in shown.splitlines() if "on host 'rollout/instance0'" in line]
+    assert "stalls so far: " in shown and named, shown
+    assert named[0].startswith("  'instance0' on host") and named[0].endswith(", replaced")
+    assert "rollout/instance0" in [line.split()[0] for line in shown.splitlines() if line]

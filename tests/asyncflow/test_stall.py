@@ -25,7 +25,7 @@ from asyncflow import EngineFactories, RunConfig, run
 from asyncflow.build import build_generator
 from engines.protocols import GenerationEngine
 from tests.asyncflow.conftest import small_config
-from tests.asyncflow.faulty import StallsOnce, wrapped_generator
+from tests.asyncflow.faulty import NeverReturns, StallsOnce, wrapped_generator
 
 LOCAL = ["deploy.mode=local", "transferqueue.mode=embedded"]
 
@@ -92,6 +92,38 @@ def test_an_engine_call_past_its_bound_is_named_once_with_its_stacks(
     assert "not replaced here" in text
     assert [s["host"] for s in result.extra["stalls"]] == ["rollout/instance0"]
     assert result.extra["stalls"][0]["replaced"] is False
+
+
+@pytest.mark.slow
+def test_an_engine_call_that_never_returns_in_the_driver_fails_the_run_with_its_diagnosis(
+    out_dir: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rollout's third engine call never returns, the engine in the driver's process
+    (``rollout.engine_process=false``: nothing can replace it): the stall is named once, and
+    once it lasts five times its bound (the two-minute floor lowered for the test) the run
+    fails with a StallError naming the engine, its host and the call it holds, within seconds
+    rather than never; progress.json says the run failed and why."""
+    monkeypatch.setattr("asyncflow.stall.GIVE_UP_MIN_S", 0.0)
+    cfg = small_config(out_dir, "deploy.stall_timeout_s=1", "rollout.engine_process=false", *LOCAL)
+    factories = EngineFactories(generator=functools.partial(wrapped_generator, NeverReturns))
+    t0 = time.monotonic()
+    with (
+        caplog.at_level(logging.WARNING, logger="asyncflow.stall"),
+        pytest.raises(Exception, match="StallError") as failed,
+    ):
+        run(cfg, factories=factories)
+    took = time.monotonic() - t0
+    message = str(failed.value)
+    assert "stage 'stall watch' failed" in message
+    assert "stage 'instance0' on host 'rollout/instance0'" in message
+    assert "instance0: holds 1 unit(s), 4 rows: in generate for" in message
+    assert "past 5 s (5 x its stall bound of 1.0 s" in message
+    stalls = [r.getMessage() for r in caplog.records if r.getMessage().startswith("stall:")]
+    assert stalls and "the run fails if it makes no progress for 5 s" in stalls[0]
+    assert took < 60.0, took  # (the run's start, a few steps, then 5 s: never unbounded)
+    view = json.loads((out_dir / "progress.json").read_text())
+    assert view["state"] == "failed" and "StallError" in view["error"]
+    print(f"\nan engine call that never returns failed the run after {took:.1f} s")
 
 
 _BUILT: list[Any] = []

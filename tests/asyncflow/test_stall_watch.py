@@ -19,9 +19,12 @@ from asyncflow.stall import (
     AUTO_MAX_S,
     AUTO_MIN_S,
     FIRST_UNIT_S,
+    GIVE_UP_MIN_S,
     HELD_MAX_S,
     Probe,
+    StallError,
     StallWatch,
+    give_up_s,
     stall_bound,
 )
 
@@ -265,3 +268,51 @@ def test_a_probe_that_never_answers_is_sent_again_less_and_less_often(
         probes.close()
 
     asyncio.run(go())
+
+
+def test_a_stall_nothing_can_replace_fails_the_run_past_its_give_up_bound(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A host that cannot be replaced (a trainer rank, a stage or engine in the driver's
+    process) is told once; the watch fails the run with a StallError naming it once the stall
+    lasts five times its bound (at least two minutes); progress before that forgives it, and
+    a replaced host is never failed."""
+    assert give_up_s(5.0) == GIVE_UP_MIN_S == 120.0 and give_up_s(60.0) == 300.0
+    work = Work("train", "rows of ['reward'] from task 'train'")
+    work.take(8, 3)
+    dep = _Fake()
+    watch = StallWatch(dep, 0.01, lambda: 0)  # (a short quiet time between two stalls told)
+
+    def probe(silent_s: float, replaceable: bool = False) -> Probe:
+        return Probe(_answer(work), silent_s, replaceable=replaceable)
+
+    async def rounds() -> None:
+        dep.probes["rank1"] = probe(6.0)
+        await watch.check()  # told, not replaced
+        dep.probes["rank1"] = probe(119.0)
+        await watch.check()  # within the give-up bound: waited for
+        dep.probes["rank1"] = Probe(host_answer([Work("train", "-")]), 0.0, replaceable=False)
+        dep.probes["rank0"] = probe(500.0, replaceable=True)
+        await asyncio.sleep(0.02)
+        await watch.check()  # rank1 made progress: forgiven; rank0 told and replaced
+        await asyncio.sleep(0.02)
+        dep.probes["rank0"] = probe(600.0, replaceable=True)
+        dep.probes["rank1"] = probe(121.0)
+        await watch.check()  # rank1: a new stall, told again (not failed at once)
+        await asyncio.sleep(0.02)
+        await watch.check()  # rank1 fails the run; rank0 (replaced) never does
+
+    with (
+        caplog.at_level(logging.WARNING, logger="asyncflow.stall"),
+        pytest.raises(StallError) as failed,
+    ):
+        asyncio.run(rounds())
+    told = [r.getMessage() for r in caplog.records if r.getMessage().startswith("stall:")]
+    assert len(told) == 3  # rank1 twice, rank0 once
+    assert "the run fails if it makes no progress for 120 s" in told[0]
+    message = str(failed.value)
+    assert "stage 'train' on host 'rank1'" in message
+    assert "made no progress for 121.0 s, past 120 s" in message
+    assert "train: holds 1 unit(s), 8 rows, leases [3]" in message
+    assert "rollout.engine_process=true" in message and "deploy.stall_timeout_s" in message
+    assert dep.replaced == ["rank0"]
