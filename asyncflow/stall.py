@@ -173,6 +173,7 @@ class StallWatch:
         self.stalls: list[dict[str, Any]] = []
         """Every stall named: host, stage, seconds, when (monotonic), replaced."""
         self._flagged: set[str] = set()
+        self._away: dict[str, bool] = {}  # replaced, not heard from since: seen gone
         self._unreplaced: set[str] = set()  # told, not replaced: failing the run past give_up_s
         self._steps = 0
         self._step_at = time.monotonic()
@@ -215,13 +216,26 @@ class StallWatch:
             raise StallError(_give_up(*hopeless))
         # The cause first: a silent host, then an engine (its calls hold no lease), then the
         # stages that wait on them; after a stall is told (and its host replaced), the others
-        # get their bound to move again before they are judged themselves.
+        # get their bound to move again before they are judged themselves, counted from the
+        # replacement's first answer: until then a unit in hand may wait on it (a stage's
+        # call to the engine being restarted), and only silence is judged.
+        for host, gone in list(self._away.items()):
+            if host not in probes or probes[host].answer is None:
+                self._away[host] = True
+            else:  # (answering: back, or never gone)
+                del self._away[host]
+                if gone:
+                    self._told_at = time.monotonic()
         stalled.sort(key=lambda s: (s[1].silent_s <= s[2][2], _holds_leases(s[1])))
         for host, probe, why in stalled:
             if time.monotonic() - self._told_at < why[2]:
                 break
+            if self._away and probe.silent_s <= why[2]:
+                continue
             self._flagged.add(host)
-            if not await self._tell(host, probe, *why):
+            if await self._tell(host, probe, *why):
+                self._away[host] = False
+            else:
                 self._unreplaced.add(host)
             self._told_at = time.monotonic()
         self._check_steps(probes)

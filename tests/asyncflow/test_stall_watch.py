@@ -197,6 +197,40 @@ def test_the_stuck_engine_is_replaced_not_the_stage_waiting_on_it(
     assert [s["host"] for s in watch.stalls] == ["rollout/instance0"]
 
 
+def test_the_stage_waiting_on_a_replaced_engine_is_judged_only_once_it_is_back() -> None:
+    """While the replaced engine restarts (absent from the probes, then not yet answering),
+    the rollout batch waiting on it is not judged, however long; once the replacement
+    answers, the rollout gets its bound again from then."""
+    engine = Work("instance0", "generate calls from the rollout")
+    engine.phase(engine.take(4), "generate")
+    stage = Work("rollout", "rows of ['prompt'] from task 'rollout'")
+    stage.phase(stage.take(4, 9), "process")
+    dep = _Fake()
+    watch = StallWatch(dep, 0.05, lambda: 0)
+
+    async def rounds() -> None:
+        await asyncio.sleep(0.1)
+        dep.probes["rollout"] = Probe(_answer(stage), 0.0, replaceable=True)
+        dep.probes["rollout/instance0"] = Probe(_answer(engine), 0.0, replaceable=True)
+        await watch.check()  # the engine replaced
+        del dep.probes["rollout/instance0"]  # restarting: not probed
+        for _ in range(3):
+            await asyncio.sleep(0.1)  # (past the rollout's bound each time)
+            await watch.check()
+        dep.probes["rollout/instance0"] = Probe(None, 0.0, replaceable=True)  # heard afresh
+        await asyncio.sleep(0.1)
+        await watch.check()
+        assert dep.replaced == ["rollout/instance0"]  # still: it waits on the new engine
+        dep.probes["rollout/instance0"] = Probe(host_answer([]), 0.0, replaceable=True)
+        await watch.check()  # back: the rollout's bound counts from now
+        assert dep.replaced == ["rollout/instance0"]
+        await asyncio.sleep(0.1)
+        await watch.check()  # the rollout's unit still in hand, past its bound since then
+
+    asyncio.run(rounds())
+    assert dep.replaced == ["rollout/instance0", "rollout"]
+
+
 def test_a_host_never_heard_from_is_named_by_its_stage(caplog: pytest.LogCaptureFixture) -> None:
     dep = _Fake()
     dep.probes["reward/1"] = Probe(None, AUTO_MAX_S + 1, replaceable=True)
