@@ -104,6 +104,8 @@ PROGRESS_FILE = "progress.json"
 """The live view in a run's output folder (see :meth:`StallWatch.finish` and
 :mod:`asyncflow.status`)."""
 """How often the watch judges the hosts' last answers."""
+QUIET_ROUNDS = 3
+"""A host silent this many rounds has its verdict before any unit in hand elsewhere."""
 STACKS_WAIT_S = 5.0
 """How long the watch waits for a stalled host's stacks."""
 
@@ -174,6 +176,7 @@ class StallWatch:
         """Every stall named: host, stage, seconds, when (monotonic), replaced."""
         self._flagged: set[str] = set()
         self._away: dict[str, bool] = {}  # replaced, not heard from since: seen gone
+        self._pace: float | None = None  # the smallest silent bound of a stage, this round
         self._unreplaced: set[str] = set()  # told, not replaced: failing the run past give_up_s
         self._steps = 0
         self._step_at = time.monotonic()
@@ -199,6 +202,16 @@ class StallWatch:
         probes = await self.deployment.progress()
         stalled = []
         hopeless = None
+        self._pace = min(
+            (
+                self._bound(w)
+                for p in probes.values()
+                if p.answer is not None
+                for w in p.answer["works"]
+                if w.get("median_s") is not None
+            ),
+            default=None,
+        )
         for host, probe in probes.items():
             why = self._stalled(host, probe)
             if why is None:
@@ -226,11 +239,18 @@ class StallWatch:
                 del self._away[host]
                 if gone:
                     self._told_at = time.monotonic()
+        # A host silent for a few rounds and not told yet is the likely cause of the others'
+        # waits (a frozen trainer rank holds its peers in the step's collective): its own
+        # verdict comes first.
+        quiet = any(
+            p.silent_s > QUIET_ROUNDS * self.period_s and h not in self._flagged
+            for h, p in probes.items()
+        )
         stalled.sort(key=lambda s: (s[1].silent_s <= s[2][2], _holds_leases(s[1])))
         for host, probe, why in stalled:
             if time.monotonic() - self._told_at < why[2]:
                 break
-            if self._away and probe.silent_s <= why[2]:
+            if (self._away or quiet) and probe.silent_s <= why[2]:
                 continue
             self._flagged.add(host)
             if await self._tell(host, probe, *why):
@@ -291,7 +311,10 @@ class StallWatch:
         """(stage, seconds, bound) of the stall of a host, or None (a host never heard from
         is named by its stage: a host's name begins with it, ``reward/1``)."""
         works = [] if probe.answer is None else probe.answer["works"]
-        bounds = [self._bound(w) for w in works] or [stall_bound(self.configured_s, None)]
+        # (a host that answered but runs no stage of its own, a trainer rank past 0: the
+        # run's pace, the smallest silent bound of the stages that have one)
+        alone = self._pace if probe.answer is not None else None
+        bounds = [self._bound(w) for w in works] or [alone or stall_bound(self.configured_s, None)]
         if probe.silent_s > min(bounds):
             stage = ", ".join(w["name"] for w in works) or host.split("/", 1)[0]
             return stage, probe.silent_s, min(bounds)

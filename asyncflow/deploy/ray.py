@@ -176,7 +176,8 @@ class RayDeployment(Deployment):
         self.restart_times: list[tuple[str, float, float]] = []
         self._syncs_seen = 0  # weight syncs handed to the driver so far
         self._syncs_ready: list[WeightSync] = []  # fetched with the reports, not yet handed out
-        self._probes = HostProbes(self._named, lambda name: not name.startswith("train"))
+        again = ranks_restartable(self.cfg)  # (a ddp rank recovers as a dead one does)
+        self._probes = HostProbes(self._named, lambda n: again or not n.startswith("train"))
         self._closed = False
 
     # -- start ------------------------------------------------------------------------------
@@ -567,8 +568,8 @@ class RayDeployment(Deployment):
                 raise RuntimeError(f"stage host {name!r} died: {e}") from cause
 
     async def progress(self) -> dict[str, Probe]:
-        """Every host as last heard (``ray_probe``); trainer ranks are reported, never replaced
-        (``ray_ranks``); a generator that got SIGTERM is drained (``ray_scale``)."""
+        """Every host as last heard (``ray_probe``); trainer ranks are replaced only where a
+        dead one recovers (``ray_ranks``); a generator that got SIGTERM is drained."""
         probes = self._probes.progress()
         self.scaler.notice(probes)
         return probes

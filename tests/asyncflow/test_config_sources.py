@@ -137,7 +137,7 @@ def test_help_lists_what_each_task_brings() -> None:
     from asyncflow.config.help import fields_help
 
     text = " ".join(fields_help().split())
-    assert "defaults it brings (task tool_use): model.warm_start_steps=105" in text
+    assert "defaults it brings (task tool_use): model.warm_start_steps=108" in text
     assert "defaults it brings (environment tool_use): rollout.max_new_tokens=24" in text
 
 
@@ -161,7 +161,7 @@ def test_the_short_form_is_the_recipe_the_tool_use_example_spelled_out() -> None
     form runs the same config."""
     spelled_out = [
         "task.name=tool_use",
-        "model.warm_start_steps=105",
+        "model.warm_start_steps=108",
         "rollout.max_new_tokens=24",
         "rollout.max_turns=3",
         "rollout.max_episode_tokens=64",

@@ -245,3 +245,55 @@ def test_a_generator_stuck_in_a_call_is_named_with_its_stacks_and_replaced(
     assert "stalls so far: " in shown and named, shown
     assert named[0].startswith("  'instance0' on host") and named[0].endswith(", replaced")
     assert "rollout/instance0" in [line.split()[0] for line in shown.splitlines() if line]
+
+
+def test_a_frozen_trainer_rank_of_a_ddp_group_is_replaced_and_recovers(
+    ray_cluster: None, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Freeze trainer rank 1 of two (ddp) after step 6 for 90 s: rank 0 waits in the step's
+    collective; the watch names the silent rank 1 first, kills it, and the dead rank's
+    recovery (``ray_ranks``) restarts it with rank 0's state and redoes the step; the run
+    finishes every step, each group trained once, no step more than 30 s over the median."""
+    out = tmp_path / "run"
+    k, steps = 1, 16
+    cfg = small_config(
+        out,
+        "deploy.mode=ray",
+        "train.dp_size=2",
+        f"train.steps={steps}",
+        f"train.max_staleness={k}",
+        RAY_START,
+    )
+    done = threading.Event()
+    seen: dict[str, float] = {}
+    freezer = threading.Thread(
+        target=_freeze_when, args=(out, 6, "-train-rank1", done, seen), daemon=True
+    )
+    freezer.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="asyncflow"):
+            result = run(cfg)
+    finally:
+        done.set()
+        freezer.join(timeout=30)
+    assert "frozen_at" in seen, "the rank was never frozen"
+    b = cfg.train.groups_per_step
+    trained = [g for rep in result.reports for g in rep.groups]
+    assert trained == list(range(steps * b))  # every group trained exactly once
+    for rep in result.reports:
+        assert min(rep.staleness) >= 0 and max(rep.staleness) <= k
+    stalls = [r for r in caplog.records if r.getMessage().startswith("stall:")]
+    assert stalls, "no stall was named"
+    text = stalls[0].getMessage()
+    assert "host 'train/rank1'" in text and f"pid {int(seen['pid'])}" in text, text
+    assert "killed and replaced" in text
+    assert 0 < stalls[0].created - seen["frozen_at"] < FREEZE_S
+    assert result.extra["restarts"].get("train/rank1", 0) >= 1
+    step_s = sorted(r["step_s"] for r in result.records)
+    median, worst = step_s[len(step_s) // 2], step_s[-1]
+    print(
+        f"trainer rank 1 frozen: named after {stalls[0].created - seen['frozen_at']:.1f} s, "
+        f"worst step {worst:.2f} s, median {median:.2f} s, rank recovery "
+        f"{sum(r['rank_recovery_s'] for r in result.records):.2f} s"
+    )
+    assert worst <= median + 30.0, [round(r["step_s"], 2) for r in result.records]

@@ -231,6 +231,67 @@ def test_the_stage_waiting_on_a_replaced_engine_is_judged_only_once_it_is_back()
     assert dep.replaced == ["rollout/instance0", "rollout"]
 
 
+def test_a_silent_host_has_its_verdict_before_the_peers_that_wait_on_it() -> None:
+    """Trainer rank 1 frozen: rank 0 waits in the step's collective holding its unit, and may
+    pass its bound before rank 1's silence passes its own; rank 1 is judged (and replaced)
+    first, never rank 0."""
+    step = Work("train", "rows of ['reward'] from task 'train'")
+    step.phase(step.take(8, 5), "process")
+    dep = _Fake()
+    watch = StallWatch(dep, 0.05, lambda: 0)
+
+    async def rounds() -> None:
+        dep.probes["train"] = Probe(_held(step, 0.1), 0.0, replaceable=True)
+        dep.probes["train/rank1"] = Probe(host_answer([Work("train", "-")]), 0.04, True)
+        await watch.check()  # rank 1 silent, not past its bound: rank 0 told
+        assert dep.replaced == ["train"]
+
+    asyncio.run(rounds())  # (the rule's counterpart: without a quiet host, rank 0 is told)
+    dep = _Fake()
+    watch = StallWatch(dep, 10.0, lambda: 0, period_s=1.0)
+
+    async def frozen() -> None:
+        dep.probes["train"] = Probe(_held(step, 11.0), 0.0, replaceable=True)
+        dep.probes["train/rank1"] = Probe(host_answer([Work("train", "-")]), 5.0, True)
+        await watch.check()  # rank 1 silent 5 s (bound 10 s): rank 0's verdict waits
+        assert dep.replaced == []
+        dep.probes["train/rank1"] = Probe(host_answer([Work("train", "-")]), 11.0, True)
+        await watch.check()
+        assert dep.replaced == ["train/rank1"]
+        await watch.check()  # rank 1 restarting: rank 0 still waits
+        assert dep.replaced == ["train/rank1"]
+
+    asyncio.run(frozen())
+
+
+def test_a_host_without_a_stage_of_its_own_is_silent_within_the_runs_pace(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A trainer rank past 0 runs no stage (rank 0 leases the steps): silent, it gets the
+    run's pace (the smallest automatic bound of a stage: 10 x rank 0's median step within
+    10..60 s), not the 60 s of a host before its first unit."""
+    step = Work("train", "rows of ['reward'] from task 'train'")
+    for _ in range(3):
+        step.finish(step.take(8, 5))
+    dep = _Fake()
+    watch = StallWatch(dep, None, lambda: 0)
+    dep.probes["train"] = Probe(_answer(step), 0.0, replaceable=True)
+    dep.probes["train/rank1"] = Probe(host_answer([]), AUTO_MIN_S + 1, replaceable=True)
+    with caplog.at_level(logging.WARNING, logger="asyncflow.stall"):
+        asyncio.run(watch.check())
+    (text,) = [r.getMessage() for r in caplog.records]
+    assert f"stage 'train' made no progress for {AUTO_MIN_S + 1:.1f} s (bound 10.0 s" in text
+    assert dep.replaced == ["train/rank1"]
+
+
+def _held(work: Work, held_s: float) -> dict[str, Any]:
+    """``work``'s answer with its unit in hand for ``held_s``."""
+    answer = _answer(work)
+    for unit in answer["works"][0]["holding"]:
+        unit["held_s"] = held_s
+    return answer
+
+
 def test_a_host_never_heard_from_is_named_by_its_stage(caplog: pytest.LogCaptureFixture) -> None:
     dep = _Fake()
     dep.probes["reward/1"] = Probe(None, AUTO_MAX_S + 1, replaceable=True)

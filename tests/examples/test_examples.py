@@ -51,7 +51,7 @@ def test_grpo_tool_use_writes_episode_metrics_per_step(tmp_path: Path) -> None:
         "--output-dir",
         str(tmp_path),
         "train.steps=4",
-        "model.warm_start_steps=20",  # the recipe's 105 steps take ~15 s: the path, shortened
+        "model.warm_start_steps=20",  # the recipe's 108 steps take ~15 s: the path, shortened
         "output.progress=false",
     )
     assert "mean reward" in out and "tool calls per episode" in out
@@ -233,7 +233,7 @@ def test_grpo_openai_agent_trains_the_agent_through_the_endpoint(tmp_path: Path)
         "--output-dir",
         str(tmp_path),
         "train.steps=3",
-        "model.warm_start_steps=20",  # the recipe's 105 steps take ~15 s: the path, shortened
+        "model.warm_start_steps=20",  # the recipe's 108 steps take ~15 s: the path, shortened
         "output.progress=false",
     )
     assert "mean reward" in out and "turns per episode" in out

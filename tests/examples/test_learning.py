@@ -54,12 +54,13 @@ def test_grpo_reasoning_gym_rises_as_documented(tmp_path: Path) -> None:
     assert last - first >= 0.15, f"mean reward {first:.3f} -> {last:.3f}"
 
 
-@pytest.mark.slow  # 150 steps and the warm start: 65-80 s on 2 cores
+@pytest.mark.slow  # 150 steps and the warm start: 55-230 s on 2 cores (machine load)
 @pytest.mark.timeout(600)
 def test_grpo_tool_use_learns_to_read_the_calculator_synchronously(tmp_path: Path) -> None:
-    """The docstring's synchronous figures (`train.max_staleness=0`: two runs 0.010 -> 0.540
-    and 0.016 -> 0.554); the asynchronous default learned in three of four runs measured, so
-    the test guards the setting the docstring states without that caveat."""
+    """The docstring's synchronous figures (`train.max_staleness=0`, three runs: 0.135 ->
+    0.665, 0.141 -> 0.661, 0.145 -> 0.684); a rise of 0.3 leaves room for the spread, and a
+    run that misses the sparse reward (as the 105-step warm start's did: 0.010 -> 0.000)
+    fails it."""
     first, last = _rise(
         _train("grpo_tool_use.py", tmp_path, "train.max_staleness=0", timeout_s=600)
     )
