@@ -14,6 +14,9 @@ put):
 | with holes (``lengths``)             |                             |                       |
 | strided nested tensor whose rows     | ``Shaped`` (one copy)       | strided nested tensor |
 | differ beyond their first axis       |                             | (one copy)            |
+| dense rows of a new shape where the  | ``Shaped`` (a view: the     | jagged nested tensor  |
+| partition holds the field dense      | field is widened)           | where rows differ     |
+|                                      |                             | only along axis 0     |
 | ``NonTensorStack`` / list of values  | object column (msgpack)     | ``NonTensorStack``    |
 
 A jagged field needs rows of one inner shape (``[len_i, *inner]``), as Arrow's list layout
@@ -77,6 +80,22 @@ def _nested(col: Ragged) -> torch.Tensor:
         return torch.nested.nested_tensor_from_jagged(col.values, col.offsets)
     out: torch.Tensor = _NJT(col.values, col.offsets)
     return out
+
+
+def _shaped_nested(col: Shaped) -> torch.Tensor:
+    """A shaped column as the peer's nested tensor: rows that differ only along their first
+    axis (a field widened from dense rows ``[2]``, ``[3]``, ...) as a jagged nested tensor
+    over the column's values (no copy), as the peer returns them; rows that differ beyond it
+    (images) as a strided nested tensor (one copy)."""
+    shapes = col.shapes
+    if len(col) and col.ndim >= 1 and bool((shapes[:, 1:] == shapes[:1, 1:]).all()):
+        inner = [int(d) for d in shapes[0, 1:].tolist()]
+        per = 1
+        for d in inner:
+            per *= d
+        if per:
+            return _nested(Ragged(col.values.view(-1, *inner), col.offsets // per))
+    return torch.nested.nested_tensor(col.unbind())
 
 
 def _column(name: str, value: Any) -> Any:
@@ -155,7 +174,7 @@ def from_columns(cols: Mapping[str, Any], rows: int) -> Any:
     out: dict[str, Any] = {}
     for name, col in sorted(cols.items()):
         if isinstance(col, Shaped):
-            out[name] = torch.nested.nested_tensor(col.unbind())
+            out[name] = _shaped_nested(col)
         elif isinstance(col, Ragged):
             out[name] = _nested(col)
         elif isinstance(col, torch.Tensor):

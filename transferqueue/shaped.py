@@ -77,6 +77,18 @@ class Shaped(Ragged):
         return cls(values, offsets, shapes)
 
     @classmethod
+    def from_dense(cls, batch: torch.Tensor) -> Shaped:
+        """A dense batch ``[B, *shape]`` as rows of ``shape`` each, over the same memory when
+        it is contiguous (a view; otherwise one copy). No loop over rows."""
+        rows, shape = int(batch.shape[0]), [int(d) for d in batch.shape[1:]]
+        per_row = 1
+        for d in shape:
+            per_row *= d
+        offsets = torch.arange(rows + 1, dtype=torch.int64) * per_row
+        shapes = torch.tensor(shape, dtype=torch.int64).expand(rows, len(shape)).contiguous()
+        return cls(batch.reshape(-1), offsets, shapes)
+
+    @classmethod
     def from_padded(  # type: ignore[override]
         cls, padded: torch.Tensor, shapes: torch.Tensor | Sequence[Sequence[int]]
     ) -> Shaped:

@@ -354,8 +354,10 @@ class AsyncClient:
             link = link_of(self._units, u)
             if not link.supports_out or link.lends_reads:
                 if copies:
-                    return await tag(u, link.read(meta.indexes, names))  # type: ignore[return-value]
-                return await link.read(meta.indexes, names)
+                    got = await tag(u, link.read(meta.indexes, names))
+                else:
+                    got = await link.read(meta.indexes, names)
+                return assemble.conform(got, specs)  # type: ignore[arg-type]
         shapes = {f: ((n, *s.shape), s.torch_dtype) for f, s in specs.items() if s.kind == "dense"}
         out = self._buffers.tensors(shapes) or {
             f: torch.empty(shape, dtype=dt) for f, (shape, dt) in shapes.items()
