@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from transferqueue.memcpy import copy_rows
 from transferqueue.ragged import Ragged, _bits_equal
 
 __all__ = ["Shaped"]
@@ -71,9 +72,11 @@ class Shaped(Ragged):
         offsets = torch.zeros(len(tensors) + 1, dtype=torch.int64)
         if tensors:
             offsets[1:] = torch.cumsum(shapes.prod(dim=1), 0)
-            values = torch.cat([t.reshape(-1) for t in tensors])
-        else:
-            values = torch.empty((0,), dtype=dtype)
+        # (one memcpy per row, not torch.cat: its intra-op threads stall on busy cores)
+        values = torch.empty((int(offsets[-1]),), dtype=dtype)
+        ends = offsets.tolist()
+        for t, a, b in zip(tensors, ends[:-1], ends[1:], strict=True):
+            copy_rows(values[a:b], t.reshape(-1))
         return cls(values, offsets, shapes)
 
     @classmethod
