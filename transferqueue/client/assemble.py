@@ -9,7 +9,7 @@ knows is :class:`StaleSpecs` (the partition was cleared and written with other s
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
@@ -65,9 +65,16 @@ def empty_column(spec: FieldSpec) -> Column:
     return []
 
 
-def merge_ragged(parts: list[tuple[np.ndarray, Column]], n: int, spec: FieldSpec) -> Ragged:
+def merge_ragged(
+    parts: list[tuple[np.ndarray, Column]],
+    n: int,
+    spec: FieldSpec,
+    alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
+) -> Ragged:
     """Assemble per-unit Ragged pieces (positions, rows) into one in batch order (Shaped
-    pieces into one Shaped, their shapes in the same order)."""
+    pieces into one Shaped, their shapes in the same order). ``alloc(shape, dtype)`` gives
+    the merged values' memory (the handle's warm result buffers: fresh memory costs a page
+    fault per 4 KiB touched, the most of a large merge); default ``torch.empty``."""
     shaped = spec.kind == "shaped"
     if shaped:  # (rows stored before their field was widened from dense come back dense)
         parts = [
@@ -93,7 +100,8 @@ def merge_ragged(parts: list[tuple[np.ndarray, Column]], n: int, spec: FieldSpec
         lengths[pos] = col.lengths.numpy()
     offsets = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    values = torch.empty((int(offsets[-1]), *spec.shape), dtype=spec.torch_dtype)
+    shape = (int(offsets[-1]), *spec.shape)
+    values = alloc(shape, spec.torch_dtype) if alloc else torch.empty(shape, dtype=spec.torch_dtype)
     for pos, col in parts:
         assert isinstance(col, Ragged)
         src_off = col.offsets.numpy()
