@@ -1,7 +1,7 @@
 """Ours against the TransferQueue we set out to beat (PyPI ``transferqueue`` 0.1.11), one run.
 
     python -m bench.peer --setup     # once: builds bench/.peer-venv with the peer pinned
-    python -m bench.peer             # full sizes, 3 alternating rounds x 2 reps (~6 min)
+    python -m bench.peer             # full sizes, 3 alternating rounds x 2 reps (~9 min)
     python -m bench.peer --quick     # small sizes, 1 round: a smoke test (~2 min)
     python -m bench.peer --cases multimodal   # some cases only (their own JSON, see below)
     python -m bench.peer --compat    # the peer's own tests on our facade (bench/peer_compat.py)
