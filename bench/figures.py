@@ -96,6 +96,19 @@ def _readme_peer(load: Callable[[str], Json]) -> str:
     )
 
 
+@renderer("readme-peer-multimodal")
+def _readme_peer_multimodal(load: Callable[[str], Json]) -> str:
+    d = load("peer-multimodal")
+    r, f = d["ratios"], d["ratios_facade"]
+    return (
+        f"- A vision-language batch against the same peer (`{d['command']}`, run of "
+        f"{day(d)}: 64 images `[3, H, W]` uint8, H and W per row in 224-1024, with token ids "
+        f"and scalars): {x(r['multimodal 1u'])} natively with one unit, "
+        f"{x(r['multimodal 4u'])} with four (the goal is 5x); the facade "
+        f"{x(f['multimodal 1u'])} / {x(f['multimodal 4u'])} (goal 3x).\n"
+    )
+
+
 def _facade(d: Json) -> str:
     """The peer's own calls on our store through the facade, where the run measured it."""
     f = d.get("ratios_facade")
@@ -265,6 +278,36 @@ def _peer_table(load: Callable[[str], Json]) -> str:
     head = ["case", "ours 1 unit", "peer 1 unit", "ours / peer", "ours 4 units"]
     head += ["peer 4 units", "ours / peer"]
     return f"Run of {day(d)} (`docs/bench/peer.json`), medians:\n\n" + _table(head, rows)
+
+
+@renderer("peer-multimodal-table")
+def _peer_multimodal_table(load: Callable[[str], Json]) -> str:
+    d = load("peer-multimodal")
+    gb, r, rf = d["GBps"], d["ratios"], d["ratios_facade"]
+    units = sorted({k.split()[1] for k in gb}, key=lambda u: int(u[:-1]))
+    nbytes = next(iter(d["raw"].values()))["describe"]["ours"]["nbytes"]["multimodal"]
+
+    def cell(c: Json) -> str:
+        return f"{c['median']:.2f} GB/s ({c['put_ms']:.0f} / {c['get_data_ms']:.0f} ms)"
+
+    rows = []
+    for u in units:
+        c = gb[f"multimodal {u}"]
+        rows.append(
+            [
+                u.replace("u", ""),
+                cell(c["ours"]),
+                cell(c["peer"]),
+                cell(c["facade"]),
+                f"**{x(r[f'multimodal {u}'])}**",
+                f"**{x(rf[f'multimodal {u}'])}**",
+            ]
+        )
+    head = ["units", "ours (put / get_data)", "peer", "facade", "ours / peer", "facade / peer"]
+    return (
+        f"Run of {day(d)} (`docs/bench/peer-multimodal.json`, `{d['command']}`; "
+        f"{nbytes / 1e6:.1f} MB a batch), medians:\n\n" + _table(head, rows)
+    )
 
 
 @renderer("trl-table")

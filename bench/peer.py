@@ -1,8 +1,9 @@
 """Ours against the TransferQueue we set out to beat (PyPI ``transferqueue`` 0.1.11), one run.
 
     python -m bench.peer --setup     # once: builds bench/.peer-venv with the peer pinned
-    python -m bench.peer             # full sizes, 3 alternating rounds x 2 reps (~6 min)
+    python -m bench.peer             # full sizes, 3 alternating rounds x 2 reps (~9 min)
     python -m bench.peer --quick     # small sizes, 1 round: a smoke test (~2 min)
+    python -m bench.peer --cases multimodal   # some cases only (their own JSON, see below)
     python -m bench.peer --compat    # the peer's own tests on our facade (bench/peer_compat.py)
 
 The peer installs top-level ``tests``, ``scripts``, ``recipe`` and ``tutorial`` packages and
@@ -21,6 +22,11 @@ case per round:
 - ``dense``: float32 [1024, 8192] x 9 fields (302 MB, the peer's own "Small" case);
 - ``ragged``: 256 sequences of 128-4096 int32 token ids plus a float32 logprob per token
   (~4.5 MB), packed (values + offsets) for ours, jagged nested tensors for the peer;
+- ``multimodal``: a vision-language RL batch of 64 rows (~80 MB): per row an image
+  ``[3, H, W]`` uint8, H and W drawn from 224-1024 (seeded), 256-2048 int32 token ids, and
+  three scalars (reward, advantage, version). Ours puts the images as a ``Shaped`` column
+  (one buffer, per-row shapes), the ids as ``Ragged``; the peer takes a strided nested tensor
+  of the images and a jagged one of the ids, as its users would;
 - ``meta``: ``get_meta`` of 64 rows from a partition of 1k / 100k / 1M rows (refilled before
   half are taken), after the put + get rounds. The ratio compares the hand-out (``get_meta``
   alone: the peer marks rows consumed there, ours leases them); ours with its ``ack`` (a
@@ -33,7 +39,8 @@ so the same calls run on our store (its Ray deployment, as the runner starts Ray
 to the peer is printed beside ours (goal: >= 3x).
 
 GB/s = 2 x payload / (put + get_meta + get_data). Prints medians and ratios ours / peer (goal:
->= 5x on every case), writes ``bench/results/peer.json`` and ``bench/results/peer.png``.
+>= 5x on every case), writes ``bench/results/peer.json`` and ``bench/results/peer.png``
+(with ``--cases``, a subset: ``peer-<cases>.json`` and ``.png``, e.g. ``peer-multimodal``).
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ PEER_PINS = (
     ("torch==2.13.0",),
     ("transferqueue==0.1.11", "ray[default]==2.60.0", "tensordict==0.15.3"),
 )
+CASE_NAMES = ("dense", "ragged", "multimodal", "meta")
 GOAL = 5.0  # ours / peer, every case
 FACADE_GOAL = 3.0  # the peer's calls through tqcompat on our store / peer, every case
 _CALL_TIMEOUT_S = 1800.0  # one command (a million-row fill of the peer takes ~30 s)
@@ -187,7 +195,7 @@ def run_units(units: int, args: argparse.Namespace) -> dict[str, Any]:
             for name in systems
         ):
             raise RuntimeError(f"the two runners built different payloads: {d}")
-        cases = list(d["ours"]["nbytes"])
+        cases = [c for c in d["ours"]["nbytes"] if c in args.cases]
         for case in cases:  # untimed first rep, checked bit for bit
             for name in systems:
                 out["first"].setdefault(case, {})[name] = runners[name].call(
@@ -209,7 +217,7 @@ def run_units(units: int, args: argparse.Namespace) -> dict[str, Any]:
                         )
                     ]
             print(f"  {units} unit(s): put+get round {rnd + 1}/{args.rounds} done", flush=True)
-        for rnd in range(args.rounds):
+        for rnd in range(args.rounds if "meta" in args.cases else 0):
             order = systems[rnd % len(systems) :] + systems[: rnd % len(systems)]
             for live in args.meta_live:
                 for name in order:
@@ -290,6 +298,8 @@ def report(summary: dict[str, Any], raw: dict[str, Any]) -> None:
         line(f"ratio ours/peer {key}", ratio, "x", target=f">={GOAL:g}", **extra)
     for key, ratio in summary["ratios_facade"].items():
         line(f"ratio facade/peer {key}", ratio, "x", target=f">={FACADE_GOAL:g}")
+    if not summary["ratios"]:
+        return
     worst = min(summary["ratios"].values())
     print(f"worst ratio {worst:.2f}x (goal >= {GOAL:g}x on every case)", flush=True)
     if summary["ratios_facade"]:
@@ -327,6 +337,8 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     ax1.set_ylim(0, top * 1.3)
     ax1.legend(loc="upper center", ncol=len(bars), fontsize=8)
     meta = summary["meta_samples_per_s"]
+    if not meta:  # (a run of some cases only)
+        ax2.set_visible(False)
     styles = (("ours", "-o"), ("ours_with_ack", ":o"), ("facade", "-.^"), ("peer", "--s"))
     for name, style in styles:
         if not all(name in v for v in meta.values()):
@@ -357,6 +369,13 @@ def main() -> int:
     )
     ap.add_argument("-k", dest="keyword", default=None, help="with --compat: pytest's -k")
     ap.add_argument("--units", type=int, nargs="+", default=[1, 4])
+    ap.add_argument(
+        "--cases",
+        nargs="+",
+        choices=CASE_NAMES,
+        default=list(CASE_NAMES),
+        help="cases to run (default: all)",
+    )
     ap.add_argument("--rounds", type=int, default=None, help="default 3 (quick: 1)")
     ap.add_argument("--reps", type=int, default=None, help="timed reps per round (default 2)")
     ap.add_argument("--meta-live", type=int, nargs="+", default=None)
@@ -384,8 +403,15 @@ def main() -> int:
         raw[str(units)] = run_units(units, args)
     summary = summarize(raw, args)
     report(summary, raw)
+    subset = args.cases != list(CASE_NAMES)
+    name = "peer-" + "-".join(args.cases) if subset else "peer"
+    command = "python -m bench.peer" + (" --quick" if quick else "")
+    if subset:
+        command += " --cases " + " ".join(args.cases)
+    if args.units != [1, 4]:
+        command += " --units " + " ".join(map(str, args.units))
     results = {
-        "command": "python -m bench.peer" + (" --quick" if quick else ""),
+        "command": command,
         "settings": {k: v for k, v in vars(args).items() if k != "setup"},
         "goal_ratio": GOAL,
         "facade_goal_ratio": FACADE_GOAL,
@@ -393,8 +419,8 @@ def main() -> int:
         "raw": raw,
         "wall_s": time.perf_counter() - t0,
     }
-    write_json("peer", results)
-    plot(summary, RESULTS_DIR / "peer.png")
+    write_json(name, results)
+    plot(summary, RESULTS_DIR / f"{name}.png")
     return 0
 
 

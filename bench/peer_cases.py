@@ -18,6 +18,7 @@ A failing command answers ``{"ok": false, "error": "..."}`` and the runner keeps
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import sys
@@ -30,13 +31,27 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-__all__ = ["CASES", "Case", "MetaLoop", "System", "dense_case", "digest", "ragged_case", "serve"]
+__all__ = [
+    "CASES",
+    "Case",
+    "MetaLoop",
+    "System",
+    "case_tensors",
+    "dense_case",
+    "digest",
+    "multimodal_case",
+    "ragged_case",
+    "serve",
+    "unpack_rows",
+]
 
 
 @dataclass(frozen=True)
 class Case:
-    """A put + get workload: ``dense`` fields [rows, width] float32, or ``ragged`` sequences
-    of ``lo``-``hi`` int32 token ids plus one float32 logprob per token."""
+    """A put + get workload: ``dense`` fields [rows, width] float32, ``ragged`` sequences
+    of ``lo``-``hi`` int32 token ids plus one float32 logprob per token, or ``multimodal``
+    rows of a vision-language RL batch: an image ``[3, H, W]`` uint8 (H and W each drawn
+    from ``img_lo``-``img_hi``), ``lo``-``hi`` int32 token ids and a few scalars."""
 
     kind: str
     rows: int
@@ -44,18 +59,24 @@ class Case:
     fields: int = 0
     lo: int = 0
     hi: int = 0
+    img_lo: int = 224
+    img_hi: int = 1024
 
 
 CASES = {
     "full": {
         "dense": Case("dense", rows=1024, width=8192, fields=9),  # 302 MB: the peer's "Small"
         "ragged": Case("ragged", rows=256, lo=128, hi=4096),  # ~4.5 MB
+        "multimodal": Case("multimodal", rows=64, lo=256, hi=2048),  # ~80 MB
     },
     "quick": {
         "dense": Case("dense", rows=64, width=8192, fields=9),
         "ragged": Case("ragged", rows=64, lo=128, hi=4096),
+        "multimodal": Case("multimodal", rows=8, lo=256, hi=2048),
     },
 }
+
+SCALARS = ("reward", "advantage", "version")  # the multimodal case's per-row scalars
 
 
 def dense_case(case: Case) -> dict[str, torch.Tensor]:
@@ -76,8 +97,47 @@ def ragged_case(case: Case) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     return {"ids": (ids, off), "logprobs": (logprobs, off.clone())}
 
 
+def multimodal_case(case: Case) -> dict[str, Any]:
+    """A vision-language RL batch, packed: ``image`` -> (values uint8 [N], offsets [rows + 1],
+    shapes [rows, 3]) int64, row i being ``values[offsets[i]:offsets[i + 1]]`` viewed as
+    ``shapes[i]``; ``ids`` -> (values int32, offsets); ``reward`` and ``advantage`` float32
+    [rows], ``version`` int64 [rows]."""
+    rng = np.random.default_rng(1)
+    hw = rng.integers(case.img_lo, case.img_hi + 1, (case.rows, 2))
+    shapes = np.concatenate([np.full((case.rows, 1), 3), hw], axis=1).astype(np.int64)
+    img_off = np.zeros(case.rows + 1, dtype=np.int64)
+    np.cumsum(shapes.prod(axis=1), out=img_off[1:])
+    pixels = torch.from_numpy(rng.integers(0, 256, int(img_off[-1]), dtype=np.uint8))
+    lengths = rng.integers(case.lo, case.hi + 1, case.rows)
+    ids_off = np.zeros(case.rows + 1, dtype=np.int64)
+    np.cumsum(lengths, out=ids_off[1:])
+    ids = torch.from_numpy(rng.integers(0, 150_000, int(ids_off[-1])).astype(np.int32))
+    return {
+        "image": (pixels, torch.from_numpy(img_off), torch.from_numpy(shapes)),
+        "ids": (ids, torch.from_numpy(ids_off)),
+        "reward": torch.from_numpy(rng.random(case.rows).astype(np.float32)),
+        "advantage": torch.from_numpy(rng.standard_normal(case.rows).astype(np.float32)),
+        "version": torch.from_numpy(rng.integers(0, 100, case.rows)),
+    }
+
+
+def unpack_rows(packed: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """The rows of a packed field ``(values, offsets[, shapes])``, as views."""
+    values, offsets = packed[0], packed[1].tolist()
+    rows = [values[a:b] for a, b in itertools.pairwise(offsets)]
+    if len(packed) > 2:
+        rows = [r.view(s) for r, s in zip(rows, packed[2].tolist(), strict=True)]
+    return rows
+
+
+def case_tensors(cols: dict[str, Any]) -> list[torch.Tensor]:
+    """Every tensor of a case's columns, in order (for :func:`digest`)."""
+    return [t for c in cols.values() for t in (c if isinstance(c, tuple) else (c,))]
+
+
 def payload_bytes(cols: dict[str, Any]) -> int:
-    """Bytes a system moves each way: tensor values, plus offsets for ragged fields."""
+    """Bytes a system moves each way: tensor values, plus offsets (and shapes) for packed
+    fields."""
     total = 0
     for c in cols.values():
         for t in c if isinstance(c, tuple) else (c,):

@@ -7,7 +7,9 @@ units)::
 
     python -m bench.peer_ours --scale full --units 4
 
-Per cycle: ``put`` (dense tensors, or :class:`~transferqueue.Ragged` packed sequences),
+Per cycle: ``put`` (dense tensors, :class:`~transferqueue.Ragged` packed sequences, or for
+the multimodal case a :class:`~transferqueue.Shaped` image column beside ragged token ids and
+dense scalars),
 ``get_meta`` of the whole batch, ``get_data``; then, untimed, ``ack`` (the partition declares
 the task, so the rows are freed). The meta rate times ``get_meta`` (the hand-out, as the
 peer's, which marks rows consumed there) and, apart, ``get_meta`` + ``ack`` (a lease and its
@@ -28,15 +30,25 @@ from bench.peer_cases import (
     CASES,
     MetaLoop,
     bits_equal,
+    case_tensors,
     dense_case,
     digest,
+    multimodal_case,
     payload_bytes,
     ragged_case,
     runner_main,
 )
-from transferqueue import Ragged
+from transferqueue import Ragged, Shaped
 
 _FILL_CHUNK_ROWS = 100_000
+
+
+def _column(packed: Any) -> Any:
+    """A case's field as our column: packed (values, offsets[, shapes]) as Ragged / Shaped
+    over the same buffers, a tensor as itself."""
+    if isinstance(packed, tuple):
+        return Shaped(*packed) if len(packed) == 3 else Ragged(*packed)
+    return packed
 
 
 class OursSystem:
@@ -48,19 +60,18 @@ class OursSystem:
         self.tq = transferqueue.connect(self.service.address)
         self.client = self.tq.client()
         cases = CASES[scale]
-        dense = dense_case(cases["dense"])
-        ragged = ragged_case(cases["ragged"])
+        packed: dict[str, dict[str, Any]] = {
+            "dense": dense_case(cases["dense"]),
+            "ragged": ragged_case(cases["ragged"]),
+            "multimodal": multimodal_case(cases["multimodal"]),
+        }
         self.expected: dict[str, dict[str, Any]] = {
-            "dense": dense,
-            "ragged": {k: Ragged(v, o) for k, (v, o) in ragged.items()},
+            case: {k: _column(v) for k, v in cols.items()} for case, cols in packed.items()
         }
         self.batches = self.expected
-        self.rows = {"dense": cases["dense"].rows, "ragged": cases["ragged"].rows}
-        self.nbytes = {"dense": payload_bytes(dense), "ragged": payload_bytes(ragged)}
-        self.digests = {
-            "dense": digest(list(dense.values())),
-            "ragged": digest([t for pair in ragged.values() for t in pair]),
-        }
+        self.rows = {case: cases[case].rows for case in packed}
+        self.nbytes = {case: payload_bytes(cols) for case, cols in packed.items()}
+        self.digests = {case: digest(case_tensors(cols)) for case, cols in packed.items()}
         for case in self.batches:
             self.client.declare_tasks(["bench"], partition=case)  # rows freed once acked
         self._meta = MetaLoop(self._fill, self._call)
@@ -87,7 +98,10 @@ class OursSystem:
         if verify:
             for name, want in self.expected[case].items():
                 col = got[name]
-                ok = col == want if isinstance(want, Ragged) else bits_equal(col, want)
+                if isinstance(want, Ragged):
+                    ok = col == want
+                else:
+                    ok = isinstance(col, torch.Tensor) and bits_equal(col, want)
                 if not ok:
                     raise AssertionError(f"ours: field {name!r} of case {case!r} is not bit-exact")
         del got

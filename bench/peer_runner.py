@@ -14,9 +14,11 @@ the low-level client from ``get_client()`` with ``put(TensorDict, partition_id=.
 ``clear_samples(meta)`` once a batch is consumed (untimed). Ragged sequences go in as jagged
 nested tensors (``torch.nested``, the layout its own "complex" benchmark case uses); every
 field comes back as a jagged nested tensor, whose ``values()`` and ``offsets()`` are compared
-bit for bit with what was put. Ray gets ``units + 1`` logical CPUs: each storage unit and the
-controller asks for one, and with fewer ``init()`` waits forever; the machine's cores are the
-same for both systems.
+bit for bit with what was put. The multimodal case's images, whose height and width vary per
+row, go in as a strided nested tensor (a jagged one has one ragged axis), its token ids as a
+jagged one and its scalars as tensors ``[B]``; each row read back is compared bit for bit.
+Ray gets ``units + 1`` logical CPUs: each storage unit and the controller asks for one, and
+with fewer ``init()`` waits forever; the machine's cores are the same for both systems.
 """
 
 from __future__ import annotations
@@ -43,14 +45,27 @@ from bench.peer_cases import (  # noqa: E402
     CASES,
     MetaLoop,
     bits_equal,
+    case_tensors,
     dense_case,
     digest,
+    multimodal_case,
     payload_bytes,
     ragged_case,
     runner_main,
+    unpack_rows,
 )
 
 _FILL_CHUNK_ROWS = 100_000
+
+
+def _as_peer(packed: Any) -> torch.Tensor:
+    """A case's field as the peer's users hold it: packed sequences (values, offsets) as a
+    jagged nested tensor, packed images (values, offsets, shapes) as a strided one."""
+    if not isinstance(packed, tuple):
+        return packed
+    if len(packed) == 3:
+        return torch.nested.nested_tensor(unpack_rows(packed))
+    return torch.nested.nested_tensor_from_jagged(packed[0], offsets=packed[1])
 
 
 class PeerSystem:
@@ -68,21 +83,17 @@ class PeerSystem:
         self.units = units
         self.client = tq.get_client()
         cases = CASES[scale]
-        dense = dense_case(cases["dense"])
-        ragged = ragged_case(cases["ragged"])
-        nested = {
-            k: torch.nested.nested_tensor_from_jagged(v, offsets=o) for k, (v, o) in ragged.items()
+        self.expected: dict[str, dict[str, Any]] = {
+            "dense": dense_case(cases["dense"]),
+            "ragged": ragged_case(cases["ragged"]),
+            "multimodal": multimodal_case(cases["multimodal"]),
         }
-        self.expected: dict[str, dict[str, Any]] = {"dense": dense, "ragged": ragged}
         self.batches = {
-            "dense": TensorDict(dense, batch_size=cases["dense"].rows),
-            "ragged": TensorDict(nested, batch_size=cases["ragged"].rows),
+            case: TensorDict({k: _as_peer(v) for k, v in cols.items()}, batch_size=cases[case].rows)
+            for case, cols in self.expected.items()
         }
-        self.nbytes = {"dense": payload_bytes(dense), "ragged": payload_bytes(ragged)}
-        self.digests = {
-            "dense": digest(list(dense.values())),
-            "ragged": digest([t for pair in ragged.values() for t in pair]),
-        }
+        self.nbytes = {case: payload_bytes(cols) for case, cols in self.expected.items()}
+        self.digests = {case: digest(case_tensors(c)) for case, c in self.expected.items()}
         self._meta = MetaLoop(self._fill, self._call)
         self._filled: set[int] = set()
 
@@ -116,14 +127,27 @@ class PeerSystem:
         return t1 - t0, t2 - t1, t3 - t2
 
     def _verify(self, case: str, got: TensorDict) -> None:
+        if case == "multimodal":  # (row by row: the images' layout is strided)
+            for name, want in self.expected[case].items():
+                rows = unpack_rows(want) if isinstance(want, tuple) else list(want.unbind())
+                col = got[name]
+                back = list(col.unbind()) if col.is_nested else list(col.reshape(-1).unbind())
+                if len(back) != len(rows) or not all(
+                    bits_equal(a.reshape(b.shape), b) for a, b in zip(back, rows, strict=True)
+                ):
+                    raise AssertionError(f"peer: field {name!r} of case {case!r} is not bit-exact")
+            return
         for name, want in self.expected[case].items():
             col = got[name]
             values, offsets = (col.values(), col.offsets()) if col.is_nested else (col, None)
             if case == "dense":
                 ok = bits_equal(values.reshape(want.shape), want)
             else:
-                ok = bits_equal(values, want[0]) and offsets is not None
-                ok = ok and bits_equal(offsets.to(torch.int64), want[1])
+                ok = (
+                    bits_equal(values, want[0])
+                    and offsets is not None
+                    and bits_equal(offsets.to(torch.int64), want[1])
+                )
             if not ok:
                 raise AssertionError(f"peer: field {name!r} of case {case!r} is not bit-exact")
 

@@ -193,9 +193,11 @@ class AsyncTransferQueueClient:
     ) -> T:
         """Run ``write(cols)`` (a put of ours); where a dense column's dtype differs from its
         field's (the peer keeps a dtype per row, we one per field), cast it to the field's
-        dtype when the cast is exact, and write again. An inexact cast keeps our
-        ``SchemaError``. A put refused because another client cleared the partition since this
-        one learnt its specs is written again once the specs are read afresh."""
+        dtype when the cast is exact, and write again; where its rows' shape differs (same
+        dtype and number of axes: the peer keeps a shape per row), write it as a ``Shaped``
+        column, which widens the partition's field to rows of any shape. An inexact cast
+        keeps our ``SchemaError``. A put refused because another client cleared the partition
+        since this one learnt its specs is written again once the specs are read afresh."""
         try:
             return await write(cols)
         except transferqueue.UnknownFieldError:
@@ -211,8 +213,11 @@ class AsyncTransferQueueClient:
                     or not isinstance(col, torch.Tensor)
                     or known["dtype"] is None
                     or known["is_nested"]
-                    or col.dtype == known["dtype"]
                 ):
+                    continue
+                if col.dtype == known["dtype"]:
+                    if col.shape[1:] != known["shape"] and col.dim() == len(known["shape"]) + 1:
+                        cast[name] = transferqueue.Shaped.from_dense(col)
                     continue
                 as_known = col.to(known["dtype"])
                 if torch.equal(as_known.to(col.dtype), col):

@@ -10,10 +10,15 @@ put):
 | jagged nested tensor                 | ``Ragged(values, offsets)`` | jagged nested tensor  |
 |                                      | (the same buffers)          | (over the read, no    |
 |                                      |                             | copy)                 |
-| strided nested tensor, or jagged     | ``Ragged`` (one copy)       | jagged nested tensor  |
-| with holes (``lengths``)             |                             |                       |
-| strided nested tensor whose rows     | ``Shaped`` (one copy)       | strided nested tensor |
-| differ beyond their first axis       |                             | (one copy)            |
+| strided nested tensor                | ``Ragged`` (over its buffer | jagged nested tensor  |
+|                                      | when contiguous, else one   |                       |
+|                                      | copy); jagged with holes    |                       |
+|                                      | (``lengths``): one copy     |                       |
+| strided nested tensor whose rows     | ``Shaped`` (over its buffer | strided nested tensor |
+| differ beyond their first axis       | when contiguous)            | (views of the read)   |
+| dense rows of a new shape where the  | ``Shaped`` (a view: the     | jagged nested tensor  |
+| partition holds the field dense      | field is widened)           | where rows differ     |
+|                                      |                             | only along axis 0     |
 | ``NonTensorStack`` / list of values  | object column (msgpack)     | ``NonTensorStack``    |
 
 A jagged field needs rows of one inner shape (``[len_i, *inner]``), as Arrow's list layout
@@ -79,6 +84,73 @@ def _nested(col: Ragged) -> torch.Tensor:
     return out
 
 
+def _row_strides(shapes: torch.Tensor) -> torch.Tensor:
+    """C-order strides ``[B, ndim]`` of rows of ``shapes`` ``[B, ndim]``."""
+    strides = torch.ones_like(shapes)
+    if shapes.shape[1] > 1:
+        tail = torch.flip(shapes[:, 1:], [1])
+        strides[:, :-1] = torch.flip(torch.cumprod(tail, 1), [1])
+    return strides
+
+
+def _inner_if_one(shapes: torch.Tensor) -> list[int] | None:
+    """The rows' sizes beyond their first axis where every row has the same ones (and at
+    least one element per unit of the first axis); None otherwise."""
+    if not shapes.shape[0] or shapes.shape[1] < 1:
+        return None
+    if not bool((shapes[:, 1:] == shapes[:1, 1:]).all()):
+        return None
+    inner = [int(d) for d in shapes[0, 1:].tolist()]
+    return inner if all(inner) else None
+
+
+def _shaped_nested(col: Shaped) -> torch.Tensor:
+    """A shaped column as the peer's nested tensor, over the column's values (no copy): rows
+    that differ only along their first axis (a field widened from dense rows ``[2]``,
+    ``[3]``, ...) as a jagged nested tensor, as the peer returns them; rows that differ
+    beyond it (images) as a strided nested tensor whose rows are views of the values."""
+    inner = _inner_if_one(col.shapes)
+    if inner is not None:
+        per = 1
+        for d in inner:
+            per *= d
+        return _nested(Ragged(col.values.view(-1, *inner), col.offsets // per))
+    values = col.values
+    if values.is_contiguous() and values.dim() == 1 and len(col):
+        try:  # (torch's own view constructor; a torch without it copies below)
+            out: torch.Tensor = torch._nested_view_from_buffer(
+                values, col.shapes, _row_strides(col.shapes), col.offsets[:-1].contiguous()
+            )
+            return out
+        except (AttributeError, RuntimeError):  # pragma: no cover - torch-version dependent
+            pass
+    return torch.nested.nested_tensor(col.unbind())
+
+
+def _strided_buffer(value: torch.Tensor) -> Shaped | None:
+    """A contiguous strided nested tensor's rows as a Shaped over its own buffer (no copy):
+    its rows lie back to back in one storage, which ``unbind`` views share; None when they
+    do not (then the rows are copied)."""
+    try:
+        shapes = value._nested_tensor_size()
+        starts = value._nested_tensor_storage_offsets()
+    except (AttributeError, RuntimeError):  # pragma: no cover - torch-version dependent
+        return None
+    if not value.is_contiguous() or shapes.dim() != 2 or not shapes.shape[0]:
+        return None
+    counts = shapes.prod(dim=1)
+    offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    base = int(starts[0])
+    if not torch.equal(starts - base, offsets[:-1]):
+        return None
+    first = value.unbind()[0]
+    storage = first.untyped_storage()
+    values = torch.empty(0, dtype=value.dtype, device=value.device)
+    values.set_(storage, base, (int(offsets[-1]),), (1,))
+    return Shaped(values, offsets, shapes.to(torch.int64))
+
+
 def _column(name: str, value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         jagged = _jagged(value)
@@ -88,7 +160,18 @@ def _column(name: str, value: Any) -> Any:
             return value
         if value.layout == torch.jagged and value._lengths is None:  # type: ignore[attr-defined]
             return Ragged(value.values(), value.offsets())  # type: ignore[attr-defined]
-        # (strided, or jagged with holes: its rows are not values[offsets[i]:offsets[i+1]])
+        if value.layout == torch.strided:
+            shaped = _strided_buffer(value)
+            if shaped is not None:
+                inner = _inner_if_one(shaped.shapes)
+                if inner is None:
+                    return shaped
+                per = 1
+                for d in inner:
+                    per *= d
+                return Ragged(shaped.values.view(-1, *inner), shaped.offsets // per)
+        # (strided not back to back, or jagged with holes: its rows are not
+        # values[offsets[i]:offsets[i+1]])
         rows = list(value.unbind())
         if len({tuple(r.shape[1:]) for r in rows}) > 1:
             return Shaped.from_tensors(rows, value.dtype)
@@ -155,7 +238,7 @@ def from_columns(cols: Mapping[str, Any], rows: int) -> Any:
     out: dict[str, Any] = {}
     for name, col in sorted(cols.items()):
         if isinstance(col, Shaped):
-            out[name] = torch.nested.nested_tensor(col.unbind())
+            out[name] = _shaped_nested(col)
         elif isinstance(col, Ragged):
             out[name] = _nested(col)
         elif isinstance(col, torch.Tensor):

@@ -167,6 +167,22 @@ class FieldSpec:
             n *= d
         return n * self.torch_dtype.itemsize
 
+    def widened_by(self, other: FieldSpec) -> FieldSpec | None:
+        """The shaped spec a partition's field takes when ``other``, a *shaped* spec, arrives
+        where this *dense* one holds rows of the same dtype and number of axes (rows of one
+        shape are rows of any shape: those stored read back as rows of the shaped field);
+        None for any other pair. Only an explicitly shaped write widens a field: a dense
+        write of another shape stays a :class:`SchemaError` (a producer's mistake more often
+        than not)."""
+        if (
+            self.kind == "dense"
+            and other.kind == "shaped"
+            and other.dtype == self.dtype
+            and other.ndim == len(self.shape)
+        ):
+            return other
+        return None
+
     def describe(self) -> str:
         if self.kind == "object":
             return "object"
@@ -265,12 +281,7 @@ def _tensor_column(
     value = value.detach()
     if known is not None and known.kind == "shaped":
         # A batch of equal shapes written to a shaped field: every row has value.shape[1:].
-        if value.shape[0]:
-            batch = Shaped.from_tensors(list(value.unbind(0)))
-        else:
-            empty = torch.zeros((0, known.ndim), dtype=torch.int64)
-            batch = Shaped(value.reshape(-1), torch.zeros(1, dtype=torch.int64), empty)
-        return _normalize(name, batch, known, keep_device)
+        return _normalize(name, Shaped.from_dense(value), known, keep_device)
     if known is not None and known.kind == "ragged":
         # A padded-free [B, T] batch written to a ragged field: every row has length T.
         if value.dim() < 2:

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from transferqueue.memcpy import copy_rows
 from transferqueue.ragged import Ragged, _bits_equal
 
 __all__ = ["Shaped"]
@@ -71,10 +72,24 @@ class Shaped(Ragged):
         offsets = torch.zeros(len(tensors) + 1, dtype=torch.int64)
         if tensors:
             offsets[1:] = torch.cumsum(shapes.prod(dim=1), 0)
-            values = torch.cat([t.reshape(-1) for t in tensors])
-        else:
-            values = torch.empty((0,), dtype=dtype)
+        # (one memcpy per row, not torch.cat: its intra-op threads stall on busy cores)
+        values = torch.empty((int(offsets[-1]),), dtype=dtype)
+        ends = offsets.tolist()
+        for t, a, b in zip(tensors, ends[:-1], ends[1:], strict=True):
+            copy_rows(values[a:b], t.reshape(-1))
         return cls(values, offsets, shapes)
+
+    @classmethod
+    def from_dense(cls, batch: torch.Tensor) -> Shaped:
+        """A dense batch ``[B, *shape]`` as rows of ``shape`` each, over the same memory when
+        it is contiguous (a view; otherwise one copy). No loop over rows."""
+        rows, shape = int(batch.shape[0]), [int(d) for d in batch.shape[1:]]
+        per_row = 1
+        for d in shape:
+            per_row *= d
+        offsets = torch.arange(rows + 1, dtype=torch.int64) * per_row
+        shapes = torch.tensor(shape, dtype=torch.int64).expand(rows, len(shape)).contiguous()
+        return cls(batch.reshape(-1), offsets, shapes)
 
     @classmethod
     def from_padded(  # type: ignore[override]

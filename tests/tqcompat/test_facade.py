@@ -315,6 +315,32 @@ def test_a_dtype_differing_from_the_field_is_cast_only_when_exact(
         tq.kv_put("c", "p", fields={"m": torch.full((3,), 2**25 + 1, dtype=torch.int64)})
 
 
+def test_rows_of_a_new_shape_widen_the_field_and_read_back_jagged(
+    store: tq.TransferQueueClient, tmp_path: Path
+) -> None:
+    """The peer keeps a shape per row: ``kv_put`` of ``x`` ``[1, i]`` for i = 1, 2, 3 in one
+    partition reads back as the jagged nested tensor of those rows, bit for bit (the facade
+    widens our dense field to a shaped one), and so after a checkpoint's round trip."""
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randn(i, generator=g) for i in (1, 2, 3)]
+    keys = [f"k{i}" for i in range(3)]
+    for key, row in zip(keys, rows, strict=True):
+        tq.kv_put(key, "p", fields=TensorDict({"x": row.unsqueeze(0)}, batch_size=1))
+
+    def check() -> None:
+        got = tq.kv_batch_get(keys, "p")["x"]
+        assert got.is_nested and got.layout == torch.jagged
+        for a, b in zip(got.unbind(), rows, strict=True):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+    check()
+    tq.save_checkpoint(tmp_path / "ckpt")
+    tq.close()
+    tq.init()
+    tq.load_checkpoint(tmp_path / "ckpt")
+    check()
+
+
 def test_checkpoint_save_and_load(store: tq.TransferQueueClient, tmp_path: Path) -> None:
     store.put(_batch(3), partition_id="p")
     store.get_meta(["mask"], 1, "p", task_name="t")

@@ -24,11 +24,6 @@ def test_every_exclusion_says_why() -> None:
 
 @pytest.mark.slow
 @pytest.mark.ray
-@pytest.mark.xfail(
-    strict=True,
-    reason="3 of 153 fail: a field whose shape varies per row within a partition needs the "
-    "store's column kind for it (issue 61)",
-)
 def test_the_peers_public_api_tests_pass_on_the_facade() -> None:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a head of its own
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)

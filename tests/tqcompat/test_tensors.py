@@ -60,8 +60,12 @@ def test_rows_that_differ_beyond_the_first_axis_are_a_shaped_column() -> None:
     col = cols["img"]
     assert n == 2 and isinstance(col, Shaped) and col.shapes.tolist() == [[3, 4, 6], [3, 2, 9]]
     assert schema_of(cols)["img"]["per_sample_shapes"] == [(3, 4, 6), (3, 2, 9)]
+    nt = torch.nested.nested_tensor(imgs)
+    col = to_columns({"img": nt})[0]["img"]
+    assert col.values.data_ptr() == nt.unbind()[0].data_ptr()  # put: over its buffer
     back = from_columns(cols, 2)["img"]
-    assert back.is_nested
+    assert back.is_nested and back.layout == torch.strided
+    assert back.unbind()[1].data_ptr() == cols["img"].values[72:].data_ptr()  # get: views
     described = schema_from_spec(transferqueue.FieldSpec.shaped(torch.uint8, 3).describe())
     assert described == {
         "dtype": torch.uint8,
@@ -70,3 +74,14 @@ def test_rows_that_differ_beyond_the_first_axis_are_a_shaped_column() -> None:
         "is_non_tensor": False,
     }
     assert all(torch.equal(a, b) for a, b in zip(back.unbind(), imgs, strict=True))
+
+
+def test_a_strided_nested_tensor_of_one_inner_shape_is_ragged_over_its_buffer() -> None:
+    rows = _rows()
+    nt = torch.nested.nested_tensor(rows)  # strided layout
+    col = to_columns({"x": nt})[0]["x"]
+    assert isinstance(col, Ragged) and col.offsets.tolist() == [0, 3, 3, 8, 9]
+    assert col.values.data_ptr() == nt.unbind()[0].data_ptr()
+    back = from_columns({"x": col}, 4)["x"]
+    assert back.layout == torch.jagged
+    assert all(torch.equal(a, b) for a, b in zip(back.unbind(), rows, strict=True))

@@ -21,3 +21,24 @@ def test_free_buffers_of_different_sizes_are_taken_by_identity() -> None:
     again = bufs.tensors({"x": ((3 << 17,), torch.float32)})  # 1.5 MiB: the larger fits
     assert again is not None and again["x"].numel() == 3 << 17
     assert bufs.reused == 1
+
+
+def test_ragged_reads_from_several_units_merge_into_warm_buffers() -> None:
+    """A ragged (or shaped) field read from two units is merged into one values buffer: the
+    handle's warm ones, taken again once the last result is gone, and bit-exact."""
+    import transferqueue
+    from transferqueue import Shaped
+
+    rows = [torch.full((3, 200 + i, 300), i, dtype=torch.uint8) for i in range(8)]  # ~1.5 MB
+    with transferqueue.start(num_units=2, spread_bytes=0) as tq:
+        client = tq.client()
+        meta = client.put({"img": Shaped.from_tensors(rows)})
+        assert len(set(meta.units.tolist())) == 2  # (the rows are on both units)
+        buffers = tq._buffers
+        first = client.get_data(meta)["img"]
+        assert isinstance(first, Shaped) and buffers.reused == 0
+        del first
+        gc.collect()
+        again = client.get_data(meta)["img"]
+        assert buffers.reused == 1
+        assert again == Shaped.from_tensors(rows)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from transferqueue import Client, FieldSpec, Ragged, SchemaError
+from transferqueue import Client, FieldSpec, Ragged, SchemaError, Shaped
 
 
 def _x(n: int, width: int, start: float = 0.0) -> torch.Tensor:
@@ -52,6 +52,53 @@ def test_mixed_kinds_in_one_partition_refused_naming_field_partition_and_kinds(
     more = client.put({"x": _x(2, 2, 50.0)}, partition="p")
     assert torch.equal(client.get_data(more, ["x"])["x"], _x(2, 2, 50.0))  # type: ignore[arg-type]
     assert len(client.get_meta("t", ["x"], 6, partition="p", timeout_s=1)) == 6
+
+
+def test_a_shaped_write_widens_a_dense_field_and_its_rows_read_back_shaped(
+    tq: object,
+) -> None:
+    """A dense field of a partition that holds rows takes rows of any shape once a Shaped
+    column of its dtype and number of axes is written: its rows, stored before and after,
+    read back as one Shaped, bit for bit; a dense write of another shape stays refused (with
+    the way to widen named), and a writer that still knows the field as dense is accepted."""
+    client, stale = tq.client(), tq.client()  # type: ignore[attr-defined]
+    before = client.put({"x": _x(3, 2)}, partition="p")
+    stale.put({"x": _x(1, 2, 90.0)}, partition="p")  # (stale learns x as dense [2])
+    with pytest.raises(SchemaError, match=r"'x'.*'p'.*dense float32 \[2\].*\[3\].*Shaped"):
+        client.put({"x": _x(1, 3)}, partition="p")
+    rows = [torch.tensor([1.5, -0.0, float("nan")]), torch.tensor([4.0])]
+    client.put({"x": Shaped.from_tensors(rows)}, partition="p")
+    assert client.specs("p")["x"] == FieldSpec.shaped("float32", 1)
+    client.put({"x": _x(2, 4, 50.0)}, partition="p")  # dense now normalizes to shaped rows
+    stale.put({"x": _x(1, 2, 70.0)}, partition="p")
+    with pytest.raises(SchemaError, match=r"'x'.*'p'.*shaped float32 ndim=1.*object"):
+        client.put({"x": ["text"]}, partition="p")
+    want = [*_x(3, 2).unbind(), _x(1, 2, 90.0)[0], *rows, *_x(2, 4, 50.0).unbind()]
+    want.append(_x(1, 2, 70.0)[0])
+    meta = client.get_meta("t", ["x"], 9, partition="p", timeout_s=5)
+    got = client.get_data(meta)["x"]
+    assert isinstance(got, Shaped) and len(got) == len(want) == 9
+    for a, b in zip(got.unbind(), want, strict=True):
+        assert a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+    old = client.get_data(before, ["x"])["x"]  # rows written before the widening only
+    assert isinstance(old, Shaped) and old.shapes.tolist() == [[2]] * 3
+    assert torch.equal(old.values, _x(3, 2).reshape(-1))
+    # (a reader that knew the field dense reads its rows stored dense as the dense batch)
+    assert torch.equal(stale.get_data(before, ["x"])["x"], _x(3, 2))
+
+
+def test_unit_reads_rows_of_a_widened_field_across_its_columns() -> None:
+    from transferqueue.storage.unit import StorageUnit
+
+    unit = StorageUnit(0)
+    two, shaped = FieldSpec.dense("float32", (2,)), FieldSpec.shaped("float32", 1)
+    unit.write(np.arange(3), {"x": _x(3, 2)}, {"x": two}, create=True)
+    rows = Shaped.from_tensors([torch.ones(3), torch.zeros(0)])
+    unit.write(np.arange(3, 5), {"x": rows}, {"x": shaped}, create=True)
+    got = unit.read(np.array([4, 0, 3, 2]), ["x"])["x"]
+    assert isinstance(got, Shaped)
+    assert got.shapes.tolist() == [[0], [2], [3], [2]]
+    assert got.values.tolist() == [0.0, 1.0, 1.0, 1.0, 1.0, 4.0, 5.0]
 
 
 def test_cleared_partition_forgets_its_specs(client: Client) -> None:

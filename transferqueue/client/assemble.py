@@ -9,7 +9,7 @@ knows is :class:`StaleSpecs` (the partition was cleared and written with other s
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
@@ -20,7 +20,7 @@ from transferqueue.schema import Column, FieldSpec
 from transferqueue.shaped import Shaped
 from transferqueue.slots import runs
 
-__all__ = ["StaleSpecs", "check_objects", "empty_column", "merge_ragged", "place_dense"]
+__all__ = ["StaleSpecs", "check_objects", "conform", "empty_column", "merge_ragged", "place_dense"]
 
 
 class StaleSpecs(Exception):
@@ -65,10 +65,24 @@ def empty_column(spec: FieldSpec) -> Column:
     return []
 
 
-def merge_ragged(parts: list[tuple[np.ndarray, Column]], n: int, spec: FieldSpec) -> Ragged:
+def merge_ragged(
+    parts: list[tuple[np.ndarray, Column]],
+    n: int,
+    spec: FieldSpec,
+    alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
+) -> Ragged:
     """Assemble per-unit Ragged pieces (positions, rows) into one in batch order (Shaped
-    pieces into one Shaped, their shapes in the same order)."""
+    pieces into one Shaped, their shapes in the same order). ``alloc(shape, dtype)`` gives
+    the merged values' memory (the handle's warm result buffers: fresh memory costs a page
+    fault per 4 KiB touched, the most of a large merge); default ``torch.empty``."""
     shaped = spec.kind == "shaped"
+    if shaped:  # (rows stored before their field was widened from dense come back dense)
+        parts = [
+            (pos, Shaped.from_dense(col))
+            if isinstance(col, torch.Tensor) and col.dim() == spec.ndim + 1
+            else (pos, col)
+            for pos, col in parts
+        ]
     for _, col in parts:
         if not isinstance(col, Ragged) or col.dtype != spec.torch_dtype:
             raise StaleSpecs(spec.describe())
@@ -86,7 +100,8 @@ def merge_ragged(parts: list[tuple[np.ndarray, Column]], n: int, spec: FieldSpec
         lengths[pos] = col.lengths.numpy()
     offsets = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    values = torch.empty((int(offsets[-1]), *spec.shape), dtype=spec.torch_dtype)
+    shape = (int(offsets[-1]), *spec.shape)
+    values = alloc(shape, spec.torch_dtype) if alloc else torch.empty(shape, dtype=spec.torch_dtype)
     for pos, col in parts:
         assert isinstance(col, Ragged)
         src_off = col.offsets.numpy()
@@ -104,6 +119,23 @@ def merge_ragged(parts: list[tuple[np.ndarray, Column]], n: int, spec: FieldSpec
             shapes[torch.from_numpy(pos)] = col.shapes
         return Shaped(values, torch.from_numpy(offsets), shapes)
     return Ragged(values, torch.from_numpy(offsets))
+
+
+def conform(cols: dict[str, Column], specs: Mapping[str, FieldSpec]) -> dict[str, Column]:
+    """One unit's read as the batch (no assembly): a shaped field's rows stored before it was
+    widened from dense come back dense and are viewed as Shaped; a field the reader knows as
+    dense that comes back otherwise is :class:`StaleSpecs`."""
+    for f, col in cols.items():
+        spec = specs.get(f)
+        if spec is None:
+            continue
+        if spec.kind == "shaped" and isinstance(col, torch.Tensor):
+            if col.dim() != spec.ndim + 1:
+                raise StaleSpecs(spec.describe())
+            cols[f] = Shaped.from_dense(col)
+        elif spec.kind == "dense" and isinstance(col, Ragged):
+            raise StaleSpecs(spec.describe())
+    return cols
 
 
 def check_objects(col: Column) -> list[object]:

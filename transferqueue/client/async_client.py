@@ -354,8 +354,10 @@ class AsyncClient:
             link = link_of(self._units, u)
             if not link.supports_out or link.lends_reads:
                 if copies:
-                    return await tag(u, link.read(meta.indexes, names))  # type: ignore[return-value]
-                return await link.read(meta.indexes, names)
+                    got = await tag(u, link.read(meta.indexes, names))
+                else:
+                    got = await link.read(meta.indexes, names)
+                return assemble.conform(got, specs)  # type: ignore[arg-type]
         shapes = {f: ((n, *s.shape), s.torch_dtype) for f, s in specs.items() if s.kind == "dense"}
         out = self._buffers.tensors(shapes) or {
             f: torch.empty(shape, dtype=dt) for f, (shape, dt) in shapes.items()
@@ -395,7 +397,8 @@ class AsyncClient:
             if kind == "dense":
                 result[f] = out[f]
             elif kind in ("ragged", "shaped"):
-                result[f] = assemble.merge_ragged([(p, g[f]) for p, g in pieces], n, specs[f])
+                parts = [(p, g[f]) for p, g in pieces]
+                result[f] = assemble.merge_ragged(parts, n, specs[f], self._warm_tensor)
             else:
                 values: list[Any] = [None] * n
                 for pos, got in pieces:
@@ -404,6 +407,12 @@ class AsyncClient:
                         values[i] = v
                 result[f] = values
         return result
+
+    def _warm_tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialized tensor in the handle's warm result buffers (a fresh one when
+        small or past their bound)."""
+        got = self._buffers.tensors({"t": (shape, dtype)})
+        return got["t"] if got else torch.empty(shape, dtype=dtype)
 
     # -- consumption -------------------------------------------------------------------------
     async def ack(self, meta: BatchMeta) -> None:

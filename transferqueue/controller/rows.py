@@ -111,18 +111,37 @@ class RowTable:
     ) -> dict[str, FieldSpec]:
         """Register fields of ``partition``; a spec that disagrees with one registered there
         is an error, unless the partition holds no rows (cleared, or every row freed): then
-        it forgets its old specs and takes the new ones."""
+        it forgets its old specs and takes the new ones. A shaped spec of a field held dense
+        with the same dtype and number of axes widens it (:meth:`FieldSpec.widened_by`): the
+        field is shaped from then on, its stored rows read back as shaped rows."""
         if len(set(self.ready) | set(specs)) > MAX_FIELDS:
             raise CapacityError(f"this controller keeps at most {MAX_FIELDS} fields")
         known = self.specs.get(partition, {})
+        widened = {
+            n: s for n, s in specs.items() if n in known and known[n].widened_by(s) is not None
+        }
+        if widened and self.has_rows(partition):
+            known = self.specs[partition] = {**known, **widened}
         clash = [n for n, s in specs.items() if n in known and known[n] != s]
         if clash and self.has_rows(partition):
             name = clash[0]
+            have, got = known[name], specs[name]
+            shaped = (
+                FieldSpec.shaped(got.dtype, len(got.shape))
+                if got.dtype is not None and got.shape
+                else None
+            )
+            hint = (
+                "; or, for rows whose shape varies, write them as a transferqueue.Shaped "
+                "column (or declare FieldSpec.shaped): the field then holds rows of any shape"
+                if got.kind == "dense" and shaped is not None and have.widened_by(shaped)
+                else ""
+            )
             raise SchemaError(
                 f"field {name!r} of partition {partition!r}: expected "
-                f"{known[name].describe()}, received {specs[name].describe()}; convert the "
+                f"{have.describe()}, received {got.describe()}; convert the "
                 "column, write it under a new field name or to another partition, or clear "
-                "the partition first"
+                f"the partition first{hint}"
             )
         if clash:
             known = {}  # (an empty partition forgets its specs)
@@ -139,7 +158,8 @@ class RowTable:
         known = self.specs_of(partition)
         for name, spec in specs.items():
             have = known.get(name)
-            if have is not None and have != spec:
+            # (dense rows of a field widened to shaped meanwhile are rows of it: accepted)
+            if have is not None and have != spec and spec.widened_by(have) != have:
                 raise SchemaError(
                     f"field {name!r} of partition {partition!r}: expected {have.describe()}, "
                     f"received {spec.describe()}; the partition took this spec after the "

@@ -229,7 +229,9 @@ class StorageUnit:
         result: dict[str, Column] = {}
         pinned = False
         for name, col in zip(fields, cols, strict=True):
-            if isinstance(col, DenseColumn):
+            if isinstance(col, list):
+                result[name] = _read_widened(col, slots)
+            elif isinstance(col, DenseColumn):
                 view = col.view(slots) if pin is not None else None
                 if view is not None:
                     result[name] = view
@@ -250,8 +252,12 @@ class StorageUnit:
         self._reads += 1
         return result
 
-    def _column_of(self, name: str, slots: np.ndarray, indexes: np.ndarray) -> AnyColumn:
-        """The column of ``name`` that holds every row of ``slots``."""
+    def _column_of(
+        self, name: str, slots: np.ndarray, indexes: np.ndarray
+    ) -> AnyColumn | list[AnyColumn]:
+        """The column of ``name`` that holds every row of ``slots``; or, for rows of a field
+        widened from dense to shaped (some rows written before, some after), the columns that
+        hold them, dense and shaped (:func:`_read_widened`)."""
         cols = self._columns.get(name)
         if not cols:
             raise UnknownFieldError(
@@ -262,6 +268,9 @@ class StorageUnit:
             counts = [int(c.written[slots].sum()) for c in cols]
             best = int(np.argmax(counts))
             if 0 < counts[best] < slots.size and sum(counts) == slots.size:
+                held = [c for c, k in zip(cols, counts, strict=True) if k]
+                if _widened(held):
+                    return held
                 raise SchemaError(
                     f"field {name!r}: the rows read hold it with different specs "
                     f"({', '.join(c.spec.describe() for c in cols)}): rows of different "
@@ -380,3 +389,42 @@ class StorageUnit:
             "writes": self._writes,
             "reads": self._reads,
         }
+
+
+def _widened(cols: list[AnyColumn]) -> bool:
+    """Whether ``cols`` are one shaped column and dense ones its spec widened (the rows of one
+    partition's field, written before and after it became shaped)."""
+    shaped = [c.spec for c in cols if c.spec.kind == "shaped"]
+    return len(shaped) == 1 and all(
+        c.spec.widened_by(shaped[0]) is not None for c in cols if c.spec.kind != "shaped"
+    )
+
+
+def _read_widened(cols: list[AnyColumn], slots: np.ndarray) -> Shaped:
+    """Rows of ``slots`` gathered from a shaped column and the dense columns it widened, as
+    one Shaped in the order of ``slots`` (each column read once; the rows then copied once
+    into place: a read that spans the widening, not the common path)."""
+    n = slots.size
+    parts: list[tuple[np.ndarray, Shaped]] = []
+    for col in cols:
+        pos = np.flatnonzero(col.written[slots])
+        got = col.read(slots[pos])
+        if not isinstance(got, Shaped):
+            assert isinstance(got, torch.Tensor)  # (_widened: dense columns and one shaped)
+            got = Shaped.from_dense(got)
+        parts.append((pos, got))
+    ndim = next(p.ndim for _, p in parts)
+    lengths = np.zeros(n, dtype=np.int64)
+    shapes = torch.empty((n, ndim), dtype=torch.int64)
+    for pos, part in parts:
+        lengths[pos] = part.lengths.numpy()
+        shapes[torch.from_numpy(pos)] = part.shapes
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    values = torch.empty(int(offsets[-1]), dtype=parts[0][1].dtype)
+    for pos, part in parts:
+        src = part.offsets.numpy().tolist()
+        dst = offsets.tolist()
+        for k, p in enumerate(pos.tolist()):
+            values[dst[p] : dst[p + 1]] = part.values[src[k] : src[k + 1]]
+    return Shaped(values, torch.from_numpy(offsets), shapes)
