@@ -32,8 +32,8 @@ over the probe's own channel (a host that does not answer is said not to). Then 
 replaces it where it can (``deploy=ray``: the actor is killed and Ray restarts it through the
 restart path, its replacement handing its leases back at once; ``local``: an engine in a
 process of its own is replaced, its calls in flight retried as a lost instance's). A stall
-that is not replaced (trainer ranks, stages and engines in the driver's process, a failed
-replacement) fails the run with a :class:`StallError` naming it once it lasts
+that is not replaced (a trainer rank that cannot recover, stages and engines in the driver's
+process, a failed replacement) fails the run with a :class:`StallError` naming it once it lasts
 :func:`give_up_s` (:data:`GIVE_UP_FACTOR` x its bound, at least :data:`GIVE_UP_MIN_S`): no run
 waits without bound.
 
@@ -361,8 +361,9 @@ class StallWatch:
         lines.append(
             "it is killed and replaced through the restart path (its leases handed back at once)"
             if replaced
-            else "it is not replaced here (a trainer rank, or a stage or engine in the driver's "
-            f"process): the run fails if it makes no progress for {give_up_s(bound):.0f} s"
+            else "it is not replaced here (a trainer rank that cannot recover, or a stage or "
+            f"engine in the driver's process): the run fails if it makes no progress for "
+            f"{give_up_s(bound):.0f} s"
         )
         log.warning("stall: %s", "\n  ".join(lines))
         if replaced:
