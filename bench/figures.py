@@ -32,7 +32,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path("docs/bench")
-PAGES = (Path("README.md"), Path("docs/benchmarks.md"))
+PAGES = (Path("README.md"), Path("docs/benchmarks.md"), Path("docs/transferqueue/reliability.md"))
 BLOCK = re.compile(r"(<!-- figures: ([\w-]+) -->\n)(.*?)(<!-- /figures -->)", re.S)
 
 Json = dict[str, Any]
@@ -307,6 +307,38 @@ def _peer_multimodal_table(load: Callable[[str], Json]) -> str:
     return (
         f"Run of {day(d)} (`docs/bench/peer-multimodal.json`, `{d['command']}`; "
         f"{nbytes / 1e6:.1f} MB a batch), medians:\n\n" + _table(head, rows)
+    )
+
+
+@renderer("chaos-table")
+def _chaos_table(load: Callable[[str], Json]) -> str:
+    d = load("chaos")
+
+    def s(v: float | None, sign: bool = False) -> str:
+        return "-" if v is None else (f"{v:+.1f} s" if sign else f"{v:.1f} s")
+
+    rows = [
+        [
+            str(i + 1),
+            f["kind"],
+            f["target"],
+            str(f["steps_at_start"]),
+            s(f["named_after_s"]),
+            s(f["worst_step_s"]),
+            s(f["cost_s"], sign=True),
+            "; ".join(f["notes"]) or "",
+        ]
+        for i, f in enumerate(d["faults"])
+    ]
+    head = ["#", "fault", "target", "at step", "named after", "worst step", "over median", ""]
+    held = "held" if not d["failed"] else "FAILED: " + "; ".join(d["failed"])
+    restarts = ", ".join(f"{k} {v}" for k, v in sorted(d["restarts"].items())) or "none"
+    return (
+        f"Run of {day(d)} (`docs/bench/chaos.json`, `python -m bench.chaos "
+        f"{' '.join(d['argv'])}`): {d['steps']} steps in {d['wall_s']:.0f} s, median step "
+        f"{d['median_step_s']:.2f} s, freezes and slowdowns of {d['freeze_s']:g} s; restarts: "
+        f"{restarts}; invariants (every group trained once, each step its own window, whole, "
+        f"within the staleness bound): {held}.\n\n" + _table(head, rows)
     )
 
 
