@@ -1,0 +1,236 @@
+"""A server admits at most ``max_connections`` client connections (see
+:mod:`transferqueue.wire.peers`): the next client gets a typed error naming the limit on its
+first call while the admitted ones are served as before, a slot frees when a client closes,
+the service's own connections are never refused, and ``stats`` shows the counts.
+
+The servers run on a loop thread of the test's process, on real ZeroMQ sockets over tcp;
+every client is a real ``transferqueue.connect`` handle (one connection to each server)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import resource
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import zmq.asyncio
+from tq_helpers import row_values, until
+
+import transferqueue
+from transferqueue.deploy.server import ControllerServer, UnitServer
+from transferqueue.errors import CapacityError, TooManyConnectionsError
+from transferqueue.limits import CONNECTION_FD_RESERVE
+from transferqueue.loop import LoopThread
+from transferqueue.wire import messages as m
+from transferqueue.wire.auth import session_keys
+from transferqueue.wire.peers import check_max_connections, default_max_connections
+from transferqueue.wire.rpc import RpcClient, RpcServer
+
+LIMIT = 3
+GRANT_KEY = b"g" * 32
+
+
+class Store:
+    """A controller and two units (``replicas=2``) serving on a loop thread."""
+
+    def __init__(self, max_connections: int) -> None:
+        self.io = LoopThread("test-servers")
+        self.ctx = zmq.asyncio.Context()
+
+        async def start() -> tuple[list[UnitServer], ControllerServer]:
+            units = [
+                UnitServer(self.ctx, i, grant_key=GRANT_KEY, max_connections=max_connections)
+                for i in range(2)
+            ]
+            for u in units:
+                u.start()
+            ctl = ControllerServer(
+                self.ctx,
+                [u.address for u in units],
+                grant_key=GRANT_KEY,
+                replicas=2,
+                spread_bytes=0,
+                max_connections=max_connections,
+            )
+            await ctl.start()
+            return units, ctl
+
+        self.units, self.controller = self.io.run(start())
+        self.address = self.controller.address
+
+    def connections(self) -> list[dict[str, Any]]:
+        """The controller's connection counts, then each unit's (read on the servers' loop)."""
+
+        async def read() -> list[dict[str, Any]]:
+            servers = [self.controller.rpc, *(u.rpc for u in self.units)]
+            return [s.peers.snapshot() for s in servers]
+
+        return self.io.run(read())
+
+    def close(self) -> None:
+        async def stop() -> None:
+            await self.controller.close()
+            for u in self.units:
+                await u.close()
+
+        self.io.run(stop())
+        self.io.close()
+        self.ctx.term()
+
+
+@pytest.fixture
+def store() -> Iterator[Store]:
+    s = Store(LIMIT)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def _round_trip(tq: transferqueue.TransferQueue, start: int) -> None:
+    """A put and a read of the same rows through every server: bit-exact."""
+    c = tq.client()
+    x = row_values(start, 4)
+    meta = c.put({"x": x}, partition=f"p{start}")
+    got = c.get_data(meta)["x"]
+    assert isinstance(got, torch.Tensor) and torch.equal(got, x)
+
+
+def test_a_client_past_the_limit_is_refused_naming_it_and_the_others_are_served(
+    store: Store,
+) -> None:
+    with contextlib.ExitStack() as stack:
+        admitted = [stack.enter_context(transferqueue.connect(store.address)) for _ in range(3)]
+        with pytest.raises(TooManyConnectionsError) as refused:
+            transferqueue.connect(store.address)
+        text = str(refused.value)
+        assert isinstance(refused.value, CapacityError)  # (a capacity error: typed as one)
+        assert f"controller at {store.address}" in text
+        assert f"max_connections={LIMIT}" in text and "ulimit -n" in text
+        for i, tq in enumerate(admitted):  # served as before the refusal
+            _round_trip(tq, 100 * i)
+        ctl, *units = store.connections()
+        assert ctl["clients"] == LIMIT and ctl["clients_peak"] == LIMIT
+        assert ctl["refusals"] == 1 and ctl["max_connections"] == LIMIT
+        # the controller's own connection to each unit (and its pings) is never counted
+        # as a client: 3 clients plus the controller, at a limit of 3
+        assert all(u["clients"] == LIMIT and u["internal"] == 1 for u in units)
+        assert all(u["refusals"] == 0 and u["connections"] >= LIMIT + 1 for u in units)
+
+        admitted.pop().close()  # a slot frees once its connection is gone
+        late = until(lambda: _try_connect(store.address), 10.0, "a client admitted after a close")
+        stack.enter_context(late)
+        _round_trip(late, 900)
+        _round_trip(admitted[0], 1000)
+        ctl, *_ = store.connections()
+        assert ctl["clients"] == LIMIT and ctl["clients_peak"] == LIMIT
+
+
+def _try_connect(address: str) -> transferqueue.TransferQueue | None:
+    try:
+        return transferqueue.connect(address)
+    except TooManyConnectionsError:
+        return None
+
+
+def test_stats_show_each_servers_connections(store: Store) -> None:
+    with transferqueue.connect(store.address) as tq:
+        stats = tq.client().stats()
+        assert stats["controller"]["connections"]["clients"] == 1
+        assert stats["controller"]["connections"]["max_connections"] == LIMIT
+        for unit in stats["units"]:
+            assert unit["connections"]["clients"] == 1
+            assert unit["connections"]["internal"] == 1  # the controller's
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["keyless", "keys"])
+def test_an_internal_connection_is_never_refused_and_a_client_cannot_claim_to_be_one(
+    keyed: bool,
+) -> None:
+    """At a limit of one: the service's own connections (request ids with bit 63) are served
+    past it; with keys, only those that come with the service's own key: a client with a
+    client key that claims to be internal is counted, and refused, as a client."""
+    server_keys, client_keys = session_keys() if keyed else (None, None)
+    own = None if server_keys is None else server_keys.as_client()
+
+    async def scenario() -> tuple[list[Any], dict[str, Any]]:
+        ctx = zmq.asyncio.Context()
+        unit = UnitServer(ctx, 0, keys=server_keys, grant_key=GRANT_KEY, max_connections=1)
+        unit.start()
+        first = RpcClient(ctx, unit.address, keys=client_keys)
+        claims = RpcClient(ctx, unit.address, keys=client_keys, internal=True)
+        inner = [RpcClient(ctx, unit.address, keys=own, internal=True) for _ in range(3)]
+        try:
+            outcomes: list[Any] = [await first.call(m.UnitPing())]
+            with contextlib.suppress(TooManyConnectionsError):
+                outcomes.append(await claims.call(m.UnitPing()))
+            outcomes += [await c.call(m.UnitPing()) for c in inner]
+            return outcomes, unit.rpc.peers.snapshot()
+        finally:
+            for c in (first, claims, *inner):
+                await c.close()
+            await unit.close()
+            ctx.term()
+
+    outcomes, counts = asyncio.run(scenario())
+    if keyed:  # the claim is refused: the first client holds the one slot
+        assert len(outcomes) == 4 and counts["refused"] == 1
+        assert counts["clients"] == 1 and counts["internal"] == 3
+    else:  # without keys every caller is trusted: the claim is believed
+        assert len(outcomes) == 5 and counts["refused"] == 0
+        assert counts["clients"] == 1 and counts["internal"] == 4
+
+
+def test_a_refused_connection_is_admitted_at_its_next_request_once_a_slot_frees() -> None:
+    async def scenario() -> tuple[int, dict[str, Any]]:
+        ctx = zmq.asyncio.Context()
+        server = RpcServer(ctx, "tcp://127.0.0.1:0", "unit", _ping_handlers(), max_connections=1)
+        server.start()
+        first, second = RpcClient(ctx, server.address), RpcClient(ctx, server.address)
+        try:
+            await first.call(m.UnitPing())
+            with pytest.raises(TooManyConnectionsError, match="max_connections=1"):
+                await second.call(m.UnitPing())
+            await first.close()
+            tries = 0
+            while True:  # (the server learns of the close from its monitor: soon)
+                tries += 1
+                try:
+                    await second.call(m.UnitPing())
+                    break
+                except TooManyConnectionsError:
+                    assert tries < 100
+                    await asyncio.sleep(0.02)
+            return tries, server.peers.snapshot()
+        finally:
+            await first.close()
+            await second.close()
+            await server.close()
+            ctx.term()
+
+    _, counts = asyncio.run(scenario())
+    assert counts["clients"] == 1 and counts["refused"] == 0 and counts["refusals"] >= 1
+    assert counts["clients_peak"] == 1
+
+
+def _ping_handlers() -> dict[Any, Any]:
+    from transferqueue.wire import protocol
+
+    class Pong:
+        def __getattr__(self, kind: str) -> Any:
+            return lambda msg, caller: "pong"
+
+    return protocol.handlers("unit", Pong())
+
+
+def test_the_default_follows_the_open_file_limit_and_bad_settings_are_refused() -> None:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY:
+        assert default_max_connections() == max(soft - CONNECTION_FD_RESERVE, soft // 2)
+    for bad in (0, -1, 2.5, True, "8"):
+        with pytest.raises(ValueError, match="max_connections must be an integer >= 1"):
+            check_max_connections(bad)
+    assert check_max_connections(None) is None and check_max_connections(8) == 8
