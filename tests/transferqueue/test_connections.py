@@ -234,3 +234,24 @@ def test_the_default_follows_the_open_file_limit_and_bad_settings_are_refused() 
         with pytest.raises(ValueError, match="max_connections must be an integer >= 1"):
             check_max_connections(bad)
     assert check_max_connections(None) is None and check_max_connections(8) == 8
+
+
+@pytest.mark.service
+def test_serve_passes_max_connections_to_every_server_process() -> None:
+    """``transferqueue.serve(max_connections=...)`` (the CLI's ``--max-connections``): each
+    server process admits that many clients, and a bad value is refused before any starts."""
+    with pytest.raises(ValueError, match="max_connections must be an integer >= 1"):
+        transferqueue.serve(num_units=1, max_connections=0)
+    with (
+        transferqueue.serve(num_units=2, spread_bytes=0, max_connections=2) as svc,
+        transferqueue.connect(svc.address) as a,
+        transferqueue.connect(svc.address) as b,
+    ):
+        with pytest.raises(TooManyConnectionsError, match="max_connections=2"):
+            transferqueue.connect(svc.address)
+        _round_trip(a, 0)
+        _round_trip(b, 10)
+        stats = a.client().stats()
+        for server in (stats["controller"], *stats["units"]):
+            assert server["connections"]["clients"] == 2
+            assert server["connections"]["max_connections"] == 2

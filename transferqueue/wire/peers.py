@@ -63,6 +63,7 @@ __all__ = [
     "check_max_connections",
     "default_max_connections",
     "max_connections_for",
+    "raise_open_file_limit",
 ]
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,21 @@ def default_max_connections() -> int:
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     fds = _FALLBACK_FDS if soft == resource.RLIM_INFINITY or soft <= 0 else int(soft)
     return max(fds - CONNECTION_FD_RESERVE, fds // 2, 1)
+
+
+def raise_open_file_limit(at_most: int = 1 << 16) -> int:
+    """Raise this process's open-file limit to its hard limit (at most ``at_most``), as a
+    server process started by TransferQueue does before it serves: a soft limit of 1,024 is
+    common and would cap its clients. Returns the limit now (unchanged if it cannot be)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = at_most if hard == resource.RLIM_INFINITY else min(int(hard), at_most)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError) as e:
+            log.info("open-file limit stays at %d: %s", soft, e)
+    return int(soft)
 
 
 def check_max_connections(value: Any) -> int | None:
