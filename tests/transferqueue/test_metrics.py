@@ -111,6 +111,19 @@ def test_request_counters_move_by_kind(
     assert total(c1, "transferqueue_process_resident_bytes") > 0
 
 
+def test_connections_exposed(svc: transferqueue.LocalService, client: transferqueue.Client) -> None:
+    client.put({"x": [1, 2]}, partition="conns")  # (the client's first requests: admitted)
+    ctl = scrape(svc.metrics_address or "")
+    assert value(ctl, "transferqueue_clients", server="controller") >= 1
+    assert value(ctl, "transferqueue_clients_peak", server="controller") >= 1
+    assert value(ctl, "transferqueue_connections", server="controller") >= 1
+    assert value(ctl, "transferqueue_connection_refusals_total", server="controller") == 0
+    for url in svc.unit_metrics_addresses:
+        unit = scrape(url or "")
+        # the controller's own connection and this client's, at least
+        assert value(unit, "transferqueue_connections", server="unit") >= 2
+
+
 def test_errors_counted(svc: transferqueue.LocalService, client: transferqueue.Client) -> None:
     assert svc.metrics_address is not None
     c0 = scrape(svc.metrics_address)
