@@ -79,6 +79,9 @@ async def _encode(fn: Callable[..., list[Any]], *args: Any, offload: bool = Fals
 
 DEFAULT_CALL_TIMEOUT_S = 60.0
 _LATE_MEMORY = 1024  # failed calls whose late replies are still undone (see on_late)
+# Connections the kernel queues before they are accepted: with ZeroMQ's 100, thousands of
+# clients connecting at once lose SYNs and retry for up to 31 s (the kernel caps it: somaxconn).
+_BACKLOG = 4096
 _RELOCATE_S = 5.0  # bound on asking the controller where a unit that went away listens now
 
 
@@ -173,6 +176,7 @@ class RpcServer:
         try:
             # One frame above this disconnects its sender (no unbounded allocation).
             self._io.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+            self._io.sock.setsockopt(zmq.BACKLOG, _BACKLOG)
             if keys is not None:
                 self._authenticator = keys.authenticator(ctx)
                 keys.apply(self._io.sock)
