@@ -14,6 +14,7 @@ import resource
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import zmq.asyncio
@@ -26,6 +27,7 @@ from transferqueue.limits import CONNECTION_FD_RESERVE
 from transferqueue.loop import LoopThread
 from transferqueue.wire import messages as m
 from transferqueue.wire.auth import session_keys
+from transferqueue.wire.grants import Grants
 from transferqueue.wire.peers import check_max_connections, default_max_connections
 from transferqueue.wire.rpc import RpcClient, RpcServer
 
@@ -182,6 +184,56 @@ def test_an_internal_connection_is_never_refused_and_a_client_cannot_claim_to_be
     else:  # without keys every caller is trusted: the claim is believed
         assert len(outcomes) == 5 and counts["refused"] == 0
         assert counts["clients"] == 1 and counts["internal"] == 4
+
+
+def test_a_unit_copies_rows_to_a_unit_whose_client_slots_are_all_taken() -> None:
+    """Re-replication at a limit of one: unit 0 copies rows to unit 1 while a client holds
+    unit 1's one slot; the copy is the service's own connection, never refused, and the rows
+    arrive bit-exact."""
+    x = row_values(0, 4)
+    rows = np.arange(4, dtype=np.int64)
+    specs = {"x": transferqueue.FieldSpec.dense(torch.float64, (4,))}
+
+    async def scenario() -> tuple[int, Any, dict[str, Any]]:
+        ctx = zmq.asyncio.Context()
+        units = [UnitServer(ctx, i, grant_key=GRANT_KEY, max_connections=1) for i in (0, 1)]
+        for u in units:
+            u.start()
+        grants = Grants(GRANT_KEY)
+        to0, to1 = RpcClient(ctx, units[0].address), RpcClient(ctx, units[1].address)
+        try:
+            await to1.call(m.UnitPing())  # the one client slot of unit 1 is taken
+            await to0.call(
+                m.Write(
+                    indexes=rows,
+                    columns={"x": x},
+                    specs=specs,
+                    create=True,
+                    grant=grants.sign(0, 0, 4),
+                )
+            )
+            copy = m.CopyRows(
+                indexes=rows,
+                fields=["x"],
+                specs=specs,
+                target=1,
+                address=units[1].address,
+                grant=grants.sign(1, 0, 4),
+                timeout_s=10.0,
+            )
+            copied = await to0.call(copy)
+            back = await to1.call(m.Read(indexes=rows, fields=["x"]))
+            return copied, back["x"], units[1].rpc.peers.snapshot()
+        finally:
+            for c in (to0, to1):
+                await c.close()
+            for u in units:
+                await u.close()
+            ctx.term()
+
+    copied, back, counts = asyncio.run(scenario())
+    assert copied == 4 and torch.equal(back, x)
+    assert counts["clients"] == 1 and counts["internal"] == 1 and counts["refusals"] == 0
 
 
 def test_a_refused_connection_is_admitted_at_its_next_request_once_a_slot_frees() -> None:

@@ -153,7 +153,7 @@ class RpcServer:
     Without ``keys`` it binds only to loopback, unless ``keyless_beyond_loopback``: for a
     caller whose requests carry no rows (asyncflow's weight-transport control channel, whose
     peers sit on the cluster's own network), never for a TransferQueue server.
-    ``max_connections``: client connections admitted (None: all; :mod:`~.wire.peers`)."""
+    ``max_connections``: client connections admitted (None: all; see wire.peers)."""
 
     def __init__(
         self,
@@ -371,7 +371,7 @@ class RpcClient:
         :meth:`repoint`). ``on_late`` gets the request and reply of a call that had failed
         with PeerGoneError when its reply came all the same (a restarted server served a
         request still queued to it): the caller may undo what it did. ``internal``: a
-        connection of the service's own servers (never refused, see :mod:`~.wire.peers`)."""
+        connection of the service's own servers (never refused, see wire.peers)."""
         self.address = check_address(address)
         self._on_late = on_late
         self._late: dict[int, Request[Any]] = {}  # (failed calls, most recent _LATE_MEMORY)
