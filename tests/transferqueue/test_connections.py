@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import resource
+import signal
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 import zmq.asyncio
+from test_replicas import LIVENESS, SLACK_S
 from tq_helpers import row_values, until
 
 import transferqueue
@@ -350,3 +353,38 @@ def test_a_storm_of_clients_past_the_limit_each_get_an_answer_at_once() -> None:
     assert took < 10.0, f"first calls of {n} clients took {took:.1f} s"
     assert counts["clients"] == limit and counts["refused"] == n - limit
     assert counts["connections"] == n and counts["refusals"] == 2 * (n - limit)
+
+
+@pytest.mark.slow
+@pytest.mark.service
+def test_a_killed_unit_registers_and_gets_its_copies_while_every_client_slot_is_taken() -> None:
+    """``replicas=2`` at a limit of one client per server, the one client holding every
+    slot: unit 1 is killed, restarted by the service, registers with the controller, and
+    unit 0 copies the rows back to it; none of these connections is refused."""
+    x = row_values(0, 64)
+    with (
+        transferqueue.serve(num_units=2, spread_bytes=0, replicas=2, max_connections=1) as svc,
+        transferqueue.connect(svc.address) as tq,
+    ):
+        c = tq.client()
+        meta = c.put({"x": x}, partition="p")
+        with pytest.raises(TooManyConnectionsError):
+            transferqueue.connect(svc.address)
+        os.kill(svc.pids[1], signal.SIGKILL)
+        bound_s = LIVENESS.bound_s + SLACK_S
+
+        def ctl() -> dict[str, Any]:
+            return c.stats()["controller"]  # type: ignore[no-any-return]
+
+        until(lambda: svc.restarts[1] == 1, bound_s, "unit 1 restarted")
+        until(lambda: ctl()["units_lost"] == 1 and all(ctl()["units_alive"]), bound_s, "back")
+        until(lambda: ctl()["rows_recopied"] == 64, bound_s, "the rows copied to unit 1 again")
+        got = c.get_data(meta)["x"]
+        assert isinstance(got, torch.Tensor) and torch.equal(got, x)
+        stats = c.stats()
+        servers = [stats["controller"], *stats["units"]]
+        # (only the second client's hello was refused, by the controller)
+        assert [s["connections"]["refusals"] for s in servers] == [1, 0, 0]
+        assert all(s["connections"]["clients"] == 1 for s in servers)
+        assert stats["units"][1]["connections"]["internal"] >= 1  # (the copies' and pings')
+        assert stats["units"][1]["rows"] == 64 and stats["controller"]["rows_lost"] == 0
