@@ -374,7 +374,7 @@ def test_a_killed_unit_registers_and_gets_its_copies_while_every_client_slot_is_
         bound_s = LIVENESS.bound_s + SLACK_S
 
         def ctl() -> dict[str, Any]:
-            return c.stats()["controller"]  # type: ignore[no-any-return]
+            return c.stats()["controller"]
 
         until(lambda: svc.restarts[1] == 1, bound_s, "unit 1 restarted")
         until(lambda: ctl()["units_lost"] == 1 and all(ctl()["units_alive"]), bound_s, "back")
