@@ -25,6 +25,7 @@ from tq_helpers import row_values, until
 
 import transferqueue
 from transferqueue.deploy.server import ControllerServer, UnitServer
+from transferqueue.deploy.top import render
 from transferqueue.errors import CapacityError, TooManyConnectionsError
 from transferqueue.limits import CONNECTION_FD_RESERVE
 from transferqueue.loop import LoopThread
@@ -149,6 +150,10 @@ def test_stats_show_each_servers_connections(store: Store) -> None:
         for unit in stats["units"]:
             assert unit["connections"]["clients"] == 1
             assert unit["connections"]["internal"] == 1  # the controller's
+        view = render(stats).splitlines()  # (transferqueue top)
+        rows = [line.split() for line in view if line.startswith(("controller", "unit "))]
+        assert "clients/max" in "\n".join(view) and len(rows) == 3
+        assert all(r[-2:] == [f"1/{LIMIT}", "0"] for r in rows)
 
 
 @pytest.mark.parametrize("keyed", [False, True], ids=["keyless", "keys"])
