@@ -393,3 +393,18 @@ def test_a_killed_unit_registers_and_gets_its_copies_while_every_client_slot_is_
         assert all(s["connections"]["clients"] == 1 for s in servers)
         assert stats["units"][1]["connections"]["internal"] >= 1  # (the copies' and pings')
         assert stats["units"][1]["rows"] == 64 and stats["controller"]["rows_lost"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_start_on_ray_passes_max_connections_to_every_server_actor(ray_cluster: None) -> None:
+    from transferqueue.deploy.ray import start_on_ray
+
+    with start_on_ray(num_units=2, spread_bytes=0, max_connections=1) as tq:
+        _round_trip(tq, 0)
+        stats = tq.client().stats()
+        for server in (stats["controller"], *stats["units"]):
+            assert server["connections"]["max_connections"] == 1
+            assert server["connections"]["clients"] == 1
+        with pytest.raises(TooManyConnectionsError, match="max_connections=1"):
+            transferqueue.connect(tq.address)
