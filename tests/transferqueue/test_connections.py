@@ -406,5 +406,6 @@ def test_start_on_ray_passes_max_connections_to_every_server_actor(ray_cluster: 
         for server in (stats["controller"], *stats["units"]):
             assert server["connections"]["max_connections"] == 1
             assert server["connections"]["clients"] == 1
+        assert tq.address is not None
         with pytest.raises(TooManyConnectionsError, match="max_connections=1"):
             transferqueue.connect(tq.address)
