@@ -77,7 +77,7 @@ def test_request_counters_move_by_kind(
     meta = client.get_meta("t", ["x"], 8, partition="kinds", timeout_s=10)
     cols = client.get_data(meta)
     client.ack(meta)
-    assert torch.equal(cols["x"], x)
+    assert isinstance(cols["x"], torch.Tensor) and torch.equal(cols["x"], x)
 
     c1 = scrape(svc.metrics_address)
     u1 = [scrape(u) for u in units]
