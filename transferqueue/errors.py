@@ -18,6 +18,8 @@ was expected, what was received, and what to do.
 | LeaseExpiredError   | lease_expired   | the lease ran out; its rows went back to the task        |
 | UnknownTaskError    | unknown_task    | a task was not declared for a partition that has tasks   |
 | CapacityError       | capacity        | a write would exceed the configured capacity             |
+| TooManyConnectionsError | too_many_connections | a server holds ``max_connections`` client   |
+|                     |                 | connections: this one is refused (a CapacityError)       |
 | TQTimeoutError      | timeout         | a bounded wait ran out                                   |
 | ProtocolError       | protocol        | a message on the wire cannot be decoded                  |
 | PeerGoneError       | peer_gone       | a server stopped answering                               |
@@ -50,6 +52,7 @@ __all__ = [
     "SchemaError",
     "TQError",
     "TQTimeoutError",
+    "TooManyConnectionsError",
     "UnknownArenaError",
     "UnknownFieldError",
     "UnknownKeyError",
@@ -144,6 +147,13 @@ class CapacityError(TQError):
     code = "capacity"
 
 
+class TooManyConnectionsError(CapacityError):
+    """A server holds as many client connections as its ``max_connections`` allows; this one
+    is refused until another closes (see :mod:`transferqueue.wire.peers`)."""
+
+    code = "too_many_connections"
+
+
 class TQTimeoutError(TQError, TimeoutError):
     """A bounded wait ran out."""
 
@@ -230,6 +240,7 @@ _BY_CODE: dict[str, type[TQError]] = {
         LeaseExpiredError,
         UnknownTaskError,
         CapacityError,
+        TooManyConnectionsError,
         TQTimeoutError,
         ProtocolError,
         UnknownArenaError,

@@ -26,6 +26,9 @@ workloads (an RL batch is thousands of rows) and far below what would hurt a ser
 | MAX_KEY_CHARS      | 512           | one key of the key-value calls (a non-empty string)         |
 | MAX_KEYS           | 65,536        | keys in one key-value request (put, get, delete)            |
 | MAX_CLAIMS         | 65,536        | claimed names a partition keeps (the oldest dropped first)  |
+| CONNECTION_FD_RESERVE | 256        | descriptors a server keeps for itself: its default          |
+|                    |               | ``max_connections`` is the open-file limit less these       |
+|                    |               | (at least half the limit; :mod:`transferqueue.wire.peers`)  |
 
 Times must be finite: NaN, infinity and negatives are refused where a time is expected.
 Storage units accept new rows only under a grant the controller signed for them (see
@@ -35,6 +38,7 @@ Storage units accept new rows only under a grant the controller signed for them 
 from __future__ import annotations
 
 __all__ = [
+    "CONNECTION_FD_RESERVE",
     "MAX_CLAIMS",
     "MAX_DIM",
     "MAX_DIMS",
@@ -75,3 +79,4 @@ MAX_META_REQUEST_BYTES = 64 << 20
 MAX_KEY_CHARS = 512
 MAX_KEYS = 1 << 16
 MAX_CLAIMS = 1 << 16
+CONNECTION_FD_RESERVE = 256

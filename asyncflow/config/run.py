@@ -178,6 +178,11 @@ class TQConfig:
     (``transferqueue.connect(ride_through_s=...)``); past it a stage fails and the run ends.
     None: 60 s with ``state_dir``, else 0 (a dead controller ends the run at once). Set it
     for mode ``connect`` when that service's controller has a state directory."""
+    max_connections: int | None = None
+    """Modes ``service`` and ``ray``: client connections each server admits (every stage
+    host's client holds one to each server); a client past it is refused with
+    ``TooManyConnectionsError`` naming the limit until one closes. None: each server's
+    open-file limit less a reserve (see docs/transferqueue/deployments.md)."""
 
     @property
     def ride_through(self) -> float:
@@ -185,6 +190,15 @@ class TQConfig:
         if self.ride_through_s is not None:
             return self.ride_through_s
         return RIDE_THROUGH_S if self.state_dir is not None else 0.0
+
+    def service_options(self) -> dict[str, Any]:
+        """The options of ``transferqueue.serve`` (mode ``service``) this section sets."""
+        return {
+            "num_units": self.num_units,
+            "state_dir": self.state_dir,
+            "fsync": self.fsync,
+            "max_connections": self.max_connections,
+        }
 
     def __post_init__(self) -> None:
         if self.num_units < 1 or self.lease_s <= 0:
@@ -205,6 +219,11 @@ class TQConfig:
         if self.fsync not in FSYNC_POLICIES:
             raise ValueError(
                 f"transferqueue.fsync must be one of {FSYNC_POLICIES}, got {self.fsync!r}"
+            )
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError(
+                "transferqueue.max_connections must be >= 1 (or null: the servers' open-file "
+                f"limit less a reserve), got {self.max_connections}"
             )
         if self.ride_through_s is not None and self.ride_through_s < 0:
             raise ValueError(

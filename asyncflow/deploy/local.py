@@ -56,9 +56,7 @@ def open_transferqueue(
     if tqc.mode in ("embedded", "auto"):
         return transferqueue.start(num_units=tqc.num_units), None
     if tqc.mode == "service":
-        service = transferqueue.serve(
-            num_units=tqc.num_units, state_dir=tqc.state_dir, fsync=tqc.fsync
-        )
+        service = transferqueue.serve(**tqc.service_options())
         try:
             return transferqueue.connect(service.address, ride_through_s=tqc.ride_through), service
         except BaseException:

@@ -217,11 +217,10 @@ class RayDeployment(Deployment):
                 state_dir=tqc.state_dir,
                 fsync=tqc.fsync,
                 batch_sched=self.cfg.deploy.batch_sched,
+                max_connections=tqc.max_connections,
             )
         if tqc.mode == "service":
-            self._service = transferqueue.serve(
-                num_units=tqc.num_units, state_dir=tqc.state_dir, fsync=tqc.fsync
-            )
+            self._service = transferqueue.serve(**tqc.service_options())
             return transferqueue.connect(self._service.address, ride_through_s=tqc.ride_through)
         assert tqc.address is not None
         self._tq_keys = client_keys(tqc.keys) if tqc.keys else None

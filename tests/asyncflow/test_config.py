@@ -101,6 +101,14 @@ def test_the_controller_state_dir_is_for_a_controller_this_run_starts(tmp_path: 
         load_config(overrides=["transferqueue.mode=service", "transferqueue.fsync=often"])
 
 
+def test_the_servers_connection_limit_is_configured_and_checked() -> None:
+    cfg = load_config(overrides=["transferqueue.mode=service", "transferqueue.max_connections=64"])
+    assert cfg.transferqueue.service_options()["max_connections"] == 64
+    assert load_config().transferqueue.max_connections is None  # (the servers' default)
+    with pytest.raises(ValueError, match=r"transferqueue\.max_connections must be >= 1"):
+        load_config(overrides=["transferqueue.max_connections=0"])
+
+
 @pytest.mark.slow
 @pytest.mark.service
 def test_a_service_run_gives_its_controller_the_state_dir(tmp_path: Path) -> None:

@@ -77,7 +77,7 @@ def test_request_counters_move_by_kind(
     meta = client.get_meta("t", ["x"], 8, partition="kinds", timeout_s=10)
     cols = client.get_data(meta)
     client.ack(meta)
-    assert torch.equal(cols["x"], x)
+    assert isinstance(cols["x"], torch.Tensor) and torch.equal(cols["x"], x)
 
     c1 = scrape(svc.metrics_address)
     u1 = [scrape(u) for u in units]
@@ -109,6 +109,19 @@ def test_request_counters_move_by_kind(
                 assert samples[("transferqueue_request_seconds_count", labels)] == v
     assert value(c1, "transferqueue_scrape_ok") == 1
     assert total(c1, "transferqueue_process_resident_bytes") > 0
+
+
+def test_connections_exposed(svc: transferqueue.LocalService, client: transferqueue.Client) -> None:
+    client.put({"x": [1, 2]}, partition="conns")  # (the client's first requests: admitted)
+    ctl = scrape(svc.metrics_address or "")
+    assert value(ctl, "transferqueue_clients", server="controller") >= 1
+    assert value(ctl, "transferqueue_clients_peak", server="controller") >= 1
+    assert value(ctl, "transferqueue_connections", server="controller") >= 1
+    assert value(ctl, "transferqueue_connection_refusals_total", server="controller") == 0
+    for url in svc.unit_metrics_addresses:
+        unit = scrape(url or "")
+        # the controller's own connection and this client's, at least
+        assert value(unit, "transferqueue_connections", server="unit") >= 2
 
 
 def test_errors_counted(svc: transferqueue.LocalService, client: transferqueue.Client) -> None:

@@ -6,6 +6,7 @@ transferqueue serve --state-dir DIR        # the controller keeps its state: res
 transferqueue stats tcp://127.0.0.1:PORT   # JSON of the controller and units
 transferqueue top tcp://127.0.0.1:PORT     # live view: rows, tasks, leases, rates, memory
 transferqueue serve --metrics-port 0       # also Prometheus endpoints (URLs on stderr)
+transferqueue serve --max-connections 512  # clients past 512 per server get a typed refusal
 transferqueue save tcp://127.0.0.1:PORT DIR  # partitions to Arrow IPC files (progress on stderr)
 transferqueue load tcp://127.0.0.1:PORT DIR  # into a store without those partitions
 transferqueue keygen DIR [--admin]         # keys for a service beyond loopback
@@ -26,6 +27,7 @@ from transferqueue.controller.health import ALLOCATION_S
 from transferqueue.controller.journal import FSYNC_POLICIES
 from transferqueue.deploy.service import MAX_RESTARTS
 from transferqueue.errors import TQError
+from transferqueue.limits import CONNECTION_FD_RESERVE
 from transferqueue.wire.liveness import DEFAULT_LIVENESS, Liveness
 
 
@@ -59,6 +61,7 @@ def _serve(args: argparse.Namespace) -> int:
         replicas=args.replicas,
         state_dir=args.state_dir,
         fsync=args.fsync,
+        max_connections=args.max_connections,
     )
     print(service.address, flush=True)
     print(
@@ -277,6 +280,14 @@ def main(argv: list[str] | None = None) -> int:
         default="batch",
         help="with --state-dir: never, batch (default: within 0.5 s) or always (before each "
         "reply): what a host crash keeps",
+    )
+    s.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help="client connections each server admits, the next refused until one closes "
+        "(a client holds one to each server; default: the open-file limit, ulimit -n, "
+        f"raised to its hard limit, less {CONNECTION_FD_RESERVE})",
     )
     s.set_defaults(fn=_serve)
     st = sub.add_parser("stats", help="print a running service's state as JSON")

@@ -16,6 +16,8 @@ with prometheus_client's locked metric objects.
     received_bytes_total, sent_bytes_total  server, kind              both
     bad_messages_total                      server                    both
     process_resident_bytes                  server                    both
+    connections, clients, clients_peak      server                    both
+    connection_refusals_total               server                    both
     rows_live, rows_put_total, ...          partition                 controller
     task_rows                               partition, task, state    controller
     leases_active, leases_expired_total                               controller
@@ -177,10 +179,33 @@ def _families(snap: dict[str, Any]) -> Iterator[Any]:
     )
     rss.add_metric([server], snap["memory"]["resident_bytes"])
     yield rss
+    yield from _connection_families(server, snap["connections"])
     if "controller" in snap:
         yield from _controller_families(snap["controller"])
     if "unit" in snap:
         yield from _unit_families(snap["unit"], snap["memory"])
+
+
+def _connection_families(server: str, conns: dict[str, Any]) -> Iterator[Any]:
+    """Open connections, admitted clients (now and at most) and refused requests (see
+    :mod:`transferqueue.wire.peers`)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    for key, what in (
+        ("connections", "connections open (clients, the service's own, refused)"),
+        ("clients", "client connections admitted (at most max_connections)"),
+        ("clients_peak", "client connections admitted at once, at most, since the start"),
+    ):
+        gauge = GaugeMetricFamily(f"transferqueue_{key}", what, labels=["server"])
+        gauge.add_metric([server], conns[key])
+        yield gauge
+    refusals = CounterMetricFamily(
+        "transferqueue_connection_refusals",
+        "requests refused: their connection was past max_connections",
+        labels=["server"],
+    )
+    refusals.add_metric([server], conns["refusals"])
+    yield refusals
 
 
 def _controller_families(stats: dict[str, Any]) -> Iterator[Any]:

@@ -69,6 +69,7 @@ from transferqueue.storage.malloc import keep_freed_memory
 from transferqueue.wire.auth import ClientKeys, ServerKeys, client_keys, server_keys
 from transferqueue.wire.grants import new_grant_key
 from transferqueue.wire.liveness import RIDE_THROUGH_S
+from transferqueue.wire.peers import check_max_connections
 
 __all__ = [
     "ControllerActor",
@@ -155,6 +156,7 @@ class UnitActor(_ServerActor):
         metrics: dict[str, Any] | None = None,
         *,
         batch_sched: bool = False,
+        max_connections: int | None = None,
     ) -> None:
         super().__init__(batch_sched)
         bind_host = self._host(host)
@@ -174,6 +176,7 @@ class UnitActor(_ServerActor):
                 keys=keys,
                 grant_key=grant_key,
                 controller=controller,
+                max_connections=max_connections,
                 **(metrics or {}),
             )
             server.start()
@@ -251,6 +254,7 @@ class ControllerActor(_ServerActor):
         start_timeout_s: float = 300.0,
         *,
         batch_sched: bool = False,
+        max_connections: int | None = None,
     ) -> None:
         super().__init__(batch_sched)
         bind_host = self._host(host)
@@ -282,6 +286,7 @@ class ControllerActor(_ServerActor):
                 keys=keys,
                 grant_key=grant_key,
                 replicas=replicas,
+                max_connections=max_connections,
                 **(metrics or {}),
                 **extra,
             )
@@ -524,6 +529,7 @@ def launch_on_ray(
     controller_max_restarts: int | None = None,
     ride_through_s: float | None = None,
     batch_sched: bool = False,
+    max_connections: int | None = None,
 ) -> RayStart:
     """Start controller and units as Ray actors, without waiting for them: the returned
     :class:`RayStart` gives the connected handle once they serve (:func:`start_on_ray` is
@@ -556,6 +562,8 @@ def launch_on_ray(
     ``state_dir``, else 0). ``batch_sched``: every thread of the server actors in Linux's
     ``SCHED_BATCH`` (:mod:`transferqueue.sched`): their wake-ups do not preempt the compute
     of other processes on the node (a deployment whose stage hosts share the servers' cores).
+    ``max_connections``: client connections each server actor admits (default: its process's
+    open-file limit less a reserve; :mod:`transferqueue.wire.peers`).
     """
     if not isinstance(unit_max_restarts, int) or unit_max_restarts < 0:
         raise ValueError(f"unit_max_restarts must be an integer >= 0, got {unit_max_restarts!r}")
@@ -582,6 +590,7 @@ def launch_on_ray(
     if not ray.is_initialized():
         raise RuntimeError("call ray.init() before transferqueue.deploy.ray.start_on_ray()")
     check_metrics_port(metrics_port)
+    check_max_connections(max_connections)
     check_replicas(replicas)
     if replicas > num_units:
         raise ValueError(f"replicas={replicas} needs at least as many units, got {num_units}")
@@ -628,6 +637,7 @@ def launch_on_ray(
             f"{prefix}-controller",
             metrics(i),
             batch_sched=batch_sched,
+            max_connections=max_connections,
         )
         for i in range(num_units)
     ]
@@ -647,6 +657,7 @@ def launch_on_ray(
             [f"{prefix}-unit{i}" for i in range(num_units)],
             start_timeout_s,
             batch_sched=batch_sched,
+            max_connections=max_connections,
         )
         actors.append(ctl)  # (the last: RayStart asks it)
     except BaseException:

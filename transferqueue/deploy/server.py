@@ -54,6 +54,7 @@ from transferqueue.wire.auth import ServerKeys
 from transferqueue.wire.codec import PROTOCOL_VERSION
 from transferqueue.wire.grants import Grants
 from transferqueue.wire.liveness import DEFAULT_LIVENESS, Liveness, new_incarnation
+from transferqueue.wire.peers import max_connections_for
 from transferqueue.wire.protocol import Caller
 from transferqueue.wire.rpc import RpcClient, RpcServer, SendThenRelease, check_address
 
@@ -100,9 +101,12 @@ class UnitServer:
         controller: str | None = None,
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
+        max_connections: int | None = None,
     ) -> None:
         """``controller``: the address of the controller to register with once serving (a
         unit restarted by its supervisor; the first units are named to the controller).
+        ``max_connections``: client connections admitted (default: the open-file limit less a
+        reserve; the service's own are never refused: :mod:`transferqueue.wire.peers`).
         ``metrics_port``: serve Prometheus metrics there once started (0: any free port;
         None: no endpoint; see :mod:`transferqueue.deploy.metrics`), on ``metrics_host``."""
         self._metrics_port = check_metrics_port(metrics_port)
@@ -135,6 +139,7 @@ class UnitServer:
             join=False,
             resolve=self.segments.resolve,
             keys=keys,
+            max_connections=max_connections_for(max_connections),
         )
         self.address = self.rpc.address
 
@@ -160,7 +165,7 @@ class UnitServer:
         after ``_REGISTER_TRIES_S`` it takes new rows all the same (the controller's
         heartbeat tells it apart from its dead incarnation) and says so."""
         own = None if self._keys is None else self._keys.as_client()
-        rpc = RpcClient(self._ctx, address, keys=own, call_timeout_s=5.0)
+        rpc = RpcClient(self._ctx, address, keys=own, call_timeout_s=5.0, internal=True)
         msg = m.RegisterUnit(
             unit_id=self.unit.unit_id, address=self.address, incarnation=self.incarnation
         )
@@ -246,7 +251,11 @@ class UnitServer:
                 await self._peers.pop(next(iter(self._peers))).close()
             own = None if self._keys is None else self._keys.as_client()
             rpc = self._peers[msg.address] = RpcClient(
-                self._ctx, check_address(msg.address), keys=own, call_timeout_s=msg.timeout_s
+                self._ctx,
+                check_address(msg.address),
+                keys=own,
+                call_timeout_s=msg.timeout_s,
+                internal=True,
             )
         write = m.Write(
             indexes=msg.indexes, columns=cols, specs=msg.specs, create=True, grant=msg.grant
@@ -315,6 +324,7 @@ class UnitServer:
         stats = self._unit_stats(await self.link.stats())
         stats.update(
             requests=self.rpc.counters.snapshot(),
+            connections=self.rpc.peers.snapshot(),
             memory=process_memory(self.segments.directory),
             metrics_address=self.metrics_address,
         )
@@ -326,6 +336,7 @@ class UnitServer:
         return {
             "server": "unit",
             "requests": self.rpc.counters.snapshot(),
+            "connections": self.rpc.peers.snapshot(),
             "memory": process_memory(self.segments.directory),
             "unit": self._unit_stats(await self.link.stats()),
         }
@@ -365,6 +376,7 @@ class ControllerServer:
         replicas: int = 1,
         state_dir: str | None = None,
         journal: JournalSettings | None = None,
+        max_connections: int | None = None,
     ) -> None:
         """``metrics_port``: serve Prometheus metrics there once started (0: any free port;
         None: no endpoint; see :mod:`transferqueue.deploy.metrics`), on ``metrics_host``.
@@ -373,7 +385,7 @@ class ControllerServer:
         controller's state there (:mod:`transferqueue.controller.journal`, settings ``journal``); a
         controller started on a directory with state recovers it, keeping the settings it was first
         started with, and reconciles with its units before serving
-        (:mod:`transferqueue.controller.recovery`)."""
+        (:mod:`transferqueue.controller.recovery`). ``max_connections``: as a unit's."""
         if not unit_addresses:
             raise ValueError("a controller needs at least one storage unit address")
         self._metrics_port = check_metrics_port(metrics_port)
@@ -427,6 +439,7 @@ class ControllerServer:
                 "controller",
                 protocol.handlers("controller", self, *handlers(self.service)),
                 keys=keys,
+                max_connections=max_connections_for(max_connections),
             )
         except BaseException:
             for u in self._units:
@@ -444,6 +457,7 @@ class ControllerServer:
             keepalive=True,
             on_pong=functools.partial(self._pong, unit),
             on_silent=functools.partial(self._silent, unit),
+            internal=True,
         )
 
     async def start(self) -> None:
@@ -511,6 +525,7 @@ class ControllerServer:
         return {
             "server": "controller",
             "requests": self.rpc.counters.snapshot(),
+            "connections": self.rpc.peers.snapshot(),
             "memory": process_memory(SHM_DIR),
             "controller": self.service.stats(),
         }
@@ -528,6 +543,7 @@ class ControllerServer:
     def _server_stats(self, stats: dict[str, Any]) -> dict[str, Any]:
         stats.update(
             requests=self.rpc.counters.snapshot(),
+            connections=self.rpc.peers.snapshot(),
             memory=process_memory(SHM_DIR),
             metrics_address=self.metrics_address,
         )

@@ -4,7 +4,9 @@
     PID python -m transferqueue.deploy.server_main controller --units A,B --address ADDR --parent
     PID
 
-A unit restarted by its supervisor gets ``--controller ADDR`` and registers there. A
+A unit restarted by its supervisor gets ``--controller ADDR`` and registers there. Each server
+admits at most ``--max-connections`` client connections (default: its open-file limit, raised
+to the hard limit first, less a reserve; see :mod:`transferqueue.wire.peers`). A
 controller with ``--state-dir DIR`` keeps its state there and recovers it when restarted
 (``--fsync never|batch|always``: see :mod:`transferqueue.controller.journal`).
 
@@ -36,6 +38,7 @@ from transferqueue.limits import MAX_LEASE_S
 from transferqueue.storage.malloc import keep_freed_memory
 from transferqueue.wire.auth import ServerKeys, grant_key_from_env, server_keys
 from transferqueue.wire.liveness import DEFAULT_LIVENESS, Liveness
+from transferqueue.wire.peers import max_connections_for, raise_open_file_limit
 
 _PARENT_POLL_S = 1.0
 
@@ -62,7 +65,7 @@ async def _run_unit(
     parent: int,
     keys: ServerKeys | None,
     controller: str | None,
-    metrics: dict[str, Any],
+    common: dict[str, Any],
 ) -> None:
     ctx = zmq.asyncio.Context()
     server = UnitServer(
@@ -73,7 +76,7 @@ async def _run_unit(
         keys=keys,
         grant_key=grant_key_from_env(),
         controller=controller,
-        **metrics,
+        **common,
     )
     server.start()
     await _serve_until_stopped(server, parent)
@@ -90,7 +93,7 @@ async def _run_controller(
     keys: ServerKeys | None,
     liveness: Liveness,
     allocation_s: float,
-    metrics: dict[str, Any],
+    common: dict[str, Any],
     replicas: int = 1,
     state_dir: str | None = None,
     fsync: str = "batch",
@@ -110,7 +113,7 @@ async def _run_controller(
         liveness=liveness,
         allocation_s=allocation_s,
         replicas=replicas,
-        **metrics,
+        **common,
         **extra,
     )
     await server.start()
@@ -143,13 +146,19 @@ def _child_main(argv: list[str]) -> None:
     ap.add_argument("--replicas", type=int, default=1)
     ap.add_argument("--state-dir", default=None)
     ap.add_argument("--fsync", default="batch", choices=FSYNC_POLICIES)
+    ap.add_argument("--max-connections", type=int, default=None)
     a = ap.parse_args(argv)
-    metrics = {"metrics_port": a.metrics_port, "metrics_host": a.metrics_host}
+    raise_open_file_limit()  # (before the default of max_connections is derived from it)
+    common = {  # (the settings both kinds of server take)
+        "metrics_port": a.metrics_port,
+        "metrics_host": a.metrics_host,
+        "max_connections": max_connections_for(a.max_connections),
+    }
     keep_freed_memory()  # reuse freed payload buffers instead of faulting in fresh pages
     keys = server_keys(a.keys)
     if a.role == "unit":
         asyncio.run(
-            _run_unit(a.unit_id, a.address, a.capacity, a.parent, keys, a.controller, metrics)
+            _run_unit(a.unit_id, a.address, a.capacity, a.parent, keys, a.controller, common)
         )
     else:
         asyncio.run(
@@ -168,7 +177,7 @@ def _child_main(argv: list[str]) -> None:
                     holder_grace_s=a.holder_grace_s,
                 ),
                 a.allocation_s,
-                metrics,
+                common,
                 a.replicas,
                 a.state_dir,
                 a.fsync,

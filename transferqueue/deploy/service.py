@@ -44,6 +44,7 @@ from transferqueue.errors import PeerGoneError
 from transferqueue.wire.auth import ENV_GRANT_KEY, advertised_host, require_keys, server_keys
 from transferqueue.wire.grants import new_grant_key
 from transferqueue.wire.liveness import DEFAULT_LIVENESS, Liveness
+from transferqueue.wire.peers import check_max_connections
 
 __all__ = ["READY", "LocalService", "serve"]
 
@@ -86,6 +87,10 @@ class LocalService:
     its state there and is restarted (at most ``max_restarts`` times) when it dies, on its
     address, with its rows, tasks and leases; ``fsync`` (``never``, ``batch``, ``always``)
     says what of it a host crash keeps (see :mod:`transferqueue.controller.journal`).
+    ``max_connections``: client connections each server admits (a client handle holds one to
+    each server); the next are refused with :class:`~transferqueue.errors.TooManyConnectionsError`
+    until one closes. Default: each server's open-file limit (raised to its hard limit) less
+    a reserve (:mod:`transferqueue.wire.peers`).
     """
 
     def __init__(
@@ -110,8 +115,11 @@ class LocalService:
         replicas: int = 1,
         state_dir: str | os.PathLike[str] | None = None,
         fsync: str = "batch",
+        max_connections: int | None = None,
     ) -> None:
         check_metrics_port(metrics_port)
+        check_max_connections(max_connections)
+        limit = [] if max_connections is None else ["--max-connections", str(max_connections)]
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"fsync must be one of {FSYNC_POLICIES}, got {fsync!r}")
         check_replicas(replicas)
@@ -145,7 +153,7 @@ class LocalService:
         try:
             unit_args = []
             for i in range(num_units):
-                args = ["unit", "--unit-id", str(i)]
+                args = ["unit", "--unit-id", str(i), *limit]
                 if unit_capacity_bytes is not None:
                     args += ["--capacity", str(unit_capacity_bytes)]
                 if metrics_port is not None:
@@ -162,7 +170,7 @@ class LocalService:
             args += ["--holder-dead-after-s", str(liveness.holder_dead_after_s)]
             args += ["--holder-grace-s", str(liveness.holder_grace_s)]
             args += ["--allocation-s", str(allocation_s)]
-            args += ["--replicas", str(replicas)]
+            args += ["--replicas", str(replicas), *limit]
             if state_dir is not None:
                 args += ["--state-dir", os.path.abspath(state_dir), "--fsync", fsync]
             if capacity_rows is not None:

@@ -3,7 +3,8 @@
 Built on the ``stats`` call (:meth:`transferqueue.client.async_client.AsyncClient.stats`): every
 ``interval_s`` it takes a snapshot and draws rows live/queued per partition and task, leases,
 request rates and bytes/s (the difference of two snapshots' request counters, per server),
-and each unit's memory. :func:`render` is pure (two snapshots in, text out), so the view is
+each server's clients (admitted of ``max_connections``; requests refused) and each unit's
+memory. :func:`render` is pure (two snapshots in, text out), so the view is
 tested without a terminal.
 
     partition  task     queued  leased  waiting  done  lost
@@ -47,6 +48,14 @@ def _rates(now: dict[str, Any], before: dict[str, Any] | None, dt_s: float) -> s
     return f"{req:9.1f} {_mib(bin_) + '/s':>11} {_mib(bout) + '/s':>11}"
 
 
+def _clients(stats: dict[str, Any]) -> str:
+    """``clients/max_connections refused`` of one server (see transferqueue.wire.peers)."""
+    c = stats.get("connections")
+    if c is None:
+        return f"{'-':>13} {'-':>8}"
+    return f"{str(c['clients']) + '/' + str(c['max_connections']):>13} {c['refusals']:>8,}"
+
+
 def render(stats: dict[str, Any], before: dict[str, Any] | None = None, dt_s: float = 0.0) -> str:
     """The view of ``stats`` (a client's ``stats()``); rates from ``before``, ``dt_s`` earlier."""
     ctl = stats["controller"]
@@ -75,9 +84,16 @@ def render(stats: dict[str, Any], before: dict[str, Any] | None = None, dt_s: fl
                     f"{t['done']:>10,} {t['lost']:>6,}"
                 )
             lines.append(f"{pname:<16.16} {tname:<16.16} {part['rows_live']:>8,} {counts}")
-    lines += ["", f"{'server':<12} {'req/s':>9} {'in':>11} {'out':>11} {'rss':>12} {'held':>12}"]
+    lines += [
+        "",
+        f"{'server':<12} {'req/s':>9} {'in':>11} {'out':>11} {'rss':>12} {'held':>12} "
+        f"{'clients/max':>13} {'refused':>8}",
+    ]
     rss = ctl.get("memory", {}).get("resident_bytes", 0)
-    lines.append(f"{'controller':<12} {_rates(ctl, prev_ctl, dt_s)} {_mib(rss):>12} {'':>12}")
+    lines.append(
+        f"{'controller':<12} {_rates(ctl, prev_ctl, dt_s)} {_mib(rss):>12} {'':>12} "
+        + _clients(ctl)
+    )
     prev_units = [] if before is None else before["units"]
     for i, unit in enumerate(stats["units"]):
         name = f"unit {unit.get('unit', i)}"
@@ -87,7 +103,8 @@ def render(stats: dict[str, Any], before: dict[str, Any] | None = None, dt_s: fl
         prev = prev_units[i] if i < len(prev_units) and "error" not in prev_units[i] else None
         rss = unit.get("memory", {}).get("resident_bytes", 0)
         lines.append(
-            f"{name:<12} {_rates(unit, prev, dt_s)} {_mib(rss):>12} {_mib(unit['bytes']):>12}"
+            f"{name:<12} {_rates(unit, prev, dt_s)} {_mib(rss):>12} {_mib(unit['bytes']):>12} "
+            + _clients(unit)
         )
     shm = next((u["memory"]["shm_used_bytes"] for u in stats["units"] if "memory" in u), None)
     if shm is not None:
@@ -100,12 +117,14 @@ def run_top(
     *,
     interval_s: float = 2.0,
     iterations: int | None = None,
-    out: TextIO = sys.stdout,
+    out: TextIO | None = None,
     clear: bool = True,
 ) -> int:
     """Draw ``render(read_stats())`` every ``interval_s`` until ``iterations`` views (None:
-    until interrupted). ``clear``: redraw in place (a terminal); else views one after another.
+    until interrupted) on ``out`` (None: ``sys.stdout`` as it is then). ``clear``: redraw in
+    place (a terminal); else views one after another.
     """
+    out = sys.stdout if out is None else out
     if iterations is not None and iterations < 1:
         raise ValueError(f"iterations must be >= 1 (or None: until Ctrl-C), got {iterations}")
     if not interval_s > 0:

@@ -4,7 +4,8 @@ Every message kind is declared once, in :mod:`transferqueue.wire.messages`; this
 them. A message is a multipart ZeroMQ message::
 
     request  frame 0   rid uint64 LE | kind length uint8 | kind (ASCII) | body: msgpack of
-                       the message struct (its fields, in order)
+                       the message struct (its fields, in order); a rid with bit 63 set
+                       is a request of the service's own servers (wire.peers)
              frame 1.. buffers: one per tensor / array chunk, referenced from the body
     reply    frame 0   rid uint64 LE | status uint8 (0: result, 1: error) | body: msgpack of
                        the kind's declared reply type, or [code, text]

@@ -42,9 +42,11 @@ from transferqueue.errors import (
 )
 from transferqueue.limits import MAX_FRAME_BYTES
 from transferqueue.wire import codec as wire
+from transferqueue.wire.address import bind_address, check_address
 from transferqueue.wire.auth import ClientKeys, ServerKeys, require_keys
 from transferqueue.wire.counters import KindCounters, RequestCounters, frames_nbytes
 from transferqueue.wire.liveness import DEFAULT_LIVENESS, Liveness
+from transferqueue.wire.peers import INTERNAL_RID, Peers
 from transferqueue.wire.protocol import TRUSTED, Caller, Handler, Request
 
 __all__ = ["RpcClient", "RpcServer", "SendThenRelease", "bind_address", "check_address"]
@@ -77,6 +79,9 @@ async def _encode(fn: Callable[..., list[Any]], *args: Any, offload: bool = Fals
 
 DEFAULT_CALL_TIMEOUT_S = 60.0
 _LATE_MEMORY = 1024  # failed calls whose late replies are still undone (see on_late)
+# Connections the kernel queues before they are accepted: with ZeroMQ's 100, thousands of
+# clients connecting at once lose SYNs and retry for up to 31 s (the kernel caps it: somaxconn).
+_BACKLOG = 4096
 _RELOCATE_S = 5.0  # bound on asking the controller where a unit that went away listens now
 
 
@@ -85,37 +90,6 @@ def _tune(sock: zmq.Socket[Any]) -> None:
     # Unbounded queues: flow control is ours (capacity, leases), never a silent drop.
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
-
-
-def check_address(address: Any, *, bind: bool = False) -> str:
-    """``address`` if it is an endpoint TransferQueue can use; else a
-    :class:`BadRequestError` showing the expected form (checked before any socket opens)."""
-    ok = False
-    if isinstance(address, str):
-        if address.startswith("tcp://"):
-            host, sep, port = address[len("tcp://") :].rpartition(":")
-            low = 0 if bind else 1
-            ok = bool(sep and host) and (
-                (port.isdigit() and low <= int(port) <= 65535) or (bind and port == "*")
-            )
-        elif address.startswith(("ipc://", "inproc://")):
-            ok = len(address.split("://", 1)[1]) > 0
-    if not ok:
-        raise BadRequestError(
-            f"{address!r} is not a TransferQueue address; expected tcp://HOST:PORT (for "
-            "example tcp://127.0.0.1:5555, as `transferqueue serve` prints it) or ipc:///PATH"
-        )
-    return str(address)
-
-
-def bind_address(sock: zmq.Socket[Any], address: str) -> str:
-    """Bind ``address``; ``tcp://host:0`` picks a free port. Returns the bound address."""
-    if address.startswith("tcp://") and address.rsplit(":", 1)[-1] in ("0", "*"):
-        host = address[len("tcp://") :].rsplit(":", 1)[0]
-        port = sock.bind_to_random_port(f"tcp://{host}")
-        return f"tcp://{host}:{port}"
-    sock.bind(address)
-    return str(sock.getsockopt_string(zmq.LAST_ENDPOINT))
 
 
 class _LoopSocket:
@@ -178,7 +152,8 @@ class RpcServer:
 
     Without ``keys`` it binds only to loopback, unless ``keyless_beyond_loopback``: for a
     caller whose requests carry no rows (asyncflow's weight-transport control channel, whose
-    peers sit on the cluster's own network), never for a TransferQueue server."""
+    peers sit on the cluster's own network), never for a TransferQueue server.
+    ``max_connections``: client connections admitted (None: all; see wire.peers)."""
 
     def __init__(
         self,
@@ -191,6 +166,7 @@ class RpcServer:
         resolve: wire.Resolver | None = None,
         keys: ServerKeys | None = None,
         keyless_beyond_loopback: bool = False,
+        max_connections: int | None = None,
     ) -> None:
         check_address(address, bind=True)
         if not keyless_beyond_loopback:
@@ -200,6 +176,7 @@ class RpcServer:
         try:
             # One frame above this disconnects its sender (no unbounded allocation).
             self._io.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+            self._io.sock.setsockopt(zmq.BACKLOG, _BACKLOG)
             if keys is not None:
                 self._authenticator = keys.authenticator(ctx)
                 keys.apply(self._io.sock)
@@ -209,6 +186,8 @@ class RpcServer:
             if self._authenticator is not None:
                 self._authenticator.stop()
             raise
+        at = f"{server} at {self.address}"
+        self.peers = Peers(self._io.sock, at, max_connections, keyed=keys is not None)
         self._keys = keys
         self._resolve = resolve
         self._server = server
@@ -229,6 +208,7 @@ class RpcServer:
 
     def start(self) -> None:
         self._io.attach()
+        self.peers.start()
 
     def _caller(self, head: Any) -> Caller:
         if self._keys is None:
@@ -262,6 +242,7 @@ class RpcServer:
         counts.bytes_in += nbytes
         try:
             caller = self._caller(frames[0])
+            self.peers.admit(frames[0], rid, caller)  # (past max_connections: refused)
             if not caller.may(m.needs):
                 raise DeniedError(
                     f"{m.kind!r} needs the {m.needs} key of this service; this client's key "
@@ -356,6 +337,7 @@ class RpcServer:
             t.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.peers.close()
         self._io.close()
         if self._authenticator is not None:
             self._authenticator.stop()
@@ -379,6 +361,7 @@ class RpcClient:
         on_silent: Callable[[], None] | None = None,
         relocate: Callable[[], Awaitable[str]] | None = None,
         on_late: Callable[[Request[Any], Any], None] | None = None,
+        internal: bool = False,
     ) -> None:
         """``ping``: the peer's ping kind (None: the peer is not watched). ``keepalive``:
         watch it all the time, not only while calls wait; ``on_pong`` gets each ping's answer
@@ -387,7 +370,8 @@ class RpcClient:
         a call found it gone (a storage unit restarted on a new address: see
         :meth:`repoint`). ``on_late`` gets the request and reply of a call that had failed
         with PeerGoneError when its reply came all the same (a restarted server served a
-        request still queued to it): the caller may undo what it did."""
+        request still queued to it): the caller may undo what it did. ``internal``: a
+        connection of the service's own servers (never refused, see wire.peers)."""
         self.address = check_address(address)
         self._on_late = on_late
         self._late: dict[int, Request[Any]] = {}  # (failed calls, most recent _LATE_MEMORY)
@@ -418,7 +402,7 @@ class RpcClient:
             if isinstance(e, zmq.ZMQError):
                 raise BadRequestError(f"cannot connect to {address!r}: {e}") from None
             raise
-        self._ids = itertools.count(1)
+        self._ids = itertools.count(INTERNAL_RID + 1 if internal else 1)
         self._pending: dict[int, tuple[asyncio.Future[Any], Request[Any]]] = {}
         self._attached = False
         self._closed = False
