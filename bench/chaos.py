@@ -1,12 +1,13 @@
 """Chaos: random faults in a ``deploy=ray`` training run, the invariants checked, each fault's
 cost measured.
 
-    python -m bench.chaos                               # 200 steps, 8 faults
+    python -m bench.chaos                               # 200 steps, 6 faults
     python -m bench.chaos --steps 30 --faults 2         # the slow tier's short version
     python -m bench.chaos --targets generator,unit --kinds freeze
 
-The run: the tiny model, ``train.dp_size=2`` (ddp), ``rollout.instances=2``, one reward
-worker, TransferQueue on Ray with two storage units and ``replicas=2``, ``max_staleness=1``.
+The run: the tiny model (64 new tokens, 8 groups of 4 a step), ``train.dp_size=2`` (ddp),
+``rollout.instances=2``, one reward worker, TransferQueue on Ray with two storage units and
+``replicas=2``, ``max_staleness=1``.
 After a few steps a fault thread applies one fault at a time, each picked at random (seeded)
 and each target hit at least once when there are as many faults as targets:
 
@@ -25,14 +26,16 @@ and each target hit at least once when there are as many faults as targets:
 | trainer rank 1  | rank 1 of the ddp group                          |
 | unit            | a TransferQueue storage unit (one of two, each row on both) |
 
-The next fault waits until the run has recorded :data:`RECOVERY_STEPS` steps after the
-previous one ended. At the end it checks what must hold whatever happened: the run completed,
-every group was trained exactly once and each step trained exactly its own window of groups,
-whole (no partial group), within the staleness bound; and it prints, per fault, when the
-stall watch named it (freezes), the slowest step from the fault's start to the end of its
-recovery, and that over the run's median step. Exit status 1 when an invariant fails. The
-environment server of an external environment is not among the targets (no environment here):
-``tests/asyncflow/test_openenv_workflow.py`` freezes one mid-run.
+The faults are spread over the first three quarters of the run (the i-th once ``5 + i x (3
+steps / 4 - 5) / faults`` steps are recorded), and one waits until the run has recorded
+:data:`RECOVERY_STEPS` steps after the previous one ended. At the end it checks what must hold
+whatever happened: the run completed, every group was trained exactly once and each step
+trained exactly its own window of groups, whole (no partial group), within the staleness bound;
+and it prints, per fault, when the stall watch named it (freezes), the slowest step from the
+fault's start to the end of its recovery, and that over the run's median step. Exit status 1
+when an invariant fails. The environment server of an external environment is not among the
+targets (no environment here): ``tests/asyncflow/test_openenv_workflow.py`` freezes one mid-
+run.
 
 Results go to ``bench/results/chaos.json``; ``python -m bench.figures --update chaos`` puts
 them in docs/transferqueue/reliability.md.
@@ -173,6 +176,7 @@ def apply(fault: Fault, freeze_s: float, stop: threading.Event) -> None:
 
 def chaos(
     out: Path,
+    steps: int,
     faults: list[Fault],
     tq_prefix: str,
     freeze_s: float,
@@ -181,8 +185,11 @@ def chaos(
 ) -> None:
     """The fault thread: one fault at a time (see the module doc)."""
     rng = random.Random(seed + 1)
+    # (over the first three quarters of the run: the last fault's recovery fits in it)
+    gap = max(RECOVERY_STEPS, (3 * steps // 4 - FIRST_STEP) // max(1, len(faults)))
     after = FIRST_STEP
-    for fault in faults:
+    for i, fault in enumerate(faults):
+        after = max(after, FIRST_STEP + i * gap)  # (spread over the run)
         if not _until_steps(out, after, stop):
             fault.notes.append("not applied: the run ended first")
             return
@@ -260,9 +267,9 @@ def check(result: Any, cfg: Any) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--faults", type=int, default=8)
+    ap.add_argument("--faults", type=int, default=len(TARGETS), help="each target once")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--freeze-s", type=float, default=30.0, help="a freeze's or slowdown's length")
+    ap.add_argument("--freeze-s", type=float, default=15.0, help="a freeze's or slowdown's length")
     ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--targets", default=",".join(TARGETS))
     ap.add_argument("--out", type=Path, default=RESULTS, help="the JSON written")
@@ -300,19 +307,19 @@ def main(argv: list[str] | None = None) -> int:
                     f"transferqueue.address={tq.address}",
                     f"train.steps={args.steps}",
                     "train.dp_size=2",
-                    "train.groups_per_step=2",
+                    "train.groups_per_step=8",
                     "train.max_staleness=1",
                     "rollout.instances=2",
                     "rollout.group_size=4",
                     "rollout.micro_batch_groups=1",
-                    "rollout.max_new_tokens=24",
+                    "rollout.max_new_tokens=64",
                     "model.warm_start_steps=0",
                 ]
             )
             stop = threading.Event()
             thread = threading.Thread(
                 target=chaos,
-                args=(out, faults, tq_prefix, args.freeze_s, args.seed, stop),
+                args=(out, args.steps, faults, tq_prefix, args.freeze_s, args.seed, stop),
                 daemon=True,
             )
             thread.start()
@@ -354,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(
         json.dumps(
             {
-                "date": time.strftime("%Y-%m-%d"),
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
                 "argv": sys.argv[1:] if argv is None else argv,
                 "steps": args.steps,
                 "freeze_s": args.freeze_s,

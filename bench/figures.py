@@ -334,8 +334,9 @@ def _chaos_table(load: Callable[[str], Json]) -> str:
     held = "held" if not d["failed"] else "FAILED: " + "; ".join(d["failed"])
     restarts = ", ".join(f"{k} {v}" for k, v in sorted(d["restarts"].items())) or "none"
     return (
-        f"Run of {day(d)} (`docs/bench/chaos.json`, `python -m bench.chaos "
-        f"{' '.join(d['argv'])}`): {d['steps']} steps in {d['wall_s']:.0f} s, median step "
+        f"Run of {day(d)} (`docs/bench/chaos.json`, "
+        f"`{' '.join(['python -m bench.chaos', *d['argv']])}`): {d['steps']} steps in "
+        f"{d['wall_s']:.0f} s, median step "
         f"{d['median_step_s']:.2f} s, freezes and slowdowns of {d['freeze_s']:g} s; restarts: "
         f"{restarts}; invariants (every group trained once, each step its own window, whole, "
         f"within the staleness bound): {held}.\n\n" + _table(head, rows)

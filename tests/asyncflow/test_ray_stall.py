@@ -76,12 +76,12 @@ def test_a_frozen_stage_host_is_named_and_replaced_within_seconds(
     stage: str,
     busy: str,
 ) -> None:
-    """Freeze a stage host (SIGSTOP) after step 8 for 90 s: a WARNING naming its stage and
+    """Freeze a stage host (SIGSTOP) after step 12 for 90 s: a WARNING naming its stage and
     the stall comes during the freeze, the host is killed and Ray restarts it, and the run
     finishes every step (no step more than 30 s over the median), every group trained once
     within the staleness bound."""
     out = tmp_path / "run"
-    k, steps, freeze_after = 1, 24, 8
+    k, steps, freeze_after = 1, 24, 12
     cfg = small_config(
         out,
         "deploy.mode=ray",
