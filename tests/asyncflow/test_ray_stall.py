@@ -37,14 +37,34 @@ def _until_steps(out: Path, steps: int, deadline_s: float = 600.0) -> bool:
     return False
 
 
+def _until_heard(out: Path, host: str, deadline_s: float = 60.0) -> bool:
+    """Wait until the run's ``progress.json`` shows an answer of ``host`` to the stall watch's
+    probe (a host frozen before its first answer is named only after the 60 s of a host never
+    heard from: the test would measure that bound, not the stall's)."""
+    live = out / "progress.json"
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            if json.loads(live.read_text())["hosts"][host].get("pid"):
+                return True
+        time.sleep(0.1)
+    return False
+
+
 def _freeze_when(
-    out: Path, after_steps: int, suffix: str, done: threading.Event, seen: dict[str, float]
+    out: Path,
+    after_steps: int,
+    suffix: str,
+    host: str,
+    done: threading.Event,
+    seen: dict[str, float],
 ) -> None:
-    """Once ``after_steps`` steps are recorded, SIGSTOP the host whose actor name ends with
-    ``suffix``; SIGCONT it after :data:`FREEZE_S` or when the run ends."""
+    """Once ``after_steps`` steps are recorded and the stall watch has heard from ``host``,
+    SIGSTOP the host whose actor name ends with ``suffix``; SIGCONT it after
+    :data:`FREEZE_S` or when the run ends."""
     import ray
 
-    if not _until_steps(out, after_steps):
+    if not _until_steps(out, after_steps) or not _until_heard(out, host):
         return
     actors: list[Any] = ray.util.list_named_actors(all_namespaces=True)
     names = [a["name"] for a in actors]
@@ -81,7 +101,7 @@ def test_a_frozen_stage_host_is_named_and_replaced_within_seconds(
     finishes every step (no step more than 30 s over the median), every group trained once
     within the staleness bound."""
     out = tmp_path / "run"
-    k, steps, freeze_after = 1, 24, 12
+    k, steps, freeze_after = 1, 40, 12
     cfg = small_config(
         out,
         "deploy.mode=ray",
@@ -93,7 +113,7 @@ def test_a_frozen_stage_host_is_named_and_replaced_within_seconds(
     done = threading.Event()
     seen: dict[str, float] = {}
     freezer = threading.Thread(
-        target=_freeze_when, args=(out, freeze_after, suffix, done, seen), daemon=True
+        target=_freeze_when, args=(out, freeze_after, suffix, stage, done, seen), daemon=True
     )
     freezer.start()
     try:
@@ -255,7 +275,7 @@ def test_a_frozen_trainer_rank_of_a_ddp_group_is_replaced_and_recovers(
     recovery (``ray_ranks``) restarts it with rank 0's state and redoes the step; the run
     finishes every step, each group trained once, no step more than 30 s over the median."""
     out = tmp_path / "run"
-    k, steps = 1, 16
+    k, steps = 1, 40  # (steps of 0.1 s: the freeze waits for the watch's first answer)
     cfg = small_config(
         out,
         "deploy.mode=ray",
@@ -267,7 +287,7 @@ def test_a_frozen_trainer_rank_of_a_ddp_group_is_replaced_and_recovers(
     done = threading.Event()
     seen: dict[str, float] = {}
     freezer = threading.Thread(
-        target=_freeze_when, args=(out, 6, "-train-rank1", done, seen), daemon=True
+        target=_freeze_when, args=(out, 6, "-train-rank1", "train/rank1", done, seen), daemon=True
     )
     freezer.start()
     try:
