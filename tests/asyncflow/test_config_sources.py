@@ -80,7 +80,7 @@ def test_precedence_default_environment_task_file_command_line(tmp_path: Path) -
     expected = {  # key: (value, source)
         "rollout.max_episode_tokens": (256, "default"),  # nobody sets it (not tool_use's env)
         "rollout.max_new_tokens": (11, f"environment {ENV_PATH}"),
-        "model.warm_start_steps": (105, "task tool_use"),  # the task's over the env's 7
+        "model.warm_start_steps": (108, "task tool_use"),  # the task's over the env's 7
         "rollout.max_turns": (2, f"file {f}"),
         "train.steps": (30, "command line"),
         "task.name": ("tool_use", f"file {f}"),
@@ -128,7 +128,7 @@ def test_config_command_shows_each_values_source(
     assert comments["rollout.temperature"] == ("0.7", f"file {f}")  # set, though the default
     assert comments["rollout.max_new_tokens"] == ("24", "environment tool_use")
     assert comments["rollout.max_episode_tokens"] == ("64", "environment tool_use")
-    assert comments["model.warm_start_steps"] == ("105", "task tool_use")
+    assert comments["model.warm_start_steps"] == ("108", "task tool_use")
     assert comments["train.lr"] == ("0.0002", "default")
     assert re.search(r"^    num_gpus: 0\.0 +# default$", out, re.M)  # nested sections too
 

@@ -46,6 +46,16 @@ def _reasons(result: RunResult) -> dict[str, int]:
     return reasons
 
 
+def _until_episodes(url: str, n: int, deadline_s: float = 120.0) -> None:
+    """Wait (at most ``deadline_s``) until the server at ``url`` has served ``n`` episodes."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            if get(url + "/sessions")["episodes"] >= n:
+                return
+        time.sleep(0.05)
+
+
 def test_a_run_plays_multi_step_episodes_on_the_server_within_its_session_cap(
     out_dir: Path,
 ) -> None:
@@ -81,12 +91,7 @@ def test_a_server_killed_mid_run_costs_episodes_not_the_run(out_dir: Path) -> No
         killed, back = threading.Event(), threading.Event()
 
         def kill_then_restart() -> None:
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                with contextlib.suppress(OSError):
-                    if get(url + "/sessions")["episodes"] >= 24:
-                        break
-                time.sleep(0.05)
+            _until_episodes(url, 24)
             proc.kill()
             proc.wait()
             killed.set()
@@ -137,12 +142,7 @@ def test_a_server_frozen_mid_run_costs_timeouts_not_the_run(out_dir: Path) -> No
         frozen: dict[str, float] = {}
 
         def freeze_then_wake() -> None:
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                with contextlib.suppress(OSError):
-                    if get(url + "/sessions")["episodes"] >= 24:
-                        break
-                time.sleep(0.05)
+            _until_episodes(url, 24)
             os.kill(proc.pid, signal.SIGSTOP)
             frozen["at"] = time.monotonic()
             time.sleep(FREEZE_S)

@@ -69,8 +69,8 @@ def _freeze_when(
     actors: list[Any] = ray.util.list_named_actors(all_namespaces=True)
     names = [a["name"] for a in actors]
     name = max(n for n in names if n.endswith(suffix))
-    host: Any = ray.get_actor(name)
-    where: dict[str, Any] = ray.get(host.where.remote(), timeout=60)
+    actor: Any = ray.get_actor(name)
+    where: dict[str, Any] = ray.get(actor.where.remote(), timeout=60)
     pid = int(where["pid"])
     os.kill(pid, signal.SIGSTOP)
     seen["frozen_at"] = time.time()
@@ -79,6 +79,36 @@ def _freeze_when(
     with contextlib.suppress(ProcessLookupError):  # (killed and replaced meanwhile)
         os.kill(pid, signal.SIGCONT)
         seen["woken_at"] = time.time()
+
+
+def _run_frozen(
+    cfg: Any, after_steps: int, suffix: str, host: str, caplog: pytest.LogCaptureFixture
+) -> tuple[Any, dict[str, float], logging.LogRecord]:
+    """Run ``cfg`` while :func:`_freeze_when` freezes ``host``; check that the host was frozen,
+    every group trained exactly once within the staleness bound, and a stall was named; the
+    result, what the freezer saw, the first stall's record."""
+    done = threading.Event()
+    seen: dict[str, float] = {}
+    out = Path(cfg.output.dir)
+    freezer = threading.Thread(
+        target=_freeze_when, args=(out, after_steps, suffix, host, done, seen), daemon=True
+    )
+    freezer.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="asyncflow"):
+            result = run(cfg)
+    finally:
+        done.set()
+        freezer.join(timeout=30)
+    assert "frozen_at" in seen, f"{host} was never frozen"
+    b, k = cfg.train.groups_per_step, cfg.train.max_staleness
+    trained = [g for rep in result.reports for g in rep.groups]
+    assert trained == list(range(cfg.train.steps * b))  # every group trained exactly once
+    for rep in result.reports:
+        assert min(rep.staleness) >= 0 and max(rep.staleness) <= k
+    stalls = [r for r in caplog.records if r.getMessage().startswith("stall:")]
+    assert stalls, "no stall was named"
+    return result, seen, stalls[0]
 
 
 @pytest.mark.parametrize(
@@ -110,27 +140,7 @@ def test_a_frozen_stage_host_is_named_and_replaced_within_seconds(
         busy,
         RAY_START,
     )
-    done = threading.Event()
-    seen: dict[str, float] = {}
-    freezer = threading.Thread(
-        target=_freeze_when, args=(out, freeze_after, suffix, stage, done, seen), daemon=True
-    )
-    freezer.start()
-    try:
-        with caplog.at_level(logging.WARNING, logger="asyncflow"):
-            result = run(cfg)
-    finally:
-        done.set()
-        freezer.join(timeout=30)
-    assert "frozen_at" in seen, "the host was never frozen"
-    b = cfg.train.groups_per_step
-    trained = [g for rep in result.reports for g in rep.groups]
-    assert trained == list(range(steps * b))  # every group trained exactly once
-    for rep in result.reports:
-        assert min(rep.staleness) >= 0 and max(rep.staleness) <= k
-    stalls = [r for r in caplog.records if r.getMessage().startswith("stall:")]
-    assert stalls, "no stall was named"
-    first = stalls[0]
+    result, seen, first = _run_frozen(cfg, freeze_after, suffix, stage, caplog)
     text = first.getMessage()
     assert f"stage {stage!r}" in text or f"stage '{stage}'" in text, text
     assert "did not answer its progress probe" in text
@@ -284,35 +294,16 @@ def test_a_frozen_trainer_rank_of_a_ddp_group_is_replaced_and_recovers(
         f"train.max_staleness={k}",
         RAY_START,
     )
-    done = threading.Event()
-    seen: dict[str, float] = {}
-    freezer = threading.Thread(
-        target=_freeze_when, args=(out, 6, "-train-rank1", "train/rank1", done, seen), daemon=True
-    )
-    freezer.start()
-    try:
-        with caplog.at_level(logging.WARNING, logger="asyncflow"):
-            result = run(cfg)
-    finally:
-        done.set()
-        freezer.join(timeout=30)
-    assert "frozen_at" in seen, "the rank was never frozen"
-    b = cfg.train.groups_per_step
-    trained = [g for rep in result.reports for g in rep.groups]
-    assert trained == list(range(steps * b))  # every group trained exactly once
-    for rep in result.reports:
-        assert min(rep.staleness) >= 0 and max(rep.staleness) <= k
-    stalls = [r for r in caplog.records if r.getMessage().startswith("stall:")]
-    assert stalls, "no stall was named"
-    text = stalls[0].getMessage()
+    result, seen, first = _run_frozen(cfg, 6, "-train-rank1", "train/rank1", caplog)
+    text = first.getMessage()
     assert "host 'train/rank1'" in text and f"pid {int(seen['pid'])}" in text, text
     assert "killed and replaced" in text
-    assert 0 < stalls[0].created - seen["frozen_at"] < FREEZE_S
+    assert 0 < first.created - seen["frozen_at"] < FREEZE_S
     assert result.extra["restarts"].get("train/rank1", 0) >= 1
     step_s = sorted(r["step_s"] for r in result.records)
     median, worst = step_s[len(step_s) // 2], step_s[-1]
     print(
-        f"trainer rank 1 frozen: named after {stalls[0].created - seen['frozen_at']:.1f} s, "
+        f"trainer rank 1 frozen: named after {first.created - seen['frozen_at']:.1f} s, "
         f"worst step {worst:.2f} s, median {median:.2f} s, rank recovery "
         f"{sum(r['rank_recovery_s'] for r in result.records):.2f} s"
     )
