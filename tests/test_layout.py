@@ -17,6 +17,7 @@
   module inside it; nothing else imports ``tqcompat``.
 - No import cycle between modules: every import counts, in a function or under
   ``TYPE_CHECKING`` too (a cycle there is still two modules that cannot be read apart).
+- No two test modules share a file name (pytest imports them by name).
 """
 
 from __future__ import annotations
@@ -363,3 +364,14 @@ def test_a_run_reads_its_config_without_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert out.stdout.strip() == "", f"imported with the config: {out.stdout.strip()}"
+
+
+def test_no_two_test_modules_share_a_name() -> None:
+    """The test folders are not packages: pytest imports each test module by its file name,
+    and a second module of the same name fails the whole run's collection ("import file
+    mismatch")."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    twice = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not twice, f"test modules sharing a name (rename one): {twice}"
