@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -47,6 +50,21 @@ def deploys_by_k(ray_ks: tuple[int, ...], ks: tuple[int, ...] = (0, 1, 2)) -> li
         for k in ray_ks if name == "ray" else ks:
             params.append(pytest.param(name, k, marks=marks, id=f"{name}-{k}"))
     return params
+
+
+def until_holding(out: Path, host: str, deadline_s: float = 60.0) -> bool:
+    """Wait until the run's ``progress.json`` (the stall watch's view, rewritten every second)
+    shows ``host`` holding a leased unit of work: a fault test that kills or freezes it then
+    finds it holding rows."""
+    live = out / "progress.json"
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            works = json.loads(live.read_text())["hosts"][host]["works"]
+            if any(u["lease"] is not None for w in works for u in w["holding"]):
+                return True
+        time.sleep(0.1)
+    return False
 
 
 def small_config(out: Path, *overrides: str) -> RunConfig:

@@ -18,7 +18,7 @@ import pytest
 
 from asyncflow import EngineFactories, run
 from asyncflow.cli import main as cli_main
-from tests.asyncflow.conftest import RAY_START, RAY_TEST_TIMEOUT_S, small_config
+from tests.asyncflow.conftest import RAY_START, RAY_TEST_TIMEOUT_S, small_config, until_holding
 from tests.asyncflow.faulty import slow_generator, stalling_generator_once
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(RAY_TEST_TIMEOUT_S)]
@@ -161,19 +161,6 @@ def test_a_frozen_stage_host_is_named_and_replaced_within_seconds(
     assert worst <= median + 30.0, [round(r["step_s"], 2) for r in records]
 
 
-def _until_holding(out: Path, host: str, deadline_s: float = 60.0) -> bool:
-    """Wait until the run's ``progress.json`` shows ``host`` holding a leased unit of work."""
-    live = out / "progress.json"
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError, ValueError):
-            works = json.loads(live.read_text())["hosts"][host]["works"]
-            if any(u["lease"] is not None for w in works for u in w["holding"]):
-                return True
-        time.sleep(0.1)
-    return False
-
-
 def _pause(
     out: Path, after_steps: int, suffix: str, pause_s: float, seen: dict[str, float]
 ) -> None:
@@ -181,7 +168,7 @@ def _pause(
     ``suffix`` for ``pause_s``, then SIGCONT it."""
     import ray
 
-    if not _until_steps(out, after_steps) or not _until_holding(out, "rollout"):
+    if not _until_steps(out, after_steps) or not until_holding(out, "rollout"):
         return
     actors: list[Any] = ray.util.list_named_actors(all_namespaces=True)
     name = max(a["name"] for a in actors if a["name"].endswith(suffix))

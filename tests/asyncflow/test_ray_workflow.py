@@ -23,10 +23,11 @@ import pytest
 from asyncflow import EngineFactories, StageError, run
 from asyncflow.deploy.ray import RayDeployment
 from asyncflow.feeder import PromptFeeder
-from tests.asyncflow.conftest import RAY_START, RAY_TEST_TIMEOUT_S, small_config
+from tests.asyncflow.conftest import RAY_START, RAY_TEST_TIMEOUT_S, small_config, until_holding
 from tests.asyncflow.faulty import (
     rank0_dying_trainer_factory,
     rank1_dying_trainer_factory,
+    slow_generator,
     slow_reward_factory,
     train_leased,
 )
@@ -88,12 +89,16 @@ def _kill_when(
     targets: list[str],
     killed: list[str],
     pids: list[int] | None = None,
+    holding: str | None = None,
 ) -> None:
-    """Once ``after_steps`` steps are recorded, SIGKILL the stage hosts whose actor names end
-    with ``targets`` (their processes, as an OOM killer would; their pids go to ``pids``)."""
+    """Once ``after_steps`` steps are recorded (and, with ``holding``, that host is seen
+    holding a lease), SIGKILL the stage hosts whose actor names end with ``targets`` (their
+    processes, as an OOM killer would; their pids go to ``pids``)."""
     import ray
 
     _until_steps(out, after_steps)
+    if holding is not None and not until_holding(out, holding):
+        return
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
     for suffix in targets:
         name = max(n for n in names if n.endswith(suffix))
@@ -511,9 +516,10 @@ def test_groups_a_dead_unit_actor_took_are_regenerated_on_the_ray_workflow(
 @pytest.mark.parametrize(
     ("target", "job", "busy"),
     [
-        # responses long enough that generation outlasts training: the rollout host is
-        # always generating, so the kill always finds rows leased to it (with 4 tokens it
-        # waited on admission half the time and could die holding none)
+        # responses long enough, and every generate call 0.5 s longer, that generation
+        # outlasts training, and the kill waits until the live view shows the rollout holding
+        # a lease: it finds rows leased to it (without, it could wait on admission and die
+        # holding none)
         ("-rollout", "rollout", "rollout.max_new_tokens=24"),
         ("-reward-0", "reward", "rollout.max_new_tokens=4"),
     ],
@@ -538,11 +544,13 @@ def test_a_killed_stage_host_costs_seconds_not_its_lease(
         RAY_START,
     )
     killed: list[str] = []
+    holding = "rollout" if job == "rollout" else None
     killer = threading.Thread(
-        target=_kill_when, args=(out, kill_after, [target], killed), daemon=True
+        target=_kill_when, args=(out, kill_after, [target], killed, None, holding), daemon=True
     )
     killer.start()
-    result = run(cfg)
+    slow = EngineFactories(generator=slow_generator) if holding else None
+    result = run(cfg, factories=slow)
     killer.join(timeout=60)
     assert killed == [target]
     b = cfg.train.groups_per_step
