@@ -101,7 +101,10 @@ def _plain(conf: Any) -> dict[str, Any]:
 
 
 def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(base)
+    """``base`` with ``over`` on top, a new dict at every level (an ``init`` that writes its
+    store's address into the result never writes it into ``_DEFAULTS``, where a later store
+    embedded in this process would find it)."""
+    out = {k: _merge(v, {}) if isinstance(v, dict) else v for k, v in base.items()}
     for k, v in over.items():
         out[k] = _merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), dict) else v
     return out

@@ -509,6 +509,17 @@ def test_rank_aware_sampler_gives_a_groups_ranks_the_same_rows() -> None:
         tq.close()
 
 
+def test_a_merged_config_shares_no_dict_with_the_defaults() -> None:
+    """An init on Ray writes its store's address into the merged config; it must not land in
+    the defaults (a later embedded store took that stale address for its own, and
+    DataLoader workers were let connect to a store long gone)."""
+    from tqcompat import interface
+
+    merged = interface._merge(interface._DEFAULTS, {})
+    merged["asyncflow"]["address"] = "tcp://127.0.0.1:1"
+    assert interface._DEFAULTS["asyncflow"]["address"] is None
+
+
 def test_dataloader_workers_need_a_store_they_can_reach(store: tq.TransferQueueClient) -> None:
     dataset = tq.StreamingDataset(tq.init(), 1, 1, ["x"], "p", "t", dp_rank=0)
     # refused when the loader is built, before a worker is forked from this threaded process
