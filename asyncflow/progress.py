@@ -12,8 +12,15 @@ finished; a stage host answers the driver's probe with the snapshots of every ``
 | ``done``     | units of work finished so far (batches, engine calls)                    |
 | ``median_s`` | median time of the last :data:`WINDOW` units (None before the first)    |
 | ``holding``  | one dict per unit in hand: ``rows``, ``lease``, ``held_s`` (since taken),|
-|              | ``phase`` (``read``, ``process``, ``write``; ``generate``) and ``phase_s``|
+|              | ``phase`` (``read``, ``process``, ``write``; ``generate``) and ``phase_s``,|
+|              | ``quiet_s`` (since taken or its last bounded wait ended) and, in a bounded|
+|              | wait (:func:`waiting`), ``bound_s``: the wait's own bound                |
 | ``idle``     | workers waiting for work, and ``idle_s`` the longest wait                |
+
+A unit that waits on something with a bound of its own (trainer rank 0 bringing a replaced rank
+back, bounded by ``deploy.start_timeout_s``) says so with :func:`waiting`: the stall watch then
+judges the wait by that bound, and the unit's ``quiet_s`` starts again once the wait is over
+(it was not stuck: it waited on a recovery that the watch itself set off).
 
 A snapshot is taken on the probe's own thread while the stage's loop mutates the records:
 only plain containers are read, and a read that races a change is tried again.
@@ -22,6 +29,8 @@ only plain containers are read, and a read that races a change is tried again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import gc
 import os
 import statistics
@@ -30,10 +39,11 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["WINDOW", "Work", "host_answer", "thread_stacks"]
+__all__ = ["WINDOW", "Work", "host_answer", "thread_stacks", "waiting"]
 
 WINDOW = 32
 """Units of work the median time is taken over."""
@@ -50,6 +60,33 @@ class _Unit:
     phase_at: float
     task: asyncio.Task[Any] | None = field(default=None, repr=False)
     frame: Any = field(default=None, repr=False)  # (the frame of the coroutine that took it)
+    since: float = 0.0  # taken, or the end of its last bounded wait
+    bound_s: float | None = None  # in a bounded wait: its bound
+
+
+_CURRENT: contextvars.ContextVar[tuple[Work, int] | None] = contextvars.ContextVar(
+    "asyncflow_progress_unit", default=None
+)
+"""The unit the running task holds (set by :meth:`Work.take`; tasks it starts inherit it)."""
+
+
+@contextlib.contextmanager
+def waiting(phase: str, bound_s: float) -> Iterator[None]:
+    """The unit the calling task holds is in ``phase`` (``recover rank 1``), a wait bounded
+    by ``bound_s`` of its own: judged by that bound, and quiet from its end on (see the module
+    doc). Outside a unit (no stage took one in this task), nothing."""
+    current = _CURRENT.get()
+    unit = None if current is None else current[0]._units.get(current[1])
+    if unit is None:
+        yield
+        return
+    before = unit.phase
+    unit.phase, unit.phase_at, unit.bound_s = phase, time.monotonic(), bound_s
+    try:
+        yield
+    finally:
+        now = time.monotonic()
+        unit.phase, unit.phase_at, unit.since, unit.bound_s = before, now, now, None
 
 
 class Work:
@@ -79,7 +116,8 @@ class Work:
         except RuntimeError:  # (no loop: a thread)
             task = None
         caller = sys._getframe(1)
-        self._units[self._next] = _Unit(rows, lease, now, "read", now, task, caller)
+        self._units[self._next] = _Unit(rows, lease, now, "read", now, task, caller, now)
+        _CURRENT.set((self, self._next))
         return self._next
 
     def phase(self, token: int, phase: str) -> None:
@@ -117,7 +155,10 @@ class Work:
                 "held_s": now - u.taken,
                 "phase": u.phase,
                 "phase_s": now - u.phase_at,
+                "quiet_s": now - u.since,
             }
+            if u.bound_s is not None:
+                item["bound_s"] = u.bound_s
             if stacks:
                 item["stack"] = _unit_stack(u)
             holding.append(item)

@@ -319,10 +319,11 @@ class StallWatch:
             stage = ", ".join(w["name"] for w in works) or host.split("/", 1)[0]
             return stage, probe.silent_s, min(bounds)
         for w in works:
-            held = max((u["held_s"] for u in w["holding"]), default=0.0)
-            bound = self._bound(w, held=True)
-            if held > bound:
-                return w["name"], held, bound
+            for u in w["holding"]:  # (a unit in a bounded wait of its own: by that bound)
+                quiet = u.get("quiet_s", u["held_s"])
+                bound = u.get("bound_s") or self._bound(w, held=True)
+                if quiet > bound:
+                    return w["name"], quiet, bound
         return None
 
     async def _tell(

@@ -89,6 +89,7 @@ import torch
 from adapters.episodes import SUMMARY_FIELDS
 from adapters.train import TrainAdapter, select_columns
 from asyncflow.deploy.remote import remote_cause
+from asyncflow.progress import waiting
 from engines.packing import balance_by_tokens
 from transferqueue import BatchMeta
 from transferqueue.aio import within
@@ -398,6 +399,12 @@ class DataParallelTrain(TrainAdapter):
         """Bring the replacements of ranks ``lost`` into the group with rank 0's state, then
         (``replay``) have them train the step's parts again; returns each one's last
         result (the micro-batch in flight)."""
+        # (the step's unit is not stuck meanwhile: the stall watch judges this wait by its
+        # own bound, Ray's restart and as long again for the hand-over and the parts redone)
+        with waiting(f"recover trainer rank(s) {lost}", 2 * self.restart_timeout_s):
+            return await self._recover_within(lost, replay=replay)
+
+    async def _recover_within(self, lost: list[int], *, replay: bool) -> dict[int, Result]:
         t0 = time.monotonic()
         log.warning("trainer rank(s) %s died; waiting for their replacements", lost)
         for r in lost:

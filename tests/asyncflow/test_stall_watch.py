@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from asyncflow.config import load_config
-from asyncflow.progress import Work, host_answer
+from asyncflow.progress import Work, host_answer, waiting
 from asyncflow.stall import (
     AUTO_MAX_S,
     AUTO_MIN_S,
@@ -288,8 +288,52 @@ def _held(work: Work, held_s: float) -> dict[str, Any]:
     """``work``'s answer with its unit in hand for ``held_s``."""
     answer = _answer(work)
     for unit in answer["works"][0]["holding"]:
-        unit["held_s"] = held_s
+        unit["held_s"] = unit["quiet_s"] = held_s
     return answer
+
+
+def test_a_unit_in_a_bounded_wait_is_judged_by_that_bound_and_quiet_from_its_end() -> None:
+    """Trainer rank 0 brings a replaced rank back (``waiting``, bounded by Ray's restart): its
+    step's unit is not stuck however long the recovery takes within that bound (CI saw rank 0
+    killed 10 s after rank 1's replacement answered, in the middle of the hand-over); after the
+    wait its unit gets its full bound again; a wait past its own bound is a stall."""
+    step = Work("train", "rows of ['reward'] from task 'train'")
+    dep = _Fake()
+    watch = StallWatch(dep, 0.05, lambda: 0)
+
+    async def held() -> None:  # (in the unit's own task, as the stage runner's worker)
+        step.phase(step.take(8, 5), "process")
+        with waiting("recover trainer rank(s) [1]", 0.3):
+            await asyncio.sleep(0.1)  # (past the stage's bound of 0.05 s)
+            dep.probes["train"] = Probe(_answer(step), 0.0, replaceable=True)
+            (unit,) = dep.probes["train"].answer["works"][0]["holding"]  # type: ignore[index]
+            assert unit["phase"] == "recover trainer rank(s) [1]" and unit["bound_s"] == 0.3
+            await watch.check()
+            assert dep.replaced == []
+        dep.probes["train"] = Probe(_answer(step), 0.0, replaceable=True)
+        await watch.check()  # quiet again from the wait's end
+        assert dep.replaced == []
+        await asyncio.sleep(0.1)
+        dep.probes["train"] = Probe(_answer(step), 0.0, replaceable=True)
+        await watch.check()
+        assert dep.replaced == ["train"]
+
+    asyncio.run(held())
+    step = Work("train", "rows of ['reward'] from task 'train'")
+    dep = _Fake()
+    watch = StallWatch(dep, 0.05, lambda: 0)
+
+    async def past_its_bound() -> None:
+        step.take(8, 5)
+        with waiting("recover trainer rank(s) [1]", 0.1):
+            await asyncio.sleep(0.15)
+            dep.probes["train"] = Probe(_answer(step), 0.0, replaceable=True)
+            await watch.check()
+            assert dep.replaced == ["train"]
+
+    asyncio.run(past_its_bound())
+    with waiting("outside any unit", 1.0):  # (a task that holds no unit: nothing to mark)
+        pass
 
 
 def test_a_host_never_heard_from_is_named_by_its_stage(caplog: pytest.LogCaptureFixture) -> None:
