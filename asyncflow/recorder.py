@@ -51,8 +51,11 @@ class StepRecorder:
         *,
         evaluator: Evaluator | None = None,
         after: AfterRecord | None = None,
+        observe: Callable[[dict[str, Any]], Any] | None = None,
     ) -> None:
         self.deployment = deployment
+        self.observe = observe
+        """Sees each record before it is queued (``asyncflow.autoscale``), may add to it."""
         self.writer = writer
         self.steps = steps
         self.evaluator = evaluator
@@ -79,6 +82,8 @@ class StepRecorder:
             record["stage_metrics"] = stage_metrics
             record["restarts"] = sum(dep.restarts.values())
             record["instances"] = dep.instances()
+            if self.observe is not None:  # (the autoscaler: its decision goes into the record)
+                self.observe(record)
             # Recovery: seconds from a stage host's death to its replacement answering, for
             # the restarts that ended in this step, and the rows its leases gave back.
             record["restart_s"] = sum(

@@ -59,6 +59,7 @@ import yaml
 
 from adapters import Adapter, StepReport
 from asyncflow import checkpoint, graph
+from asyncflow.autoscale import Autoscaler
 from asyncflow.build import Components, EngineFactories
 from asyncflow.checkpoint import CheckpointPlan, DriverState, ResumePoint
 from asyncflow.config import RunConfig
@@ -222,14 +223,19 @@ class Workflow:
             evaluator = Evaluator(cfg, client, dep.tokenizer)
         feeder = _feeder(cfg, dep, state)
         checkpoints = None if plan is None else _Checkpoints(cfg, plan, feeder, writer, dep, state)
+        jobs = Supervisor()
+        autoscaler = None
+        if cfg.rollout.autoscale.max and dep.scalable:  # (the config refuses it elsewhere)
+            rollout = functools.partial(_scale, dep, jobs.spawn, "rollout")
+            autoscaler = Autoscaler(cfg.rollout.autoscale, rollout, jobs.spawn)
         recorder = StepRecorder(
             dep,
             writer,
             range(first_step, cfg.train.steps),
             evaluator=evaluator,
             after=None if checkpoints is None else checkpoints.after,
+            observe=None if autoscaler is None else autoscaler.observe,
         )
-        jobs = Supervisor()
         dep.supervise(jobs.spawn)
         jobs.add("feeder", feeder.run)
         jobs.add("steps", recorder.take_reports)
@@ -275,6 +281,7 @@ class Workflow:
                 **await dep.summary(),
                 "regenerated_groups": list(feeder.readmitted),
                 "stalls": list(watch.stalls),
+                "autoscale": [] if autoscaler is None else list(autoscaler.decisions),
                 "torch_threads": torch.get_num_threads(),
             },
             policy_dir=policy_dir,

@@ -21,6 +21,7 @@ from asyncflow.config.run import (
 from asyncflow.config.sections import (
     LOGGER_NAMES,
     RENAMED_KEYS,
+    AutoscaleConfig,
     ConfigError,
     EnvConfig,
     ModelConfig,
@@ -35,6 +36,7 @@ from asyncflow.config.sections import (
 __all__ = [
     "LOGGER_NAMES",
     "RENAMED_KEYS",
+    "AutoscaleConfig",
     "CheckpointConfig",
     "ConfigError",
     "DeployConfig",

@@ -429,6 +429,11 @@ class RunConfig:
             raise ValueError(
                 f"train.dp_size={self.train.dp_size} needs deploy.mode=ray (one actor per rank)"
             )
+        if mode != "ray" and self.rollout.autoscale.max:
+            raise ValueError(
+                "rollout.autoscale needs deploy.mode=ray (instances are Ray actors added and "
+                "removed while the run goes on)"
+            )
         if mode == "local" and self.reference.instances > 1:
             raise ValueError(
                 "reference.instances > 1 needs deploy.mode=ray (one model copy per actor)"

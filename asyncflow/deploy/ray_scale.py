@@ -24,8 +24,9 @@ name: each has its own registry entry and job.
 **Preemption.** A generator host that gets SIGTERM (a spot node's notice) does not exit: it
 says so in its next progress probe's answer, and the driver removes it as a scale-down removes
 an instance (its calls finish within ``deploy.drain_grace_s``, then it is stopped, not
-restarted); the last instance is first replaced by a new one, placed by Ray where resources
-allow. A host never drained exits by itself ``drain_grace_s`` + 30 s after the signal.
+restarted); the last instance (with ``rollout.autoscale``, one at its ``min``) is first
+replaced by a new one, placed by Ray where resources allow. A host never drained exits by
+itself ``drain_grace_s`` + 30 s after the signal.
 """
 
 from __future__ import annotations
@@ -98,6 +99,8 @@ class RolloutScaler:
             raise ControlError(f"the {stage} stage cannot be scaled; what can be: rollout=N")
         async with self._lock:  # (one change at a time: a command, a preemption)
             was = self.count()
+            if self.cfg.rollout.autoscale.max and n > was:
+                self._ask_ray(n)
             while self.count() < n:
                 await self._add()
             while self.count() > n:
@@ -105,6 +108,20 @@ class RolloutScaler:
         if was != n:
             log.warning("rollout scaled from %d to %d instances", was, n)
         return was
+
+    def _ask_ray(self, n: int) -> None:
+        """Ask Ray for ``n`` instances' resources (``ray.autoscaler.sdk.request_resources``),
+        so that an autoscaling cluster adds the nodes they need (a cluster without an
+        autoscaler ignores it)."""
+        p = self.cfg.rollout.placement
+        bundle = {"CPU": p.num_cpus, **({"GPU": p.num_gpus} if p.num_gpus else {})}
+        bundle.update(p.resources)
+        try:
+            from ray.autoscaler.sdk import request_resources
+
+            request_resources(bundles=[bundle] * n)
+        except Exception as e:  # (best effort: the placement itself waits and is bounded)
+            log.info("could not ask Ray's autoscaler for %d rollout instances: %r", n, e)
 
     def _by_name(self, name: str) -> Any:
         return dict(self._generators)[name]
@@ -189,7 +206,8 @@ class RolloutScaler:
         async with self._lock:
             if name not in dict(self._generators):  # (scaled away meanwhile)
                 return
-            if self.count() == 1:
+            scale = self.cfg.rollout.autoscale  # (never below 1, nor below autoscale's min)
+            if self.count() <= (scale.min if scale.max else 1):
                 await self._add()
             await self._remove(name)
         log.warning(
