@@ -170,31 +170,39 @@ def test_a_generator_that_gets_sigterm_drains_and_leaves(
     assert worst <= median + 10.0, [round(r["step_s"], 2) for r in result.records]
 
 
-def test_autoscaling_grows_the_rollout_when_the_trainer_starves(
-    ray_cluster: None, tmp_path: Path, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("change", ["grow", "shrink"])
+def test_autoscaling_follows_where_the_run_waits(
+    ray_cluster: None, tmp_path: Path, caplog: pytest.LogCaptureFixture, change: str
 ) -> None:
-    """``rollout.autoscale={min: 1, max: 2}`` with generators whose every call takes 0.5 s
-    longer (the trainer starves on a busy rollout): after a window of steps the autoscaler
-    adds an instance, logged and recorded with its reason; the new instance takes batches
-    and the steps get faster (capacity doubled: at least 1.3x the steps per second of the
-    first instance alone); every group trained once within the staleness bound."""
+    """``rollout.autoscale={min: 1, max: 2}``. ``grow``: one instance whose every call takes
+    0.5 s longer (the trainer starves on a busy rollout); after a window of steps the
+    autoscaler adds an instance, the new instance takes batches and the steps get faster
+    (capacity doubled: at least 1.3x the steps per second of one instance alone).
+    ``shrink``: two instances and a reward of 0.4 s a batch (the generators idle, held by the
+    staleness bound); the autoscaler removes one. Each decision logged and recorded with its
+    reason; every group trained once within the staleness bound."""
     from asyncflow import EngineFactories
-    from tests.asyncflow.faulty import slow_generator
+    from tests.asyncflow.faulty import slow_generator, slow_reward_factory
 
     out = tmp_path / "run"
-    k, steps = 1, 50
+    k, steps = 1, 50 if change == "grow" else 30
+    start, end = (1, 2) if change == "grow" else (2, 1)
     cfg = small_config(
         out,
         "deploy.mode=ray",
-        "rollout.instances=1",
+        f"rollout.instances={start}",
         "rollout.autoscale={min: 1, max: 2, window_steps: 3, cooldown_steps: 2}",
         "rollout.autoscale.grow_rollout_busy=0.6",  # (the CI machine's rollout: 0.7-0.8)
         f"train.steps={steps}",
         f"train.max_staleness={k}",
         RAY_START,
     )
+    if change == "grow":
+        factories = EngineFactories(generator=slow_generator)
+    else:
+        factories = EngineFactories(reward=slow_reward_factory)
     with caplog.at_level(logging.WARNING, logger="asyncflow"):
-        result = run(cfg, factories=EngineFactories(generator=slow_generator))
+        result = run(cfg, factories=factories)
     b = cfg.train.groups_per_step
     trained = [g for rep in result.reports for g in rep.groups]
     assert trained == list(range(steps * b))  # every group trained exactly once
@@ -203,18 +211,20 @@ def test_autoscaling_grows_the_rollout_when_the_trainer_starves(
     decisions = [r for r in result.records if "autoscale" in r]
     assert decisions, "no autoscaling decision"
     first = decisions[0]["autoscale"]
-    assert (first["from"], first["to"]) == (1, 2) and "the trainer waited" in first["reason"]
+    assert (first["from"], first["to"]) == (start, end), decisions
+    assert ("the trainer waited" if change == "grow" else "shrink at") in first["reason"]
     told = [r.getMessage() for r in caplog.records if r.name == "asyncflow.autoscale"]
-    assert any("rollout 1 -> 2 instances" in m for m in told), told
+    assert any(f"rollout {start} -> {end} instances" in m for m in told), told
     assert [d["done"] for d in result.extra["autoscale"]][:1] == [True]
     counts = [r["instances"]["rollout"] for r in result.records]
-    assert counts[0] == 1 and counts[-1] == 2, counts
-    assert "rollout/instance1" in result.timeline.intervals  # the new instance took batches
+    assert counts[0] == start and counts[-1] == end, counts
     one = [r["step_s"] for r, n in zip(result.records, counts, strict=True) if n == 1][1:]
     two = [r["step_s"] for r, n in zip(result.records, counts, strict=True) if n == 2][2:]
     alone, both = sorted(one)[len(one) // 2], sorted(two)[len(two) // 2]
     print(
-        f"autoscaled 1 -> 2 after step {decisions[0]['step']} ({first['reason']}); instances "
-        f"by step {counts}; median step {alone:.2f} s with 1, {both:.2f} s with 2"
+        f"autoscaled {start} -> {end} after step {decisions[0]['step']} ({first['reason']}); "
+        f"instances by step {counts}; median step {alone:.2f} s with 1, {both:.2f} s with 2"
     )
-    assert alone >= 1.3 * both, (one, two)
+    if change == "grow":
+        assert "rollout/instance1" in result.timeline.intervals  # the new one took batches
+        assert alone >= 1.3 * both, (one, two)
