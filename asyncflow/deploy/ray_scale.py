@@ -83,6 +83,7 @@ class RolloutScaler:
         self._hosts = hosts  # () -> (rollout dispatcher, trainer rank 0, transport name)
         self._next = len(generators)
         self._added: dict[str, str] = {}  # instances added since start: name -> actor name
+        self._first = {name for name, _ in generators}  # the instances of the run's start
         self.retired: set[str] = set()
         """Instances that left (their job ends quietly when their actor is stopped)."""
         self.spawn: Spawn | None = None
@@ -158,9 +159,12 @@ class RolloutScaler:
 
     async def rejoin(self, rollout: Any) -> None:
         """The rollout dispatcher's ``run``, after telling it of the instances added since the
-        run started (a dispatcher Ray restarted starts again with the run's first ones)."""
+        run started and of those of its start that left (a dispatcher Ray restarted starts
+        again with the run's first ones)."""
         for name, actor_name in list(self._added.items()):
             await rollout.add_generator.remote(name, actor_name)
+        for name in sorted(self.retired & self._first):  # (gone: routed nothing)
+            await rollout.retire_generator.remote(name, 0.0)
         await rollout.run.remote()
 
     async def _check_transport(self, name: str, gen: Any) -> None:
@@ -224,7 +228,16 @@ class RolloutScaler:
         name, gen = self._generators[-1] if name is None else (name, self._by_name(name))
         grace = self.cfg.deploy.drain_grace_s
         rollout, _, _ = self._hosts()
-        drained = await rollout.retire_generator.remote(name, grace)
+        try:  # (bounded: a rollout host frozen or restarting meanwhile does not hold it)
+            drained = await within(rollout.retire_generator.remote(name, grace), grace + 30.0)
+        except Exception as e:  # the instance is stopped all the same; its calls fail over
+            log.warning(
+                "rollout instance %s: the rollout did not confirm its drain (%r); it is "
+                "stopped, and its calls in flight go to the other instances",
+                name,
+                e,
+            )
+            drained = True
         if not drained:
             log.warning(
                 "rollout instance %s still had calls after deploy.drain_grace_s=%s; they go to "
