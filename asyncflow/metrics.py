@@ -11,6 +11,8 @@
   many samples spanned versions, staleness split into generating and queued, each weight
   sync's transfer and pause times).
 - :func:`plot_rewards`: the reward curve of a run (``reward.png``).
+- :func:`plot_capacity`: a run's instances per stage and its throughput over time
+  (``capacity.png``: where a run was scaled, by command or by its autoscaler).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ __all__ = [
     "MetricsWriter",
     "Timeline",
     "merge_intervals",
+    "plot_capacity",
     "plot_rewards",
     "staleness_histogram",
     "sync_metrics",
@@ -344,6 +347,46 @@ def plot_rewards(runs: dict[str, list[dict[str, Any]]], path: str | Path, title:
     ax.set_title(title)
     ax.legend()
     ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_capacity(records: list[dict[str, Any]], path: str | Path, title: str) -> Path:
+    """Instances per stage (the records' ``instances``, steps) and samples per second (each
+    step's samples over its time, with a moving mean) against the run's time; the autoscaler's
+    decisions marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
+    t = [float(r["time_s"]) for r in records]
+    stages = sorted({s for r in records for s in r.get("instances", {})})
+    for stage in stages:
+        counts = [r.get("instances", {}).get(stage, 0) for r in records]
+        top.step(t, counts, where="post", label=stage)
+    for r in records:
+        if "autoscale" in r:
+            top.axvline(float(r["time_s"]), color="grey", alpha=0.4, linestyle=":")
+    top.set_ylabel("instances")
+    top.legend(loc="upper left")
+    top.grid(alpha=0.3)
+    top.set_title(title)
+    rate = [r["samples"] / max(float(r["step_s"]), 1e-9) for r in records]
+    w = max(1, len(rate) // 10)
+    smooth = [
+        sum(rate[max(0, i - w + 1) : i + 1]) / len(rate[max(0, i - w + 1) : i + 1])
+        for i in range(len(rate))
+    ]
+    (line,) = bottom.plot(t, rate, alpha=0.35)
+    bottom.plot(t, smooth, color=line.get_color(), label="samples/s")
+    bottom.set_xlabel("run time (s)")
+    bottom.set_ylabel("samples per second")
+    bottom.grid(alpha=0.3)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=120)

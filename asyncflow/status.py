@@ -153,6 +153,12 @@ def _record_line(record: dict[str, Any]) -> str:
         parts.append(f"{record['samples']} samples")
     if "staleness_max" in record:
         parts.append(f"staleness max {record['staleness_max']}")
+    instances = record.get("instances")
+    if isinstance(instances, dict) and instances:
+        parts.append("instances " + ", ".join(f"{k} {v}" for k, v in instances.items()))
+    scaled = record.get("autoscale")
+    if isinstance(scaled, dict):
+        parts.append(f"autoscaled rollout {scaled.get('from')} -> {scaled.get('to')}")
     failures = record.get("env_failures")
     if failures:
         parts.append("env failures " + ", ".join(f"{k} x {v}" for k, v in failures.items()))

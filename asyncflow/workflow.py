@@ -71,7 +71,13 @@ from asyncflow.evaluation import Evaluator
 from asyncflow.feeder import PromptFeeder
 from asyncflow.graph import EVAL_PARTITION, PARTITION
 from asyncflow.loggers import make_loggers
-from asyncflow.metrics import MetricsWriter, Timeline, plot_rewards, write_timeline
+from asyncflow.metrics import (
+    MetricsWriter,
+    Timeline,
+    plot_capacity,
+    plot_rewards,
+    write_timeline,
+)
 from asyncflow.recorder import StepRecorder
 from asyncflow.stage_runner import LOST_SERVER_HINT
 from asyncflow.stall import PROGRESS_FILE, StallWatch
@@ -288,6 +294,9 @@ class Workflow:
         )
         if cfg.output.plot and writer.records:
             plot_rewards({"reward": writer.records}, out_dir / "reward.png", _title(cfg))
+            counts = {str(r.get("instances")) for r in writer.records}
+            if len(counts) > 1:  # (scaled while it ran: instances and throughput over time)
+                plot_capacity(writer.records, out_dir / "capacity.png", _title(cfg))
         return result
 
 

@@ -6,6 +6,7 @@ a grow that fails leaves the run as it is. The config refuses what cannot autosc
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -113,3 +114,20 @@ def test_a_window_averages_over_step_time_and_a_failed_grow_leaves_the_count() -
 def test_the_config_refuses_what_cannot_autoscale(overrides: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         load_config(overrides=["deploy.mode=ray", *overrides])
+
+
+def test_the_status_line_and_the_capacity_plot_show_instances_over_time(tmp_path: Path) -> None:
+    from asyncflow.metrics import plot_capacity
+    from asyncflow.status import _record_line
+
+    records = []
+    for step in range(20):
+        n = 1 if step < 8 else 2
+        rec = _record(step, n, 0.5, 0.9)
+        rec.update(time_s=float(step), samples=8, step_s=1.0 / n)
+        records.append(rec)
+    records[7]["autoscale"] = {"from": 1, "to": 2, "reason": "starving"}
+    line = _record_line(records[7])
+    assert "instances rollout 1, train 1" in line and "autoscaled rollout 1 -> 2" in line
+    png = plot_capacity(records, tmp_path / "capacity.png", "elastic")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
