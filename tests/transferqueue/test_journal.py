@@ -154,6 +154,8 @@ class Driver:
                     short_ok=bool(r.random() < 0.5),
                     min_version=1 if r.random() < 0.1 else None,
                     consume=bool(r.random() < 0.3),  # (at most once: acked as handed out)
+                    # (a few ids, often the same: a call sent again, or a lease of another task)
+                    request_id=int(r.integers(1, 4)) if r.random() < 0.3 else None,
                 )
                 if got is not None and got.lease_id is not None:
                     self.leases.append(got.lease_id)
@@ -300,6 +302,37 @@ def test_a_lease_taken_before_the_restart_acks_after_it(tmp_path: Path) -> None:
     assert rest is not None
     assert rest.indexes.tolist() == meta.indexes[8:].tolist()  # nothing acked comes back
     assert back.stats()["partitions"]["p"]["rows_freed"] == 8
+
+
+def test_a_lease_whose_reply_was_lost_is_its_request_s_again_after_the_restart(
+    tmp_path: Path,
+) -> None:
+    """A get_meta's lease is journaled, then its controller dies before the reply leaves: the
+    restarted one answers the same call sent again (its request_id) with that lease's batch,
+    and leases nothing more; once the lease has ended, the same id takes new rows."""
+    clock = FakeClock()
+    ctl, _ = open_controller(tmp_path / "d", lambda: _make(clock), JournalSettings(fsync="never"))
+    ctl.rows.register_fields({"x": FieldSpec.dense("float32", (2,))}, "p")
+    ctl.queues.declare_tasks("p", ["t"])
+    meta = ctl.writes.allocate(10, "p")
+    ctl.writes.commit(meta.indexes, ["x"])
+    ask: dict[str, Any] = dict(task="t", partition="p", fields=["x"], batch_size=4, lease_s=30)
+    lost, _ = ctl.queues.poll(**ask, request_id=77)
+    assert lost is not None and lost.lease_id is not None
+    back = _recovered(tmp_path / "d", tmp_path / "copy", clock)
+    clock.t += 5.0
+    again, changes = back.queues.poll(**ask, request_id=77)
+    assert again is not None and not changes.woken
+    assert again.lease_id == lost.lease_id and again.reason == lost.reason == "full"
+    assert again.indexes.tolist() == lost.indexes.tolist() == meta.indexes[:4].tolist()
+    assert back.stats()["active_leases"] == 1  # (before: a second lease, the first orphaned)
+    other, _ = back.queues.poll(**ask, request_id=78)  # another call: the next rows
+    assert other is not None and other.indexes.tolist() == meta.indexes[4:8].tolist()
+    stranger, _ = back.queues.poll(**ask, request_id=77, owner="k2", short_ok=True)
+    assert stranger is not None and stranger.lease_id != lost.lease_id  # (another key's)
+    back.queues.ack(again.lease_id)
+    after, _ = back.queues.poll(**{**ask, "batch_size": 10}, request_id=77, short_ok=True)
+    assert after is not None and after.lease_id != lost.lease_id and len(after) == 0
 
 
 def test_arrays_of_every_shape_replay_as_they_were_journaled(tmp_path: Path) -> None:

@@ -16,20 +16,29 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 import torch
+import zmq
+import zmq.asyncio
 from tq_helpers import row_values, until
 
 import transferqueue
-from transferqueue.client.controller_link import RESENDABLE, RemoteControllerLink
+from transferqueue.client.controller_link import RESENDABLE, LateLeases, RemoteControllerLink
 from transferqueue.controller.core import Controller
+from transferqueue.controller.handlers import QueueHandlers
+from transferqueue.deploy.server import ControllerServer, UnitServer
 from transferqueue.errors import PeerGoneError, UnknownLeaseError, UnknownRowError
+from transferqueue.loop import LoopThread
+from transferqueue.meta import BatchMeta
 from transferqueue.schema import FieldSpec
 from transferqueue.wire import messages as m
+from transferqueue.wire.protocol import Caller
 from transferqueue.wire.rpc import RpcClient
 
 SLACK_S = 120.0
+GRANT_KEY = b"r" * 32
 
 
 def _leased(ctl: Controller, rows: int = 4) -> tuple[np.ndarray, int]:
@@ -129,6 +138,118 @@ def test_a_commit_of_new_rows_sent_again_that_finds_them_freed_had_landed() -> N
         _call(RemoteControllerLink(_Rpc(freed), ride_through_s=30.0), commit)  # type: ignore[arg-type]
 
 
+def test_a_late_lease_is_given_back_unless_its_call_ended_with_it() -> None:
+    """Every sending of a get_meta carries its call's request_id, and the controller answers
+    each with the same active lease: a late reply (a sending the call gave up on) is given
+    back only once the call has ended, and only if it is not the lease the call ended with."""
+    late = LateLeases()
+    ask = m.GetMeta(task="t", partition="p", fields=None, batch_size=4, request_id=5)
+
+    def reply(lease_id: int) -> BatchMeta:
+        one = np.zeros(1, dtype=np.int64)
+        return BatchMeta(one, one, one, one, one, partition="p", lease_id=lease_id)
+
+    late.begin(5)
+    assert late.undo_of(ask, reply(11)) == []  # (the call goes on: it may end with lease 11)
+    assert late.ended(5, 11) == []
+    assert late.undo_of(ask, reply(11)) == []  # (after: the lease it ended with, kept)
+    assert late.undo_of(ask, reply(12)) == [m.Release(lease_id=12)]
+    late.begin(6)
+    assert late.undo_of(msgspec.structs.replace(ask, request_id=6), reply(21)) == []
+    assert late.ended(6, None) == [m.Release(lease_id=21)]  # (ended without it, or failed)
+    # a get_meta without a request_id, as before: its late lease is given back at once
+    plain = msgspec.structs.replace(ask, request_id=None)
+    assert late.undo_of(plain, reply(31)) == [m.Release(lease_id=31)]
+
+
+@pytest.mark.parametrize("side", ["sync", "async"])
+def test_a_get_meta_whose_reply_died_with_its_controller_gets_its_lease_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, side: str
+) -> None:
+    """The controller journals a get_meta's lease and dies before its reply leaves (as a
+    SIGKILL there would); it restarts with its state on its address. The call, sent again
+    by the client riding through, gets that lease's rows at once from the restarted
+    controller: before, its rows stayed leased to nobody until the lease's deadline (60 s),
+    and the call waited for rows that could not come before then. The servers run on a loop
+    thread of the test's process, on real ZeroMQ sockets over tcp (sync client: its direct
+    calls; async client: the handle's loop)."""
+    io = LoopThread("test-servers")
+    ctx = zmq.asyncio.Context()
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    granted: list[BatchMeta] = []
+    servers: list[ControllerServer] = []
+    restarts: list[asyncio.Future[None]] = []
+    get_meta = QueueHandlers.get_meta
+
+    def get_meta_then_die(self: QueueHandlers, msg: m.GetMeta, caller: Caller) -> Any:
+        out = get_meta(self, msg, caller)
+        if granted or not isinstance(out, BatchMeta) or out.lease_id is None:
+            return out
+        granted.append(out)  # (journaled: on disk before any reply)
+        restarts.append(asyncio.ensure_future(die_and_restart(servers[-1])))
+        return asyncio.get_running_loop().create_future()  # (never answered)
+
+    async def controller(unit: UnitServer) -> ControllerServer:
+        for tries in range(100):  # (the port of a server just closed may take a moment)
+            try:
+                server = ControllerServer(
+                    ctx, [unit.address], address, grant_key=GRANT_KEY, state_dir=str(tmp_path)
+                )
+                break
+            except zmq.ZMQError:
+                if tries == 99:
+                    raise
+                await asyncio.sleep(0.05)
+        await server.start()
+        servers.append(server)
+        return server
+
+    async def die_and_restart(server: ControllerServer) -> None:
+        await server.close()  # (its socket closes: the client's connection drops)
+        await controller(unit)
+
+    async def start() -> UnitServer:
+        unit = UnitServer(ctx, 0, grant_key=GRANT_KEY)
+        unit.start()
+        await controller(unit)
+        return unit
+
+    monkeypatch.setattr(QueueHandlers, "get_meta", get_meta_then_die)
+    unit = io.run(start())
+    try:
+        with transferqueue.connect(address, ride_through_s=30.0) as tq:
+            c = tq.client()
+            c.declare_tasks(["t"], partition="p")
+            c.put({"x": row_values(0, 4)}, partition="p")
+            t0 = time.monotonic()
+            if side == "sync":
+                meta = c.get_meta("t", ["x"], 4, partition="p", timeout_s=10)
+            else:
+                meta = asyncio.run(
+                    tq.async_client().get_meta("t", ["x"], 4, partition="p", timeout_s=10)
+                )
+            took_s = time.monotonic() - t0
+            assert len(servers) == 2 and len(granted) == 1  # (it died once, and is back)
+            # the lease the dead controller granted, its rows, not an empty batch at timeout_s
+            assert meta.lease_id == granted[0].lease_id and len(meta) == 4, meta.reason
+            assert took_s < 8.0
+            assert torch.equal(c.get_data(meta)["x"], row_values(0, 4))  # type: ignore[arg-type]
+            c.ack(meta)
+            stats = c.stats()["controller"]
+            assert stats["active_leases"] == 0 and stats["expired_leases"] == 0
+            assert stats["partitions"]["p"]["tasks"]["t"]["done"] == 4
+            assert len(c.get_meta("t", ["x"], 4, partition="p", timeout_s=0)) == 0
+    finally:
+
+        async def stop() -> None:
+            await servers[-1].close()
+            await unit.close()
+
+        io.run(stop())
+        io.close()
+        ctx.term()
+
+
 @pytest.mark.slow
 @pytest.mark.service
 def test_a_stream_rides_through_its_controller_killed_mid_stream(tmp_path: Path) -> None:
@@ -166,7 +287,7 @@ def test_a_stream_rides_through_its_controller_killed_mid_stream(tmp_path: Path)
                 old = svc.pids[-1]
                 os.kill(old, signal.SIGKILL)
                 kills += 1
-                until(lambda old=old: svc.pids[-1] != old, SLACK_S, "controller restart")
+                until(lambda: svc.pids[-1] != old, SLACK_S, "controller restart")  # noqa: B023
             b = c.get_meta("t", ["x"], 32, partition="p", timeout_s=0.2)
             if len(b):
                 got = c.get_data(b)["x"]

@@ -1,17 +1,28 @@
 """The client's link to a TransferQueue controller over ZeroMQ (:class:`RemoteControllerLink`):
 blocking calls sent in slices, calls answered by a restarted controller after they failed
 undone (``undo_late``), and calls sent again while a controller restarts with its state
-(``ride_through_s``, :data:`RESENDABLE`)."""
+(``ride_through_s``, :data:`RESENDABLE`).
+
+A ``get_meta`` that may be sent again carries a ``request_id`` drawn once per call
+(:class:`Resend`): the controller journals it with the lease it grants, and answers a later
+sending of the call with that lease's batch while it is active. So a lease granted by a
+controller that died before its reply left is the one the call gets from the restarted
+controller, not rows leased to nobody until their deadline. A late reply (``undo_late``) of
+a sending is then given back only if it is not the lease the call ended with
+(:class:`LateLeases`)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
+import threading
+from collections import OrderedDict
 from typing import Any, TypeVar
 
 import msgspec
 
-from transferqueue.errors import PeerGoneError, UnknownRowError
+from transferqueue.errors import PeerGoneError, TQError, UnknownRowError
 from transferqueue.meta import BatchMeta
 from transferqueue.wire import messages as m
 from transferqueue.wire import protocol
@@ -20,6 +31,7 @@ from transferqueue.wire.rpc import RpcClient
 __all__ = [
     "RESENDABLE",
     "WAIT_SLICE_S",
+    "LateLeases",
     "RemoteControllerLink",
     "Resend",
     "deadline_of",
@@ -58,9 +70,10 @@ RESENDABLE: frozenset[type[protocol.ControllerRequest[Any]]] = frozenset(
         m.SetCustomMeta,
         m.Commit,  # (a lease it acked already: a no-op; rows it committed and freed: above)
         m.Alive,
-        # what the dead controller gave and nobody learned of comes back on its own (a lease
-        # expires, an allocation is discarded at the restart or its deadline), or is undone
-        # by undo_late when a restarted controller answers the first sending
+        # what the dead controller gave and nobody learned of is the call's again (a lease:
+        # its request_id, see the module) or comes back on its own (an allocation is
+        # discarded at the restart or its deadline), or is undone by undo_late when a
+        # restarted controller answers the first sending
         m.GetMeta,
         m.Allocate,
     }
@@ -79,14 +92,23 @@ class RemoteControllerLink:
         self.rpc = rpc
         self.ride_through_s = ride_through_s
         self.calls_resent = 0  # calls sent again after the controller went away (see call)
+        self.late = LateLeases()
 
     def undo_late(self, msg: Any, result: Any) -> None:
         """A call failed as gone, and its request reached a restarted controller all the
         same (it was still queued): give back the batch it leased, discard the rows it
-        allocated, as the caller never learned of them (``RpcClient(on_late=...)``)."""
-        undo = undo_of(msg, result)
-        if undo is not None:
-            sent = self.rpc.request(undo)
+        allocated, as the caller never learned of them (``RpcClient(on_late=...)``); a
+        lease the call got all the same, from another sending, is kept
+        (:meth:`LateLeases.undo_of`)."""
+        self._undo(self.late.undo_of(msg, result))
+
+    def _undo(self, undos: list[protocol.ControllerRequest[None]]) -> None:
+        for undo in undos:
+            try:
+                sent = self.rpc.request(undo)
+            except TQError as e:  # (closed: the lease expires, the allocation is reclaimed)
+                log.info("undoing a late reply failed: %r", e)
+                continue
             asyncio.ensure_future(sent).add_done_callback(_quiet)
 
     async def call(self, msg: protocol.ControllerRequest[R]) -> R:
@@ -97,18 +119,24 @@ class RemoteControllerLink:
             return await self._call(msg)
         loop = asyncio.get_running_loop()
         resend = Resend(self, msg, loop.time())
-        while True:
-            try:
-                return await self._call(msg)
-            except PeerGoneError:
-                pause = resend.pause(loop.time())
-                if pause is None:
+        msg = resend.msg
+        result: Any = None
+        try:
+            while True:
+                try:
+                    result = await self._call(msg)
+                    return result
+                except PeerGoneError:
+                    pause = resend.pause(loop.time())
+                    if pause is None:
+                        raise
+                    await asyncio.sleep(pause)
+                except UnknownRowError:
+                    if resend.landed(msg):
+                        return None  # type: ignore[return-value]
                     raise
-                await asyncio.sleep(pause)
-            except UnknownRowError:
-                if resend.landed(msg):
-                    return None  # type: ignore[return-value]
-                raise
+        finally:
+            self._undo(resend.ended(result))
 
     async def _call(self, msg: protocol.ControllerRequest[R]) -> R:
         if not msg.waits:
@@ -128,13 +156,30 @@ class Resend:
     """When a call that found the controller gone is sent again (``ride_through_s``): the
     pauses between sendings, and the deadline after which its PeerGoneError stands. Shared
     by the loop's link and the sync client's direct calls
-    (:mod:`transferqueue.client.direct`)."""
+    (:mod:`transferqueue.client.direct`). ``msg``: the request to send, every time (a
+    ``get_meta`` with its ``request_id``, see the module); :meth:`ended` once the call
+    ends."""
 
     def __init__(self, link: RemoteControllerLink, msg: Any, now: float) -> None:
         self._link = link
-        self._deadline = now + (link.ride_through_s if type(msg) in RESENDABLE else 0.0)
+        resendable = type(msg) in RESENDABLE and link.ride_through_s > 0
+        self._deadline = now + (link.ride_through_s if resendable else 0.0)
         self._pause = _RESEND_FIRST_S
         self.sent_again = False
+        self._request_id: int | None = None
+        if resendable and isinstance(msg, m.GetMeta) and msg.request_id is None:
+            self._request_id = secrets.randbits(63) or 1
+            msg = msgspec.structs.replace(msg, request_id=self._request_id)
+            link.late.begin(self._request_id)
+        self.msg = msg
+
+    def ended(self, result: Any) -> list[protocol.ControllerRequest[None]]:
+        """The call ended with ``result`` (None: no batch, or it failed): the undos of late
+        replies to its sendings that it did not end with (:meth:`LateLeases.ended`)."""
+        if self._request_id is None:
+            return []
+        lease_id = result.lease_id if isinstance(result, BatchMeta) else None
+        return self._link.late.ended(self._request_id, lease_id)
 
     def pause(self, now: float) -> float | None:
         """The pause before sending again, or None: give up (the deadline is near)."""
@@ -174,6 +219,59 @@ def next_slice(msg: Q, deadline: float | None, now: float, first: bool) -> tuple
     if remaining is not None and remaining <= WAIT_SLICE_S:
         return msgspec.structs.replace(msg, timeout_s=remaining, partial=True), remaining
     return msgspec.structs.replace(msg, timeout_s=WAIT_SLICE_S, partial=False), WAIT_SLICE_S
+
+
+class LateLeases:
+    """Which late replies to a ``get_meta`` carrying a ``request_id`` to give back.
+
+    A sending of a call may be answered after the call gave up on it (a restarted
+    controller served it: ``undo_late``), and since the controller answers every sending of
+    a request with the same active lease, that may be the lease the call ends with (from a
+    later sending). So a late lease is released only when it is not the call's: while the
+    call goes on, it waits for the call's end::
+
+        going   request id -> the late lease ids held until the call ends
+        ended   request id -> the lease id the call ended with (None: none)   recent calls
+
+    Thread-safe: the sync client's direct calls end on their callers' threads."""
+
+    def __init__(self, memory: int = 1024) -> None:
+        self._lock = threading.Lock()
+        self._going: dict[int, list[int]] = {}  # request id -> late lease ids held
+        self._ended: OrderedDict[int, int | None] = OrderedDict()
+        self._memory = memory
+
+    def begin(self, request_id: int) -> None:
+        with self._lock:
+            self._going[request_id] = []
+
+    def ended(
+        self, request_id: int, lease_id: int | None
+    ) -> list[protocol.ControllerRequest[None]]:
+        """The call of ``request_id`` ended with ``lease_id``: the releases of the late
+        leases held for it that are not that one."""
+        with self._lock:
+            held = self._going.pop(request_id, [])
+            self._ended[request_id] = lease_id
+            while len(self._ended) > self._memory:
+                self._ended.popitem(last=False)
+        return [m.Release(lease_id=lid) for lid in dict.fromkeys(held) if lid != lease_id]
+
+    def undo_of(self, msg: Any, result: Any) -> list[protocol.ControllerRequest[None]]:
+        """What undoes the late ``result`` of ``msg`` now (:func:`undo_of`): nothing for a
+        lease of a call that goes on (held until it ends) or that it ended with."""
+        undo = undo_of(msg, result)
+        request_id = getattr(msg, "request_id", None)
+        if undo is None or request_id is None or not isinstance(undo, m.Release):
+            return [] if undo is None else [undo]
+        with self._lock:
+            held = self._going.get(request_id)
+            if held is not None:
+                held.append(undo.lease_id)
+                return []
+            if request_id in self._ended and self._ended[request_id] == undo.lease_id:
+                return []
+        return [undo]
 
 
 def undo_of(msg: Any, result: Any) -> protocol.ControllerRequest[None] | None:

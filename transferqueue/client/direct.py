@@ -38,7 +38,6 @@ from transferqueue.client.controller_link import (
     Resend,
     deadline_of,
     next_slice,
-    undo_of,
 )
 from transferqueue.errors import ClosedError, PeerGoneError, TQError, UnknownRowError
 from transferqueue.sched import zmq_in_batch
@@ -111,11 +110,14 @@ class DirectCalls:
     def call(self, msg: protocol.ControllerRequest[R]) -> R:
         """Send ``msg`` and wait for its reply, as ``RemoteControllerLink.call`` does."""
         sock = self._take()
+        resend = Resend(self._link, msg, time.monotonic())
+        msg = resend.msg  # (a get_meta: with its request_id)
+        result: Any = None
         try:
-            resend = Resend(self._link, msg, time.monotonic())
             while True:
                 try:
-                    return self._sliced(sock, msg)
+                    result = self._sliced(sock, msg)
+                    return result
                 except PeerGoneError:
                     pause = resend.pause(time.monotonic())
                     if pause is None:
@@ -126,7 +128,10 @@ class DirectCalls:
                         return None  # type: ignore[return-value]
                     raise
         finally:
-            self._give_back(sock)
+            try:
+                self._send_undos(sock, resend.ended(result))
+            finally:
+                self._give_back(sock)
 
     def close(self) -> None:
         """Fail calls in flight with :class:`ClosedError`, close every socket (idempotent)."""
@@ -267,15 +272,24 @@ class DirectCalls:
                 self._undo(sock, late, frames)
 
     def _undo(self, sock: _Socket, msg: protocol.ControllerRequest[Any], frames: list[Any]) -> None:
-        """The reply to a call that failed as gone: give back what it leased (the undo's own
-        reply is not waited for; an undo that fails leaves the lease to expire)."""
+        """The reply to a call that failed as gone: give back what it leased, unless the
+        call got that lease all the same (``LateLeases``)."""
         try:
-            undo = undo_of(msg, wire.decode_reply(frames, msg.wire_reply))
-            if undo is not None:
-                frames = wire.encode_request(next(sock.ids), undo)
-                sock.sock.send_multipart(frames, zmq.NOBLOCK)
-        except (TQError, zmq.ZMQError) as e:
+            result = wire.decode_reply(frames, msg.wire_reply)
+        except TQError as e:
             log.info("undoing a late %r reply failed: %r", msg.kind, e)
+            return
+        self._send_undos(sock, self._link.late.undo_of(msg, result))
+
+    @staticmethod
+    def _send_undos(sock: _Socket, undos: list[protocol.ControllerRequest[None]]) -> None:
+        """Send ``undos`` (their replies are not waited for; an undo that fails leaves the
+        lease to expire, the allocation to be reclaimed)."""
+        for undo in undos:
+            try:
+                sock.sock.send_multipart(wire.encode_request(next(sock.ids), undo), zmq.NOBLOCK)
+            except (TQError, zmq.ZMQError) as e:
+                log.info("undoing a late %r reply failed: %r", undo.kind, e)
 
     @staticmethod
     def _drain_monitor(sock: _Socket) -> bool:

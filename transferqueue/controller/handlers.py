@@ -205,6 +205,7 @@ class QueueHandlers(_Handlers):
             owner=caller.identity,
             holder=msg.holder,
             consume=msg.consume,  # (at most once: a full batch comes back acked, see GetMeta)
+            request_id=msg.request_id,  # (a call sent again: the lease it took, if any)
         )
         self.service.apply(changes)
         if meta is not None and meta.lease_id is not None and not meta.acked:

@@ -14,6 +14,11 @@ same :class:`LeaseExpiredError`.
 Lease ids are random 63-bit numbers (nobody can guess another consumer's), and a lease taken
 by an authenticated client (its key: the ``owner``) answers only to that client: to anyone
 else it is a lease never issued.
+
+A lease may also name the *request* that took it (``get_meta``'s ``request_id``, drawn by the
+client per call): while the lease is active, :meth:`LeaseTable.of_request` finds it again, so
+that the same call sent again (its reply lost with a controller that died) gets the same batch
+instead of leaving it leased to nobody until its deadline.
 """
 
 from __future__ import annotations
@@ -48,6 +53,11 @@ class Lease:
     # rows lost with a unit while leased, (indexes, groups): consumed if the lease is acked,
     # else logged as lost for its task when it ends (see transferqueue.controller.retire)
     lost: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    # the request that took it (get_meta's request_id), and what its reply said beside the
+    # rows (answered again to a sending of that request, see LeaseTable.of_request)
+    request_id: int | None = None
+    reason: str = "full"
+    splits: list[np.ndarray] | None = None
 
 
 def random_lease_id() -> int:
@@ -68,6 +78,7 @@ class LeaseTable:
         self.returned = 0  # leases closed because their holder died (see holders)
         self.rows_returned = 0  # the rows those leases held when they closed
         self._by_holder: dict[str, set[int]] = {}
+        self._by_request: dict[int, int] = {}  # request id -> its active lease's id
         # called with (lease, why) as each lease closes (the controller's loss log)
         self.on_close: Callable[[Lease, str], None] | None = None
         # draws a lease id (a journaled controller records the ids drawn and replays them,
@@ -91,6 +102,7 @@ class LeaseTable:
         state.setdefault("returned", 0)
         state.setdefault("rows_returned", 0)
         state.setdefault("_by_holder", {})
+        state.setdefault("_by_request", {})
         self.__dict__.update(state)
 
     def open(
@@ -100,6 +112,7 @@ class LeaseTable:
         lease_s: float,
         owner: str | None = None,
         holder: str | None = None,
+        request_id: int | None = None,
     ) -> Lease:
         deadline = self._clock() + self.check_lease_s(lease_s)
         lease_id = self.new_id()
@@ -109,6 +122,9 @@ class LeaseTable:
         self._active[lease_id] = lease
         if holder is not None:
             self._by_holder.setdefault(holder, set()).add(lease_id)
+        if request_id is not None:
+            lease.request_id = request_id
+            self._by_request[request_id] = lease_id
         heapq.heappush(self._heap, (lease.deadline, lease_id))
         return lease
 
@@ -167,6 +183,14 @@ class LeaseTable:
             "returned by get_meta"
         )
 
+    def of_request(self, request_id: int, task: TaskKey, owner: str | None) -> Lease | None:
+        """The active lease that request ``request_id`` took for ``task``, if ``owner`` (the
+        asking client's key) took it and its deadline has not passed; else None."""
+        lease = self._active.get(self._by_request.get(request_id, 0))
+        if lease is None or lease.task != task or lease.owner != owner:
+            return None
+        return lease if lease.deadline > self._clock() else None
+
     def active(self, lease_id: int) -> Lease | None:
         """The lease if it is active (whatever its deadline), else None."""
         return self._active.get(lease_id)
@@ -186,6 +210,9 @@ class LeaseTable:
                 held.discard(lease.lease_id)
                 if not held:
                     del self._by_holder[lease.holder]
+        request = lease.request_id
+        if request is not None and self._by_request.get(request) == lease.lease_id:
+            del self._by_request[request]
         self._closed[lease.lease_id] = why
         if self.on_close is not None:
             self.on_close(lease, why)

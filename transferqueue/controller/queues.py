@@ -126,6 +126,7 @@ class Queues:
         owner: str | None = None,
         holder: str | None = None,
         consume: bool = False,
+        request_id: int | None = None,
     ) -> tuple[BatchMeta | None, Changes]:
         """Hand out a batch if one is due: full, end of stream, or (``short_ok``) whatever is
         queued. Returns (None, changes) when the caller should wait. The lease is ``owner``'s
@@ -135,10 +136,20 @@ class Queues:
         ``consume`` (``get_meta(consume=True)``, at most once): a batch of ``batch_size`` rows
         is consumed as it is handed out, as if acknowledged at once (``acked``; its lease id
         is recorded as acked, see :meth:`LeaseTable.acked_at_once`), without the lease that
-        an ``ack`` in the same call would open and close; a short batch is leased."""
+        an ``ack`` in the same call would open and close; a short batch is leased.
+
+        ``request_id`` (the client's, one per call, kept by every sending of it): when a lease
+        that request took is still active, its batch is answered again and nothing changes.
+        A call whose reply was lost (its controller died after journaling the lease) and that
+        is sent again to the restarted controller so gets the rows it was given, instead of
+        leaving them leased to nobody until the lease's deadline."""
         self.leases.check_lease_s(lease_s)
         part = self._partitions.partition(partition)
         t = self._partitions.task(part, task, fields, sampler, sampler_options or {})
+        if request_id is not None:
+            again = self._again(part, t, request_id, owner, lease_s)
+            if again is not None:
+                return again, Changes()
         t.sampler.check_batch_size(batch_size)
         if max_group is not None and not t.sampler.supports_max_group:
             raise ValueError(
@@ -172,7 +183,8 @@ class Queues:
         if consumed:
             lease_id = self.leases.acked_at_once()
         elif sel.indexes.size:
-            lease = self.leases.open(t.key, sel.indexes, lease_s, owner, holder)
+            lease = self.leases.open(t.key, sel.indexes, lease_s, owner, holder, request_id)
+            lease.reason, lease.splits = reason, sel.splits
             lease_id = lease.lease_id
             t.state[slots] = LEASED
             t.lease[slots] = lease_id
@@ -192,6 +204,34 @@ class Queues:
             changes.merge(self._partitions.mark_done(part, t, slots, dropped=False))
             changes.woken.add(t.key)
         return meta, changes
+
+    def _again(
+        self,
+        part: PartitionState,
+        task: TaskState,
+        request_id: int,
+        owner: str | None,
+        lease_s: float,
+    ) -> BatchMeta | None:
+        """The batch of the active lease request ``request_id`` took (see :meth:`poll`), as
+        its first reply gave it; None when there is none (or none of its rows is left)."""
+        lease = self.leases.of_request(request_id, task.key, owner)
+        if lease is None:
+            return None
+        slots = self._leased_slots(lease, task)
+        if slots.size == 0:
+            return None
+        whole = slots.size == lease.indexes.size  # (else rows were lost: no splits)
+        return self._rows.meta(
+            slots,
+            part.name,
+            fields=task.fields,
+            task=task.key[1],
+            lease_id=lease.lease_id,
+            lease_s=lease_s,  # (every sending asks the same)
+            reason=lease.reason,
+            splits=lease.splits if whole else None,
+        )
 
     @staticmethod
     def drained(part: PartitionState, task: TaskState) -> bool:

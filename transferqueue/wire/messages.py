@@ -201,6 +201,10 @@ class GetMeta(ControllerRequest[BatchMeta]):
     consume: bool = False
     """At most once: a full batch is acknowledged as it is handed out (one round trip; the
     reply says ``acked``). A short batch stays leased, for the caller to release or ack."""
+    request_id: LeaseId | None = None
+    """Drawn by the client once per call and kept by every sending of it (a call sent again
+    through a controller restart): a sending that finds the lease an earlier one took still
+    active gets that lease's batch again, not new rows (see ``Queues.poll``)."""
 
 
 class Alive(ControllerRequest[None]):
