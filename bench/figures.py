@@ -343,6 +343,35 @@ def _chaos_table(load: Callable[[str], Json]) -> str:
     )
 
 
+@renderer("rl-elastic-table")
+def _rl_elastic_table(load: Callable[[str], Json]) -> str:
+    d = load("rl_elastic")
+    fixed = d["fixed_samples_per_s"]
+    rows = [
+        [
+            str(p["instances"]),
+            f"{p['first_step']}-{p['last_step']}",
+            num(p["samples_per_s"]),
+            num(fixed[str(p["instances"])]),
+            x(p["over_fixed"]),
+        ]
+        for p in d["phases"]
+        if p["steady_steps"]
+    ]
+    took = "; ".join(
+        f"`rollout={c['n']}` after step {c['asked_at_step']}, done in {c['took_s']:.1f} s"
+        for c in d["scale_commands"]
+    )
+    held = "held" if d["exactly_once"] and d["staleness_bound"] else "FAILED"
+    head = ["generators", "steps", "elastic run, samples/s", "fixed run, samples/s", "ratio"]
+    return (
+        f"Run of {day(d)} (`docs/bench/rl_elastic.json`, `{d['command']}`; "
+        f"{d['setup']['steps']} steps of {d['setup']['groups_per_step']} groups, samples/s "
+        f"in modelled time): {took}. Every group trained exactly once and the staleness bound "
+        f"in every run: {held}.\n\n" + _table(head, rows)
+    )
+
+
 @renderer("trl-table")
 def _trl_table(load: Callable[[str], Json]) -> str:
     d = load("trl")

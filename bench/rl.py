@@ -6,6 +6,7 @@
     python -m bench.rl --workload agentic   # multi-turn episodes, long-tailed environment
     python -m bench.rl --deploy both --quick --gpus 12 --gen-gpus 4 --real-steps 0
                                             # every stage instance a Ray actor vs one process
+    python -m bench.rl --elastic            # 2 -> 4 -> 1 generators in one run (rl_elastic.py)
 
 Every schedule runs the real asyncflow workflow (TransferQueue, adapters, stage runners,
 admission control, weight sync) on the same resources and the same prompt stream; only the
@@ -553,6 +554,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="pairs per schedule (failures)")
     ap.add_argument("--steps", type=int, default=0, help="training steps (0: 10, --quick 5)")
     ap.add_argument("--groups", type=int, default=0, help="groups per step (0: 32, --quick 16)")
+    ap.add_argument(
+        "--elastic",
+        action="store_true",
+        help="one Ray run scaled 2 -> 4 -> 1 generators against fixed runs of each size\n"
+        "(bench/rl_elastic.py; --steps: its steps, default 45; --groups: default 32)",
+    )
     args = ap.parse_args()
     if args.env_failure_rate and args.workload != "agentic":
         ap.error("--env-failure-rate needs --workload agentic")
@@ -570,6 +577,11 @@ def main() -> None:
         env_retries=args.env_retries,
     )
     cal = calibrated()
+    if args.elastic:
+        from bench.rl_elastic import elastic
+
+        elastic(replace(setup, groups_per_step=args.groups or 32), cal, args.steps or 45)
+        return
     tokenizer = build_tokenizer()
     task = make_task("countdown", seed=setup.seed)
     from engines.hf.text import encode_prompts
