@@ -335,18 +335,28 @@ def plot_rewards(runs: dict[str, list[dict[str, Any]]], path: str | Path, title:
     for name, records in runs.items():
         steps = [r["step"] for r in records]
         rewards = [r["reward"] for r in records]
-        (line,) = ax.plot(steps, rewards, alpha=0.35)
-        w = max(1, len(rewards) // 10)
-        smooth = [
-            sum(rewards[max(0, i - w + 1) : i + 1]) / len(rewards[max(0, i - w + 1) : i + 1])
-            for i in range(len(rewards))
-        ]
-        ax.plot(steps, smooth, color=line.get_color(), label=name)
+        _with_mean(ax, steps, rewards, name)
     ax.set_xlabel("train step")
     ax.set_ylabel("mean reward of the step's samples")
     ax.set_title(title)
     ax.legend()
     ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def _with_mean(ax: Any, x: list[Any], y: list[float], label: str) -> None:
+    """``y`` faint, and its moving mean over a tenth of the points in the same colour."""
+    (line,) = ax.plot(x, y, alpha=0.35)
+    w = max(1, len(y) // 10)
+    smooth = [
+        sum(y[max(0, i - w + 1) : i + 1]) / len(y[max(0, i - w + 1) : i + 1]) for i in range(len(y))
+    ]
+    ax.plot(x, smooth, color=line.get_color(), label=label)
+
+
+def _save(fig: Any, path: str | Path) -> Path:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=120)
@@ -377,18 +387,8 @@ def plot_capacity(records: list[dict[str, Any]], path: str | Path, title: str) -
     top.grid(alpha=0.3)
     top.set_title(title)
     rate = [r["samples"] / max(float(r["step_s"]), 1e-9) for r in records]
-    w = max(1, len(rate) // 10)
-    smooth = [
-        sum(rate[max(0, i - w + 1) : i + 1]) / len(rate[max(0, i - w + 1) : i + 1])
-        for i in range(len(rate))
-    ]
-    (line,) = bottom.plot(t, rate, alpha=0.35)
-    bottom.plot(t, smooth, color=line.get_color(), label="samples/s")
+    _with_mean(bottom, t, rate, "samples/s")
     bottom.set_xlabel("run time (s)")
     bottom.set_ylabel("samples per second")
     bottom.grid(alpha=0.3)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
