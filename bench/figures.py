@@ -356,7 +356,7 @@ def _rl_elastic_table(load: Callable[[str], Json]) -> str:
             x(p["over_fixed"]),
         ]
         for p in d["phases"]
-        if p["steady_steps"]
+        if p["steady_steps"] and str(p["instances"]) in fixed  # (not a count passed through)
     ]
     took = "; ".join(
         f"`rollout={c['n']}` after step {c['asked_at_step']}, done in {c['took_s']:.1f} s"
