@@ -1,8 +1,8 @@
 """Many concurrent clients on one TransferQueue service: throughput, latency, fairness, the
 servers' CPU, memory and descriptors, and exactly-once, as the number of clients grows.
 
-    python -m bench.load                          # N = 64, 512, 4096 clients (~4 min)
-    python -m bench.load --clients 64,256 --seconds 5 --procs 2    # a smoke test
+    python -m bench.load                          # N = 64, 512, 4096 clients, local and Ray
+    python -m bench.load --clients 64,256 --seconds 5 --procs 2 --deploy local   # a smoke test
 
 Each client is a connected handle of its own (``transferqueue.connect``: its own sockets to
 the controller and the unit, as a separate process's client would have), driven as an async
@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import select
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -198,28 +200,54 @@ def _phase(outs: list[dict[str, Any]], batch: int, seconds: float, phase_no: int
     }
 
 
+@contextlib.contextmanager
+def _service(deploy: str) -> Iterator[tuple[str, int, int]]:
+    """A service of one unit: ``local`` (``transferqueue.serve``: processes of its own) or
+    ``ray`` (``launch_on_ray``: Ray actors, on the cluster :func:`main` started); yields its
+    address and the controller's and the unit's process ids."""
+    import transferqueue
+
+    if deploy == "local":
+        with transferqueue.serve(num_units=1) as svc:
+            yield svc.address, svc.pids[-1], svc.pids[0]  # (units start first)
+        return
+    import ray
+
+    from transferqueue.deploy.ray import launch_on_ray
+
+    start = launch_on_ray(num_units=1, spread=False)
+    handle = start.handle()
+    try:
+        ctl, unit = start.actors[-1], start.actors[0]
+        address, ctl_pid, unit_pid = ray.get(
+            [ctl.address.remote(), ctl.pid.remote(), unit.pid.remote()], timeout=120
+        )
+        yield str(address), int(ctl_pid), int(unit_pid)
+    finally:
+        handle.close()
+
+
 def run_case(
-    n: int, procs: int, batch: int, seconds: float, rates: dict[str, float]
+    n: int, procs: int, batch: int, seconds: float, rates: dict[str, float], deploy: str = "local"
 ) -> dict[str, Any]:
-    """One service and ``n`` clients over ``procs`` workers, then one phase of ``seconds``
-    per entry of ``rates``: cycles per second per client, 0 for as fast as each can (the
-    service's saturation throughput)."""
+    """One service (``deploy``: ``local`` or ``ray``) and ``n`` clients over ``procs``
+    workers, then one phase of ``seconds`` per entry of ``rates``: cycles per second per
+    client, 0 for as fast as each can (the service's saturation throughput)."""
     import transferqueue
 
     procs = max(1, min(procs, n))
-    with transferqueue.serve(num_units=1) as svc:
-        setup = transferqueue.connect(svc.address)
+    with _service(deploy) as (address, ctl, unit):
+        setup = transferqueue.connect(address)
         partitions = ["shared", *[f"own-{c}" for c in range(n) if c % 2]]
         sc = setup.client()
         for p in partitions:
             sc.declare_tasks(["load"], partition=p)
-        unit, ctl = svc.pids[0], svc.pids[-1]  # units are started first, the controller last
         before = {pid: _proc_stats(pid) for pid in (ctl, unit)}
         workers = []
         first = 0
         for i in range(procs):
             count = n // procs + (1 if i < n % procs else 0)
-            cmd = [sys.executable, "-m", "bench.load", "--worker", svc.address, str(first)]
+            cmd = [sys.executable, "-m", "bench.load", "--worker", address, str(first)]
             cmd += [str(count), str(batch), str(seconds), ",".join(map(str, rates.values()))]
             workers.append(
                 subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -230,7 +258,13 @@ def run_case(
             _line(w, WORKER_TIMEOUT_S)  # connected
         connect_s = time.perf_counter() - t0
         connected = {pid: _proc_stats(pid) for pid in (ctl, unit)}  # every client connected
-        res: dict[str, Any] = {"clients": n, "procs": procs, "connect_s": connect_s, "phases": {}}
+        res: dict[str, Any] = {
+            "deploy": deploy,
+            "clients": n,
+            "procs": procs,
+            "connect_s": connect_s,
+            "phases": {},
+        }
         stamps: list[tuple[int, ...]] = []
         written: set[tuple[int, ...]] = set()
         for phase_no, (name, rate) in enumerate(rates.items()):
@@ -286,11 +320,11 @@ def run_case(
 
 
 def _print_case(r: dict[str, Any]) -> None:
-    n = r["clients"]
+    n, deploy = r["clients"], r.get("deploy", "local")
     for name, ph in r["phases"].items():
         lm = ph["latency_ms"]
         line(
-            f"load {n} clients, {name}",
+            f"load {n} clients [{deploy}], {name}",
             ph["cycles_per_s"],
             "cycles/s",
             get_meta_p50_ms=lm["get_meta"]["p50"],
@@ -306,7 +340,7 @@ def _print_case(r: dict[str, Any]) -> None:
         )
     for role, sv in r["servers"].items():
         line(
-            f"  {role} with {n} clients connected",
+            f"  {role} with {n} clients connected [{deploy}]",
             sv["rss_mb"],
             "MB RSS",
             kb_per_client=sv["kb_per_client"],
@@ -327,16 +361,19 @@ def _plot(cases: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    n = [c["clients"] for c in cases]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    for name in cases[0]["phases"]:
-        a.plot(n, [c["phases"][name]["rows_per_s"] for c in cases], "-o", label=name)
-        for call in ("get_meta", "put"):
+    for deploy in dict.fromkeys(c.get("deploy", "local") for c in cases):
+        mine = [c for c in cases if c.get("deploy", "local") == deploy]
+        n = [c["clients"] for c in mine]
+        for name in mine[0]["phases"]:
+            a.plot(
+                n, [c["phases"][name]["rows_per_s"] for c in mine], "-o", label=f"{name} [{deploy}]"
+            )
             b.plot(
                 n,
-                [c["phases"][name]["latency_ms"][call]["p99"] for c in cases],
+                [c["phases"][name]["latency_ms"]["get_meta"]["p99"] for c in mine],
                 "-o" if name == "paced" else ":x",
-                label=f"{call} p99, {name}",
+                label=f"get_meta p99, {name} [{deploy}]",
             )
     a.set(xscale="log", xlabel="concurrent clients", ylabel="rows/s", title="throughput")
     a.legend(fontsize=8)
@@ -373,29 +410,54 @@ def main(argv: list[str] | None = None) -> int:
         default=100.0,
         help="the paced phase's cycles/s over all clients (each client offered/N)",
     )
+    ap.add_argument(
+        "--deploy",
+        choices=["local", "ray", "both"],
+        default="both",
+        help="the service's servers as processes of its own, as Ray actors, or both",
+    )
     args = ap.parse_args(args_in)
     counts = [int(c) for c in args.clients.split(",")]
-    cases = []
-    for n in counts:
-        phases = {"paced": args.offered / n, "saturated": 0.0}
-        r = run_case(n, args.procs, args.batch, args.seconds, phases)
-        _print_case(r)
-        cases.append(r)
-    sat = [c["phases"]["saturated"]["rows_per_s"] for c in cases]
-    ratio = sat[-1] / sat[0]
-    p99 = cases[-1]["phases"]["paced"]["latency_ms"]["get_meta"]["p99"]
+    deploys = ["local", "ray"] if args.deploy == "both" else [args.deploy]
+    cases: list[dict[str, Any]] = []
+    goals: dict[str, bool] = {}
+    ratios: dict[str, float] = {}
+    for deploy in deploys:
+        if deploy == "ray":
+            from bench.rl_ray import start_ray, stop_ray
+
+            start_ray(num_cpus=2)
+        try:
+            mine = []
+            for n in counts:
+                phases = {"paced": args.offered / n, "saturated": 0.0}
+                r = run_case(n, args.procs, args.batch, args.seconds, phases, deploy)
+                _print_case(r)
+                mine.append(r)
+        finally:
+            if deploy == "ray":
+                stop_ray()
+        cases += mine
+        sat = [c["phases"]["saturated"]["rows_per_s"] for c in mine]
+        ratios[deploy] = sat[-1] / sat[0]
+        p99 = mine[-1]["phases"]["paced"]["latency_ms"]["get_meta"]["p99"]
+        goals[
+            f"saturated throughput at {counts[-1]} >= {THROUGHPUT_GOAL}x at {counts[0]} [{deploy}]"
+        ] = ratios[deploy] >= THROUGHPUT_GOAL
+        goals[f"get_meta p99 at {counts[-1]} (paced) < {P99_GOAL_MS:g} ms [{deploy}]"] = (
+            p99 < P99_GOAL_MS
+        )
+        line(
+            f"saturated throughput {counts[-1]} / {counts[0]} clients [{deploy}]",
+            ratios[deploy],
+            "x",
+        )
     ok_once = all(
         c["exactly_once"]["twice"] == c["exactly_once"]["missing"] == 0
         and c["exactly_once"]["extra"] == 0
         for c in cases
     )
-    goals = {
-        f"saturated throughput at {counts[-1]} >= {THROUGHPUT_GOAL}x at {counts[0]}": ratio
-        >= THROUGHPUT_GOAL,
-        f"get_meta p99 at {counts[-1]} (paced) < {P99_GOAL_MS:g} ms": p99 < P99_GOAL_MS,
-        "every row read exactly once": ok_once,
-    }
-    line(f"saturated throughput {counts[-1]} / {counts[0]} clients", ratio, "x")
+    goals["every row read exactly once"] = ok_once
     for goal, met in goals.items():
         print(f"goal {goal}: {'met' if met else 'NOT met'}", flush=True)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
@@ -406,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": "python -m bench.load " + " ".join(args_in),
             "settings": vars(args),
             "cases": cases,
-            "throughput_ratio": ratio,
+            "throughput_ratio": ratios,
             "goals": goals,
         },
     )
