@@ -74,3 +74,75 @@ def test_a_host_ray_will_not_restart_ends_the_wait_at_once() -> None:
     with pytest.raises(NotBackError, match="Ray will not restart it"):
         _wait(_Host(dead), 30.0)
     assert time.monotonic() - t0 < 1.0
+
+
+class _Remote:
+    """An actor method: ``.remote(*args)`` records the call and answers ``result``."""
+
+    def __init__(self, calls: list[tuple[str, tuple[Any, ...]]], name: str, result: Any) -> None:
+        self._calls, self._name, self._result = calls, name, result
+
+    def remote(self, *args: Any) -> Awaitable[Any]:
+        self._calls.append((self._name, args))
+
+        async def answer() -> Any:
+            return self._result
+
+        return answer()
+
+
+class _Actor:
+    def __init__(self, calls: list[tuple[str, tuple[Any, ...]]], **methods: Any) -> None:
+        for name, result in methods.items():
+            setattr(self, name, _Remote(calls, name, result))
+
+
+class _Registry:
+    def __init__(self) -> None:
+        self.gone: list[str] = []
+
+    async def unregister(self, name: str) -> None:
+        self.gone.append(name)
+
+
+def _scaler(n: int) -> tuple[Any, list[tuple[str, tuple[Any, ...]]], _Registry, list[Any]]:
+    from asyncflow import load_config
+    from asyncflow.deploy.ray_scale import RolloutScaler
+
+    calls: list[tuple[str, tuple[Any, ...]]] = []
+    gens = [(f"instance{i}", _Actor(calls, close=None)) for i in range(n)]
+    actors: list[Any] = [a for _, a in gens]
+    rollout = _Actor(calls, retire_generator=True)
+    registry = _Registry()
+    cfg = load_config(overrides=["deploy.mode=ray", f"rollout.instances={n}"])
+    scaler = RolloutScaler(
+        cfg,
+        gens,
+        actors,
+        registry,  # type: ignore[arg-type]
+        lambda i: ("", None, ""),
+        lambda name, gen: lambda: asyncio.sleep(0),
+        lambda: (rollout, None, "broadcast"),
+    )
+    return scaler, calls, registry, gens
+
+
+def test_a_generator_that_did_not_come_back_leaves_the_run_while_others_remain(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its node lost and no node able to take it: it leaves as a scale-down removes one (no
+    drain grace: it has no call left), not ending the run; the last one is not dropped."""
+    ray = pytest.importorskip("ray")
+    killed: list[tuple[Any, bool]] = []
+    # (the real one would start a Ray instance to refuse a fake actor)
+    monkeypatch.setattr(ray, "kill", lambda a, no_restart=True: killed.append((a, no_restart)))
+    scaler, calls, registry, gens = _scaler(2)
+    first = gens[0][1]
+    assert asyncio.run(scaler.drop("instance0", NotBackError("not placed"))) is True
+    assert [n for n, _ in gens] == ["instance1"] and scaler.count() == 1
+    assert "instance0" in scaler.retired  # (its job then ends quietly)
+    assert ("retire_generator", ("instance0", 0.0)) in calls
+    assert registry.gone == ["instance0"]
+    assert killed == [(first, True)]  # stopped for good: Ray places it nowhere later
+    assert asyncio.run(scaler.drop("instance1", NotBackError("not placed"))) is False
+    assert scaler.count() == 1 and registry.gone == ["instance0"]
