@@ -544,6 +544,8 @@ class RayDeployment(Deployment):
                             f"{self.cfg.deploy.max_restarts}): {e}"
                         ) from e
                     log.warning("stage host %r died; Ray restarts it (restart %d)", name, used)
+                    if instance is not None:  # (routed nothing meanwhile)
+                        await self.scaler.lost(instance)
                     died = self.timeline.now()
                     bound = self.cfg.deploy.start_timeout_s
                     try:

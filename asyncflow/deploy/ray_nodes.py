@@ -24,9 +24,11 @@ dispatcher) are placed on the driver's node (:func:`on_driver_node`), so that no
 node's loss takes them.
 
 A restart waits for resources: Ray keeps a dead actor pending until a node can take it,
-without bound. The driver's wait for it is bounded (:func:`until_alive`,
-``deploy.start_timeout_s``), each of its calls too (a call to an actor Ray has not placed
-yet is queued, not refused); a generator that does not come back within it leaves the run
+without bound, and queues the calls made to it meanwhile. So the rollout routes nothing to a
+generator the driver saw die (``RolloutScaler.lost``) until it registers again, and bounds its
+own wait for a version on one (``RemoteGenerator.wait_version``); the driver's wait for the
+restart is bounded (:func:`until_alive`, ``deploy.start_timeout_s``), each of its pings too;
+a generator that does not come back within it leaves the run
 while other instances remain (``RolloutScaler.drop``), any other host ends the run with an
 error naming it and the resources Ray could not find.
 """

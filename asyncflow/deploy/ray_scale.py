@@ -199,6 +199,13 @@ class RolloutScaler:
             self.count(),
         )
 
+    async def lost(self, name: str) -> None:
+        """Instance ``name`` died: the rollout routes it nothing until it is back (bounded:
+        a dispatcher that is itself restarting does not answer)."""
+        rollout, _, _ = self._hosts()
+        with contextlib.suppress(Exception):
+            await within(rollout.lost_generator.remote(name), 10.0)
+
     async def drop(self, name: str, error: BaseException) -> bool:
         """Instance ``name`` died and Ray did not bring it back (``error``: why, e.g. its node
         lost and no other node has the resources it asks for): it leaves the run, as a

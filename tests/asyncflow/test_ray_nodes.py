@@ -146,3 +146,38 @@ def test_a_generator_that_did_not_come_back_leaves_the_run_while_others_remain(
     assert killed == [(first, True)]  # stopped for good: Ray places it nowhere later
     assert asyncio.run(scaler.drop("instance1", NotBackError("not placed"))) is False
     assert scaler.count() == 1 and registry.gone == ["instance0"]
+
+
+def test_a_wait_for_weights_on_a_host_not_placed_again_says_no_at_its_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The rollout's wait for an instance to load a version is answered by the host at its
+    own bound; a host Ray has not placed again never gets the call, so the proxy bounds it
+    too (else the batch waited until a node could take the host)."""
+    from asyncflow.deploy import remote
+
+    monkeypatch.setattr(remote, "CALL_SLACK_S", 0.1)
+
+    class _Coordinator:
+        async def watch(self, seq: int, timeout_s: float) -> tuple[int, dict[str, tuple]]:
+            return seq + 1, {"g0": (0, 0, 1, 0, 0)}
+
+    calls: list[tuple[str, tuple[Any, ...]]] = []
+
+    class _Queued(_Remote):  # (Ray queues it: no answer, no error)
+        def remote(self, *args: Any) -> Awaitable[Any]:
+            calls.append(("wait_version", args))
+            return asyncio.Event().wait()
+
+    async def go() -> float:
+        view = remote.GeneratorView(_Coordinator())  # type: ignore[arg-type]
+        await view.refresh()
+        host = _Actor(calls)
+        host.wait_version = _Queued(calls, "wait_version", None)  # type: ignore[attr-defined]
+        proxy = remote.RemoteGenerator("g0", host, view)
+        t0 = time.monotonic()
+        assert await proxy.wait_version(1, 0.2) is False
+        return time.monotonic() - t0
+
+    assert 0.3 <= asyncio.run(go()) < 2.0
+    assert calls == [("wait_version", (1, 0.2))]
