@@ -158,9 +158,17 @@ class TQConfig:
     start 1.5 s longer for the demo's kilobytes per batch. More spread large batches' memory
     traffic and storage over processes and nodes (``bench.peer``, dense puts and gets of 302
     MB through the peer's API: 4.25 GB/s with 1 unit, 4.90 with 4)."""
+    replicas: int = 1
+    """Modes ``service`` and ``ray``: copies of each row, on as many storage units (2 needs
+    ``num_units >= 2``). With 2 a unit that dies (its node lost) loses no row whose other copy
+    lives: the run goes on without regenerating its groups (``docs/asyncflow/ray.md``, a lost
+    node). Every put writes twice."""
     placement: PlacementConfig = field(default_factory=lambda: PlacementConfig(num_cpus=0))
-    """``mode=ray``: resources of each server actor (controller and units; I/O bound, so no
-    CPU slot by default), e.g. ``{resources: {tq_node: 0.01}}`` to keep them on given nodes."""
+    """``mode=ray``: resources of each storage unit actor (I/O bound, so no CPU slot by
+    default), e.g. ``{resources: {tq_node: 0.01}}`` to keep them on given nodes. The
+    controller (metadata only) runs on the driver's node, with this ``num_cpus`` and nothing
+    else: the run ends with the driver's node anyway, so no other node's loss takes the
+    controller with it."""
     lease_s: float = 120.0
     """Lease of a stage's batch; a stage that dies holding one gives its rows back after it."""
     state_dir: str | None = None
@@ -195,6 +203,7 @@ class TQConfig:
         """The options of ``transferqueue.serve`` (mode ``service``) this section sets."""
         return {
             "num_units": self.num_units,
+            "replicas": self.replicas,
             "state_dir": self.state_dir,
             "fsync": self.fsync,
             "max_connections": self.max_connections,
@@ -205,6 +214,12 @@ class TQConfig:
             raise ValueError(
                 "transferqueue.num_units must be >= 1 and transferqueue.lease_s > 0, got "
                 f"{self.num_units} and {self.lease_s}"
+            )
+        if self.replicas not in (1, 2) or self.replicas > self.num_units:
+            raise ValueError(
+                f"transferqueue.replicas must be 1 or 2 and at most transferqueue.num_units="
+                f"{self.num_units}, got {self.replicas}: set transferqueue.num_units=2 (or more) "
+                "for a second copy of each row"
             )
         modes = ("auto", "embedded", "service", "ray", "connect")
         if self.mode not in modes:

@@ -6,10 +6,11 @@ What runs where (``asyncflow.deploy.ray_hosts`` for the actors):
 
 | actor                 | count               | resources (config)      | after its death   |
 |-----------------------|---------------------|-------------------------|-------------------|
-| TransferQueue servers | 1 + num_units       | transferqueue.placement | -                 |
-| coordinator           | 1                   | none (I/O)              | -                 |
+| TransferQueue units   | num_units           | transferqueue.placement | restarted empty   |
+| TransferQueue ctl.    | 1                   | the driver's node       | -                 |
+| coordinator           | 1                   | the driver's node       | -                 |
 | generator             | rollout.instances   | rollout.placement       | restarted         |
-| rollout dispatcher    | 1                   | none (I/O)              | restarted         |
+| rollout dispatcher    | 1                   | the driver's node       | restarted         |
 | reward worker         | reward.instances    | reward.placement        | restarted         |
 | reference worker      | reference.instances | reference.placement     | restarted         |
 | trainer rank 0        | 1                   | train.placement         | ddp, >= 2 ranks:  |
@@ -22,9 +23,10 @@ What runs where (``asyncflow.deploy.ray_hosts`` for the actors):
 |                       |                     |                         | fsdp: the run     |
 |                       |                     |                         | fails (below)     |
 
-Restarts are Ray's (``deploy.max_restarts`` per actor). Generators join and leave a running
-job by command (``asyncflow scale DIR rollout=N``: ``asyncflow.deploy.ray_scale``), and one
-that gets SIGTERM (preemption) is drained and leaves.
+Restarts are Ray's (``deploy.max_restarts`` per actor); a node lost takes every actor on it
+at once (``asyncflow.deploy.ray_nodes``: what that costs, who comes back where). Generators
+join and leave a running job by command (``asyncflow scale DIR rollout=N``:
+``asyncflow.deploy.ray_scale``), and one that gets SIGTERM (preemption) is drained and leaves.
 
 The driver (this process) stays the run's single controller (LlamaRL's design): it runs the
 prompt feeder, and so admission control, itself, and takes the step reports. Shared state
@@ -82,12 +84,8 @@ from asyncflow.checkpoint import CheckpointPlan, ResumePoint
 from asyncflow.config import PlacementConfig, RunConfig
 from asyncflow.deploy.base import Deployment, Job
 from asyncflow.deploy.coordinator import Coordinator
-from asyncflow.deploy.ray_hosts import (
-    GeneratorActor,
-    RolloutActor,
-    TQAccess,
-    WorkerActor,
-)
+from asyncflow.deploy.ray_hosts import GeneratorActor, RolloutActor, TQAccess, WorkerActor
+from asyncflow.deploy.ray_nodes import NotBackError, on_driver_node, until_alive
 from asyncflow.deploy.ray_probe import PROBE_OPTIONS, HostProbes
 from asyncflow.deploy.ray_ranks import ranks_restartable, trainer_lost
 from asyncflow.deploy.ray_scale import SCALABLE, RolloutScaler
@@ -106,6 +104,9 @@ from transferqueue.wire.auth import ClientKeys
 __all__ = ["RayDeployment", "actor_options"]
 
 log = logging.getLogger(__name__)
+
+DRAIN_S = 5.0
+"""Bound of the driver's per-step call for what a stage host recorded (``collect``)."""
 
 
 def actor_options(p: PlacementConfig, *, pg: Any = None, bundle: int = 0) -> dict[str, Any]:
@@ -218,6 +219,8 @@ class RayDeployment(Deployment):
                 fsync=tqc.fsync,
                 batch_sched=self.cfg.deploy.batch_sched,
                 max_connections=tqc.max_connections,
+                replicas=tqc.replicas,
+                controller_options=on_driver_node({"num_cpus": tqc.placement.num_cpus}),
             )
         if tqc.mode == "service":
             self._service = transferqueue.serve(**tqc.service_options())
@@ -297,7 +300,8 @@ class RayDeployment(Deployment):
         coord_cls: Any = ray.remote(Coordinator)
         resume = self._resume
         start_version = 0 if resume is None else resume.version
-        self._coord = coord_cls.options(name=coord_name, num_cpus=0).remote(
+        here = on_driver_node({"num_cpus": 0})  # (its loss would end the run: ray_nodes)
+        self._coord = coord_cls.options(name=coord_name, **here).remote(
             start_version,
             policy=cfg.rollout.weight_sync,
             first_group=None if resume is None else resume.next_group,
@@ -343,7 +347,7 @@ class RayDeployment(Deployment):
         )
         rollout_cls: Any = ray.remote(**PROBE_OPTIONS)(RolloutActor)
         gen_names = [(n, f"{prefix}-{n}") for n, _ in self._generators]
-        self._rollout = rollout_cls.options(name=f"{prefix}-rollout", num_cpus=0, **restart).remote(
+        self._rollout = rollout_cls.options(name=f"{prefix}-rollout", **here, **restart).remote(
             cfg, self._adapters, address, coord_name, gen_names, origin, model, f
         )
         self._actors.append(self._rollout)
@@ -540,31 +544,20 @@ class RayDeployment(Deployment):
                             f"{self.cfg.deploy.max_restarts}): {e}"
                         ) from e
                     log.warning("stage host %r died; Ray restarts it (restart %d)", name, used)
+                    if instance is not None:  # (routed nothing meanwhile)
+                        await self.scaler.lost(instance)
                     died = self.timeline.now()
-                    with self._probes.restarting(name):
-                        await self._until_alive(name, host, e)
+                    bound = self.cfg.deploy.start_timeout_s
+                    try:
+                        with self._probes.restarting(name):
+                            await until_alive(name, host, e, bound)
+                    except NotBackError as gone:  # a generator leaves; others end the run
+                        if instance is None or not await self.scaler.drop(instance, gone):
+                            raise
+                        return
                     self.restart_times.append((name, died, self.timeline.now()))
 
         return supervised
-
-    async def _until_alive(self, name: str, host: Any, cause: BaseException) -> None:
-        """Wait (bounded) until Ray has restarted ``host``; raise if it never will."""
-        import ray
-
-        deadline = time.monotonic() + self.cfg.deploy.start_timeout_s
-        while True:
-            try:
-                await host.ping.remote()
-                return
-            except ray.exceptions.ActorUnavailableError:  # restarting: not yet
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"stage host {name!r} died and did not come back within "
-                        f"deploy.start_timeout_s={self.cfg.deploy.start_timeout_s}"
-                    ) from cause
-                await asyncio.sleep(0.5)
-            except ray.exceptions.RayActorError as e:  # dead for good (restarts spent)
-                raise RuntimeError(f"stage host {name!r} died: {e}") from cause
 
     async def progress(self) -> dict[str, Probe]:
         """Every host as last heard (``ray_probe``); trainer ranks are replaced only where a
@@ -589,8 +582,13 @@ class RayDeployment(Deployment):
                 return report
 
     async def collect(self) -> dict[str, dict[str, float]]:
-        hosts = [a for _, a in self._named()]
-        results = await asyncio.gather(*(a.drain.remote() for a in hosts), return_exceptions=True)
+        """What the hosts recorded since the last call, for the step's record: hosts that Ray
+        restarts are not asked (a call waits for the restart: a lost node's hosts held every
+        record up until a new node took them), the others at most ``DRAIN_S`` (a host that
+        answers later hands that part to no one)."""
+        hosts = [a for n, a in self._named() if not self._probes.is_restarting(n)]
+        drains = (within(a.drain.remote(), DRAIN_S) for a in hosts)
+        results = await asyncio.gather(*drains, return_exceptions=True)
         merged: dict[str, list[dict[str, float]]] = {}
         for r in results:
             if isinstance(r, BaseException):

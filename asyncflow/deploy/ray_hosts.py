@@ -557,6 +557,16 @@ class RolloutActor(_Host):
 
         return await self.on_tq_loop(add())
 
+    async def lost_generator(self, name: str) -> None:
+        """Instance ``name`` died (the driver saw it): routed nothing until it registers
+        again. A batch routed to it meanwhile would wait for Ray to place it again (its node
+        lost: for as long as no node has its resources), not fail over."""
+
+        async def lost() -> None:
+            self.view.lost(name)
+
+        await self.on_tq_loop(lost())
+
     async def retire_generator(self, name: str, timeout_s: float) -> bool:
         """Instance ``name`` takes no new batch; returns once the calls it has finished
         (True) or after ``timeout_s`` (False: the driver stops it anyway and its calls fail

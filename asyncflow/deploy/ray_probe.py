@@ -157,6 +157,11 @@ class HostProbes:
             if asking is not None:
                 asking.future.cancel()
 
+    def is_restarting(self, host: str) -> bool:
+        """Whether the driver waits for Ray to restart ``host`` now (a call to it would wait
+        as long: Ray queues calls to an actor it has not placed again)."""
+        return host in self._restarting
+
     def close(self) -> None:
         for asking in self._asking.values():
             asking.future.cancel()

@@ -221,12 +221,36 @@ class RolloutScaler:
             self.count(),
         )
 
-    async def _remove(self, name: str | None = None) -> None:
+    async def lost(self, name: str) -> None:
+        """Instance ``name`` died: the rollout routes it nothing until it is back (bounded:
+        a dispatcher that is itself restarting does not answer)."""
+        rollout, _, _ = self._hosts()
+        with contextlib.suppress(Exception):
+            await within(rollout.lost_generator.remote(name), 10.0)
+
+    async def drop(self, name: str, error: BaseException) -> bool:
+        """Instance ``name`` died and Ray did not bring it back (``error``: why, e.g. its node
+        lost and no other node has the resources it asks for): it leaves the run, as a
+        scale-down removes one, and True; False (nothing changed) when it is the last."""
+        async with self._lock:
+            if name not in dict(self._generators) or self.count() == 1:
+                return False
+            log.warning(
+                "rollout instance %s leaves the run (%s); the rollout goes on with %d; "
+                "`asyncflow scale DIR rollout=N` adds instances again",
+                name,
+                error,
+                self.count() - 1,
+            )
+            await self._remove(name, grace_s=0.0)
+        return True
+
+    async def _remove(self, name: str | None = None, grace_s: float | None = None) -> None:
         import ray
 
         # (the newest first: the oldest keep their caches)
         name, gen = self._generators[-1] if name is None else (name, self._by_name(name))
-        grace = self.cfg.deploy.drain_grace_s
+        grace = self.cfg.deploy.drain_grace_s if grace_s is None else grace_s
         rollout, _, _ = self._hosts()
         try:  # (bounded: a rollout host frozen or restarting meanwhile does not hold it)
             drained = await within(rollout.retire_generator.remote(name, grace), grace + 30.0)
@@ -238,7 +262,7 @@ class RolloutScaler:
                 e,
             )
             drained = True
-        if not drained:
+        if not drained and grace > 0:
             log.warning(
                 "rollout instance %s still had calls after deploy.drain_grace_s=%s; they go to "
                 "the other instances",

@@ -27,6 +27,7 @@ from adapters import InstanceLostError, StepReport
 from asyncflow.registry import Snapshot, WeightSync
 from engines.packed import pack_prompts, unpack_generations
 from engines.protocols import Generation, SamplingParams
+from transferqueue.aio import within
 
 __all__ = ["GeneratorView", "RemoteGenerator", "RemoteRegistry"]
 
@@ -34,6 +35,8 @@ log = logging.getLogger(__name__)
 
 LOST_WAIT_S = 0.05
 """How long a wait on a generator host that died or failed lasts before it says no."""
+CALL_SLACK_S = 2.0
+"""A bounded call's time to reach its host and come back, beyond the host's own bound."""
 
 
 class RemoteRegistry:
@@ -236,7 +239,12 @@ class RemoteGenerator:
 
         incarnation = self._view.incarnation(self.name)
         try:
-            ok = bool(await self._h.wait_version.remote(version, timeout_s))
+            # (bounded here too: Ray queues a call to a host it has not placed again, e.g.
+            # its node lost, and the host's own bound never starts)
+            call = self._h.wait_version.remote(version, timeout_s)
+            ok = bool(await within(call, timeout_s + CALL_SLACK_S))
+        except TimeoutError:
+            return False
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
             await asyncio.sleep(min(timeout_s, LOST_WAIT_S))  # (no spin while it restarts)
             return False

@@ -109,6 +109,18 @@ def test_the_servers_connection_limit_is_configured_and_checked() -> None:
         load_config(overrides=["transferqueue.max_connections=0"])
 
 
+def test_row_copies_are_configured_and_checked() -> None:
+    over = ["transferqueue.mode=service", "transferqueue.num_units=2", "transferqueue.replicas=2"]
+    assert load_config(overrides=over).transferqueue.service_options()["replicas"] == 2
+    assert load_config().transferqueue.replicas == 1
+    for bad in (
+        ["transferqueue.replicas=2"],
+        ["transferqueue.num_units=3", "transferqueue.replicas=3"],
+    ):
+        with pytest.raises(ValueError, match=r"transferqueue\.replicas must be 1 or 2 and at most"):
+            load_config(overrides=bad)
+
+
 @pytest.mark.slow
 @pytest.mark.service
 def test_a_service_run_gives_its_controller_the_state_dir(tmp_path: Path) -> None:

@@ -245,6 +245,31 @@ def test_a_unit_killed_under_serve_with_replicas_loses_no_row() -> None:
         assert svc.alive()
 
 
+@pytest.mark.slow
+@pytest.mark.service
+def test_stats_do_not_wait_on_a_unit_the_controller_declared_gone() -> None:
+    """A unit down for good (no restart): once the controller declared it gone, ``stats()``
+    answers at once, that unit's entry an error naming it; before, every call waited the
+    liveness bound on it (the step records of a Ray run whose node was lost lagged 4 s a step
+    until a new node took the unit)."""
+    import time
+
+    with (
+        transferqueue.serve(num_units=2, replicas=2, max_restarts=0) as svc,
+        transferqueue.connect(svc.address) as tq,
+    ):
+        c = tq.client()
+        os.kill(svc.pids[1], signal.SIGKILL)
+        until(lambda: _ctl(c)["units_lost"] == 1, LIVENESS.bound_s + SLACK_S, "unit lost")
+        t0 = time.monotonic()
+        stats = c.stats()
+        took = time.monotonic() - t0
+        assert stats["controller"]["units_alive"] == [True, False]
+        assert "storage unit 1 is gone" in stats["units"][1]["error"], stats["units"]
+        assert "rows" in stats["units"][0]
+        assert took < LIVENESS.dead_after_s / 2, took
+
+
 def _unit_pid(cli_pid: int, unit: int) -> int:
     found = []
     for task in os.listdir(f"/proc/{cli_pid}/task"):

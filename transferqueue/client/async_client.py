@@ -504,8 +504,13 @@ class AsyncClient:
 
     async def _stats(self) -> dict[str, Any]:
         ctl = await self._ctl.call(m.Stats())
+        # A unit the controller declared gone is not asked: a call to it would wait for the
+        # liveness bound (seconds) on every stats call until the unit is back.
+        alive = ctl.get("units_alive") or []
+        gone = {u for u, ok in enumerate(alive) if not ok}
         got = await asyncio.gather(
-            *(u.stats() for u in self._units.values()), return_exceptions=True
+            *(_gone_unit(i) if i in gone else u.stats() for i, u in self._units.items()),
+            return_exceptions=True,
         )
         # (a unit that is down reports its error: the stats of a degraded service still come)
         units = [
@@ -515,6 +520,10 @@ class AsyncClient:
             if isinstance(u, BaseException) and not isinstance(u, TQError):
                 raise u
         return {"controller": ctl, "units": units}
+
+
+async def _gone_unit(unit: int) -> dict[str, Any]:
+    raise PeerGoneError(f"storage unit {unit} is gone (the controller's view): not asked")
 
 
 def check_format(format: str) -> None:

@@ -530,6 +530,7 @@ def launch_on_ray(
     ride_through_s: float | None = None,
     batch_sched: bool = False,
     max_connections: int | None = None,
+    controller_options: dict[str, Any] | None = None,
 ) -> RayStart:
     """Start controller and units as Ray actors, without waiting for them: the returned
     :class:`RayStart` gives the connected handle once they serve (:func:`start_on_ray` is
@@ -540,8 +541,10 @@ def launch_on_ray(
     ``spread_bytes``: a put spreads over one unit per that many bytes (0: over all units).
     ``actor_options``: Ray actor options for every server actor, over the defaults (e.g.
     ``{"resources": {"tq_node": 0.01}}`` to keep them on the nodes declaring ``tq_node``, or
-    a ``scheduling_strategy``). ``start_timeout_s`` bounds the wait for the actors to start
-    (a cluster without the resources they ask for never starts them).
+    a ``scheduling_strategy``); ``controller_options`` replace them for the controller (e.g.
+    a ``NodeAffinitySchedulingStrategy`` to the driver's node, whose loss ends the job anyway:
+    then no other node's loss takes the controller). ``start_timeout_s`` bounds the wait for
+    the actors to start (a cluster without the resources they ask for never starts them).
     ``keys``: a key directory or :class:`ServerKeys` (default ``TRANSFERQUEUE_KEYS``), needed
     on a cluster of several nodes (see the module docstring). ``unit_max_restarts``: how
     many times Ray restarts each storage unit actor that dies (0: never).
@@ -615,10 +618,11 @@ def launch_on_ray(
     prefix = name_prefix or f"transferqueue-{uuid.uuid4().hex[:12]}"
 
     def opts(role: str) -> dict[str, Any]:
+        given = controller_options if role == "controller" and controller_options else None
         return {
             "scheduling_strategy": strategy,
             "name": f"{prefix}-{role}",
-            **(actor_options or {}),
+            **(given if given is not None else actor_options or {}),
         }
 
     def metrics(unit: int | None) -> dict[str, Any] | None:
