@@ -22,9 +22,9 @@ What runs where (``asyncflow.deploy.ray_hosts`` for the actors):
 |                       |                     |                         | fsdp: the run     |
 |                       |                     |                         | fails (below)     |
 
-Restarts are Ray's (``deploy.max_restarts`` per actor). Generators join and leave a running
-job by command (``asyncflow scale DIR rollout=N``: ``asyncflow.deploy.ray_scale``), and one
-that gets SIGTERM (preemption) is drained and leaves.
+Restarts are Ray's (``deploy.max_restarts`` per actor). Generators and reward workers join and
+leave a running job by command (``asyncflow scale DIR rollout=N reward=M``: ``ray_scale``,
+``ray_workers``), and a generator that gets SIGTERM (preemption) is drained and leaves.
 
 The driver (this process) stays the run's single controller (LlamaRL's design): it runs the
 prompt feeder, and so admission control, itself, and takes the step reports. Shared state

@@ -106,15 +106,13 @@ class WorkerScaler:
         placement group reserved for it where its placement asks for one)."""
         for role, placement, n in self.roles():
             for i, opts in enumerate(placed(placement, n)):
-                self._place(role, i, opts, f"{role}/{i}" if n > 1 else role)
+                self._keep(f"{role}/{i}" if n > 1 else role, role, i, self._make(role, i, opts))
             self._next[role] = n
 
-    def _place(self, role: str, index: int, opts: dict[str, Any], name: str) -> Any:
-        actor = self._make(role, index, opts)
+    def _keep(self, name: str, role: str, index: int, actor: Any) -> None:
         self._workers.append((name, actor))
         self._actors.append(actor)
-        self._holders[name] = f"{self._prefix}-{role}-{index}"
-        return actor
+        self._holders[name] = f"{self._prefix}-{role}-{index}"  # (its Ray actor name)
 
     def jobs(self) -> dict[str, Job]:
         """Every worker's job: its ``run``, restarted when Ray restarts it, ending quietly when
@@ -167,9 +165,7 @@ class WorkerScaler:
                     f"{role}.placement asks for (available: {ray.available_resources()})"
                 ) from None
             raise
-        self._workers.append((name, worker))
-        self._actors.append(worker)
-        self._holders[name] = f"{self._prefix}-{role}-{index}"
+        self._keep(name, role, index, worker)
         self.spawn(name, self.job(name, worker))
 
     async def _remove(self, role: str) -> None:
