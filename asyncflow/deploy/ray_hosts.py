@@ -683,6 +683,8 @@ class WorkerActor(_Host):
             late = (await asyncio.wait(running, timeout=timeout_s))[1] if running else set()
             for t in late:
                 t.cancel()
+            if late:  # (ended before the driver hands their leases back: no write after it)
+                await asyncio.wait(late, timeout=5.0)
             return not late, sum(r.batches for r in self.runners)
 
         return await self.on_tq_loop(retire())

@@ -185,9 +185,7 @@ class WorkerScaler:
         with contextlib.suppress(Exception):  # (its last busy intervals: the run's timeline)
             intervals, _ = await within(worker.drain.remote(), 10.0)
             self._timeline.merge(intervals)
-        with contextlib.suppress(Exception):
-            await within(worker.close.remote(), 10.0)
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # (not closed first: what it held is counted below)
             ray.kill(worker, no_restart=True)
         back = await self._give_back(self._holders.pop(name))
         log.warning(
