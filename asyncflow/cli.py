@@ -5,8 +5,9 @@ asyncflow run --resume DIR [overrides ...]                # continue from DIR's 
 asyncflow config [CONFIG.yaml] [overrides ...]            # check and print the resolved config,
                                                           # each value with where it came from
 asyncflow run --help                                      # every config field, type, default, doc
-asyncflow scale OUTPUT_DIR rollout=N                      # a running deploy.mode=ray job's
-                                                          # rollout to N generators
+asyncflow scale OUTPUT_DIR rollout=N [reward=M]           # a running deploy.mode=ray job's
+                                                          # rollout to N generators, its
+                                                          # reward to M workers
 asyncflow status OUTPUT_DIR [--watch [SECONDS]]           # what a run's stages hold and wait
                                                           # for, from its progress.json
 
@@ -76,12 +77,15 @@ def _parser(with_fields: bool) -> argparse.ArgumentParser:
         )
     p = sub.add_parser(
         "scale",
-        help="change a running deploy.mode=ray job's rollout instances",
-        description="change the number of rollout instances of the run writing OUTPUT_DIR "
-        "while it runs (new ones load the newest weights; removed ones finish their calls)",
+        help="change a running deploy.mode=ray job's rollout or reward instances",
+        description="change the number of rollout instances (generators) or reward workers of "
+        "the run writing OUTPUT_DIR while it runs (new generators load the newest weights; "
+        "removed ones finish their calls; a removed reward worker finishes the batches it "
+        "holds, within deploy.drain_grace_s, and hands back the rest; reward=M needs "
+        "reward.colocate=false)",
     )
     p.add_argument("output_dir", metavar="OUTPUT_DIR", help="the running job's output.dir")
-    p.add_argument("counts", nargs="+", metavar="STAGE=N", help="rollout=N (N >= 1)")
+    p.add_argument("counts", nargs="+", metavar="STAGE=N", help="rollout=N and/or reward=M (>= 1)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the run")
     p = sub.add_parser(
         "status",

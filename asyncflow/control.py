@@ -1,4 +1,4 @@
-"""A running job's control channel: ``asyncflow scale OUTPUT_DIR rollout=N``.
+"""A running job's control channel: ``asyncflow scale OUTPUT_DIR rollout=N reward=M``.
 
 The driver of a run whose deployment can scale (``deploy=ray``) listens on a ZeroMQ REP
 socket on loopback and writes its address into the run's output folder, ``control.json``
@@ -50,8 +50,9 @@ log = logging.getLogger(__name__)
 CONTROL_FILE = "control.json"
 """The control channel's address in a running job's output folder."""
 
-SCALABLE = ("rollout",)
-"""The stages a ``deploy.mode=ray`` run scales while it runs."""
+SCALABLE = ("rollout", "reward")
+"""The stages a ``deploy.mode=ray`` run scales while it runs (``reward``: its workers, so not
+with ``reward.colocate=true``)."""
 
 STAGES = ("rollout", "reward", "reference", "train")
 """Every stage a request may name (only a deployment's ``scalable`` ones can be scaled)."""
@@ -97,6 +98,11 @@ def check_stage(stage: str, scalable: Sequence[str]) -> None:
     can = ", ".join(f"{s}=N" for s in scalable) or "nothing (deploy.mode=ray scales rollout)"
     if stage == "train":
         why = "the train stage cannot be scaled while it runs (its ranks form one group)"
+    elif stage == "reward" and "rollout" in scalable:  # (a deploy.mode=ray run's only cause)
+        why = (
+            "this run scores in the rollout host (reward.colocate=true): it has no reward "
+            "workers to scale (start it with reward.colocate=false)"
+        )
     elif stage in STAGES:
         why = f"the {stage} stage cannot be scaled in this run"
     else:

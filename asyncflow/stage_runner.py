@@ -123,6 +123,7 @@ class StageRunner:
         self._held: list[BatchMeta] = []  # processed, not acknowledged yet (holds_leases)
         self._metrics: dict[str, list[float]] = {}  # name -> [sum weighted by rows, rows]
         self._workers: asyncio.TaskGroup | None = None  # (while it runs)
+        self._stopping = False
 
     def drain_metrics(self) -> dict[str, float]:
         """Means of the adapter's :attr:`StageOutput.metrics` over the rows processed since the
@@ -145,6 +146,12 @@ class StageRunner:
             first = eg.exceptions[0]
             raise StageError(self.name, first) from first
 
+    def stop(self) -> None:
+        """Take no new batch: each worker ends once the batch it holds is written (a
+        ``get_meta`` in flight returns within ``poll_s``, its rows processed as any other),
+        and :meth:`run` returns (a stage instance drained before it leaves the run)."""
+        self._stopping = True
+
     def grow(self, concurrency: int) -> None:
         """At least ``concurrency`` workers from now on (a stage given more instances while
         it runs); never fewer: a worker left over only waits on the instances left."""
@@ -157,7 +164,7 @@ class StageRunner:
     async def _worker(self, worker: int) -> None:
         a = self.adapter
         lane = f"{self.name}/{worker}" if self.concurrency > 1 else self.name
-        while True:
+        while not self._stopping:
             req = a.request()
             self.work.idle(worker)
             meta = await self.client.get_meta(

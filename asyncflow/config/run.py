@@ -336,7 +336,9 @@ class DeployConfig:
     drain_grace_s: float = 60.0
     """``ray``: how long a rollout instance that leaves a running job (``asyncflow scale DIR
     rollout=N`` to fewer) may finish the calls it has before it is stopped anyway (its calls
-    left then fail over to the other instances, as when an instance dies)."""
+    left then fail over to the other instances, as when an instance dies); for a reward worker
+    that leaves (``reward=M`` to fewer), how long it may finish the batches it holds (the rest
+    go back to the reward task)."""
 
     def __post_init__(self) -> None:
         if not 0 < self.drain_grace_s < float("inf"):

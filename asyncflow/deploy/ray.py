@@ -25,8 +25,9 @@ What runs where (``asyncflow.deploy.ray_hosts`` for the actors):
 
 Restarts are Ray's (``deploy.max_restarts`` per actor); a node lost takes every actor on it
 at once (``asyncflow.deploy.ray_nodes``: what that costs, who comes back where). Generators
-join and leave a running job by command (``asyncflow scale DIR rollout=N``:
-``asyncflow.deploy.ray_scale``), and one that gets SIGTERM (preemption) is drained and leaves.
+and reward workers join and leave a running job by command (``asyncflow scale DIR rollout=N
+reward=M``: ``ray_scale``, ``ray_workers``), and a generator that gets SIGTERM (preemption) is
+drained and leaves.
 
 The driver (this process) stays the run's single controller (LlamaRL's design): it runs the
 prompt feeder, and so admission control, itself, and takes the step reports. Shared state
@@ -92,6 +93,7 @@ from asyncflow.deploy.ray_scale import SCALABLE, RolloutScaler
 from asyncflow.deploy.ray_start import QUIET_BLOCKING_GET, init_ray, take_early
 from asyncflow.deploy.ray_trainer import TrainerActor
 from asyncflow.deploy.ray_weights import ObjectStoreWeights
+from asyncflow.deploy.ray_workers import WORKER_ROLES, WorkerScaler
 from asyncflow.deploy.remote import RemoteRegistry, remote_cause
 from asyncflow.metrics import Timeline
 from asyncflow.registry import WeightSync
@@ -171,6 +173,7 @@ class RayDeployment(Deployment):
         self._weights: Any = None
         self._coord_name = ""
         self.scaler: RolloutScaler  # (made with the generators: _open_hosts)
+        self.workers: WorkerScaler  # (reward and reference workers: made after them)
         self._rollout: Any = None
         self._workers: list[tuple[str, Any]] = []
         self.restarts: dict[str, int] = {}
@@ -352,19 +355,16 @@ class RayDeployment(Deployment):
         )
         self._actors.append(self._rollout)
         worker_cls: Any = ray.remote(**PROBE_OPTIONS)(WorkerActor)
-        roles = []
-        if not cfg.reward.colocate:  # (else the rollout host scores)
-            roles.append(("reward", cfg.reward.placement, cfg.reward.instances))
-        if cfg.reference.enabled:
-            roles.append(("reference", cfg.reference.placement, cfg.reference.instances))
-        for role, placement, n in roles:
-            for i, opts in enumerate(self._placed(placement, n)):
-                name = f"{prefix}-{role}-{i}"
-                actor = worker_cls.options(name=name, **opts, **restart).remote(
-                    role, i, cfg, model, f, self._adapters, address, origin
-                )
-                self._workers.append((f"{role}/{i}" if n > 1 else role, actor))
-                self._actors.append(actor)
+
+        def make_worker(role: str, i: int, opts: dict[str, Any] | None) -> Any:
+            opts = actor_options(getattr(cfg, role).placement) if opts is None else opts
+            return worker_cls.options(name=f"{prefix}-{role}-{i}", **opts, **restart).remote(
+                role, i, cfg, model, f, self._adapters, address, origin
+            )
+
+        args = (make_worker, self._job, self.scaler.retired, address, prefix, self.timeline)
+        self.workers = WorkerScaler(cfg, self._workers, self._actors, *args)
+        self.workers.start(self._placed)  # (reward workers scale too: ray_workers)
         if starting is not None:
             self._tq = await asyncio.to_thread(starting.handle)
             self.client = self._tq.async_client()
@@ -471,9 +471,7 @@ class RayDeployment(Deployment):
         rollout = self._rollout
         run = functools.partial(self.scaler.rejoin, rollout)  # (instances added since start)
         jobs["rollout"] = self._job("rollout", run, restartable=True, host=rollout)
-        for name, w in self._workers:
-            jobs[name] = self._job(name, w.run.remote, restartable=True, host=w)
-        return jobs
+        return jobs | self.workers.jobs()
 
     def generator_job(self, name: str, gen: Any) -> Job:
         """Generator host ``name``'s job (restarted when it dies; ends when it left the run:
@@ -483,7 +481,8 @@ class RayDeployment(Deployment):
 
     @property
     def scalable(self) -> tuple[str, ...]:
-        return SCALABLE
+        colocated = self.cfg.reward.colocate  # (the rollout host scores: no reward workers)
+        return tuple(s for s in SCALABLE if not (colocated and s == "reward"))
 
     def instances(self) -> dict[str, int]:
         out = {"rollout": len(self._generators), "train": len(self._trainers)}
@@ -493,10 +492,11 @@ class RayDeployment(Deployment):
         return out
 
     def supervise(self, spawn: Callable[[str, Job], None]) -> None:
-        self.scaler.spawn = spawn
+        self.scaler.spawn = self.workers.spawn = spawn
 
     async def scale(self, stage: str, n: int, spawn: Callable[[str, Job], None]) -> int:
-        return await self.scaler.scale(stage, n)  # (spawn: taken by supervise)
+        scaler = self.workers if stage in WORKER_ROLES else self.scaler
+        return await scaler.scale(stage, n)  # (spawn: taken by supervise)
 
     def _job(
         self,

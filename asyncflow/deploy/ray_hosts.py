@@ -668,14 +668,33 @@ class WorkerActor(_Host):
         else:
             raise ValueError(f"a worker runs the reward or reference stage, not {role!r}")
         self.runners = [graph.runner(role, adapter, client, self.timeline, cfg), *evals]
+        self._running: list[asyncio.Task[None]] = []
 
     async def run(self) -> None:
         await self.on_tq_loop(self._run())
 
     async def _run(self) -> None:
         try:
-            async with asyncio.TaskGroup() as tg:
-                for r in self.runners:
-                    tg.create_task(r.run())
+            async with asyncio.TaskGroup() as tg:  # (a stage cancelled by retire: not an error)
+                self._running = [tg.create_task(r.run()) for r in self.runners]
         except ExceptionGroup as eg:  # a stage failed: its StageError, as with one stage
             raise eg.exceptions[0] from None
+
+    async def retire(self, timeout_s: float) -> tuple[bool, int]:
+        """Drain before leaving the run (``asyncflow.deploy.ray_workers``): the stages take no
+        new batch and end once the batches they hold are written, then :meth:`run` returns;
+        past ``timeout_s`` they are cancelled (the driver hands their leases back). Whether
+        they ended in time, and the batches this host's stages processed."""
+
+        async def retire() -> tuple[bool, int]:
+            for r in self.runners:
+                r.stop()
+            running = [t for t in self._running if not t.done()]
+            late = (await asyncio.wait(running, timeout=timeout_s))[1] if running else set()
+            for t in late:
+                t.cancel()
+            if late:  # (ended before the driver hands their leases back: no write after it)
+                await asyncio.wait(late, timeout=5.0)
+            return not late, sum(r.batches for r in self.runners)
+
+        return await self.on_tq_loop(retire())

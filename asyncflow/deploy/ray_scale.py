@@ -96,7 +96,7 @@ class RolloutScaler:
 
     async def scale(self, stage: str, n: int) -> int:
         """``stage`` to ``n`` instances; the count before."""
-        if stage not in SCALABLE:
+        if stage != "rollout":
             raise ControlError(f"the {stage} stage cannot be scaled; what can be: rollout=N")
         async with self._lock:  # (one change at a time: a command, a preemption)
             was = self.count()

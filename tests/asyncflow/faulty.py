@@ -182,6 +182,42 @@ def slow_reward_factory(cfg: RunConfig, delay_s: float = 0.4) -> RewardFn:
     return SlowReward(delay_s)
 
 
+HANG_REWARD = "hang-reward"
+"""Marker file in ``output.dir``: :class:`HangingReward`'s worker hangs on its next batch, and
+writes ``HUNG_REWARD`` there when it does."""
+HUNG_REWARD = "reward-hung"
+
+
+class HangingReward(SlowReward):
+    """:class:`SlowReward` that, in the reward worker whose Ray actor name ends with
+    ``-reward-<index>``, sleeps ``hang_s`` in a batch once :data:`HANG_REWARD` exists (a batch
+    its worker cannot finish within ``deploy.drain_grace_s``)."""
+
+    def __init__(self, cfg: RunConfig, index: int, delay_s: float = 0.4, hang_s: float = 120.0):
+        import ray
+
+        super().__init__(delay_s)
+        self.out = Path(cfg.output.dir)
+        self.hang_s = hang_s
+        name = ray.get_runtime_context().get_actor_name() or ""
+        self.hangs = name.endswith(f"-reward-{index}")
+
+    def __call__(
+        self, prompts: Sequence[str], completions: Sequence[str], **columns: Any
+    ) -> list[float | None]:
+        import time
+
+        if self.hangs and (self.out / HANG_REWARD).exists():
+            (self.out / HUNG_REWARD).touch()
+            time.sleep(self.hang_s)
+        return super().__call__(prompts, completions, **columns)
+
+
+def second_worker_hanging_reward_factory(cfg: RunConfig) -> RewardFn:
+    """:class:`HangingReward` hanging in reward worker 1 (the first one a scale-up adds)."""
+    return HangingReward(cfg, 1)
+
+
 def train_leased(controller_stats: Mapping[str, Any]) -> int:
     """Rows the ``train`` task holds leased now, over every partition (from the controller's
     ``stats``). A unit killed while this is 0 takes only rows the train stage has not read:

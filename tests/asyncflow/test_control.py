@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
@@ -178,3 +179,61 @@ def test_the_command_says_in_one_line_when_no_run_listens(
     assert cli_main(["scale", str(tmp_path), "train=2"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("asyncflow: cannot scale: the train stage") and "rollout=N" in err
+
+
+def test_reward_is_scaled_beside_the_rollout_and_refused_below_one() -> None:
+    assert parse_scale(["rollout=2", "reward=3"]) == {"rollout": 2, "reward": 3}
+    with pytest.raises(ControlError, match="reward=0: a stage keeps at least 1") as info:
+        parse_scale(["reward=0"])
+    assert "rollout=N, reward=N" in str(info.value)
+
+
+def test_a_run_that_scores_in_the_rollout_refuses_reward_in_one_line(tmp_path: Path) -> None:
+    """A ``reward.colocate=true`` run's deployment scales only the rollout: ``reward=M`` is
+    refused by the driver with why and what to change, the deployment never called."""
+    stages = _Stages()
+    replies = _serving(
+        tmp_path,
+        stages,
+        {"op": "scale", "stage": "reward", "n": 2},
+        {"op": "scale", "stage": "rollout", "n": 2},
+    )
+    error = replies[0]["error"]
+    assert replies[0]["ok"] is False and "\n" not in error
+    assert "reward.colocate=true" in error and "reward.colocate=false" in error
+    assert "rollout=N" in error
+    assert replies[1]["ok"] is True and stages.calls == [("rollout", 2)]
+
+
+@pytest.mark.parametrize("colocate", [True, False])
+def test_a_ray_deployment_scales_reward_only_with_reward_workers(colocate: bool) -> None:
+    """What a ``deploy.mode=ray`` run tells its control server it can scale (no Ray started);
+    its worker scaler refuses reward with colocated scoring, and any change before the run's
+    stages run."""
+    from asyncflow.config import load_config
+    from asyncflow.deploy.ray import RayDeployment
+    from asyncflow.deploy.ray_hosts import TQAccess
+    from asyncflow.deploy.ray_workers import WorkerScaler
+    from asyncflow.metrics import Timeline
+
+    cfg = load_config(overrides=["deploy.mode=ray", f"reward.colocate={str(colocate).lower()}"])
+    assert RayDeployment(cfg, Timeline()).scalable == (
+        ("rollout",) if colocate else ("rollout", "reward")
+    )
+    made: list[tuple[str, int]] = []
+
+    def make(role: str, i: int, opts: dict[str, Any] | None) -> Any:
+        made.append((role, i))
+        return object()
+
+    def job(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("no job before the run's stages run")
+
+    workers: list[tuple[str, Any]] = []
+    scaler = WorkerScaler(cfg, workers, [], make, job, set(), TQAccess("x"), "run", Timeline())
+    scaler.start(lambda p, n: [{} for _ in range(n)])
+    assert [n for n, _ in workers] == ([] if colocate else ["reward"]) and len(made) == len(workers)
+    words = "reward.colocate=true" if colocate else "not running its stages yet"
+    with pytest.raises(ControlError, match=words):
+        asyncio.run(scaler.scale("reward", 2))
+    assert len(made) == len(workers)  # nothing placed

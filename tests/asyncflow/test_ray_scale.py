@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,17 +39,21 @@ def _until_steps(out: Path, steps: int, deadline_s: float = 900.0) -> bool:
 
 
 def _scaler(
-    out: Path, plan: list[tuple[int, int]], seen: list[tuple[int, int, int, float]]
+    out: Path,
+    plan: list[tuple[int, int]],
+    seen: list[tuple[int, int, int, float]],
+    stage: str = "rollout",
+    before: Callable[[int], bool] = lambda n: True,
 ) -> None:
     """For each ``(after_step, n)``: once that many steps are recorded, and 5 more since the
     previous command returned (a new generator's start takes tens of seconds on 2 shared
-    cores: each phase must show in the records), ``scale rollout=n``; ``seen`` gets (n, exit
-    status, steps recorded when it returned, seconds it took)."""
+    cores: each phase must show in the records), ``before(n)`` and ``scale <stage>=n``;
+    ``seen`` gets (n, exit status, steps recorded when it returned, seconds it took)."""
     for after, n in plan:
-        if not _until_steps(out, max(after, seen[-1][2] + 5 if seen else 0)):
+        if not _until_steps(out, max(after, seen[-1][2] + 5 if seen else 0)) or not before(n):
             return
         t0 = time.monotonic()
-        rc = scale(str(out), [f"rollout={n}"], timeout_s=600.0)
+        rc = scale(str(out), [f"{stage}={n}"], timeout_s=600.0)
         seen.append((n, rc, _steps(out), time.monotonic() - t0))
 
 
@@ -94,6 +99,92 @@ def test_a_running_job_scales_its_rollout_up_and_down(ray_cluster: None, tmp_pat
     print(
         f"scaled 1 -> 2 -> 1 (records at {at}, commands took {took} s): {steps} steps in "
         f"{result.wall_s:.1f} s, instances by step {counts}, median step {median:.2f} s, worst "
+        f"{worst:.2f} s"
+    )
+    assert worst <= median + 10.0, [round(r["step_s"], 2) for r in result.records]
+
+
+def _hang_second_reward_worker(out: Path, n: int) -> bool:
+    """Before ``reward=1``: make reward worker 1 hang in a batch (``HangingReward``) and wait
+    (bounded) until it does."""
+    from tests.asyncflow.faulty import HANG_REWARD, HUNG_REWARD
+
+    if n != 1:
+        return True
+    (out / HANG_REWARD).touch()
+    deadline = time.monotonic() + 60.0
+    while not (out / HUNG_REWARD).exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+@pytest.mark.parametrize("leave", ["drains", "past_grace"])
+def test_a_running_job_scales_its_reward_workers_up_and_down(
+    ray_cluster: None, tmp_path: Path, caplog: pytest.LogCaptureFixture, leave: str
+) -> None:
+    """``asyncflow scale DIR reward=2`` then ``reward=1`` on a run whose reward takes 0.4 s a
+    batch (one worker is the bottleneck): a second reward worker joins and scores batches,
+    then the newest leaves. ``drains``: it finishes the batch it holds and leaves, handing
+    nothing back. ``past_grace``: it hangs in a batch (``deploy.drain_grace_s=1``): the batch
+    is cancelled, the worker stopped and its leased rows handed back at once, scored by the
+    worker left. Either way every group trained once within the staleness bound, no step
+    more than 10 s over the median."""
+    from asyncflow import EngineFactories
+    from tests.asyncflow.faulty import second_worker_hanging_reward_factory, slow_reward_factory
+
+    out = tmp_path / "run"
+    k, steps = 1, 40
+    hang = leave == "past_grace"
+    cfg = small_config(
+        out,
+        "deploy.mode=ray",
+        "reward.colocate=false",
+        "reward.instances=1",
+        f"train.steps={steps}",
+        f"train.max_staleness={k}",
+        f"deploy.drain_grace_s={1 if hang else 60}",
+        RAY_START,
+    )
+    seen: list[tuple[int, int, int, float]] = []
+    plan = [(4, 2), (0, 1)]  # (down: 5 steps after up returned)
+    before = (lambda n: _hang_second_reward_worker(out, n)) if hang else (lambda n: True)
+    scaler = threading.Thread(target=_scaler, args=(out, plan, seen, "reward", before), daemon=True)
+    scaler.start()
+    reward = second_worker_hanging_reward_factory if hang else slow_reward_factory
+    try:
+        with caplog.at_level(logging.WARNING, logger="asyncflow"):
+            result = run(cfg, factories=EngineFactories(reward=reward))
+    finally:
+        scaler.join(timeout=60)
+    assert [(n, rc) for n, rc, _, _ in seen] == [(2, 0), (1, 0)], seen
+    b = cfg.train.groups_per_step
+    trained = [g for rep in result.reports for g in rep.groups]
+    assert trained == list(range(steps * b))  # every group trained exactly once
+    for rep in result.reports:
+        assert min(rep.staleness) >= 0 and max(rep.staleness) <= k
+    counts = [r["instances"]["reward"] for r in result.records]
+    phases = [c for i, c in enumerate(counts) if i == 0 or counts[i - 1] != c]
+    assert phases == [1, 2, 1], (counts, seen)
+    told = [r.getMessage() for r in caplog.records]
+    how = "did not drain within deploy.drain_grace_s=1.0" if hang else "drained"
+    left = [m for m in told if m.startswith(f"reward worker reward/1 {how} and left")]
+    assert left, told
+    scored = int(left[0].split("it scored ")[1].split()[0])
+    assert scored > 0, left  # the new worker scored batches before it left
+    back = int(left[0].split("; ")[-1].split()[0])
+    assert back > 0 if hang else back == 0, left  # (what it held, back at once)
+    assert result.extra["restarts"].get("reward/1", 0) == 0  # stopped, not restarted
+    step_s = sorted(r["step_s"] for r in result.records)
+    median, worst = step_s[len(step_s) // 2], step_s[-1]
+    two = sorted(r["step_s"] for r, n in zip(result.records, counts, strict=True) if n == 2)
+    at = [s for _, _, s, _ in seen]
+    took = [round(t, 1) for _, _, _, t in seen]
+    print(
+        f"reward scaled 1 -> 2 -> 1, {leave} (records at {at}, commands took {took} s): "
+        f"{steps} steps in {result.wall_s:.1f} s, instances by step {counts}; {left[0]}; "
+        f"median step {median:.2f} s (with 2 workers {two[len(two) // 2]:.2f} s), worst "
         f"{worst:.2f} s"
     )
     assert worst <= median + 10.0, [round(r["step_s"], 2) for r in result.records]

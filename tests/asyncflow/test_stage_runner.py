@@ -157,3 +157,41 @@ def test_an_adapter_that_holds_leases_has_its_batches_acknowledged_once_settled(
     assert adapter.leased == [2, 4, 6, 1]
     stats = tq.client().stats()["controller"]["partitions"]["p"]["tasks"]["check"]
     assert stats["done"] == 6, stats  # the last batch's unit never completed: never acked
+
+
+class _Gated(_Doubler):
+    """A doubler whose first batch waits until ``go`` is set (``started`` says it holds it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started, self.go = asyncio.Event(), asyncio.Event()
+
+    async def process(self, meta: BatchMeta, cols: dict[str, Column]) -> StageOutput:
+        self.started.set()
+        await self.go.wait()
+        return await super().process(meta, cols)
+
+
+def test_a_stopped_runner_finishes_the_batch_it_holds_and_takes_no_other(
+    tq: transferqueue.TransferQueue,
+) -> None:
+    """``stop`` while a batch is in hand (a reward worker drained before it leaves): that batch
+    is written, no other is taken, ``run`` returns; a second runner of the same task then
+    processes exactly the rest: every row once."""
+    first, rest = _Gated(), _Doubler()
+
+    async def go() -> None:
+        runner = StageRunner("double", first, tq.async_client(), Timeline(), partition="p")
+        running = asyncio.ensure_future(within(runner.run(), BOUND_S))
+        await within(first.started.wait(), BOUND_S)
+        runner.stop()
+        first.go.set()
+        await running  # (returns: it took no new batch)
+        other = StageRunner("double", rest, tq.async_client(), Timeline(), partition="p")
+        await within(other.run(), BOUND_S)
+
+    asyncio.run(go())
+    assert [n for n, _ in first.batches] == [_Doubler.batch_size]
+    assert sum(n for n, _ in rest.batches) == ROWS - _Doubler.batch_size
+    meta = tq.client().get_meta("check", ["y"], batch_size=ROWS, partition="p", timeout_s=5)
+    assert sorted(meta.indexes) == list(range(ROWS))  # every row written, none twice
