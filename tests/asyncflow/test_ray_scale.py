@@ -283,7 +283,7 @@ def test_autoscaling_follows_where_the_run_waits(
         "deploy.mode=ray",
         f"rollout.instances={start}",
         "rollout.autoscale={min: 1, max: 2, window_steps: 3, cooldown_steps: 2}",
-        "rollout.autoscale.grow_rollout_busy=0.6",  # (the CI machine's rollout: 0.7-0.8)
+        "rollout.autoscale.grow_rollout_busy=0.5",  # (measured here: 0.68-0.82)
         f"train.steps={steps}",
         f"train.max_staleness={k}",
         RAY_START,
