@@ -87,6 +87,13 @@ def _parser(with_fields: bool) -> argparse.ArgumentParser:
     p.add_argument("output_dir", metavar="OUTPUT_DIR", help="the running job's output.dir")
     p.add_argument("counts", nargs="+", metavar="STAGE=N", help="rollout=N and/or reward=M (>= 1)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the run")
+    p.add_argument(
+        "--keys",
+        metavar="DIR",
+        default=None,
+        help="the run's key directory, for a run whose control channel listens beyond "
+        "loopback (deploy.control_host; default: TRANSFERQUEUE_KEYS)",
+    )
     p = sub.add_parser(
         "status",
         help="what a run's stages hold and wait for, read from its output folder",
@@ -133,7 +140,9 @@ def status(output_dir: str, every_s: float | None, stale_s: float) -> int:
         return BAD_CONFIG_EXIT
 
 
-def scale(output_dir: str, counts: list[str], timeout_s: float = 600.0) -> int:
+def scale(
+    output_dir: str, counts: list[str], timeout_s: float = 600.0, keys: str | None = None
+) -> int:
     """``asyncflow scale``: ask the run writing ``output_dir`` to scale each stage; prints
     its answer, or one line ``asyncflow: cannot scale: ...`` and returns 2."""
     from pathlib import Path
@@ -143,7 +152,8 @@ def scale(output_dir: str, counts: list[str], timeout_s: float = 600.0) -> int:
     try:
         wanted = parse_scale(counts, SCALABLE)
         for stage, n in wanted.items():
-            reply = ask(Path(output_dir), {"op": "scale", "stage": stage, "n": n}, timeout_s)
+            request = {"op": "scale", "stage": stage, "n": n}
+            reply = ask(Path(output_dir), request, timeout_s, keys)
             if not reply.get("ok"):
                 raise ControlError(str(reply.get("error")))
             print(f"asyncflow: {stage} scaled from {reply['was']} to {reply['n']} instances")
@@ -157,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     ns = _parser(with_fields=bool({"-h", "--help"} & set(args))).parse_args(args)
     if ns.cmd == "scale":
-        return scale(ns.output_dir, ns.counts, ns.timeout)
+        return scale(ns.output_dir, ns.counts, ns.timeout, ns.keys)
     if ns.cmd == "status":
         return status(ns.output_dir, ns.watch, ns.stale)
     path, overrides = _split(ns.args)

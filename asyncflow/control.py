@@ -13,8 +13,12 @@ one msgpack map:
 
 Requests are checked twice: by the command (:func:`parse_scale`, before anything is sent) and
 by the driver (:meth:`ControlServer` refuses what its deployment cannot scale), so that a bad
-request never disturbs the run. Loopback only: whoever can open a local socket on the
-driver's host may scale the run (the same trust as ``ray`` itself on one node).
+request never disturbs the run. On loopback (``deploy.control_host``'s default) whoever can
+open a local socket on the driver's host may scale the run (the same trust as ``ray`` itself
+on one node). Beyond loopback the channel speaks CURVE, as TransferQueue's servers do: the
+driver refuses to listen without keys (``transferqueue.keys=DIR``, ``transferqueue keygen
+DIR``), trusts every ``*.key`` of that directory, and the command connects with the client key
+of ``--keys DIR`` (or ``TRANSFERQUEUE_KEYS``); ``control.json`` says whether keys are needed.
 """
 
 from __future__ import annotations
@@ -33,6 +37,14 @@ import zmq
 import zmq.asyncio
 
 from transferqueue.aio import within
+from transferqueue.errors import AuthError
+from transferqueue.wire.auth import (
+    advertised_host,
+    client_keys,
+    is_loopback,
+    require_keys,
+    server_keys,
+)
 
 __all__ = [
     "CONTROL_FILE",
@@ -122,20 +134,28 @@ class ControlServer:
         instances: Callable[[], dict[str, int]],
         scalable: Sequence[str],
         host: str = "127.0.0.1",
+        keys: str | os.PathLike[str] | None = None,
     ) -> None:
         self._scale = scale
         self._closed = False
         self._instances = instances
         self.scalable = tuple(scalable)
+        # beyond loopback: CURVE with the run's keys, or no channel at all (see module doc)
+        server = server_keys(keys) if keys is not None or not is_loopback(host) else None
+        require_keys(host, server)
         self._ctx = zmq.asyncio.Context()
+        self._auth = None if server is None else server.authenticator(self._ctx)
         self._sock = self._ctx.socket(zmq.REP)
         self._sock.setsockopt(zmq.LINGER, 0)
+        if server is not None:
+            server.apply(self._sock)
         self.file = out_dir / CONTROL_FILE
         try:
             port = self._sock.bind_to_random_port(f"tcp://{host}")
-            self.address = f"tcp://{host}:{port}"
+            self.address = f"tcp://{advertised_host(host)}:{port}"
             tmp = self.file.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"address": self.address, "pid": os.getpid()}))
+            info = {"address": self.address, "pid": os.getpid(), "curve": server is not None}
+            tmp.write_text(json.dumps(info))
             tmp.replace(self.file)  # (a reader never sees half a file)
         except BaseException:
             self.close()
@@ -188,6 +208,8 @@ class ControlServer:
             if json.loads(self.file.read_text())["address"] == getattr(self, "address", None):
                 self.file.unlink()
         self._sock.close(0)
+        if self._auth is not None:
+            self._auth.stop()
         self._ctx.term()
 
 
@@ -199,13 +221,20 @@ async def serve(server: ControlServer) -> None:
         server.close()
 
 
-def ask(out_dir: Path, request: dict[str, Any], timeout_s: float = 600.0) -> dict[str, Any]:
+def ask(
+    out_dir: Path,
+    request: dict[str, Any],
+    timeout_s: float = 600.0,
+    keys: str | os.PathLike[str] | None = None,
+) -> dict[str, Any]:
     """Send ``request`` to the run writing ``out_dir`` and return its reply; a
     ``ControlError`` when no run is listening there (no control file, or nothing answers
-    within ``timeout_s``)."""
+    within ``timeout_s``) or its channel needs keys this command lacks (``keys``: a key
+    directory, else ``TRANSFERQUEUE_KEYS``)."""
     path = Path(out_dir) / CONTROL_FILE
     try:
-        address = str(json.loads(path.read_text())["address"])
+        info = json.loads(path.read_text())
+        address, curve = str(info["address"]), bool(info.get("curve", False))
     except FileNotFoundError:
         raise ControlError(
             f"no running job writes {out_dir} (no {CONTROL_FILE}): a deploy.mode=ray run "
@@ -213,9 +242,22 @@ def ask(out_dir: Path, request: dict[str, Any], timeout_s: float = 600.0) -> dic
         ) from None
     except (ValueError, KeyError, TypeError) as e:
         raise ControlError(f"{path} is not a control file: {e!r}") from None
+    mine = None
+    if curve:
+        try:
+            mine = client_keys(keys)
+        except AuthError as e:
+            raise ControlError(f"the run's control channel needs keys: {e}") from None
+        if mine is None:
+            raise ControlError(
+                f"the run writing {out_dir} listens beyond loopback with CURVE keys: give the "
+                "run's key directory (asyncflow scale --keys DIR, or TRANSFERQUEUE_KEYS=DIR)"
+            )
     ctx = zmq.Context()
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
+    if mine is not None:
+        mine.apply(sock)
     try:
         sock.connect(address)
         sock.send(msgpack.packb(request))

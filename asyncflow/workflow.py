@@ -261,7 +261,14 @@ class Workflow:
         jobs.add("stall watch", watch.run, background=True)
         if dep.scalable:  # ``asyncflow scale OUTPUT_DIR rollout=N`` reaches the run here
             scale = functools.partial(_scale, dep, jobs.spawn)
-            server = ControlServer(out_dir, scale, dep.instances, dep.scalable)
+            server = ControlServer(
+                out_dir,
+                scale,
+                dep.instances,
+                dep.scalable,
+                cfg.deploy.control_host,
+                cfg.transferqueue.keys,
+            )
             jobs.add("control", functools.partial(serve, server), background=True)
         try:
             await jobs.run(

@@ -340,6 +340,11 @@ class DeployConfig:
     that leaves (``reward=M`` to fewer), how long it may finish the batches it holds (the rest
     go back to the reward task)."""
 
+    control_host: str = "127.0.0.1"
+    """``ray``: where the run's control channel (``asyncflow scale OUTPUT_DIR ...``) listens.
+    Loopback by default; any other host (``0.0.0.0``: every interface) needs keys
+    (``transferqueue.keys=DIR``) and speaks CURVE, as TransferQueue's servers do."""
+
     def __post_init__(self) -> None:
         if not 0 < self.drain_grace_s < float("inf"):
             raise ValueError(

@@ -237,3 +237,48 @@ def test_a_ray_deployment_scales_reward_only_with_reward_workers(colocate: bool)
     with pytest.raises(ControlError, match=words):
         asyncio.run(scaler.scale("reward", 2))
     assert len(made) == len(workers)  # nothing placed
+
+
+def test_beyond_loopback_the_channel_needs_keys_and_speaks_curve(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``deploy.control_host=0.0.0.0``: refused without keys; with the run's keys the command
+    gets in with the client key of ``--keys DIR`` and is refused (one line) without it; a key
+    the run does not trust gets no answer."""
+    from transferqueue.errors import AuthError
+    from transferqueue.wire.auth import ENV_KEYS, keygen
+
+    monkeypatch.delenv(ENV_KEYS, raising=False)
+    stages = _Stages()
+    out = tmp_path / "run"
+    out.mkdir()
+    with pytest.raises(AuthError, match="refusing to listen on 0.0.0.0 without keys"):
+        ControlServer(out, stages.scale, stages.instances, ("rollout",), "0.0.0.0")
+    assert not (out / CONTROL_FILE).exists()
+    keys, other = tmp_path / "keys", tmp_path / "other"
+    keygen(keys)
+    keygen(other)
+
+    async def go() -> list[Any]:
+        server = ControlServer(out, stages.scale, stages.instances, ("rollout",), "0.0.0.0", keys)
+        info = json.loads((out / CONTROL_FILE).read_text())
+        assert info["curve"] is True and not info["address"].startswith("tcp://0.0.0.0")
+        task = asyncio.ensure_future(serve(server))
+        scale = {"op": "scale", "stage": "rollout", "n": 2}
+        outcomes: list[Any] = []
+        try:
+            for k in (keys, None, other):
+                try:
+                    outcomes.append(await asyncio.to_thread(ask, out, dict(scale), 3.0, k))
+                except ControlError as e:
+                    outcomes.append(str(e))
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        return outcomes
+
+    with_keys, without, untrusted = asyncio.run(go())
+    assert with_keys == {"ok": True, "stage": "rollout", "n": 2, "was": 1}
+    assert "listens beyond loopback with CURVE keys" in without and "--keys DIR" in without
+    assert "did not answer" in untrusted  # (CURVE: an unknown key gets no answer at all)
+    assert stages.calls == [("rollout", 2)]
