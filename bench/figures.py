@@ -377,50 +377,6 @@ def _rl_elastic_table(load: Callable[[str], Json]) -> str:
     )
 
 
-@renderer("load-table")
-def _load_table(load: Callable[[str], Json]) -> str:
-    d = load("load")
-    rows = []
-    for c in d["cases"]:
-        paced, sat = c["phases"]["paced"], c["phases"]["saturated"]
-        ctl = c["servers"]["controller"]
-        eo = c["exactly_once"]
-        once = "yes" if eo["twice"] == eo["missing"] == eo["extra"] == 0 else "**no**"
-        rows.append(
-            [
-                c.get("deploy", "local"),
-                f"{c['clients']:,}",
-                num(sat["rows_per_s"]),
-                f"{sat['fairness_min_over_mean']:.2f}",
-                f"{paced['latency_ms']['get_meta']['p50']:.1f} / "
-                f"{paced['latency_ms']['get_meta']['p99']:.1f}",
-                f"{sat['latency_ms']['get_meta']['p99']:.0f}",
-                f"{ctl['rss_mb']:.0f} MB, {ctl['kb_per_client']:.0f} KB",
-                str(ctl["fds"]),
-                f"{c['connect_s']:.1f} s",
-                once,
-            ]
-        )
-    head = [
-        "service",
-        "clients",
-        "rows/s (saturated)",
-        "slowest / mean client",
-        "get_meta p50 / p99, paced (ms)",
-        "get_meta p99, saturated (ms)",
-        "controller RSS, per client",
-        "controller fds",
-        "connect all",
-        "exactly once",
-    ]
-    goals = "; ".join(f"{g}: {'met' if ok else '**not met**'}" for g, ok in d["goals"].items())
-    ratios = ", ".join(f"{k} {x(v)}" for k, v in d["throughput_ratio"].items())
-    return (
-        f"Run of {day(d)} (`docs/bench/load.json`, `{d['command']}`; saturated throughput at "
-        f"the largest N over the smallest: {ratios}). Goals: {goals}.\n\n" + _table(head, rows)
-    )
-
-
 @renderer("trl-table")
 def _trl_table(load: Callable[[str], Json]) -> str:
     d = load("trl")
