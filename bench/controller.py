@@ -14,19 +14,32 @@ Cases, each against a baseline measured in the same run:
    tensor (``clone``: what any read that returns an independent tensor must do) and into a
    warm preallocated buffer (``copy_``: the hardware ceiling). Target: >= 50% of the clone
    memcpy.
+4. ``get_meta`` of 64 rows from 1,000 live rows over the wire (a local service: the controller
+   and one unit are processes of their own, this process the client, as in ``bench.peer``)
+   against a bare ZeroMQ round trip in the same layout: a DEALER here, a ROUTER in a process
+   of its own, over loopback tcp (the transport our client uses), a msgpack request shaped
+   like a ``GetMeta`` out and a msgpack reply holding 64 int64 indexes back. Rounds alternate
+   the two; medians. Target: ours within 2x the bare round trip.
+
+    python -m bench.controller --cases wire   # one case (its own JSON: controller-wire.json)
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
+import statistics
 import time
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
+import zmq
 
 import transferqueue
 from bench.common import line, timeit, write_json
+from bench.peer_cases import MetaLoop
 from transferqueue.controller.core import Controller
 from transferqueue.schema import FieldSpec
 
@@ -171,22 +184,173 @@ def _put_then_meta(client: transferqueue.Client, cols: dict[str, torch.Tensor], 
     return client.get_meta("t", list(cols), rows, timeout_s=30)
 
 
+# -- a small call near the wire ---------------------------------------------------------------
+WIRE_GOAL = 2.0  # ours / bare ZeroMQ round trip, get_meta of 64 from 1,000 live rows
+
+
+def _bare_router(address_q: Any) -> None:
+    """The bare server: answers each msgpack request with ``batch_size`` int64 indexes."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    address_q.put(f"tcp://127.0.0.1:{port}")
+    indexes = np.arange(1 << 16, dtype=np.int64)  # (batches up to 32k)
+    lease = 0
+    while True:
+        ident, body = sock.recv_multipart(copy=False)
+        req = msgspec.msgpack.decode(body.buffer)
+        if req is None:
+            break
+        lease += 1
+        start = lease % 4096 * 8
+        rows = indexes[start : start + req["batch_size"]]
+        reply = {"lease_id": lease, "indexes": rows.tobytes()}
+        sock.send_multipart([ident, msgspec.msgpack.encode(reply)], copy=False)
+    sock.close(0)
+    ctx.term()
+
+
+class _Bare:
+    """The DEALER side of the bare round trip, its ROUTER in a process of its own."""
+
+    def __init__(self) -> None:
+        ctx_mp = mp.get_context("spawn")
+        q = ctx_mp.Queue()
+        self.proc = ctx_mp.Process(target=_bare_router, args=(q,), daemon=True)
+        self.proc.start()
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.connect(q.get(timeout=120))
+
+    def call(self, batch: int) -> np.ndarray:
+        request = {  # a GetMeta's fields, as our client sends them
+            "task": "bench",
+            "partition": "meta1000",
+            "fields": ["x"],
+            "batch_size": batch,
+            "lease_s": 60.0,
+            "sampler": "fifo",
+            "sampler_options": {},
+            "min_version": None,
+            "max_group": None,
+            "timeout_s": 10.0,
+            "partial": True,
+            "holder": 1 << 40,
+            "consume": False,
+        }
+        self.sock.send(msgspec.msgpack.encode(request), copy=False)
+        reply = msgspec.msgpack.decode(self.sock.recv(copy=False).buffer)
+        return np.frombuffer(reply["indexes"], dtype=np.int64)
+
+    def seconds_per_call(self, batch: int, seconds: float) -> float:
+        n = 0
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            assert len(self.call(batch)) == batch
+            n += 1
+        return (time.perf_counter() - t0) / n
+
+    def close(self) -> None:
+        self.sock.send(msgspec.msgpack.encode(None))
+        self.sock.close(0)
+        self.ctx.term()
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+def wire_round_trip(live: int, batch: int, rounds: int, seconds: float) -> dict[str, Any]:
+    """Ours ``get_meta`` (local service, one unit) against the bare round trip, alternating
+    rounds (module docstring, case 4); seconds per call, medians of the rounds."""
+    bare = _Bare()
+    try:
+        with (
+            transferqueue.serve(num_units=1) as svc,
+            transferqueue.connect(svc.address) as tq,
+        ):
+            client = tq.client()
+            partition = f"meta{live}"
+
+            def fill(live: int) -> None:
+                client.clear(partition)
+                x = torch.arange(live, dtype=torch.int64).view(live, 1)
+                client.put({"x": x}, partition=partition)
+
+            def call(live: int, batch: int) -> float:
+                t0 = time.perf_counter()
+                meta = client.get_meta("bench", ["x"], batch, partition=partition, timeout_s=10)
+                dt = time.perf_counter() - t0
+                if len(meta) != batch:
+                    raise AssertionError(f"get_meta returned {len(meta)} rows, asked {batch}")
+                client.ack(meta)
+                return dt
+
+            loop = MetaLoop(fill, call)
+            bare.seconds_per_call(batch, 0.5)  # warm up both
+            loop.run(live, batch, 0.5)
+            ours_s, bare_s = [], []
+            for rnd in range(rounds):
+                for who in ("bare", "ours") if rnd % 2 == 0 else ("ours", "bare"):
+                    if who == "bare":
+                        bare_s.append(bare.seconds_per_call(batch, seconds))
+                    else:
+                        ours_s.append(batch / loop.run(live, batch, seconds)["samples_per_s"])
+    finally:
+        bare.close()
+    bare_med, ours_med = statistics.median(bare_s), statistics.median(ours_s)
+    ratio = ours_med / bare_med
+    paired = statistics.median(o / b for o, b in zip(ours_s, bare_s, strict=True))
+    line(f"bare ZeroMQ round trip ({batch} indexes back)", bare_med * 1e6, "us/call")
+    line(
+        f"get_meta of {batch} from {live:,} rows over the wire",
+        ours_med * 1e6,
+        "us/call",
+        vs_bare=ratio,
+        paired_rounds=paired,
+    )
+    verdict = "pass" if ratio <= WIRE_GOAL else "FAIL"
+    print(f"get_meta / bare round trip {ratio:.2f}x (goal <= {WIRE_GOAL:g}x): {verdict}")
+    return {
+        "live": live,
+        "batch": batch,
+        "bare_s": bare_s,
+        "ours_s": ours_s,
+        "bare_median_s": bare_med,
+        "ours_median_s": ours_med,
+        "ratio": ratio,
+        "ratio_paired_median": paired,
+    }
+
+
+CASES = ("rate", "scaling", "dense", "wire")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller sizes (smoke test)")
+    ap.add_argument(
+        "--cases", nargs="+", choices=CASES, default=list(CASES), help="run only these cases"
+    )
     args = ap.parse_args()
     torch.manual_seed(0)
     np.random.seed(0)
     if args.quick:
         sizes, iters, rate_s, dense = [1_000, 100_000], 200, 1.0, (256, 8192, 9)
+        wire_rounds, wire_s = 2, 1.0
     else:
         sizes, iters, rate_s, dense = [1_000, 100_000, 1_000_000], 500, 3.0, (1024, 8192, 9)
-    results = {
-        "put_get_ack": put_get_ack_rate(64, rate_s),
-        "scaling": scaling(sizes, 64, iters),
-        "dense_small": dense_small(*dense, repeat=5),
-    }
-    write_json("controller", results)
+        wire_rounds, wire_s = 6, 2.0
+    results: dict[str, Any] = {}
+    if "rate" in args.cases:
+        results["put_get_ack"] = put_get_ack_rate(64, rate_s)
+    if "scaling" in args.cases:
+        results["scaling"] = scaling(sizes, 64, iters)
+    if "dense" in args.cases:
+        results["dense_small"] = dense_small(*dense, repeat=5)
+    if "wire" in args.cases:
+        results["wire"] = wire_round_trip(1_000, 64, wire_rounds, wire_s)
+    subset = [c for c in CASES if c in args.cases]
+    write_json("controller" if subset == list(CASES) else f"controller-{'-'.join(subset)}", results)
 
 
 if __name__ == "__main__":

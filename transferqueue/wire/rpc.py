@@ -99,7 +99,9 @@ class _LoopSocket:
     hundred microseconds of Python on each side. Here the loop watches the socket's file
     descriptor and drains every message that is ready in one go, and sends never block (the
     queues are unbounded), which roughly halves a round trip. ZeroMQ's descriptor is
-    edge-triggered, so the socket is drained again after every send.
+    edge-triggered, so the socket is drained again after every send: at once where the send
+    came from a message being handled (the drain under way reads the socket's events again
+    before it returns), on the next loop turn otherwise.
     """
 
     def __init__(
@@ -109,6 +111,7 @@ class _LoopSocket:
         _tune(self.sock)
         self._on_message = on_message
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
         self.closed = False
 
     def attach(self) -> None:
@@ -118,21 +121,25 @@ class _LoopSocket:
         self._loop.call_soon(self.drain)
 
     def drain(self) -> None:
-        while not self.closed:
-            try:  # (asking first: a receive that finds nothing raises, which costs more)
-                if not int(self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+        self._draining = True
+        try:
+            while not self.closed:
+                try:  # (asking first: a receive that finds nothing raises, which costs more)
+                    if not int(self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                        return
+                    msg = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
                     return
-                msg = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            except zmq.ZMQError as e:
-                log.warning("receive failed: %s", e)
-                return
-            self._on_message(msg)
+                except zmq.ZMQError as e:
+                    log.warning("receive failed: %s", e)
+                    return
+                self._on_message(msg)
+        finally:
+            self._draining = False
 
     def send(self, frames: list[Any], *, track: bool = False) -> zmq.MessageTracker | None:
         tracker = self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False, track=track)
-        if self._loop is not None:
+        if self._loop is not None and not self._draining:  # (see the class docstring)
             self._loop.call_soon(self.drain)
         return tracker
 
