@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tests.asyncflow.cluster_probes import LOOPBACK, head_cluster
+
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 160
 """Long enough that a host restarted on the new node (about 25 s after the loss on 2 cores,
@@ -76,21 +78,12 @@ def main() -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     import ray
-    from ray.cluster_utils import Cluster
 
     from asyncflow import run
     from tests.asyncflow.conftest import RAY_START, small_config
 
-    loopback = {"node_ip_address": "127.0.0.1"}
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 2,
-            "resources": {"node_a": 10},
-            "_system_config": {"worker_niceness": 0},  # (tests/conftest.py: ray_cluster)
-            **loopback,
-        },
-    )
+    loopback = LOOPBACK
+    cluster = head_cluster()
     try:
         victim = cluster.add_node(num_cpus=2, resources={"node_b": 10, **WORKER}, **loopback)
         cluster.add_node(num_cpus=2, resources={"node_c": 10, **WORKER}, **loopback)

@@ -25,6 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from tests.asyncflow.cluster_probes import LOOPBACK, head_cluster
+
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 4
 MAX_STALENESS = 1
@@ -35,21 +37,12 @@ def main() -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
-    from ray.cluster_utils import Cluster
 
     from asyncflow import run
     from tests.asyncflow.conftest import RAY_START, small_config
 
-    loopback = {"node_ip_address": "127.0.0.1"}
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 2,
-            "resources": {"node_a": 10},
-            "_system_config": {"worker_niceness": 0},  # (tests/conftest.py: ray_cluster)
-            **loopback,
-        },
-    )
+    loopback = LOOPBACK
+    cluster = head_cluster()
     try:
         for label in ("node_b", "node_c"):
             cluster.add_node(num_cpus=4, resources={label: 10}, **loopback)

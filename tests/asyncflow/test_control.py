@@ -252,7 +252,7 @@ def test_beyond_loopback_the_channel_needs_keys_and_speaks_curve(
     stages = _Stages()
     out = tmp_path / "run"
     out.mkdir()
-    with pytest.raises(AuthError, match="refusing to listen on 0.0.0.0 without keys"):
+    with pytest.raises(AuthError, match=r"refusing to listen on 0\.0\.0\.0 without keys"):
         ControlServer(out, stages.scale, stages.instances, ("rollout",), "0.0.0.0")
     assert not (out / CONTROL_FILE).exists()
     keys, other = tmp_path / "keys", tmp_path / "other"

@@ -5,14 +5,12 @@ instances back on it. Marked ``ray`` and ``slow``."""
 
 from __future__ import annotations
 
-import json
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.asyncflow.cluster_probes import run_probe
 from tests.asyncflow.conftest import RAY_TEST_TIMEOUT_S
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(RAY_TEST_TIMEOUT_S)]
@@ -31,15 +29,7 @@ def test_a_lost_node_costs_seconds_and_its_instances_come_back_on_a_new_one() ->
     pytest.importorskip("ray")
     from tests.asyncflow.node_loss_probe import LOSS_STEP, MAX_STALENESS, STEPS
 
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.asyncflow.node_loss_probe"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=RAY_TEST_TIMEOUT_S - 60,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = run_probe("tests.asyncflow.node_loss_probe", RAY_TEST_TIMEOUT_S - 60)
     seen, records, where = report["seen"], report["records"], report["where"]
     assert seen["lost_at_step"] >= LOSS_STEP, seen
     assert "joined_t" in seen, seen

@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -23,6 +20,7 @@ import pytest
 from asyncflow import EngineFactories, StageError, run
 from asyncflow.deploy.ray import RayDeployment
 from asyncflow.feeder import PromptFeeder
+from tests.asyncflow.cluster_probes import run_probe
 from tests.asyncflow.conftest import RAY_START, RAY_TEST_TIMEOUT_S, small_config, until_holding
 from tests.asyncflow.faulty import (
     rank0_dying_trainer_factory,
@@ -45,15 +43,7 @@ def test_a_run_over_three_nodes_lands_where_the_config_says_and_broadcasts_its_w
     pytest.importorskip("ray")
     from tests.asyncflow.placement_probe import MAX_STALENESS, STEPS
 
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.asyncflow.placement_probe"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=RAY_TEST_TIMEOUT_S - 60,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = run_probe("tests.asyncflow.placement_probe", RAY_TEST_TIMEOUT_S - 60)
     where = report["where"]
     units = {k: v for k, v in where.items() if k.startswith("tq/")}
     assert set(units) == {"tq/unit0", "tq/unit1", "tq/controller"}
