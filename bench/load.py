@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -49,6 +50,7 @@ from bench.common import RESULTS_DIR, line, write_json
 CALLS = ("put", "get_meta", "get_data", "ack")
 THROUGHPUT_GOAL = 0.8
 P99_GOAL_MS = 50.0
+CONNECTING = 64  # connects in flight at once per worker process
 WORKER_TIMEOUT_S = 600.0  # a worker's connect of all its clients, or its report after a phase
 
 
@@ -105,7 +107,11 @@ async def _worker_main(
     import transferqueue
 
     t_connect = time.perf_counter()
-    handles = [transferqueue.connect(address, call_timeout_s=120.0) for _ in range(count)]
+    # all at once (a connection storm): every client's connect in flight together
+    with concurrent.futures.ThreadPoolExecutor(CONNECTING) as pool:
+        handles = list(
+            pool.map(lambda _: transferqueue.connect(address, call_timeout_s=120.0), range(count))
+        )
     print(json.dumps({"connect_s": time.perf_counter() - t_connect}), flush=True)
     for phase_no, rate in enumerate(rates):
         start = float(sys.stdin.readline())  # the parent's common start (monotonic clock)
@@ -115,9 +121,12 @@ async def _worker_main(
         for i, tq in enumerate(handles):
             cid = first + i
             partition = "shared" if cid % 2 == 0 else f"own-{cid}"
-            jobs.append(
-                _client(tq, cid, partition, batch, (start, start + seconds), rate, phase_no, lat)
+            # each client runs on its handle's own event loop, as a program whose work is
+            # mostly TransferQueue calls does (run_async): its calls then hop no thread
+            client = _client(
+                tq, cid, partition, batch, (start, start + seconds), rate, phase_no, lat
             )
+            jobs.append(tq.run_async(client))
         results = await asyncio.gather(*jobs)
         print(
             json.dumps(

@@ -80,3 +80,4 @@ MAX_KEY_CHARS = 512
 MAX_KEYS = 1 << 16
 MAX_CLAIMS = 1 << 16
 CONNECTION_FD_RESERVE = 256
+MAX_HOLDERS_PER_BEAT = 4096  # holders named by one alive (a process with more sends several)

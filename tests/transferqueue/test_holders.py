@@ -23,6 +23,7 @@ from tq_helpers import until
 
 import transferqueue
 from transferqueue import LeaseExpiredError, Liveness
+from transferqueue.client.beats import beats_for
 from transferqueue.controller.core import Controller
 from transferqueue.controller.holders import Holders
 
@@ -222,6 +223,43 @@ def test_a_busy_consumer_process_keeps_its_batch_longer_than_the_liveness_bound(
         stats = _ctl(c)
         assert stats["returned_leases"] == 0 and stats["holders_lost"] == 0
         assert stats["partitions"]["default"]["tasks"]["t"]["done"] == 8
+
+
+def test_the_holders_of_one_process_beat_together_and_keep_their_leases() -> None:
+    """Twelve handles of one process, each holding a lease past the liveness bound: the
+    controller reads one ``alive`` per beat for all of them (not one per handle), and none
+    of their rows is returned; a handle that closes leaves the beat, the others stay in."""
+    fast = Liveness(holder_dead_after_s=2.0)
+    n = 12
+    with transferqueue.serve(num_units=1, liveness=fast) as svc:
+        handles = [transferqueue.connect(svc.address) for _ in range(n)]
+        try:
+            c = handles[0].client()
+            c.put({"x": torch.arange(n).view(n, 1)})
+            held = [
+                h.client().get_meta("t", ["x"], 1, timeout_s=10, lease_s=LEASE_S) for h in handles
+            ]
+            assert sorted(int(m.indexes[0]) for m in held) == list(range(n))
+
+            def alives() -> int:
+                return int(c.stats()["controller"]["requests"]["kinds"]["alive"]["requests"])
+
+            before, t0 = alives(), time.monotonic()
+            time.sleep(2 * fast.holder_dead_after_s)  # silent in every other way
+            beats = (alives() - before) / (time.monotonic() - t0)
+            assert beats < 3.0, f"{beats:.1f} alive/s from {n} holders: they beat one by one"
+            assert _ctl(c)["returned_leases"] == 0
+            beating = beats_for(svc.address)
+            assert sorted(beating.holders()) == sorted(h.holder.id for h in handles)
+            handles[-1].close()
+            assert handles[-1].holder.id not in beating.holders()
+            for h, meta in zip(handles[:-1], held[:-1], strict=True):
+                h.client().ack(meta)  # every lease still stands
+            assert _ctl(c)["returned_leases"] == 1  # (the closed handle's: given back at once)
+        finally:
+            for h in handles:
+                h.close()
+        assert not beating.holders()
 
 
 def test_a_closed_handle_and_a_replaced_holder_give_their_rows_back_at_once() -> None:

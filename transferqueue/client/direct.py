@@ -40,12 +40,12 @@ from transferqueue.client.controller_link import (
     next_slice,
 )
 from transferqueue.errors import ClosedError, PeerGoneError, TQError, UnknownRowError
-from transferqueue.sched import zmq_in_batch
 from transferqueue.wire import codec as wire
 from transferqueue.wire import messages as m
 from transferqueue.wire import protocol
 from transferqueue.wire.auth import ClientKeys
-from transferqueue.wire.liveness import Liveness
+from transferqueue.wire.contexts import process_context
+from transferqueue.wire.liveness import Liveness, heard_from
 
 __all__ = ["DirectCalls"]
 
@@ -79,7 +79,9 @@ class _Socket:
         self.poller.register(wake, zmq.POLLIN)
         self.ids = itertools.count(1)
         self.late: dict[int, protocol.ControllerRequest[Any]] = {}
-        self.heard_at = 0.0  # monotonic time of the last message from the controller
+        # when the controller was last heard from and pinged, by any client of this process
+        # (wire.liveness: a process's clients ping a server once per heartbeat, not each)
+        self.heard = heard_from(address)
 
     def close(self) -> None:
         if self.mon is not None:
@@ -99,8 +101,7 @@ class DirectCalls:
         self._link = link  # (its address, timeout, ride-through and resend count)
         self._keys = keys
         self._liveness = liveness
-        self._ctx: zmq.Context[Any] = zmq.Context()
-        zmq_in_batch(self._ctx)
+        self._ctx = process_context()  # (shared by the process's handles: wire.contexts)
         self._wake_r, self._wake_w = os.pipe()  # readable once closed: wakes every wait
         self._lock = threading.Condition()
         self._idle: list[_Socket] = []
@@ -144,12 +145,11 @@ class DirectCalls:
             for sock in idle:
                 sock.close()
             done = self._lock.wait_for(lambda: self._busy == 0, _CLOSE_WAIT_S)
-        if not done:  # (a call that never came back: its socket keeps the context open)
+        if not done:  # (a call that never came back: it still polls the wake pipe)
             log.warning("a direct controller call did not end within %g s of close", _CLOSE_WAIT_S)
             return
         os.close(self._wake_r)
         os.close(self._wake_w)
-        self._ctx.term()
 
     # -- the pool ----------------------------------------------------------------------------
     def _take(self) -> _Socket:
@@ -216,7 +216,6 @@ class DirectCalls:
         lv = self._liveness
         since = time.monotonic()  # the wait on the controller begins
         deadline = since + wait_s
-        last_ping = 0.0
         while True:
             now = time.monotonic()
             step = min(deadline - now, lv.heartbeat_s)
@@ -239,15 +238,15 @@ class DirectCalls:
                     f"{wait_s:.0f} s; is the TransferQueue service running and reachable "
                     "(and, if it uses keys, does this client have them)?"
                 )
-            silent_s = now - max(sock.heard_at, since)
+            silent_s = now - max(sock.heard.at, since)
             if silent_s >= lv.dead_after_s:
                 raise PeerGoneError(
                     f"{self._link.rpc.address} has not answered for {silent_s:.1f} s (pings "
                     f"included; dead_after_s={lv.dead_after_s:g}) while {msg.kind!r} "
                     "waited on it: the server died or is stuck"
                 )
-            if silent_s >= lv.heartbeat_s and now - last_ping >= lv.heartbeat_s:
-                last_ping = now
+            if silent_s >= lv.heartbeat_s and now - sock.heard.pinged >= lv.heartbeat_s:
+                sock.heard.pinged = now
                 with contextlib.suppress(zmq.ZMQError):
                     frames = wire.encode_request(next(sock.ids), m.Ping())
                     sock.sock.send_multipart(frames, zmq.NOBLOCK)
@@ -263,7 +262,7 @@ class DirectCalls:
                 frames = sock.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return False, None
-            sock.heard_at = time.monotonic()
+            sock.heard.at = time.monotonic()
             got = wire.reply_id(frames)
             if got == rid:
                 return True, wire.decode_reply(frames, msg.wire_reply)

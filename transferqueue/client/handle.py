@@ -60,7 +60,7 @@ class TransferQueue:
         self._closers.insert(0, self._device.close)  # (while the loop still runs)
         # the leases' holder: beats over the direct sockets (a connected handle), and says it
         # is gone before they close
-        self.holder = Holder(holder, None if direct is None else direct.call)
+        self.holder = Holder(holder, None if direct is None else direct.call, address)
         self._closers.insert(0, self.holder.close)
         self._finalizer = weakref.finalize(self, _close_all, self._closers, io)
 

@@ -5,12 +5,13 @@ Every lease a handle's clients take (``get_meta``) names the handle's holder id,
 ``token``: drawn per handle). The controller returns the rows of a holder it learns is gone
 (:mod:`transferqueue.controller.holders`), so the handle says it is alive:
 
-- a connected handle, from its first ``get_meta`` on, sends ``alive`` every ``HOLDER_BEAT_S``
-  from a daemon thread of its own over its direct sockets (:mod:`transferqueue.client.direct`),
-  never through the handle's event loop, which runs only while someone waits on it: a process
-  busy with a batch for an hour still beats (liveness, not progress). The first beat is
-  answered before that ``get_meta`` is sent, so the controller watches the holder before it
-  holds anything;
+- a connected handle, from its first ``get_meta`` on, beats every ``HOLDER_BEAT_S`` from a
+  daemon thread over direct sockets (:mod:`transferqueue.client.direct`), never through the
+  handle's event loop, which runs only while someone waits on it: a process busy with a batch
+  for an hour still beats (liveness, not progress). The holders of one process beat together,
+  one ``alive`` per controller for all of them (:mod:`transferqueue.client.beats`). The first
+  beat is answered before that ``get_meta`` is sent, so the controller watches the holder
+  before it holds anything;
 - closing the handle (or dropping it and all its clients) stops the beat and tells the
   controller the holder is gone (``holder_gone``): its rows go back at once;
 - :meth:`replace_earlier` says that this handle replaces every earlier handle of its name (a
@@ -44,6 +45,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from transferqueue.client.beats import Beats, beats_for
 from transferqueue.wire import messages as m
 from transferqueue.wire.liveness import HOLDER_BEAT_S
 
@@ -54,7 +56,6 @@ log = logging.getLogger(__name__)
 Send = Callable[[Any], Any]
 """Sends one controller request and returns its reply (a direct call, from any thread)."""
 
-_JOIN_S = 2.0
 FRESH_LEASE_S = HOLDER_BEAT_S / 2
 """How long after its ``get_meta`` was sent a lease is written to without renewing it first
 (see the module): a quarter of the shortest ``holder_dead_after_s`` a controller accepts."""
@@ -68,9 +69,12 @@ def default_holder_name() -> str:
 
 class Holder:
     """One handle's holder id and heartbeat (see the module). ``send``: None for an
-    embedded handle (no heartbeat, nothing to tell at close)."""
+    embedded handle (no heartbeat, nothing to tell at close). ``address``: the controller's
+    (the holders of a process that beat to it beat together; default: this holder alone)."""
 
-    def __init__(self, name: str | None = None, send: Send | None = None) -> None:
+    def __init__(
+        self, name: str | None = None, send: Send | None = None, address: str | None = None
+    ) -> None:
         name = default_holder_name() if name is None else name
         if not name or "/" in name or len(name) > 96:
             raise ValueError(
@@ -81,45 +85,37 @@ class Holder:
         self.id = f"{name}/{secrets.token_hex(6)}"
         self._send = send
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.beats_failed = 0
-        self._reachable = True  # the last beat was answered (else close does not wait on it)
+        self._stopped = False
+        self._beats: Beats | None = None  # (once started)
+        self._address = address
         self._asked: dict[int, float] = {}  # lease id -> when its get_meta was sent (monotonic)
         self._asked_lock = threading.Lock()
 
     @property
     def started(self) -> bool:
         """Whether the heartbeat runs (or needs none: embedded)."""
-        return self._send is None or self._thread is not None
+        return self._send is None or self._beats is not None
+
+    @property
+    def beats_failed(self) -> int:
+        """Heartbeats of this holder that failed (a controller restarting or gone)."""
+        return 0 if self._beats is None else self._beats.failed(self.id)
 
     def start(self) -> None:
         """Before the first ``get_meta``: one beat answered, then a beat every
-        ``HOLDER_BEAT_S`` from a daemon thread (idempotent; blocking: call it off the loop)."""
+        ``HOLDER_BEAT_S`` with the process's other holders (idempotent; blocking: call it off
+        the loop)."""
         if self.started:
             return
         with self._lock:
-            if self._thread is not None or self._stop.is_set():
+            if self._beats is not None or self._stopped:
                 return
             assert self._send is not None
             self._send(m.Alive(holder=self.id))  # (a failure here fails the get_meta)
-            thread = threading.Thread(
-                target=self._beat, args=(self._send,), name="transferqueue-holder", daemon=True
-            )
-            thread.start()
-            self._thread = thread
-
-    def _beat(self, send: Send) -> None:
-        beat = m.Alive(holder=self.id)
-        while not self._stop.wait(HOLDER_BEAT_S):
-            try:
-                send(beat)
-                self._reachable = True
-            except Exception as e:  # (a controller restarting: beat again next time)
-                self.beats_failed += 1
-                self._reachable = False
-                if not self._stop.is_set():
-                    log.debug("holder %s: a heartbeat failed: %r", self.id, e)
+            address = self._address if self._address is not None else f"holder:{self.id}"
+            beats = beats_for(address)
+            beats.join(self.id, self._send)
+            self._beats = beats
 
     def took(self, lease_id: int, asked: float, lease_s: float) -> None:
         """A ``get_meta`` sent at ``asked`` (``time.monotonic()``) leased rows for
@@ -158,15 +154,13 @@ class Holder:
     def close(self) -> None:
         """Stop the heartbeat and tell the controller this holder is gone (idempotent)."""
         with self._lock:
-            if self._stop.is_set():
+            if self._stopped:
                 return
-            self._stop.set()
-            thread = self._thread
-        if thread is None:
+            self._stopped = True
+            beats = self._beats
+        if beats is None:
             return  # (never took a lease: nothing to give back)
-        if thread is not threading.current_thread():  # (a finalizer may run on it)
-            thread.join(_JOIN_S)
-        if thread.is_alive() or not self._reachable:
+        if not beats.leave(self.id):
             return  # (a controller gone or restarting: our silence says it, no wait here)
         assert self._send is not None
         with contextlib.suppress(Exception):

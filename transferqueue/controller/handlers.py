@@ -240,7 +240,10 @@ class QueueHandlers(_Handlers):
         self.service.poke()
 
     def alive(self, msg: m.Alive, caller: Caller) -> None:
-        self.service.holders.beat(msg.holder)
+        holders = self.service.holders
+        holders.beat(msg.holder)
+        for holder in msg.holders:
+            holders.beat(holder)
 
     def holder_gone(self, msg: m.HolderGone, caller: Caller) -> int:
         """Return the leases of ``msg.holder``, or of every holder named ``msg.name`` but

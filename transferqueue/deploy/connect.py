@@ -12,18 +12,16 @@ import contextlib
 import functools
 import os
 
-import zmq.asyncio
-
 from transferqueue.client.controller_link import RemoteControllerLink
 from transferqueue.client.direct import DirectCalls
 from transferqueue.client.handle import TransferQueue
 from transferqueue.client.unit_link import SHM_MAX_BYTES, RemoteUnitLink
 from transferqueue.errors import PeerGoneError, ProtocolError
 from transferqueue.loop import LoopThread
-from transferqueue.sched import zmq_in_batch
 from transferqueue.wire import messages as m
 from transferqueue.wire.auth import ClientKeys, client_keys
 from transferqueue.wire.codec import PROTOCOL_VERSION
+from transferqueue.wire.contexts import process_async_context
 from transferqueue.wire.liveness import DEFAULT_LIVENESS, Liveness
 from transferqueue.wire.rpc import DEFAULT_CALL_TIMEOUT_S, RpcClient, check_address
 
@@ -82,8 +80,7 @@ def connect(
     check_address(address)  # before any thread or socket exists
     ckeys = client_keys(keys)
     io = LoopThread("transferqueue-client", always=False)
-    ctx = zmq.asyncio.Context()
-    zmq_in_batch(ctx)  # (a stage host in SCHED_BATCH: its client's I/O threads too)
+    ctx = process_async_context()  # (shared by the process's handles: wire.contexts)
     rpcs: list[RpcClient] = []
     units: list[RemoteUnitLink] = []
 
@@ -152,7 +149,6 @@ def connect(
             calls.close()
         if not io.closed:
             io.run(teardown(), timeout=10)
-        ctx.term()  # (every socket is closed by now: term does not wait)
 
     try:
         ctl_link, unit_links = io.run(setup())

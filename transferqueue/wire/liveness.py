@@ -27,8 +27,16 @@ lost, and their rows with them (tests/transferqueue/test_frozen.py).
 | holder_grace_s | 15.0    | (a restarted controller's) wait for holders to beat again    |
 
 The other direction works the same way with the roles swapped: a client that holds leases
-sends the controller a heartbeat (``alive``) every second from a thread of its own, and the
-controller returns the rows of a client silent for ``holder_dead_after_s``.
+sends the controller a heartbeat (``alive``) every second, and the controller returns the rows
+of a client silent for ``holder_dead_after_s``.
+
+Neither grows with the number of clients in a process. The clients of one process that wait
+on the same server share what they heard from it (:func:`heard_from`): a reply to any of them
+shows the server alive to all, and one ping per ``heartbeat_s`` from the process stands for
+all of them. Without that, thousands of clients queued on a saturated controller each pinged
+it every ``heartbeat_s``: a storm that took the controller's time from the calls themselves
+until they failed as gone (``python -m bench.load``). Likewise the holders of one process beat
+together, in one ``alive`` per controller (:mod:`transferqueue.client.beats`).
 """
 
 from __future__ import annotations
@@ -37,7 +45,14 @@ import math
 import secrets
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_LIVENESS", "HOLDER_BEAT_S", "Liveness", "new_incarnation"]
+__all__ = [
+    "DEFAULT_LIVENESS",
+    "HOLDER_BEAT_S",
+    "Heard",
+    "Liveness",
+    "heard_from",
+    "new_incarnation",
+]
 
 HOLDER_BEAT_S = 1.0
 """How often a connected handle holding leases sends its ``alive`` heartbeat (a holder's
@@ -83,6 +98,24 @@ class Liveness:
 
 
 DEFAULT_LIVENESS = Liveness()
+
+
+@dataclass
+class Heard:
+    """When a peer was last heard from and last pinged (monotonic seconds): one client's, or
+    shared by the clients of one process that wait on the same address (see the module)."""
+
+    at: float = 0.0
+    pinged: float = 0.0
+
+
+_HEARD: dict[str, Heard] = {}
+
+
+def heard_from(address: str) -> Heard:
+    """What this process heard from the server at ``address``, shared by its clients of it
+    (one entry per address this process ever called: a few, not one per client)."""
+    return _HEARD.setdefault(address, Heard())
 
 
 def new_incarnation() -> str:

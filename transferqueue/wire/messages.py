@@ -37,7 +37,7 @@ import msgspec
 import numpy as np
 from msgspec import Meta
 
-from transferqueue.limits import MAX_NAMES, MAX_ROWS
+from transferqueue.limits import MAX_HOLDERS_PER_BEAT, MAX_NAMES, MAX_ROWS
 from transferqueue.meta import BatchMeta
 from transferqueue.schema import FieldSpec
 from transferqueue.wire.protocol import (
@@ -208,12 +208,15 @@ class GetMeta(ControllerRequest[BatchMeta]):
 
 
 class Alive(ControllerRequest[None]):
-    """A holder's heartbeat (see :mod:`transferqueue.controller.holders`): the client that
-    takes leases under ``holder`` is alive. Sent every ``HOLDER_BEAT_S`` by a connected
-    handle from its first ``get_meta`` on, the first before that ``get_meta``."""
+    """Holders' heartbeat (see :mod:`transferqueue.controller.holders`): the clients that
+    take leases under ``holder`` and each of ``holders`` are alive. Sent every
+    ``HOLDER_BEAT_S`` for a connected handle from its first ``get_meta`` on, the first
+    before that ``get_meta``; the holders of one process beat in one message
+    (:mod:`transferqueue.client.beats`)."""
 
     kind = "alive"
     holder: HolderId
+    holders: Annotated[list[HolderId], Meta(max_length=MAX_HOLDERS_PER_BEAT)] = []
 
 
 class HolderGone(ControllerRequest[int]):

@@ -45,7 +45,7 @@ from transferqueue.wire import codec as wire
 from transferqueue.wire.address import bind_address, check_address
 from transferqueue.wire.auth import ClientKeys, ServerKeys, require_keys
 from transferqueue.wire.counters import KindCounters, RequestCounters, frames_nbytes
-from transferqueue.wire.liveness import DEFAULT_LIVENESS, Liveness
+from transferqueue.wire.liveness import DEFAULT_LIVENESS, Heard, Liveness, heard_from
 from transferqueue.wire.peers import INTERNAL_RID, Peers
 from transferqueue.wire.protocol import TRUSTED, Caller, Handler, Request
 
@@ -390,10 +390,11 @@ class RpcClient:
         self._on_pong = on_pong
         self._on_silent = on_silent
         self._pings: set[int] = set()
-        self.heard_at = 0.0  # monotonic time of the last message from the peer
+        # when the peer was last heard from and pinged: shared with this process's other
+        # clients of it, except for a keepalive watch (it reads each answer: wire.liveness)
+        self._heard = Heard() if keepalive else heard_from(self.address)
         self._since = 0.0  # when the current wait on the peer began
         self._tick_due = 0.0  # when the watch's armed tick should run (monotonic)
-        self._last_ping = 0.0
         self._tick: asyncio.TimerHandle | None = None
         self.silent = False  # the peer was declared gone and has not been heard from since
         self._mon: zmq.Socket[Any] | None = None
@@ -415,7 +416,7 @@ class RpcClient:
         self._closed = False
 
     def _on_message(self, frames: list[Any]) -> None:
-        self.heard_at = time.monotonic()
+        self._heard.at = time.monotonic()
         self.silent = False
         rid = wire.reply_id(frames)
         if rid in self._pings:
@@ -483,6 +484,8 @@ class RpcClient:
             self._io.sock.disconnect(self.address)
         self._io.sock.connect(address)
         self.address = address
+        if not self._keepalive:
+            self._heard = heard_from(address)
         self.silent = False
 
     def request(self, msg: Request[R], *, wait_s: float | None = None) -> Awaitable[R]:
@@ -620,13 +623,13 @@ class RpcClient:
         now = time.monotonic()
         if now - self._tick_due > lv.dead_after_s / 2:  # we were frozen (wire.liveness)
             self._since = now
-        silent_s = now - max(self.heard_at, self._since)
+        silent_s = now - max(self._heard.at, self._since)
         if silent_s >= lv.dead_after_s:
             self._io.drain()  # (answers a busy loop has not read yet count)
-            silent_s = now - max(self.heard_at, self._since)
+            silent_s = now - max(self._heard.at, self._since)
         if silent_s >= lv.dead_after_s:
             self._gone(silent_s)
-        elif silent_s >= lv.heartbeat_s and now - self._last_ping >= lv.heartbeat_s:
+        elif silent_s >= lv.heartbeat_s and now - self._heard.pinged >= lv.heartbeat_s:
             self._send_ping(now)
         if self.silent and self._keepalive:
             self._send_ping(now)  # a restarted peer answers one, whenever it is back
@@ -637,7 +640,7 @@ class RpcClient:
         if len(self._pings) > 64:  # a peer that answers none: do not pile them up
             self._pings.clear()
         rid = next(self._ids)
-        self._last_ping = now
+        self._heard.pinged = now
         try:
             self._io.send(wire.encode_request(rid, self._ping))
         except (zmq.ZMQError, ValueError) as e:
