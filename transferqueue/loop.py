@@ -31,18 +31,19 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import os
 import signal
 import threading
 import time
 import weakref
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from types import FrameType
 from typing import Any, TypeVar
 
 from transferqueue.aio import within
 from transferqueue.errors import ClosedError
 
-__all__ = ["LoopThread"]
+__all__ = ["LoopThread", "shared_loop"]
 
 T = TypeVar("T")
 
@@ -313,3 +314,38 @@ def _has_loop() -> bool:
     except RuntimeError:
         return False
     return True
+
+
+_SHARED_LOCK = threading.Lock()
+_SHARED: dict[int, list[Any]] = {}  # pid -> [LoopThread, users]
+
+
+def shared_loop(name: str) -> tuple[LoopThread, Callable[[], None]]:
+    """The process's shared ``always=False`` loop (made if there is none) and the function
+    that lets go of it (idempotent): the loop closes when its last user lets go. The
+    connected handles that ask for it (``connect(shared_loop=True)``) run their calls on one
+    thread between them, not one each: thousands of handles in one process do not become
+    thousands of threads contending for the GIL."""
+    pid = os.getpid()
+    with _SHARED_LOCK:
+        entry = _SHARED.get(pid)
+        if entry is None or entry[0].closed:
+            _SHARED.clear()  # (a parent's, inherited by fork: its thread is not here)
+            entry = _SHARED[pid] = [LoopThread(name, always=False), 0]
+        entry[1] += 1
+    io: LoopThread = entry[0]
+    released = [False]
+
+    def release() -> None:
+        with _SHARED_LOCK:
+            if released[0]:
+                return
+            released[0] = True
+            entry[1] -= 1
+            last = entry[1] == 0 and _SHARED.get(pid) is entry
+            if last:
+                del _SHARED[pid]
+        if last:
+            io.close()
+
+    return io, release

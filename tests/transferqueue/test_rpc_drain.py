@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import Any
 
 import zmq
@@ -14,6 +15,7 @@ import zmq.asyncio
 from transferqueue.wire import codec as wire
 from transferqueue.wire import messages as m
 from transferqueue.wire import protocol
+from transferqueue.wire.loopsocket import READ_EVERY
 from transferqueue.wire.rpc import RpcClient, RpcServer
 
 BURST = 300
@@ -94,3 +96,69 @@ def test_a_burst_and_concurrent_callers_are_all_answered_with_fewer_loop_turns()
     # One drain per request (its socket's event): the reply sent from it schedules no other
     # (it did, one more loop turn per request: 200 drains).
     assert sequential <= 130, sequential
+
+
+BACKLOG = 400
+
+
+def _busy_handlers() -> dict[Any, Any]:
+    """A unit whose ``stats`` takes a millisecond of the loop's time; pings are free."""
+
+    class Busy:
+        def __getattr__(self, kind: str) -> Any:
+            if kind == "ping":
+                return lambda msg, caller: "pong"
+
+            def work(msg: Any, caller: Any) -> dict[str, Any]:
+                time.sleep(0.001)
+                return {}
+
+            return work
+
+    return protocol.handlers("unit", Busy())
+
+
+def test_a_ping_behind_a_backlog_is_answered_before_the_backlog() -> None:
+    """Hundreds of requests queued at a busy server, then a ping: its answer comes within
+    one drain batch, ahead of the work read with it, not after the whole backlog (a server
+    that answered it in turn would be taken for dead by clients waiting behind a storm)."""
+
+    async def scenario() -> list[str]:
+        ctx = zmq.asyncio.Context()
+        server = RpcServer(ctx, "tcp://127.0.0.1:0", "unit", _busy_handlers())
+        server.start()
+        order: list[str] = []
+
+        def client() -> None:
+            sctx = zmq.Context()
+            sock = sctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVTIMEO, 20_000)
+            sock.connect(server.address)
+            try:
+                for rid in range(1, BACKLOG + 1):
+                    sock.send_multipart(wire.encode_request(rid, m.UnitStats()))
+                sock.send_multipart(wire.encode_request(BACKLOG + 1, m.UnitPing()))
+                for _ in range(BACKLOG + 1):
+                    rid = wire.reply_id(sock.recv_multipart())
+                    order.append("ping" if rid == BACKLOG + 1 else "work")
+            finally:
+                sock.close(0)
+                sctx.term()
+
+        thread = threading.Thread(target=client)
+        thread.start()
+        try:
+            while thread.is_alive():
+                await asyncio.sleep(0.01)
+            thread.join()
+            return order
+        finally:
+            await server.close()
+            ctx.term()
+
+    order = asyncio.run(scenario())
+    assert order.count("work") == BACKLOG and order.count("ping") == 1
+    assert order.index("ping") <= 2 * READ_EVERY, (
+        f"the ping was answered after {order.index('ping')} requests"
+    )

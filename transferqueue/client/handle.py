@@ -42,11 +42,13 @@ class TransferQueue:
         mode: str = "embedded",
         direct: DirectCalls | None = None,
         holder: str | None = None,
+        release_io: Callable[[], None] | None = None,
     ) -> None:
         """``direct``: where sync clients send their consumer calls without the loop (a
         connected handle's, see :mod:`transferqueue.client.direct`; closed by ``closers``).
         ``holder``: the name the leases of this handle are held under (default ``host:pid``;
-        see :mod:`transferqueue.client.holder`)."""
+        see :mod:`transferqueue.client.holder`). ``release_io``: lets go of an ``io`` shared
+        with other handles (closed by its last user), instead of closing it."""
         self._io = io
         self._controller = controller
         self._units = list(units)
@@ -62,7 +64,9 @@ class TransferQueue:
         # is gone before they close
         self.holder = Holder(holder, None if direct is None else direct.call, address)
         self._closers.insert(0, self.holder.close)
-        self._finalizer = weakref.finalize(self, _close_all, self._closers, io)
+        self._finalizer = weakref.finalize(
+            self, _close_all, self._closers, io.close if release_io is None else release_io
+        )
 
     @property
     def num_units(self) -> int:
@@ -150,8 +154,8 @@ class TransferQueue:
         return f"TransferQueue({self.mode}{where}, units={self.num_units})"
 
 
-def _close_all(closers: list[Callable[[], None]], io: LoopThread) -> None:
+def _close_all(closers: list[Callable[[], None]], close_io: Callable[[], None]) -> None:
     for close in closers:
         with contextlib.suppress(Exception):  # one failing closer must not skip the rest
             close()
-    io.close()
+    close_io()

@@ -18,6 +18,7 @@ from transferqueue.client.handle import TransferQueue
 from transferqueue.client.unit_link import SHM_MAX_BYTES, RemoteUnitLink
 from transferqueue.errors import PeerGoneError, ProtocolError
 from transferqueue.loop import LoopThread
+from transferqueue.loop import shared_loop as _shared_loop
 from transferqueue.wire import messages as m
 from transferqueue.wire.auth import ClientKeys, client_keys
 from transferqueue.wire.codec import PROTOCOL_VERSION
@@ -42,6 +43,7 @@ def connect(
     liveness: Liveness = DEFAULT_LIVENESS,
     ride_through_s: float = 0.0,
     holder: str | None = None,
+    shared_loop: bool = False,
 ) -> TransferQueue:
     """Connect to a TransferQueue service (``transferqueue serve`` prints its address,
     ``tcp://HOST:PORT``; anything else fails at once, saying so).
@@ -74,12 +76,24 @@ def connect(
     holds go back to their queues within ``holder_dead_after_s`` (default 5 s) of its death,
     at once when it is closed or when a later handle of the same name calls
     ``replace_earlier_holders()`` (see :mod:`transferqueue.client.holder`).
+
+    ``shared_loop``: run this handle's I/O on one event loop thread shared with the other
+    handles of this process that ask for it, instead of a thread of its own (a process of
+    thousands of handles: a load generator, a server of many sessions; see
+    :func:`transferqueue.loop.shared_loop`). Each handle keeps its own connections, holder
+    and leases; what one handle's calls do on the loop delays the others'. Every handle
+    shares the process's ZeroMQ context, its liveness watch of each server and its holders'
+    heartbeat in any case (:mod:`transferqueue.wire.contexts`,
+    :mod:`transferqueue.wire.liveness`, :mod:`transferqueue.client.beats`).
     """
     if ride_through_s < 0:
         raise ValueError(f"ride_through_s must be >= 0, got {ride_through_s}")
     check_address(address)  # before any thread or socket exists
     ckeys = client_keys(keys)
-    io = LoopThread("transferqueue-client", always=False)
+    if shared_loop:
+        io, release_io = _shared_loop("transferqueue-clients")
+    else:
+        io, release_io = LoopThread("transferqueue-client", always=False), None
     ctx = process_async_context()  # (shared by the process's handles: wire.contexts)
     rpcs: list[RpcClient] = []
     units: list[RemoteUnitLink] = []
@@ -155,7 +169,7 @@ def connect(
         direct.append(DirectCalls(ctl_link, keys=ckeys, liveness=liveness))
     except BaseException:
         close_sockets()
-        io.close()
+        (io.close if release_io is None else release_io)()
         raise
     return TransferQueue(
         io,
@@ -166,6 +180,7 @@ def connect(
         mode="remote",
         direct=direct[0],
         holder=holder,
+        release_io=release_io,
     )
 
 

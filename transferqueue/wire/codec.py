@@ -84,6 +84,7 @@ __all__ = [
     "encode_error",
     "encode_reply",
     "encode_request",
+    "kind_of",
 ]
 
 PROTOCOL_VERSION = 7  # 3: Commit.dropped, BatchMeta.replica_units; 4: unit inventory;
@@ -480,6 +481,16 @@ def decode_request(
     except ProtocolError as e:
         raise RequestError(rid, type(e)(f"{kind}: {e}")) from None
     return rid, msg
+
+
+def kind_of(head: Any) -> bytes:
+    """The kind a request's header frame names, as bytes (b"": not a request header); reads
+    only the header's first bytes (a server sorting what it read, see wire.loopsocket)."""
+    raw = _as_buffer(head)
+    if raw.nbytes < _RID_KIND.size:
+        return b""
+    n = raw[_RID_KIND.size - 1]
+    return bytes(raw[_RID_KIND.size : _RID_KIND.size + n])
 
 
 def reply_id(frames: Sequence[Any]) -> int | None:

@@ -46,6 +46,7 @@ from transferqueue.wire.address import bind_address, check_address
 from transferqueue.wire.auth import ClientKeys, ServerKeys, require_keys
 from transferqueue.wire.counters import KindCounters, RequestCounters, frames_nbytes
 from transferqueue.wire.liveness import DEFAULT_LIVENESS, Heard, Liveness, heard_from
+from transferqueue.wire.loopsocket import LoopSocket
 from transferqueue.wire.peers import INTERNAL_RID, Peers
 from transferqueue.wire.protocol import TRUSTED, Caller, Handler, Request
 
@@ -85,72 +86,13 @@ _BACKLOG = 4096
 _RELOCATE_S = 5.0  # bound on asking the controller where a unit that went away listens now
 
 
-def _tune(sock: zmq.Socket[Any]) -> None:
-    sock.setsockopt(zmq.LINGER, 0)
-    # Unbounded queues: flow control is ours (capacity, leases), never a silent drop.
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
+_URGENT_KINDS = frozenset(k.encode() for k in ("ping", "alive"))
 
 
-class _LoopSocket:
-    """A plain (sync) ZeroMQ socket driven by the running event loop.
-
-    ``zmq.asyncio`` wraps every send and receive in futures; a request then costs a few
-    hundred microseconds of Python on each side. Here the loop watches the socket's file
-    descriptor and drains every message that is ready in one go, and sends never block (the
-    queues are unbounded), which roughly halves a round trip. ZeroMQ's descriptor is
-    edge-triggered, so the socket is drained again after every send: at once where the send
-    came from a message being handled (the drain under way reads the socket's events again
-    before it returns), on the next loop turn otherwise.
-    """
-
-    def __init__(
-        self, ctx: zmq.asyncio.Context, kind: int, on_message: Callable[[list[Any]], None]
-    ) -> None:
-        self.sock: zmq.Socket[Any] = zmq.Context.shadow(ctx.underlying).socket(kind)
-        _tune(self.sock)
-        self._on_message = on_message
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._draining = False
-        self.closed = False
-
-    def attach(self) -> None:
-        """Start watching the socket on the running loop."""
-        self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(int(self.sock.getsockopt(zmq.FD)), self.drain)
-        self._loop.call_soon(self.drain)
-
-    def drain(self) -> None:
-        self._draining = True
-        try:
-            while not self.closed:
-                try:  # (asking first: a receive that finds nothing raises, which costs more)
-                    if not int(self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-                        return
-                    msg = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    return
-                except zmq.ZMQError as e:
-                    log.warning("receive failed: %s", e)
-                    return
-                self._on_message(msg)
-        finally:
-            self._draining = False
-
-    def send(self, frames: list[Any], *, track: bool = False) -> zmq.MessageTracker | None:
-        tracker = self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False, track=track)
-        if self._loop is not None and not self._draining:  # (see the class docstring)
-            self._loop.call_soon(self.drain)
-        return tracker
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        if self._loop is not None and not self._loop.is_closed():
-            with contextlib.suppress(Exception):
-                self._loop.remove_reader(int(self.sock.getsockopt(zmq.FD)))
-        self.sock.close(0)
+def _is_ping(msg: list[Any]) -> bool:
+    """Whether a request (identity, header, ...) is a liveness ping or a holders' heartbeat:
+    handled as soon as it is read, ahead of the requests read with it (wire.loopsocket)."""
+    return len(msg) >= 2 and wire.kind_of(msg[1]) in _URGENT_KINDS
 
 
 class RpcServer:
@@ -178,7 +120,7 @@ class RpcServer:
         check_address(address, bind=True)
         if not keyless_beyond_loopback:
             require_keys(address, keys)
-        self._io = _LoopSocket(ctx, zmq.ROUTER, self._on_message)
+        self._io = LoopSocket(ctx, zmq.ROUTER, self._on_message, urgent=_is_ping)
         self._authenticator: Any = None
         try:
             # One frame above this disconnects its sender (no unbounded allocation).
@@ -400,7 +342,7 @@ class RpcClient:
         self._mon: zmq.Socket[Any] | None = None
         # Finds shared-memory buffers in replies (set by the unit link that owns the arena).
         self.resolve: wire.Resolver | None = None
-        self._io = _LoopSocket(ctx, zmq.DEALER, self._on_message)
+        self._io = LoopSocket(ctx, zmq.DEALER, self._on_message)
         try:
             if keys is not None:
                 keys.apply(self._io.sock)
