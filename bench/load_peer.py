@@ -137,7 +137,7 @@ async def _client(
             lat[name].append(b - a)
         stamps.append(_stamps(got["stamp"]))
         cycles += 1
-    return {"cid": cid, "cycles": cycles, "stamps": stamps}
+    return {"cid": cid, "cycles": cycles, "stamps": stamps, "end": time.monotonic()}
 
 
 def _connect(conf: Any, cid: int) -> Any:
@@ -180,6 +180,7 @@ async def _worker(
                 "clients": [{"cid": r["cid"], "cycles": r["cycles"]} for r in done],
                 "stamps": [s for r in done for s in r["stamps"]],
                 "latency": lat,
+                "end": max([r["end"] for r in done], default=start),
                 "failed_clients": len(errors),
                 "errors": errors[:ERRORS_KEPT],
             },
@@ -239,16 +240,22 @@ def _server_pids() -> dict[str, int]:
     return pids
 
 
-def _phase(outs: list[dict[str, Any]], batch: int, seconds: float, n: int) -> dict[str, Any]:
+def _phase(outs: list[dict[str, Any]], batch: int, seconds: float, start: float) -> dict[str, Any]:
+    """One phase's figures. Rates are over the phase's real length: the window, or longer
+    where the clients' last cycles (started in the window) ended after it; under a storm of
+    clients a cycle can take longer than the window itself."""
     clients = [c for o in outs for c in o["clients"]]
     cycles = np.array([c["cycles"] for c in clients], dtype=float)
     lat = {c: np.array([x for o in outs for x in o["latency"][c]]) * 1e3 for c in CALLS}
     total = float(cycles.sum())
+    elapsed = max(seconds, max(o["end"] for o in outs) - start)
     failed = sum(o["failed_clients"] for o in outs)
     return {
         "cycles": total,
-        "cycles_per_s": total / seconds,
-        "rows_per_s": total * batch / seconds,
+        "cycles_per_s": total / elapsed,
+        "rows_per_s": total * batch / elapsed,
+        "window_s": seconds,
+        "elapsed_s": elapsed,
         "latency_ms": {
             c: {"p50": float(np.percentile(v, 50)), "p99": float(np.percentile(v, 99))}
             for c, v in lat.items()
@@ -333,12 +340,13 @@ def run(
                 w.stdin.flush()
             outs = [_line(w, seconds + 4 * CALL_TIMEOUT_S + 60, stage[0]) for w in workers]
             busy = {role: _pid_stats(pid) for role, pid in pids.items()}
-            ph = _phase(outs, batch, float(seconds), n)
+            ph = _phase(outs, batch, float(seconds), start)
             ph["rate_per_client"] = float(rate)
             ph["servers"] = {
                 role: {
-                    "cpu_share": (busy[role]["cpu_s"] - idle[role]["cpu_s"]) / float(seconds),
+                    "cpu_share": (busy[role]["cpu_s"] - idle[role]["cpu_s"]) / ph["elapsed_s"],
                     "rss_mb": busy[role]["rss_mb"],
+                    "fds": busy[role]["fds"],
                 }
                 for role in pids
             }
