@@ -91,6 +91,22 @@ def run_peer_case(
     return _result(out, n, log_path)
 
 
+def run_peer_largest(
+    counts: list[int], procs: int, batch: int, phases: dict[str, tuple[float, float]]
+) -> dict[str, Any]:
+    """The peer at the largest of ``counts`` it holds: tries them largest first and returns
+    the first result without an error, with ``"broke_at"``: the larger counts' error entries
+    (``[]`` when the largest held). Where none held, the smallest's error entry."""
+    broke: list[dict[str, Any]] = []
+    for n in sorted(counts, reverse=True):
+        r = run_peer_case(n, procs, batch, phases)
+        if "error" not in r:
+            r["broke_at"] = broke
+            return r
+        broke.append({k: r.get(k) for k in ("clients", "stage", "error", "log")})
+    return {**broke[-1], "deploy": "peer", "broke_at": broke[:-1]}
+
+
 def _result(out: str, n: int, log_path: Path) -> dict[str, Any]:
     lines = [ln for ln in out.splitlines() if ln.strip()]
     if not lines:
