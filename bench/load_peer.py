@@ -293,6 +293,7 @@ def run(
 
     procs = max(1, min(procs, n))
     workers: list[subprocess.Popen[str]] = []
+    conf_path = ""
     stage[0] = "start"
     ray.init(address="local", num_cpus=UNITS + 1, include_dashboard=False, log_to_driver=False)
     try:
@@ -319,6 +320,7 @@ def run(
             _line(w, CONNECT_TIMEOUT_S, stage[0])
         connect_s = time.perf_counter() - t0
         os.unlink(conf_path)
+        conf_path = ""
         connected = {role: _pid_stats(pid) for role, pid in pids.items()}
         res: dict[str, Any] = {
             "deploy": "peer",
@@ -387,6 +389,8 @@ def run(
         }
         return res
     finally:
+        if conf_path:
+            os.unlink(conf_path)
         for w in workers:
             if w.poll() is None:
                 w.kill()
