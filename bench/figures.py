@@ -348,6 +348,87 @@ def _chaos_table(load: Callable[[str], Json]) -> str:
     )
 
 
+def _load_row(c: Json) -> list[str]:
+    paced, sat = c["phases"]["paced"], c["phases"]["saturated"]
+    n, deploy = c["clients"], c.get("deploy", "local")
+    ctl = c["servers"]["controller"]
+    if deploy == "peer":  # (its clients open their sockets on first use: the phase's figures)
+        ph = sat["servers"]["controller"]
+        rss, per = ph["rss_mb"], (ph["rss_mb"] - ctl["rss_mb_before_clients"]) * 1024 / n
+        fds = ph["fds"]
+    else:
+        rss, per, fds = ctl["rss_mb"], ctl["kb_per_client"], ctl["fds"]
+    eo = c["exactly_once"]
+    once = "yes" if eo["twice"] == eo["missing"] == eo["extra"] == 0 else "**no**"
+    return [
+        deploy if deploy != "peer" else "peer (TQ 0.1.11)",
+        f"{n:,}",
+        num(sat["rows_per_s"]),
+        f"{sat['fairness_min_over_mean']:.2f}",
+        f"{paced['latency_ms']['get_meta']['p50']:.1f} / "
+        f"{paced['latency_ms']['get_meta']['p99']:.1f}",
+        num(sat["latency_ms"]["get_meta"]["p99"]),
+        f"{rss:.0f} MB, {per:.0f} KB",
+        f"{fds:,}",
+        f"{c['connect_s']:.1f} s",
+        once,
+    ]
+
+
+@renderer("load-table")
+def _load_table(load: Callable[[str], Json]) -> str:
+    d = load("load")
+    rows = [_load_row(c) for c in d["cases"]]
+    peer = d.get("peer")
+    if peer and "error" not in peer:
+        rows.append(_load_row(peer))
+    head = [
+        "service",
+        "clients",
+        "rows/s (saturated)",
+        "slowest / mean client",
+        "get_meta p50 / p99, paced (ms)",
+        "get_meta p99, saturated (ms)",
+        "controller RSS, per client",
+        "controller fds",
+        "connect all",
+        "exactly once",
+    ]
+    goals = "; ".join(f"{g}: {'met' if ok else '**not met**'}" for g, ok in d["goals"].items())
+    ratios = ", ".join(f"{k} {x(v)}" for k, v in d["throughput_ratio"].items())
+    vs = ""
+    if peer and "ours_over_peer" in peer:
+        vs = (
+            " At {:,} clients against the peer: ".format(peer["clients"])
+            + "; ".join(
+                f"{k} {x(v['saturated_rows_per_s'])} its saturated throughput, its paced get_meta "
+                f"p99 {x(v['paced_get_meta_p99'])} ours"
+                for k, v in peer["ours_over_peer"].items()
+            )
+            + "."
+        )
+    restarts = [
+        f"{c['clients']:,} clients [{c.get('deploy', 'local')}]: the controller was away "
+        f"{rs['controller_away_s']:.1f} s, the longest call took {rs['longest_call_s']:.1f} s, "
+        f"{rs['failed_calls']} calls failed, {rs['clients_served_after']:,} clients were "
+        "served after it"
+        for c in d["cases"]
+        if (rs := c["phases"].get("restart", {}).get("restart")) is not None
+    ]
+    rs_text = (
+        "\nThe controller SIGKILLed and restarted with its state under load (every client "
+        "as fast as it can): " + "; ".join(restarts) + "."
+        if restarts
+        else ""
+    )
+    return (
+        f"Run of {day(d)} (`docs/bench/load.json`, `{d['command']}`; saturated throughput at "
+        f"the largest N over the smallest: {ratios}).{vs} Goals: {goals}.\n\n"
+        + _table(head, rows)
+        + rs_text
+    )
+
+
 @renderer("rl-elastic-table")
 def _rl_elastic_table(load: Callable[[str], Json]) -> str:
     d = load("rl_elastic")

@@ -40,22 +40,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
-import contextlib
 import json
 import math
 import os
 import select
 import subprocess
 import sys
+import threading
 import time
 import traceback
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from bench.common import RESULTS_DIR, line, write_json
+from bench.load_service import RESTART_BOUND_S, RIDE_THROUGH_S, Served, proc_stats, service
 
 CALLS = ("put", "get_meta", "get_data", "ack")
 THROUGHPUT_GOAL = 0.8
@@ -66,6 +66,7 @@ SATURATED_CYCLES = 8  # cycles per client the saturated phase is sized for (fair
 SATURATED_GUESS = 1000.0  # cycles/s over all clients, to size it (measured: 850-1,050)
 OWN_PARTITIONS = 512  # (at 4,096 clients: four clients to a partition "of their own")
 CONNECTING = 64  # connects in flight at once per worker process
+RESTART_PHASE_S = 20.0  # the restart phase at least (the kill a quarter in; back in 2-8 s)
 WORKER_TIMEOUT_S = 600.0  # a worker's connect of all its clients, or its report after a phase
 
 
@@ -90,9 +91,11 @@ async def _client(
     lat: dict[str, list[float]],
     most: int | None = None,
 ) -> dict[str, Any]:
-    """One client's cycles in ``window`` (at most ``most``), their latencies into ``lat``."""
+    """One client's cycles in ``window`` (at most ``most``), their latencies into ``lat``; a
+    call that fails ends the client's phase (reported: ``failed``, ``errors``)."""
     client = tq.async_client()
-    cycles, stamps = 0, []
+    cycles, stamps, errors = 0, [], []
+    last_end = 0.0
     x = np.zeros((batch, 4), dtype=np.int64)  # (client, phase, cycle, row): unique per row
     x[:, 0] = cid
     x[:, 1] = phase_no
@@ -107,20 +110,34 @@ async def _client(
                 break
             await asyncio.sleep(max(0.0, due - time.monotonic()))
         x[:, 2] = cycles
-        t0 = time.perf_counter()
-        await client.put({"stamp": x.copy()}, partition=partition)
-        t1 = time.perf_counter()
-        meta = await client.get_meta("load", ["stamp"], batch, partition=partition, timeout_s=60)
-        t2 = time.perf_counter()
-        cols = await client.get_data(meta)
-        t3 = time.perf_counter()
-        await client.ack(meta)
-        t4 = time.perf_counter()
+        try:
+            t0 = time.perf_counter()
+            await client.put({"stamp": x.copy()}, partition=partition)
+            t1 = time.perf_counter()
+            meta = await client.get_meta(
+                "load", ["stamp"], batch, partition=partition, timeout_s=60
+            )
+            t2 = time.perf_counter()
+            cols = await client.get_data(meta)
+            t3 = time.perf_counter()
+            await client.ack(meta)
+            t4 = time.perf_counter()
+        except Exception as e:  # (reported: a load that fails a call fails the bench)
+            errors.append(f"client {cid}: {type(e).__name__}: {e}")
+            break
         for name, a, b in zip(CALLS, (t0, t1, t2, t3), (t1, t2, t3, t4), strict=True):
             lat[name].append(b - a)
         stamps.append(np.asarray(cols["stamp"]).tolist())
         cycles += 1
-    return {"cid": cid, "cycles": cycles, "stamps": stamps}
+        last_end = time.monotonic()
+    return {
+        "cid": cid,
+        "cycles": cycles,
+        "stamps": stamps,
+        "failed": len(errors),
+        "errors": errors,
+        "last_end": last_end,
+    }
 
 
 def _cpu_s() -> float:
@@ -129,18 +146,23 @@ def _cpu_s() -> float:
 
 
 async def _worker_main(
-    address: str, first: int, count: int, batch: int, rates: list[float]
+    address: str, first: int, count: int, batch: int, rates: list[float], ride_s: float
 ) -> None:
     """``count`` clients, one phase per rate (0: as fast as they can), each as long as the
     parent says, all starting at its signal; one JSON line per phase on stdout."""
     import transferqueue
+    import transferqueue.deploy.connect  # (torch and the client: imported before the storm)
 
+    print(json.dumps({"ready": True}), flush=True)  # (imports done: the storm starts together)
+    sys.stdin.readline()
     t_connect = time.perf_counter()
     # all at once (a connection storm): every client's connect in flight together
     with concurrent.futures.ThreadPoolExecutor(CONNECTING) as pool:
         handles = list(
             pool.map(
-                lambda _: transferqueue.connect(address, call_timeout_s=120.0, shared_loop=True),
+                lambda _: transferqueue.connect(
+                    address, call_timeout_s=120.0, shared_loop=True, ride_through_s=ride_s
+                ),
                 range(count),
             )
         )
@@ -196,7 +218,11 @@ async def _worker_main(
             json.dumps(
                 {
                     "cpu_s": _cpu_s() - cpu0,
-                    "clients": [{"cid": r["cid"], "cycles": r["cycles"]} for r in results],
+                    "ended": time.monotonic(),  # (cycles begun in the window end after it)
+                    "clients": [
+                        {k: r[k] for k in ("cid", "cycles", "failed", "errors", "last_end")}
+                        for r in results
+                    ],
                     "stamps": [s for r in results for s in r["stamps"]],
                     "latency": {c: lat[c] for c in CALLS},
                 }
@@ -207,16 +233,6 @@ async def _worker_main(
 
 
 # --- the parent: the service, the workers, the checks ------------------------------------
-
-
-def _proc_stats(pid: int) -> dict[str, float]:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    tick = os.sysconf("SC_CLK_TCK")
-    cpu_s = (int(fields[11]) + int(fields[12])) / tick
-    rss = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
-    fds = len(os.listdir(f"/proc/{pid}/fd"))
-    return {"cpu_s": cpu_s, "rss_mb": rss / 2**20, "fds": fds}
 
 
 def _line(worker: subprocess.Popen[str], timeout_s: float) -> Any:
@@ -253,14 +269,18 @@ def _drain(tq: Any, partitions: list[str]) -> list[list[int]]:
     return left
 
 
-def _phase(outs: list[dict[str, Any]], batch: int, seconds: float, phase_no: int) -> dict[str, Any]:
-    """One phase's figures from the workers' reports; its rows read are in ``stamps``."""
+def _phase(outs: list[dict[str, Any]], batch: int, start: float, phase_no: int) -> dict[str, Any]:
+    """One phase's figures from the workers' reports; its rows read are in ``stamps``. Rates
+    are over the phase's real length: from ``start`` until its last cycle ended (a cycle
+    begun in the window may end after it: at thousands of clients, seconds after)."""
+    seconds = max(o["ended"] for o in outs) - start
     clients = [c for o in outs for c in o["clients"]]
     cycles = np.array([c["cycles"] for c in clients], dtype=float)
     lat = {c: np.array([x for o in outs for x in o["latency"][c]]) * 1e3 for c in CALLS}
     total = float(cycles.sum())
     return {
         "cycles": total,
+        "elapsed_s": seconds,
         "cycles_per_s": total / seconds,
         "rows_per_s": total * batch / seconds,
         "latency_ms": {
@@ -280,31 +300,47 @@ def _phase(outs: list[dict[str, Any]], batch: int, seconds: float, phase_no: int
     }
 
 
-@contextlib.contextmanager
-def _service(deploy: str) -> Iterator[tuple[str, int, int]]:
-    """A service of one unit: ``local`` (``transferqueue.serve``: processes of its own) or
-    ``ray`` (``launch_on_ray``: Ray actors, on the cluster :func:`main` started); yields its
-    address and the controller's and the unit's process ids."""
-    import transferqueue
+class _Restart(threading.Thread):
+    """Restarts the controller at ``at`` (monotonic), in the background of a phase."""
 
-    if deploy == "local":
-        with transferqueue.serve(num_units=1) as svc:
-            yield svc.address, svc.pids[-1], svc.pids[0]  # (units start first)
-        return
-    import ray
+    def __init__(self, served: Served, at: float) -> None:
+        super().__init__(daemon=True)
+        self.served, self.at = served, at
+        self.took: float | None = None
+        self.killed_at = 0.0
+        self.error: BaseException | None = None
 
-    from transferqueue.deploy.ray import launch_on_ray
+    def run(self) -> None:
+        assert self.served.restart is not None
+        time.sleep(max(0.0, self.at - time.monotonic()))
+        self.killed_at = time.monotonic()
+        try:
+            self.took = self.served.restart()
+        except BaseException as e:  # (the phase's report says it)
+            self.error = e
 
-    start = launch_on_ray(num_units=1, spread=False)
-    handle = start.handle()
-    try:
-        ctl, unit = start.actors[-1], start.actors[0]
-        address, ctl_pid, unit_pid = ray.get(
-            [ctl.address.remote(), ctl.pid.remote(), unit.pid.remote()], timeout=120
-        )
-        yield str(address), int(ctl_pid), int(unit_pid)
-    finally:
-        handle.close()
+
+def _restart_at(served: Served, at: float) -> _Restart:
+    if served.restart is None:
+        raise ValueError("the restart phase needs a local service (a controller with state)")
+    restart = _Restart(served, at)
+    restart.start()
+    return restart
+
+
+def _restarted(ph: dict[str, Any], outs: list[dict[str, Any]], restart: _Restart) -> None:
+    """The restart phase's own figures: how long the controller was away, the clients'
+    failed calls, the longest call, and how many clients finished a cycle after it was back."""
+    assert restart.took is not None
+    back = restart.killed_at + restart.took
+    ends = [c["last_end"] for o in outs for c in o["clients"]]
+    ph["restart"] = {
+        "controller_away_s": restart.took,
+        "failed_calls": sum(c["failed"] for o in outs for c in o["clients"]),
+        "errors": [e for o in outs for c in o["clients"] for e in c["errors"]][:5],
+        "longest_call_s": max(max(v) for o in outs for v in o["latency"].values() if v),
+        "clients_served_after": sum(1 for t in ends if t > back),
+    }
 
 
 def run_case(
@@ -315,24 +351,31 @@ def run_case(
     deploy: str = "local",
 ) -> dict[str, Any]:
     """One service (``deploy``: ``local`` or ``ray``) and ``n`` clients over ``procs``
-    workers, then one phase of ``seconds`` per entry of ``rates``: cycles per second per
-    client, 0 for as fast as each can (the service's saturation throughput)."""
+    workers, then one phase per entry of ``phases``: name -> (cycles per second per client,
+    0 for as fast as each can (the service's saturation throughput); seconds). A phase named
+    ``restart`` (``local`` only; the last) runs as saturated while the controller is
+    SIGKILLed a quarter into it and restarted with its state: every client rides through."""
     import transferqueue
 
     procs = max(1, min(procs, n))
-    with _service(deploy) as (address, ctl, unit):
-        setup = transferqueue.connect(address)
+    restarting = "restart" in phases
+    ride_s = RIDE_THROUGH_S if restarting else 0.0
+    with service(deploy, restartable=restarting) as served:
+        address, unit = served.address, served.unit_pid
+        ctl = served.controller_pid()
+        setup = transferqueue.connect(address, ride_through_s=ride_s)
         partitions = sorted({_partition_of(c) for c in range(n)})
         sc = setup.client()
         for p in partitions:
             sc.declare_tasks(["load"], partition=p)
-        before = {pid: _proc_stats(pid) for pid in (ctl, unit)}
+        before = {pid: proc_stats(pid) for pid in (ctl, unit)}
         workers = []
         first = 0
         for i in range(procs):
             count = n // procs + (1 if i < n % procs else 0)
             cmd = [sys.executable, "-m", "bench.load", "--worker", address, str(first)]
             cmd += [str(count), str(batch), ",".join(str(r) for r, _ in phases.values())]
+            cmd += [str(ride_s)]
             workers.append(
                 subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             )
@@ -341,12 +384,19 @@ def run_case(
         written: set[tuple[int, ...]] = set()
         connect_s = warm_s = 0.0
         for w in workers:
+            _line(w, WORKER_TIMEOUT_S)  # imports done
+        for w in workers:  # every worker's clients connect at once
+            assert w.stdin is not None
+            w.stdin.write("connect\n")
+            w.stdin.flush()
+        for w in workers:
             hello = _line(w, WORKER_TIMEOUT_S)  # connected, one cycle each done
             stamps += [tuple(r) for s in hello["stamps"] for r in s]
             connect_s = max(connect_s, hello["connect_s"])
             warm_s = max(warm_s, hello["warm_s"])
         written |= {(c, WARM_PHASE, 0, r) for c in range(n) for r in range(batch)}
-        connected = {pid: _proc_stats(pid) for pid in (ctl, unit)}  # every client connected
+        connected = {pid: proc_stats(pid) for pid in (ctl, unit)}  # every client connected
+        first_ctl = ctl
         res: dict[str, Any] = {
             "deploy": deploy,
             "clients": n,
@@ -356,17 +406,27 @@ def run_case(
             "phases": {},
         }
         for phase_no, (name, (rate, seconds)) in enumerate(phases.items()):
-            idle = {pid: _proc_stats(pid) for pid in (ctl, unit)}
+            idle = {pid: proc_stats(pid) for pid in (ctl, unit)}
             start = time.monotonic() + 0.5
             for w in workers:
                 assert w.stdin is not None
                 w.stdin.write(f"{start} {seconds}\n")
                 w.stdin.flush()
+            restart = _restart_at(served, start + seconds / 4) if name == "restart" else None
             outs = []
             for w in workers:
                 outs.append(_line(w, seconds + WORKER_TIMEOUT_S))
-            busy = {pid: _proc_stats(pid) for pid in (ctl, unit)}
-            ph = _phase(outs, batch, seconds, phase_no)
+            if restart is not None:
+                restart.join(RESTART_BOUND_S)
+                if not restart.took:
+                    raise RuntimeError(f"the controller's restart failed: {restart.error}")
+            busy = {pid: proc_stats(pid) for pid in (served.controller_pid(), unit)}
+            ph = _phase(outs, batch, start, phase_no)
+            if restart is not None:
+                _restarted(ph, outs, restart)
+                idle[served.controller_pid()] = idle.pop(ctl)  # (a new process: from 0)
+                idle[served.controller_pid()]["cpu_s"] = 0.0
+                ctl = served.controller_pid()
             written |= ph.pop("written")
             stamps += [tuple(r) for o in outs for s in o["stamps"] for r in s]
             ph["rate_per_client"] = rate
@@ -376,7 +436,7 @@ def run_case(
                     "cpu_s_per_1k_cycles": (busy[pid]["cpu_s"] - idle[pid]["cpu_s"])
                     / max(ph["cycles"], 1)
                     * 1e3,
-                    "cpu_share": (busy[pid]["cpu_s"] - idle[pid]["cpu_s"]) / seconds,
+                    "cpu_share": (busy[pid]["cpu_s"] - idle[pid]["cpu_s"]) / ph["elapsed_s"],
                     "rss_mb": busy[pid]["rss_mb"],
                 }
                 for role, pid in (("controller", ctl), ("unit", unit))
@@ -403,7 +463,7 @@ def run_case(
             "fds": connected[pid]["fds"],
             "kb_per_client": (connected[pid]["rss_mb"] - before[pid]["rss_mb"]) * 1024 / n,
         }
-        for role, pid in (("controller", ctl), ("unit", unit))
+        for role, pid in (("controller", first_ctl), ("unit", unit))
     }
     return res
 
@@ -424,10 +484,22 @@ def _print_case(r: dict[str, Any]) -> None:
                 if ph["rate_per_client"]
                 else {"fairness": ph["fairness_min_over_mean"]}
             ),
-            clients_cpu=ph["clients_cpu_share"],
+            **({"clients_cpu": ph["clients_cpu_share"]} if "clients_cpu_share" in ph else {}),
             ctl_cpu=ph["servers"]["controller"]["cpu_share"],
             unit_cpu=ph["servers"]["unit"]["cpu_share"],
         )
+        rs = ph.get("restart")
+        if rs is not None:
+            line(
+                f"  controller restarted under {n} clients [{deploy}]",
+                rs["controller_away_s"],
+                "s away",
+                failed_calls=rs["failed_calls"],
+                longest_call_s=rs["longest_call_s"],
+                clients_served_after=rs["clients_served_after"],
+            )
+            for e in rs["errors"]:
+                print(f"    {e}", flush=True)
     for role, sv in r["servers"].items():
         line(
             f"  {role} with {n} clients connected [{deploy}]",
@@ -476,10 +548,53 @@ def _plot(cases: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _phases(n: int, args: argparse.Namespace) -> dict[str, tuple[float, float]]:
+    """The phases for ``n`` clients: name -> (cycles/s per client, 0: as fast as each can;
+    seconds). Saturated lasts long enough for each client's share to be measured (about
+    SATURATED_CYCLES cycles each at SATURATED_GUESS cycles/s over all clients)."""
+    saturated_s = max(args.seconds, n * SATURATED_CYCLES / SATURATED_GUESS)
+    return {"paced": (args.offered / n, args.seconds), "saturated": (0.0, saturated_s)}
+
+
+def _peer(
+    counts: list[int], args: argparse.Namespace, cases: list[dict[str, Any]]
+) -> dict[str, Any] | None:
+    """The same clients against the peer at the largest of ``counts`` it holds, printed with
+    our figures at that N (``bench/load_peer.py`` in the peer's virtualenv); None when not
+    asked for or not built."""
+    from bench.load_peer_run import peer_available, run_peer_largest
+
+    if args.peer == "no" or (args.peer == "auto" and not peer_available()):
+        if args.peer == "auto":
+            print("peer: skipped (its virtualenv is not built: python -m bench.peer --setup)")
+        return None
+    peer = run_peer_largest(counts, args.procs, args.batch, _phases(max(counts), args))
+    for broke in peer.get("broke_at", []):
+        print(f"peer with {broke['clients']} clients broke at {broke['stage']}: {broke['error']}")
+    if "error" in peer:
+        print(f"peer: held none of {counts}: {peer['error']}", flush=True)
+        return peer
+    _print_case(peer)
+    n = peer["clients"]
+    ours = [c for c in cases if c["clients"] == n]
+    peer["ours_over_peer"] = {}
+    for c in ours:
+        deploy = c.get("deploy", "local")
+        sat = c["phases"]["saturated"]["rows_per_s"] / peer["phases"]["saturated"]["rows_per_s"]
+        p99 = (
+            peer["phases"]["paced"]["latency_ms"]["get_meta"]["p99"]
+            / c["phases"]["paced"]["latency_ms"]["get_meta"]["p99"]
+        )
+        peer["ours_over_peer"][deploy] = {"saturated_rows_per_s": sat, "paced_get_meta_p99": p99}
+        line(f"ours [{deploy}] / peer at {n} clients, saturated throughput", sat, "x")
+        line(f"peer / ours [{deploy}] at {n} clients, paced get_meta p99", p99, "x")
+    return peer
+
+
 def main(argv: list[str] | None = None) -> int:
     args_in = sys.argv[1:] if argv is None else argv
     if args_in[:1] == ["--worker"]:
-        address, first, count, batch, rates = args_in[1:6]
+        address, first, count, batch, rates, ride_s = args_in[1:7]
         try:
             asyncio.run(
                 _worker_main(
@@ -488,6 +603,7 @@ def main(argv: list[str] | None = None) -> int:
                     int(count),
                     int(batch),
                     [float(r) for r in rates.split(",")],
+                    float(ride_s),
                 )
             )
         except BaseException:  # (at once: closing a thousand handles one by one takes long)
@@ -512,6 +628,20 @@ def main(argv: list[str] | None = None) -> int:
         default="both",
         help="the service's servers as processes of its own, as Ray actors, or both",
     )
+    ap.add_argument(
+        "--no-restart",
+        dest="restart",
+        action="store_false",
+        help="skip the restart phase (local, largest N: the controller killed and restarted "
+        "with its state while every client runs)",
+    )
+    ap.add_argument(
+        "--peer",
+        choices=["auto", "yes", "no"],
+        default="auto",
+        help="the same clients against the peer (TransferQueue 0.1.11) at the largest N it "
+        "holds; auto: when its virtualenv is built (python -m bench.peer --setup)",
+    )
     args = ap.parse_args(args_in)
     counts = [int(c) for c in args.clients.split(",")]
     deploys = ["local", "ray"] if args.deploy == "both" else [args.deploy]
@@ -526,13 +656,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             mine = []
             for n in counts:
-                # saturated: long enough for each client's share to be measured (about
-                # SATURATED_CYCLES cycles each at SATURATED_GUESS cycles/s over all clients)
-                saturated_s = max(args.seconds, n * SATURATED_CYCLES / SATURATED_GUESS)
-                phases = {
-                    "paced": (args.offered / n, args.seconds),
-                    "saturated": (0.0, saturated_s),
-                }
+                phases = _phases(n, args)
+                if deploy == "local" and n == max(counts) and args.restart:
+                    phases["restart"] = (0.0, max(phases["saturated"][1], RESTART_PHASE_S))
                 r = run_case(n, args.procs, args.batch, phases, deploy)
                 _print_case(r)
                 mine.append(r)
@@ -549,6 +675,13 @@ def main(argv: list[str] | None = None) -> int:
         goals[f"get_meta p99 at {counts[-1]} (paced) < {P99_GOAL_MS:g} ms [{deploy}]"] = (
             p99 < P99_GOAL_MS
         )
+        for c in mine:
+            rs = c["phases"].get("restart", {}).get("restart")
+            if rs is not None:
+                goals[
+                    f"{c['clients']} clients ride through a controller restart: no failed "
+                    f"call, every client served after it [{deploy}]"
+                ] = rs["failed_calls"] == 0 and rs["clients_served_after"] == c["clients"]
         fair = min(c["phases"]["saturated"]["fairness_min_over_mean"] for c in mine)
         goals[f"no client starved: slowest >= {FAIRNESS_GOAL}x the mean, saturated [{deploy}]"] = (
             fair >= FAIRNESS_GOAL
@@ -558,6 +691,7 @@ def main(argv: list[str] | None = None) -> int:
             ratios[deploy],
             "x",
         )
+    peer = _peer(counts, args, cases)
     ok_once = all(
         c["exactly_once"]["twice"] == c["exactly_once"]["missing"] == 0
         and c["exactly_once"]["extra"] == 0
@@ -575,6 +709,7 @@ def main(argv: list[str] | None = None) -> int:
             "settings": vars(args),
             "cases": cases,
             "throughput_ratio": ratios,
+            "peer": peer,
             "goals": goals,
         },
     )

@@ -306,3 +306,22 @@ def test_the_cli_with_a_state_dir_restarts_its_controller(tmp_path: Path) -> Non
         proc.stdout.close()
         proc.stderr.close()
     assert os.path.exists(tmp_path / "state" / "snapshot")  # (and a clean stop wrote one)
+
+
+def test_a_handle_idle_through_a_restart_is_not_failed_by_the_old_drop(tmp_path: Path) -> None:
+    """A handle that made no call while its controller was killed and restarted: its next
+    call (of any kind, with no ride-through) goes to the restarted controller on the
+    connection ZeroMQ made again, and is answered. The drop its connection saw meanwhile
+    is old news; it failed that call as "dropped" when the handle's loop read it late."""
+    with (
+        transferqueue.serve(num_units=1, state_dir=tmp_path / "state") as svc,
+        transferqueue.connect(svc.address) as idle,
+        transferqueue.connect(svc.address) as probe,
+    ):
+        c = idle.async_client()
+        idle.run(c.put({"x": torch.arange(4).view(4, 1)}, partition="p"))
+        _kill_controller(svc)
+        answered(lambda: probe.client().stats(), SLACK_S)  # the restarted one serves
+        for _ in range(3):  # (calls through the handle's loop, as an async program makes)
+            idle.run(c.finish("p"))
+            idle.run(c.clear("p"))

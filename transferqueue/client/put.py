@@ -75,7 +75,8 @@ _UNDO_WAIT_S = 30.0
 """How long a failed put waits for the reply to its allocation, to discard the rows."""
 _REPUT_S = 30.0
 """How long a put of new rows goes on putting them again while the units it was given die
-or restart (each try: allocate, write, commit; nothing of a failed try stays)."""
+or restart (each try: allocate, write, commit; nothing of a failed try stays); at least the
+handle's ``ride_through_s``."""
 _REPUT_BACKOFF_S = (0.1, 0.25, 0.5, 1.0, 2.0)
 WRITE_AHEAD_BYTES = 1 << 20
 """A put from this size on, likely to land whole on the unit the last put went to, is handed
@@ -190,9 +191,10 @@ class Writer:
 
         New rows whose write meets a storage unit that died or restarted are put again
         (the failed try is undone first, and the controller places the next one on live
-        units) for up to 30 s; then the unit's :class:`PeerGoneError` or
-        :class:`RowsLostError` is raised. A put with ``meta`` is never put again: its rows
-        lost with a unit are a :class:`RowsLostError` naming them.
+        units) for up to 30 s (or the handle's ``ride_through_s``, if longer: a restarted
+        controller discards the rows of a commit it had not journaled); then the unit's
+        :class:`PeerGoneError` or :class:`RowsLostError` is raised. A put with ``meta`` is
+        never put again: its rows lost with a unit are a :class:`RowsLostError` naming them.
 
         ``share``: dense columns (``[rows, ...]`` tensors, on a GPU) that stay where they are,
         kept by this handle and read by other processes of the node by handle (CUDA IPC),
@@ -273,7 +275,9 @@ class Writer:
             )
         groups = header(group, n, "group")
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + _REPUT_S
+        # (with ride_through_s: as long as a call rides through a controller's restart, whose
+        # recovery discards the rows of a commit it had not journaled: put them again then)
+        deadline = loop.time() + max(_REPUT_S, getattr(self._ctl, "ride_through_s", 0.0))
         attempt = 0
         while True:
             try:

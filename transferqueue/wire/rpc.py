@@ -454,9 +454,14 @@ class RpcClient:
     ) -> asyncio.Future[R]:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
-        if not self._pending and not self._keepalive:
-            self._since = time.monotonic()  # a wait on the peer begins
-            self._watch()
+        if not self._pending:
+            # a drop the monitor saw while nothing waited (an idle handle's loop does not
+            # run) is read now, before this call waits: it must not fail this call, sent on
+            # the connection ZeroMQ made again since (a controller restarted with its state)
+            self._on_monitor()
+            if not self._keepalive:
+                self._since = time.monotonic()  # a wait on the peer begins
+                self._watch()
         self._pending[rid] = (fut, msg)
         wait = self.call_timeout_s if wait_s is None else wait_s
         # A timer handle, not asyncio.wait_for: that wraps every call in another task.
