@@ -29,7 +29,7 @@ whole batch (78 MB in ``bench.peer``'s multimodal case at four units).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -48,11 +48,12 @@ class Shaped(Ragged):
     """Rows of any shape (fixed dtype and number of axes) in one contiguous buffer, or in
     several (:meth:`concat`)."""
 
-    __slots__ = ("_chunk_rows", "_chunks", "shapes")
+    __slots__ = ("_alloc", "_chunk_rows", "_chunks", "shapes")
 
     def __init__(self, values: torch.Tensor, offsets: torch.Tensor, shapes: torch.Tensor) -> None:
         self._chunks: tuple[Shaped, ...] = ()
         self._chunk_rows = np.zeros(1, dtype=np.int64)
+        self._alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None
         if values.dim() != 1:
             raise ValueError(f"values must be 1-D (the rows' elements), got {tuple(values.shape)}")
         super().__init__(values, offsets)
@@ -100,10 +101,16 @@ class Shaped(Ragged):
         return cls(values, offsets, shapes)
 
     @classmethod
-    def concat(cls, parts: Sequence[Shaped]) -> Shaped:
+    def concat(
+        cls,
+        parts: Sequence[Shaped],
+        *,
+        alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
+    ) -> Shaped:
         """The rows of ``parts`` one after another, over the parts' own buffers (no copy:
-        the result keeps them alive; ``values`` gathers them into one on first use). All
-        parts share dtype and number of axes."""
+        the result keeps them alive; ``values`` gathers them into one on first use, in
+        ``alloc(shape, dtype)``'s memory: default ``torch.empty``). All parts share dtype
+        and number of axes."""
         parts = [p for p in parts if len(p)] or list(parts[:1])
         if not parts:
             raise ValueError("concat needs at least one part")
@@ -129,6 +136,7 @@ class Shaped(Ragged):
         out.shapes = torch.cat([c.shapes for c in chunks])
         out._chunks = tuple(chunks)
         out._chunk_rows = rows
+        out._alloc = alloc
         return out
 
     @classmethod
@@ -159,7 +167,12 @@ class Shaped(Ragged):
         once)."""
         v: torch.Tensor | None = _VALUES_SLOT.__get__(self, Shaped)
         if v is None:
-            v = torch.empty((int(self.offsets[-1]),), dtype=self.dtype)
+            shape = (int(self.offsets[-1]),)
+            v = (
+                self._alloc(shape, self.dtype)
+                if self._alloc
+                else torch.empty(shape, dtype=self.dtype)
+            )
             o = self.offsets.numpy()
             for c, (a, b) in zip(
                 self._chunks, itertools.pairwise(self._chunk_rows.tolist()), strict=True
@@ -168,6 +181,7 @@ class Shaped(Ragged):
             _VALUES_SLOT.__set__(self, v)
             self._chunks = ()
             self._chunk_rows = np.zeros(1, dtype=np.int64)
+            self._alloc = None
         return v
 
     @values.setter

@@ -25,8 +25,9 @@ def test_free_buffers_of_different_sizes_are_taken_by_identity() -> None:
 
 def test_ragged_reads_from_several_units_merge_into_warm_buffers() -> None:
     """A ragged field read from two units is merged into one values buffer: the handle's
-    warm ones, taken again once the last result is gone, and bit-exact. (A shaped field of
-    rows this large is not merged: its read is a chunk per unit, see test_shaped_chunks.)"""
+    warm ones, taken again once the last result is gone, and bit-exact. A shaped field of
+    rows this large is not merged (its read is a chunk per unit, see test_shaped_chunks)
+    until its ``values`` are asked for: then into a warm buffer too."""
     import transferqueue
     from transferqueue import Ragged, Shaped
 
@@ -43,5 +44,9 @@ def test_ragged_reads_from_several_units_merge_into_warm_buffers() -> None:
         again = client.get_data(meta, ["seq"])["seq"]
         assert buffers.reused == 1
         assert again == Ragged.from_tensors(rows)
+        del again
+        gc.collect()
         img = client.get_data(meta, ["img"])["img"]
         assert isinstance(img, Shaped) and len(img.chunks()) == 2 and buffers.reused == 1
+        assert img.values.numel() == sum(r.numel() for r in rows) and buffers.reused == 2
+        assert len(img.chunks()) == 1 and img == Shaped.from_tensors(rows)

@@ -106,7 +106,7 @@ def merge_ragged(
         assert isinstance(col, Ragged)
         return col
     if shaped:
-        chained = _chain_shaped(parts)
+        chained = _chain_shaped(parts, alloc)
         if chained is not None:
             return chained
     lengths = np.zeros(n, dtype=np.int64)
@@ -136,9 +136,13 @@ def merge_ragged(
     return Ragged(values, torch.from_numpy(offsets))
 
 
-def _chain_shaped(parts: list[tuple[np.ndarray, Column]]) -> Shaped | None:
+def _chain_shaped(
+    parts: list[tuple[np.ndarray, Column]],
+    alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None,
+) -> Shaped | None:
     """The pieces' rows in batch order as one Shaped over their buffers (a chunk per run
-    of consecutive batch positions), or None when the runs are too small to be worth it."""
+    of consecutive batch positions; ``alloc`` gives the memory if it is ever gathered), or
+    None when the runs are too small to be worth it."""
     chunks: list[tuple[int, Shaped]] = []
     nbytes = 0
     for pos, col in parts:
@@ -151,7 +155,7 @@ def _chain_shaped(parts: list[tuple[np.ndarray, Column]]) -> Shaped | None:
     if nbytes < _MIN_CHUNK_BYTES * len(chunks):
         return None
     chunks.sort(key=lambda c: c[0])
-    return Shaped.concat([c for _, c in chunks])
+    return Shaped.concat([c for _, c in chunks], alloc=alloc)
 
 
 def conform(cols: dict[str, Column], specs: Mapping[str, FieldSpec]) -> dict[str, Column]:
