@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from transferqueue.memcpy import copy_rows
+from transferqueue.memcpy import as_bytes, copy_bytes, copy_rows
 from transferqueue.ragged import Ragged, _bits_equal
 
 __all__ = ["Shaped"]
@@ -177,7 +177,9 @@ class Shaped(Ragged):
             for c, (a, b) in zip(
                 self._chunks, itertools.pairwise(self._chunk_rows.tolist()), strict=True
             ):
-                copy_rows(v[int(o[a]) : int(o[b])], c.values)
+                copy_bytes(
+                    as_bytes(v[int(o[a]) : int(o[b])]).reshape(-1), as_bytes(c.values).reshape(-1)
+                )
             _VALUES_SLOT.__set__(self, v)
             self._chunks = ()
             self._chunk_rows = np.zeros(1, dtype=np.int64)

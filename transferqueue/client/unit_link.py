@@ -26,6 +26,7 @@ from transferqueue.errors import (
     TQError,
     UnknownArenaError,
 )
+from transferqueue.memcpy import copy_bytes
 from transferqueue.meta import BatchMeta
 from transferqueue.ragged import Ragged
 from transferqueue.schema import Column, FieldSpec
@@ -375,7 +376,7 @@ class RemoteUnitLink(UnitLink):
                 return t  # small: it goes as a frame, as any small buffer does
             dst = region[used : used + n]
             if t.device.type == "cpu" and t.is_contiguous():  # (numpy: one plain memcpy)
-                dst[:] = t.reshape(-1).view(torch.uint8).numpy()
+                copy_bytes(dst, t.reshape(-1).view(torch.uint8).numpy())
                 out = torch.from_numpy(dst).view(t.dtype).view(t.shape)
             else:
                 out = torch.from_numpy(dst).view(t.dtype).view(t.shape)
