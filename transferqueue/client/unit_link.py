@@ -407,7 +407,8 @@ class RemoteUnitLink(UnitLink):
         local = [(arena.name, arena.buf.ctypes.data, arena.size)] if staged else []
         place = Placer(arena.name, arena.buf[base:], base=base, local=local)
         try:
-            await self.rpc.call(msg, place=place, offload=nbytes >= OFFLOAD_BYTES)
+            # (buffers staged already are named where they lie: only the rest is copied)
+            await self.rpc.call(msg, place=place, offload=nbytes - staged >= OFFLOAD_BYTES)
         except TQError:
             # The unit may not clear the flag of a request it could not read (or that got no
             # answer): never lend this arena again.
