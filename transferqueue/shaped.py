@@ -128,12 +128,12 @@ class Shaped(Ragged):
         np.cumsum([len(c) for c in chunks], out=rows[1:])
         offsets = np.zeros(int(rows[-1]) + 1, dtype=np.int64)
         for c, a in zip(chunks, rows[:-1].tolist(), strict=True):
-            o = c.offsets.numpy()
+            o = c.offsets.cpu().numpy()
             offsets[a + 1 : a + 1 + len(c)] = o[1:] + offsets[a]
         out = cls.__new__(cls)
         _VALUES_SLOT.__set__(out, None)
         out.offsets = torch.from_numpy(offsets)
-        out.shapes = torch.cat([c.shapes for c in chunks])
+        out.shapes = torch.cat([c.shapes.cpu() for c in chunks])
         out._chunks = tuple(chunks)
         out._chunk_rows = rows
         out._alloc = alloc
@@ -168,18 +168,20 @@ class Shaped(Ragged):
         v: torch.Tensor | None = _VALUES_SLOT.__get__(self, Shaped)
         if v is None:
             shape = (int(self.offsets[-1]),)
-            v = (
-                self._alloc(shape, self.dtype)
-                if self._alloc
-                else torch.empty(shape, dtype=self.dtype)
-            )
+            device = self._chunks[0].values.device
+            if self._alloc is not None and device.type == "cpu":
+                v = self._alloc(shape, self.dtype)
+            else:
+                v = torch.empty(shape, dtype=self.dtype, device=device)
             o = self.offsets.numpy()
             for c, (a, b) in zip(
                 self._chunks, itertools.pairwise(self._chunk_rows.tolist()), strict=True
             ):
-                copy_bytes(
-                    as_bytes(v[int(o[a]) : int(o[b])]).reshape(-1), as_bytes(c.values).reshape(-1)
-                )
+                dst, src = v[int(o[a]) : int(o[b])], c.values
+                if src.device.type == "cpu" and src.is_contiguous() and dst.is_contiguous():
+                    copy_bytes(as_bytes(dst).reshape(-1), as_bytes(src).reshape(-1))
+                else:
+                    dst.copy_(src)
             _VALUES_SLOT.__set__(self, v)
             self._chunks = ()
             self._chunk_rows = np.zeros(1, dtype=np.int64)

@@ -92,6 +92,17 @@ def test_slice_take_clone_and_values_of_chunks() -> None:
     assert c == Shaped.from_tensors(rows)
 
 
+def test_chunks_over_strided_values_gather_bit_exact() -> None:
+    rows = _rows()
+    whole = Shaped.from_tensors(rows)
+    wide = torch.stack([whole.values, torch.zeros_like(whole.values)], dim=1)  # [N, 2]
+    strided = Shaped(wide[:, 0], whole.offsets, whole.shapes)  # (values not contiguous)
+    c = Shaped.concat([strided.slice(0, 3), Shaped.from_tensors(rows[3:])])
+    assert not c.chunks()[0].values.is_contiguous()
+    assert torch.equal(c.values.view(torch.int32), whole.values.view(torch.int32))
+    assert c == whole
+
+
 def test_concat_refuses_parts_of_other_dtypes_or_axes() -> None:
     a = Shaped.from_tensors([torch.zeros(2, 2)])
     with pytest.raises(ValueError, match=r"part 1 holds torch\.uint8"):
