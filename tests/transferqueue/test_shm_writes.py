@@ -288,3 +288,21 @@ def test_a_put_whose_staging_fails_before_its_rows_are_allocated_leaves_none(
             client.put(want, group=0, partition="sf2")
         ctl.call, link._stage = real_call, real_stage  # type: ignore[method-assign]
         assert client.stats()["controller"]["partitions"]["sf2"]["rows_live"] == 0
+
+
+def test_a_reply_counts_only_the_bytes_it_must_copy() -> None:
+    """A unit encodes a large read reply off its loop only when it copies: values lying in
+    the reader's own write arenas are named where they lie (no copy, no thread hop)."""
+    from transferqueue.client.links import nbytes_to_copy
+
+    arena = torch.zeros(1 << 20, dtype=torch.uint8)
+    ranges = [("arena", arena.data_ptr(), arena.numel())]
+    inside = Ragged(arena[4096 : 4096 + 1000], torch.tensor([0, 400, 1000]))
+    outside = Ragged(torch.zeros(1000, dtype=torch.uint8), torch.tensor([0, 400, 1000]))
+    across = arena[-10:].clone()  # (a copy: elsewhere)
+    assert nbytes_to_copy(inside, ranges) == 0  # (its offsets are small: inline)
+    assert nbytes_to_copy(outside, ranges) == 1000
+    assert nbytes_to_copy(arena[:512], ranges) == 0
+    assert nbytes_to_copy(across, ranges) == 10
+    assert nbytes_to_copy(inside, []) == 1000
+    assert nbytes_to_copy(["objects"], ranges) == 0

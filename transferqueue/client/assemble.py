@@ -2,7 +2,8 @@
 
 Called by :meth:`AsyncClient._get_data <transferqueue.client.async_client.AsyncClient>` as each
 unit's rows arrive: dense columns are copied into the batch's tensors (:func:`place_dense`), ragged
-pieces merged into one :class:`Ragged` (:func:`merge_ragged`); :func:`empty_column` is a
+pieces merged into one :class:`Ragged` (:func:`merge_ragged`; shaped pieces of large rows are
+chained over the units' buffers instead, see there); :func:`empty_column` is a
 field's column of no rows. A unit's column that does not match the field's spec the reader
 knows is :class:`StaleSpecs` (the partition was cleared and written with other specs since).
 """
@@ -21,6 +22,12 @@ from transferqueue.shaped import Shaped
 from transferqueue.slots import runs
 
 __all__ = ["StaleSpecs", "check_objects", "conform", "empty_column", "merge_ragged", "place_dense"]
+
+_MIN_CHUNK_BYTES = 256 << 10
+"""A shaped read is left in the units' buffers (one chunk per run of rows) when its runs
+average at least this much; smaller ones are gathered into one buffer, as ragged reads are
+(a chunk costs a few microseconds on every later pass over the rows; a 256 KiB copy about
+as much)."""
 
 
 class StaleSpecs(Exception):
@@ -74,7 +81,11 @@ def merge_ragged(
     """Assemble per-unit Ragged pieces (positions, rows) into one in batch order (Shaped
     pieces into one Shaped, their shapes in the same order). ``alloc(shape, dtype)`` gives
     the merged values' memory (the handle's warm result buffers: fresh memory costs a page
-    fault per 4 KiB touched, the most of a large merge); default ``torch.empty``."""
+    fault per 4 KiB touched, the most of a large merge); default ``torch.empty``.
+
+    Shaped pieces whose runs of rows are large (images: :data:`_MIN_CHUNK_BYTES`) are not
+    copied: the result is a :meth:`Shaped.concat` of the runs, over the units' buffers (a
+    four-unit read of 78 MB of images spent 20 ms of its 23 ms in this copy)."""
     shaped = spec.kind == "shaped"
     if shaped:  # (rows stored before their field was widened from dense come back dense)
         parts = [
@@ -94,6 +105,10 @@ def merge_ragged(
         col = parts[0][1]
         assert isinstance(col, Ragged)
         return col
+    if shaped:
+        chained = _chain_shaped(parts, alloc)
+        if chained is not None:
+            return chained
     lengths = np.zeros(n, dtype=np.int64)
     for pos, col in parts:
         assert isinstance(col, Ragged)
@@ -119,6 +134,28 @@ def merge_ragged(
             shapes[torch.from_numpy(pos)] = col.shapes
         return Shaped(values, torch.from_numpy(offsets), shapes)
     return Ragged(values, torch.from_numpy(offsets))
+
+
+def _chain_shaped(
+    parts: list[tuple[np.ndarray, Column]],
+    alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None,
+) -> Shaped | None:
+    """The pieces' rows in batch order as one Shaped over their buffers (a chunk per run
+    of consecutive batch positions; ``alloc`` gives the memory if it is ever gathered), or
+    None when the runs are too small to be worth it."""
+    chunks: list[tuple[int, Shaped]] = []
+    nbytes = 0
+    for pos, col in parts:
+        assert isinstance(col, Shaped)
+        nbytes += col.nbytes
+        k = 0
+        for a, b in runs(pos):
+            chunks.append((a, col.slice(k, k + b - a)))
+            k += b - a
+    if nbytes < _MIN_CHUNK_BYTES * len(chunks):
+        return None
+    chunks.sort(key=lambda c: c[0])
+    return Shaped.concat([c for _, c in chunks], alloc=alloc)
 
 
 def conform(cols: dict[str, Column], specs: Mapping[str, FieldSpec]) -> dict[str, Column]:

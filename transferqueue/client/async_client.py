@@ -398,7 +398,7 @@ class AsyncClient:
                 result[f] = out[f]
             elif kind in ("ragged", "shaped"):
                 parts = [(p, g[f]) for p, g in pieces]
-                result[f] = assemble.merge_ragged(parts, n, specs[f], self._warm_tensor)
+                result[f] = assemble.merge_ragged(parts, n, specs[f], self._buffers.tensor)
             else:
                 values: list[Any] = [None] * n
                 for pos, got in pieces:
@@ -407,12 +407,6 @@ class AsyncClient:
                         values[i] = v
                 result[f] = values
         return result
-
-    def _warm_tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialized tensor in the handle's warm result buffers (a fresh one when
-        small or past their bound)."""
-        got = self._buffers.tensors({"t": (shape, dtype)})
-        return got["t"] if got else torch.empty(shape, dtype=dtype)
 
     # -- consumption -------------------------------------------------------------------------
     async def ack(self, meta: BatchMeta) -> None:

@@ -103,6 +103,12 @@ class ResultBuffers:
             self._give_back(lent)
         return out
 
+    def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """One uninitialized tensor: in a warm buffer when it is large and one fits the
+        bound, else fresh memory."""
+        got = self.tensors({"t": (shape, dtype)})
+        return got["t"] if got else torch.empty(shape, dtype=dtype)
+
     def _take(self, nbytes: int) -> np.ndarray | None:
         """The smallest free buffer holding ``nbytes``, or a new one within the bound
         (dropping free buffers, smallest first, to make room)."""

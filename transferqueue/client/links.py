@@ -147,3 +147,16 @@ def column_nbytes(col: Column | ChunkedTensor) -> int:
     if isinstance(col, Ragged | ChunkedTensor):
         return col.nbytes
     return 0
+
+
+def nbytes_to_copy(col: Column | ChunkedTensor, ranges: Sequence[tuple[str, int, int]]) -> int:
+    """Bytes of ``col`` that a reply must copy: a tensor (or a ragged column's values) lying
+    inside one of ``ranges`` (``(name, address, size)``: the reader's own write arenas) is
+    named where it lies instead (:class:`~transferqueue.storage.shm.Placer`)."""
+    t = col.values if isinstance(col, Ragged) else col
+    if isinstance(t, torch.Tensor) and t.numel():
+        start = t.data_ptr()
+        end = start + t.numel() * t.element_size()
+        if any(a <= start and end <= a + size for _, a, size in ranges):
+            return 0
+    return column_nbytes(col)

@@ -26,6 +26,7 @@ from transferqueue.errors import (
     TQError,
     UnknownArenaError,
 )
+from transferqueue.memcpy import copy_bytes
 from transferqueue.meta import BatchMeta
 from transferqueue.ragged import Ragged
 from transferqueue.schema import Column, FieldSpec
@@ -375,7 +376,7 @@ class RemoteUnitLink(UnitLink):
                 return t  # small: it goes as a frame, as any small buffer does
             dst = region[used : used + n]
             if t.device.type == "cpu" and t.is_contiguous():  # (numpy: one plain memcpy)
-                dst[:] = t.reshape(-1).view(torch.uint8).numpy()
+                copy_bytes(dst, t.reshape(-1).view(torch.uint8).numpy())
                 out = torch.from_numpy(dst).view(t.dtype).view(t.shape)
             else:
                 out = torch.from_numpy(dst).view(t.dtype).view(t.shape)
@@ -406,7 +407,8 @@ class RemoteUnitLink(UnitLink):
         local = [(arena.name, arena.buf.ctypes.data, arena.size)] if staged else []
         place = Placer(arena.name, arena.buf[base:], base=base, local=local)
         try:
-            await self.rpc.call(msg, place=place, offload=nbytes >= OFFLOAD_BYTES)
+            # (buffers staged already are named where they lie: only the rest is copied)
+            await self.rpc.call(msg, place=place, offload=nbytes - staged >= OFFLOAD_BYTES)
         except TQError:
             # The unit may not clear the flag of a request it could not read (or that got no
             # answer): never lend this arena again.

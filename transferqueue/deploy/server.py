@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import zmq.asyncio
 
-from transferqueue.client.links import OFFLOAD_BYTES, column_nbytes
+from transferqueue.client.links import OFFLOAD_BYTES, nbytes_to_copy
 from transferqueue.controller.core import SPREAD_BYTES, Controller
 from transferqueue.controller.handlers import AdminHandlers, handlers
 from transferqueue.controller.health import ALLOCATION_S
@@ -279,7 +279,7 @@ class UnitServer:
             target, region = "", np.empty(0, dtype=np.uint8)
         place = Placer(str(target), region, local=local)
         self.shm_reads += 1
-        big = sum(column_nbytes(c) for c in cols.values()) >= OFFLOAD_BYTES
+        big = sum(nbytes_to_copy(c, local) for c in cols.values()) >= OFFLOAD_BYTES
         return SendThenRelease(cols, release, place=place, offload=big)
 
     def shm_attach(self, msg: m.ShmAttach, caller: Caller) -> int:
