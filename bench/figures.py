@@ -132,6 +132,41 @@ def _staleness_keys(data: Json) -> list[str]:
     return sorted(k for k in data["ratios"] if k.startswith("k="))
 
 
+@renderer("readme-load")
+def _readme_load(load: Callable[[str], Json]) -> str:
+    d = load("load")
+    big = [c for c in d["cases"] if c["clients"] == max(c["clients"] for c in d["cases"])]
+    parts = []
+    for c in big:
+        ph = c["phases"]
+        parts.append(
+            f"{c.get('deploy', 'local')}: {num(ph['saturated']['rows_per_s'])} rows/s saturated "
+            f"({x(d['throughput_ratio'][c.get('deploy', 'local')])} that of "
+            f"{min(k['clients'] for k in d['cases']):,} clients), paced `get_meta` p99 "
+            f"{ph['paced']['latency_ms']['get_meta']['p99']:.1f} ms"
+        )
+    once = (
+        "every row read exactly once"
+        if d["goals"].get("every row read exactly once")
+        else ("**rows lost or read twice**")
+    )
+    n = big[0]["clients"]
+    peer = d.get("peer") or {}
+    vs = ""
+    if "ours_over_peer" in peer:
+        r = peer["ours_over_peer"].get("local")
+        if r is not None:
+            vs = (
+                f"; against TransferQueue 0.1.11 at {peer['clients']:,} clients "
+                f"{x(r['saturated_rows_per_s'])} its saturated throughput"
+            )
+    return (
+        f"- {n:,} concurrent clients on one service (`python -m bench.load`, run of {day(d)}): "
+        + "; ".join(parts)
+        + f"; {once}{vs}.\n"
+    )
+
+
 @renderer("readme-trl")
 def _readme_trl(load: Callable[[str], Json]) -> str:
     d = load("trl")
@@ -369,7 +404,7 @@ def _load_row(c: Json) -> list[str]:
         f"{paced['latency_ms']['get_meta']['p99']:.1f}",
         num(sat["latency_ms"]["get_meta"]["p99"]),
         f"{rss:.0f} MB, {per:.0f} KB",
-        f"{fds:,}",
+        f"{int(fds):,}",
         f"{c['connect_s']:.1f} s",
         once,
     ]
@@ -396,14 +431,26 @@ def _load_table(load: Callable[[str], Json]) -> str:
     ]
     goals = "; ".join(f"{g}: {'met' if ok else '**not met**'}" for g, ok in d["goals"].items())
     ratios = ", ".join(f"{k} {x(v)}" for k, v in d["throughput_ratio"].items())
-    vs = ""
+    vs = "".join(
+        f" The peer broke with {b['clients']:,} clients ({b['stage']}: "
+        f"{str(b['error']).split(': ', 1)[-1][:160]})."
+        for b in (peer or {}).get("broke_at", [])
+    )
     if peer and "ours_over_peer" in peer:
-        vs = (
+        vs += (
             " At {:,} clients against the peer: ".format(peer["clients"])
             + "; ".join(
-                f"{k} {x(v['saturated_rows_per_s'])} its saturated throughput, its paced get_meta "
-                f"p99 {x(v['paced_get_meta_p99'])} ours"
+                f"{k} {x(v['saturated_rows_per_s'])} its saturated throughput"
                 for k, v in peer["ours_over_peer"].items()
+            )
+            + "; its paced get_meta p99 {:.1f} ms against ours {}".format(
+                peer["phases"]["paced"]["latency_ms"]["get_meta"]["p99"],
+                ", ".join(
+                    f"{c['phases']['paced']['latency_ms']['get_meta']['p99']:.1f} ms "
+                    f"({c.get('deploy', 'local')})"
+                    for c in d["cases"]
+                    if c["clients"] == peer["clients"]
+                ),
             )
             + "."
         )
@@ -417,12 +464,13 @@ def _load_table(load: Callable[[str], Json]) -> str:
     ]
     rs_text = (
         "\nThe controller SIGKILLed and restarted with its state under load (every client "
-        "as fast as it can): " + "; ".join(restarts) + "."
+        "as fast as it can): " + "; ".join(restarts) + ".\n"
         if restarts
         else ""
     )
     return (
-        f"Run of {day(d)} (`docs/bench/load.json`, `{d['command']}`; saturated throughput at "
+        f"Run of {day(d)} (`docs/bench/load.json`, `{d['command'].strip()}`; saturated "
+        "throughput at "
         f"the largest N over the smallest: {ratios}).{vs} Goals: {goals}.\n\n"
         + _table(head, rows)
         + rs_text

@@ -562,17 +562,22 @@ def _peer(
     """The same clients against the peer at the largest of ``counts`` it holds, printed with
     our figures at that N (``bench/load_peer.py`` in the peer's virtualenv); None when not
     asked for or not built."""
-    from bench.load_peer_run import peer_available, run_peer_largest
+    from bench.load_peer_run import peer_available, run_peer_case
 
     if args.peer == "no" or (args.peer == "auto" and not peer_available()):
         if args.peer == "auto":
             print("peer: skipped (its virtualenv is not built: python -m bench.peer --setup)")
         return None
-    peer = run_peer_largest(counts, args.procs, args.batch, _phases(max(counts), args))
-    for broke in peer.get("broke_at", []):
-        print(f"peer with {broke['clients']} clients broke at {broke['stage']}: {broke['error']}")
+    broke: list[dict[str, Any]] = []
+    for n in sorted(counts, reverse=True):  # the largest N it holds (the same phases as ours)
+        peer = run_peer_case(n, args.procs, args.batch, _phases(n, args))
+        if "error" not in peer:
+            break
+        broke.append({k: peer.get(k) for k in ("clients", "stage", "error", "log")})
+        print(f"peer with {n} clients broke at {peer.get('stage')}: {peer['error']}", flush=True)
+    peer["broke_at"] = broke
     if "error" in peer:
-        print(f"peer: held none of {counts}: {peer['error']}", flush=True)
+        print(f"peer: held none of {counts}", flush=True)
         return peer
     _print_case(peer)
     n = peer["clients"]

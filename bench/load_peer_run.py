@@ -114,7 +114,7 @@ def _result(out: str, n: int, log_path: Path) -> dict[str, Any]:
             f"the peer's load run with {n} clients printed no result; see {log_path}"
         )
     res: dict[str, Any] = json.loads(lines[-1])
-    res["log"] = str(log_path)
+    res["log"] = str(log_path.relative_to(REPO_DIR))  # (the JSON is checked in: no local path)
     return res
 
 
