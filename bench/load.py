@@ -55,6 +55,7 @@ from typing import Any
 import numpy as np
 
 from bench.common import RESULTS_DIR, line, write_json
+from bench.load_checks import exactly_once, servers_memory
 from bench.load_service import RESTART_BOUND_S, RIDE_THROUGH_S, Served, proc_stats, service
 
 CALLS = ("put", "get_meta", "get_data", "ack")
@@ -447,24 +448,8 @@ def run_case(
                 raise RuntimeError(f"a load worker exited with {w.returncode}")
         stamps += [tuple(r) for r in _drain(setup, partitions)]
         setup.close()
-    seen: dict[tuple[int, ...], int] = {}
-    for stamp in stamps:
-        seen[stamp] = seen.get(stamp, 0) + 1
-    res["exactly_once"] = {
-        "written": len(written),
-        "twice": sum(1 for v in seen.values() if v > 1),
-        "missing": len(written - set(seen)),
-        "extra": len(set(seen) - written),
-    }
-    res["servers"] = {
-        role: {
-            "rss_mb_before_clients": before[pid]["rss_mb"],
-            "rss_mb": connected[pid]["rss_mb"],
-            "fds": connected[pid]["fds"],
-            "kb_per_client": (connected[pid]["rss_mb"] - before[pid]["rss_mb"]) * 1024 / n,
-        }
-        for role, pid in (("controller", first_ctl), ("unit", unit))
-    }
+    res["exactly_once"] = exactly_once(written, stamps)
+    res["servers"] = servers_memory(before, connected, {"controller": first_ctl, "unit": unit}, n)
     return res
 
 

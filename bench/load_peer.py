@@ -61,6 +61,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 
+from bench.load_checks import exactly_once, servers_memory  # noqa: E402  (stdlib only)
+
 CALLS = ("put", "get_meta", "get_data", "ack")
 TASK = "load"
 UNITS = 1
@@ -369,24 +371,8 @@ def run(
             if w.wait(timeout=120) != 0:
                 raise RuntimeError(f"peer load worker {w.pid} exited with {w.returncode}")
         stamps += [tuple(r) for r in _drain(tq.get_client())]
-        seen: dict[tuple[int, ...], int] = {}
-        for s in stamps:
-            seen[s] = seen.get(s, 0) + 1
-        res["exactly_once"] = {
-            "written": len(written),
-            "twice": sum(1 for v in seen.values() if v > 1),
-            "missing": len(written - set(seen)),
-            "extra": len(set(seen) - written),
-        }
-        res["servers"] = {
-            role: {
-                "rss_mb_before_clients": before[role]["rss_mb"],
-                "rss_mb": connected[role]["rss_mb"],
-                "fds": connected[role]["fds"],
-                "kb_per_client": (connected[role]["rss_mb"] - before[role]["rss_mb"]) * 1024 / n,
-            }
-            for role in pids
-        }
+        res["exactly_once"] = exactly_once(written, stamps)
+        res["servers"] = servers_memory(before, connected, {r: r for r in pids}, n)
         return res
     finally:
         if conf_path:
