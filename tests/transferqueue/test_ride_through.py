@@ -302,7 +302,9 @@ def test_a_stream_rides_through_its_controller_killed_mid_stream(tmp_path: Path)
         assert not errors, errors
         assert kills == 2 and svc.controller_restarts[0] == 2
         assert sorted(delivered) == list(range(total))  # every row, each once
-        assert c.async_client._ctl.calls_resent > 0  # type: ignore[attr-defined]
+        # (whether a call had to be sent again depends on where the kill lands: a call made
+        # once ZeroMQ has connected to the restarted controller needs none, and a drop read
+        # while nothing waited no longer fails it: rpc.RpcClient._send)
         assert len(c.get_meta("t", ["x"], 32, partition="p", timeout_s=0.5)) == 0
 
 

@@ -18,7 +18,7 @@ from transferqueue.wire import protocol
 from transferqueue.wire.loopsocket import READ_EVERY
 from transferqueue.wire.rpc import RpcClient, RpcServer
 
-BURST = 300
+BURST = 1300  # (more than a server reads ahead at once: wire.loopsocket.DRAIN_BATCH)
 
 
 def _ping_handlers() -> dict[Any, Any]:

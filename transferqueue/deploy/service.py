@@ -244,9 +244,11 @@ class LocalService:
         """The server's bound address and its metrics URL (None: no endpoint), once ready."""
         assert proc.stdout is not None
         deadline = time.monotonic() + timeout_s
+        # (poll, not select: a process of many clients holds descriptors past select's 1,024)
+        poller = select.poll()
+        poller.register(proc.stdout, select.POLLIN)
         while time.monotonic() < deadline:
-            ready, _, _ = select.select([proc.stdout], [], [], 0.1)
-            if ready:
+            if poller.poll(100):
                 line = proc.stdout.readline()
                 if line.startswith(READY):
                     address, *metrics = line[len(READY) :].split()

@@ -85,13 +85,17 @@ class LoopSocket:
                 return
             urgent, pending = self._urgent, self._pending
             while not self.closed:
+                got = 0
                 if len(pending) < DRAIN_BATCH:
                     for msg in self._read(DRAIN_BATCH - len(pending)):
+                        got += 1
                         if urgent(msg):
                             self._on_message(msg)
                         else:
                             pending.append(msg)
                 if not pending:
+                    if got:
+                        continue  # (a batch of urgent ones only: the socket may hold more)
                     return
                 for _ in range(min(READ_EVERY, len(pending))):
                     if self.closed:
