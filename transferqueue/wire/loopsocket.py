@@ -78,10 +78,10 @@ class LoopSocket:
         try:
             if self._urgent is None:
                 while not self.closed:
-                    got = self._read(1)
-                    if not got:
+                    one = self._read(1)
+                    if not one:
                         return
-                    self._on_message(got[0])
+                    self._on_message(one[0])
                 return
             urgent, pending = self._urgent, self._pending
             while not self.closed:
