@@ -49,18 +49,17 @@ import sys
 import threading
 import time
 import traceback
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from bench.common import RESULTS_DIR, line, write_json
 from bench.load_checks import exactly_once, servers_memory
+from bench.load_report import P99_GOAL_MS, plot, print_case
 from bench.load_service import RESTART_BOUND_S, RIDE_THROUGH_S, Served, proc_stats, service
 
 CALLS = ("put", "get_meta", "get_data", "ack")
 THROUGHPUT_GOAL = 0.8
-P99_GOAL_MS = 50.0
 FAIRNESS_GOAL = 0.25  # the slowest client's saturated cycles over the mean, at every N
 WARM_PHASE = 99  # the phase number in the stamps of each client's first cycle
 SATURATED_CYCLES = 8  # cycles per client the saturated phase is sized for (fairness)
@@ -453,86 +452,6 @@ def run_case(
     return res
 
 
-def _print_case(r: dict[str, Any]) -> None:
-    n, deploy = r["clients"], r.get("deploy", "local")
-    for name, ph in r["phases"].items():
-        lm = ph["latency_ms"]
-        line(
-            f"load {n} clients [{deploy}], {name}",
-            ph["cycles_per_s"],
-            "cycles/s",
-            get_meta_p50_ms=lm["get_meta"]["p50"],
-            get_meta_p99_ms=lm["get_meta"]["p99"],
-            put_p99_ms=lm["put"]["p99"],
-            **(
-                {"achieved_over_offered": ph["cycles_per_s"] / (ph["rate_per_client"] * n)}
-                if ph["rate_per_client"]
-                else {"fairness": ph["fairness_min_over_mean"]}
-            ),
-            **({"clients_cpu": ph["clients_cpu_share"]} if "clients_cpu_share" in ph else {}),
-            ctl_cpu=ph["servers"]["controller"]["cpu_share"],
-            unit_cpu=ph["servers"]["unit"]["cpu_share"],
-        )
-        rs = ph.get("restart")
-        if rs is not None:
-            line(
-                f"  controller restarted under {n} clients [{deploy}]",
-                rs["controller_away_s"],
-                "s away",
-                failed_calls=rs["failed_calls"],
-                longest_call_s=rs["longest_call_s"],
-                clients_served_after=rs["clients_served_after"],
-            )
-            for e in rs["errors"]:
-                print(f"    {e}", flush=True)
-    for role, sv in r["servers"].items():
-        line(
-            f"  {role} with {n} clients connected [{deploy}]",
-            sv["rss_mb"],
-            "MB RSS",
-            kb_per_client=sv["kb_per_client"],
-            fds=sv["fds"],
-        )
-    eo = r["exactly_once"]
-    ok = eo["twice"] == eo["missing"] == eo["extra"] == 0
-    print(
-        f"  exactly once: {eo['written']} rows, {eo['twice']} twice, {eo['missing']} missing,"
-        f" {eo['extra']} unknown: {'ok' if ok else 'FAILED'}; "
-        f"connect {r['connect_s']:.1f} s, first cycles "
-        f"{r.get('first_cycle_s', 0.0):.1f} s",
-        flush=True,
-    )
-
-
-def _plot(cases: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    for deploy in dict.fromkeys(c.get("deploy", "local") for c in cases):
-        mine = [c for c in cases if c.get("deploy", "local") == deploy]
-        n = [c["clients"] for c in mine]
-        for name in mine[0]["phases"]:
-            a.plot(
-                n, [c["phases"][name]["rows_per_s"] for c in mine], "-o", label=f"{name} [{deploy}]"
-            )
-            b.plot(
-                n,
-                [c["phases"][name]["latency_ms"]["get_meta"]["p99"] for c in mine],
-                "-o" if name == "paced" else ":x",
-                label=f"get_meta p99, {name} [{deploy}]",
-            )
-    a.set(xscale="log", xlabel="concurrent clients", ylabel="rows/s", title="throughput")
-    a.legend(fontsize=8)
-    b.axhline(P99_GOAL_MS, color="grey", ls="--", lw=1)
-    b.set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="ms", title="latency")
-    b.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
 def _phases(n: int, args: argparse.Namespace) -> dict[str, tuple[float, float]]:
     """The phases for ``n`` clients: name -> (cycles/s per client, 0: as fast as each can;
     seconds). Saturated lasts long enough for each client's share to be measured (about
@@ -564,7 +483,7 @@ def _peer(
     if "error" in peer:
         print(f"peer: held none of {counts}", flush=True)
         return peer
-    _print_case(peer)
+    print_case(peer)
     n = peer["clients"]
     ours = [c for c in cases if c["clients"] == n]
     peer["ours_over_peer"] = {}
@@ -650,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
                 if deploy == "local" and n == max(counts) and args.restart:
                     phases["restart"] = (0.0, max(phases["saturated"][1], RESTART_PHASE_S))
                 r = run_case(n, args.procs, args.batch, phases, deploy)
-                _print_case(r)
+                print_case(r)
                 mine.append(r)
         finally:
             if deploy == "ray":
@@ -691,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
     for goal, met in goals.items():
         print(f"goal {goal}: {'met' if met else 'NOT met'}", flush=True)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    _plot(cases, RESULTS_DIR / "load.png")
+    plot(cases, RESULTS_DIR / "load.png")
     write_json(
         "load",
         {
