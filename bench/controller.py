@@ -27,17 +27,15 @@ Cases, each against a baseline measured in the same run:
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import statistics
 import time
 from typing import Any
 
-import msgspec
 import numpy as np
 import torch
-import zmq
 
 import transferqueue
+from bench.bare import BareRoundTrip
 from bench.common import line, timeit, write_json
 from bench.peer_cases import MetaLoop
 from transferqueue.controller.core import Controller
@@ -188,81 +186,10 @@ def _put_then_meta(client: transferqueue.Client, cols: dict[str, torch.Tensor], 
 WIRE_GOAL = 2.0  # ours / bare ZeroMQ round trip, get_meta of 64 from 1,000 live rows
 
 
-def _bare_router(address_q: Any) -> None:
-    """The bare server: answers each msgpack request with ``batch_size`` int64 indexes."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
-    address_q.put(f"tcp://127.0.0.1:{port}")
-    indexes = np.arange(1 << 16, dtype=np.int64)  # (batches up to 32k)
-    lease = 0
-    while True:
-        ident, body = sock.recv_multipart(copy=False)
-        req = msgspec.msgpack.decode(body.buffer)
-        if req is None:
-            break
-        lease += 1
-        start = lease % 4096 * 8
-        rows = indexes[start : start + req["batch_size"]]
-        reply = {"lease_id": lease, "indexes": rows.tobytes()}
-        sock.send_multipart([ident, msgspec.msgpack.encode(reply)], copy=False)
-    sock.close(0)
-    ctx.term()
-
-
-class _Bare:
-    """The DEALER side of the bare round trip, its ROUTER in a process of its own."""
-
-    def __init__(self) -> None:
-        ctx_mp = mp.get_context("spawn")
-        q = ctx_mp.Queue()
-        self.proc = ctx_mp.Process(target=_bare_router, args=(q,), daemon=True)
-        self.proc.start()
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.connect(q.get(timeout=120))
-
-    def call(self, batch: int) -> np.ndarray:
-        request = {  # a GetMeta's fields, as our client sends them
-            "task": "bench",
-            "partition": "meta1000",
-            "fields": ["x"],
-            "batch_size": batch,
-            "lease_s": 60.0,
-            "sampler": "fifo",
-            "sampler_options": {},
-            "min_version": None,
-            "max_group": None,
-            "timeout_s": 10.0,
-            "partial": True,
-            "holder": 1 << 40,
-            "consume": False,
-        }
-        self.sock.send(msgspec.msgpack.encode(request), copy=False)
-        reply = msgspec.msgpack.decode(self.sock.recv(copy=False).buffer)
-        return np.frombuffer(reply["indexes"], dtype=np.int64)
-
-    def seconds_per_call(self, batch: int, seconds: float) -> float:
-        n = 0
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            assert len(self.call(batch)) == batch
-            n += 1
-        return (time.perf_counter() - t0) / n
-
-    def close(self) -> None:
-        self.sock.send(msgspec.msgpack.encode(None))
-        self.sock.close(0)
-        self.ctx.term()
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
-
-
 def wire_round_trip(live: int, batch: int, rounds: int, seconds: float) -> dict[str, Any]:
     """Ours ``get_meta`` (local service, one unit) against the bare round trip, alternating
     rounds (module docstring, case 4); seconds per call, medians of the rounds."""
-    bare = _Bare()
+    bare = BareRoundTrip()
     try:
         with (
             transferqueue.serve(num_units=1) as svc,

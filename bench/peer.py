@@ -30,7 +30,11 @@ case per round:
 - ``meta``: ``get_meta`` of 64 rows from a partition of 1k / 100k / 1M rows (refilled before
   half are taken), after the put + get rounds. The ratio compares the hand-out (``get_meta``
   alone: the peer marks rows consumed there, ours leases them); ours with its ``ack`` (a
-  second round trip, for exactly-once delivery) is printed beside it.
+  second round trip, for exactly-once delivery) is printed beside it. At 1k rows our
+  runner also times a bare ZeroMQ round trip of the same shape (``bench/bare.py``: a DEALER
+  in the runner, a ROUTER in a process of its own, msgpack both ways, 64 indexes back),
+  before ours in one round and after it in the next; the line ``ratio ours/bare round
+  trip`` divides our ``get_meta`` by it (goal: <= 2x).
 
 A third column, ``facade``, runs the peer's own runner (``bench/peer_runner.py``, the peer's
 calls: ``tq.init``, ``put``/``get_meta``/``get_data`` with TensorDicts, ``clear_samples``)
@@ -70,6 +74,7 @@ PEER_PINS = (
 )
 CASE_NAMES = ("dense", "ragged", "multimodal", "meta")
 GOAL = 5.0  # ours / peer, every case
+WIRE_GOAL = 2.0  # ours get_meta of 64 from 1k rows / a bare ZeroMQ round trip (bench/bare.py)
 FACADE_GOAL = 3.0  # the peer's calls through tqcompat on our store / peer, every case
 _CALL_TIMEOUT_S = 1800.0  # one command (a million-row fill of the peer takes ~30 s)
 
@@ -221,15 +226,25 @@ def run_units(units: int, args: argparse.Namespace) -> dict[str, Any]:
             order = systems[rnd % len(systems) :] + systems[: rnd % len(systems)]
             for live in args.meta_live:
                 for name in order:
+                    if name == "ours" and live == min(args.meta_live) and rnd % 2 == 0:
+                        _bare(runners["ours"], args, out)  # (beside ours, either side)
                     got = runners[name].call(
                         op="meta", live=live, batch=args.meta_batch, seconds=args.meta_seconds
                     )
                     out["meta"].setdefault(str(live), {}).setdefault(name, []).append(got)
+                    if name == "ours" and live == min(args.meta_live) and rnd % 2 == 1:
+                        _bare(runners["ours"], args, out)
             print(f"  {units} unit(s): get_meta round {rnd + 1}/{args.rounds} done", flush=True)
     finally:
         for r in runners.values():
             r.close()
     return out
+
+
+def _bare(ours: Runner, args: argparse.Namespace, out: dict[str, Any]) -> None:
+    """One timing of the bare ZeroMQ round trip in our runner's process (bench/bare.py)."""
+    got = ours.call(op="bare", batch=args.meta_batch, seconds=args.meta_seconds)
+    out.setdefault("bare_s", []).append(got["seconds_per_call"])
 
 
 def summarize(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -240,6 +255,7 @@ def summarize(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         "ratios": {},
         "ratios_with_ack": {},
         "ratios_facade": {},
+        "wire": {},
     }
     for units, res in raw.items():
         nbytes = res["describe"]["ours"]["nbytes"]
@@ -270,6 +286,18 @@ def summarize(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
             summary["ratios_with_ack"][f"meta {live} {units}u"] = med["ours_with_ack"] / med["peer"]
             if "facade" in med:
                 summary["ratios_facade"][f"meta {live} {units}u"] = med["facade"] / med["peer"]
+        if res.get("bare_s"):  # ours get_meta at the fewest rows against the bare round trip
+            live = str(min(int(k) for k in res["meta"]))
+            ours_s = statistics.median(
+                args.meta_batch / x["samples_per_s"] for x in res["meta"][live]["ours"]
+            )
+            bare_s = statistics.median(res["bare_s"])
+            summary["wire"][f"{units}u"] = {
+                "live": int(live),
+                "bare_us": 1e6 * bare_s,
+                "ours_us": 1e6 * ours_s,
+                "ratio": ours_s / bare_s,
+            }
     return summary
 
 
@@ -298,6 +326,10 @@ def report(summary: dict[str, Any], raw: dict[str, Any]) -> None:
         line(f"ratio ours/peer {key}", ratio, "x", target=f">={GOAL:g}", **extra)
     for key, ratio in summary["ratios_facade"].items():
         line(f"ratio facade/peer {key}", ratio, "x", target=f">={FACADE_GOAL:g}")
+    for units, w in summary["wire"].items():
+        line(f"bare ZeroMQ round trip ({units})", w["bare_us"], "us/call")
+        line(f"ours get_meta 64 of {w['live']:,} rows ({units})", w["ours_us"], "us/call")
+        line(f"ratio ours/bare round trip {units}", w["ratio"], "x", target=f"<={WIRE_GOAL:g}")
     if not summary["ratios"]:
         return
     worst = min(summary["ratios"].values())
@@ -305,6 +337,9 @@ def report(summary: dict[str, Any], raw: dict[str, Any]) -> None:
     if summary["ratios_facade"]:
         worst = min(summary["ratios_facade"].values())
         print(f"worst facade ratio {worst:.2f}x (goal >= {FACADE_GOAL:g}x)", flush=True)
+    if summary["wire"]:
+        worst = max(w["ratio"] for w in summary["wire"].values())
+        print(f"worst get_meta / bare round trip {worst:.2f}x (goal <= {WIRE_GOAL:g}x)", flush=True)
 
 
 def plot(summary: dict[str, Any], path: Path) -> None:
@@ -316,6 +351,8 @@ def plot(summary: dict[str, Any], path: Path) -> None:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     keys = list(summary["GBps"])
+    if not keys:  # (a run of the meta case only)
+        ax1.set_visible(False)
     x = np.arange(len(keys))
     bars = [
         (name, label)
@@ -326,16 +363,16 @@ def plot(summary: dict[str, Any], path: Path) -> None:
         )
         if all(name in summary["GBps"][key] for key in keys)
     ]
-    width = 0.8 / len(bars)
+    width = 0.8 / max(len(bars), 1)
     for k, (name, label) in enumerate(bars):
         vals = [summary["GBps"][key][name]["median"] for key in keys]
         ax1.bar(x + (k - (len(bars) - 1) / 2) * width, vals, width, label=label)
     ax1.set_xticks(x, [k.replace("u", " unit(s)") for k in keys], fontsize=8)
     ax1.set_ylabel("2 x payload / (put + get_meta + get_data), GB/s")
     ax1.set_title("put + get, medians", fontsize=10)
-    top = max(v["median"] for per in summary["GBps"].values() for v in per.values())
+    top = max((v["median"] for per in summary["GBps"].values() for v in per.values()), default=1)
     ax1.set_ylim(0, top * 1.3)
-    ax1.legend(loc="upper center", ncol=len(bars), fontsize=8)
+    ax1.legend(loc="upper center", ncol=max(len(bars), 1), fontsize=8)
     meta = summary["meta_samples_per_s"]
     if not meta:  # (a run of some cases only)
         ax2.set_visible(False)

@@ -264,6 +264,9 @@ def serve(make: Callable[[], System], out_fd: int) -> None:
                     reply(
                         {"ok": True, **system.meta_calls(cmd["live"], cmd["batch"], cmd["seconds"])}
                     )
+                elif op == "bare" and hasattr(system, "bare_calls"):
+                    # (ours only: the bare ZeroMQ round trip, bench/bare.py)
+                    reply({"ok": True, **system.bare_calls(cmd["batch"], cmd["seconds"])})
                 elif op == "describe":
                     reply({"ok": True, **getattr(system, "describe", dict)()})
                 else:

@@ -15,7 +15,8 @@ the task, so the rows are freed). The meta rate times ``get_meta`` (the hand-out
 peer's, which marks rows consumed there) and, apart, ``get_meta`` + ``ack`` (a lease and its
 acknowledgement: two round trips, for exactly-once delivery the peer does not offer); its
 rows are kept until the next fill (no declared task), as the peer keeps consumed rows until
-cleared.
+cleared. Beside the meta rate at 1k rows, this runner times a bare ZeroMQ round trip of the
+same shape (``bench/bare.py``): the floor our ``get_meta`` is compared with.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 
 import transferqueue
+from bench.bare import BareRoundTrip
 from bench.peer_cases import (
     CASES,
     MetaLoop,
@@ -75,6 +77,7 @@ class OursSystem:
         for case in self.batches:
             self.client.declare_tasks(["bench"], partition=case)  # rows freed once acked
         self._meta = MetaLoop(self._fill, self._call)
+        self._bare: BareRoundTrip | None = None  # (started on first use)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -111,6 +114,13 @@ class OursSystem:
     def meta_calls(self, live: int, batch: int, seconds: float) -> dict[str, float]:
         return self._meta.run(live, batch, seconds)
 
+    def bare_calls(self, batch: int, seconds: float) -> dict[str, float]:
+        """The bare ZeroMQ round trip, calls back to back for about ``seconds``."""
+        if self._bare is None:
+            self._bare = BareRoundTrip()
+            self._bare.seconds_per_call(batch, 0.5)  # (warm-up)
+        return {"seconds_per_call": self._bare.seconds_per_call(batch, seconds)}
+
     def _fill(self, live: int) -> None:
         self.client.clear(f"meta{live}")
         for start in range(0, live, _FILL_CHUNK_ROWS):
@@ -128,6 +138,8 @@ class OursSystem:
         return dt
 
     def close(self) -> None:
+        if self._bare is not None:
+            self._bare.close()
         self.tq.close()
         self.service.close()
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import threading
 from collections import OrderedDict
 from typing import Any, TypeVar
@@ -23,6 +22,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from transferqueue.errors import PeerGoneError, TQError, UnknownRowError
+from transferqueue.ids import random_id63
 from transferqueue.meta import BatchMeta
 from transferqueue.wire import messages as m
 from transferqueue.wire import protocol
@@ -168,7 +168,7 @@ class Resend:
         self.sent_again = False
         self._request_id: int | None = None
         if resendable and isinstance(msg, m.GetMeta) and msg.request_id is None:
-            self._request_id = secrets.randbits(63) or 1
+            self._request_id = random_id63()
             msg = msgspec.structs.replace(msg, request_id=self._request_id)
             link.late.begin(self._request_id)
         self.msg = msg

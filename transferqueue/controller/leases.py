@@ -24,7 +24,6 @@ instead of leaving it leased to nobody until its deadline.
 from __future__ import annotations
 
 import heapq
-import secrets
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from transferqueue.errors import BadRequestError, LeaseExpiredError, UnknownLeaseError
+from transferqueue.ids import random_id63
 from transferqueue.limits import MAX_LEASE_S
 
 __all__ = ["Lease", "LeaseTable", "TaskKey", "random_lease_id"]
@@ -61,8 +61,8 @@ class Lease:
 
 
 def random_lease_id() -> int:
-    """A fresh random 63-bit lease id."""
-    return secrets.randbits(63)
+    """A fresh random 63-bit lease id (:func:`transferqueue.ids.random_id63`)."""
+    return random_id63()
 
 
 class LeaseTable:
