@@ -14,10 +14,14 @@ local service: controller and units as processes), the peer ``bench/peer_runner.
 virtualenv (controller and SimpleStorage units as Ray actors). Both build the same bytes
 from the same seeds (checked by digest) and speak JSON lines (``bench/peer_cases.py``).
 
-For 1 and 4 storage units, both systems are started side by side; each first runs every case
-once with its result checked bit for bit against what was put (untimed), then ``--rounds``
-rounds alternate which system goes first, each system running ``--reps`` timed reps of each
-case per round:
+For 1 and 4 storage units, the systems are started side by side; each first runs every put +
+get case once with its result checked bit for bit against what was put (untimed), then
+``--rounds`` rounds alternate which system goes first, each system running ``--reps`` timed
+reps of each case per round. The meta case runs after, each system alone on the machine (its
+runner started for it, the others closed; ``--rounds`` rounds of it in a row): a call of a
+few hundred microseconds is bound by the CPU's caches, and the idle daemons of the other
+runners' Ray clusters took 40-50 us of each of ours when they ran beside it (257 -> 301 us,
+while the bare round trip stayed at 117 us):
 
 - ``dense``: float32 [1024, 8192] x 9 fields (302 MB, the peer's own "Small" case);
 - ``ragged``: 256 sequences of 128-4096 int32 token ids plus a float32 logprob per token
@@ -73,6 +77,7 @@ PEER_PINS = (
     ("transferqueue==0.1.11", "ray[default]==2.60.0", "tensordict==0.15.3"),
 )
 CASE_NAMES = ("dense", "ragged", "multimodal", "meta")
+SYSTEMS = ("ours", "peer", "facade")
 GOAL = 5.0  # ours / peer, every case
 WIRE_GOAL = 2.0  # ours get_meta of 64 from 1k rows / a bare ZeroMQ round trip (bench/bare.py)
 FACADE_GOAL = 3.0  # the peer's calls through tqcompat on our store / peer, every case
@@ -111,7 +116,9 @@ def setup(force: bool = False) -> Path:
 class Runner:
     """One system's runner subprocess (its client process), spoken to in JSON lines."""
 
-    def __init__(self, name: str, python: Path | str, module: str, args: list[str]) -> None:
+    def __init__(
+        self, name: str, python: Path | str, module: str, args: list[str], phase: str = ""
+    ) -> None:
         self.name = name
         env = dict(os.environ)
         if name in ("ours", "facade"):
@@ -119,7 +126,7 @@ class Runner:
         else:  # nothing of ours on the peer's path but bench/ (found from the working dir)
             env.pop("PYTHONPATH", None)
         RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-        self.log_path = RESULTS_DIR / f"peer-{name}-{args[-1]}units.log"
+        self.log_path = RESULTS_DIR / f"peer-{name}-{args[-1]}units{phase}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in close())
         self.proc = subprocess.Popen(
             [str(python), "-m", module, *args],
@@ -166,16 +173,22 @@ class Runner:
         self._log.close()
 
 
-def start_runners(scale: str, units: int) -> dict[str, Runner]:
+def start_runner(name: str, scale: str, units: int, phase: str = "") -> Runner:
+    """System ``name``'s runner: ``ours``, ``peer`` (in its virtualenv) or ``facade`` (the
+    peer's runner, unchanged, with ``transfer_queue`` = our facade, tqcompat)."""
     args = ["--scale", scale, "--units", str(units)]
+    if name == "ours":
+        return Runner(name, sys.executable, "bench.peer_ours", args, phase)
+    if name == "peer":
+        return Runner(name, peer_python(), "bench.peer_runner", args, phase)
+    return Runner(name, sys.executable, "tqcompat", ["-m", "bench.peer_runner", *args], phase)
+
+
+def start_runners(scale: str, units: int) -> dict[str, Runner]:
     runners: dict[str, Runner] = {}
     try:
-        runners["ours"] = Runner("ours", sys.executable, "bench.peer_ours", args)
-        runners["peer"] = Runner("peer", peer_python(), "bench.peer_runner", args)
-        # the peer's runner, unchanged, with transfer_queue = our facade (tqcompat)
-        runners["facade"] = Runner(
-            "facade", sys.executable, "tqcompat", ["-m", "bench.peer_runner", *args]
-        )
+        for name in SYSTEMS:
+            runners[name] = start_runner(name, scale, units)
     except BaseException:
         for r in runners.values():
             r.close()
@@ -185,11 +198,26 @@ def start_runners(scale: str, units: int) -> dict[str, Runner]:
 
 # -- the run ---------------------------------------------------------------------------------
 def run_units(units: int, args: argparse.Namespace) -> dict[str, Any]:
-    """Every case on both systems with ``units`` storage units, rounds alternating."""
+    """Every case on every system with ``units`` storage units: the put + get cases with the
+    three runners side by side, rounds alternating; then the meta case, each system alone."""
     scale = "quick" if args.quick else "full"
+    out: dict[str, Any] = {"init_s": {}, "describe": {}, "first": {}, "cycles": {}, "meta": {}}
+    if any(c != "meta" for c in args.cases):
+        _run_cycles(units, scale, args, out)
+    if "meta" in args.cases:
+        # Each system alone on the machine (the others' runners closed): the idle daemons
+        # of a Ray cluster (the peer's, the facade's) cost a call of ~250 us some 40-50 us
+        # when they run beside it, and the bare round trip nothing. Which system goes first
+        # alternates with the number of units.
+        for name in SYSTEMS if units % 2 else SYSTEMS[::-1]:
+            _run_meta_alone(name, units, scale, args, out)
+    return out
+
+
+def _run_cycles(units: int, scale: str, args: argparse.Namespace, out: dict[str, Any]) -> None:
+    """The put + get cases, every system's runner alive, rounds alternating who goes first."""
     runners = start_runners(scale, units)
     systems = list(runners)
-    out: dict[str, Any] = {"init_s": {}, "describe": {}, "first": {}, "cycles": {}, "meta": {}}
     try:
         for name, r in runners.items():
             out["init_s"][name] = r.hello["init_s"]
@@ -207,8 +235,6 @@ def run_units(units: int, args: argparse.Namespace) -> dict[str, Any]:
                     op="cycle", case=case, reps=1, verify=True
                 )
         print(f"  {units} unit(s): every system's data bit-exact on the first rep", flush=True)
-        # Throughput rounds first, then meta-rate rounds: the meta fills (a million rows
-        # each) would otherwise sit in both stores during later throughput rounds.
         for rnd in range(args.rounds):
             order = systems[rnd % len(systems) :] + systems[: rnd % len(systems)]
             for case in cases:
@@ -222,23 +248,34 @@ def run_units(units: int, args: argparse.Namespace) -> dict[str, Any]:
                         )
                     ]
             print(f"  {units} unit(s): put+get round {rnd + 1}/{args.rounds} done", flush=True)
-        for rnd in range(args.rounds if "meta" in args.cases else 0):
-            order = systems[rnd % len(systems) :] + systems[: rnd % len(systems)]
-            for live in args.meta_live:
-                for name in order:
-                    if name == "ours" and live == min(args.meta_live) and rnd % 2 == 0:
-                        _bare(runners["ours"], args, out)  # (beside ours, either side)
-                    got = runners[name].call(
-                        op="meta", live=live, batch=args.meta_batch, seconds=args.meta_seconds
-                    )
-                    out["meta"].setdefault(str(live), {}).setdefault(name, []).append(got)
-                    if name == "ours" and live == min(args.meta_live) and rnd % 2 == 1:
-                        _bare(runners["ours"], args, out)
-            print(f"  {units} unit(s): get_meta round {rnd + 1}/{args.rounds} done", flush=True)
     finally:
         for r in runners.values():
             r.close()
-    return out
+
+
+def _run_meta_alone(
+    name: str, units: int, scale: str, args: argparse.Namespace, out: dict[str, Any]
+) -> None:
+    """The meta rounds of system ``name``, its runner the only one alive; ours also times
+    the bare round trip at the fewest rows, before its own calls in one round and after
+    them in the next."""
+    runner = start_runner(name, scale, units, "-meta")
+    fewest = min(args.meta_live)
+    try:
+        out["init_s"].setdefault(f"{name} (meta)", runner.hello["init_s"])
+        for rnd in range(args.rounds):
+            for live in args.meta_live:
+                if name == "ours" and live == fewest and rnd % 2 == 0:
+                    _bare(runner, args, out)
+                got = runner.call(
+                    op="meta", live=live, batch=args.meta_batch, seconds=args.meta_seconds
+                )
+                out["meta"].setdefault(str(live), {}).setdefault(name, []).append(got)
+                if name == "ours" and live == fewest and rnd % 2 == 1:
+                    _bare(runner, args, out)
+        print(f"  {units} unit(s): {name} get_meta rounds done, alone", flush=True)
+    finally:
+        runner.close()
 
 
 def _bare(ours: Runner, args: argparse.Namespace, out: dict[str, Any]) -> None:
@@ -258,7 +295,7 @@ def summarize(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         "wire": {},
     }
     for units, res in raw.items():
-        nbytes = res["describe"]["ours"]["nbytes"]
+        nbytes = res["describe"].get("ours", {}).get("nbytes", {})  # (none: meta only)
         for case, per in res["cycles"].items():
             med = {}
             for name, reps in per.items():
