@@ -97,7 +97,18 @@ def _readme_peer(load: Callable[[str], Json]) -> str:
         f"with one unit ({x(r['dense 4u'])} / {x(r['ragged 4u'])} with four); a `get_meta` "
         f"of 64 rows from a partition of 1M rows {x(r['meta 1000000 1u'])}, from one of 1k "
         f"rows {x(r['meta 1000 1u'])} ({x(d['ratios_with_ack']['meta 1000 1u'])} with the "
-        "ack; the goal is 5x).\n" + _facade(d)
+        "ack; the goal is 5x)" + _wire(d) + ".\n" + _facade(d)
+    )
+
+
+def _wire(d: Json) -> str:
+    """Our get_meta at 1k rows against the same run's bare ZeroMQ round trip, if measured."""
+    w = d.get("wire", {}).get("1u")
+    if w is None:
+        return ""
+    return (
+        f"; that call takes {w['ours_us']:.0f} us, {x(w['ratio'])} a bare ZeroMQ round trip "
+        f"of the same shape in the same run ({w['bare_us']:.0f} us; the goal is 2x)"
     )
 
 
@@ -279,6 +290,12 @@ def _peer_table(load: Callable[[str], Json]) -> str:
             c = meta[f"{live} {u}"]
             row += [f"{num(c['ours'])} ({num(c['ours_with_ack'])})/s", num(c["peer"])]
             row.append(f"{x(r[f'meta {live} {u}'])} ({x(ra[f'meta {live} {u}'])})")
+        rows.append(row)
+    if d.get("wire"):  # our get_meta at the fewest rows / the bare round trip (bench/bare.py)
+        row = ["bare ZeroMQ round trip; ours get_meta, 1k rows / it"]
+        for u in ("1u", "4u"):
+            w = d["wire"][u]
+            row += [f"{w['ours_us']:.0f} us", f"bare {w['bare_us']:.0f} us", x(w["ratio"])]
         rows.append(row)
     head = ["case", "ours 1 unit", "peer 1 unit", "ours / peer", "ours 4 units"]
     head += ["peer 4 units", "ours / peer"]

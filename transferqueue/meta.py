@@ -19,6 +19,7 @@ It goes on the wire as it is (its fields are its schema, see :mod:`transferqueue
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,6 +117,29 @@ class BatchMeta:
         )
 
     @classmethod
+    def unchecked(
+        cls,
+        indexes: np.ndarray,
+        units: np.ndarray,
+        groups: np.ndarray,
+        versions: np.ndarray,
+        lengths: np.ndarray,
+        partition: str,
+        **kw: Any,
+    ) -> BatchMeta:
+        """A BatchMeta built without :meth:`__post_init__`'s checks, from columns that have
+        the shapes and dtypes it would make them (int32 ``units`` and ``replica_units``,
+        int64 others) and a valid ``reason``: the controller's own row table, whose header
+        columns have those dtypes, on the path of every ``get_meta`` (the checks were a
+        tenth of its work there). Anything else goes through the constructor."""
+        meta = cls.__new__(cls)
+        meta.__dict__.update(_DEFAULTS)
+        meta.__dict__.update(kw)
+        meta.indexes, meta.units, meta.groups = indexes, units, groups
+        meta.versions, meta.lengths, meta.partition = versions, lengths, partition
+        return meta
+
+    @classmethod
     def empty(cls, partition: str, **kw: Any) -> BatchMeta:
         z = np.empty(0, dtype=np.int64)
         return cls(z, z.astype(np.int32), z, z, z, partition, **kw)
@@ -158,3 +182,11 @@ class BatchMeta:
         if parts is None:
             raise ValueError("split() needs parts= unless the batch came with a split")
         return [self.select(p) for p in balance_lengths(self.lengths, parts)]
+
+
+_DEFAULTS: dict[str, Any] = {
+    f.name: f.default for f in dataclasses.fields(BatchMeta) if f.default is not dataclasses.MISSING
+}
+"""The optional fields' defaults, which :meth:`BatchMeta.unchecked` sets (none has a factory)."""
+if len(_DEFAULTS) != len(dataclasses.fields(BatchMeta)) - len(_COLUMNS) - 1:
+    raise AssertionError("a BatchMeta field has a default factory: BatchMeta.unchecked needs it")

@@ -61,7 +61,9 @@ class SlotMap:
 
     def lookup(self, indexes: np.ndarray) -> np.ndarray:
         """Slots of ``indexes`` (int64 array); -1 where a row is absent."""
-        inside = (indexes >= self._base) & (indexes < self._base + self._ring.size)
+        # (one unsigned compare: an index below base wraps to a huge offset)
+        off = np.asarray(indexes - self._base, dtype=np.int64)
+        inside = off.view(np.uint64) < self._ring.size
         if inside.all():
             return self._ring[indexes & (self._ring.size - 1)].astype(np.int64)
         out = np.full(indexes.shape, -1, dtype=np.int64)

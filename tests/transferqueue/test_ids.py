@@ -1,4 +1,4 @@
-"""Lease and request ids drawn in blocks from the OS's CSPRNG (transferqueue.ids): in range,
+"""Lease and request ids drawn in blocks from the OS's CSPRNG (transferqueue.wire.ids): in range,
 distinct, one OS call per block, and never the parent's ids again in a forked child."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from transferqueue import ids
 from transferqueue.controller.leases import LeaseTable
+from transferqueue.wire import ids
 
 
 def test_ids_are_63_bit_nonzero_and_distinct() -> None:

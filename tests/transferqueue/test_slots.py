@@ -98,3 +98,12 @@ def test_slot_map_keys_are_the_indexes_present_after_rebases() -> None:
         sm.remove(gone)
         present -= set(gone.tolist())
         assert sm.keys().tolist() == sorted(present)
+
+
+def test_slot_map_lookup_outside_its_window_finds_nothing() -> None:
+    sm = SlotMap(capacity=16)
+    sm.insert(np.arange(1000, 1010, dtype=np.int64), np.arange(10, dtype=np.int64))
+    probe = np.array([-5, 0, 999, 1000, 1009, 1010, 1000 + 16, 2**62], dtype=np.int64)
+    assert sm.lookup(probe).tolist() == [-1, -1, -1, 0, 9, -1, -1, -1]
+    assert sm.lookup(np.array([1003, 1001], dtype=np.int32)).tolist() == [3, 1]
+    assert sm.lookup(np.empty(0, dtype=np.int64)).tolist() == []

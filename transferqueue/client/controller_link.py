@@ -22,10 +22,10 @@ from typing import Any, TypeVar
 import msgspec
 
 from transferqueue.errors import PeerGoneError, TQError, UnknownRowError
-from transferqueue.ids import random_id63
 from transferqueue.meta import BatchMeta
 from transferqueue.wire import messages as m
 from transferqueue.wire import protocol
+from transferqueue.wire.ids import random_id63
 from transferqueue.wire.rpc import RpcClient
 
 __all__ = [

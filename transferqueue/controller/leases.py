@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from transferqueue.errors import BadRequestError, LeaseExpiredError, UnknownLeaseError
-from transferqueue.ids import random_id63
 from transferqueue.limits import MAX_LEASE_S
+from transferqueue.wire.ids import random_id63
 
 __all__ = ["Lease", "LeaseTable", "TaskKey", "random_lease_id"]
 
@@ -61,7 +61,7 @@ class Lease:
 
 
 def random_lease_id() -> int:
-    """A fresh random 63-bit lease id (:func:`transferqueue.ids.random_id63`)."""
+    """A fresh random 63-bit lease id (:func:`transferqueue.wire.ids.random_id63`)."""
     return random_id63()
 
 
