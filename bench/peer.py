@@ -18,10 +18,10 @@ For 1 and 4 storage units, the systems are started side by side; each first runs
 get case once with its result checked bit for bit against what was put (untimed), then
 ``--rounds`` rounds alternate which system goes first, each system running ``--reps`` timed
 reps of each case per round. The meta case runs after, each system alone on the machine (its
-runner started for it, the others closed; ``--rounds`` rounds of it in a row): a call of a
-few hundred microseconds is bound by the CPU's caches, and the idle daemons of the other
-runners' Ray clusters took 40-50 us of each of ours when they ran beside it (257 -> 301 us,
-while the bare round trip stayed at 117 us):
+runner started for it once the CPUs are idle, the others closed; ``--rounds`` rounds of it in
+a row): a call of a few hundred microseconds is bound by the CPU's caches, and the idle
+daemons of the other runners' Ray clusters took 40-50 us of each of ours when they ran beside
+it (257 -> 301 us, while the bare round trip stayed at 117 us):
 
 - ``dense``: float32 [1024, 8192] x 9 fields (302 MB, the peer's own "Small" case);
 - ``ragged``: 256 sequences of 128-4096 int32 token ids plus a float32 logprob per token
@@ -259,10 +259,12 @@ def _run_meta_alone(
     """The meta rounds of system ``name``, its runner the only one alive; ours also times
     the bare round trip at the fewest rows, before its own calls in one round and after
     them in the next."""
+    waited = wait_quiet()  # (the last runner's Ray daemons take seconds to go)
     runner = start_runner(name, scale, units, "-meta")
     fewest = min(args.meta_live)
     try:
         out["init_s"].setdefault(f"{name} (meta)", runner.hello["init_s"])
+        out.setdefault("quiet_wait_s", {})[name] = waited
         for rnd in range(args.rounds):
             for live in args.meta_live:
                 if name == "ours" and live == fewest and rnd % 2 == 0:
@@ -276,6 +278,27 @@ def _run_meta_alone(
         print(f"  {units} unit(s): {name} get_meta rounds done, alone", flush=True)
     finally:
         runner.close()
+
+
+def _cpu_busy() -> tuple[int, int]:
+    """(busy, total) jiffies of all CPUs so far (/proc/stat)."""
+    with open("/proc/stat") as f:
+        vals = [int(v) for v in f.readline().split()[1:]]
+    idle = vals[3] + vals[4]  # idle + iowait
+    return sum(vals) - idle, sum(vals)
+
+
+def wait_quiet(idle: float = 0.9, most_s: float = 30.0) -> float:
+    """Wait until the CPUs were at least ``idle`` idle over half a second (what the last
+    runner left behind has exited), for at most ``most_s``; the seconds waited."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < most_s:
+        b0, t_0 = _cpu_busy()
+        time.sleep(0.5)
+        b1, t_1 = _cpu_busy()
+        if t_1 > t_0 and (b1 - b0) / (t_1 - t_0) <= 1 - idle:
+            break
+    return time.perf_counter() - t0
 
 
 def _bare(ours: Runner, args: argparse.Namespace, out: dict[str, Any]) -> None:
