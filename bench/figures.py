@@ -97,7 +97,7 @@ def _readme_peer(load: Callable[[str], Json]) -> str:
         f"with one unit ({x(r['dense 4u'])} / {x(r['ragged 4u'])} with four); a `get_meta` "
         f"of 64 rows from a partition of 1M rows {x(r['meta 1000000 1u'])}, from one of 1k "
         f"rows {x(r['meta 1000 1u'])} ({x(d['ratios_with_ack']['meta 1000 1u'])} with the "
-        "ack; the goal is 5x)" + _wire(d) + ".\n" + _facade(d)
+        "ack; the goal is 5x)" + _wire(d) + _facade(d) + ".\n"
     )
 
 
@@ -131,11 +131,9 @@ def _facade(d: Json) -> str:
     if not f:
         return ""
     return (
-        "- The same peer's own calls (`tq.init`, `put`/`get_meta`/`get_data` with TensorDicts) "
-        "on our store through the `transfer_queue` facade, same run: "
+        "; the peer's own calls on our store through the `transfer_queue` facade, same run: "
         f"{x(f['dense 1u'])} / {x(f['dense 4u'])} the peer on the dense batch (1 / 4 units), "
-        f"{x(f['ragged 1u'])} / {x(f['ragged 4u'])} on ragged sequences, "
-        f"{x(f['meta 1000 1u'])} / {x(f['meta 1000 4u'])} on a `get_meta` of 64 from 1k rows.\n"
+        f"{x(f['meta 1000 1u'])} / {x(f['meta 1000 4u'])} on that `get_meta`"
     )
 
 
