@@ -11,6 +11,7 @@ run.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import time
 from typing import Any
@@ -90,7 +91,8 @@ class BareRoundTrip:
         return (time.perf_counter() - t0) / n
 
     def close(self) -> None:
-        self.sock.send(msgspec.msgpack.encode(None))
+        with contextlib.suppress(zmq.ZMQError):  # (never blocks: a ROUTER gone is killed)
+            self.sock.send(msgspec.msgpack.encode(None), zmq.NOBLOCK)
         self.sock.close(0)
         self.ctx.term()
         self.proc.join(10)

@@ -130,8 +130,12 @@ class BatchMeta:
         """A BatchMeta built without :meth:`__post_init__`'s checks, from columns that have
         the shapes and dtypes it would make them (int32 ``units`` and ``replica_units``,
         int64 others) and a valid ``reason``: the controller's own row table, whose header
-        columns have those dtypes, on the path of every ``get_meta`` (the checks were a
-        tenth of its work there). Anything else goes through the constructor."""
+        columns have those dtypes, on the path of every ``get_meta`` (the checks took about
+        a tenth of a ``poll``'s in-process time). Anything else goes through the
+        constructor. ``kw`` names optional fields only, as the constructor's would."""
+        if not kw.keys() <= _DEFAULTS.keys():
+            unknown = sorted(kw.keys() - _DEFAULTS.keys())
+            raise TypeError(f"BatchMeta has no optional field(s) {unknown}")
         meta = cls.__new__(cls)
         meta.__dict__.update(_DEFAULTS)
         meta.__dict__.update(kw)

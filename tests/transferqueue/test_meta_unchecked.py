@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytest
 
 from transferqueue.controller.core import Controller
 from transferqueue.meta import BatchMeta
@@ -28,6 +29,8 @@ def test_unchecked_equals_the_constructor_for_the_row_tables_columns() -> None:
     kw = {"fields": ("x",), "task": "t", "lease_id": 7, "lease_s": 3.0, "reason": "full"}
     _same(BatchMeta.unchecked(*cols, "p", **kw), BatchMeta(*cols, "p", **kw))
     _same(BatchMeta.unchecked(*cols, "p"), BatchMeta(*cols, "p"))  # (the defaults)
+    with pytest.raises(TypeError, match="lease"):  # (a misspelt field, as the constructor)
+        BatchMeta.unchecked(*cols, "p", lease=7)
 
 
 def test_the_controllers_batches_are_valid_batch_metas() -> None:
